@@ -1,0 +1,418 @@
+"""The paged MLA decode contract and its fp64 oracle.
+
+A decode kernel sees the *absorbed* MLA problem (numerics.md §1.2, §2): per query row t and head h
+
+    s_j      = sm_scale · <q[t, h, :], K[j, :]>          K[j] = [c_kv_j (L) | k_pe_j (R)], one row of the cache
+    out[t,h] = Σ_j softmax(s)_j · K[j, :L]               V is the latent itself: the first L channels of K
+    lse[t,h] = ln Σ_j exp(s_j)                           natural log, sm_scale included
+
+Conventions fixed here and used by every backend:
+
+- ``sm_scale`` includes YaRN's mscale² (0.1352338 for DeepSeek-V3); nothing is rescaled behind the caller's back.
+- Paging: token ``j`` of request ``b`` lives in ``kv_cache[block_table[b, j // page_size], j % page_size]``.
+  Only the first ``ceil(seq_len / page_size)`` entries of a block-table row are read; the rest may hold garbage.
+- MTP: the ``q_lens[b]`` query rows of request ``b`` are contiguous in ``q``; row ``r`` (0-based) sees the first
+  ``max(0, seq_len - q_len + r + 1)`` tokens (the causal diagonal ``s_k - s_q``).
+- A row that sees no token (an empty sequence, e.g. CUDA-graph padding) gives ``out = 0`` and ``lse = -inf``.
+  (FlashMLA returns ``+inf``; its adapter converts.)
+- fp8 inputs carry per-tensor dequantization scales: ``real = fp8_value · scale``.
+- Unused cache slots hold NaN in every batch this package builds. The oracle gathers only valid slots, so a
+  NaN in its output means a NaN in a valid input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import KW_ONLY, dataclass
+
+import torch
+
+FP8_DTYPES = tuple(
+    getattr(torch, name)
+    for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
+    if hasattr(torch, name)
+)
+Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64, *FP8_DTYPES)
+INVALID_PAGE = 2_147_480_000  # what unused block-table entries hold in built batches (as FlashMLA's tests do)
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in FP8_DTYPES
+
+
+def _field_error(field: str, expectation: str, got: object) -> ValueError:
+    return ValueError(f"DecodeBatch.{field}: expected {expectation}, got {got}")
+
+
+@dataclass
+class DecodeBatch:
+    """One paged MLA decode step, in the layout of vLLM's MLA backends.
+
+    Attributes:
+        q: [T, H, L+R] absorbed queries ``[q_nope · W_UK | q_pe]``; bf16, fp16, fp32, fp64 or fp8.
+        kv_cache: [P, page_size, L+R] latent cache rows ``[c_kv | k_pe]``; same dtype family as ``q`` or fp8.
+        block_table: [B, max_pages] int32 physical page ids.
+        seq_lens: [B] int32 KV tokens per request (0 allowed).
+        q_lens: [B] int32 query rows per request (default all 1); they must add up to T.
+        sm_scale: softmax scale applied to ``<q, k>`` (YaRN mscale² included).
+        kv_lora_rank: L, the latent width; V is ``kv_cache[..., :L]``.
+        q_scale, kv_scale: per-tensor dequantization scales, required for fp8 inputs and only then.
+    """
+
+    q: torch.Tensor
+    kv_cache: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    _: KW_ONLY
+    sm_scale: float
+    kv_lora_rank: int
+    q_lens: torch.Tensor | None = None
+    q_scale: float | None = None
+    kv_scale: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.q_lens is None and isinstance(self.seq_lens, torch.Tensor):
+            self.q_lens = torch.ones_like(self.seq_lens)
+
+    # ---- shape helpers -------------------------------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def num_heads(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def rope_dim(self) -> int:
+        return self.head_dim - self.kv_lora_rank
+
+    @property
+    def page_size(self) -> int:
+        return self.kv_cache.shape[1]
+
+    @property
+    def num_pages(self) -> int:
+        return self.kv_cache.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @property
+    def is_fp8(self) -> bool:
+        return is_fp8(self.q.dtype) or is_fp8(self.kv_cache.dtype)
+
+    @property
+    def qo_indptr(self) -> torch.Tensor:
+        """[B+1] int32 offsets of each request's query rows in ``q``."""
+        return torch.nn.functional.pad(torch.cumsum(self.q_lens, 0), (1, 0)).to(torch.int32)
+
+    @property
+    def pages_per_request(self) -> torch.Tensor:
+        """[B] int32 pages each request uses: ceil(seq_len / page_size)."""
+        return ((self.seq_lens + self.page_size - 1) // self.page_size).to(torch.int32)
+
+    def to(self, device: torch.device | str) -> DecodeBatch:
+        moved = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for name, value in moved.items():
+            if isinstance(value, torch.Tensor):
+                moved[name] = value.to(device)
+        return DecodeBatch(**moved)
+
+    def replace(self, **changes) -> DecodeBatch:
+        return dataclasses.replace(self, **changes)
+
+    # ---- validation ----------------------------------------------------------------------------------------
+    def validate(self) -> DecodeBatch:
+        """Check every field; raise ``ValueError`` naming the first field that is wrong. Returns self."""
+        q, kv = self.q, self.kv_cache
+        if not isinstance(q, torch.Tensor) or q.dim() != 3:
+            raise _field_error("q", "a 3-D tensor [T, H, L+R]", _describe(q))
+        if q.dtype not in Q_DTYPES:
+            raise _field_error("q", f"dtype in {[str(d) for d in Q_DTYPES]}", q.dtype)
+        if not isinstance(kv, torch.Tensor) or kv.dim() != 3:
+            raise _field_error("kv_cache", "a 3-D tensor [P, page_size, L+R]", _describe(kv))
+        if kv.dtype not in Q_DTYPES:
+            raise _field_error("kv_cache", f"dtype in {[str(d) for d in Q_DTYPES]}", kv.dtype)
+        if kv.shape[2] != q.shape[2]:
+            raise _field_error("kv_cache", f"last dim equal to q's ({q.shape[2]})", tuple(kv.shape))
+        if kv.shape[1] < 1:
+            raise _field_error("kv_cache", "page_size >= 1", tuple(kv.shape))
+        if not isinstance(self.kv_lora_rank, int) or not 0 < self.kv_lora_rank <= q.shape[2]:
+            raise _field_error("kv_lora_rank", f"an int in [1, {q.shape[2]}]", self.kv_lora_rank)
+        for name in ("block_table", "seq_lens", "q_lens"):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.int32:
+                raise _field_error(name, "an int32 tensor", _describe(t))
+            if t.device != q.device:
+                raise _field_error(name, f"a tensor on {q.device} (as q)", t.device)
+        if kv.device != q.device:
+            raise _field_error("kv_cache", f"a tensor on {q.device} (as q)", kv.device)
+        B = self.seq_lens.shape[0]
+        if self.seq_lens.dim() != 1:
+            raise _field_error("seq_lens", "a 1-D tensor [B]", tuple(self.seq_lens.shape))
+        if self.q_lens.shape != (B,):
+            raise _field_error("q_lens", f"shape ({B},) like seq_lens", tuple(self.q_lens.shape))
+        if self.block_table.dim() != 2 or self.block_table.shape[0] != B:
+            raise _field_error("block_table", f"a 2-D tensor [{B}, max_pages]", tuple(self.block_table.shape))
+        if B and int(self.seq_lens.min()) < 0:
+            raise _field_error("seq_lens", "values >= 0", self.seq_lens.tolist())
+        if B and int(self.q_lens.min()) < 1:
+            raise _field_error("q_lens", "values >= 1", self.q_lens.tolist())
+        if int(self.q_lens.sum()) != q.shape[0]:
+            raise _field_error("q_lens", f"a sum equal to q.shape[0] = {q.shape[0]}", int(self.q_lens.sum()))
+        capacity = self.block_table.shape[1] * self.page_size
+        if B and int(self.seq_lens.max()) > capacity:
+            raise _field_error(
+                "seq_lens", f"values <= block_table capacity {capacity} (max_pages x page_size)", self.seq_lens.tolist()
+            )
+        used = torch.arange(self.block_table.shape[1], device=q.device)[None, :] < self.pages_per_request[:, None]
+        pages = self.block_table[used]  # only the pages that valid tokens live on
+        if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= kv.shape[0]):
+            raise _field_error("block_table", f"used entries in [0, {kv.shape[0]}) (kv_cache pages)", pages.tolist())
+        if not (isinstance(self.sm_scale, (int, float)) and math.isfinite(self.sm_scale) and self.sm_scale > 0):
+            raise _field_error("sm_scale", "a finite float > 0", self.sm_scale)
+        for name, tensor in (("q_scale", q), ("kv_scale", kv)):
+            scale = getattr(self, name)
+            if is_fp8(tensor.dtype):
+                if scale is None:
+                    raise _field_error(name, f"a float scale because the input is {tensor.dtype}", None)
+                if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+                    raise _field_error(name, "a finite float > 0", scale)
+            elif scale is not None:
+                raise _field_error(name, f"None because the input is {tensor.dtype}, not fp8", scale)
+        return self
+
+    # ---- what the oracle sees ------------------------------------------------------------------------------
+    def dequantized(self, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q [T, H, L+R], kv_cache [P, page_size, L+R]) in ``dtype``, fp8 inputs multiplied by their scales."""
+        kv = self.kv_cache.to(dtype) * (self.kv_scale if is_fp8(self.kv_cache.dtype) else 1.0)  # [P, ps, L+R]
+        return self.dequantized_q(dtype), kv
+
+    def dequantized_q(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """[T, H, L+R] queries in ``dtype``, fp8 multiplied by ``q_scale``."""
+        return self.q.to(dtype) * (self.q_scale if is_fp8(self.q.dtype) else 1.0)
+
+    def token_slots(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pages [s_b], slots [s_b]) int64 addresses of request b's tokens in kv_cache, valid tokens only."""
+        j = torch.arange(int(self.seq_lens[b]), device=self.device)  # [s_b] token positions
+        pages = self.block_table[b].long()[j // self.page_size]  # [s_b]
+        return pages, j % self.page_size
+
+    def request_kv(self, b: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """[s_b, L+R] the valid cache rows of request b, dequantized to ``dtype``. Never touches unused slots."""
+        pages, slots = self.token_slots(b)
+        rows = self.kv_cache[pages, slots]  # [s_b, L+R] gather before any arithmetic
+        return rows.to(dtype) * (self.kv_scale if is_fp8(self.kv_cache.dtype) else 1.0)
+
+    def visible_tokens(self) -> torch.Tensor:
+        """[T] int64: how many KV tokens each query row sees, max(0, s - n + r + 1)."""
+        request = self.row_request()  # [T]
+        start = self.qo_indptr.long()[request]  # [T] first row of the row's request
+        r = torch.arange(self.num_tokens, device=self.device) - start  # [T] row index inside its request
+        s, n = self.seq_lens.long()[request], self.q_lens.long()[request]  # [T], [T]
+        return (s - n + r + 1).clamp(min=0)
+
+    def row_request(self) -> torch.Tensor:
+        """[T] int64: the request each query row belongs to."""
+        return torch.repeat_interleave(torch.arange(self.batch_size, device=self.device), self.q_lens.long())
+
+    # ---- layout converters ---------------------------------------------------------------------------------
+    def _kv_indices(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kv_indptr [B+1], kv_indices [Σ pages]) int32, CSR form of the used block-table entries."""
+        npages = self.pages_per_request  # [B]
+        kv_indptr = torch.nn.functional.pad(torch.cumsum(npages, 0), (1, 0)).to(torch.int32)  # [B+1]
+        used = torch.arange(self.block_table.shape[1], device=self.device)[None, :] < npages[:, None]  # [B, max]
+        return kv_indptr, self.block_table[used].to(torch.int32)  # row-major: request by request, in order
+
+    def to_aiter(self) -> dict:
+        """aiter ``mla_decode_fwd`` layout (aiter-contract.md §2): page ids in CSR form, kv_buffer [P, ps, 1, D]."""
+        kv_indptr, kv_indices = self._kv_indices()
+        npages = self.pages_per_request
+        last = torch.where(npages > 0, self.seq_lens - (npages - 1) * self.page_size, 0).to(torch.int32)  # [B]
+        return {
+            "q": self.q,  # [T, H, D]
+            "kv_buffer": self.kv_cache.unsqueeze(2),  # [P, ps, 1, D], nhead_kv = 1
+            "qo_indptr": self.qo_indptr,  # [B+1]
+            "kv_indptr": kv_indptr,  # [B+1] in pages
+            "kv_indices": kv_indices,  # [Σ pages]
+            "kv_last_page_lens": last,  # [B] valid tokens in the last page (0 for an empty sequence)
+            "max_seqlen_q": int(self.q_lens.max()) if self.batch_size else 0,
+            "page_size": self.page_size,
+            "sm_scale": self.sm_scale,
+            "q_scale": self.q_scale,
+            "kv_scale": self.kv_scale,
+        }
+
+    def to_flashmla(self) -> dict:
+        """FlashMLA layout (peers.md §4): q [B, s_q, H, D] (uniform q_len), k_cache [P, ps, 1, D], natural LSE."""
+        if self.batch_size and int(self.q_lens.min()) != int(self.q_lens.max()):
+            raise _field_error("q_lens", "uniform query lengths for FlashMLA's [B, s_q, H, D] layout", self.q_lens)
+        s_q = int(self.q_lens[0]) if self.batch_size else 1
+        return {
+            "q": self.q.view(self.batch_size, s_q, self.num_heads, self.head_dim),  # [B, s_q, H, D]
+            "k_cache": self.kv_cache.unsqueeze(2),  # [P, ps, 1, D]
+            "block_table": self.block_table,  # [B, max_pages]
+            "cache_seqlens": self.seq_lens,  # [B]
+            "head_dim_v": self.kv_lora_rank,
+            "softmax_scale": self.sm_scale,
+            "causal": s_q > 1,
+        }
+
+    def to_flashinfer(self) -> dict:
+        """FlashInfer ``BatchMLAPagedAttentionWrapper`` layout (peers.md §5): split nope/rope, CSR pages."""
+        kv_indptr, kv_indices = self._kv_indices()
+        L = self.kv_lora_rank
+        return {
+            "qo_indptr": self.qo_indptr,  # [B+1]
+            "kv_indptr": kv_indptr,  # [B+1] in pages
+            "kv_indices": kv_indices,  # [Σ pages]
+            "kv_len_arr": self.seq_lens,  # [B]
+            "q_nope": self.q[..., :L],  # [T, H, L]
+            "q_pe": self.q[..., L:],  # [T, H, R]
+            "ckv_cache": self.kv_cache[..., :L],  # [P, ps, L]
+            "kpe_cache": self.kv_cache[..., L:],  # [P, ps, R]
+            "page_size": self.page_size,
+            "sm_scale": self.sm_scale,
+        }
+
+    def to_vllm(self) -> dict:
+        """vLLM MLA backend layout: kv_cache [num_blocks, block_size, D], block_table, seq_lens, query_start_loc."""
+        return {
+            "q": self.q,  # [T, H, D]
+            "kv_cache": self.kv_cache,  # [num_blocks, block_size, D]
+            "block_table": self.block_table,  # [B, max_blocks]
+            "seq_lens": self.seq_lens,  # [B]
+            "query_start_loc": self.qo_indptr,  # [B+1]
+            "max_query_len": int(self.q_lens.max()) if self.batch_size else 0,
+            "scale": self.sm_scale,
+            "q_scale": self.q_scale,
+            "k_scale": self.kv_scale,
+        }
+
+
+def _describe(x: object) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"Tensor(shape={tuple(x.shape)}, dtype={x.dtype})"
+    return repr(x)
+
+
+def make_decode_batch(
+    q: torch.Tensor,
+    kv_per_request: list[torch.Tensor],
+    *,
+    sm_scale: float,
+    kv_lora_rank: int,
+    page_size: int,
+    generator: torch.Generator,
+    q_lens: list[int] | torch.Tensor | None = None,
+    extra_pages: int = 1,
+    q_scale: float | None = None,
+    kv_scale: float | None = None,
+) -> DecodeBatch:
+    """Page dense per-request KV rows into a cache with a random page order and NaN in every unused slot.
+
+    Args:
+        q: [T, H, L+R] queries (rows of request b contiguous).
+        kv_per_request: B tensors [s_b, L+R] (s_b may be 0), all of one dtype (fp8 allowed).
+        page_size: tokens per page.
+        generator: local RNG for the page permutation.
+        extra_pages: whole pages of NaN that no request uses (poison for out-of-range reads).
+    Returns:
+        A validated ``DecodeBatch``; unused block-table entries hold ``INVALID_PAGE``.
+    """
+    if page_size < 1:
+        raise ValueError(f"make_decode_batch.page_size: expected >= 1, got {page_size}")
+    device, D = q.device, q.shape[-1]
+    kv_dtype = kv_per_request[0].dtype if kv_per_request else q.dtype
+    B = len(kv_per_request)
+    seq_lens = [int(kv.shape[0]) for kv in kv_per_request]
+    npages = [-(-s // page_size) for s in seq_lens]  # ceil
+    total = sum(npages) + extra_pages
+    perm = torch.randperm(total, generator=generator).to(device)  # physical page of each logical page
+    nan = torch.full((total, page_size, D), float("nan"), dtype=torch.float32, device=device)
+    kv_cache = nan.to(kv_dtype)  # [P, ps, D] NaN everywhere (fp8 NaN bit pattern for fp8 dtypes)
+    block_table = torch.full((B, max(npages, default=0) or 1), INVALID_PAGE, dtype=torch.int32, device=device)
+    logical = 0
+    for b, kv in enumerate(kv_per_request):
+        if kv.shape[-1] != D or kv.dtype != kv_dtype:
+            raise ValueError(f"make_decode_batch.kv_per_request[{b}]: expected [s, {D}] {kv_dtype}, got {_describe(kv)}")
+        for p in range(npages[b]):
+            page = int(perm[logical])
+            rows = kv[p * page_size : (p + 1) * page_size]  # [<=ps, D]
+            kv_cache[page, : rows.shape[0]] = rows
+            block_table[b, p] = page
+            logical += 1
+    q_lens_t = torch.as_tensor(q_lens if q_lens is not None else [1] * B, dtype=torch.int32, device=device)
+    return DecodeBatch(
+        q,
+        kv_cache,
+        block_table,
+        torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        sm_scale=sm_scale,
+        kv_lora_rank=kv_lora_rank,
+        q_lens=q_lens_t,
+        q_scale=q_scale,
+        kv_scale=kv_scale,
+    ).validate()
+
+
+def mla_decode_ref(batch: DecodeBatch, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The oracle: absorbed MLA decode over the paged cache, computed in ``dtype`` (fp64 by default).
+
+    Returns:
+        out: [T, H, L] in ``dtype``; lse: [T, H] natural log in ``dtype``. Rows that see no token: out 0, lse -inf.
+    """
+    batch.validate()
+    L = batch.kv_lora_rank
+    q = batch.dequantized_q(dtype)  # [T, H, D]
+    out = torch.zeros(batch.num_tokens, batch.num_heads, L, dtype=dtype, device=batch.device)  # [T, H, L]
+    lse = torch.full((batch.num_tokens, batch.num_heads), -math.inf, dtype=dtype, device=batch.device)  # [T, H]
+    visible = batch.visible_tokens()  # [T]
+    qo = batch.qo_indptr.tolist()
+    for b in range(batch.batch_size):
+        rows = slice(qo[b], qo[b + 1])
+        K = batch.request_kv(b, dtype)  # [s, D] valid tokens only
+        V = K[:, :L]  # [s, L] the latent is the value
+        s = batch.sm_scale * torch.einsum("nhd,sd->nhs", q[rows], K)  # [n, H, s]
+        j = torch.arange(K.shape[0], device=batch.device)  # [s]
+        mask = j[None, :] < visible[rows, None]  # [n, s] causal diagonal s_k - s_q
+        s = s.masked_fill(~mask[:, None, :], -math.inf)  # [n, H, s]
+        seen = mask.any(dim=1)  # [n] rows that see at least one token
+        m = torch.where(seen[:, None], s.amax(dim=-1) if K.shape[0] else 0.0, 0.0)  # [n, H] row max (0 if empty)
+        p = torch.exp(s - m[..., None])  # [n, H, s] unnormalised, exp(-inf) = 0
+        l = p.sum(dim=-1)  # [n, H]
+        out[rows] = torch.einsum("nhs,sc->nhc", p, V) / torch.where(seen[:, None], l, 1.0)[..., None]  # [n, H, L]
+        lse[rows] = torch.where(seen[:, None], m + torch.log(l), -math.inf)  # [n, H]
+    return out, lse
+
+
+def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact log-sum-exp merge of split-KV partials (numerics.md §3).
+
+    Args:
+        outs: [S, ..., L] per-split outputs, each normalised by its own softmax sum.
+        lses: [S, ...] per-split natural-log LSEs; an empty split has lse = -inf (its out is ignored).
+    Returns:
+        (out [..., L], lse [...]): M = max_S L_S, L = M + ln Σ_S exp(L_S − M), O = Σ_S exp(L_S − L) O_S;
+        all splits empty gives out 0, lse -inf.
+    """
+    M = lses.amax(dim=0)  # [...]
+    empty = torch.isneginf(M)  # [...] no split saw a token
+    M_safe = torch.where(empty, 0.0, M)  # [...]
+    w = torch.exp(lses - M_safe)  # [S, ...] exp(-inf) = 0 for empty splits
+    total = w.sum(dim=0)  # [...]
+    lse = torch.where(empty, -math.inf, M_safe + torch.log(total))  # [...]
+    weights = torch.where(empty, 0.0, w / torch.where(empty, 1.0, total))  # [S, ...]
+    safe_outs = torch.where(weights[..., None] > 0, outs, 0.0)  # [S, ..., L] an empty split's out is never read
+    return (weights[..., None] * safe_outs).sum(dim=0), lse
