@@ -1,0 +1,208 @@
+"""mla_decode_ref against an independently written dense softmax, merge_partials, and DecodeBatch validation."""
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mla_ref.decode import INVALID_PAGE, DecodeBatch, make_decode_batch, merge_partials, mla_decode_ref
+
+FP64_BAR = 1e-12  # the issue's fp64 bar: ~10^4 fp64 ulps (2**-52) at unit scale, far above summation error here
+
+
+@dataclass(frozen=True)
+class DenseCase:
+    seq_lens: tuple[int, ...]
+    q_lens: tuple[int, ...]
+    heads: int
+    page_size: int
+    L: int
+    R: int
+    seed: int
+
+
+def dense_inputs(case: DenseCase, dtype=torch.float64):
+    g = torch.Generator().manual_seed(case.seed)
+    D = case.L + case.R
+    q = torch.randn(sum(case.q_lens), case.heads, D, generator=g, dtype=dtype)  # [T, H, D]
+    kvs = [torch.randn(s, D, generator=g, dtype=dtype) for s in case.seq_lens]  # B x [s_b, D]
+    return q, kvs, g
+
+
+def dense_softmax_reference(q, kvs, q_lens, sm_scale, L):
+    """Row by row with torch.softmax/logsumexp on the dense per-request rows: written independently of the oracle."""
+    out = torch.zeros(q.shape[0], q.shape[1], L, dtype=q.dtype)  # [T, H, L]
+    lse = torch.full(q.shape[:2], -math.inf, dtype=q.dtype)  # [T, H]
+    row = 0
+    for kv, n in zip(kvs, q_lens):
+        s_len = kv.shape[0]
+        for r in range(n):
+            visible = max(0, s_len - n + r + 1)
+            if visible:
+                logits = sm_scale * q[row] @ kv[:visible].T  # [H, visible]
+                lse[row] = torch.logsumexp(logits, dim=-1)
+                out[row] = torch.softmax(logits, dim=-1) @ kv[:visible, :L]  # [H, L]
+            row += 1
+    return out, lse
+
+
+@st.composite
+def dense_cases(draw):
+    B = draw(st.integers(1, 4))
+    seq_lens = tuple(draw(st.lists(st.sampled_from([0, 1, 2, 3, 15, 16, 17, 63, 64, 65, 130]), min_size=B, max_size=B)))
+    q_lens = tuple(draw(st.lists(st.integers(1, 4), min_size=B, max_size=B)))
+    return DenseCase(
+        seq_lens, q_lens, draw(st.sampled_from([1, 3, 16])), draw(st.sampled_from([1, 3, 16, 64])),
+        L=32, R=16, seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+def build(case: DenseCase):
+    q, kvs, g = dense_inputs(case)
+    batch = make_decode_batch(q, kvs, q_lens=list(case.q_lens), sm_scale=0.3, kv_lora_rank=case.L,
+                              page_size=case.page_size, generator=g)
+    return batch, q, kvs
+
+
+@given(dense_cases())
+def test_ref_matches_dense_softmax(case):
+    batch, q, kvs = build(case)
+    assert torch.isnan(batch.kv_cache).any(), "unused slots must be NaN-poisoned"
+    out, lse = mla_decode_ref(batch)
+    out_d, lse_d = dense_softmax_reference(q, kvs, case.q_lens, 0.3, case.L)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_d))
+    finite = torch.isfinite(lse_d)
+    assert torch.isfinite(out).all(), "NaN padding leaked into the output"
+    assert (out - out_d).abs().max() <= FP64_BAR
+    assert not finite.any() or (lse[finite] - lse_d[finite]).abs().max() <= FP64_BAR
+
+
+def test_real_dims_and_empty_rows():
+    case = DenseCase(seq_lens=(0, 1, 200, 3), q_lens=(1, 2, 4, 4), heads=16, page_size=64, L=512, R=64, seed=7)
+    batch, q, kvs = build(case)
+    out, lse = mla_decode_ref(batch)
+    out_d, lse_d = dense_softmax_reference(q, kvs, case.q_lens, 0.3, case.L)
+    assert (out - out_d).abs().max() <= FP64_BAR
+    # empty sequence, and the first row of the length-1 request with q_len 2 (sees 1 - 2 + 0 + 1 = 0 tokens)
+    for row in (0, 1):
+        assert torch.isneginf(lse[row]).all() and (out[row] == 0).all()
+    # q_len 4 over 3 tokens: rows see 0, 1, 2, 3 tokens
+    assert torch.isneginf(lse[-4]).all() and torch.isfinite(lse[-3:]).all()
+
+
+@given(dense_cases(), st.integers(1, 8))
+def test_merge_partials_of_random_partition_equals_whole(case, num_splits):
+    batch, q, kvs = build(case)
+    out, lse = mla_decode_ref(batch)
+    g = torch.Generator().manual_seed(case.seed + 1)
+    row = 0
+    for kv, n in zip(kvs, case.q_lens):
+        cuts = sorted(torch.randint(0, kv.shape[0] + 1, (num_splits - 1,), generator=g).tolist())
+        bounds = [0, *cuts, kv.shape[0]]
+        parts_o, parts_l = [], []
+        for a, b in zip(bounds[:-1], bounds[1:]):  # each split as its own request over tokens [a, b)
+            for r in range(n):
+                visible = max(0, kv.shape[0] - n + r + 1)
+                lo, hi = a, min(b, visible)
+                o_r = torch.zeros(q.shape[1], case.L, dtype=q.dtype)
+                l_r = torch.full((q.shape[1],), -math.inf, dtype=q.dtype)
+                if hi > lo:
+                    logits = 0.3 * q[row + r] @ kv[lo:hi].T  # [H, hi-lo]
+                    l_r = torch.logsumexp(logits, -1)
+                    o_r = torch.softmax(logits, -1) @ kv[lo:hi, : case.L]
+                parts_o.append(o_r)
+                parts_l.append(l_r)
+        o_s = torch.stack(parts_o).view(len(bounds) - 1, n, q.shape[1], case.L)  # [S, n, H, L]
+        l_s = torch.stack(parts_l).view(len(bounds) - 1, n, q.shape[1])  # [S, n, H]
+        o_m, l_m = merge_partials(o_s, l_s)
+        assert torch.equal(torch.isneginf(l_m), torch.isneginf(lse[row : row + n]))
+        assert (o_m - out[row : row + n]).abs().max() <= FP64_BAR
+        fin = torch.isfinite(l_m)
+        assert not fin.any() or (l_m[fin] - lse[row : row + n][fin]).abs().max() <= FP64_BAR
+        row += n
+
+
+def test_merge_of_all_empty_is_zero_and_neg_inf():
+    o, l = merge_partials(torch.full((3, 2, 4), float("nan")), torch.full((3, 2), -math.inf))
+    assert (o == 0).all() and torch.isneginf(l).all()
+
+
+def test_fp8_inputs_are_dequantized_with_their_scales():
+    case = DenseCase(seq_lens=(5, 9), q_lens=(1, 2), heads=2, page_size=4, L=32, R=16, seed=3)
+    q, kvs, g = dense_inputs(case)
+    q8, kv8 = q.to(torch.float8_e4m3fn), [kv.to(torch.float8_e4m3fn) for kv in kvs]
+    batch = make_decode_batch(q8, kv8, q_lens=list(case.q_lens), sm_scale=0.3, kv_lora_rank=32, page_size=4,
+                              generator=g, q_scale=0.5, kv_scale=0.25)
+    out, lse = mla_decode_ref(batch)
+    out_d, lse_d = dense_softmax_reference(q8.double() * 0.5, [kv.double() * 0.25 for kv in kv8], case.q_lens, 0.3, 32)
+    assert (out - out_d).abs().max() <= FP64_BAR and (lse - lse_d).abs().max() <= FP64_BAR
+
+
+def test_converters_describe_the_same_pages():
+    case = DenseCase(seq_lens=(0, 5, 17), q_lens=(1, 1, 1), heads=2, page_size=4, L=32, R=16, seed=5)
+    batch, _, _ = build(case)
+    a = batch.to_aiter()
+    assert a["kv_indptr"].tolist() == [0, 0, 2, 7]
+    assert a["kv_last_page_lens"].tolist() == [0, 1, 1]
+    assert a["kv_indices"].tolist() == batch.block_table[1, :2].tolist() + batch.block_table[2, :5].tolist()
+    fi = batch.to_flashinfer()
+    assert torch.equal(torch.cat([fi["q_nope"], fi["q_pe"]], -1), batch.q)
+    fm = batch.to_flashmla()
+    assert fm["q"].shape == (3, 1, 2, 48) and fm["k_cache"].shape[2] == 1
+
+
+# ---- validation: each error names its field -------------------------------------------------------------------
+def good_batch():
+    batch, _, _ = build(DenseCase(seq_lens=(3, 5), q_lens=(1, 2), heads=2, page_size=4, L=32, R=16, seed=1))
+    return batch
+
+
+@pytest.mark.parametrize(
+    "field, change",
+    [
+        ("q", lambda b: {"q": b.q[0]}),  # wrong rank
+        ("q", lambda b: {"q": b.q.to(torch.int32)}),  # wrong dtype
+        ("kv_cache", lambda b: {"kv_cache": b.kv_cache[..., :-1]}),  # q/kv width mismatch
+        ("kv_cache", lambda b: {"kv_cache": b.kv_cache[0]}),  # wrong rank
+        ("kv_lora_rank", lambda b: {"kv_lora_rank": 0}),
+        ("kv_lora_rank", lambda b: {"kv_lora_rank": 49}),
+        ("block_table", lambda b: {"block_table": b.block_table.long()}),  # non-int32 indices
+        ("seq_lens", lambda b: {"seq_lens": b.seq_lens.long()}),
+        ("q_lens", lambda b: {"q_lens": b.q_lens.long()}),
+        ("block_table", lambda b: {"block_table": torch.full_like(b.block_table, b.kv_cache.shape[0])}),  # outside
+        ("block_table", lambda b: {"block_table": b.block_table[:1]}),  # wrong row count
+        ("seq_lens", lambda b: {"seq_lens": torch.tensor([3, 9], dtype=torch.int32)}),  # beyond capacity 2 x 4
+        ("seq_lens", lambda b: {"seq_lens": torch.tensor([-1, 5], dtype=torch.int32)}),
+        ("q_lens", lambda b: {"q_lens": torch.tensor([1, 1], dtype=torch.int32)}),  # do not add up to T = 3
+        ("q_lens", lambda b: {"q_lens": torch.tensor([0, 3], dtype=torch.int32)}),
+        ("q_lens", lambda b: {"q_lens": torch.tensor([3], dtype=torch.int32)}),  # wrong shape
+        ("sm_scale", lambda b: {"sm_scale": float("nan")}),  # non-finite
+        ("sm_scale", lambda b: {"sm_scale": float("inf")}),
+        ("sm_scale", lambda b: {"sm_scale": -1.0}),
+        ("q_scale", lambda b: {"q": b.q.to(torch.float8_e4m3fn)}),  # fp8 input without its scale
+        ("kv_scale", lambda b: {"kv_cache": b.kv_cache.to(torch.float8_e4m3fn)}),
+        ("kv_scale", lambda b: {"kv_cache": b.kv_cache.to(torch.float8_e4m3fn), "kv_scale": float("nan")}),
+        ("q_scale", lambda b: {"q_scale": 2.0}),  # a scale on a non-fp8 input is ambiguous
+    ],
+)
+def test_validation_names_the_field(field, change):
+    bad = good_batch().replace(**change(good_batch()))
+    with pytest.raises(ValueError, match=rf"DecodeBatch\.{field}:"):
+        bad.validate()
+    with pytest.raises(ValueError, match=rf"DecodeBatch\.{field}:"):
+        mla_decode_ref(bad)
+
+
+def test_unused_block_table_entries_may_hold_garbage():
+    batch = good_batch()
+    assert (batch.block_table == INVALID_PAGE).any()  # request 0 uses 1 of 2 pages
+    batch.validate()
+
+
+def test_good_batch_validates_and_defaults_q_lens():
+    batch = good_batch()
+    b2 = DecodeBatch(batch.q[:2], batch.kv_cache, batch.block_table, batch.seq_lens, sm_scale=1.0, kv_lora_rank=32)
+    assert b2.q_lens.tolist() == [1, 1] and b2.validate() is b2
