@@ -346,7 +346,8 @@ def make_decode_batch(
     logical = 0
     for b, kv in enumerate(kv_per_request):
         if kv.shape[-1] != D or kv.dtype != kv_dtype:
-            raise ValueError(f"make_decode_batch.kv_per_request[{b}]: expected [s, {D}] {kv_dtype}, got {_describe(kv)}")
+            expected = f"[s, {D}] {kv_dtype}"
+            raise ValueError(f"make_decode_batch.kv_per_request[{b}]: expected {expected}, got {_describe(kv)}")
         for p in range(npages[b]):
             page = int(perm[logical])
             rows = kv[p * page_size : (p + 1) * page_size]  # [<=ps, D]
