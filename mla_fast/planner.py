@@ -1,0 +1,360 @@
+"""Persistent work planner for split-KV MLA decode.
+
+A persistent decode kernel launches one program per worker (an SM or CU); each program walks its own list of
+work items. A work item is one contiguous KV range of one *tile*, a tile being one (request, head group): all q rows
+of the request (MTP rows share every KV block), the heads ``[g * head_group, (g + 1) * head_group)``, and the KV
+tokens ``[kv_start, kv_end)`` of the request. A tile cut into several items is *split*: each piece writes a
+per-split normalised output and its LSE to an fp32 workspace, and a reduce step merges the pieces in KV order.
+
+Cost model (units: KV blocks of ``block_n`` tokens)
+---------------------------------------------------
+- A tile holds ``blocks = ceil(seq_len / block_n)`` blocks (0 for an empty sequence).
+- A work item costs its blocks plus ``fixed_overhead`` (OVH) blocks: loading q, writing the output or a partial,
+  and its share of the reduce. The cost does not depend on q_len (<= 4 rows ride along with every KV block).
+- Lay the tiles end to end on a line, request-major then head group, each taking ``blocks + OVH`` units with its
+  overhead first. The line has ``C = sum_t (blocks_t + OVH)`` units; cut it every ``Q = ceil(C / num_workers)``
+  units (cut ``w`` at ``w * Q``). A cut inside a tile's blocks splits the tile there, on a block boundary, so
+  every split point is a multiple of ``block_n`` tokens. A cut on a tile's start or inside its overhead moves back
+  to the tile's start, so no piece is ever empty unless its sequence is. Worker ``w`` runs, in order, the items
+  between cuts ``w`` and ``w + 1``.
+- This is the greedy contiguous fill of FlashMLA and aiter (payload ``ceil(C / W) + OVH``, fill workers in order,
+  split the request that does not fit), written with prefix sums and ``searchsorted`` instead of a sequential loop.
+
+Balance guarantee. A worker's cost is the length of its line interval, plus OVH if it starts inside a tile (that
+continuation piece pays an overhead the line did not count). If its first cut was moved back, it moved by at most
+OVH units and the worker starts on a tile boundary. Either way::
+
+    max_w cost_w <= Q + OVH = ceil(C / W) + OVH < mean_w cost_w + 1 + OVH      (mean_w cost_w >= C / W)
+
+i.e. the busiest worker exceeds the mean by less than one block plus one fixed overhead.
+
+Split cap ``max_splits = m`` (pieces per tile). The cuts inside a tile of ``b`` blocks sit strictly between its
+block ends, so there are at most ``ceil((b - 1) / Q)`` of them. For ``m >= 2`` the planner raises the stride to
+``Q = max(ceil(C / W), ceil((b_max - 1) / (m - 1)))``, which keeps every tile within ``m`` pieces, and the bound
+``max cost <= Q + OVH`` holds with that Q (the optimum is at least ``max(C / W, b_max / m)``). For ``m = 1`` no
+cut splits a tile: each moves back to its tile's start, and ``max cost <= ceil(C / W) + max_t (blocks_t + OVH) - 1``.
+
+Worked example: ``seq_lens = [1000, 100, 0]``, ``q_lens = 1``, ``block_n = 64``, ``OVH = 5``, 4 workers, one head
+group. Blocks are 16, 2, 0; tile lengths 21, 7, 5 start at 0, 21, 28; ``C = 33`` and ``Q = 9``: cuts at 9, 18, 27.
+Cut 9 lies 4 blocks into tile 0 (after its overhead 0..5), cut 18 lies 13 blocks in; cut 27 lies 1 block into
+tile 1. The items (request: tokens) and worker costs are::
+
+    worker 0: 0:[0, 256)                    cost 4 + 5           =  9
+    worker 1: 0:[256, 832)                  cost 9 + 5           = 14
+    worker 2: 0:[832, 1000), 1:[0, 64)      cost (3 + 5) + (1 + 5) = 14
+    worker 3: 1:[64, 100),   2:[0, 0)       cost (1 + 5) + (0 + 5) = 11   (max 14 = Q + OVH, mean 12)
+
+Request 0 is split in three (partial rows 0, 1, 2), request 1 in two (rows 3, 4); request 2 is written straight
+to ``out`` (``out = 0``, ``lse = -inf``).
+
+Partial workspace. Piece ``i`` of a split tile of request ``b`` uses the rows ``base_b + i * q_len_b + r``
+(``r < q_len_b``) of ``o [num_partial_rows, H, L] fp32`` and ``lse [num_partial_rows, H] fp32``, heads of its group
+only; the head groups of one request share rows (they write disjoint heads), so every (row, head) is written once.
+
+The plan is computed on the CPU (a few dozen small torch ops, no Python loop over requests) and the result moved
+to the device of ``seq_lens``; the same lengths give bit-identical plans on any device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# columns of WorkPlan.work_items (docs/architecture.md)
+BATCH, PARTIAL_ROW, QO_START, QO_END, KV_START, KV_END, HEAD_START, HEAD_END = range(8)
+FINAL = -1  # PARTIAL_ROW of an unsplit item: write straight to out / lse
+DEFAULT_OVERHEAD_TOKENS = 320  # FlashMLA: 5 blocks of 64 tokens per piece (aiter: 16 blocks of 16)
+
+
+def _ceil_div(a, b):
+    """ceil(a / b) for non-negative ints or integer tensors."""
+    return -(-a // b)
+
+
+def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """[n] -> [n]: out[i] = x[0] + ... + x[i - 1]."""
+    return torch.cumsum(x, 0) - x
+
+
+def _indptr(counts: torch.Tensor) -> torch.Tensor:
+    """[n] -> [n + 1]: 0 followed by the running sum of counts."""
+    return torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
+
+
+def _as_lengths(x, name: str) -> torch.Tensor:
+    t = torch.as_tensor(x)
+    if t.dim() != 1 or t.numel() == 0:
+        raise ValueError(f"{name} must be a non-empty 1-D tensor, got shape {tuple(t.shape)}")
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise ValueError(f"{name} must hold integers, got {t.dtype}")
+    return t
+
+
+def _check_int(value, name: str, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class WorkPlan:
+    """A persistent split-KV schedule (layout fixed in docs/architecture.md).
+
+    Attributes:
+        work_items: int32 [N, 8], columns BATCH, PARTIAL_ROW, QO_START, QO_END, KV_START, KV_END, HEAD_START,
+            HEAD_END. QO_* are global q rows, KV_* token positions inside the request, HEAD_* heads (end exclusive).
+            PARTIAL_ROW is the first workspace row of the item's partial output, or -1 (FINAL): write to out/lse.
+        worker_indptr: int32 [num_workers + 1]; worker w runs work_items[worker_indptr[w]:worker_indptr[w + 1]].
+        reduce_indptr: int32 [num_tiles + 1]; tile t (request-major, head group minor) merges the partial rows
+            reduce_partial_map[reduce_indptr[t]:reduce_indptr[t + 1]] (empty range: unsplit, no reduce).
+        reduce_final: int32 [num_tiles, 4], columns 0..3 = qo_start, qo_end, head_start, head_end of each tile.
+        reduce_partial_map: int32 [M], first partial row of each piece, in KV order.
+        num_workers, num_partial_rows, block_n, fixed_overhead (blocks), num_heads, head_group: ints.
+        seq_lens, q_lens: int32 [B], the planner's inputs.
+    """
+
+    work_items: torch.Tensor
+    worker_indptr: torch.Tensor
+    reduce_indptr: torch.Tensor
+    reduce_final: torch.Tensor
+    reduce_partial_map: torch.Tensor
+    num_workers: int
+    num_partial_rows: int
+    block_n: int
+    fixed_overhead: int
+    num_heads: int
+    head_group: int
+    seq_lens: torch.Tensor
+    q_lens: torch.Tensor
+
+    @property
+    def num_items(self) -> int:
+        return self.work_items.shape[0]
+
+    @property
+    def num_tiles(self) -> int:
+        return self.reduce_final.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.work_items.device
+
+    def item_costs(self) -> torch.Tensor:
+        """int64 [N]: KV blocks of each item plus the fixed overhead (the planner's cost model)."""
+        items = self.work_items.cpu().long()  # [N, 8]
+        blocks = _ceil_div(items[:, KV_END] - items[:, KV_START], self.block_n)  # [N], KV_START is block aligned
+        return blocks + self.fixed_overhead
+
+    def worker_costs(self) -> torch.Tensor:
+        """int64 [num_workers]: summed item costs of each worker."""
+        counts = torch.diff(self.worker_indptr.cpu().long())  # [W] items per worker
+        worker = torch.arange(self.num_workers).repeat_interleave(counts)  # [N] worker of each item
+        return torch.zeros(self.num_workers, dtype=torch.long).index_add_(0, worker, self.item_costs())
+
+    def stats(self) -> dict:
+        """Plain-number statistics: items per worker, pieces per tile, cost balance (costs in blocks)."""
+        counts = torch.diff(self.worker_indptr.cpu().long()).double()  # [W]
+        pieces = torch.diff(self.reduce_indptr.cpu().long())  # [tiles], 0 = unsplit
+        pieces = torch.where(pieces == 0, 1, pieces)
+        cost = self.worker_costs().double()  # [W]
+        mean = cost.mean().item()
+        return {
+            "num_requests": self.seq_lens.numel(),
+            "num_tiles": self.num_tiles,
+            "num_items": self.num_items,
+            "num_workers": self.num_workers,
+            "num_partial_rows": self.num_partial_rows,
+            "items_per_worker": {"min": counts.min().item(), "mean": counts.mean().item(), "max": counts.max().item()},
+            "split_tiles": int((pieces > 1).sum()),
+            "pieces_per_tile": {"mean": pieces.double().mean().item(), "max": int(pieces.max())},
+            "worker_cost": {"min": cost.min().item(), "mean": mean, "max": cost.max().item()},
+            "imbalance": cost.max().item() / mean if mean > 0 else 1.0,
+        }
+
+    def summary(self) -> str:
+        """A few lines for humans: see stats()."""
+        s = self.stats()
+        ipw, ppt, cost = s["items_per_worker"], s["pieces_per_tile"], s["worker_cost"]
+        return "\n".join([
+            f"WorkPlan: {s['num_requests']} requests, {s['num_tiles']} tiles (head_group {self.head_group} of "
+            f"{self.num_heads}), {s['num_items']} items on {s['num_workers']} workers, block_n {self.block_n}, "
+            f"overhead {self.fixed_overhead} blocks",
+            f"  items/worker  min {ipw['min']:.0f}  mean {ipw['mean']:.2f}  max {ipw['max']:.0f}",
+            f"  splits        {s['split_tiles']} split tiles, pieces/tile mean {ppt['mean']:.2f} max {ppt['max']}, "
+            f"{s['num_partial_rows']} partial rows",
+            f"  cost (blocks) min {cost['min']:.0f}  mean {cost['mean']:.2f}  max {cost['max']:.0f}  "
+            f"imbalance max/mean {s['imbalance']:.3f}",
+        ])
+
+    def to_aiter(self, page_size: int = 1) -> dict[str, torch.Tensor]:
+        """The six persistent-mode buffers of aiter's mla_decode_fwd / mla_reduce_v1 (aiter-contract.md §4).
+
+        Keys are aiter's keyword names:
+            work_meta_data: int64 [2] zeros. aiter holds two uint64 device addresses (of work_indptr and
+                work_info_set) here; the adapter fills them on the device.
+            work_indptr: int32 [num_workers + 1].
+            work_info_set: int32 [N, 8] = (batch_idx, partial_qo_loc, qo_start, qo_end, kv_start, kv_end,
+                kv_offset, pad 0); kv_start/kv_end are positions in kv_indices (page units):
+                kv_indptr[b] + token / page_size with kv_indptr = cumsum(ceil(seq_lens / page_size)), the end
+                rounded up; kv_offset = tokens of the request after kv_end.
+            reduce_indptr: int32 [num_tiles + 1]; reduce_final_map: int32 [num_tiles, 2] (qo_start, qo_end);
+            reduce_partial_map: int32 [M].
+        aiter has no head groups, so head_group must equal num_heads; split points must fall on page boundaries,
+        so block_n must be a multiple of page_size.
+        """
+        _check_int(page_size, "page_size", 1)
+        if self.head_group != self.num_heads:
+            raise ValueError(f"to_aiter needs head_group == num_heads ({self.num_heads}), got {self.head_group}")
+        if self.block_n % page_size:
+            raise ValueError(f"to_aiter needs block_n ({self.block_n}) to be a multiple of page_size, got {page_size}")
+        items = self.work_items.long()  # [N, 8]
+        seq_lens = self.seq_lens.to(items.device).long()  # [B]
+        pages = _ceil_div(seq_lens, page_size)  # [B]
+        kv_indptr = torch.cumsum(pages, 0) - pages  # [B] first kv_indices position of each request
+        b = items[:, BATCH]  # [N]
+        info = torch.zeros(self.num_items, 8, dtype=torch.int32, device=items.device)  # [N, 8]
+        info[:, 0:4] = items[:, [BATCH, PARTIAL_ROW, QO_START, QO_END]].int()
+        info[:, 4] = (kv_indptr[b] + items[:, KV_START] // page_size).int()
+        info[:, 5] = (kv_indptr[b] + _ceil_div(items[:, KV_END], page_size)).int()
+        info[:, 6] = (seq_lens[b] - items[:, KV_END]).int()
+        return {
+            "work_meta_data": torch.zeros(2, dtype=torch.int64, device=items.device),
+            "work_indptr": self.worker_indptr.clone(),
+            "work_info_set": info,
+            "reduce_indptr": self.reduce_indptr.clone(),
+            "reduce_final_map": self.reduce_final[:, 0:2].contiguous(),
+            "reduce_partial_map": self.reduce_partial_map.clone(),
+        }
+
+
+def plan_decode(
+    seq_lens,
+    q_lens,
+    num_heads: int,
+    num_workers: int,
+    *,
+    block_n: int = 64,
+    fixed_overhead: int | None = None,
+    max_splits: int | None = None,
+    head_group: int | None = None,
+) -> WorkPlan:
+    """Plan a persistent split-KV decode (cost model and guarantees in the module docstring).
+
+    Args:
+        seq_lens: int [B], KV tokens per request (>= 0). Tensor on any device, or a sequence.
+        q_lens: int [B], q rows per request (>= 1, MTP); rows of request b are contiguous.
+        num_heads: query heads H.
+        num_workers: persistent programs W (>= 1).
+        block_n: KV tokens per cost block; every split point is a multiple of it.
+        fixed_overhead: cost of one work item in blocks; default ceil(320 / block_n) (FlashMLA's 5 x 64 tokens).
+        max_splits: at most this many pieces per (request, head group); None = no cap.
+        head_group: heads per tile (divides num_heads); default num_heads (one group).
+
+    Returns:
+        WorkPlan with int32 tensors on the device of seq_lens (computed on the CPU).
+    """
+    seq_lens = _as_lengths(seq_lens, "seq_lens")
+    q_lens = _as_lengths(q_lens, "q_lens")
+    if q_lens.shape != seq_lens.shape:
+        raise ValueError(f"q_lens must have the shape of seq_lens {tuple(seq_lens.shape)}, got {tuple(q_lens.shape)}")
+    if q_lens.device != seq_lens.device:
+        raise ValueError(f"q_lens must be on the device of seq_lens ({seq_lens.device}), got {q_lens.device}")
+    device = seq_lens.device
+    seq = seq_lens.cpu().long()  # [B]
+    qlen = q_lens.cpu().long()  # [B]
+    if bool((seq < 0).any()):
+        raise ValueError("seq_lens must be >= 0")
+    if bool((qlen < 1).any()):
+        raise ValueError("q_lens must be >= 1")
+    _check_int(num_heads, "num_heads", 1)
+    _check_int(num_workers, "num_workers", 1)
+    _check_int(block_n, "block_n", 1)
+    ovh = _ceil_div(DEFAULT_OVERHEAD_TOKENS, block_n) if fixed_overhead is None else fixed_overhead
+    _check_int(ovh, "fixed_overhead", 0)
+    if max_splits is not None:
+        _check_int(max_splits, "max_splits", 1)
+    head_group = num_heads if head_group is None else head_group
+    _check_int(head_group, "head_group", 1)
+    if num_heads % head_group:
+        raise ValueError(f"head_group must divide num_heads ({num_heads}), got {head_group}")
+
+    # tiles: (request, head group), request-major
+    B, G = seq.numel(), num_heads // head_group
+    tile_req = torch.arange(B).repeat_interleave(G)  # [T]
+    tile_grp = torch.arange(G).repeat(B)  # [T]
+    blocks = _ceil_div(seq, block_n)[tile_req]  # [T] KV blocks per tile
+    length = blocks + ovh  # [T] line units: overhead first, then blocks
+    start = _exclusive_cumsum(length)  # [T] line position of each tile
+    total = int(length.sum())  # C
+
+    # stride Q between cuts: ceil(C / W), raised so that no tile exceeds max_splits pieces
+    stride = max(1, _ceil_div(total, num_workers))
+    if max_splits is not None and max_splits >= 2:
+        stride = max(stride, _ceil_div(int(blocks.max()) - 1, max_splits - 1))
+
+    # cut w (w = 1..W-1) opens worker w; a cut inside a tile's blocks splits it, any other moves to the tile start
+    cut = (torch.arange(1, num_workers) * stride).clamp(max=total)  # [W-1]
+    cut_tile = torch.searchsorted(start, cut, right=True) - 1  # [W-1] last tile starting at or before the cut
+    cut_block = cut - start[cut_tile] - ovh  # [W-1] blocks of that tile before the cut
+    splits = (cut_block > 0) & (cut_block < blocks[cut_tile]) & (max_splits != 1)  # [W-1]
+    cut = torch.where(splits, cut, torch.where(cut < total, start[cut_tile], cut))  # [W-1] non-decreasing
+
+    # items: every tile's first piece plus one piece per splitting cut, in line order
+    pieces = 1 + torch.bincount(cut_tile[splits], minlength=B * G)  # [T]
+    first = _exclusive_cumsum(pieces)  # [T] index of each tile's first item
+    item_tile = torch.arange(B * G).repeat_interleave(pieces)  # [N]
+    is_first = torch.zeros(item_tile.numel(), dtype=torch.bool)  # [N]
+    is_first[first] = True
+    blk_start = torch.zeros(item_tile.numel(), dtype=torch.long)  # [N] first block of each item
+    blk_start[~is_first] = cut_block[splits]
+    blk_end = torch.roll(blk_start, -1)  # [N] next item's start within the same tile ...
+    blk_end[first + pieces - 1] = blocks  # ... or the tile's end
+    item_pos = start[item_tile] + torch.where(is_first, 0, ovh + blk_start)  # [N] line position of the item
+    worker = torch.searchsorted(cut, item_pos, right=True)  # [N] non-decreasing
+    worker_indptr = _indptr(torch.bincount(worker, minlength=num_workers))  # [W + 1]
+
+    # partial rows: piece i of a split tile of request b -> base_b + i * q_len_b; head groups share rows
+    item_req = tile_req[item_tile]  # [N]
+    is_split = pieces > 1  # [T]
+    req_pieces = torch.where(is_split, pieces, 0).view(B, G).amax(1)  # [B]
+    req_base = _exclusive_cumsum(req_pieces * qlen)  # [B]
+    piece_idx = torch.arange(item_tile.numel()) - first[item_tile]  # [N]
+    partial_row = torch.where(is_split[item_tile], req_base[item_req] + piece_idx * qlen[item_req], FINAL)  # [N]
+
+    qo_indptr = _indptr(qlen)  # [B + 1]
+    head_start = tile_grp * head_group  # [T]
+    work_items = torch.stack([
+        item_req,
+        partial_row,
+        qo_indptr[item_req],
+        qo_indptr[item_req + 1],
+        blk_start * block_n,
+        torch.minimum(blk_end * block_n, seq[item_req]),
+        head_start[item_tile],
+        head_start[item_tile] + head_group,
+    ], dim=1)  # [N, 8]
+    reduce_indptr = _indptr(torch.where(is_split, pieces, 0))  # [T + 1]
+    reduce_final = torch.stack(
+        [qo_indptr[tile_req], qo_indptr[tile_req + 1], head_start, head_start + head_group], dim=1
+    )  # [T, 4]
+    reduce_partial_map = partial_row[is_split[item_tile]]  # [M], items are in KV order within a tile
+
+    def out(x: torch.Tensor) -> torch.Tensor:
+        return x.to(device=device, dtype=torch.int32)
+
+    return WorkPlan(
+        work_items=out(work_items),
+        worker_indptr=out(worker_indptr),
+        reduce_indptr=out(reduce_indptr),
+        reduce_final=out(reduce_final),
+        reduce_partial_map=out(reduce_partial_map),
+        num_workers=num_workers,
+        num_partial_rows=int((req_pieces * qlen).sum()),
+        block_n=block_n,
+        fixed_overhead=ovh,
+        num_heads=num_heads,
+        head_group=head_group,
+        seq_lens=out(seq),
+        q_lens=out(qlen),
+    )
