@@ -1,0 +1,151 @@
+"""verify.metrics: ULP distance against an independent enumeration, cos-diff values, compare() reports."""
+
+import json
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from verify.metrics import NAN_ULP, compare, cos_diff, ulp_distance
+
+# torch dtype -> the ml_dtypes / numpy type used for the independent enumeration
+_NP_TYPES = {
+    torch.bfloat16: ml_dtypes.bfloat16,
+    torch.float16: np.float16,
+    torch.float8_e4m3fn: ml_dtypes.float8_e4m3fn,
+    torch.float8_e4m3fnuz: ml_dtypes.float8_e4m3fnuz,
+    torch.float8_e5m2: ml_dtypes.float8_e5m2,
+    torch.float8_e5m2fnuz: ml_dtypes.float8_e5m2fnuz,
+}
+
+
+def _sorted_grid(dtype: torch.dtype) -> np.ndarray:
+    """Every non-NaN value of the format (±inf included), sorted, ±0 merged: rank difference = ULP distance.
+
+    Independent of verify.metrics: decodes all bit patterns with ml_dtypes/numpy and sorts by value.
+    """
+    bits = np.arange(2 ** torch.finfo(dtype).bits, dtype=np.uint64)
+    uint = {8: np.uint8, 16: np.uint16}[torch.finfo(dtype).bits]
+    with np.errstate(invalid="ignore"):  # NaN patterns
+        values = bits.astype(uint).view(_NP_TYPES[dtype]).astype(np.float64)
+    return np.unique(values[~np.isnan(values)])  # np.unique treats -0.0 == 0.0
+
+
+def _rank(grid: np.ndarray, x: np.ndarray) -> np.ndarray:
+    r = np.searchsorted(grid, x)
+    assert np.all(grid[r] == x), "test values must lie on the grid"
+    return r
+
+
+def test_ulp_distance_matches_enumeration_bf16_neighbourhoods():
+    grid = _sorted_grid(torch.bfloat16)
+    tiny_sub = 2.0**-133  # smallest bf16 subnormal
+    centres = [0.0, 1.0, -1.0, 3.140625, tiny_sub, -tiny_sub, 2.0**-126, 1e-39, 3.3895e38, -3.3895e38, 65504.0]
+    for c in centres:
+        r0 = np.searchsorted(grid, np.float64(ml_dtypes.bfloat16(c)))
+        lo, hi = max(r0 - 5, 0), min(r0 + 6, len(grid))
+        vals = grid[lo:hi]  # up to 11 consecutive bf16 values around c (across zero for the small ones)
+        a, b = np.meshgrid(vals, vals, indexing="ij")
+        want = np.abs(_rank(grid, a) - _rank(grid, b))
+        got = ulp_distance(torch.from_numpy(a), torch.from_numpy(b), torch.bfloat16).numpy()
+        np.testing.assert_array_equal(got, want, err_msg=f"around {c}")
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz]
+)
+def test_ulp_distance_matches_enumeration_fp8_all_pairs(dtype):
+    grid = _sorted_grid(dtype)  # ≤ 256 values: every pair
+    a, b = np.meshgrid(grid, grid, indexing="ij")
+    want = np.abs(_rank(grid, a) - _rank(grid, b))
+    got = ulp_distance(torch.from_numpy(a), torch.from_numpy(b), dtype).numpy()
+    np.testing.assert_array_equal(got, want)
+
+
+def test_ulp_distance_signed_zero_rounding_and_nan():
+    z = torch.tensor([0.0, -0.0, 1.0, 1.0 + 2**-8, float("nan"), float("nan"), 448.0])
+    w = torch.tensor([-0.0, 2.0**-133, 1.0 + 2**-7, 1.0, float("nan"), 1.0, 1e6])
+    d = ulp_distance(z, w, torch.bfloat16)
+    # ±0 are one point; the min subnormal is 1 ulp from 0; 1 + 2^-7 is the next bf16 after 1;
+    # 1 + 2^-8 is the tie between them and rounds to even (1.0), so it is 0 ulp from 1
+    assert d.tolist()[:4] == [0, 1, 1, 0]
+    assert d[4] == 0 and d[5] == NAN_ULP
+    # fp8 saturates: 1e6 -> 448 (0 ulp from 448) instead of torch's NaN
+    assert ulp_distance(torch.tensor(448.0), torch.tensor(1e6), torch.float8_e4m3fn) == 0
+    with pytest.raises(ValueError, match="dtype"):
+        ulp_distance(z, w, torch.float64)
+
+
+def test_cos_diff_known_values():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1000, generator=g, dtype=torch.float64)
+    y = torch.randn(1000, generator=g, dtype=torch.float64)
+    y_perp = y - (x @ y) / (x @ x) * x  # orthogonal to x
+    y_perp = y_perp * x.norm() / y_perp.norm()  # equal norm
+    assert cos_diff(x, x) == 0.0
+    assert cos_diff(x, -x) == 2.0
+    assert abs(cos_diff(x, y_perp) - 1.0) < 1e-14  # fp64 rounding of a 1000-term dot product
+    assert abs(cos_diff(x, 2 * x) - 0.2) < 1e-15  # 1 - 2·2/(1+4)
+    assert cos_diff(torch.zeros(3), torch.zeros(3)) == 0.0
+
+
+def test_compare_finds_index_values_and_bound_violations():
+    g = torch.Generator().manual_seed(1)
+    expected = torch.randn(3, 4, 8, generator=g, dtype=torch.float64)
+    actual = expected.clone()
+    actual[1, 2, 5] += 0.5  # the largest error
+    actual[2, 0, 1] += 0.1
+    rep = compare(actual, expected, bound=torch.full_like(expected, 0.2), name="out")
+    assert rep.max_abs_index == (1, 2, 5)
+    assert rep.max_abs == pytest.approx(0.5, abs=1e-15)
+    assert rep.max_abs_actual == float(actual[1, 2, 5]) and rep.max_abs_expected == float(expected[1, 2, 5])
+    assert rep.violations == 1 and not rep.ok
+    assert rep.worst_index == (1, 2, 5) and rep.err_over_bound_max == pytest.approx(2.5)
+    assert rep.err_over_bound_median == 0.0
+    assert "1 / 96" in rep.describe() and "(1, 2, 5)" in rep.describe()
+    # bound 0 where err = 0 is fine, bound 0 where err > 0 is an infinite ratio
+    b = torch.full_like(expected, 1.0)
+    b[2, 0, 1] = 0.0
+    rep = compare(actual, expected, bound=b)
+    assert rep.err_over_bound_max == math.inf and rep.worst_index == (2, 0, 1) and rep.violations == 1
+    assert compare(actual, expected, bound=1.0).ok
+
+
+def test_compare_ulps_in_out_dtype():
+    expected = torch.tensor([1.0, 2.0, -3.0], dtype=torch.float64)
+    actual = torch.tensor([1.0 + 2 * 2**-7, 2.0, -3.0], dtype=torch.bfloat16)  # 2 bf16 ulps at 1.0
+    assert compare(actual, expected).max_ulp == 2
+
+
+def test_compare_nonfinite_masks():
+    expected = torch.tensor([[0.5, -math.inf], [1.0, 2.0]], dtype=torch.float64)
+    agree = torch.tensor([[0.5, -math.inf], [1.0, 2.0]])
+    rep = compare(agree, expected, bound=0.0, name="lse")
+    assert rep.ok and rep.nonfinite_mask_ok and rep.max_abs == 0.0 and rep.nonfinite_count == 1
+    nan_out = torch.tensor([[0.5, -math.inf], [float("nan"), 2.0]])
+    rep = compare(nan_out, expected, bound=1.0)
+    assert not rep.nonfinite_mask_ok and not rep.ok and "NaN" in rep.nonfinite_detail
+    plus_inf = torch.tensor([[0.5, math.inf], [1.0, 2.0]])  # FlashMLA's +inf for an empty row
+    rep = compare(plus_inf, expected)
+    assert not rep.ok and "+inf" in rep.nonfinite_detail and "-inf" in rep.nonfinite_detail
+
+
+def test_to_json_round_trips_without_nan():
+    expected = torch.tensor([0.0, 1.0, -math.inf], dtype=torch.float64)
+    actual = torch.tensor([1e-3, 1.0, -math.inf])
+    for bound in (None, torch.tensor([0.0, 0.0, 0.0], dtype=torch.float64)):
+        rep = compare(actual, expected, bound=bound)
+        text = json.dumps(rep.to_json(), allow_nan=False)
+        back = json.loads(text)
+        assert back["max_rel"] == "inf" and back["shape"] == [3]
+        assert back["err_over_bound_max"] == ("nan" if bound is None else "inf")
+
+
+def test_compare_rejects_bad_input():
+    x = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="shape"):
+        compare(x, torch.zeros(3, 2))
+    with pytest.raises(ValueError, match="bound"):
+        compare(x, x.double(), bound=-1.0)

@@ -1,0 +1,268 @@
+"""Comparison metrics: ULP distance in narrow formats, cosine difference, and one structured ``compare()``.
+
+Conventions:
+- ``expected`` is the fp64 oracle; ``actual`` is what a kernel returned (any float dtype; fp8 is upcast first,
+  never compared with tolerances in its own dtype, style.md §A8).
+- Errors are absolute, ``|actual - expected|`` in fp64; a bound is an elementwise fp64 tensor of the same units.
+- Non-finite values: NaN, +inf and -inf positions must agree exactly (FlashMLA ``kernelkit``, style.md §A5);
+  agreeing non-finite positions (e.g. ``lse = -inf`` of an empty row on both sides) count as error 0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+NAN_ULP = torch.iinfo(torch.int64).max  # ulp_distance where exactly one side is NaN
+
+_INT_VIEW = {8: torch.uint8, 16: torch.int16, 32: torch.int32}  # bit width -> integer dtype to view the bits as
+
+
+def _bit_width(dtype: torch.dtype) -> int:
+    return torch.finfo(dtype).bits
+
+
+def _ordered(x: torch.Tensor) -> torch.Tensor:
+    """int64 ordered integer of each value of x (a ≤32-bit float dtype): order-preserving, +0 and -0 both 0.
+
+    Bits are sign-magnitude; the magnitude bits of a non-negative float increase with its value, so
+    ordered = +magnitude for sign 0 and -magnitude for sign 1.
+    """
+    w = _bit_width(x.dtype)
+    bits = x.view(_INT_VIEW[w]).to(torch.int64) & ((1 << w) - 1)  # unsigned bit pattern
+    magnitude = bits & ((1 << (w - 1)) - 1)  # drop the sign bit
+    return torch.where(bits >> (w - 1) == 1, -magnitude, magnitude)
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Elementwise distance in units in the last place of ``dtype``: how many ``dtype`` values lie between.
+
+    a and b (any float dtypes, broadcastable) are first rounded to ``dtype`` with torch's round-to-nearest cast,
+    so a correctly rounded result is 0 ulp from its fp64 reference. For fp8 targets, finite values are saturated
+    to ±max first (the saturating cast kernels use, numerics.md §4); ±inf then becomes NaN in formats without inf.
+    Bits are mapped to ordered integers (sign-magnitude -> two's-complement order) and subtracted, so the distance
+    crosses zero naturally (+0 and -0 are the same point, the smallest subnormals are 1 ulp from 0) and ±inf is
+    1 ulp beyond ±max.
+
+    NaN: both NaN -> 0; exactly one NaN -> ``NAN_ULP`` (int64 max).
+
+    Args:
+        dtype: bf16, fp16, fp32 or an fp8 dtype (numpy's ``nulp_diff`` has no bf16 / fp8).
+    Returns:
+        int64 tensor of the broadcast shape.
+    """
+    if not (dtype.is_floating_point and _bit_width(dtype) in _INT_VIEW):
+        raise ValueError(f"dtype must be a float dtype of 8, 16 or 32 bits, got {dtype}")
+    a, b = torch.broadcast_tensors(a, b)
+    if _bit_width(dtype) == 8:
+        top = torch.finfo(dtype).max
+        a = torch.where(torch.isfinite(a), a.clamp(-top, top), a)  # saturate finite values
+        b = torch.where(torch.isfinite(b), b.clamp(-top, top), b)
+    a_t, b_t = a.to(dtype), b.to(dtype)  # round once to the target grid
+    dist = (_ordered(a_t) - _ordered(b_t)).abs()  # [...] int64
+    nan_a, nan_b = torch.isnan(a_t), torch.isnan(b_t)
+    dist = torch.where(nan_a & nan_b, 0, dist)
+    return torch.where(nan_a ^ nan_b, NAN_ULP, dist)
+
+
+def cos_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """1 - 2 Σ a·b / Σ (a² + b²), in fp64 (numerics.md §6; FlashMLA / DeepGEMM ``calc_diff``).
+
+    0 for identical tensors (and for two all-zero tensors), 1 for orthogonal ones of equal norm, 2 for b = -a.
+    Non-finite inputs give NaN; ``compare()`` evaluates it over the positions where both sides are finite.
+    """
+    x, y = a.double().flatten(), b.double().flatten()  # [N]
+    denom = float((x * x + y * y).sum())
+    if denom == 0.0:
+        return 0.0
+    return 1.0 - 2.0 * float((x * y).sum()) / denom
+
+
+def _json_float(x: float) -> float | str:
+    """A float JSON can hold (allow_nan=False): non-finite values become "nan", "inf" or "-inf"."""
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return x
+
+
+@dataclass
+class Report:
+    """One comparison of ``actual`` against the fp64 ``expected`` under an elementwise bound.
+
+    Attributes:
+        name: what was compared ("out", "lse", ...).
+        shape: shape of both tensors.
+        max_abs, max_abs_index, max_abs_actual, max_abs_expected: the largest |actual - expected| (finite
+            positions), where, and both values there.
+        max_rel, max_rel_index: the largest |actual - expected| / |expected| (inf where expected = 0 ≠ actual).
+        max_ulp: the largest ULP distance in ``out_dtype`` over finite positions (``ulp_distance``).
+        cos_diff: cosine difference over the positions where both are finite.
+        nonfinite_mask_ok: the NaN, +inf and -inf positions agree; nonfinite_detail says how they differ.
+        err_over_bound_max, err_over_bound_median: max and median of err / bound over finite positions
+            (err / 0 is inf for err > 0 and 0 for err = 0); NaN when no bound was given.
+        worst_index: where err / bound is largest (() without a bound).
+        violations: finite positions with err > bound.
+        ok: the non-finite masks agree and err <= bound at every finite position.
+        out_dtype: the format ULPs are counted in.
+        nonfinite_count: positions where either side is NaN or ±inf.
+    """
+
+    name: str
+    shape: tuple
+    max_abs: float
+    max_abs_index: tuple
+    max_abs_actual: float
+    max_abs_expected: float
+    max_rel: float
+    max_rel_index: tuple
+    max_ulp: int
+    cos_diff: float
+    nonfinite_mask_ok: bool
+    nonfinite_detail: str
+    err_over_bound_max: float
+    err_over_bound_median: float
+    worst_index: tuple
+    violations: int
+    ok: bool
+    out_dtype: str = "bfloat16"
+    nonfinite_count: int = 0
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def all_finite(self) -> bool:
+        """No NaN or ±inf on either side (the condition for Hypothesis ``target()`` observations)."""
+        return self.nonfinite_count == 0
+
+    def describe(self) -> str:
+        """Multi-line message in the style of torch ``assert_close`` / FlashMLA ``check_is_allclose``."""
+        status = "OK" if self.ok else "NOT OK"
+        lines = [f"{self.name}: {status} (shape {self.shape})"]
+        if not math.isnan(self.err_over_bound_max):
+            pct = 100.0 * self.violations / max(self.numel, 1)
+            lines.append(f"  elements over the bound: {self.violations} / {self.numel} ({pct:.3g}%)")
+            lines.append(
+                f"  err / bound: max {self.err_over_bound_max:.4g} at index {self.worst_index},"
+                f" median {self.err_over_bound_median:.4g}"
+            )
+        lines.append(
+            f"  greatest absolute difference: {self.max_abs:.6g} at index {self.max_abs_index}"
+            f" (actual {self.max_abs_actual:.8g}, expected {self.max_abs_expected:.8g})"
+        )
+        lines.append(f"  greatest relative difference: {self.max_rel:.6g} at index {self.max_rel_index}")
+        lines.append(f"  max ulp ({self.out_dtype}): {self.max_ulp}, cos-diff: {self.cos_diff:.3e}")
+        lines.append(f"  non-finite: {self.nonfinite_detail}")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        """A dict that ``json.dumps(..., allow_nan=False)`` accepts: tuples as lists, non-finite floats as strings."""
+        out = {}
+        for key, value in self.__dict__.items():
+            if isinstance(value, tuple):
+                value = [int(v) for v in value]
+            elif isinstance(value, float):
+                value = _json_float(value)
+            out[key] = value
+        return out
+
+
+def _index(flat: int, shape: tuple) -> tuple:
+    """Multi-dimensional index of a flat position."""
+    return tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), shape)) if shape else ()
+
+
+def _nonfinite_check(a: torch.Tensor, e: torch.Tensor, shape: tuple) -> tuple[bool, str, int]:
+    """Compare NaN / +inf / -inf masks; returns (agree, detail, positions non-finite on either side)."""
+    problems = []
+    for label, test in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
+        ma, me = test(a), test(e)  # [...] bool
+        diff = ma ^ me
+        if bool(diff.any()):
+            first = _index(int(diff.flatten().nonzero()[0]), shape)
+            problems.append(
+                f"{label} at {int(diff.sum())} positions differ (actual {int(ma.sum())}, expected {int(me.sum())};"
+                f" first at {first}: actual {a[first].item()}, expected {e[first].item()})"
+            )
+    count = int((~torch.isfinite(a) | ~torch.isfinite(e)).sum())
+    if problems:
+        return False, "; ".join(problems), count
+    return True, f"NaN/inf positions agree ({count} non-finite)", count
+
+
+def compare(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    bound: torch.Tensor | float | None = None,
+    *,
+    name: str = "out",
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> Report:
+    """Compare ``actual`` with the fp64 ``expected`` elementwise, optionally under ``bound``.
+
+    Args:
+        actual, expected: same shape, any float dtype (both go to fp64).
+        bound: None (statistics only; ok then only means the non-finite masks agree), or a non-negative
+            elementwise bound on |actual - expected| broadcastable to expected's shape.
+        name: label used in the report.
+        out_dtype: the format in which ``max_ulp`` is counted (the kernel's output dtype).
+    """
+    if tuple(actual.shape) != tuple(expected.shape):
+        raise ValueError(f"actual: expected shape {tuple(expected.shape)} (as expected), got {tuple(actual.shape)}")
+    shape = tuple(expected.shape)
+    a, e = actual.double(), expected.to(actual.device).double()  # [...] fp64
+    mask_ok, detail, n_nonfinite = _nonfinite_check(a, e, shape)
+    finite = torch.isfinite(a) & torch.isfinite(e)  # [...] positions with a numeric error
+    err = torch.where(finite, (a - e).abs(), 0.0)  # [...] agreeing non-finite positions count 0
+    rel = torch.where(e != 0, err / e.abs(), torch.where(err > 0, math.inf, 0.0))  # [...]
+    rel = torch.where(finite, rel, 0.0)
+
+    if err.numel():
+        i_abs, i_rel = int(err.flatten().argmax()), int(rel.flatten().argmax())
+        ulp = ulp_distance(a[finite], e[finite], out_dtype)  # [n_finite]
+        max_ulp = int(ulp.max()) if ulp.numel() else 0
+    else:
+        i_abs = i_rel = max_ulp = 0
+    at_abs = _index(i_abs, shape)
+
+    obm = obmed = math.nan
+    worst: tuple = ()
+    violations = 0
+    if bound is not None:
+        b = torch.as_tensor(bound, dtype=torch.float64, device=a.device).expand(shape)  # [...]
+        if bool((torch.isnan(b) | (b < 0)).any()):
+            raise ValueError("bound: expected a non-negative, non-NaN elementwise bound, got NaN or negative values")
+        ratio = torch.where(b > 0, err / b, torch.where(err > 0, math.inf, 0.0))  # [...] err / 0 -> inf or 0
+        ratio = torch.where(finite, ratio, 0.0)  # [...]
+        violations = int((finite & (err > b)).sum())
+        if ratio.numel():
+            worst = _index(int(ratio.flatten().argmax()), shape)
+            obm = float(ratio.max())
+            obmed = float(ratio[finite].median()) if bool(finite.any()) else 0.0
+
+    return Report(
+        name=name,
+        shape=shape,
+        max_abs=float(err.flatten()[i_abs]) if err.numel() else 0.0,
+        max_abs_index=at_abs,
+        max_abs_actual=float(a.flatten()[i_abs]) if err.numel() else 0.0,
+        max_abs_expected=float(e.flatten()[i_abs]) if err.numel() else 0.0,
+        max_rel=float(rel.flatten()[i_rel]) if err.numel() else 0.0,
+        max_rel_index=_index(i_rel, shape),
+        max_ulp=max_ulp,
+        cos_diff=cos_diff(a[finite], e[finite]),
+        nonfinite_mask_ok=mask_ok,
+        nonfinite_detail=detail,
+        err_over_bound_max=obm,
+        err_over_bound_median=obmed,
+        worst_index=worst,
+        violations=violations,
+        ok=mask_ok and violations == 0,
+        out_dtype=str(out_dtype).removeprefix("torch."),
+        nonfinite_count=n_nonfinite,
+    )
