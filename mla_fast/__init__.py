@@ -8,7 +8,20 @@ _EXPORTS = {
     "run_plan_reference": "mla_fast.emulate",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted([*_EXPORTS, "decode"])
+
+
+def decode(batch, *, backend: str = "triton", plan=None, out=None, lse=None):
+    """MLA decode of a DecodeBatch -> (out [T, H, L] bf16, lse [T, H] fp32 natural log); see mla_fast.triton_decode.
+
+    backend: "triton" (the persistent split-KV kernel). plan: a WorkPlan from triton_decode.make_plan (None: planned
+    here, one host sync). out / lse: optional preallocated outputs.
+    """
+    if backend != "triton":
+        raise ValueError(f"backend must be 'triton', got {backend!r}")
+    from mla_fast.triton_decode import decode as triton_decode
+
+    return triton_decode(batch, plan=plan, out=out, lse=lse)
 
 
 def __getattr__(name: str):

@@ -1,0 +1,80 @@
+"""How mla_fast's Triton decode kernel rounds: declared data, read by verify.bounds (numerics.md §5(f)).
+
+Each field states what the code in mla_fast/triton_decode.py does; change them together.
+
+Rounding points of `_mla_decode_kernel` (per query row, per KV tile of BLOCK_N tokens):
+
+1. Operands. q, c_kv, k_pe enter the MMAs in `qk_operand` (= `pv_operand`): bf16 for bf16 inputs; for fp8 inputs
+   the fp8 values are cast to fp16 (mma="fp16", e4m3fn/e4m3fnuz values are exact in fp16) or bf16 (mma="bf16",
+   exact too). Scales are never applied to operands: q_scale * kv_scale * sm_scale * log2(e) multiplies the fp32
+   scores, kv_scale multiplies the normalised fp32 output. So the MMAs see exactly the dequantized inputs divided by
+   their (per-tensor) scales: no operand rounding.
+2. QK: one MMA over L (512) channels, then the R (64) rope channels accumulated onto it, fp32 accumulators.
+   Tensor-core fp32 accumulation is not guaranteed round-to-nearest (truncation is documented for NVIDIA tensor
+   cores, Fasi et al., SIAM J. Sci. Comput. 2021), so each of the n = L + R additions is charged 2^-23 (one fp32
+   ulp, chopped), plus one fp32 rounding of the scale multiply: gamma_qk = (L + R + 1) * 2^-23.
+3. Softmax: base 2, s * log2(e) folded into the scale; exp2 is the hardware approximation (~2 ulp), covered by the
+   2^-22 term of §5(f). Row sums l in fp32 from unrounded P.
+4. P: rounded to `p_fmt` (bf16 or fp16, no scale: p <= 1) before the P.V MMA.
+5. PV: per tile one MMA over BLOCK_N tokens (charged BLOCK_N * 2^-23, chopped) added into the fp32 running
+   accumulator after its rescale by alpha (2 fp32 roundings per tile, 2^-24 each): over a request of at most
+   MAX_KV_TOKENS tokens, T = MAX_KV_TOKENS / BLOCK_N tiles, gamma_pv = (BLOCK_N + T + 4) * 2^-23 (the 4 covers the
+   final 1/l, kv_scale, and the split merge's weight and division).
+6. Split merge (reduce kernel): fp32, exact LSE merge in base 2 (numerics.md §3, §5(g): <= 1.1e-5 Σp|v| measured).
+7. Output: bf16, one rounding (the 2^-8 |o| term of §5(f)); lse fp32 natural log.
+
+`KERNEL_NUMERICS` is keyed by the dtype combination of `triton_decode.dtype_combo`: "bf16" (bf16 q and cache),
+"fp8kv" (bf16 q, fp8 cache), "fp8" (fp8 q and cache); `DEFAULT_MMA` gives the MMA dtype the launcher uses for each.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+BLOCK_N = 64  # KV tokens per tile in the launcher's configs (mla_fast.triton_decode.default_config)
+MAX_KV_TOKENS = 2**18  # largest request the declared gamma_pv covers (DeepSeek-V3: 163840 tokens)
+_QK_TERMS = 512 + 64 + 1  # L + R additions + the scale multiply, DeepSeek-V3 shapes (smaller L, R: fewer terms)
+
+
+@dataclass(frozen=True)
+class KernelNumerics:
+    """Where a decode kernel rounds (numerics.md §5(f)).
+
+    Attributes:
+        p_fmt: format P is rounded to before the P.V MMA (None = fp32 P; else a `mla_ref.fp8.round_p` format).
+        p_scale: factor P is multiplied by before that rounding (and divided by after).
+        qk_operand: dtype the Q.K MMA sees (inputs are exact in it: see module docstring).
+        pv_operand: dtype the P.V MMA sees for V (P is `p_fmt`).
+        gamma_qk: accumulation error of the scores per unit of σ Σ|q||k| (relative to the exact dot product).
+        gamma_pv: accumulation error of the output per unit of Σ p|v|.
+        out_dtype: dtype of `out` (lse is always fp32, natural log).
+    """
+
+    p_fmt: str | None
+    p_scale: float
+    qk_operand: torch.dtype
+    pv_operand: torch.dtype
+    gamma_qk: float
+    gamma_pv: float
+    out_dtype: torch.dtype = torch.bfloat16
+
+
+def triton_numerics(mma: str, block_n: int = BLOCK_N) -> KernelNumerics:
+    """KernelNumerics of `_mla_decode_kernel` with MMA operands in `mma` ("bf16" or "fp16") and tiles of block_n."""
+    operand = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    if mma not in operand:
+        raise ValueError(f"mma must be 'bf16' or 'fp16', got {mma!r}")
+    tiles = MAX_KV_TOKENS // block_n
+    return KernelNumerics(
+        p_fmt=mma,
+        p_scale=1.0,
+        qk_operand=operand[mma],
+        pv_operand=operand[mma],
+        gamma_qk=_QK_TERMS * 2**-23,  # chopped fp32 accumulation over L + R terms, + scale multiply
+        gamma_pv=(block_n + tiles + 4) * 2**-23,  # per-tile MMA + running rescale/add + epilogue
+        out_dtype=torch.bfloat16,
+    )
+
+
+DEFAULT_MMA = {"bf16": "bf16", "fp8kv": "bf16", "fp8": "fp16"}
+KERNEL_NUMERICS = {combo: triton_numerics(mma) for combo, mma in DEFAULT_MMA.items()}

@@ -1,0 +1,514 @@
+"""
+Persistent split-KV MLA decode in Triton (bf16 and fp8)
+=======================================================
+
+Absorbed MLA decode over a paged latent cache (docs/architecture.md conventions):
+
+    s[t, h, j] = sm_scale * <q[t, h, :L+R], kv[j, :L+R]>            # scores, kv row = [c_kv | k_pe]
+    out[t, h]  = sum_j softmax_j(s) * kv[j, :L]                      # V is the latent itself
+    lse[t, h]  = ln sum_j exp(s[t, h, j])                            # natural log, sm_scale included
+
+Two kernels, beside their launcher (like Triton's fused-attention tutorial):
+
+- `_mla_decode_kernel`: persistent, one program per worker of a `WorkPlan` (grid = `num_workers`, normally the SM
+  count). A program walks its work items `work_items[worker_indptr[w]:worker_indptr[w+1]]`; an item is one request,
+  a range of query rows x a head group (packed along M: MTP rows times heads) and a token range. Each KV tile of
+  BLOCK_N tokens is loaded once, row-major, as [BLOCK_N, L] (c_kv) and [BLOCK_N, R] (k_pe), and reused for both
+  dot(q, trans(k)) and dot(p, c_kv). Online softmax in base 2. Unsplit items (PARTIAL_ROW == -1) write `out` (bf16)
+  and `lse` straight; split items write fp32 partials (out already normalised, lse natural log) to a workspace.
+- `_mla_reduce_kernel`: merges the partials of each split (request, head group) tile, in KV order (numerics.md §3).
+
+Safety: cache slots at or past a request's `seq_len` may hold NaN. Loads are masked by the item's KV_END (never read)
+and scores past a row's causal limit are removed with `tl.where` (never multiplied by 0). A row that sees no token
+gives out = 0, lse = -inf.
+
+Numerics (declared in mla_fast/numerics.py, read by verify.bounds; keep the two in step):
+- `mma="bf16"`: q, c_kv, k_pe enter the MMAs as bf16 (fp8 cache values are exact in bf16); P is rounded to bf16
+  before the P.V MMA; accumulation in fp32.
+- `mma="fp16"`: as above with fp16 operands (fp8 values are exact in fp16; P rounded to fp16). Used when q is fp8.
+- fp8 per-tensor scales: q_scale * kv_scale is folded into the score scale, kv_scale multiplies the output once
+  after normalisation (fp32). The MMAs see the raw fp8 values.
+
+CPU: under TRITON_INTERPRET=1 the same kernels run in Triton's interpreter. Triton 3.6's interpreter computes a
+bf16 `tl.dot` wrongly (fp16/fp32/fp8 are right), so when interpreting, bf16 MMA operands are upcast to fp32
+(`INTERPRET` constexpr, set from the environment when this module is imported).
+"""
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from mla_fast import planner
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once at import, like triton itself
+LOG2E = 1.4426950408889634  # = 1 / ln(2)
+LN2 = 0.6931471805599453
+
+# work-item and reduce-tile columns (docs/architecture.md, WorkPlan)
+_BATCH = tl.constexpr(planner.BATCH)
+_PARTIAL_ROW = tl.constexpr(planner.PARTIAL_ROW)
+_QO_START = tl.constexpr(planner.QO_START)
+_QO_END = tl.constexpr(planner.QO_END)
+_KV_START = tl.constexpr(planner.KV_START)
+_KV_END = tl.constexpr(planner.KV_END)
+_HEAD_START = tl.constexpr(planner.HEAD_START)
+_HEAD_END = tl.constexpr(planner.HEAD_END)
+
+
+@triton.jit
+def _mma_operand(x, MMA: tl.constexpr, INTERPRET: tl.constexpr):
+    """Cast a tile to the dtype the MMA sees; fp32 instead of bf16 in the interpreter (its bf16 dot is wrong)."""
+    if MMA == "bf16":
+        if INTERPRET:
+            x = x.to(tl.float32)  # bf16 values are exact in fp32: same products, fp32 sums
+        else:
+            x = x.to(tl.bfloat16)
+    elif MMA == "fp16":
+        x = x.to(tl.float16)
+    return x
+
+
+@triton.jit
+def _attend_tile(
+    q_nope, q_pe, m_i, l_i, acc, start, kv_end, limit, b, KV, BLOCK_TABLE, qk_scale,
+    stride_kvp, stride_kvs, stride_bt,
+    PAGE_SIZE: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
+    MMA: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """One KV tile of BLOCK_N tokens from `start`: online-softmax update of (m_i, l_i, acc) for all rows."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_l = tl.arange(0, L)
+    offs_r = tl.arange(0, R)
+    # -- gather one tile of cache rows through the block table; never touch slots >= kv_end
+    tok = start + offs_n  # [N] positions inside the request
+    tok_ok = tok < kv_end
+    page = tl.load(BLOCK_TABLE + b * stride_bt + tok // PAGE_SIZE, mask=tok_ok, other=0)  # [N]
+    kv_row = KV + page.to(tl.int64)[:, None] * stride_kvp + (tok % PAGE_SIZE)[:, None] * stride_kvs  # [N, 1]
+    c_kv = tl.load(kv_row + offs_l[None, :], mask=tok_ok[:, None], other=0.0)  # [N, L]
+    k_pe = tl.load(kv_row + L + offs_r[None, :], mask=tok_ok[:, None], other=0.0)  # [N, R]
+    c_kv = _mma_operand(c_kv, MMA, INTERPRET)
+    k_pe = _mma_operand(k_pe, MMA, INTERPRET)
+
+    # -- scores: [M, L] x [L, N] + [M, R] x [R, N] -> [M, N], fp32 accumulation
+    s = tl.dot(q_nope, tl.trans(c_kv))
+    s = tl.dot(q_pe, tl.trans(k_pe), s)
+    s = s * qk_scale
+    visible = (tok[None, :] < limit[:, None]) & tok_ok[None, :]  # [M, N]
+    s = tl.where(visible, s, float("-inf"))
+
+    # -- online softmax update (base 2); a row with no visible token so far keeps m_i = -inf
+    m_new = tl.maximum(m_i, tl.max(s, 1))  # [M]
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)  # [M], 0 while m_i = -inf
+    p = tl.exp2(s - m_use[:, None])  # [M, N], exactly 0 where not visible
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p = _mma_operand(p, MMA, INTERPRET)  # P rounded to the MMA dtype (bf16/fp16)
+    acc = tl.dot(p, c_kv, acc * alpha[:, None])  # [M, N] x [N, L] -> [M, L]
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _mla_decode_kernel(
+    Q, KV, BLOCK_TABLE, SEQ_LENS, QO_INDPTR,  # q [T, H, L+R], kv [P, page, L+R], bt [B, pages], [B], [B+1]
+    WORK_ITEMS, WORKER_INDPTR,  # [N, 8] int32, [W+1] int32
+    OUT, LSE, O_PART, LSE_PART,  # [T, H, L] bf16, [T, H] fp32, [rows, H, L] fp32, [rows, H] fp32
+    Q_SCALE, KV_SCALE,  # fp32 [1] each (1.0 when unquantized)
+    sm_scale,
+    stride_qt, stride_qh,
+    stride_kvp, stride_kvs,
+    stride_bt,
+    stride_ot, stride_oh,
+    stride_lt,
+    stride_pt, stride_ph,
+    stride_plt,
+    PAGE_SIZE: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MMA: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    item_begin = tl.load(WORKER_INDPTR + pid)
+    item_end = tl.load(WORKER_INDPTR + pid + 1)
+    # fp8 per-tensor scales: real = fp8 * scale; folded into the base-2 score scale and the output
+    kv_scale = tl.load(KV_SCALE)
+    qk_scale = sm_scale * tl.load(Q_SCALE) * kv_scale * 1.4426950408889634  # scores in log2 units
+
+    offs_m = tl.arange(0, BLOCK_M)  # packed (query row, head) rows of one item
+    offs_l = tl.arange(0, L)  # c_kv channels (also V channels)
+    offs_r = tl.arange(0, R)  # k_pe channels
+
+    it = item_begin
+    while it < item_end:
+        item = WORK_ITEMS + it * 8
+        it += 1
+        b = tl.load(item + _BATCH)
+        partial_row = tl.load(item + _PARTIAL_ROW)
+        qo_start = tl.load(item + _QO_START)
+        qo_end = tl.load(item + _QO_END)
+        kv_start = tl.load(item + _KV_START)
+        kv_end = tl.load(item + _KV_END)
+        head_start = tl.load(item + _HEAD_START)
+        num_h = tl.load(item + _HEAD_END) - head_start
+
+        # -- rows: m -> (query row qo, head h), query-major
+        qo = qo_start + offs_m // num_h  # [M]
+        h = head_start + offs_m % num_h  # [M]
+        row_ok = offs_m < (qo_end - qo_start) * num_h  # [M]
+        # MTP causal limit: row r of a request with q_len n, seq_len s sees tokens < s - n + r + 1
+        req_qo_start = tl.load(QO_INDPTR + b)
+        q_len = tl.load(QO_INDPTR + b + 1) - req_qo_start
+        seq_len = tl.load(SEQ_LENS + b)
+        limit = seq_len - q_len + (qo - req_qo_start) + 1  # [M]
+
+        q_row = Q + qo.to(tl.int64)[:, None] * stride_qt + h[:, None] * stride_qh  # [M, 1]
+        q_nope = tl.load(q_row + offs_l[None, :], mask=row_ok[:, None], other=0.0)  # [M, L]
+        q_pe = tl.load(q_row + L + offs_r[None, :], mask=row_ok[:, None], other=0.0)  # [M, R]
+        q_nope = _mma_operand(q_nope, MMA, INTERPRET)
+        q_pe = _mma_operand(q_pe, MMA, INTERPRET)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of scores (log2 units)
+        l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(s - m_i)
+        acc = tl.zeros([BLOCK_M, L], tl.float32)  # running sum of exp2(s - m_i) * c_kv
+
+        # Triton 3.6's interpreter cannot take loaded bounds in range(): a while loop there, a pipelined for loop
+        # on the device (same tile body)
+        if INTERPRET:
+            start = kv_start
+            while start < kv_end:
+                m_i, l_i, acc = _attend_tile(
+                    q_nope, q_pe, m_i, l_i, acc, start, kv_end, limit, b, KV, BLOCK_TABLE, qk_scale,
+                    stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R, BLOCK_N, MMA, INTERPRET)
+                start += BLOCK_N
+        else:
+            for start in range(kv_start, kv_end, BLOCK_N):
+                m_i, l_i, acc = _attend_tile(
+                    q_nope, q_pe, m_i, l_i, acc, start, kv_end, limit, b, KV, BLOCK_TABLE, qk_scale,
+                    stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R, BLOCK_N, MMA, INTERPRET)
+
+        # -- epilogue: normalise, unscale V, natural-log LSE; empty rows give out = 0, lse = -inf
+        has_tok = l_i > 0.0
+        o = acc * (kv_scale / tl.where(has_tok, l_i, 1.0))[:, None]  # [M, L]
+        lse = tl.where(has_tok, (m_i + tl.log2(tl.where(has_tok, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+        if partial_row < 0:
+            out_ptr = OUT + qo.to(tl.int64)[:, None] * stride_ot + h[:, None] * stride_oh + offs_l[None, :]
+            tl.store(out_ptr, o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+            tl.store(LSE + qo.to(tl.int64) * stride_lt + h, lse, mask=row_ok)
+        else:
+            prow = (partial_row + qo - qo_start).to(tl.int64)  # [M] workspace rows of this item
+            part_ptr = O_PART + prow[:, None] * stride_pt + h[:, None] * stride_ph + offs_l[None, :]
+            tl.store(part_ptr, o, mask=row_ok[:, None])
+            tl.store(LSE_PART + prow * stride_plt + h, lse, mask=row_ok)
+
+
+@triton.jit
+def _mla_reduce_kernel(
+    O_PART, LSE_PART,  # [rows, H, L] fp32, [rows, H] fp32
+    REDUCE_INDPTR, REDUCE_FINAL, REDUCE_PARTIAL_MAP,  # [tiles+1], [tiles, 4], [M] int32
+    OUT, LSE,  # [T, H, L] bf16, [T, H] fp32
+    stride_pt, stride_ph, stride_plt,
+    stride_ot, stride_oh, stride_lt,
+    L: tl.constexpr,
+):
+    """One program per (reduce tile, packed row): merges that row's split partials (numerics.md §3)."""
+    tile = tl.program_id(0)
+    r = tl.program_id(1)
+    split_begin = tl.load(REDUCE_INDPTR + tile)
+    split_end = tl.load(REDUCE_INDPTR + tile + 1)
+    qo_start = tl.load(REDUCE_FINAL + tile * 4 + 0)
+    qo_end = tl.load(REDUCE_FINAL + tile * 4 + 1)
+    head_start = tl.load(REDUCE_FINAL + tile * 4 + 2)
+    num_h = tl.load(REDUCE_FINAL + tile * 4 + 3) - head_start
+    if (split_end > split_begin) & (r < (qo_end - qo_start) * num_h):
+        dq = r // num_h  # query row inside the tile
+        h = head_start + r % num_h
+        offs_l = tl.arange(0, L)
+        # pass 1: max of the partial LSEs (log2 units)
+        m = float("-inf")
+        i = split_begin
+        while i < split_end:  # while, not range(): the interpreter cannot take loaded bounds
+            prow = (tl.load(REDUCE_PARTIAL_MAP + i) + dq).to(tl.int64)
+            m = tl.maximum(m, tl.load(LSE_PART + prow * stride_plt + h) * 1.4426950408889634)
+            i += 1
+        m_use = tl.where(m == float("-inf"), 0.0, m)
+        # pass 2: O = sum_S 2^(L_S - M) O_S / sum_S 2^(L_S - M); empty partials (L_S = -inf) weigh 0
+        acc = tl.zeros([L], tl.float32)
+        w_sum = 0.0
+        i = split_begin
+        while i < split_end:
+            prow = (tl.load(REDUCE_PARTIAL_MAP + i) + dq).to(tl.int64)
+            i += 1
+            w = tl.exp2(tl.load(LSE_PART + prow * stride_plt + h) * 1.4426950408889634 - m_use)
+            o_s = tl.load(O_PART + prow * stride_pt + h * stride_ph + offs_l)  # [L]
+            acc += tl.where(w > 0.0, w * o_s, 0.0)
+            w_sum += w
+        has_tok = w_sum > 0.0
+        o = acc / tl.where(has_tok, w_sum, 1.0)
+        lse = tl.where(has_tok, (m_use + tl.log2(tl.where(has_tok, w_sum, 1.0))) * 0.6931471805599453, float("-inf"))
+        qo = (qo_start + dq).to(tl.int64)
+        tl.store(OUT + qo * stride_ot + h * stride_oh + offs_l, o.to(OUT.dtype.element_ty))
+        tl.store(LSE + qo * stride_lt + h, lse)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# launcher
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch choices of `_mla_decode_kernel`.
+
+    Attributes:
+        block_n: tokens per KV tile (power of two >= 16).
+        num_warps, num_stages: Triton launch options (num_stages pipelines the KV-tile loop).
+        mma: dtype the MMAs see, "bf16" or "fp16" (numerics: mla_fast/numerics.py).
+        head_group: heads per work item (the planner's head_group); rows per item = q_len x head_group <= 64.
+        plan_block_n: token granularity of the planner's splits (a page of 64 by default).
+        fixed_overhead: planner cost of one work item in plan_block_n blocks (None: the planner's default, 320
+            tokens as in FlashMLA's scheduler).
+    """
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    mma: str = "bf16"
+    head_group: int = 16
+    plan_block_n: int = 64
+    fixed_overhead: int | None = None
+
+
+MAX_ROWS = 64  # packed (query row x head) rows per work item: one M tile
+
+
+def _is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+
+
+def dtype_combo(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> str:
+    """Key of KERNEL_NUMERICS / DEFAULT_MMA: "bf16" (q, kv bf16), "fp8kv" (bf16 q, fp8 kv), "fp8" (both fp8)."""
+    if q_dtype == torch.bfloat16 and kv_dtype == torch.bfloat16:
+        return "bf16"
+    if q_dtype == torch.bfloat16 and _is_fp8(kv_dtype):
+        return "fp8kv"
+    if _is_fp8(q_dtype) and kv_dtype == q_dtype:
+        return "fp8"
+    raise ValueError(
+        f"q/kv_cache dtypes must be bf16/bf16, bf16/fp8 or fp8/fp8 (e4m3fn, e4m3fnuz), got {q_dtype}/{kv_dtype}"
+    )
+
+
+def default_config(combo: str, num_heads: int, max_q_len: int) -> KernelConfig:
+    """Tile choice: head_group = the largest divisor of num_heads with max_q_len x head_group <= 64 (one M tile)."""
+    from mla_fast.numerics import DEFAULT_MMA
+
+    head_group = max(d for d in range(1, num_heads + 1) if num_heads % d == 0 and d * max_q_len <= MAX_ROWS)
+    rows = head_group * max_q_len
+    num_warps = 8 if rows > 32 else 4
+    return KernelConfig(block_n=64, num_warps=num_warps, num_stages=2, mma=DEFAULT_MMA[combo], head_group=head_group)
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (the persistent grid); 4 on CPU (interpreter)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _scale_tensor(scale, device: torch.device) -> torch.Tensor:
+    """A per-tensor fp32 scale as a device tensor [1] (None -> 1.0); no host sync."""
+    if scale is None:
+        scale = 1.0
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1:
+            raise ValueError(f"q_scale/kv_scale must be per-tensor (one element), got shape {tuple(scale.shape)}")
+        return scale.reshape(1).to(device=device, dtype=torch.float32)
+    return torch.full((1,), float(scale), dtype=torch.float32, device=device)
+
+
+def check_batch(batch) -> None:
+    """Raise ValueError naming the field when the kernel cannot take `batch`."""
+    dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
+    L, D = batch.kv_lora_rank, batch.q.shape[-1]
+    R = D - L
+    for name, n in (("kv_lora_rank", L), ("rope_dim", R)):
+        if n < 16 or n & (n - 1):
+            raise ValueError(f"{name} must be a power of two >= 16 for the Triton kernel, got {n}")
+    if batch.kv_cache.shape[-1] != D:
+        raise ValueError(f"kv_cache last dim must equal q's head_dim {D}, got {batch.kv_cache.shape[-1]}")
+    if batch.q.stride(-1) != 1 or batch.kv_cache.stride(-1) != 1:
+        raise ValueError("q and kv_cache must be contiguous in the last dim")
+    if batch.q.device != batch.kv_cache.device:
+        raise ValueError(f"q and kv_cache must be on one device, got {batch.q.device} and {batch.kv_cache.device}")
+
+
+def make_plan(batch, config: KernelConfig, num_workers: int | None = None):
+    """WorkPlan for `batch` with this kernel's granularity (host sync: the planner reads seq_lens)."""
+    device = batch.q.device
+    return planner.plan_decode(
+        batch.seq_lens,
+        batch.q_lens,
+        batch.num_heads,
+        num_workers or num_sms(device),
+        block_n=config.plan_block_n,
+        fixed_overhead=config.fixed_overhead,
+        head_group=config.head_group,
+    )
+
+
+def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=None, kv_scale=None,
+           max_rows: int | None = None) -> None:
+    """Launch decode (+ reduce when the plan splits) into preallocated `out`/`lse`; no host sync, graph-safe."""
+    L = batch.kv_lora_rank
+    R = batch.q.shape[-1] - L
+    H = batch.num_heads
+    device = batch.q.device
+    if workspace is None:
+        rows = max(int(plan.num_partial_rows), 1)
+        workspace = (torch.empty(rows, H, L, dtype=torch.float32, device=device),
+                     torch.empty(rows, H, dtype=torch.float32, device=device))
+    o_part, lse_part = workspace
+    q_scale = _scale_tensor(batch.q_scale if q_scale is None else q_scale, device)
+    kv_scale = _scale_tensor(batch.kv_scale if kv_scale is None else kv_scale, device)
+    max_rows = max_rows or MAX_ROWS
+    block_m = max(16, triton.next_power_of_2(max_rows))
+    kv = batch.kv_cache
+    num_workers = plan.worker_indptr.numel() - 1
+    _mla_decode_kernel[(num_workers,)](
+        batch.q, kv, batch.block_table, batch.seq_lens, batch.qo_indptr,
+        plan.work_items, plan.worker_indptr,
+        out, lse, o_part, lse_part,
+        q_scale, kv_scale,
+        float(batch.sm_scale),
+        batch.q.stride(0), batch.q.stride(1),
+        kv.stride(0), kv.stride(1),
+        batch.block_table.stride(0),
+        out.stride(0), out.stride(1),
+        lse.stride(0),
+        o_part.stride(0), o_part.stride(1),
+        lse_part.stride(0),
+        PAGE_SIZE=kv.shape[1], L=L, R=R, BLOCK_M=block_m, BLOCK_N=config.block_n,
+        MMA=config.mma, INTERPRET=INTERPRET,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    num_tiles = plan.reduce_final.shape[0]
+    if num_tiles > 0 and plan.reduce_partial_map.numel() > 0:
+        _mla_reduce_kernel[(num_tiles, max_rows)](
+            o_part, lse_part,
+            plan.reduce_indptr, plan.reduce_final, plan.reduce_partial_map,
+            out, lse,
+            o_part.stride(0), o_part.stride(1), lse_part.stride(0),
+            out.stride(0), out.stride(1), lse.stride(0),
+            L=L, num_warps=4,
+        )
+
+
+def decode(batch, *, plan=None, out=None, lse=None, config: KernelConfig | None = None, num_workers: int | None = None):
+    """Triton MLA decode of a `DecodeBatch` -> (out [T, H, L] bf16, lse [T, H] fp32 natural log).
+
+    plan: a `WorkPlan` from `make_plan` (computed here when None: one host sync). out / lse: optional preallocated
+    outputs. config: launch choices (default `default_config` for the batch's dtypes, heads and q_len).
+    """
+    check_batch(batch)
+    combo = dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
+    T, H, L = batch.q.shape[0], batch.num_heads, batch.kv_lora_rank
+    max_q_len = int(batch.q_lens.max()) if batch.q_lens.numel() else 1
+    config = config or default_config(combo, H, max(max_q_len, 1))
+    if max(max_q_len, 1) * config.head_group > MAX_ROWS:
+        raise ValueError(f"q_len x head_group must be <= {MAX_ROWS}, got {max_q_len} x {config.head_group}")
+    plan = plan if plan is not None else make_plan(batch, config, num_workers)
+    device = batch.q.device
+    out = out if out is not None else torch.empty(T, H, L, dtype=torch.bfloat16, device=device)
+    lse = lse if lse is not None else torch.empty(T, H, dtype=torch.float32, device=device)
+    if T > 0:
+        launch(batch, plan, out, lse, config, max_rows=max(max_q_len, 1) * config.head_group)
+    return out, lse
+
+
+class TritonMLADecode:
+    """CUDA-graph-capturable decode step: `plan(batch)` eagerly (host sync), then `run()` only launches.
+
+    All buffers (plan, workspace, scales) are allocated once for the maximum sizes given here; `plan()` copies a new
+    WorkPlan into them in place, so a graph captured around `run()` stays valid when seq_lens change.
+
+    Args:
+        batch: a DecodeBatch whose tensors (q, kv_cache, block_table, seq_lens, q_lens) are the static buffers the
+            graph reads; refill them in place between replays, then call `plan(batch)` again.
+        max_q_len: largest q_len any later step uses.
+        max_items, max_partial_rows, max_tiles, max_map: capacities of the plan buffers (defaults sized for one item
+            per (request, head group) per worker plus splits).
+    """
+
+    def __init__(self, batch, *, max_q_len: int = 1, num_workers: int | None = None, config: KernelConfig | None = None,
+                 max_items: int | None = None, max_partial_rows: int | None = None):
+        check_batch(batch)
+        self.batch = batch
+        device = batch.q.device
+        H, L, B = batch.num_heads, batch.kv_lora_rank, batch.batch_size
+        combo = dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
+        self.config = config or default_config(combo, H, max_q_len)
+        self.max_rows = max_q_len * self.config.head_group
+        self.num_workers = num_workers or num_sms(device)
+        groups = B * triton.cdiv(H, self.config.head_group)
+        max_items = max_items or groups + 2 * self.num_workers
+        max_partial_rows = max_partial_rows or max_q_len * (max_items + self.num_workers)
+        i32 = dict(dtype=torch.int32, device=device)
+        self.work_items = torch.zeros(max_items, 8, **i32)
+        self.worker_indptr = torch.zeros(self.num_workers + 1, **i32)
+        self.reduce_indptr = torch.zeros(groups + 1, **i32)
+        self.reduce_final = torch.zeros(groups, 4, **i32)
+        self.reduce_partial_map = torch.zeros(max_items, **i32)
+        self.workspace = (torch.empty(max_partial_rows, H, L, dtype=torch.float32, device=device),
+                          torch.empty(max_partial_rows, H, dtype=torch.float32, device=device))
+        self.q_scale = _scale_tensor(batch.q_scale, device)
+        self.kv_scale = _scale_tensor(batch.kv_scale, device)
+        self.out = torch.empty(batch.q.shape[0], H, L, dtype=torch.bfloat16, device=device)
+        self.lse = torch.empty(batch.q.shape[0], H, dtype=torch.float32, device=device)
+
+    def plan(self, batch=None) -> None:
+        """Plan on the current seq_lens/q_lens and copy into the static buffers (eager; never inside a capture)."""
+        batch = batch or self.batch
+        p = make_plan(batch, self.config, self.num_workers)
+        n, m, t = p.work_items.shape[0], p.reduce_partial_map.numel(), p.reduce_final.shape[0]
+        if n > self.work_items.shape[0] or m > self.reduce_partial_map.numel() or t > self.reduce_final.shape[0]:
+            raise ValueError(f"plan needs {n} items / {m} partials / {t} tiles, above this step's capacities")
+        if p.num_partial_rows > self.workspace[0].shape[0]:
+            raise ValueError(f"plan needs {p.num_partial_rows} partial rows, capacity {self.workspace[0].shape[0]}")
+        self.work_items[:n].copy_(p.work_items)
+        self.worker_indptr.copy_(p.worker_indptr)
+        self.reduce_partial_map[:m].copy_(p.reduce_partial_map)
+        self.reduce_final[:t].copy_(p.reduce_final)
+        self.reduce_indptr[: t + 1].copy_(p.reduce_indptr)
+        self.reduce_indptr[t + 1 :].fill_(int(p.reduce_indptr[-1]) if p.reduce_indptr.numel() else 0)
+        self.reduce_final[t:].zero_()
+        if batch.q_scale is not None:
+            self.q_scale.copy_(_scale_tensor(batch.q_scale, self.q_scale.device))
+        if batch.kv_scale is not None:
+            self.kv_scale.copy_(_scale_tensor(batch.kv_scale, self.kv_scale.device))
+
+    def run(self):
+        """Launch decode + reduce on the static buffers -> (out, lse) (the same tensors every call)."""
+        launch(self.batch, _StaticPlan(self), self.out, self.lse, self.config, workspace=self.workspace,
+               q_scale=self.q_scale, kv_scale=self.kv_scale, max_rows=self.max_rows)
+        return self.out, self.lse
+
+
+@dataclass
+class _StaticPlan:
+    """The plan-shaped view of TritonMLADecode's static buffers (padded tiles have empty split ranges)."""
+
+    work_items: torch.Tensor
+    worker_indptr: torch.Tensor
+    reduce_indptr: torch.Tensor
+    reduce_final: torch.Tensor
+    reduce_partial_map: torch.Tensor
+    num_partial_rows: int
+
+    def __init__(self, step: "TritonMLADecode"):
+        self.work_items, self.worker_indptr = step.work_items, step.worker_indptr
+        self.reduce_indptr, self.reduce_final = step.reduce_indptr, step.reduce_final
+        self.reduce_partial_map = step.reduce_partial_map
+        self.num_partial_rows = step.workspace[0].shape[0]
+
+
+__all__ = ["decode", "make_plan", "launch", "KernelConfig", "default_config", "TritonMLADecode", "INTERPRET"]
