@@ -1,0 +1,264 @@
+"""One verifier case: a small frozen description of a decode batch, and how to build its tensors.
+
+A `Case` holds only shapes, dtypes, a data distribution and a seed; `materialize(device)` builds the tensors from a
+local `torch.Generator(seed)` on the CPU (identical bits on every machine), then moves them to `device`.
+
+It returns two batches that share q rows, block table and page order:
+
+- ``batch_exact``: the unquantized inputs, bf16 (what a bf16 model's KV cache holds);
+- ``batch_kernel``: what the kernel under test receives: the same bf16 batch for ``kv_dtype="bf16"``, or its fp8
+  quantization (``real = fp8 · scale``, saturating, mla_ref.fp8.quantize) for ``kv_dtype="fp8"``.
+
+Data distributions (numerics.md §5.1, §8.2), each with q scaled so that scores ``s = σ <q, k>`` have the given std:
+
+| dist     | cache rows [c_kv | k_pe]                              | score std | stresses                        |
+|----------|-------------------------------------------------------|-----------|---------------------------------|
+| gauss1   | N(0, 1)                                               | 1         | the typical case                |
+| gauss4   | N(0, 1)                                               | 4         | peaky softmax (large ω)         |
+| outlier  | N(0, 1), two latent channels × 3000 (q there ÷ 3000)  | 1         | the rest in fp8 subnormals      |
+| sink     | N(0, 1); token 0 of each request gets a +12 logit     | ~1.4      | one dominant token              |
+| coherent | 4 repeated rows of ±1.0625, q = ±0.296875 (fp8 ties)  | ~1        | rounding errors that add up     |
+| near_max | N(0, 1), a few entries at s·(448, 464] (static s)     | 1         | saturation, torch's NaN trap    |
+
+fp8 scale modes (per tensor, q and KV alike):
+
+- ``dynamic``: s = amax / fmt.max of the actual data (vLLM's runtime quantization);
+- ``static``: s = 2^ceil(log2(8·std / fmt.max)), a power of two from the *distribution*, not the data (a checkpoint
+  scale); near_max places its entries beyond fmt.max·s, so they saturate;
+- ``unit``: s = 1 (vLLM's default ``k_scale``); with the coherent data every value is an fp8 tie.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shlex
+from dataclasses import dataclass
+
+import torch
+
+from mla_ref.decode import DecodeBatch, make_decode_batch
+from mla_ref.fp8 import FORMATS, quantize
+
+SM_SCALE = 0.1352338  # DeepSeek-V3 σ = 192^-1/2 · mscale² (numerics.md §1.3)
+DISTRIBUTIONS = ("gauss1", "gauss4", "outlier", "sink", "coherent", "near_max")
+SCALE_MODES = ("dynamic", "static", "unit")
+DTYPES = ("bf16", "fp8")
+FP8_FORMATS = ("e4m3fn", "e4m3fnuz")
+
+OUTLIER_GAIN = 3000.0  # numerics.md §5.1: 2 outlier channels × 3000 leave ~36% of the rest subnormal
+SINK_LOGIT = 12.0  # extra logit of the sink token (numerics.md §5.1)
+COHERENT_KV = 1.0625  # 1 + 2^-4: an e4m3 tie (between 1 and 1.125), exact in bf16
+COHERENT_Q = 0.296875  # 19/64: an e4m3 tie (between 0.28125 and 0.3125), exact in bf16
+NEAR_MAX_FRACTION = 1 / 256  # share of entries placed beyond fmt.max·s in the near_max distribution
+NEAR_MAX = {"e4m3fn": (450.0, 452.0, 456.0, 460.0, 464.0), "e4m3fnuz": (242.0, 244.0, 246.0)}  # torch -> ±max
+STD_RANGE = 8.0  # a static scale covers 8 standard deviations
+
+
+@dataclass(frozen=True)
+class Case:
+    """A decode batch described by plain values; see the module docstring for distributions and scales.
+
+    Attributes:
+        seq_lens: KV tokens per request (0 = empty sequence).
+        q_lens: query rows per request (> 1: MTP), same length as seq_lens.
+        heads: query heads H.
+        page_size: tokens per cache page.
+        kv_lora_rank, rope_dim: L and R (DeepSeek-V3: 512, 64).
+        q_dtype: "bf16" or "fp8" (fp8 q needs fp8 KV).
+        kv_dtype: "bf16" or "fp8".
+        fp8_format: "e4m3fn" or "e4m3fnuz" (ignored for bf16).
+        scale_mode: "dynamic", "static" or "unit" (ignored for bf16).
+        dist: data distribution, one of DISTRIBUTIONS.
+        num_workers: persistent workers the kernel's plan uses (caps the KV splits of a request).
+        seed: seed of the local torch.Generator every tensor comes from.
+    """
+
+    seq_lens: tuple[int, ...] = (64,)
+    q_lens: tuple[int, ...] = (1,)
+    heads: int = 16
+    page_size: int = 64
+    kv_lora_rank: int = 512
+    rope_dim: int = 64
+    q_dtype: str = "bf16"
+    kv_dtype: str = "bf16"
+    fp8_format: str = "e4m3fn"
+    scale_mode: str = "dynamic"
+    dist: str = "gauss1"
+    num_workers: int = 4
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.seq_lens or any(not isinstance(s, int) or s < 0 for s in self.seq_lens):
+            raise ValueError(f"Case.seq_lens: expected a non-empty tuple of ints >= 0, got {self.seq_lens!r}")
+        if len(self.q_lens) != len(self.seq_lens) or any(not isinstance(n, int) or n < 1 for n in self.q_lens):
+            n = len(self.seq_lens)
+            raise ValueError(f"Case.q_lens: expected {n} ints >= 1 (one per request), got {self.q_lens!r}")
+        for name in ("heads", "page_size", "kv_lora_rank", "rope_dim", "num_workers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"Case.{name}: expected an int >= 1, got {value!r}")
+        for name, allowed in (("q_dtype", DTYPES), ("kv_dtype", DTYPES), ("fp8_format", FP8_FORMATS),
+                              ("scale_mode", SCALE_MODES), ("dist", DISTRIBUTIONS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"Case.{name}: expected one of {allowed}, got {getattr(self, name)!r}")
+        if self.q_dtype == "fp8" and self.kv_dtype != "fp8":
+            raise ValueError("Case.q_dtype: fp8 queries need kv_dtype='fp8', got kv_dtype='bf16'")
+        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise ValueError(f"Case.seed: expected an int in [0, 2^63), got {self.seed!r}")
+
+    # ---- derived sizes ----------------------------------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.kv_lora_rank + self.rope_dim
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.q_lens)
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.kv_dtype == "fp8"
+
+    @property
+    def work(self) -> int:
+        """Σ_b q_len_b · seq_len_b · H: (query row, head, KV token) triples, the cost of one oracle pass."""
+        return self.heads * sum(n * s for n, s in zip(self.q_lens, self.seq_lens))
+
+    def describe(self) -> str:
+        """A short human label, e.g. ``fp8(e4m3fn,dynamic)/bf16q gauss4 H16 ps64 seq[1,2048] q[1,2] w4``."""
+        dt = f"fp8({self.fp8_format},{self.scale_mode})/{self.q_dtype}q" if self.is_fp8 else "bf16"
+        seqs = ",".join(map(str, self.seq_lens))
+        qs = ",".join(map(str, self.q_lens))
+        return f"{dt} {self.dist} H{self.heads} ps{self.page_size} seq[{seqs}] q[{qs}] w{self.num_workers}"
+
+    # ---- serialisation and replay -----------------------------------------------------------------------------
+    def to_json(self) -> str:
+        """Compact one-line JSON of every field (what ``--case`` takes)."""
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> Case:
+        """Parse ``to_json`` output; fields left out take their defaults. ValueError on bad JSON or fields."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"Case JSON: expected a JSON object, got {text[:80]!r} ({e.msg})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"Case JSON: expected a JSON object, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"Case JSON: unknown fields {unknown}; expected a subset of {sorted(known)}")
+        for name in ("seq_lens", "q_lens"):
+            if name in data:
+                if not isinstance(data[name], list):
+                    raise ValueError(f"Case.{name}: expected a JSON list of ints, got {data[name]!r}")
+                data[name] = tuple(data[name])
+        return cls(**data)
+
+    def repro(self, flags: str = "") -> str:
+        """One shell line that replays this case alone: ``mla-verify --case '<json>' <flags>``."""
+        return f"mla-verify --case {shlex.quote(self.to_json())}" + (f" {flags}" if flags else "")
+
+    # ---- tensors ------------------------------------------------------------------------------------------------
+    def materialize(self, device: torch.device | str = "cpu") -> tuple[DecodeBatch, DecodeBatch]:
+        """Build (batch_kernel, batch_exact) on ``device``; both share block_table and page order."""
+        g = torch.Generator().manual_seed(self.seed)
+        q, kv = _draw(self, g)  # [T, H, D] fp32, B x [s_b, D] fp32
+        exact = make_decode_batch(
+            q.to(torch.bfloat16),
+            [k.to(torch.bfloat16) for k in kv],
+            sm_scale=SM_SCALE,
+            kv_lora_rank=self.kv_lora_rank,
+            page_size=self.page_size,
+            generator=g,
+            q_lens=list(self.q_lens),
+        )
+        if not self.is_fp8:
+            return exact.to(device), exact.to(device)
+        # dynamic: amax over the finite entries = the real tokens (unused slots are NaN and stay NaN)
+        kv8, kv_scale = quantize(exact.kv_cache, self.fp8_format, scale=self._scale("kv"))  # [P, ps, D]
+        kernel = exact.replace(kv_cache=kv8, kv_scale=float(kv_scale))
+        if self.q_dtype == "fp8":
+            q8, q_scale = quantize(exact.q, self.fp8_format, scale=self._scale("q"))  # [T, H, D]
+            kernel = kernel.replace(q=q8, q_scale=float(q_scale))
+        return kernel.validate().to(device), exact.to(device)
+
+    def _scale(self, which: str) -> float | None:
+        """The per-tensor scale of the scale mode (None = dynamic, quantize computes amax / fmt.max)."""
+        if self.scale_mode == "dynamic":
+            return None
+        if self.scale_mode == "unit":
+            return 1.0
+        return static_scale(self, which)
+
+
+# ---- data -------------------------------------------------------------------------------------------------------
+
+
+def q_std(case: Case) -> float:
+    """Std of the generated q entries: score std = σ · sqrt(D) · q_std for unit-variance cache rows."""
+    score_std = 4.0 if case.dist == "gauss4" else 1.0
+    return score_std / (SM_SCALE * math.sqrt(case.head_dim))
+
+
+def static_scale(case: Case, which: str) -> float:
+    """Power-of-two static scale covering STD_RANGE stds of the distribution of q or the cache (not of the data)."""
+    if case.dist == "coherent":
+        amax = COHERENT_Q if which == "q" else COHERENT_KV
+    elif which == "q":
+        amax = STD_RANGE * q_std(case)
+    else:
+        amax = STD_RANGE * (OUTLIER_GAIN if case.dist == "outlier" else 1.0)
+    return 2.0 ** math.ceil(math.log2(amax / FORMATS[case.fp8_format].max))
+
+
+def _draw(case: Case, g: torch.Generator) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(q [T, H, D], per-request cache rows B x [s_b, D]) in fp32 for the case's distribution."""
+    T, H, D, L = case.num_tokens, case.heads, case.head_dim, case.kv_lora_rank
+    if case.dist == "coherent":
+        rows = COHERENT_KV * _signs((4, D), g)  # [4, D] a few rows, repeated
+        kv = [rows[torch.randint(0, 4, (s,), generator=g)] for s in case.seq_lens]  # B x [s_b, D]
+        return COHERENT_Q * _signs((T, H, D), g), kv
+
+    q = q_std(case) * torch.randn(T, H, D, generator=g)  # [T, H, D]
+    kv = [torch.randn(s, D, generator=g) for s in case.seq_lens]  # B x [s_b, D]
+    if case.dist == "outlier":
+        ch = torch.randperm(L, generator=g)[:2]  # two latent channels
+        for k in kv:
+            k[:, ch] *= OUTLIER_GAIN
+        q[..., ch] /= OUTLIER_GAIN  # keep their score contribution typical
+    elif case.dist == "sink":
+        u = torch.randn(D, generator=g)
+        u = u / u.norm()  # [D] unit direction
+        q = q + u / SM_SCALE  # [T, H, D] σ <q, u> = 1 more score noise for every token ...
+        for k in kv:
+            if k.shape[0]:
+                k[0] += SINK_LOGIT * u  # ... and +12 for token 0
+    elif case.dist == "near_max" and case.is_fp8:
+        fmt = case.fp8_format
+        q = _place_near_max(q, static_scale(case, "q"), fmt, g) if case.q_dtype == "fp8" else q
+        kv = [_place_near_max(k, static_scale(case, "kv"), fmt, g) for k in kv]
+    return q, kv
+
+
+def _signs(shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    """Random ±1.0 of the given shape."""
+    return torch.randint(0, 2, shape, generator=g).float() * 2 - 1
+
+
+def _place_near_max(x: torch.Tensor, scale: float, fmt: str, g: torch.Generator) -> torch.Tensor:
+    """Set a few entries of x to ±scale·v with v beyond the fp8 max where torch's cast still gives ±max.
+
+    v is drawn from NEAR_MAX[fmt]: (448, 464] for e4m3fn (above 464 torch gives NaN), (240, 248) for e4m3fnuz.
+    v is an even integer (exact in bf16 at this magnitude) and scale a power of two: the bf16 value is scale·v.
+    """
+    values = torch.tensor(NEAR_MAX[fmt])  # [k]
+    n = max(1, round(x.numel() * NEAR_MAX_FRACTION)) if x.numel() else 0
+    where = torch.randperm(x.numel(), generator=g)[:n]  # [n] flat positions
+    v = values[torch.randint(0, len(values), (n,), generator=g)]  # [n]
+    flat = x.flatten().clone()
+    flat[where] = scale * v * _signs((n,), g)
+    return flat.view_as(x)
