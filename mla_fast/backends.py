@@ -1,0 +1,259 @@
+"""Registry of MLA decode backends: name -> `Backend`, a callable `(batch) -> (out [T, H, L], lse [T, H])`.
+
+Every backend follows the contract of `mla_ref.decode`: natural-log LSE including sm_scale, a row that sees no token
+gives out 0 / lse -inf, fp8 inputs carry per-tensor scales. Each one also declares how it rounds (`numerics(batch)`,
+a `KernelNumerics` read by verify's kernel bound, numerics.md §5(f)).
+
+| name       | what runs                                               | needs                                    |
+|------------|---------------------------------------------------------|------------------------------------------|
+| ref        | `mla_decode_ref`, fp64 oracle                           | nothing                                  |
+| emulated   | `plan_decode` + `run_plan_reference` in fp32, bf16 out  | nothing                                  |
+| triton     | mla_fast's persistent split-KV Triton kernel            | a GPU, or TRITON_INTERPRET=1 (CPU, slow) |
+| aiter      | ROCm/aiter persistent MLA (`mla_fast.aiter_backend`)    | ROCm, amd-aiter, gfx942/gfx950           |
+| flashinfer | FlashInfer `BatchMLAPagedAttentionWrapper`, FA3         | CUDA sm_90, flashinfer-python            |
+| flashmla   | FlashMLA dense decode (sgl-flash-mla legacy SM90)       | CUDA sm_90, sgl-flash-mla                |
+
+`available()` says for each whether it can run here and, if not, why; `get_backend("auto")` picks the first runnable
+of `AUTO_ORDER`. Peer packages are imported only when a backend runs, never when this module is imported.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from mla_fast.numerics import KERNEL_NUMERICS, KernelNumerics
+from mla_ref.decode import DecodeBatch, is_fp8
+
+AUTO_ORDER = ("triton", "flashmla", "flashinfer", "aiter", "emulated")  # "auto": our kernel first, ref never
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One decode implementation.
+
+    Attributes:
+        name: registry key.
+        summary: one line for tables and error messages.
+        run: (batch) -> (out [T, H, L], lse [T, H] fp32 natural log).
+        probe: () -> (ok, reason): whether it can run in this process, and why not.
+        numerics: (batch) -> KernelNumerics declared for that batch's dtypes.
+    """
+
+    name: str
+    summary: str
+    run: Callable[[DecodeBatch], tuple[torch.Tensor, torch.Tensor]]
+    probe: Callable[[], tuple[bool, str]]
+    numerics: Callable[[DecodeBatch], KernelNumerics]
+
+    def __call__(self, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.run(batch)
+
+
+# ---- declared numerics -------------------------------------------------------------------------------------------
+_F32 = 2**-23  # one chopped fp32 addition per accumulated term (as mla_fast.numerics charges its own kernel)
+_FP8_MMA = 1.1e-3  # Hopper fp8 MMA accumulation, max |err| / Σ|ab| at K = 576, same-sign data (numerics.md §4.2)
+_MAX_TILES = 2**18 // 64  # 64-token KV tiles of the longest request the gammas cover (as mla_fast.numerics)
+
+
+def _hopper_16bit(dtype: torch.dtype) -> KernelNumerics:
+    """16-bit MMAs with fp32 accumulation, P rounded to the operand dtype, 64-token KV tiles (FA3, FlashMLA)."""
+    return KernelNumerics(
+        p_fmt="bf16" if dtype == torch.bfloat16 else "fp16",
+        p_scale=1.0,
+        qk_operand=dtype,
+        pv_operand=dtype,
+        gamma_qk=(512 + 64 + 1) * _F32,  # L + R terms + the scale multiply
+        gamma_pv=(64 + _MAX_TILES + 4) * _F32,  # per-tile MMA + running rescale + epilogue
+        out_dtype=dtype,
+    )
+
+
+def _fp8_mma(p_fmt: str, operand: torch.dtype) -> KernelNumerics:
+    """fp8 QK and PV MMAs with P rounded to fp8 without a scale (FlashMLA PR #54 dense fp8, aiter a8w8)."""
+    return KernelNumerics(
+        p_fmt=p_fmt,
+        p_scale=1.0,
+        qk_operand=operand,
+        pv_operand=operand,
+        gamma_qk=_FP8_MMA,
+        gamma_pv=_FP8_MMA + (_MAX_TILES + 4) * _F32,
+        out_dtype=torch.bfloat16,
+    )
+
+
+def _ref_numerics(batch: DecodeBatch) -> KernelNumerics:
+    return KernelNumerics(None, 1.0, torch.float64, torch.float64, 0.0, 0.0, out_dtype=torch.float64)
+
+
+def _emulated_numerics(batch: DecodeBatch) -> KernelNumerics:
+    # torch fp32 matmuls (round-to-nearest, pairwise or blocked): charged like a chopped fp32 sum, fp32 P
+    return KernelNumerics(None, 1.0, torch.float32, torch.float32, (576 + 1) * _F32, (_MAX_TILES + 64 + 4) * _F32)
+
+
+def _triton_numerics(batch: DecodeBatch) -> KernelNumerics:
+    from mla_fast.triton_decode import dtype_combo
+
+    return KERNEL_NUMERICS[dtype_combo(batch.q.dtype, batch.kv_cache.dtype)]
+
+
+def _flashinfer_numerics(batch: DecodeBatch) -> KernelNumerics:
+    # fp8 KV is staged to bf16 in shared memory (bf16 MMAs; q is bf16): same rounding points as bf16
+    return _hopper_16bit(torch.float16 if batch.kv_cache.dtype == torch.float16 else torch.bfloat16)
+
+
+def _flashmla_numerics(batch: DecodeBatch) -> KernelNumerics:
+    if is_fp8(batch.kv_cache.dtype):
+        return _fp8_mma("e4m3fn", torch.float8_e4m3fn)
+    return _hopper_16bit(torch.float16 if batch.kv_cache.dtype == torch.float16 else torch.bfloat16)
+
+
+def _aiter_numerics(batch: DecodeBatch) -> KernelNumerics:
+    # declared from aiter's reference (aiter-contract.md §7-§8), not measured: a8w8 rounds exp(s - m) to the arch's
+    # fp8 before the PV MFMA; bf16 and a16w8 (fp8 KV converted to bf16, exact) use bf16 P
+    if is_fp8(batch.q.dtype):
+        fmt = "e4m3fnuz" if batch.q.dtype == torch.float8_e4m3fnuz else "e4m3fn"
+        return _fp8_mma(fmt, batch.q.dtype)
+    return _hopper_16bit(torch.bfloat16)
+
+
+# ---- runners -----------------------------------------------------------------------------------------------------
+def _run_ref(batch: DecodeBatch):
+    from mla_ref.decode import mla_decode_ref
+
+    return mla_decode_ref(batch)
+
+
+def _run_emulated(batch: DecodeBatch):
+    from mla_fast.emulate import run_plan_reference
+    from mla_fast.planner import plan_decode
+
+    plan = plan_decode(batch.seq_lens, batch.q_lens, batch.num_heads, num_workers=4)  # small batches still split
+    out, lse = run_plan_reference(batch, plan, torch.float32)
+    return out.to(torch.bfloat16), lse
+
+
+def _run_triton(batch: DecodeBatch):
+    from mla_fast.triton_decode import decode
+
+    return decode(batch)
+
+
+def _run_aiter(batch: DecodeBatch):
+    from mla_fast.aiter_backend import aiter_decode
+
+    return aiter_decode(batch)
+
+
+def _run_flashinfer(batch: DecodeBatch):
+    from mla_fast.flashinfer_backend import flashinfer_decode
+
+    return flashinfer_decode(batch)
+
+
+def _run_flashmla(batch: DecodeBatch):
+    from mla_fast.flashmla_backend import flashmla_decode
+
+    return flashmla_decode(batch)
+
+
+# ---- probes ------------------------------------------------------------------------------------------------------
+def _always() -> tuple[bool, str]:
+    return True, "pure torch, runs anywhere"
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _cuda_sm90(what: str) -> tuple[bool, str] | None:
+    """None when a CUDA sm_90 GPU is present, else (False, reason)."""
+    if torch.version.hip is not None:
+        return False, f"{what} is CUDA-only; this torch is a ROCm build ({torch.version.hip})"
+    if not torch.cuda.is_available():
+        return False, f"{what} needs a CUDA GPU; torch.cuda.is_available() is False"
+    major, minor = torch.cuda.get_device_capability()
+    if major != 9:
+        return False, f"{what} needs sm_90 (Hopper); this GPU is sm_{major}{minor}"
+    return None
+
+
+def _probe_triton() -> tuple[bool, str]:
+    if not _has_module("triton"):
+        return False, "triton is not installed (pip install 'mla-verify[triton]')"
+    if torch.cuda.is_available():
+        return True, f"GPU: {torch.cuda.get_device_name()}"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True, "Triton CPU interpreter only (TRITON_INTERPRET=1): correct but slow"
+    return False, "no GPU; the Triton kernel runs on CPU only under TRITON_INTERPRET=1 (interpreter, slow)"
+
+
+def _probe_flashinfer() -> tuple[bool, str]:
+    if not _has_module("flashinfer"):
+        return False, "flashinfer-python is not installed (pip install 'mla-verify[cuda-peers]')"
+    return _cuda_sm90("FlashInfer FA3 MLA") or (True, f"FA3 on {torch.cuda.get_device_name()}")
+
+
+def _probe_flashmla() -> tuple[bool, str]:
+    if not _has_module("flash_mla"):
+        return False, "sgl-flash-mla is not installed (pip install 'mla-verify[cuda-peers]')"
+    return _cuda_sm90("FlashMLA dense decode") or (True, f"legacy SM90 kernels on {torch.cuda.get_device_name()}")
+
+
+def _probe_aiter() -> tuple[bool, str]:
+    if torch.version.hip is None:
+        return False, "aiter needs ROCm; this torch is not a ROCm build (torch.version.hip is None)"
+    if not torch.cuda.is_available():
+        return False, "aiter needs an AMD GPU; torch.cuda.is_available() is False"
+    try:
+        from importlib.metadata import version
+
+        version("amd-aiter")
+    except Exception:
+        return False, "amd-aiter is not installed (pip install 'mla-verify[rocm]'; the PyPI 'aiter' is unrelated)"
+    arch = torch.cuda.get_device_properties(0).gcnArchName.split(":")[0]
+    if arch not in ("gfx942", "gfx950"):
+        return False, f"aiter's persistent MLA kernels exist for gfx942/gfx950; this GPU is {arch}"
+    return True, f"{arch}"
+
+
+# ---- registry ----------------------------------------------------------------------------------------------------
+BACKENDS: dict[str, Backend] = {
+    b.name: b
+    for b in (
+        Backend("ref", "fp64 oracle (mla_decode_ref)", _run_ref, _always, _ref_numerics),
+        Backend("emulated", "WorkPlan emulated with torch fp32, bf16 out", _run_emulated, _always, _emulated_numerics),
+        Backend("triton", "mla_fast persistent split-KV Triton kernel", _run_triton, _probe_triton, _triton_numerics),
+        Backend("aiter", "ROCm/aiter persistent MLA decode", _run_aiter, _probe_aiter, _aiter_numerics),
+        Backend("flashinfer", "FlashInfer MLA paged, FA3", _run_flashinfer, _probe_flashinfer, _flashinfer_numerics),
+        Backend("flashmla", "FlashMLA dense decode (legacy SM90)", _run_flashmla, _probe_flashmla, _flashmla_numerics),
+    )
+}
+
+
+def available() -> dict[str, tuple[bool, str]]:
+    """name -> (can run here, reason) for every registered backend."""
+    return {name: b.probe() for name, b in BACKENDS.items()}
+
+
+def get_backend(name: str) -> Backend:
+    """The backend called `name` ("auto": first runnable of AUTO_ORDER); ValueError saying why it cannot run."""
+    if name == "auto":
+        for candidate in AUTO_ORDER:
+            interpreter_only = candidate == "triton" and not torch.cuda.is_available()  # correct but slow: skip
+            if BACKENDS[candidate].probe()[0] and not interpreter_only:
+                return BACKENDS[candidate]
+        raise ValueError("backend 'auto': none of " + ", ".join(AUTO_ORDER) + " can run here")
+    if name not in BACKENDS:
+        raise ValueError(f"backend: expected one of {sorted(BACKENDS) + ['auto']}, got {name!r}")
+    ok, reason = BACKENDS[name].probe()
+    if not ok:
+        raise ValueError(f"backend {name!r} cannot run here: {reason}")
+    return BACKENDS[name]

@@ -1,0 +1,117 @@
+"""Adapter for FlashMLA's dense decode on SM90, as kept by `sgl-flash-mla==1.0.0` (`use_legacy=True`).
+
+Layout (peers.md §4): q [B, s_q, H, 576] (one query length for all requests), k_cache [blocks, 64, 1, 576] (page size
+64 only), block_table [B, max_blocks] int32, cache_seqlens [B] int32; out [B, s_q, H, 512], lse [B, H, s_q] fp32
+natural log. The schedule is computed on the GPU on first use (bf16) or by `get_mla_decoding_metadata` (dense fp8).
+
+Conventions handled here:
+- A batch with another page size is repaged into 64-token pages (a copy; `repage`).
+- lse [B, H, s_q] -> [T, H]; a row that sees no token comes back as lse = +inf (FlashMLA's "lonely q"), converted to
+  this package's -inf.
+- MTP: causal=True when s_q > 1 (FlashMLA's causal diagonal is s_k - s_q).
+- bf16 (or fp16) q with a cache of the same dtype -> dense kernel. fp8 q with an fp8 e4m3fn cache -> the dense fp8
+  kernel (FlashMLA PR #54 in the fork: fp8 QK and PV MMAs, P cast to e4m3 without a scale) with per-tensor
+  descale_q / descale_k. fp8 q with a bf16 cache is sent as bf16 (exact) with q_scale folded into softmax_scale.
+  bf16 q with an fp8 cache has no FlashMLA kernel: ValueError. e4m3fnuz is re-expressed as e4m3fn bit-exactly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mla_ref.decode import INVALID_PAGE, DecodeBatch, is_fp8
+
+PAGE_SIZE = 64  # the only page_block_size of FlashMLA's dense decode
+
+
+def repage(batch: DecodeBatch, page_size: int = PAGE_SIZE) -> DecodeBatch:
+    """A copy of `batch` with its KV in pages of `page_size` (request by request, in order; NaN in unused slots)."""
+    npages = [-(-int(s) // page_size) for s in batch.seq_lens.tolist()]  # ceil per request
+    total = max(sum(npages), 1)
+    nan = torch.full((total, page_size, batch.head_dim), math.nan, device=batch.device)  # [P', ps', D] fp32 NaN
+    cache = nan.to(batch.kv_cache.dtype)  # fp8 NaN bit pattern for fp8 dtypes
+    flat = cache.view(total * page_size, batch.head_dim)  # [P' * ps', D]
+    block_table = torch.full((batch.batch_size, max(npages, default=0) or 1), INVALID_PAGE, dtype=torch.int32)
+    first = 0
+    for b in range(batch.batch_size):
+        pages, slots = batch.token_slots(b)  # [s_b], [s_b]
+        flat[first * page_size : first * page_size + pages.shape[0]] = batch.kv_cache[pages, slots]
+        block_table[b, : npages[b]] = torch.arange(first, first + npages[b], dtype=torch.int32)
+        first += npages[b]
+    return batch.replace(kv_cache=cache, block_table=block_table.to(batch.device)).validate()
+
+
+def flashmla_inputs(batch: DecodeBatch) -> dict:
+    """flash_mla_with_kvcache arguments for `batch` (see module docstring); ValueError when FlashMLA cannot run it."""
+    batch.validate()
+    if batch.page_size != PAGE_SIZE:
+        batch = repage(batch, PAGE_SIZE)
+    layout = batch.to_flashmla()  # ValueError for non-uniform q_lens
+    q, kv = layout["q"], layout["k_cache"]  # [B, s_q, H, D], [P, 64, 1, D]
+    q_scale, kv_scale, sm_scale = batch.q_scale, batch.kv_scale, float(batch.sm_scale)
+    if q.dtype == torch.float8_e4m3fnuz or kv.dtype == torch.float8_e4m3fnuz:
+        from mla_fast.aiter_backend import e4m3fnuz_to_fn
+
+        if q.dtype == torch.float8_e4m3fnuz:
+            q, q_scale = e4m3fnuz_to_fn(q, q_scale)
+        if kv.dtype == torch.float8_e4m3fnuz:
+            kv, kv_scale = e4m3fnuz_to_fn(kv, kv_scale)
+    fp8_kv = is_fp8(kv.dtype)
+    if fp8_kv and kv.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"flashmla.kv_cache: fp8 must be e4m3fn (or e4m3fnuz), got {kv.dtype}")
+    if fp8_kv and not is_fp8(q.dtype):
+        raise ValueError("flashmla.q: an fp8 cache needs fp8 q (FlashMLA's dense fp8 kernel is fp8 x fp8)")
+    if is_fp8(q.dtype) and not fp8_kv:
+        q, sm_scale = q.float().to(kv.dtype), sm_scale * q_scale  # exact: e4m3 values fit bf16/fp16
+    if not fp8_kv and (kv.dtype not in (torch.bfloat16, torch.float16) or q.dtype != kv.dtype):
+        raise ValueError(f"flashmla.q/kv_cache: expected both bf16 or both fp16, got {q.dtype}/{kv.dtype}")
+    return {
+        "q": q.contiguous(),
+        "k_cache": kv,
+        "block_table": layout["block_table"],
+        "cache_seqlens": layout["cache_seqlens"],
+        "head_dim_v": layout["head_dim_v"],
+        "softmax_scale": sm_scale,
+        "causal": layout["causal"],
+        "descale": (q_scale, kv_scale) if fp8_kv else None,
+    }
+
+
+def flashmla_decode(batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run FlashMLA dense decode on `batch` -> (out [T, H, 512] bf16, lse [T, H] fp32 natural log, empty rows -inf)."""
+    import flash_mla
+
+    a = flashmla_inputs(batch)
+    B, s_q, H, _ = a["q"].shape
+    meta, _ = flash_mla.get_mla_metadata()  # empty schedule, filled on first use
+    extra = {}
+    if a["descale"] is not None:
+        tile_md, num_splits = flash_mla.get_mla_decoding_metadata(
+            a["cache_seqlens"], s_q * H, 1, is_fp8_kvcache=True, use_legacy=True
+        )
+        meta.tile_scheduler_metadata, meta.num_splits = tile_md, num_splits
+        q_scale, kv_scale = a["descale"]
+        extra = {
+            "is_fp8_kvcache": True,
+            "descale_q": torch.tensor([q_scale], dtype=torch.float32, device=batch.device),
+            "descale_k": torch.tensor([kv_scale], dtype=torch.float32, device=batch.device),
+        }
+    out, lse = flash_mla.flash_mla_with_kvcache(
+        a["q"],
+        a["k_cache"],
+        a["block_table"],
+        a["cache_seqlens"],
+        a["head_dim_v"],
+        meta,
+        None,
+        softmax_scale=a["softmax_scale"],
+        causal=a["causal"],
+        use_legacy=True,
+        **extra,
+    )
+    out = out.reshape(B * s_q, H, -1)  # [B, s_q, H, 512] -> [T, H, 512]
+    lse = lse.permute(0, 2, 1).reshape(B * s_q, H)  # [B, H, s_q] -> [T, H]
+    empty = (batch.visible_tokens() == 0)[:, None] & torch.isposinf(lse)  # FlashMLA: lonely q -> +inf
+    return out, torch.where(empty, -math.inf, lse)
