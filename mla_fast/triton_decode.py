@@ -31,7 +31,8 @@ Numerics (declared in mla_fast/numerics.py, read by verify.bounds; keep the two 
 
 CPU: under TRITON_INTERPRET=1 the same kernels run in Triton's interpreter. Triton 3.6's interpreter computes a
 bf16 `tl.dot` wrongly (fp16/fp32/fp8 are right), so when interpreting, bf16 MMA operands are upcast to fp32
-(`INTERPRET` constexpr, set from the environment when this module is imported).
+(`UPCAST_BF16` constexpr = `INTERPRET`, set from the environment when this module is imported). The interpreter also
+cannot take loaded bounds in `range()`, so loops over loaded bounds are `while` loops there (`INTERPRET`).
 """
 
 import os
@@ -44,6 +45,7 @@ import triton.language as tl
 from mla_fast import planner
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once at import, like triton itself
+UPCAST_BF16 = INTERPRET  # Triton 3.6's interpreter computes bf16 tl.dot wrongly: feed it fp32 (exact for bf16)
 LOG2E = 1.4426950408889634  # = 1 / ln(2)
 LN2 = 0.6931471805599453
 
@@ -59,10 +61,10 @@ _HEAD_END = tl.constexpr(planner.HEAD_END)
 
 
 @triton.jit
-def _mma_operand(x, MMA: tl.constexpr, INTERPRET: tl.constexpr):
+def _mma_operand(x, MMA: tl.constexpr, UPCAST_BF16: tl.constexpr):
     """Cast a tile to the dtype the MMA sees; fp32 instead of bf16 in the interpreter (its bf16 dot is wrong)."""
     if MMA == "bf16":
-        if INTERPRET:
+        if UPCAST_BF16:
             x = x.to(tl.float32)  # bf16 values are exact in fp32: same products, fp32 sums
         else:
             x = x.to(tl.bfloat16)
@@ -76,7 +78,7 @@ def _attend_tile(
     q_nope, q_pe, m_i, l_i, acc, start, kv_end, limit, b, KV, BLOCK_TABLE, qk_scale,
     stride_kvp, stride_kvs, stride_bt,
     PAGE_SIZE: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
-    MMA: tl.constexpr, INTERPRET: tl.constexpr,
+    MMA: tl.constexpr, UPCAST_BF16: tl.constexpr,
 ):
     """One KV tile of BLOCK_N tokens from `start`: online-softmax update of (m_i, l_i, acc) for all rows."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -89,8 +91,8 @@ def _attend_tile(
     kv_row = KV + page.to(tl.int64)[:, None] * stride_kvp + (tok % PAGE_SIZE)[:, None] * stride_kvs  # [N, 1]
     c_kv = tl.load(kv_row + offs_l[None, :], mask=tok_ok[:, None], other=0.0)  # [N, L]
     k_pe = tl.load(kv_row + L + offs_r[None, :], mask=tok_ok[:, None], other=0.0)  # [N, R]
-    c_kv = _mma_operand(c_kv, MMA, INTERPRET)
-    k_pe = _mma_operand(k_pe, MMA, INTERPRET)
+    c_kv = _mma_operand(c_kv, MMA, UPCAST_BF16)
+    k_pe = _mma_operand(k_pe, MMA, UPCAST_BF16)
 
     # -- scores: [M, L] x [L, N] + [M, R] x [R, N] -> [M, N], fp32 accumulation
     s = tl.dot(q_nope, tl.trans(c_kv))
@@ -105,7 +107,7 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_use)  # [M], 0 while m_i = -inf
     p = tl.exp2(s - m_use[:, None])  # [M, N], exactly 0 where not visible
     l_i = l_i * alpha + tl.sum(p, 1)
-    p = _mma_operand(p, MMA, INTERPRET)  # P rounded to the MMA dtype (bf16/fp16)
+    p = _mma_operand(p, MMA, UPCAST_BF16)  # P rounded to the MMA dtype (bf16/fp16)
     acc = tl.dot(p, c_kv, acc * alpha[:, None])  # [M, N] x [N, L] -> [M, L]
     return m_new, l_i, acc
 
@@ -126,7 +128,7 @@ def _mla_decode_kernel(
     stride_plt,
     PAGE_SIZE: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    MMA: tl.constexpr, INTERPRET: tl.constexpr,
+    MMA: tl.constexpr, INTERPRET: tl.constexpr, UPCAST_BF16: tl.constexpr,
 ):
     pid = tl.program_id(0)
     item_begin = tl.load(WORKER_INDPTR + pid)
@@ -165,8 +167,8 @@ def _mla_decode_kernel(
         q_row = Q + qo.to(tl.int64)[:, None] * stride_qt + h[:, None] * stride_qh  # [M, 1]
         q_nope = tl.load(q_row + offs_l[None, :], mask=row_ok[:, None], other=0.0)  # [M, L]
         q_pe = tl.load(q_row + L + offs_r[None, :], mask=row_ok[:, None], other=0.0)  # [M, R]
-        q_nope = _mma_operand(q_nope, MMA, INTERPRET)
-        q_pe = _mma_operand(q_pe, MMA, INTERPRET)
+        q_nope = _mma_operand(q_nope, MMA, UPCAST_BF16)
+        q_pe = _mma_operand(q_pe, MMA, UPCAST_BF16)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of scores (log2 units)
         l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(s - m_i)
@@ -179,13 +181,13 @@ def _mla_decode_kernel(
             while start < kv_end:
                 m_i, l_i, acc = _attend_tile(
                     q_nope, q_pe, m_i, l_i, acc, start, kv_end, limit, b, KV, BLOCK_TABLE, qk_scale,
-                    stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R, BLOCK_N, MMA, INTERPRET)
+                    stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R, BLOCK_N, MMA, UPCAST_BF16)
                 start += BLOCK_N
         else:
             for start in range(kv_start, kv_end, BLOCK_N):
                 m_i, l_i, acc = _attend_tile(
                     q_nope, q_pe, m_i, l_i, acc, start, kv_end, limit, b, KV, BLOCK_TABLE, qk_scale,
-                    stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R, BLOCK_N, MMA, INTERPRET)
+                    stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R, BLOCK_N, MMA, UPCAST_BF16)
 
         # -- epilogue: normalise, unscale V, natural-log LSE; empty rows give out = 0, lse = -inf
         has_tok = l_i > 0.0
@@ -388,7 +390,7 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
         o_part.stride(0), o_part.stride(1),
         lse_part.stride(0),
         PAGE_SIZE=kv.shape[1], L=L, R=R, BLOCK_M=block_m, BLOCK_N=config.block_n,
-        MMA=config.mma, INTERPRET=INTERPRET,
+        MMA=config.mma, INTERPRET=INTERPRET, UPCAST_BF16=UPCAST_BF16,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     num_tiles = plan.reduce_final.shape[0]

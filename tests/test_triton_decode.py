@@ -1,0 +1,125 @@
+"""mla_fast.triton_decode on the CPU: the real kernels under Triton's interpreter, against the fp64 oracle.
+
+TRITON_INTERPRET must be set before triton is imported, so the kernels run in one worker subprocess (this file
+run as a script); the tests read its JSON report. Cases are tiny (L = 64, R = 32, 16 heads, tens of tokens) and
+the planner's block is 16 tokens, so small requests still split into several items and exercise the reduce.
+
+Tolerance: the kernel bound of numerics.md §5(f) with the kernel's declared KernelNumerics (tests/triton_cases.py);
+every case must have err / bound <= 1.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+from triton_cases import TritonCase
+
+HERE = Path(__file__).resolve().parent
+
+CASES = {
+    # bf16: page sizes 16 / 1 / 3, q_len 1-2, empty sequences, 1 / 3 / 8 workers
+    "bf16_p16_w3_empty": TritonCase((40, 0, 70), (1, 1, 1), page_size=16, num_workers=3),
+    "bf16_p1_w8": TritonCase((33, 5), (1, 1), page_size=1, num_workers=8, seed=1),
+    "bf16_p3_mtp2_w3": TritonCase((50, 1, 0), (2, 2, 1), page_size=3, num_workers=3, seed=2),
+    "bf16_p16_w1": TritonCase((64, 17), (1, 2), page_size=16, num_workers=1, seed=3),
+    "bf16_all_empty": TritonCase((0, 0), (1, 2), page_size=16, num_workers=3, seed=4),
+    "bf16_h32_mtp2_w8": TritonCase((45,), (2,), heads=32, page_size=16, num_workers=8, seed=5),
+    # bf16 q, fp8 (e4m3fn) KV
+    "fp8kv_p16_w3": TritonCase((40, 0, 70), (1, 1, 1), page_size=16, combo="fp8kv", num_workers=3, seed=6),
+    "fp8kv_p3_mtp2_w8": TritonCase((50, 9), (2, 1), page_size=3, combo="fp8kv", num_workers=8, seed=7),
+    # fp8 q and KV
+    "fp8_p1_w3": TritonCase((33, 5, 0), (1, 1, 1), page_size=1, combo="fp8", num_workers=3, seed=8),
+    "fp8_p16_mtp2_w1": TritonCase((50, 20), (2, 2), page_size=16, combo="fp8", num_workers=1, seed=9),
+}
+SPLIT_CASES = {"bf16_p16_w3_empty", "bf16_p1_w8", "bf16_p3_mtp2_w3", "bf16_h32_mtp2_w8", "fp8kv_p16_w3",
+               "fp8kv_p3_mtp2_w8", "fp8_p1_w3"}  # the plan must cut at least one (request, head group)
+PLAN_BLOCK_N, BLOCK_N = 16, 16  # tokens per planner block / kernel tile in the interpreter; item overhead 1 block
+
+
+def _worker() -> dict:
+    """Runs in the subprocess, with TRITON_INTERPRET=1 already in the environment."""
+    import mla_fast
+
+    report = {"triton_imported_by_mla_fast": "triton" in sys.modules and bool(mla_fast.decode)}
+    from triton_cases import check
+
+    from mla_fast import triton_decode as td
+    from mla_fast.numerics import DEFAULT_MMA, triton_numerics
+
+    report["interpret"] = td.INTERPRET and td.UPCAST_BF16
+    for name, case in CASES.items():
+        batch = case.batch()
+        config = td.default_config(case.combo, case.heads, max(case.q_lens))
+        config = td.KernelConfig(block_n=BLOCK_N, num_warps=config.num_warps, mma=DEFAULT_MMA[case.combo],
+                                 head_group=config.head_group, plan_block_n=PLAN_BLOCK_N, fixed_overhead=1)
+        plan = td.make_plan(batch, config, case.num_workers)
+        out, lse = td.decode(batch, plan=plan, config=config)
+        result = check(out, lse, batch, triton_numerics(config.mma, config.block_n))
+        result["split_tiles"] = plan.stats()["split_tiles"]
+        result["num_workers"] = plan.num_workers
+        report[name] = result
+    # the interpreter workaround is what makes bf16 right: without it, bf16 tl.dot in the interpreter is wrong
+    case = CASES["bf16_p16_w1"]
+    batch = case.batch()
+    config = td.KernelConfig(block_n=BLOCK_N, head_group=16, plan_block_n=PLAN_BLOCK_N)
+    td.UPCAST_BF16 = False  # launch() passes the module flag as the kernel's UPCAST_BF16 constexpr
+    out, lse = td.decode(batch, config=config, num_workers=1)
+    td.UPCAST_BF16 = True
+    report["no_workaround"] = check(out, lse, batch, triton_numerics("bf16", BLOCK_N))
+    return report
+
+
+@pytest.fixture(scope="module")
+def report():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE)]))
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker"], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_interpreter_matches_oracle_within_kernel_bound(report, name):
+    r = report[name]
+    assert r["finite"], f"{name}: non-finite output on a row that sees tokens (NaN padding read?) {r}"
+    assert r["empty_ok"], f"{name}: empty rows must give out = 0, lse = -inf {r}"
+    assert r["out_ratio"] <= 1.0, f"{name}: out error above the §5(f) kernel bound {r} case={asdict(CASES[name])}"
+    assert r["lse_ratio"] <= 1.0, f"{name}: lse error above its bound {r} case={asdict(CASES[name])}"
+    assert r["num_workers"] == CASES[name].num_workers
+
+
+def test_cases_cover_splits_and_empty_rows(report):
+    for name in SPLIT_CASES:
+        assert report[name]["split_tiles"] >= 1, f"{name} did not split: the reduce kernel went untested"
+    assert report["bf16_p16_w3_empty"]["empty_rows"] > 0
+    assert report["bf16_p3_mtp2_w3"]["empty_rows"] > 0  # seq 1, q_len 2: row 0 sees no token
+    assert report["bf16_all_empty"]["empty_rows"] == 3 * 16
+
+
+def test_interpreter_bf16_workaround_is_taken_and_needed(report):
+    assert report["interpret"] is True
+    r = report["no_workaround"]
+    assert not (r["out_ratio"] <= 1.0), f"bf16 tl.dot in the interpreter was right without the upcast: {r}"
+
+
+def test_importing_mla_fast_does_not_import_triton(report):
+    assert report["triton_imported_by_mla_fast"] is False
+
+
+def test_bad_batches_raise_value_error():
+    td = pytest.importorskip("mla_fast.triton_decode")
+    batch = TritonCase((5,), (1,), L=48, R=16).batch()  # kv_lora_rank not a power of two
+    with pytest.raises(ValueError, match="kv_lora_rank"):
+        td.check_batch(batch)
+    batch = TritonCase((5,), (1,)).batch()
+    with pytest.raises(ValueError, match="dtypes"):
+        td.check_batch(batch.replace(q=batch.q.to(torch.float32)))
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
+    print(json.dumps(_worker()))
