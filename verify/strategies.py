@@ -1,0 +1,145 @@
+"""Hypothesis strategies over `Case`, weighted toward the edges where decode kernels break, and the smoke prefix.
+
+Edges (each gets its own branch, so Hypothesis draws them often, not once in a million):
+- sequence lengths 0 (empty: out 0, lse -inf), 1, page boundaries ±1, 2 pages ±1;
+- one very long request among short ones (uneven splits, long accumulations);
+- more workers than KV blocks (every block its own split);
+- MTP: q_len 2..4, including q_len > seq_len (leading rows see nothing).
+Sizes are kept moderate so that a CPU campaign runs hundreds of cases a minute: heads are drawn after the
+lengths, from the counts that keep ``Case.work`` (q rows × heads × tokens) under ``work_budget``.
+
+`smoke_cases` is a fixed, hand-picked list that every campaign runs first: each planted bug of `verify.mutants`
+is exposed by at least one of them, whatever Hypothesis draws afterwards.
+"""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from verify.cases import DISTRIBUTIONS, Case
+
+HEADS = (1, 2, 4, 8, 16)
+PAGE_SIZES = (64, 16, 1)
+WORKERS = (1, 2, 4, 8, 32, 132)  # 132: an H200's SMs, more workers than blocks for all but long requests
+WORK_BUDGET = 1 << 15  # q rows × heads × KV tokens per drawn case (a few tens of ms of fp64 oracle on a CPU)
+SHORT_MAX = 512  # the bulk of drawn sequence lengths
+
+
+def _seq_len(page: int, short_max: int) -> st.SearchStrategy[int]:
+    """A KV length: an edge (0, 1, page ±1, 2 pages ±1) or a uniform short length."""
+    edges = sorted({n for n in (0, 1, page - 1, page, page + 1, 2 * page - 1, 2 * page + 1) if 0 <= n <= short_max})
+    return st.one_of(st.sampled_from(edges), st.integers(2, short_max), st.integers(2, short_max))
+
+
+@st.composite
+def cases(
+    draw,
+    dtype: str = "bf16",
+    *,
+    fp8_format: str = "e4m3fn",
+    max_seq_len: int = 4096,
+    heads: int | None = None,
+    page_size: int | None = None,
+    kv_lora_rank: int = 512,
+    rope_dim: int = 64,
+    max_batch: int = 4,
+    work_budget: int = WORK_BUDGET,
+) -> Case:
+    """Draw a `Case` of the given kernel dtype ("bf16": bf16 q and KV; "fp8": fp8 KV, q bf16 or fp8).
+
+    heads / page_size: fixed when given, else drawn. Lengths never exceed max_seq_len.
+    """
+    if dtype not in ("bf16", "fp8"):
+        raise ValueError(f"cases.dtype: expected 'bf16' or 'fp8', got {dtype!r}")
+    page = page_size or draw(st.sampled_from(PAGE_SIZES), label="page_size")
+    short_max = max(2, min(SHORT_MAX, max_seq_len))
+    n_req = draw(st.integers(1, max_batch), label="batch")
+    seq_lens = [draw(_seq_len(page, short_max)) for _ in range(n_req)]
+    if max_seq_len > short_max and draw(st.booleans(), label="one_long"):
+        i = draw(st.integers(0, n_req - 1))
+        seq_lens[i] = draw(st.integers(max(short_max + 1, max_seq_len // 4), max_seq_len), label="long_len")
+    q_lens = [draw(st.sampled_from((1, 1, 1, 2, 3, 4))) for _ in range(n_req)]  # mostly 1, MTP otherwise
+    rows_tokens = sum(n * s for n, s in zip(q_lens, seq_lens))
+    if heads is None:
+        fit = [h for h in HEADS if h * rows_tokens <= work_budget] or [1]
+        heads = draw(st.sampled_from(fit), label="heads")
+
+    dist = draw(st.sampled_from(DISTRIBUTIONS), label="dist")
+    q_dtype, scale_mode = "bf16", "dynamic"
+    if dtype == "fp8":
+        q_dtype = draw(st.sampled_from(("bf16", "fp8")), label="q_dtype")
+        if dist == "coherent":
+            scale_mode = draw(st.sampled_from(("unit", "static")))  # every value an fp8 tie (numerics.md §5.1)
+        elif dist == "near_max":
+            scale_mode = "static"  # the values sit beyond max · (static scale)
+        else:
+            scale_mode = draw(st.sampled_from(("dynamic", "static", "unit")), label="scale_mode")
+    return Case(
+        seq_lens=tuple(seq_lens),
+        q_lens=tuple(q_lens),
+        heads=heads,
+        page_size=page,
+        kv_lora_rank=kv_lora_rank,
+        rope_dim=rope_dim,
+        q_dtype=q_dtype,
+        kv_dtype=dtype,
+        fp8_format=fp8_format,
+        scale_mode=scale_mode,
+        dist=dist,
+        num_workers=draw(st.sampled_from(WORKERS), label="num_workers"),
+        seed=draw(st.integers(0, 2**32 - 1), label="seed"),
+    )
+
+
+def smoke_cases(
+    dtype: str = "bf16",
+    *,
+    fp8_format: str = "e4m3fn",
+    max_seq_len: int = 4096,
+    heads: int | None = None,
+    page_size: int | None = None,
+    kv_lora_rank: int = 512,
+    rope_dim: int = 64,
+) -> list[Case]:
+    """The fixed prefix of every campaign: empty rows, length 1, page edges, MTP, splits, a long request, peaky
+    and sink scores, and for fp8 both q dtypes, every scale mode, subnormals, ties and saturation.
+
+    Lengths are clipped to max_seq_len; heads / page_size override the hand-picked values when given.
+    """
+    fp8 = dtype == "fp8"
+    base = dict(kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, kv_dtype=dtype, fp8_format=fp8_format)
+    picked = [
+        # empty request, length 1, page edges, MTP rows (one with q_len > seq_len), 8 workers
+        dict(seq_lens=(0, 1, 63, 65, 300, 2), q_lens=(2, 1, 2, 1, 3, 4), heads=8, num_workers=8, dist="gauss1",
+             q_dtype="fp8" if fp8 else "bf16", seed=1),
+        # one long request among short ones, split across 16 workers
+        dict(seq_lens=(4096, 17, 0), q_lens=(1, 2, 1), heads=2, num_workers=16, dist="gauss1", seed=2),
+        # peaky MTP rows
+        dict(seq_lens=(1000, 129), q_lens=(4, 1), heads=4, num_workers=4, dist="gauss4",
+             q_dtype="fp8" if fp8 else "bf16", seed=3),
+        # a dominant sink token, small pages, more workers than blocks
+        dict(seq_lens=(129, 2, 200), q_lens=(1, 1, 2), heads=4, page_size=16, num_workers=132, dist="sink", seed=4),
+    ]
+    if fp8:
+        picked += [
+            dict(seq_lens=(500, 70), q_lens=(1, 2), heads=4, dist="outlier", scale_mode="dynamic", seed=5),
+            dict(seq_lens=(300, 1), q_lens=(2, 1), heads=4, dist="coherent", scale_mode="unit", seed=6),
+            dict(seq_lens=(257, 64), q_lens=(1, 1), heads=4, dist="near_max", scale_mode="static", q_dtype="fp8",
+                 seed=7),
+            dict(seq_lens=(700,), q_lens=(3,), heads=8, dist="gauss1", scale_mode="static", q_dtype="fp8", seed=8),
+        ]
+    else:
+        picked += [
+            dict(seq_lens=(500, 70), q_lens=(1, 2), heads=4, dist="outlier", seed=5),
+            dict(seq_lens=(300, 1), q_lens=(2, 1), heads=4, dist="coherent", seed=6),
+        ]
+    out = []
+    for kw in picked:
+        kw = {**base, **kw}
+        kw["seq_lens"] = tuple(min(s, max_seq_len) for s in kw["seq_lens"])
+        if heads is not None:
+            kw["heads"] = heads
+        if page_size is not None:
+            kw["page_size"] = page_size
+        out.append(Case(**kw))
+    return out
