@@ -564,7 +564,7 @@ def coverage_errors(works: list[AiterWork], qo_indptr: torch.Tensor, kv_indptr: 
             ws = sorted(pieces[key], key=lambda w: w.kv_start)
             cuts = [(w.kv_start, w.kv_end) for w in ws]
             ends = [kv[b]] + [e for _, e in cuts]
-            if [s for s, _ in cuts] != ends[:-1] or ends[-1] != kv[b + 1] and kv[b + 1] > kv[b]:
+            if [s for s, _ in cuts] != ends[:-1] or ends[-1] != kv[b + 1] or any(e < s for s, e in cuts):
                 errors.append(f"request {b} rows {key[1:]}: KV pieces {cuts} do not tile [{kv[b]}, {kv[b + 1]})")
             if len(ws) > 1 and any(w.partial_qo_loc < 0 for w in ws):
                 errors.append(f"request {b} rows {key[1:]}: split into {len(ws)} pieces but one writes to o directly")
