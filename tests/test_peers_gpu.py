@@ -1,0 +1,128 @@
+"""Peer adapters (FlashInfer FA3, FlashMLA) on a Hopper GPU vs the fp64 oracle (skipped without one).
+
+Tolerance: verify.bounds.kernel_bound (numerics.md §5(f)) with each backend's declared KernelNumerics plus
+merge_bound for the most splits a peer can make (FlashInfer cuts KV into chunks of >= 32 tokens, FlashMLA into
+64-token blocks: ceil(max seq_len / 32) bounds both); err / bound <= 1. FlashInfer fp8 dequantizes as
+bf16(fp8 · bf16(scale)), exact only for a power-of-two scale, so its fp8 cases use kv_scale = 2^-5.
+
+`python tests/test_peers_gpu.py [--json PATH]` prints the same cases as a table (device runs).
+"""
+
+import json
+import sys
+from dataclasses import asdict, dataclass
+
+import pytest
+import torch
+
+from mla_ref import fp8
+from mla_ref.decode import make_decode_batch, mla_decode_ref
+
+pytestmark = pytest.mark.gpu
+SIGMA = 0.1352338  # DeepSeek-V3 softmax scale, mscale^2 included
+
+
+@dataclass(frozen=True)
+class PeerCase:
+    backend: str
+    seq_lens: tuple[int, ...]
+    heads: int
+    page_size: int
+    dtype: str  # "bf16", "fp8kv" (bf16 q, fp8 cache), "fp8" (fp8 q and cache)
+    q_len: int = 1
+    seed: int = 0
+
+    def batch(self, device: str = "cuda"):
+        g = torch.Generator().manual_seed(self.seed)
+        T = len(self.seq_lens) * self.q_len
+        q = torch.randn(T, self.heads, 576, generator=g)  # [T, H, 576]
+        kv = torch.randn(sum(self.seq_lens), 576, generator=g)  # [Σ s, 576]
+        scales = {}
+        if self.dtype == "bf16":
+            q, kv = q.bfloat16(), kv.bfloat16()
+        else:
+            kv, ks = fp8.quantize(kv, "e4m3fn", scale=2**-5 if self.backend == "flashinfer" else None)
+            scales["kv_scale"] = float(ks)
+            if self.dtype == "fp8":
+                q, qs = fp8.quantize(q, "e4m3fn")
+                scales["q_scale"] = float(qs)
+            else:
+                q = q.bfloat16()
+        kvs = list(torch.split(kv, list(self.seq_lens)))
+        batch = make_decode_batch(
+            q, kvs, sm_scale=SIGMA, kv_lora_rank=512, page_size=self.page_size, generator=g,
+            q_lens=[self.q_len] * len(self.seq_lens), **scales,
+        )  # fmt: skip
+        return batch.to(device)
+
+
+VARLEN = (0, 1, 63, 64, 65, 700, 2049)
+CASES = [
+    PeerCase(peer, VARLEN, heads, page, dtype, seed=i)
+    for peer, dtype in (("flashinfer", "bf16"), ("flashinfer", "fp8kv"), ("flashmla", "bf16"), ("flashmla", "fp8"))
+    for i, (heads, page) in enumerate(((16, 64), (128, 64), (16, 1), (128, 1)))
+] + [
+    PeerCase("flashinfer", (3, 0, 300), 16, 16, "bf16", q_len=2, seed=9),  # MTP: causal diagonal
+    PeerCase("flashmla", (3, 0, 300), 16, 64, "bf16", q_len=2, seed=9),
+]
+
+
+def run_case(case: PeerCase) -> dict:
+    """Run one case; the error / bound ratios and the empty-row convention."""
+    from mla_fast import backends
+    from verify.bounds import kernel_bound, merge_bound
+
+    backend = backends.get_backend(case.backend)
+    batch = case.batch("cuda")
+    out, lse = backend(batch)
+    torch.cuda.synchronize()
+    cpu = batch.to("cpu")
+    ref_out, ref_lse = mla_decode_ref(cpu)
+    splits = max(1, -(-max(case.seq_lens) // 32))
+    bound = kernel_bound(cpu, backend.numerics(cpu), ref=(ref_out, ref_lse)) + merge_bound(cpu, splits)
+    out, lse = out.double().cpu(), lse.double().cpu()
+    empty = torch.isneginf(ref_lse)  # [T, H] rows that see no token
+    err_o, err_l = (out - ref_out).abs(), (lse - ref_lse).abs()[~empty]
+    ratio_o = (err_o / bound.out.clamp_min(1e-300)).max().item()
+    ratio_l = (err_l / bound.lse[~empty].clamp_min(1e-300)).max().item() if err_l.numel() else 0.0
+    return {
+        **asdict(case),
+        "max_err_out": err_o.max().item(),
+        "max_err_lse": err_l.max().item() if err_l.numel() else 0.0,
+        "out_ratio": ratio_o,
+        "lse_ratio": ratio_l,
+        "finite": bool(torch.isfinite(out).all()),
+        "empty_ok": bool((out[empty] == 0).all() and torch.isneginf(lse[empty]).all()),
+        "empty_lse_seen": sorted({str(x) for x in lse[empty].tolist()}),
+    }
+
+
+def _skip_unless_available(name: str):
+    from mla_fast import backends
+
+    ok, reason = backends.available()[name]
+    if not ok:
+        pytest.skip(reason)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.backend}_{c.dtype}_h{c.heads}_p{c.page_size}_q{c.q_len}")
+def test_peer_within_kernel_bound(case):
+    _skip_unless_available(case.backend)
+    r = run_case(case)
+    assert r["finite"] and r["empty_ok"], r
+    assert r["out_ratio"] <= 1.0 and r["lse_ratio"] <= 1.0, r
+
+
+if __name__ == "__main__":
+    rows = []
+    for case in CASES:
+        try:
+            rows.append(run_case(case))
+        except Exception as exc:  # report every case, even when one peer fails
+            rows.append({**asdict(case), "error": f"{type(exc).__name__}: {exc}"[:300]})
+        r = rows[-1]
+        keys = ("out_ratio", "lse_ratio", "max_err_out", "max_err_lse", "empty_ok", "empty_lse_seen", "error")
+        print(case.backend, case.dtype, case.heads, case.page_size, case.q_len, {k: r[k] for k in keys if k in r})
+    if "--json" in sys.argv:
+        with open(sys.argv[sys.argv.index("--json") + 1], "w") as f:
+            json.dump(rows, f, indent=1)  # non-finite floats as Infinity/NaN literals
