@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Peer adapters (FlashInfer FA3, FlashMLA) on one H200, against the fp64 oracle within the §5(f) kernel bound.
+#
+# Needs the wheels in .whl/ (git-ignored): flashinfer-python 0.6.14, apache-tvm-ffi 0.1.x (cp312), sgl-flash-mla
+# 1.0.0. Device tool call (carry .whl):  bash scripts/device_peers.sh
+# Writes $OUT/peers.json (one row per case: err/bound ratios, max errors, empty-row convention) and logs.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/mla_peers_out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+
+python3 - <<'PY' 2>&1 | tee "$OUT/env.log"
+import torch, flashinfer, flash_mla
+from mla_fast import backends
+print("torch", torch.__version__, "| flashinfer", flashinfer.__version__, "| flash_mla", flash_mla.__version__,
+      "legacy", flash_mla.has_legacy(), "|", torch.cuda.get_device_name())
+for name, (ok, reason) in backends.available().items():
+    print(f"  {name:10s} {ok!s:5s} {reason}")
+PY
+
+time python3 tests/test_peers_gpu.py --json "$OUT/peers.json" 2>&1 | tee "$OUT/peers.log"
+python3 -m pytest tests/test_peers_gpu.py -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/pytest_peers.log"
+
+if [ -f verify/cli.py ]; then  # the verifier against FlashInfer, when its CLI exists
+  python3 -m verify.cli --backend flashinfer --dtype bf16 --cases 300 --json "$OUT/verify_flashinfer.json" \
+    2>&1 | tail -40 | tee "$OUT/verify_flashinfer.log"
+fi
