@@ -75,7 +75,25 @@ def test_ulp_distance_signed_zero_rounding_and_nan():
     # fp8 saturates: 1e6 -> 448 (0 ulp from 448) instead of torch's NaN
     assert ulp_distance(torch.tensor(448.0), torch.tensor(1e6), torch.float8_e4m3fn) == 0
     with pytest.raises(ValueError, match="dtype"):
-        ulp_distance(z, w, torch.float64)
+        ulp_distance(z, w, torch.int32)
+
+
+@pytest.mark.parametrize("np_type, dtype", [(np.float32, torch.float32), (np.float64, torch.float64)])
+def test_ulp_distance_counts_nextafter_steps(np_type, dtype):
+    """fp32 / fp64: walk k steps with np.nextafter (independent of the bit mapping), across zero too."""
+    for start in (
+        np_type(1.0),
+        np_type(-3e-38),
+        np_type(0.0),
+        np_type(-1e300) if np_type is np.float64 else np_type(-1e30),
+    ):
+        x = start
+        for k in range(1, 40):
+            x = np.nextafter(x, np_type(np.inf))
+            d = ulp_distance(torch.tensor(start, dtype=dtype), torch.tensor(x, dtype=dtype), dtype)
+            assert int(d) == k, (start, k)
+    top = torch.tensor(1.7e308, dtype=torch.float64)
+    assert int(ulp_distance(top, -top, torch.float64)) == NAN_ULP - 1  # saturates instead of overflowing
 
 
 def test_cos_diff_known_values():

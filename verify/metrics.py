@@ -17,7 +17,8 @@ import torch
 
 NAN_ULP = torch.iinfo(torch.int64).max  # ulp_distance where exactly one side is NaN
 
-_INT_VIEW = {8: torch.uint8, 16: torch.int16, 32: torch.int32}  # bit width -> integer dtype to view the bits as
+# bit width -> signed integer dtype to view the bits as (sign bit set <=> negative integer)
+_INT_VIEW = {8: torch.int8, 16: torch.int16, 32: torch.int32, 64: torch.int64}
 
 
 def _bit_width(dtype: torch.dtype) -> int:
@@ -25,15 +26,15 @@ def _bit_width(dtype: torch.dtype) -> int:
 
 
 def _ordered(x: torch.Tensor) -> torch.Tensor:
-    """int64 ordered integer of each value of x (a ≤32-bit float dtype): order-preserving, +0 and -0 both 0.
+    """int64 ordered integer of each value of x: order-preserving, +0 and -0 both 0.
 
     Bits are sign-magnitude; the magnitude bits of a non-negative float increase with its value, so
     ordered = +magnitude for sign 0 and -magnitude for sign 1.
     """
     w = _bit_width(x.dtype)
-    bits = x.view(_INT_VIEW[w]).to(torch.int64) & ((1 << w) - 1)  # unsigned bit pattern
+    bits = x.view(_INT_VIEW[w]).to(torch.int64)  # sign bit -> negative int (two's complement view)
     magnitude = bits & ((1 << (w - 1)) - 1)  # drop the sign bit
-    return torch.where(bits >> (w - 1) == 1, -magnitude, magnitude)
+    return torch.where(bits < 0, -magnitude, magnitude)
 
 
 def ulp_distance(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -49,19 +50,23 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.
     NaN: both NaN -> 0; exactly one NaN -> ``NAN_ULP`` (int64 max).
 
     Args:
-        dtype: bf16, fp16, fp32 or an fp8 dtype (numpy's ``nulp_diff`` has no bf16 / fp8).
+        dtype: bf16, fp16, fp32, fp64 or an fp8 dtype (numpy's ``nulp_diff`` has no bf16 / fp8). fp64 distances
+            beyond int64 (opposite signs, both beyond ±2) saturate at NAN_ULP - 1.
     Returns:
         int64 tensor of the broadcast shape.
     """
     if not (dtype.is_floating_point and _bit_width(dtype) in _INT_VIEW):
-        raise ValueError(f"dtype must be a float dtype of 8, 16 or 32 bits, got {dtype}")
+        raise ValueError(f"dtype must be a float dtype of 8, 16, 32 or 64 bits, got {dtype}")
     a, b = torch.broadcast_tensors(a, b)
     if _bit_width(dtype) == 8:
         top = torch.finfo(dtype).max
         a = torch.where(torch.isfinite(a), a.clamp(-top, top), a)  # saturate finite values
         b = torch.where(torch.isfinite(b), b.clamp(-top, top), b)
     a_t, b_t = a.to(dtype), b.to(dtype)  # round once to the target grid
-    dist = (_ordered(a_t) - _ordered(b_t)).abs()  # [...] int64
+    oa, ob = _ordered(a_t), _ordered(b_t)  # [...] int64
+    # |oa - ob| overflows int64 only for fp64 of opposite signs beyond ±2: saturate at NAN_ULP - 1
+    overflow = (oa.sign() * ob.sign() < 0) & (oa.abs() > NAN_ULP - ob.abs())
+    dist = torch.where(overflow, NAN_ULP - 1, (oa - ob).abs())  # [...]
     nan_a, nan_b = torch.isnan(a_t), torch.isnan(b_t)
     dist = torch.where(nan_a & nan_b, 0, dist)
     return torch.where(nan_a ^ nan_b, NAN_ULP, dist)
