@@ -1,0 +1,589 @@
+"""Derived elementwise error bounds for MLA decode (numerics.md §5), computed in fp64 from the batch.
+
+Every bound is a tensor of the shape of what it bounds: ``out`` [T, H, L] (absolute, same units as out) and
+``lse`` [T, H] (absolute, natural log). Rows that see no token get bound 0 (out 0 and lse -inf on both sides).
+
+| function              | bounds                                                                 | numerics.md |
+|-----------------------|------------------------------------------------------------------------|-------------|
+| ``kernel_bound``      | kernel vs the fp64 oracle on the *same* dequantized inputs (tier 1)     | §5(f)       |
+| ``quantization_bounds``| fp64 oracle on fp8 inputs vs on unquantized inputs: B_det, B_post (tier 2)| §5(a)–(d)  |
+| ``merge_bound``       | extra error of an fp32 split-KV LSE merge                               | §5(g)       |
+| ``prob_bound``, ``rms_estimate`` | probabilistic / first-order RMS estimates — statistics only    | §5(e)       |
+
+Notation (per query row t and head h; j runs over the tokens the row sees, i over the D = L + R channels):
+    A_j = σ Σ_i |q_i||k_ji|            score magnitude, the unit of accumulation errors in s_j = σ <q, k_j>
+    p_j = softmax(s)_j,  l = Σ_j exp(s_j - max s),  R_c = max_j v_jc - min_j v_jc   (v_j = k_j[:L])
+A hat (q̂, k̂, ŝ, p̂, ô) marks values computed from the dequantized inputs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from mla_ref.decode import DecodeBatch, is_fp8
+from mla_ref.fp8 import fp8_format
+
+F64 = torch.float64
+U32 = 2.0**-24  # fp32 unit roundoff
+U64 = 2.0**-53  # fp64 unit roundoff
+EXP32_REL = 2.0**-22  # relative error of a kernel's fp32 exp / exp2 (hardware ex2.approx, ~2 ulp; §5(f))
+EXP64_REL = 2.0**-52  # relative error of fp64 exp (libm, <= 1 ulp)
+FTZ_P = 2.0**-126  # fp32 arithmetic may flush a subnormal P to zero: absolute error < min normal fp32
+_WIDE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # round_p's non-fp8 formats
+
+
+@dataclass
+class Bound:
+    """Elementwise bounds on |actual - expected|: out [T, H, L], lse [T, H], fp64. Bounds add (``a + b``)."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+
+    def __add__(self, other: Bound) -> Bound:
+        return Bound(self.out + other.out, self.lse + other.lse)
+
+
+@dataclass
+class QuantBounds:
+    """Bounds on the quantization error |oracle(fp8 inputs) - oracle(exact inputs)| (numerics.md §5(a)–(d)).
+
+    Attributes:
+        det_out [T, H, L], det_lse [T, H]: a-priori B_det from the element error model (§5(a)–(c)).
+        post_out [T, H, L], post_lse [T, H]: a-posteriori B_post from the actual score changes (§5(d)).
+        omega_det [T, H]: a-priori bound on the spread of score errors, 2 max_j δ_j (§5(b)).
+        omega_act [T, H]: actual spread max_j Δs_j - min_j Δs_j (§5(d)).
+        saturated: exact input elements beyond the format's range (max · scale); their clipping error is included
+            in B_det, but a quantizer that saturates is usually a bug worth flagging.
+    """
+
+    det_out: torch.Tensor
+    det_lse: torch.Tensor
+    post_out: torch.Tensor
+    post_lse: torch.Tensor
+    omega_det: torch.Tensor
+    omega_act: torch.Tensor
+    saturated: int
+
+    @property
+    def det(self) -> Bound:
+        return Bound(self.det_out, self.det_lse)
+
+    @property
+    def post(self) -> Bound:
+        return Bound(self.post_out, self.post_lse)
+
+
+# ---- per-request fp64 statistics shared by every bound ----------------------------------------------------------
+
+
+def _requests(batch: DecodeBatch):
+    """Yield (b, rows, mask) per request: rows a slice of the T query rows, mask [n, s_b] with mask[r, j] = row r
+    sees token j (the MTP causal diagonal of ``DecodeBatch.visible_tokens``; all False for an empty row)."""
+    visible = batch.visible_tokens()  # [T]
+    qo, seq = batch.qo_indptr.tolist(), batch.seq_lens.tolist()
+    for b in range(batch.batch_size):
+        rows = slice(qo[b], qo[b + 1])
+        j = torch.arange(seq[b], device=batch.device)  # [s]
+        yield b, rows, j[None, :] < visible[rows, None]  # [n, s]
+
+
+def _raw_kv(batch: DecodeBatch, b: int) -> torch.Tensor:
+    """[s_b, D] request b's valid cache rows as stored (fp8 codes, not scaled)."""
+    pages, slots = batch.token_slots(b)
+    return batch.kv_cache[pages, slots]
+
+
+@dataclass
+class _Softmax:
+    """fp64 softmax statistics of one request's rows (n rows, H heads, s tokens)."""
+
+    s: torch.Tensor  # [n, H, s] scores σ<q, k_j>, -inf where not visible
+    p: torch.Tensor  # [n, H, s] softmax weights, 0 where not visible
+    m: torch.Tensor  # [n, H] max_j s_j (0 for an empty row)
+    l: torch.Tensor  # [n, H] Σ_j exp(s_j - m) (1 for an empty row)
+    seen: torch.Tensor  # [n] rows that see at least one token
+    n_vis: torch.Tensor  # [n] visible tokens per row (a prefix of the request's tokens)
+
+
+def _softmax(q: torch.Tensor, K: torch.Tensor, mask: torch.Tensor, sm_scale: float) -> _Softmax:
+    """q [n, H, D], K [s, D] fp64, mask [n, s] -> softmax statistics."""
+    s = sm_scale * torch.einsum("nhd,sd->nhs", q, K)  # [n, H, s]
+    s = s.masked_fill(~mask[:, None, :], -math.inf)  # [n, H, s]
+    seen = mask.any(dim=1)  # [n]
+    m = s.amax(dim=-1) if K.shape[0] else s.new_zeros(s.shape[:2])  # [n, H]
+    m = torch.where(seen[:, None], m, 0.0)  # [n, H]
+    e = torch.exp(s - m[..., None])  # [n, H, s] exp(-inf) = 0
+    l = torch.where(seen[:, None], e.sum(dim=-1), 1.0)  # [n, H]
+    return _Softmax(s, e / l[..., None], m, l, seen, mask.sum(dim=1))
+
+
+def _masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """max over the last dim of x [n, H, s] where mask [n, s]; 0 for a row with nothing visible."""
+    if x.shape[-1] == 0:
+        return x.new_zeros(x.shape[:-1])
+    m = x.masked_fill(~mask[:, None, :], -math.inf).amax(dim=-1)  # [n, H]
+    return torch.where(mask.any(dim=1)[:, None], m, 0.0)
+
+
+def _spread(x: torch.Tensor, n_vis: torch.Tensor) -> torch.Tensor:
+    """max_j x_jc - min_j x_jc over the first n_vis[r] tokens: x [s, C], n_vis [n] -> [n, C] (0 if n_vis = 0).
+
+    Visible sets are prefixes (causal diagonal), so prefix max/min answer every row in O(s C).
+    """
+    if x.shape[0] == 0:
+        return x.new_zeros(n_vis.shape[0], x.shape[1])
+    hi = torch.cummax(x, dim=0).values  # [s, C] max over tokens 0..j
+    lo = torch.cummin(x, dim=0).values  # [s, C]
+    last = (n_vis - 1).clamp(min=0)  # [n]
+    return torch.where((n_vis > 0)[:, None], hi[last] - lo[last], 0.0)  # [n, C]
+
+
+def _hull_term(omega: torch.Tensor, R: torch.Tensor, pv: torch.Tensor) -> torch.Tensor:
+    """§5(c) term 1: |Σ_j (p'_j - p_j) v_jc| <= min{tanh(ω/4) R_c, (e^ω - 1) Σ_j p_j |v_jc|} when the score
+    perturbation has spread <= ω (TV(p, p') <= tanh(ω/4), §5(b); p'_j / p_j in [e^-ω, e^ω]).
+
+    omega [n, H], R [n, L], pv [n, H, L] -> [n, H, L].
+    """
+    return torch.minimum(torch.tanh(omega / 4)[..., None] * R[:, None, :], torch.expm1(omega)[..., None] * pv)
+
+
+def _unit_roundoff(fmt) -> float:
+    """u of a torch float dtype or a round_p format name (None = fp32)."""
+    if fmt is None or fmt in _WIDE:
+        fmt = _WIDE[fmt or "fp32"]
+    if isinstance(fmt, torch.dtype):
+        if fmt == F64:
+            return U64
+        if is_fp8(fmt):
+            return fp8_format(fmt).u
+        return torch.finfo(fmt).eps / 2
+    return fp8_format(fmt).u
+
+
+def _half_min_subnormal(fmt) -> float:
+    """η of a round_p format name (None = fp32): values below it flush to 0 (numerics.md §4)."""
+    if fmt is None or fmt in _WIDE:
+        fi = torch.finfo(_WIDE[fmt or "fp32"])
+        return fi.tiny * fi.eps / 2  # min subnormal = min normal · eps
+    return fp8_format(fmt).eta
+
+
+def _operand_u(raw: torch.Tensor, operand: torch.dtype) -> float:
+    """Rounding an MMA applies to its operand: 0 if every stored value is exact in ``operand``, else u(operand).
+
+    ``raw`` are the values as stored (fp8 codes for fp8 inputs): kernels fold per-tensor scales into the fp32
+    scores / output, so an MMA sees raw values (mla_fast/numerics.py). Non-finite values cannot occur in gathered
+    valid tokens of a finite batch; they count as inexact.
+    """
+    x = raw.to(F64)
+    exact = bool((x.to(operand).to(F64) == x).all()) if x.numel() else True
+    return 0.0 if exact else _unit_roundoff(operand)
+
+
+def _rounding_bound(
+    st: _Softmax,
+    A_max: torch.Tensor,
+    V: torch.Tensor,
+    o: torch.Tensor,
+    *,
+    u_out: float,
+    u_p: float,
+    eta_p: float,
+    gamma_qk: float,
+    gamma_pv: float,
+    exp_rel: float,
+    u_arith: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """§5(f): bound on |o^ker - ô| [n, H, L] and |lse^ker - lse^| [n, H] for one request's rows.
+
+    A kernel that computes, in arithmetic of unit roundoff u_arith (fp32 for GPU kernels),
+        s̃_j = fl(σ <q, k_j>)              error <= gamma_qk · A_j  (operand rounding folded into gamma_qk)
+        p̃_j = exp(s̃_j - m̃) (1 + ε_j)      |ε_j| <= exp_rel, same p̃ in the numerator and in l (l from unrounded P)
+        P_j = round(p̃_j)                  |P_j - p̃_j| <= u_p p̃_j + min(eta_p, p̃_j)   (underflow flushes to 0)
+        o = fl(Σ_j P_j v_j) / fl(Σ_j p̃_j) accumulation errors gamma_pv Σ P|v| and gamma_pv · l
+        out = round_out(o)                 |out - o| <= u_out |o|
+    Score errors, including exp's ε_j (a factor (1+ε_j) on p_j is a shift ln(1+ε_j) of s_j), perturb the
+    softmax with spread <= ω_acc, bounded by the hull term (§5(b), (c)):
+        ω_acc = 2 [(gamma_qk + 6 u_arith) max_j A_j + exp_rel / (1 - exp_rel)]
+    where 6 u_arith covers rounding σ (with the folded scales and log2 e) to fp32, and the fp32 subtraction of the
+    running max (|s_j - m| <= 2 max A). The weights the kernel uses differ from p̂ by at most a factor e^ω_acc, so
+    with l̃ >= e^-ω_acc l̂ and the kernel's unnormalised P >= its block-local value (online softmax only rounds
+    larger values, §5(f)):
+        |o^ker_c - ô_c| <= (1 + u_out)(1 + gamma_pv) [ u_out |ô_c| + e^ω c_pv Σ_j p̂_j |v̂_jc|
+                             + e^ω (1 + c_pv) Σ_j min(eta_p / l̂, p̂_j) |v̂_jc| + gamma_pv |ô_c| + tanh(ω/4) R̂_c ]
+        c_pv = (1 + u_p)(1 + gamma_pv) - 1
+    (numerics.md §5(f) with the η_P term tightened by min(·, p̂_j), and gamma_pv |ô| for the fp32 row sum l; the
+    leading factors absorb the second-order products.)
+    LSE: lse = m̃ + ln l̃; the score errors move it by at most max_j |Δs_j| <= ω_acc / 2 (§5(a)), the row sum by
+    ln(1 + gamma_pv) <= gamma_pv / (1 - gamma_pv), and evaluating log2, adding m and converting base 2 -> e in fp32
+    costs <= 16 u_arith (|m̂| + ln l̂):
+        |lse^ker - lse^| <= ω_acc / 2 + gamma_pv / (1 - gamma_pv) + 16 u_arith (|m̂| + ln l̂)
+    """
+    omega = 2 * ((gamma_qk + 6 * u_arith) * A_max + exp_rel / (1 - exp_rel))  # [n, H]
+    omega = torch.where(st.seen[:, None], omega, 0.0)  # [n, H] empty rows: nothing to perturb
+    absV = V.abs()  # [s, L]
+    pv = torch.einsum("nhs,sc->nhc", st.p, absV)  # [n, H, L] Σ_j p̂_j |v̂_jc|
+    flush = torch.minimum(eta_p / st.l[..., None], st.p)  # [n, H, s] underflow error per unit l̂
+    flush_v = torch.einsum("nhs,sc->nhc", flush, absV)  # [n, H, L]
+    R = _spread(V, st.n_vis)  # [n, L]
+    c_pv = (1 + u_p) * (1 + gamma_pv) - 1
+    growth = torch.exp(omega)[..., None]  # [n, H, 1] kernel weights <= e^ω p̂
+    inner = (
+        u_out * o.abs()  # output rounding
+        + growth * c_pv * pv  # P rounding and P·V accumulation
+        + growth * (1 + c_pv) * flush_v  # P underflow (η_P)
+        + gamma_pv * o.abs()  # fp32 row sum l
+        + torch.tanh(omega / 4)[..., None] * R[:, None, :]  # score errors: softmax stays within TV tanh(ω/4)
+    )  # [n, H, L]
+    out = (1 + u_out) * (1 + gamma_pv) * inner  # [n, H, L]
+    lse = omega / 2 + gamma_pv / (1 - gamma_pv) + 16 * u_arith * (st.m.abs() + torch.log(st.l))  # [n, H]
+    return out, torch.where(st.seen[:, None], lse, 0.0)
+
+
+def _fp64_slack(st: _Softmax, A_max: torch.Tensor, V: torch.Tensor, o: torch.Tensor, D: int):
+    """Evaluation error of one fp64 oracle run (mla_ref.decode.mla_decode_ref): §5(f) with fp64 constants,
+    gamma = (terms) · u64 for the D-term dot products and the s-term sums (any summation order)."""
+    s = st.p.shape[-1]
+    g = (max(D, s) + 2) * U64
+    return _rounding_bound(
+        st, A_max, V, o, u_out=U64, u_p=0.0, eta_p=0.0, gamma_qk=g, gamma_pv=g, exp_rel=EXP64_REL, u_arith=U64
+    )
+
+
+# ---- §5(f): kernel vs fp64 on the same dequantized inputs ------------------------------------------------------
+
+
+def kernel_bound(batch: DecodeBatch, numerics, *, ref: tuple[torch.Tensor, torch.Tensor] | None = None) -> Bound:
+    """Tier-1 bound (numerics.md §5(f)): |kernel(batch) - mla_decode_ref(batch)| elementwise, both on the same
+    (dequantized) inputs, for a kernel that rounds as ``numerics`` (an ``mla_fast.numerics.KernelNumerics``) says.
+
+    Read from ``numerics``: p_fmt / p_scale (u_P, η_P = η(p_fmt) / p_scale + 2^-126 for flushed fp32 P);
+    qk_operand and pv_operand (operand rounding: 0 when the stored values are exact in them; P rounds once more
+    when pv_operand is coarser than p_fmt); gamma_qk, gamma_pv; out_dtype (u_out). Assumes the row sum l is
+    accumulated from unrounded P (vLLM FlashMLA, mla_fast): a kernel that sums the rounded P needs another
+    (u_P + η_P/l̂)·|ô| term.
+    The fp32 split-KV merge is not included: add ``merge_bound`` for split kernels.
+
+    Args:
+        ref: (out, lse) of ``mla_decode_ref(batch)`` if already computed; the bound then uses its |ô| and
+            validates its shape. Otherwise ô is recomputed here (same fp64 computation).
+    Returns:
+        Bound(out [T, H, L], lse [T, H]) in fp64.
+    """
+    batch.validate()
+    L, D, H, T = batch.kv_lora_rank, batch.head_dim, batch.num_heads, batch.num_tokens
+    if ref is not None and (tuple(ref[0].shape) != (T, H, L) or tuple(ref[1].shape) != (T, H)):
+        raise ValueError(f"ref: expected (out [{T}, {H}, {L}], lse [{T}, {H}]), got {[tuple(r.shape) for r in ref]}")
+    if not (math.isfinite(numerics.p_scale) and numerics.p_scale > 0):
+        raise ValueError(f"numerics.p_scale: expected a finite float > 0, got {numerics.p_scale}")
+
+    # P: rounded to p_fmt (None: stays fp32), then once more if the P·V operand dtype is coarser
+    u_p, u_pv_op = _unit_roundoff(numerics.p_fmt), _unit_roundoff(numerics.pv_operand)
+    if u_pv_op > u_p:
+        u_p = (1 + u_p) * (1 + u_pv_op) - 1
+    eta_p = _half_min_subnormal(numerics.p_fmt) / numerics.p_scale + FTZ_P  # [] absolute, in units of p (<= 1)
+    u_out = _unit_roundoff(numerics.out_dtype)
+    u_q = _operand_u(batch.q, numerics.qk_operand)
+
+    q_hat = batch.dequantized_q(F64)  # [T, H, D]
+    out = torch.zeros(T, H, L, dtype=F64, device=batch.device)  # [T, H, L]
+    lse = torch.zeros(T, H, dtype=F64, device=batch.device)  # [T, H]
+    for b, rows, mask in _requests(batch):
+        raw = _raw_kv(batch, b)  # [s, D] stored values
+        u_k, u_v = _operand_u(raw, numerics.qk_operand), _operand_u(raw[:, :L], numerics.pv_operand)
+        gamma_qk = (1 + u_q) * (1 + u_k) * (1 + numerics.gamma_qk) - 1  # rounded operands, then accumulation
+        gamma_pv = (1 + u_v) * (1 + numerics.gamma_pv) - 1  # V operand rounding, then accumulation
+        K = batch.request_kv(b, F64)  # [s, D] dequantized
+        V = K[:, :L]  # [s, L]
+        st = _softmax(q_hat[rows], K, mask, batch.sm_scale)  # [n, H, s]
+        A = batch.sm_scale * torch.einsum("nhd,sd->nhs", q_hat[rows].abs(), K.abs())  # [n, H, s] A_j
+        A_max = _masked_max(A, mask)  # [n, H]
+        o = ref[0][rows].to(F64) if ref is not None else torch.einsum("nhs,sc->nhc", st.p, V)  # [n, H, L] ô
+        b_out, b_lse = _rounding_bound(
+            st, A_max, V, o, u_out=u_out, u_p=u_p, eta_p=eta_p, gamma_qk=gamma_qk, gamma_pv=gamma_pv,
+            exp_rel=EXP32_REL, u_arith=U32,
+        )  # fmt: skip
+        s_out, s_lse = _fp64_slack(st, A_max, V, o, D)  # the oracle's own fp64 rounding
+        out[rows], lse[rows] = b_out + s_out, b_lse + s_lse
+    return Bound(out, lse)
+
+
+# ---- §5(a)–(d): quantization error of the fp64 oracle ------------------------------------------------------------
+
+
+def _element_error(exact: torch.Tensor, stored_dtype: torch.dtype, exact_dtype: torch.dtype, scale):
+    """Element error model (numerics.md §4, §5 notation): |x̂ - x| <= e = u|x| + η s, plus the clipping error of
+    a saturating quantizer. Returns (e [same shape as exact], number of saturated elements).
+
+    fp8 storage: (u, η) of the format, s = its scale. Round-to-nearest already maps |x| up to
+    top = (max + h) s to ±max (h = u 2^⌊log2 max⌋, half the spacing at max: 464 for e4m3fn) with error <= u|x|;
+    beyond top the clipped error |x| - max s = (|x| - top) + h s <= (|x| - top) + u|x|, so e gets
+    max(|x| - top, 0) and such elements count as saturated. Other storage dtypes: a plain cast (s = 1, η = half
+    the min subnormal; overflow to ±inf counted as saturated). Storage in the exact input's dtype: e = 0.
+    """
+    x = exact.abs()  # [...]
+    if is_fp8(stored_dtype):
+        f = fp8_format(stored_dtype)
+        top = (f.max + f.u * 2.0 ** math.floor(math.log2(f.max))) * scale  # largest |x| that rounds to max
+        clip = (x - top).clamp(min=0)  # [...]
+        return f.u * x + f.eta * scale + clip, int((x > top).sum())
+    if stored_dtype == exact_dtype or stored_dtype == F64:
+        return torch.zeros_like(x), 0
+    fi = torch.finfo(stored_dtype)
+    return (fi.eps / 2) * x + fi.tiny * fi.eps / 2, int((x > fi.max).sum())
+
+
+def _check_pair(batch_q: DecodeBatch, batch_exact: DecodeBatch) -> None:
+    """The two batches must describe the same problem."""
+    batch_q.validate()
+    batch_exact.validate()
+    if tuple(batch_q.q.shape) != tuple(batch_exact.q.shape):
+        raise ValueError(f"batch_exact.q: expected shape {tuple(batch_q.q.shape)}, got {tuple(batch_exact.q.shape)}")
+    for name in ("seq_lens", "q_lens"):
+        if not torch.equal(getattr(batch_q, name).cpu(), getattr(batch_exact, name).cpu()):
+            raise ValueError(f"batch_exact.{name}: expected {getattr(batch_q, name).tolist()} as batch_q")
+    for name in ("sm_scale", "kv_lora_rank"):
+        if getattr(batch_q, name) != getattr(batch_exact, name):
+            raise ValueError(f"batch_exact.{name}: expected {getattr(batch_q, name)} as batch_q")
+
+
+@dataclass
+class _QuantRows:
+    """One request's rows for the quantization bounds: exact and dequantized inputs and their error model."""
+
+    rows: slice
+    mask: torch.Tensor  # [n, s]
+    q: torch.Tensor  # [n, H, D] exact
+    q_hat: torch.Tensor  # [n, H, D] dequantized
+    e_q: torch.Tensor  # [n, H, D] element error bound of q
+    K: torch.Tensor  # [s, D] exact
+    K_hat: torch.Tensor  # [s, D] dequantized
+    e_k: torch.Tensor  # [s, D] element error bound of K
+    st: _Softmax  # exact scores and weights p
+    st_hat: _Softmax  # dequantized scores and weights p̂
+    saturated: int  # saturated elements of K (and of q, on the first request)
+
+
+def _quant_rows(batch_q: DecodeBatch, batch_exact: DecodeBatch, lse_exact: torch.Tensor | None = None):
+    """Yield ``_QuantRows`` per request. ``lse_exact`` [T, H]: reuse the exact oracle's LSE for p = exp(s - lse)."""
+    _check_pair(batch_q, batch_exact)
+    sigma = batch_q.sm_scale
+    q = batch_exact.dequantized_q(F64)  # [T, H, D]
+    q_hat = batch_q.dequantized_q(F64)  # [T, H, D]
+    e_q, sat_q = _element_error(q, batch_q.q.dtype, batch_exact.q.dtype, batch_q.q_scale)  # [T, H, D]
+    for b, rows, mask in _requests(batch_q):
+        K = batch_exact.request_kv(b, F64)  # [s, D]
+        K_hat = batch_q.request_kv(b, F64)  # [s, D]
+        e_k, sat_k = _element_error(K, batch_q.kv_cache.dtype, batch_exact.kv_cache.dtype, batch_q.kv_scale)
+        st = _softmax(q[rows], K, mask, sigma)
+        if lse_exact is not None:
+            shift = torch.where(st.seen[:, None], lse_exact[rows].to(F64), 0.0)  # [n, H]
+            st.p = torch.exp(st.s - shift[..., None])  # [n, H, s] exp(-inf) = 0 where not visible
+        st_hat = _softmax(q_hat[rows], K_hat, mask, sigma)
+        sat = sat_k + (sat_q if b == 0 else 0)
+        yield _QuantRows(rows, mask, q[rows], q_hat[rows], e_q[rows], K, K_hat, e_k, st, st_hat, sat)
+
+
+def _score_error_bound(r: _QuantRows, sigma: float) -> torch.Tensor:
+    """§5(a): δ_j = σ Σ_i (e^q_i |k_ji| + |q_i| e^k_ji + e^q_i e^k_ji) >= |ŝ_j - s_j|; [n, H, s]."""
+    return sigma * (
+        torch.einsum("nhd,sd->nhs", r.e_q, r.K.abs())
+        + torch.einsum("nhd,sd->nhs", r.q.abs(), r.e_k)
+        + torch.einsum("nhd,sd->nhs", r.e_q, r.e_k)
+    )
+
+
+def _oracle_slack(r: _QuantRows, sigma: float, L: int, D: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp64 evaluation error of both oracle runs (exact and dequantized inputs): ([n, H, L], [n, H])."""
+    total_out, total_lse = 0.0, 0.0
+    for st, q, K in ((r.st, r.q, r.K), (r.st_hat, r.q_hat, r.K_hat)):
+        A_max = _masked_max(sigma * torch.einsum("nhd,sd->nhs", q.abs(), K.abs()), r.mask)  # [n, H]
+        o = torch.einsum("nhs,sc->nhc", st.p, K[:, :L])  # [n, H, L]
+        s_out, s_lse = _fp64_slack(st, A_max, K[:, :L], o, D)
+        total_out, total_lse = total_out + s_out, total_lse + s_lse
+    return total_out, total_lse
+
+
+def quantization_bounds(
+    batch_q: DecodeBatch, batch_exact: DecodeBatch, *, ref_exact: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> QuantBounds:
+    """Tier-2 bounds on |mla_decode_ref(batch_q) - mla_decode_ref(batch_exact)| (numerics.md §5(a)–(d)).
+
+    ``batch_q`` holds the quantized inputs (fp8 with q_scale / kv_scale, or a narrower float), ``batch_exact``
+    the same problem unquantized (same seq_lens / q_lens; its own block table). Both bounds include the fp64
+    evaluation error of the two oracle runs (``_fp64_slack``), so they hold for the computed references.
+
+    B_det (a-priori, from the element error model e = u|x| + η s on every quantized channel, §5(a)–(c)):
+        δ_j = σ Σ_i (e^q_i |k_ji| + |q_i| e^k_ji + e^q_i e^k_ji)      |Δs_j| <= δ_j            (a)
+        ω_det = 2 max_j δ_j                                         spread of Δs             (b)
+        B_det,c = min{tanh(ω_det/4) R_c, (e^ω_det - 1) Σ_j p_j|v_jc|}                        (c) term 1
+                + Σ_j p_j e^v_jc + tanh(ω_det/4)(max_j e^v_jc - min_j e^v_jc)                (c) term 2
+        |Δlse| <= max_j δ_j                                                                  (a)
+    B_post (a-posteriori, always valid and tight, §5(d)), with Δs = ŝ - s from both fp64 score sets:
+        ω_act = max_j Δs_j - min_j Δs_j
+        B_post,c = min{tanh(ω_act/4) R_c, (e^ω_act - 1) Σ_j p_j|v_jc|} + Σ_j p̂_j |v̂_jc - v_jc|
+        |Δlse| <= max_j |Δs_j|
+    Unhatted p, v, R come from the exact inputs; e^v = e^k[:, :L] (one rounding moves both score and value).
+
+    Args:
+        ref_exact: (out, lse) of ``mla_decode_ref(batch_exact)`` if already computed: p is then exp(s - lse).
+    """
+    L, D, H, T = batch_q.kv_lora_rank, batch_q.head_dim, batch_q.num_heads, batch_q.num_tokens
+    sigma, dev = batch_q.sm_scale, batch_q.device
+    det_out, post_out = (torch.zeros(T, H, L, dtype=F64, device=dev) for _ in range(2))  # [T, H, L]
+    det_lse, post_lse, omega_det, omega_act = (torch.zeros(T, H, dtype=F64, device=dev) for _ in range(4))  # [T, H]
+    saturated = 0
+    lse_exact = ref_exact[1] if ref_exact is not None else None
+    for r in _quant_rows(batch_q, batch_exact, lse_exact):
+        V, V_hat, e_v = r.K[:, :L], r.K_hat[:, :L], r.e_k[:, :L]  # [s, L]
+        pv = torch.einsum("nhs,sc->nhc", r.st.p, V.abs())  # [n, H, L] Σ_j p_j |v_jc|
+        R = _spread(V, r.st.n_vis)  # [n, L]
+        seen = r.st.seen[:, None]  # [n, 1]
+
+        # B_det: (a) score errors, (b) their spread, (c) output
+        delta_max = _masked_max(_score_error_bound(r, sigma), r.mask)  # [n, H] max_j δ_j
+        w_det = 2 * delta_max  # [n, H]
+        term1 = _hull_term(w_det, R, pv)  # [n, H, L]
+        e_v_spread = _spread(e_v, r.st.n_vis)[:, None, :]  # [n, 1, L]
+        term2 = torch.einsum("nhs,sc->nhc", r.st.p, e_v) + torch.tanh(w_det / 4)[..., None] * e_v_spread  # [n, H, L]
+
+        # B_post: (d) from the actual score changes
+        ds = torch.where(r.mask[:, None, :], r.st_hat.s - r.st.s, 0.0)  # [n, H, s] Δs_j (0 where not visible)
+        w_act = _masked_max(ds, r.mask) + _masked_max(-ds, r.mask)  # [n, H] max Δs - min Δs
+        moved = torch.einsum("nhs,sc->nhc", r.st_hat.p, (V_hat - V).abs())  # [n, H, L] Σ_j p̂_j |v̂_jc - v_jc|
+
+        slack_out, slack_lse = _oracle_slack(r, sigma, L, D)  # [n, H, L], [n, H]
+        det_out[r.rows] = term1 + term2 + slack_out
+        post_out[r.rows] = _hull_term(w_act, R, pv) + moved + slack_out
+        det_lse[r.rows] = torch.where(seen, delta_max + slack_lse, 0.0)
+        post_lse[r.rows] = torch.where(seen, _masked_max(ds.abs(), r.mask) + slack_lse, 0.0)
+        omega_det[r.rows], omega_act[r.rows] = w_det, w_act
+        saturated += r.saturated
+    return QuantBounds(det_out, det_lse, post_out, post_lse, omega_det, omega_act, saturated)
+
+
+# ---- §5(g): split-KV merge --------------------------------------------------------------------------------------
+
+
+def merge_bound(batch: DecodeBatch, num_splits: int, *, accum: torch.dtype = torch.float32) -> Bound:
+    """Extra error of merging ``num_splits`` split-KV partials with the exact LSE formula of numerics.md §3,
+    evaluated in ``accum`` (numerics.md §5(g)); add it to ``kernel_bound`` for a split kernel.
+
+    The partials (O_S, L_S) are stored in ``accum``; the merge computes M = max L_S, L = M + ln Σ exp(L_S - M),
+    out = Σ_S exp(L_S - L) O_S. With Λ = max_j |ŝ_j| + ln n_vis >= |L_S|, |L| (m_S in [min ŝ, max ŝ],
+    ln l_S in [0, ln n]) and u = u(accum):
+        each partial and merged LSE carries <= 16 u Λ of log / base-conversion rounding (as in §5(f)), and
+        L_S - L rounds with <= 2 u Λ, so every weight exp(L_S - L) has relative error
+            ξ = ε_exp + 34 u Λ,     ε_exp = 4u (fp32 ex2.approx: 2^-22)
+        the sum over S weighted partials and their storage add (S + 1) u; since Σ_S w_S |O_S,c| <= Σ_j p̂_j |v̂_jc|:
+            |Δout_c| <= (ξ + (S + 1) u)(1 + ξ) Σ_j p̂_j |v̂_jc|
+            |Δlse|   <= ξ + (S + 1) u + 16 u Λ
+    Split positions do not enter the bound: ``num_splits`` is the largest number of splits of any row.
+    One split (no merge) gives zeros. Measured (numerics.md §5(g)): <= 1.1e-5 Σp|v|, 1.3e-5 on LSE at N = 32768.
+    """
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits: expected an int >= 1, got {num_splits!r}")
+    batch.validate()
+    L, H, T = batch.kv_lora_rank, batch.num_heads, batch.num_tokens
+    out = torch.zeros(T, H, L, dtype=F64, device=batch.device)  # [T, H, L]
+    lse = torch.zeros(T, H, dtype=F64, device=batch.device)  # [T, H]
+    if num_splits == 1:
+        return Bound(out, lse)
+    u = _unit_roundoff(accum)
+    S = num_splits
+    q_hat = batch.dequantized_q(F64)  # [T, H, D]
+    for b, rows, mask in _requests(batch):
+        K = batch.request_kv(b, F64)  # [s, D]
+        st = _softmax(q_hat[rows], K, mask, batch.sm_scale)
+        lam = _masked_max(st.s.abs(), mask) + torch.log(st.n_vis.clamp(min=1).to(F64))[:, None]  # [n, H] Λ
+        xi = 4 * u + 34 * u * lam  # [n, H] relative error of a merge weight
+        pv = torch.einsum("nhs,sc->nhc", st.p, K[:, :L].abs())  # [n, H, L] Σ_j p̂_j |v̂_jc|
+        out[rows] = ((xi + (S + 1) * u) * (1 + xi))[..., None] * pv
+        lse[rows] = torch.where(st.seen[:, None], xi + (S + 1) * u + 16 * u * lam, 0.0)
+    return Bound(out, lse)
+
+
+# ---- §5(e): probabilistic estimates (statistics only) ----------------------------------------------------------
+
+
+def prob_bound(batch_q: DecodeBatch, batch_exact: DecodeBatch, *, alpha: float = 1e-3) -> Bound:
+    """Probabilistic bound on the quantization error (numerics.md §5(e); Higham & Mary 2019).
+
+    **Statistics only — never a pass/fail oracle.** It assumes independent, mean-zero rounding errors; coherent
+    rounding (constant or repeated values, exactly what Hypothesis shrinks towards) violates it (§5.1: err/B_prob
+    up to 0.48 with ω_prob below ω_act). Use it to summarise random draws.
+
+    Hoeffding per (row, head, token), each rounding bounded by the element error e = u|x| + η s:
+        |Δs_j| <= δ^p_j = σ λ sqrt(Σ_i (e^q_i k_ji)² + (q_i e^k_ji)²),   λ = sqrt(2 ln(2 N / α))
+    with N the number of visible (row, head, token) triples (union bound at failure probability α), and
+        |Δo_c| <= min{tanh(ω_p/4) R_c, (e^ω_p - 1) Σ_j p_j|v_jc|} + λ' sqrt(Σ_j p_j² (e^v_jc)²),  ω_p = 2 max_j δ^p_j
+    with λ' = sqrt(2 ln(2 T H L / α)); |Δlse| <= max_j δ^p_j.
+    """
+    if not 0 < alpha < 1:
+        raise ValueError(f"alpha: expected a failure probability in (0, 1), got {alpha}")
+    L, H, T = batch_q.kv_lora_rank, batch_q.num_heads, batch_q.num_tokens
+    sigma = batch_q.sm_scale
+    n_pairs = max(int(batch_q.visible_tokens().sum()) * H, 1)
+    lam = math.sqrt(2 * math.log(2 * n_pairs / alpha))
+    lam_out = math.sqrt(2 * math.log(2 * max(T * H * L, 1) / alpha))
+    out = torch.zeros(T, H, L, dtype=F64, device=batch_q.device)  # [T, H, L]
+    lse = torch.zeros(T, H, dtype=F64, device=batch_q.device)  # [T, H]
+    for r in _quant_rows(batch_q, batch_exact):
+        V, e_v = r.K[:, :L], r.e_k[:, :L]  # [s, L]
+        var_s = torch.einsum("nhd,sd->nhs", r.e_q**2, r.K**2) + torch.einsum("nhd,sd->nhs", r.q**2, r.e_k**2)
+        delta_p = sigma * lam * var_s.sqrt()  # [n, H, s]
+        dmax = _masked_max(delta_p, r.mask)  # [n, H]
+        pv = torch.einsum("nhs,sc->nhc", r.st.p, V.abs())  # [n, H, L]
+        v_term = lam_out * torch.einsum("nhs,sc->nhc", r.st.p**2, e_v**2).sqrt()  # [n, H, L]
+        out[r.rows] = _hull_term(2 * dmax, _spread(V, r.st.n_vis), pv) + v_term
+        lse[r.rows] = dmax
+    return Bound(out, lse)
+
+
+def _centered_cross(p: torch.Tensor, V: torch.Tensor, K: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """Cov_p(v_c, k_i) = Σ_j p_j (v_jc - o_c) k_ji: p [n, H, s], V [s, L], K [s, D], o [n, H, L] -> [n, H, L, D].
+
+    Heads go in chunks so the [chunk, L, s] weighted values stay near 2^24 elements.
+    """
+    n, H, s = p.shape
+    cov = p.new_empty(n, H, V.shape[1], K.shape[1])  # [n, H, L, D]
+    chunk = max(1, 2**24 // max(V.shape[1] * s, 1))
+    for t in range(n):
+        for h in range(0, H, chunk):
+            pv_t = V.T[None] * p[t, h : h + chunk, None, :]  # [c, L, s] p_j v_jc
+            cov[t, h : h + chunk] = pv_t @ K  # [c, L, D] Σ_j p_j v_jc k_ji
+    return cov - o[..., None] * torch.einsum("nhs,si->nhi", p, K)[:, :, None, :]  # subtract o_c Σ_j p_j k_ji
+
+
+def rms_estimate(batch_q: DecodeBatch, batch_exact: DecodeBatch) -> torch.Tensor:
+    """First-order RMS prediction of the quantization error of out, [T, H, L] (numerics.md §5(e)).
+
+    **Statistics only — never a pass/fail oracle** (§5.1: 3–65x too small for coherent rounding, 1.3–1.4x too
+    large on random data). Each element error is modelled as uniform on [-e, e], variance e²/3, e = u|x| + η s,
+    independent across elements. To first order Δo_c = Σ_j p_j (v_jc - o_c) Δs_j + Σ_j p_j Δv_jc with
+    Δs_j = σ Σ_i (Δq_i k_ji + q_i Δk_ji), so (k-rounding of a score and of the same value treated as independent):
+        Var(Δo_c) = (1/3) [ σ² Σ_j p_j² (v_jc - o_c)² Σ_i q_i² (e^k_ji)²          K rounding through the scores
+                          + Σ_j p_j² (e^v_jc)²                                     V rounding
+                          + σ² Σ_i (e^q_i)² (Σ_j p_j (v_jc - o_c) k_ji)² ]          q rounding (shared by all j)
+    """
+    L, H, T = batch_q.kv_lora_rank, batch_q.num_heads, batch_q.num_tokens
+    sigma = batch_q.sm_scale
+    var = torch.zeros(T, H, L, dtype=F64, device=batch_q.device)  # [T, H, L]
+    for r in _quant_rows(batch_q, batch_exact):
+        V, e_v, p = r.K[:, :L], r.e_k[:, :L], r.st.p  # [s, L], [s, L], [n, H, s]
+        o = torch.einsum("nhs,sc->nhc", p, V)  # [n, H, L]
+        g = torch.einsum("nhd,sd->nhs", r.q**2, r.e_k**2)  # [n, H, s] Σ_i q_i² (e^k_ji)²
+        w = p**2 * g  # [n, H, s]
+        k_term = (
+            torch.einsum("nhs,sc->nhc", w, V**2)
+            - 2 * o * torch.einsum("nhs,sc->nhc", w, V)
+            + o**2 * w.sum(dim=-1, keepdim=True)
+        )  # [n, H, L] Σ_j p_j² g_j (v_jc - o_c)²
+        v_term = torch.einsum("nhs,sc->nhc", p**2, e_v**2)  # [n, H, L]
+        cov = _centered_cross(p, V, r.K, o)  # [n, H, L, D]
+        q_term = torch.einsum("nhi,nhci->nhc", r.e_q**2, cov**2)  # [n, H, L]
+        var[r.rows] = (sigma**2 * k_term.clamp(min=0) + v_term + sigma**2 * q_term) / 3
+    return var.sqrt()
