@@ -19,6 +19,7 @@ A hat (q̂, k̂, ŝ, p̂, ô) marks values computed from the dequantized inputs.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -484,7 +485,7 @@ def merge_bound(batch: DecodeBatch, num_splits: int, *, accum: torch.dtype = tor
     Split positions do not enter the bound: ``num_splits`` is the largest number of splits of any row.
     One split (no merge) gives zeros. Measured (numerics.md §5(g)): <= 1.1e-5 Σp|v|, 1.3e-5 on LSE at N = 32768.
     """
-    if not isinstance(num_splits, int) or num_splits < 1:
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 1:
         raise ValueError(f"num_splits: expected an int >= 1, got {num_splits!r}")
     batch.validate()
     L, H, T = batch.kv_lora_rank, batch.num_heads, batch.num_tokens
@@ -493,7 +494,7 @@ def merge_bound(batch: DecodeBatch, num_splits: int, *, accum: torch.dtype = tor
     if num_splits == 1:
         return Bound(out, lse)
     u = _unit_roundoff(accum)
-    S = num_splits
+    S = int(num_splits)
     q_hat = batch.dequantized_q(F64)  # [T, H, D]
     for b, rows, mask in _requests(batch):
         K = batch.request_kv(b, F64)  # [s, D]
