@@ -1,0 +1,333 @@
+"""Planner properties: exact coverage, balance bound, split cap, partial/reduce maps, aiter export, determinism."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mla_fast.planner import (
+    BATCH,
+    FINAL,
+    HEAD_END,
+    HEAD_START,
+    KV_END,
+    KV_START,
+    PARTIAL_ROW,
+    QO_END,
+    QO_START,
+    WorkPlan,
+    plan_decode,
+)
+
+
+@dataclass(frozen=True)
+class PlanCase:
+    seq_lens: tuple[int, ...]
+    q_lens: tuple[int, ...]
+    num_heads: int
+    head_group: int
+    num_workers: int
+    block_n: int
+    fixed_overhead: int
+    max_splits: int | None
+
+    def plan(self, device: str = "cpu") -> WorkPlan:
+        return plan_decode(
+            torch.tensor(self.seq_lens, dtype=torch.int32, device=device),
+            torch.tensor(self.q_lens, dtype=torch.int32, device=device),
+            self.num_heads,
+            self.num_workers,
+            block_n=self.block_n,
+            fixed_overhead=self.fixed_overhead,
+            max_splits=self.max_splits,
+            head_group=self.head_group,
+        )
+
+
+seq_len = st.integers(0, 100_000)
+short = st.integers(0, 300)
+seq_lists = st.one_of(
+    st.lists(seq_len, min_size=1, max_size=64),
+    st.tuples(seq_len, st.lists(short, min_size=1, max_size=200)).map(lambda t: [t[0], *t[1]]),  # one long, many short
+    st.lists(st.sampled_from([0, 1, 63, 64, 65, 4096]), min_size=1, max_size=32),  # edges and empties
+)
+
+
+@st.composite
+def plan_cases(draw, max_workers: int = 264) -> PlanCase:
+    seqs = draw(seq_lists)
+    if draw(st.booleans()):
+        seqs = seqs[::-1]  # the long request last as often as first
+    q_lens = draw(st.lists(st.integers(1, 4), min_size=len(seqs), max_size=len(seqs)))
+    num_heads = draw(st.sampled_from([16, 128]))
+    head_group = draw(st.sampled_from([h for h in (16, 32, 64, 128) if num_heads % h == 0]))
+    return PlanCase(
+        seq_lens=tuple(seqs),
+        q_lens=tuple(q_lens),
+        num_heads=num_heads,
+        head_group=head_group,
+        num_workers=draw(st.integers(1, max_workers)),
+        block_n=draw(st.sampled_from([1, 16, 64, 128])),
+        fixed_overhead=draw(st.integers(0, 16)),
+        max_splits=draw(st.one_of(st.none(), st.integers(1, 8), st.integers(9, 300))),
+    )
+
+
+def ceil_div(a, b):
+    return -(-a // b)
+
+
+def tile_ids(case: PlanCase, items: torch.Tensor) -> torch.Tensor:
+    """[N] tile index b * G + g of each item (request-major, as the planner numbers tiles)."""
+    G = case.num_heads // case.head_group
+    return items[:, BATCH] * G + items[:, HEAD_START] // case.head_group
+
+
+def check_structure(case: PlanCase, plan: WorkPlan) -> None:
+    """Layout of every tensor, q rows and heads of every item, indptr monotone."""
+    B, G, W = len(case.seq_lens), case.num_heads // case.head_group, case.num_workers
+    items = plan.work_items.long()  # [N, 8]
+    N = items.shape[0]
+    assert plan.work_items.dtype == torch.int32 and items.shape[1] == 8
+    assert plan.worker_indptr.shape == (W + 1,) and plan.reduce_indptr.shape == (B * G + 1,)
+    for indptr, end in ((plan.worker_indptr, N), (plan.reduce_indptr, plan.reduce_partial_map.numel())):
+        assert int(indptr[0]) == 0 and int(indptr[-1]) == end and bool((torch.diff(indptr) >= 0).all())
+    qo = torch.cumsum(torch.tensor((0, *case.q_lens)), 0)  # [B + 1]
+    b = items[:, BATCH]
+    assert bool(((b >= 0) & (b < B)).all())
+    assert torch.equal(items[:, QO_START], qo[b]) and torch.equal(items[:, QO_END], qo[b + 1])
+    assert bool((items[:, HEAD_START] % case.head_group == 0).all())
+    assert bool((items[:, HEAD_END] - items[:, HEAD_START] == case.head_group).all())
+    assert bool((items[:, HEAD_END] <= case.num_heads).all())
+
+
+def check_coverage(case: PlanCase, plan: WorkPlan) -> None:
+    """Every KV token of every (request, q rows, head group) lies in exactly one item; splits on block_n."""
+    items = plan.work_items.long()  # [N, 8]
+    B, G = len(case.seq_lens), case.num_heads // case.head_group
+    seq = torch.tensor(case.seq_lens).repeat_interleave(G)  # [T] tokens per tile
+    tile = tile_ids(case, items)  # [N]
+    start, end = items[:, KV_START], items[:, KV_END]  # [N]
+    # coverage count: tokens assigned per tile equals the tile's length ...
+    covered = torch.zeros(B * G, dtype=torch.long).index_add_(0, tile, end - start)  # [T]
+    assert torch.equal(covered, seq)
+    # ... and the items of a tile, in KV order, abut: no token twice, none missing
+    order = torch.argsort(tile * (max(case.seq_lens) + 1) + start, stable=True)  # [N] by (tile, kv_start)
+    tile, start, end = tile[order], start[order], end[order]
+    same = tile[1:] == tile[:-1]  # [N - 1]
+    assert torch.equal(end[:-1][same], start[1:][same])
+    first = torch.cat([torch.tensor([True]), ~same])  # [N] first item of each tile
+    assert torch.equal(tile[first], torch.arange(B * G))  # every tile has an item
+    assert bool((start[first] == 0).all())
+    nonempty = seq[tile] > 0
+    assert bool((end[nonempty] > start[nonempty]).all())  # no empty piece of a non-empty sequence
+    assert int((~nonempty).sum()) == int((seq == 0).sum())  # an empty sequence gets exactly one (empty) item
+    assert bool((start % case.block_n == 0).all())
+    assert bool(((end % case.block_n == 0) | (end == seq[tile])).all())
+
+
+def worker_costs(case: PlanCase, plan: WorkPlan) -> torch.Tensor:
+    """[W] summed item costs: ceil(kv tokens / block_n) + fixed_overhead per item (the documented cost model)."""
+    items = plan.work_items.long()
+    cost = ceil_div(items[:, KV_END] - items[:, KV_START], case.block_n) + case.fixed_overhead  # [N]
+    worker = torch.arange(case.num_workers).repeat_interleave(torch.diff(plan.worker_indptr.long()))  # [N]
+    return torch.zeros(case.num_workers, dtype=torch.long).index_add_(0, worker, cost)
+
+
+def check_balance_and_cap(case: PlanCase, plan: WorkPlan) -> None:
+    """The balance inequality of the planner's docstring, and at most max_splits pieces per tile."""
+    G = case.num_heads // case.head_group
+    blocks = [ceil_div(s, case.block_n) for s in case.seq_lens for _ in range(G)]  # per tile
+    C = sum(blocks) + case.fixed_overhead * len(blocks)  # total cost without splits
+    W, ovh, m = case.num_workers, case.fixed_overhead, case.max_splits
+    cost = worker_costs(case, plan)
+    assert torch.equal(cost, plan.worker_costs())
+    Q = max(1, ceil_div(C, W))
+    if m is None:
+        # max <= ceil(C/W) + OVH, hence < mean + 1 + OVH (mean >= C/W): one block plus one overhead above the mean
+        assert int(cost.max()) <= Q + ovh
+        assert float(cost.max()) < float(cost.double().mean()) + 1 + ovh
+    elif m >= 2:
+        # the stride grows to ceil((b_max - 1) / (m - 1)) so that no tile needs more than m pieces
+        assert int(cost.max()) <= max(Q, ceil_div(max(blocks) - 1, m - 1)) + ovh
+    else:
+        # no splits: a cut moves back to its tile's start, by at most the tile's length - 1
+        assert int(cost.max()) <= Q + max(blocks) + ovh - 1
+    pieces = torch.bincount(tile_ids(case, plan.work_items.long()), minlength=len(blocks))
+    if m is not None:
+        assert int(pieces.max()) <= m
+
+
+def check_partials(case: PlanCase, plan: WorkPlan) -> None:
+    """Split tiles use partial rows, each (row, head) written by one item and read by one reduce, in KV order."""
+    items = plan.work_items.long()
+    B, G, H, hg = len(case.seq_lens), case.num_heads // case.head_group, case.num_heads, case.head_group
+    tile = tile_ids(case, items)  # [N]
+    pieces = torch.bincount(tile, minlength=B * G)  # [T]
+    split = pieces[tile] > 1  # [N]
+    assert bool((items[~split, PARTIAL_ROW] == FINAL).all()) and bool((items[split, PARTIAL_ROW] >= 0).all())
+    n_red = torch.diff(plan.reduce_indptr.long())  # [T]
+    assert torch.equal(n_red, torch.where(pieces > 1, pieces, 0))
+
+    def counts(first_row, n_rows, head_start) -> torch.Tensor:
+        """[rows, H] how often each (workspace row, head) appears in the given row blocks."""
+        r = torch.arange(4)  # q_len <= 4
+        rows = first_row[:, None] + r  # [K, 4]
+        ok = r[None, :] < n_rows[:, None]  # [K, 4]
+        heads = head_start[:, None] + torch.arange(hg)  # [K, hg]
+        idx = (rows[ok][:, None], heads[:, None, :].expand(-1, 4, -1)[ok])  # [M, 1], [M, hg]
+        c = torch.zeros(plan.num_partial_rows, H, dtype=torch.long)
+        return c.index_put_(idx, torch.ones(1, dtype=torch.long), accumulate=True)
+
+    n_rows = items[:, QO_END] - items[:, QO_START]  # [N]
+    written = counts(items[split, PARTIAL_ROW], n_rows[split], items[split, HEAD_START])
+    final = plan.reduce_final.long()  # [T, 4]
+    red_tile = torch.arange(B * G).repeat_interleave(n_red)  # [M] tile of each reduce_partial_map entry
+    read = counts(plan.reduce_partial_map.long(), (final[:, 1] - final[:, 0])[red_tile], final[red_tile, 2])
+    assert bool((written <= 1).all()) and torch.equal(written, read)
+    # the reduce map lists each split tile's items in KV order
+    order = torch.argsort(tile * (max(case.seq_lens) + 1) + items[:, KV_START], stable=True)
+    assert torch.equal(items[order][split[order], PARTIAL_ROW], plan.reduce_partial_map.long())
+
+
+def check_final_map(case: PlanCase, plan: WorkPlan) -> None:
+    """reduce_final lists every (request, head group) once: its q rows and heads."""
+    B, G, hg = len(case.seq_lens), case.num_heads // case.head_group, case.head_group
+    qo = torch.cumsum(torch.tensor((0, *case.q_lens)), 0)
+    b, g = torch.arange(B).repeat_interleave(G), torch.arange(G).repeat(B)
+    expect = torch.stack([qo[b], qo[b + 1], g * hg, (g + 1) * hg], dim=1)  # [T, 4]
+    assert torch.equal(plan.reduce_final.long(), expect)
+
+
+def check_aiter(case: PlanCase, plan: WorkPlan, page_size: int) -> None:
+    """aiter buffers (aiter-contract.md §4): indptrs, page-unit KV ranges, kv_offset, maps."""
+    a = plan.to_aiter(page_size=page_size)
+    items = plan.work_items.long()
+    info = a["work_info_set"].long()  # [N, 8]
+    assert a["work_info_set"].dtype == torch.int32 and info.shape == (plan.num_items, 8)
+    assert a["work_meta_data"].shape == (2,)
+    for key, end in (("work_indptr", plan.num_items), ("reduce_indptr", a["reduce_partial_map"].numel())):
+        indptr = a[key].long()
+        assert int(indptr[0]) == 0 and int(indptr[-1]) == end and bool((torch.diff(indptr) >= 0).all())
+    assert a["work_indptr"].numel() == case.num_workers + 1
+    assert torch.equal(info[:, :4], items[:, [BATCH, PARTIAL_ROW, QO_START, QO_END]])
+    seq = torch.tensor(case.seq_lens)
+    pages = ceil_div(seq, page_size)
+    kv_indptr = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.long), pages]), 0)  # [B + 1]
+    b = items[:, BATCH]
+    assert torch.equal(info[:, 4], kv_indptr[b] + items[:, KV_START] // page_size)
+    assert bool((items[:, KV_START] % page_size == 0).all())  # split points are page aligned
+    assert torch.equal(info[:, 5], kv_indptr[b] + ceil_div(items[:, KV_END], page_size))
+    assert bool((info[:, 4] <= info[:, 5]).all()) and bool((info[:, 5] <= kv_indptr[b + 1]).all())
+    assert torch.equal(info[:, 6], seq[b] - items[:, KV_END]) and bool((info[:, 6] >= 0).all())
+    assert bool((info[:, 7] == 0).all())
+    # the final map covers every request's q rows exactly once
+    fm = a["reduce_final_map"].long()  # [B, 2]
+    assert fm.shape == (len(seq), 2) and int(fm[0, 0]) == 0 and int(fm[-1, 1]) == sum(case.q_lens)
+    assert torch.equal(fm[1:, 0], fm[:-1, 1]) and bool((fm[:, 1] > fm[:, 0]).all())
+    # every partial row written by exactly one work and read by exactly one reduce
+    loc = info[:, 1][info[:, 1] >= 0]
+    assert torch.equal(torch.sort(loc).values, torch.sort(a["reduce_partial_map"].long()).values)
+    assert loc.unique().numel() == loc.numel()
+
+
+def check_all(case: PlanCase, plan: WorkPlan) -> None:
+    check_structure(case, plan)
+    check_coverage(case, plan)
+    check_balance_and_cap(case, plan)
+    check_partials(case, plan)
+    check_final_map(case, plan)
+
+
+@given(plan_cases())
+def test_plan_invariants(case: PlanCase):
+    plan = case.plan()
+    check_all(case, plan)
+    again = case.plan()  # determinism: the same input gives the same plan
+    for name in ("work_items", "worker_indptr", "reduce_indptr", "reduce_final", "reduce_partial_map"):
+        assert torch.equal(getattr(plan, name), getattr(again, name))
+    assert plan.num_partial_rows == again.num_partial_rows
+
+
+@given(plan_cases(), st.sampled_from([1, 2, 16, 64]))
+def test_aiter_export(case: PlanCase, page_size: int):
+    case = PlanCase(**{**case.__dict__, "head_group": case.num_heads, "block_n": 64})  # aiter: no head groups
+    plan = case.plan()
+    check_aiter(case, plan, page_size)
+
+
+@pytest.mark.parametrize("num_workers", [1, 2, 131, 132, 264, 1000, 1024])
+def test_many_workers_one_long_many_short(num_workers: int):
+    seqs = (100_000, *([0, 1, 17, 64, 300] * 40))
+    case = PlanCase(seqs, (2,) * len(seqs), 128, 16, num_workers, 64, 5, None)
+    check_all(case, case.plan())
+
+
+def test_request_split_across_every_worker():
+    case = PlanCase((64 * 1024,), (1,), 16, 16, 1024, 64, 0, None)  # 1024 blocks, 1024 workers, no overhead
+    plan = case.plan()
+    check_all(case, plan)
+    assert plan.num_items == 1024 and torch.equal(torch.diff(plan.worker_indptr), torch.ones(1024, dtype=torch.int32))
+
+
+def test_worked_example_from_docstring():
+    plan = plan_decode(torch.tensor([1000, 100, 0]), torch.tensor([1, 1, 1]), 16, 4, fixed_overhead=5)
+    kv = plan.work_items[:, [BATCH, KV_START, KV_END]].tolist()
+    assert kv == [[0, 0, 256], [0, 256, 832], [0, 832, 1000], [1, 0, 64], [1, 64, 100], [2, 0, 0]]
+    assert plan.worker_indptr.tolist() == [0, 1, 2, 4, 6]
+    assert plan.work_items[:, PARTIAL_ROW].tolist() == [0, 1, 2, 3, 4, -1]
+    assert plan.worker_costs().tolist() == [9, 14, 14, 11]
+    assert plan.num_partial_rows == 5
+
+
+def test_summary_reports_balance():
+    plan = plan_decode(torch.tensor([1000, 100, 0]), torch.tensor([1, 1, 1]), 16, 4, fixed_overhead=5)
+    s = plan.stats()
+    assert s["imbalance"] == 14 / 12 and s["split_tiles"] == 2 and s["pieces_per_tile"]["max"] == 3
+    assert "imbalance max/mean 1.167" in plan.summary()
+
+
+def test_to_aiter_rejects_head_groups_and_unaligned_pages():
+    plan = plan_decode(torch.tensor([100]), torch.tensor([1]), 128, 4, head_group=16)
+    with pytest.raises(ValueError, match="head_group"):
+        plan.to_aiter()
+    plan = plan_decode(torch.tensor([100]), torch.tensor([1]), 16, 4, block_n=48)
+    with pytest.raises(ValueError, match="page_size"):
+        plan.to_aiter(page_size=32)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"seq_lens": torch.tensor([-1])}, "seq_lens"),
+        ({"seq_lens": torch.tensor([1.0])}, "seq_lens"),
+        ({"seq_lens": torch.tensor([], dtype=torch.int32), "q_lens": torch.tensor([], dtype=torch.int32)}, "seq_lens"),
+        ({"q_lens": torch.tensor([0])}, "q_lens"),
+        ({"q_lens": torch.tensor([1, 1])}, "q_lens"),
+        ({"num_heads": 0}, "num_heads"),
+        ({"num_workers": 0}, "num_workers"),
+        ({"block_n": 0}, "block_n"),
+        ({"fixed_overhead": -1}, "fixed_overhead"),
+        ({"max_splits": 0}, "max_splits"),
+        ({"head_group": 3}, "head_group"),
+    ],
+)
+def test_bad_input_names_the_field(kwargs, field):
+    args = {"seq_lens": torch.tensor([10]), "q_lens": torch.tensor([1]), "num_heads": 16, "num_workers": 4}
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=field):
+        plan_decode(args.pop("seq_lens"), args.pop("q_lens"), args.pop("num_heads"), args.pop("num_workers"), **args)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@given(plan_cases())
+def test_gpu_plan_equals_cpu_plan(case: PlanCase):
+    cpu, gpu = case.plan("cpu"), case.plan("cuda")
+    for name in ("work_items", "worker_indptr", "reduce_indptr", "reduce_final", "reduce_partial_map"):
+        assert getattr(gpu, name).is_cuda
+        assert torch.equal(getattr(cpu, name), getattr(gpu, name).cpu())
