@@ -1,0 +1,224 @@
+"""The checks run on every case, each returning a `CheckResult` with its worst err/bound.
+
+| check          | compares                                                        | bound (verify.bounds)          |
+|----------------|-----------------------------------------------------------------|--------------------------------|
+| contract       | the kernel ran, returned out [T, H, L] (+ lse [T, H]) floats    | —                              |
+| tier1.out/.lse | kernel vs fp64 oracle on the same dequantized inputs            | kernel_bound + merge_bound     |
+| tier2.*        | fp64 oracle on fp8 inputs vs on exact inputs (fp8 only): a      | quantization_bounds: B_det,    |
+|                | property of the data and the format, not of the kernel          | B_post                         |
+| split.out/.lse | the kernel under several worker counts vs one worker (no split) | 2 merge_bound + output ulps    |
+| empty          | rows that see no token: out exactly 0, lse -inf                 | —                              |
+| finite         | rows that see tokens: out and lse finite (inputs are finite)    | —                              |
+
+err/bound is the largest elementwise |actual - expected| / bound (> 1: violated); checks without a bound report
+None. A kernel that raises or breaks the contract fails the case with its message; the other checks then do not run.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+
+from mla_ref.decode import DecodeBatch, mla_decode_ref
+from verify import bounds
+from verify.cases import Case
+from verify.kernels import Kernel, outputs
+from verify.metrics import compare
+
+ALT_WORKERS = 132  # second worker count when a case uses one worker (an H200's SMs: a split per block)
+
+
+@dataclass
+class CheckResult:
+    """One check on one case.
+
+    Attributes:
+        name: check name ("tier1.out", ...).
+        ok: the check holds.
+        err_over_bound: max elementwise err / bound (None for checks without a bound).
+        median: median elementwise err / bound (None without a bound).
+        detail: human-readable description (a `Report.describe()` for bounded checks).
+        report: `Report.to_json()` for bounded checks, else None.
+    """
+
+    name: str
+    ok: bool
+    err_over_bound: float | None = None
+    median: float | None = None
+    detail: str = ""
+    report: dict | None = None
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "ok": self.ok, "err_over_bound": _finite_or_str(self.err_over_bound),
+                "median": _finite_or_str(self.median), "detail": self.detail, "report": self.report}
+
+
+@dataclass
+class CaseResult:
+    """Every check of one case, and how long the case took."""
+
+    case: Case
+    checks: list[CheckResult] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    @property
+    def failed(self) -> list[CheckResult]:
+        return [c for c in self.checks if not c.ok]
+
+    def worst(self) -> float:
+        """Largest finite err/bound over the bounded checks (for Hypothesis ``target``); 0 when there is none."""
+        ratios = [c.err_over_bound for c in self.checks if c.err_over_bound is not None]
+        finite = [r for r in ratios if r == r and r != float("inf")]
+        return max(finite, default=0.0)
+
+    def describe(self) -> str:
+        lines = [f"case {self.case.describe()}: {'OK' if self.ok else 'FAILED'} ({self.seconds:.2f} s)"]
+        lines += [f"  [{c.name}] {c.detail}" for c in self.failed]
+        return "\n".join(lines)
+
+
+def _finite_or_str(x: float | None):
+    if x is None or (x == x and abs(x) != float("inf")):
+        return x
+    return "nan" if x != x else ("inf" if x > 0 else "-inf")
+
+
+def _bounded(name: str, actual: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor, out_dtype) -> CheckResult:
+    ulp_dtype = out_dtype if torch.finfo(out_dtype).bits <= 32 else torch.float32  # ULPs: 8-32 bit formats only
+    rep = compare(actual, expected, bound, name=name, out_dtype=ulp_dtype)
+    return CheckResult(name, rep.ok, rep.err_over_bound_max, rep.err_over_bound_median, rep.describe(), rep.to_json())
+
+
+def _call(kernel_fn, *args) -> tuple[object | None, str | None]:
+    """Run a kernel; (result, None) or (None, one-paragraph error message). Never raises."""
+    try:
+        return kernel_fn(*args), None
+    except Exception as e:  # a plug-in's failure is a failed case, not a crash
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        return None, f"{type(e).__name__}: {e} (at {where.filename}:{where.lineno})"
+
+
+# ---- individual checks --------------------------------------------------------------------------------------------
+
+
+def check_tier1(batch: DecodeBatch, out, lse, ref, numerics, merge) -> list[CheckResult]:
+    """Kernel vs fp64 oracle on the same dequantized inputs, within kernel_bound + merge (numerics.md §5(f,g))."""
+    bound = bounds.kernel_bound(batch, numerics, ref=ref) + merge
+    results = [_bounded("tier1.out", out, ref[0], bound.out, numerics.out_dtype)]
+    if lse is not None:
+        results.append(_bounded("tier1.lse", lse, ref[1], bound.lse, torch.float32))
+    return results
+
+
+def check_tier2(batch_q: DecodeBatch, batch_exact: DecodeBatch, ref_q) -> list[CheckResult]:
+    """Quantization error of the fp64 oracle: fp8 inputs vs exact inputs, within B_det and B_post (§5(a)–(d))."""
+    ref_x = mla_decode_ref(batch_exact)  # [T, H, L], [T, H] on the unquantized inputs
+    qb = bounds.quantization_bounds(batch_q, batch_exact, ref_exact=ref_x)
+    return [
+        _bounded("tier2.det.out", ref_q[0], ref_x[0], qb.det_out, torch.float64),
+        _bounded("tier2.post.out", ref_q[0], ref_x[0], qb.post_out, torch.float64),
+        _bounded("tier2.det.lse", ref_q[1], ref_x[1], qb.det_lse, torch.float64),
+        _bounded("tier2.post.lse", ref_q[1], ref_x[1], qb.post_lse, torch.float64),
+    ]
+
+
+def check_split(batch: DecodeBatch, kernel: Kernel, numerics, first: tuple, workers: int, merge) -> list[CheckResult]:
+    """The kernel's result ``first`` (its run with ``workers`` persistent workers) agrees with a second run: one
+    worker (no split), or ALT_WORKERS when ``workers`` is 1.
+
+    Each run is within ``merge`` (merge_bound) of the same unmerged fp32 values, and for out of dtype u_out
+    |round(x) - round(y)| <= |x - y| + u_out (|round(x)| + |round(y)|) (1 + u_out); so the bound is
+    2 merge + u_out (|a| + |b|) (1 + u_out) for out and 2 merge for lse.
+    """
+    other = 1 if workers > 1 else ALT_WORKERS
+    second, err = _call(kernel.run_workers, batch, other)
+    if err:
+        return [CheckResult("split.out", False, detail=f"{other}-worker run raised {err}")]
+    u_out = torch.finfo(numerics.out_dtype).eps / 2  # unit roundoff of the output dtype
+    results = []
+    for i, (name, out_dtype) in enumerate((("split.out", numerics.out_dtype), ("split.lse", torch.float32))):
+        a, b = first[i].detach().double().cpu(), second[i].detach().double().cpu()  # [T, H, L] or [T, H]
+        if i == 0:
+            both = torch.isfinite(a) & torch.isfinite(b)
+            bound = 2 * merge.out.cpu() + torch.where(both, u_out * (a.abs() + b.abs()) * (1 + u_out), 0.0)
+        else:
+            bound = 2 * merge.lse.cpu()
+        r = _bounded(name, a, b, bound, out_dtype)
+        r.detail = f"{workers} workers vs {other}: {r.detail}"
+        results.append(r)
+    return results
+
+
+def check_empty(batch: DecodeBatch, out: torch.Tensor, lse: torch.Tensor | None) -> CheckResult:
+    """Rows that see no KV token: out exactly 0 and lse exactly -inf (docs/architecture.md)."""
+    empty = (batch.visible_tokens() == 0).cpu()  # [T]
+    if not bool(empty.any()):
+        return CheckResult("empty", True, detail="no empty rows in this case")
+    o = out.detach().cpu()[empty].double()  # [E, H, L]
+    bad_out = int((o != 0).flatten(1).any(dim=1).sum())  # NaN != 0 too
+    bad_lse = int((~torch.isneginf(lse.detach().cpu()[empty].double())).any(dim=1).sum()) if lse is not None else 0
+    n = int(empty.sum())
+    if bad_out or bad_lse:
+        sample = o.flatten()[(o.flatten() != 0)][:3].tolist()
+        lse_note = f"; lse != -inf on {bad_lse} (first {lse.detach().cpu()[empty][0, :3].tolist()})" if bad_lse else ""
+        return CheckResult("empty", False, detail=f"{n} empty rows: out != 0 on {bad_out} (e.g. {sample}){lse_note}")
+    return CheckResult("empty", True, detail=f"{n} empty rows: out 0, lse -inf")
+
+
+def check_finite(batch: DecodeBatch, out: torch.Tensor, lse: torch.Tensor | None) -> CheckResult:
+    """Rows that see at least one token give finite out and lse (every generated input is finite)."""
+    seen = (batch.visible_tokens() > 0).cpu()  # [T]
+    bad = ~torch.isfinite(out.detach().cpu()[seen].double())  # [S, H, L]
+    n_out = int(bad.sum())
+    n_lse = int((~torch.isfinite(lse.detach().cpu()[seen].double())).sum()) if lse is not None else 0
+    if n_out or n_lse:
+        return CheckResult("finite", False, detail=f"non-finite values on rows that see tokens: {n_out} in out, "
+                           f"{n_lse} in lse")
+    return CheckResult("finite", True, detail=f"{int(seen.sum())} rows finite")
+
+
+# ---- one case -----------------------------------------------------------------------------------------------------
+
+
+def run_case(case: Case, kernel: Kernel, device: str = "cpu", *, tier2: bool = True, split: bool = True) -> CaseResult:
+    """Materialize ``case`` on ``device``, run ``kernel`` on it and apply every check. Never raises for kernel
+    failures (they are failed checks); raises only if the verifier itself breaks."""
+    t0 = time.perf_counter()
+    result = CaseResult(case)
+    batch, batch_exact = case.materialize(device)
+    numerics = kernel.numerics(batch)
+    if kernel.run_workers is not None:
+        raw, err = _call(kernel.run_workers, batch, case.num_workers)
+    else:
+        raw, err = _call(kernel.run, batch)
+    if err is None:
+        try:
+            out, lse = outputs(raw, batch)
+        except ValueError as e:
+            err = str(e)
+    if err is not None:
+        result.checks.append(CheckResult("contract", False, detail=err))
+        result.seconds = time.perf_counter() - t0
+        return result
+    given = "lse given" if lse is not None else "no lse"
+    result.checks.append(CheckResult("contract", True, detail=f"out {out.dtype}, {given}"))
+
+    ref = mla_decode_ref(batch)  # fp64 oracle on the kernel's (dequantized) inputs
+    out_d, lse_d = out.detach().to(ref[0].device), (lse.detach().to(ref[0].device) if lse is not None else None)
+    merge = bounds.merge_bound(batch, kernel.max_splits(batch))  # the kernel may split rows up to max_splits times
+    result.checks += check_tier1(batch, out_d, lse_d, ref, numerics, merge)
+    result.checks.append(check_empty(batch, out_d, lse_d))
+    result.checks.append(check_finite(batch, out_d, lse_d))
+    if tier2 and case.is_fp8:
+        result.checks += check_tier2(batch, batch_exact, ref)
+    if split and kernel.run_workers is not None:
+        result.checks += check_split(batch, kernel, numerics, (out_d, lse_d), case.num_workers, merge)
+    result.seconds = time.perf_counter() - t0
+    return result

@@ -1,0 +1,137 @@
+"""The kernel under test: a registry backend (``--backend``) or a user plug-in (``--impl package.module:function``).
+
+Plug-in contract::
+
+    def my_decode(batch: mla_ref.decode.DecodeBatch) -> out | (out, lse)
+        out [T, H, kv_lora_rank], any float dtype; lse [T, H], natural log, sm_scale included
+        a row that sees no KV token: out 0, lse -inf
+    my_decode.numerics = mla_fast.numerics.KernelNumerics(...)   # optional: how it rounds (numerics.md §5(f))
+
+Without ``numerics`` a plug-in is assumed to round like ``DEFAULT_NUMERICS``: fp32 scores and P, fp32 accumulation
+over up to 2^18 tokens, bf16 output. ``numerics`` may also be a callable ``(batch) -> KernelNumerics``.
+Plug-ins may split the KV range however they like: their tier-1 bound includes the split-merge bound for the
+largest possible number of 64-token splits.
+"""
+
+from __future__ import annotations
+
+import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from mla_fast.numerics import KernelNumerics
+from mla_ref.decode import DecodeBatch
+
+_F32 = 2**-23  # one chopped fp32 addition per accumulated term (as mla_fast.numerics charges its own kernel)
+DEFAULT_NUMERICS = KernelNumerics(
+    p_fmt=None,  # fp32 P
+    p_scale=1.0,
+    qk_operand=torch.float32,
+    pv_operand=torch.float32,
+    gamma_qk=(512 + 64 + 1) * _F32,  # L + R products and the scale multiply
+    gamma_pv=(2**18 // 64 + 64 + 4) * _F32,  # 64-token tiles of up to 2^18 tokens + per-tile sum + epilogue
+    out_dtype=torch.bfloat16,
+)
+PLAN_BACKENDS = ("emulated", "triton")  # backends whose split count the verifier can choose (split invariance)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """What the checks call.
+
+    Attributes:
+        name: "emulated", "triton", ... or the plug-in's ``module:function``.
+        run: (batch) -> out or (out, lse).
+        numerics: (batch) -> KernelNumerics, the rounding the tier-1 bound assumes.
+        run_workers: (batch, num_workers) -> (out, lse) with the KV split over that many persistent workers, for
+            backends that take a plan; None otherwise.
+        max_splits: (batch) -> the largest number of KV splits of any row (the merge bound's S).
+        reason: why this kernel was chosen (shown in the report).
+    """
+
+    name: str
+    run: Callable[[DecodeBatch], object]
+    numerics: Callable[[DecodeBatch], KernelNumerics]
+    run_workers: Callable[[DecodeBatch, int], tuple[torch.Tensor, torch.Tensor]] | None = None
+    max_splits: Callable[[DecodeBatch], int] = lambda batch: _blocks(batch, 64)
+    reason: str = ""
+
+
+def _blocks(batch: DecodeBatch, block_n: int) -> int:
+    """ceil(max seq_len / block_n), at least 1: the most splits a kernel cutting on block_n tokens can make."""
+    longest = int(batch.seq_lens.max()) if batch.batch_size else 0
+    return max(1, -(-longest // block_n))
+
+
+def _emulated_workers(batch: DecodeBatch, num_workers: int):
+    from mla_fast.emulate import run_plan_reference
+    from mla_fast.planner import plan_decode
+
+    plan = plan_decode(batch.seq_lens, batch.q_lens, batch.num_heads, num_workers=num_workers)
+    out, lse = run_plan_reference(batch, plan, torch.float32)  # [T, H, L], [T, H] fp32
+    return out.to(torch.bfloat16), lse  # the registry's emulated backend rounds out to bf16 too
+
+
+def _triton_workers(batch: DecodeBatch, num_workers: int):
+    from mla_fast.triton_decode import decode
+
+    return decode(batch, num_workers=num_workers)
+
+
+def from_backend(name: str) -> Kernel:
+    """A registry backend ("auto" resolved); ValueError with the backend's reason when it cannot run here."""
+    from mla_fast import backends
+
+    backend = backends.get_backend(name)
+    reason = backend.probe()[1]
+    if name == "auto":
+        status = backends.available()
+        skipped = [f"{n}: {status[n][1]}" for n in backends.AUTO_ORDER if not status[n][0]]
+        reason = f"auto picked {backend.name} ({reason})" + (f"; unavailable: {'; '.join(skipped)}" if skipped else "")
+    workers = {"emulated": _emulated_workers, "triton": _triton_workers}.get(backend.name)
+    return Kernel(backend.name, backend.run, backend.numerics, workers, reason=reason)
+
+
+def from_impl(spec: str) -> Kernel:
+    """Resolve ``package.module:function`` (pkgutil.resolve_name); ValueError with a one-line reason otherwise."""
+    if ":" not in spec:
+        raise ValueError(f"--impl: expected 'package.module:function', got {spec!r}")
+    try:
+        fn = pkgutil.resolve_name(spec)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"--impl {spec}: cannot resolve it ({type(e).__name__}: {e})") from None
+    if not callable(fn):
+        raise ValueError(f"--impl {spec}: expected a callable, got {type(fn).__name__}")
+    declared = getattr(fn, "numerics", None)
+    if declared is None:
+        numerics, reason = (lambda batch: DEFAULT_NUMERICS), "plug-in, default numerics (fp32 P, bf16 out)"
+    elif isinstance(declared, KernelNumerics):
+        numerics, reason = (lambda batch: declared), "plug-in, declared numerics"
+    elif callable(declared):
+        numerics, reason = declared, "plug-in, declared numerics (per batch)"
+    else:
+        raise ValueError(f"--impl {spec}: .numerics must be a KernelNumerics or a callable, got {type(declared)}")
+    return Kernel(spec, fn, numerics, reason=reason)
+
+
+def outputs(result: object, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Check a kernel's return value against the contract; (out, lse or None). ValueError saying what is wrong."""
+    T, H, L = batch.num_tokens, batch.num_heads, batch.kv_lora_rank
+    if isinstance(result, torch.Tensor):
+        out, lse = result, None
+    elif isinstance(result, (tuple, list)) and len(result) == 2:
+        out, lse = result
+    else:
+        raise ValueError(f"kernel returned {type(result).__name__}; expected out or (out, lse) tensors")
+    for name, t, shape in (("out", out, (T, H, L)), ("lse", lse, (T, H))):
+        if t is None and name == "lse":
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"kernel {name}: expected a tensor of shape {list(shape)}, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise ValueError(f"kernel {name}: expected a float dtype, got {t.dtype}")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"kernel {name}: expected shape {list(shape)}, got {list(t.shape)}")
+    return out, lse

@@ -1,0 +1,202 @@
+"""Planted-bug decode kernels: each one must make the default `mla-verify` campaign fail (exit 1).
+
+Use them as plug-ins, ``mla-verify --impl verify.mutants:NAME``; ``correct`` is the same kernel without a bug and
+must pass. All share one small split-KV, online-softmax decode (`_decode`) in fp32 with bf16 output; each mutant
+turns one knob, the way such bugs happen in real kernels:
+
+| name                  | bug                                                          | caught by (smoke case)        |
+|-----------------------|--------------------------------------------------------------|-------------------------------|
+| wrong_scale           | σ = 576^-1/2 (FlashMLA's default) instead of the YaRN σ     | tier1 (any)                   |
+| drop_rope             | scores from c_kv only, the 64 k_pe channels dropped          | tier1 (any)                   |
+| page_off_by_one       | physical page id + 1                                         | tier1 / finite (any)          |
+| last_page_unmasked    | reads the whole last page (NaN in unused slots)              | finite (partial last page)    |
+| lse_base2             | returns log2 Σ exp(s) (FlashInfer's convention)              | tier1.lse (any)               |
+| kv_scale_ignored      | fp8 KV used without its scale                                | tier1 (fp8, scale != 1)       |
+| q_scale_ignored       | fp8 q used without its scale                                 | tier1 (fp8 q, scale != 1)     |
+| average_splits        | split partials averaged instead of LSE-merged                | tier1 (>= 2 splits)           |
+| mtp_causal_off_by_one | MTP rows see one future token (<= instead of <)              | tier1 (q_len > 1)             |
+| nan_empty             | an empty row divides 0 by 0: out NaN                         | empty (seq_len 0)             |
+| out_gain              | out · (1 + 2^-7): a 2-ulp bias no cosine check sees          | tier1.out (any)               |
+| bf16_accumulation     | running softmax sum and output kept in bf16 across KV blocks | tier1.out (long request)      |
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mla_ref.decode import DecodeBatch, is_fp8
+
+BLOCK = 64  # KV tokens per online-softmax step
+MAX_SPLITS = 4  # KV splits per request (split-KV decode), merged by LSE
+
+
+def _decode(
+    batch: DecodeBatch,
+    *,
+    sm_scale: float | None = None,
+    rope: bool = True,
+    page_shift: int = 0,
+    full_last_page: bool = False,
+    lse_base2: bool = False,
+    use_kv_scale: bool = True,
+    use_q_scale: bool = True,
+    merge: str = "lse",
+    causal_slack: int = 0,
+    empty_nan: bool = False,
+    gain: float = 1.0,
+    acc_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV online-softmax MLA decode -> (out [T, H, L] bf16, lse [T, H] fp32). Defaults = no bug.
+
+    Per request: gather its pages, cut its tokens into up to MAX_SPLITS splits (on BLOCK boundaries), run an online
+    softmax over BLOCK-token steps inside each split (running max m, sum l and output acc in ``acc_dtype``), then
+    merge the splits with the LSE formula (or, ``merge="mean"``, by averaging them).
+    """
+    L, H, ps = batch.kv_lora_rank, batch.num_heads, batch.page_size
+    sigma = batch.sm_scale if sm_scale is None else sm_scale
+    q = batch.q.float() * (batch.q_scale if is_fp8(batch.q.dtype) and use_q_scale else 1.0)  # [T, H, D]
+    kv_scale = batch.kv_scale if is_fp8(batch.kv_cache.dtype) and use_kv_scale else 1.0
+    D = batch.head_dim if rope else L  # channels the scores use
+    dev = batch.device
+    out = torch.zeros(batch.num_tokens, H, L, dtype=torch.float32, device=dev)  # [T, H, L]
+    lse = torch.full((batch.num_tokens, H), -math.inf, dtype=torch.float32, device=dev)  # [T, H]
+    qo = batch.qo_indptr.tolist()
+    for b, (s, n) in enumerate(zip(batch.seq_lens.tolist(), batch.q_lens.tolist())):
+        n_pages = -(-s // ps)
+        pages = (batch.block_table[b, :n_pages].long() + page_shift) % batch.num_pages  # [n_pages]
+        K = batch.kv_cache[pages].reshape(n_pages * ps, batch.head_dim)  # [n_pages * ps, D] whole pages
+        K = (K if full_last_page else K[:s]).float() * kv_scale  # [s, D]
+        r = torch.arange(n, device=dev)  # [n] MTP row index
+        visible = s - n + r + 1 + torch.where(r < n - 1, causal_slack, 0)  # [n] tokens each row sees
+        visible = (visible + (K.shape[0] - s)).clamp(min=0) if full_last_page else visible.clamp(0, s)  # [n]
+        rows = q[qo[b] : qo[b + 1]]  # [n, H, D]
+        n_blocks = -(-K.shape[0] // BLOCK)
+        per_split = -(-n_blocks // min(MAX_SPLITS, max(n_blocks, 1))) * BLOCK if n_blocks else BLOCK
+        parts = [_split(rows, K[j : j + per_split], j, visible, sigma, D, L, acc_dtype, empty_nan)
+                 for j in range(0, max(K.shape[0], 1), per_split)]
+        o_s = torch.stack([p[0] for p in parts])  # [S, n, H, L]
+        lse_s = torch.stack([p[1] for p in parts])  # [S, n, H]
+        out[qo[b] : qo[b + 1]], lse[qo[b] : qo[b + 1]] = _merge(o_s, lse_s, merge, empty_nan)
+    out = (out * gain).to(torch.bfloat16)
+    return out, lse * math.log2(math.e) if lse_base2 else lse
+
+
+def _split(rows, K, start, visible, sigma, D, L, acc_dtype, empty_nan):
+    """One split: online softmax over BLOCK-token steps. rows [n, H, D'], K [m, D'] -> (o [n, H, L], lse [n, H])."""
+    n, H = rows.shape[:2]
+    dev = rows.device
+    m = torch.full((n, H), -math.inf, device=dev)  # [n, H] running max
+    l = torch.zeros(n, H, dtype=acc_dtype, device=dev)  # [n, H] running Σ exp(s - m)
+    acc = torch.zeros(n, H, L, dtype=acc_dtype, device=dev)  # [n, H, L] running Σ exp(s - m) v
+    for j in range(0, K.shape[0], BLOCK):
+        Kb = K[j : j + BLOCK]  # [b, D]
+        pos = start + j + torch.arange(Kb.shape[0], device=dev)  # [b] token positions
+        s = sigma * torch.einsum("nhd,bd->nhb", rows[..., :D], Kb[:, :D])  # [n, H, b]
+        s = s.masked_fill(~(pos[None, :] < visible[:, None])[:, None, :], -math.inf)
+        m_new = torch.maximum(m, s.amax(dim=-1))  # [n, H]
+        m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)  # [n, H] no token seen yet: shift by 0
+        alpha = torch.exp(m - m_safe)  # [n, H] rescale of the old sums (0 while m = -inf)
+        p = torch.exp(s - m_safe[..., None])  # [n, H, b]
+        l = (alpha * l.float() + p.sum(dim=-1)).to(acc_dtype)
+        acc = (alpha[..., None] * acc.float() + torch.einsum("nhb,bc->nhc", p, Kb[:, :L])).to(acc_dtype)
+        m = m_new
+    l, acc = l.float(), acc.float()
+    if empty_nan:
+        return acc / l[..., None], m + torch.log(l)  # 0 / 0 = NaN on a row that saw nothing
+    seen = l > 0  # [n, H]
+    o = torch.where(seen[..., None], acc / torch.where(seen, l, 1.0)[..., None], 0.0)  # [n, H, L]
+    return o, torch.where(seen, m + torch.log(torch.where(seen, l, 1.0)), -math.inf)
+
+
+def _merge(o_s, lse_s, how, empty_nan):
+    """Merge split partials o_s [S, n, H, L], lse_s [S, n, H] -> (out [n, H, L], lse [n, H]) (numerics.md §3)."""
+    M = lse_s.amax(dim=0)  # [n, H]
+    M_safe = torch.where(torch.isinf(M), 0.0, M)
+    total = torch.exp(lse_s - M_safe).sum(dim=0)  # [n, H]
+    lse = torch.where(total > 0, M_safe + torch.log(total), -math.inf)  # [n, H]
+    if how == "mean":
+        has = torch.isfinite(lse_s)  # [S, n, H] splits that saw a token
+        cnt = has.sum(dim=0).clamp(min=1)  # [n, H]
+        return torch.where(has[..., None], o_s, 0.0).sum(dim=0) / cnt[..., None], lse
+    w = torch.exp(lse_s - torch.where(total > 0, lse, 0.0))  # [S, n, H] merge weights (0 for empty splits)
+    if empty_nan:
+        return (w[..., None] * o_s).sum(dim=0), lse  # NaN partials of empty splits propagate
+    return (w[..., None] * torch.where(w[..., None] > 0, o_s, 0.0)).sum(dim=0), lse
+
+
+# ---- the plug-ins ---------------------------------------------------------------------------------------------------
+
+
+def correct(batch):
+    """No bug: must pass every check."""
+    return _decode(batch)
+
+
+def wrong_scale(batch):
+    """Softmax scale 576^-1/2 (FlashMLA's default) instead of the batch's σ with YaRN mscale²."""
+    return _decode(batch, sm_scale=576**-0.5)
+
+
+def drop_rope(batch):
+    """Scores from the 512 latent channels only: the 64 RoPE channels of q and k are lost."""
+    return _decode(batch, rope=False)
+
+
+def page_off_by_one(batch):
+    """Physical page id off by one: every token is read from the neighbouring page."""
+    return _decode(batch, page_shift=1)
+
+
+def last_page_unmasked(batch):
+    """The last page is read in full: unused slots (NaN) enter the softmax."""
+    return _decode(batch, full_last_page=True)
+
+
+def lse_base2(batch):
+    """LSE returned in base 2 (log2 Σ exp(s)) where the contract says natural log."""
+    return _decode(batch, lse_base2=True)
+
+
+def kv_scale_ignored(batch):
+    """fp8 KV dequantized without kv_scale."""
+    return _decode(batch, use_kv_scale=False)
+
+
+def q_scale_ignored(batch):
+    """fp8 q dequantized without q_scale."""
+    return _decode(batch, use_q_scale=False)
+
+
+def average_splits(batch):
+    """Split-KV partials averaged instead of LSE-weighted."""
+    return _decode(batch, merge="mean")
+
+
+def mtp_causal_off_by_one(batch):
+    """MTP rows (all but a request's last) see one future token: the causal diagonal compared with <=."""
+    return _decode(batch, causal_slack=1)
+
+
+def nan_empty(batch):
+    """A row that sees no token computes 0 / 0: out NaN instead of 0."""
+    return _decode(batch, empty_nan=True)
+
+
+def out_gain(batch):
+    """A systematic relative error of 2^-7 on out (two bf16 ulps): cos-diff 3e-5 passes vLLM's fp8 check (1e-4)."""
+    return _decode(batch, gain=1 + 2**-7)
+
+
+def bf16_accumulation(batch):
+    """Running softmax sum and output accumulator stored in bf16 between 64-token blocks: precision loss over long
+    sequences."""
+    return _decode(batch, acc_dtype=torch.bfloat16)
+
+
+MUTANTS = (
+    "wrong_scale", "drop_rope", "page_off_by_one", "last_page_unmasked", "lse_base2", "kv_scale_ignored",
+    "q_scale_ignored", "average_splits", "mtp_causal_off_by_one", "nan_empty", "out_gain", "bf16_accumulation",
+)  # fmt: skip
+FP8_ONLY = ("kv_scale_ignored", "q_scale_ignored")  # need fp8 inputs with a scale != 1
