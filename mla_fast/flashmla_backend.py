@@ -67,10 +67,14 @@ def flashmla_inputs(batch: DecodeBatch) -> dict:
         q, sm_scale = q.float().to(kv.dtype), sm_scale * q_scale  # exact: e4m3 values fit bf16/fp16
     if not fp8_kv and (kv.dtype not in (torch.bfloat16, torch.float16) or q.dtype != kv.dtype):
         raise ValueError(f"flashmla.q/kv_cache: expected both bf16 or both fp16, got {q.dtype}/{kv.dtype}")
+    block_table = layout["block_table"]  # [B, max_blocks]
+    if fp8_kv:  # the dense fp8 kernel (FlashMLA PR #54) may read entries past seq_len: point them at page 0
+        used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < batch.pages_per_request[:, None]
+        block_table = torch.where(used, block_table, 0)
     return {
         "q": q.contiguous(),
         "k_cache": kv,
-        "block_table": layout["block_table"],
+        "block_table": block_table,
         "cache_seqlens": layout["cache_seqlens"],
         "head_dim_v": layout["head_dim_v"],
         "softmax_scale": sm_scale,

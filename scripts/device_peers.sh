@@ -20,7 +20,9 @@ for name, (ok, reason) in backends.available().items():
     print(f"  {name:10s} {ok!s:5s} {reason}")
 PY
 
-time python3 tests/test_peers_gpu.py --json "$OUT/peers.json" 2>&1 | tee "$OUT/peers.log"
+for group in flashinfer:bf16 flashinfer:fp8kv flashmla:bf16 flashmla:fp8; do  # one process each: a CUDA fault
+  python3 tests/test_peers_gpu.py --only "$group" --json "$OUT/peers_${group/:/_}.json" 2>&1 | tee -a "$OUT/peers.log"
+done                                                                          # stays inside its group
 python3 -m pytest tests/test_peers_gpu.py -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/pytest_peers.log"
 
 if [ -f verify/cli.py ]; then  # the verifier against FlashInfer, when its CLI exists

@@ -64,7 +64,20 @@ CASES = [
 ] + [
     PeerCase("flashinfer", (3, 0, 300), 16, 16, "bf16", q_len=2, seed=9),  # MTP: causal diagonal
     PeerCase("flashmla", (3, 0, 300), 16, 64, "bf16", q_len=2, seed=9),
+    PeerCase("flashmla", (64, 700, 2049), 128, 64, "fp8"),  # h = 128 fp8 shapes that ran (QUARANTINE)
+    PeerCase("flashmla", (0, 700), 128, 64, "fp8"),
 ]
+# Cases that crash the process (a sticky CUDA error fails every later case): never run, listed with the reason.
+QUARANTINE = {
+    (c.backend, c.dtype, c.heads, c.seq_lens): "sgl-flash-mla 1.0.0 dense fp8, h = 128, this 7-request varlen batch: "
+    "illegal memory access on one H200 (with a sanitized block table; h = 16 and the 2-3 request h = 128 batches run)"
+    for c in CASES
+    if c.backend == "flashmla" and c.dtype == "fp8" and c.heads == 128 and c.seq_lens == VARLEN
+}
+
+
+def _quarantined(case: PeerCase) -> str | None:
+    return QUARANTINE.get((case.backend, case.dtype, case.heads, case.seq_lens))
 
 
 def run_case(case: PeerCase) -> dict:
@@ -105,7 +118,14 @@ def _skip_unless_available(name: str):
         pytest.skip(reason)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.backend}_{c.dtype}_h{c.heads}_p{c.page_size}_q{c.q_len}")
+PARAMS = [
+    pytest.param(c, marks=pytest.mark.xfail(run=False, reason=_quarantined(c))) if _quarantined(c) else c for c in CASES
+]
+
+
+@pytest.mark.parametrize(
+    "case", PARAMS, ids=lambda c: f"{c.backend}_{c.dtype}_h{c.heads}_p{c.page_size}_q{c.q_len}_n{len(c.seq_lens)}"
+)
 def test_peer_within_kernel_bound(case):
     _skip_unless_available(case.backend)
     r = run_case(case)
@@ -113,13 +133,19 @@ def test_peer_within_kernel_bound(case):
     assert r["out_ratio"] <= 1.0 and r["lse_ratio"] <= 1.0, r
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # python tests/test_peers_gpu.py [--only BACKEND:DTYPE] [--json PATH]
+    only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
     rows = []
     for case in CASES:
-        try:
-            rows.append(run_case(case))
-        except Exception as exc:  # report every case, even when one peer fails
-            rows.append({**asdict(case), "error": f"{type(exc).__name__}: {exc}"[:300]})
+        if only and f"{case.backend}:{case.dtype}" != only:
+            continue
+        if _quarantined(case):
+            rows.append({**asdict(case), "error": "quarantined: " + _quarantined(case)})
+        else:
+            try:
+                rows.append(run_case(case))
+            except Exception as exc:  # report every case, even when one peer fails
+                rows.append({**asdict(case), "error": f"{type(exc).__name__}: {exc}"[:300]})
         r = rows[-1]
         keys = ("out_ratio", "lse_ratio", "max_err_out", "max_err_lse", "empty_ok", "empty_lse_seen", "error")
         print(case.backend, case.dtype, case.heads, case.page_size, case.q_len, {k: r[k] for k in keys if k in r})
