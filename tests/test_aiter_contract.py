@@ -230,3 +230,17 @@ def test_real_aiter_against_ref():
             x, y = out.double().cpu(), ref_out.cpu()
             cos_diff = 1 - 2 * (x * y).sum() / (x * x + y * y).sum()
             assert cos_diff < (3e-2 if dtype == "fp8" else 1e-5), (dtype, metadata, float(cos_diff))  # aiter's bars
+
+
+def test_reduce_passes_version_specific_scalars(fake):
+    """mla_reduce_v1 gained max_seqlen_q (v0.1.8) and num_kv_splits (HEAD) before final_output."""
+    batch = _batch(10, [300])
+    inputs = ab.aiter_inputs(batch)
+    buffers = ab.aiter_metadata(inputs, ab.detect_api(fake, fake.mla), fake)
+    out = torch.zeros(1, 16, 512, dtype=torch.bfloat16)
+    partial_o, partial_lse = torch.zeros(8, 1, 16, 512), torch.zeros(8, 1, 16, 1)
+    lse = ab.aiter_reduce(partial_o, partial_lse, buffers, out, max_seqlen_q=1)
+    name, args = fake.calls[-1]
+    assert name == "mla_reduce_v1" and args["final_output"] is out and args["final_lse"] is lse
+    assert args.get("max_seqlen_q", 1) == 1 and args.get("num_kv_splits", 0) == 0
+    assert ("max_seqlen_q" in args) == ("num_kv_splits" in args)  # the two fakes: v0.1.7 has neither, HEAD both
