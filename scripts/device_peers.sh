@@ -26,6 +26,6 @@ done                                                                          # 
 python3 -m pytest tests/test_peers_gpu.py -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/pytest_peers.log"
 
 if [ -f verify/cli.py ]; then  # the verifier against FlashInfer, when its CLI exists
-  python3 -m verify.cli --backend flashinfer --dtype bf16 --cases 300 --json "$OUT/verify_flashinfer.json" \
+  python3 -m verify --backend flashinfer --dtype bf16 --cases 300 --json "$OUT/verify_flashinfer.json" \
     2>&1 | tail -40 | tee "$OUT/verify_flashinfer.log"
 fi
