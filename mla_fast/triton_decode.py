@@ -78,7 +78,7 @@ def _attend_tile(
     q_nope, q_pe, m_i, l_i, acc, start, kv_end, limit, b, KV, BLOCK_TABLE, qk_scale,
     stride_kvp, stride_kvs, stride_bt,
     PAGE_SIZE: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
-    MMA: tl.constexpr, UPCAST_BF16: tl.constexpr,
+    MMA: tl.constexpr, UPCAST_BF16: tl.constexpr, TILE_IN_PAGE: tl.constexpr, V_RELOAD: tl.constexpr,
 ):
     """One KV tile of BLOCK_N tokens from `start`: online-softmax update of (m_i, l_i, acc) for all rows."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -87,12 +87,21 @@ def _attend_tile(
     # -- gather one tile of cache rows through the block table; never touch slots >= kv_end
     tok = start + offs_n  # [N] positions inside the request
     tok_ok = tok < kv_end
-    page = tl.load(BLOCK_TABLE + b * stride_bt + tok // PAGE_SIZE, mask=tok_ok, other=0)  # [N]
-    kv_row = KV + page.to(tl.int64)[:, None] * stride_kvp + (tok % PAGE_SIZE)[:, None] * stride_kvs  # [N, 1]
+    if TILE_IN_PAGE:  # the tile lies inside one page: one block-table entry, contiguous rows
+        page = tl.load(BLOCK_TABLE + b * stride_bt + start // PAGE_SIZE)
+        kv_row = KV + page.to(tl.int64) * stride_kvp + ((start % PAGE_SIZE) + offs_n)[:, None] * stride_kvs  # [N, 1]
+    else:
+        page = tl.load(BLOCK_TABLE + b * stride_bt + tok // PAGE_SIZE, mask=tok_ok, other=0)  # [N]
+        kv_row = KV + page.to(tl.int64)[:, None] * stride_kvp + (tok % PAGE_SIZE)[:, None] * stride_kvs  # [N, 1]
     c_kv = tl.load(kv_row + offs_l[None, :], mask=tok_ok[:, None], other=0.0)  # [N, L]
     k_pe = tl.load(kv_row + L + offs_r[None, :], mask=tok_ok[:, None], other=0.0)  # [N, R]
+    if V_RELOAD:  # V loaded again for P.V (hits L1/L2): each load then has one use, which Triton can pipeline
+        v = tl.load(kv_row + offs_l[None, :], mask=tok_ok[:, None], other=0.0, eviction_policy="evict_first")
+        v = _mma_operand(v, MMA, UPCAST_BF16)
     c_kv = _mma_operand(c_kv, MMA, UPCAST_BF16)
     k_pe = _mma_operand(k_pe, MMA, UPCAST_BF16)
+    if not V_RELOAD:
+        v = c_kv
 
     # -- scores: [M, L] x [L, N] + [M, R] x [R, N] -> [M, N], fp32 accumulation
     s = tl.dot(q_nope, tl.trans(c_kv))
@@ -108,7 +117,7 @@ def _attend_tile(
     p = tl.exp2(s - m_use[:, None])  # [M, N], exactly 0 where not visible
     l_i = l_i * alpha + tl.sum(p, 1)
     p = _mma_operand(p, MMA, UPCAST_BF16)  # P rounded to the MMA dtype (bf16/fp16)
-    acc = tl.dot(p, c_kv, acc * alpha[:, None])  # [M, N] x [N, L] -> [M, L]
+    acc = tl.dot(p, v, acc * alpha[:, None])  # [M, N] x [N, L] -> [M, L]
     return m_new, l_i, acc
 
 
@@ -129,6 +138,7 @@ def _mla_decode_kernel(
     PAGE_SIZE: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MMA: tl.constexpr, INTERPRET: tl.constexpr, UPCAST_BF16: tl.constexpr,
+    TILE_IN_PAGE: tl.constexpr, V_RELOAD: tl.constexpr,
 ):
     pid = tl.program_id(0)
     item_begin = tl.load(WORKER_INDPTR + pid)
@@ -181,13 +191,15 @@ def _mla_decode_kernel(
             while start < kv_end:
                 m_i, l_i, acc = _attend_tile(
                     q_nope, q_pe, m_i, l_i, acc, start, kv_end, limit, b, KV, BLOCK_TABLE, qk_scale,
-                    stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R, BLOCK_N, MMA, UPCAST_BF16)
+                    stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R, BLOCK_N, MMA, UPCAST_BF16,
+                    TILE_IN_PAGE, V_RELOAD)
                 start += BLOCK_N
         else:
             for start in range(kv_start, kv_end, BLOCK_N):
                 m_i, l_i, acc = _attend_tile(
                     q_nope, q_pe, m_i, l_i, acc, start, kv_end, limit, b, KV, BLOCK_TABLE, qk_scale,
-                    stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R, BLOCK_N, MMA, UPCAST_BF16)
+                    stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R, BLOCK_N, MMA, UPCAST_BF16,
+                    TILE_IN_PAGE, V_RELOAD)
 
         # -- epilogue: normalise, unscale V, natural-log LSE; empty rows give out = 0, lse = -inf
         has_tok = l_i > 0.0
@@ -263,21 +275,26 @@ class KernelConfig:
 
     Attributes:
         block_n: tokens per KV tile (power of two >= 16).
-        num_warps, num_stages: Triton launch options (num_stages pipelines the KV-tile loop).
+        num_warps, num_stages: Triton launch options (num_stages pipelines the KV-tile loop; with the block-table
+            indirection Triton keeps num_stages - 3 tiles in flight, at least one).
         mma: dtype the MMAs see, "bf16" or "fp16" (numerics: mla_fast/numerics.py).
         head_group: heads per work item (the planner's head_group); rows per item = q_len x head_group <= 64.
         plan_block_n: token granularity of the planner's splits (a page of 64 by default).
         fixed_overhead: planner cost of one work item in plan_block_n blocks (None: the planner's default, 320
             tokens as in FlashMLA's scheduler).
+        v_reload: load V a second time for P.V instead of reusing the K tile (fp8: lets Triton pipeline both loads).
+        workers_per_sm: persistent programs per SM (num_workers = workers_per_sm x SMs).
     """
 
     block_n: int = 64
-    num_warps: int = 4
-    num_stages: int = 2
+    num_warps: int = 8
+    num_stages: int = 3
     mma: str = "bf16"
     head_group: int = 16
     plan_block_n: int = 64
     fixed_overhead: int | None = None
+    v_reload: bool = False
+    workers_per_sm: int = 1
 
 
 MAX_ROWS = 64  # packed (query row x head) rows per work item: one M tile
@@ -306,8 +323,12 @@ def default_config(combo: str, num_heads: int, max_q_len: int) -> KernelConfig:
 
     head_group = max(d for d in range(1, num_heads + 1) if num_heads % d == 0 and d * max_q_len <= MAX_ROWS)
     rows = head_group * max_q_len
-    num_warps = 8 if rows > 32 else 4
-    return KernelConfig(block_n=64, num_warps=num_warps, num_stages=2, mma=DEFAULT_MMA[combo], head_group=head_group)
+    fp8_kv = combo in ("fp8kv", "fp8")
+    if rows > 32:  # wgmma tiles (M = 64)
+        return KernelConfig(block_n=32, num_warps=8, num_stages=2, mma=DEFAULT_MMA[combo], head_group=head_group,
+                            v_reload=fp8_kv)
+    return KernelConfig(block_n=64, num_warps=8, num_stages=3, mma=DEFAULT_MMA[combo], head_group=head_group,
+                        v_reload=fp8_kv, workers_per_sm=2)
 
 
 def num_sms(device: torch.device) -> int:
@@ -351,7 +372,7 @@ def make_plan(batch, config: KernelConfig, num_workers: int | None = None):
         batch.seq_lens,
         batch.q_lens,
         batch.num_heads,
-        num_workers or num_sms(device),
+        num_workers or config.workers_per_sm * num_sms(device),
         block_n=config.plan_block_n,
         fixed_overhead=config.fixed_overhead,
         head_group=config.head_group,
@@ -359,8 +380,11 @@ def make_plan(batch, config: KernelConfig, num_workers: int | None = None):
 
 
 def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=None, kv_scale=None,
-           max_rows: int | None = None) -> None:
-    """Launch decode (+ reduce when the plan splits) into preallocated `out`/`lse`; no host sync, graph-safe."""
+           max_rows: int | None = None, qo_indptr: torch.Tensor | None = None):
+    """Launch decode (+ reduce when the plan splits) into preallocated `out`/`lse`; no host sync, graph-safe.
+
+    Returns the compiled decode kernel (its n_regs / n_spills are reported by mla-bench).
+    """
     L = batch.kv_lora_rank
     R = batch.q.shape[-1] - L
     H = batch.num_heads
@@ -376,8 +400,8 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
     block_m = max(16, triton.next_power_of_2(max_rows))
     kv = batch.kv_cache
     num_workers = plan.worker_indptr.numel() - 1
-    _mla_decode_kernel[(num_workers,)](
-        batch.q, kv, batch.block_table, batch.seq_lens, batch.qo_indptr,
+    compiled = _mla_decode_kernel[(num_workers,)](
+        batch.q, kv, batch.block_table, batch.seq_lens, batch.qo_indptr if qo_indptr is None else qo_indptr,
         plan.work_items, plan.worker_indptr,
         out, lse, o_part, lse_part,
         q_scale, kv_scale,
@@ -391,6 +415,8 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
         lse_part.stride(0),
         PAGE_SIZE=kv.shape[1], L=L, R=R, BLOCK_M=block_m, BLOCK_N=config.block_n,
         MMA=config.mma, INTERPRET=INTERPRET, UPCAST_BF16=UPCAST_BF16,
+        TILE_IN_PAGE=kv.shape[1] % config.block_n == 0 and plan.block_n % config.block_n == 0,
+        V_RELOAD=config.v_reload,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     num_tiles = plan.reduce_final.shape[0]
@@ -403,6 +429,7 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
             out.stride(0), out.stride(1), lse.stride(0),
             L=L, num_warps=4,
         )
+    return compiled
 
 
 def decode(batch, *, plan=None, out=None, lse=None, config: KernelConfig | None = None, num_workers: int | None = None):
@@ -450,7 +477,7 @@ class TritonMLADecode:
         combo = dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
         self.config = config or default_config(combo, H, max_q_len)
         self.max_rows = max_q_len * self.config.head_group
-        self.num_workers = num_workers or num_sms(device)
+        self.num_workers = num_workers or self.config.workers_per_sm * num_sms(device)
         groups = B * triton.cdiv(H, self.config.head_group)
         max_items = max_items or groups + 2 * self.num_workers
         max_partial_rows = max_partial_rows or max_q_len * (max_items + self.num_workers)
@@ -464,6 +491,7 @@ class TritonMLADecode:
                           torch.empty(max_partial_rows, H, dtype=torch.float32, device=device))
         self.q_scale = _scale_tensor(batch.q_scale, device)
         self.kv_scale = _scale_tensor(batch.kv_scale, device)
+        self.qo_indptr = batch.qo_indptr.clone()  # [B+1]
         self.out = torch.empty(batch.q.shape[0], H, L, dtype=torch.bfloat16, device=device)
         self.lse = torch.empty(batch.q.shape[0], H, dtype=torch.float32, device=device)
 
@@ -476,6 +504,7 @@ class TritonMLADecode:
             raise ValueError(f"plan needs {n} items / {m} partials / {t} tiles, above this step's capacities")
         if p.num_partial_rows > self.workspace[0].shape[0]:
             raise ValueError(f"plan needs {p.num_partial_rows} partial rows, capacity {self.workspace[0].shape[0]}")
+        self.qo_indptr.copy_(batch.qo_indptr)
         self.work_items[:n].copy_(p.work_items)
         self.worker_indptr.copy_(p.worker_indptr)
         self.reduce_partial_map[:m].copy_(p.reduce_partial_map)
@@ -491,7 +520,7 @@ class TritonMLADecode:
     def run(self):
         """Launch decode + reduce on the static buffers -> (out, lse) (the same tensors every call)."""
         launch(self.batch, _StaticPlan(self), self.out, self.lse, self.config, workspace=self.workspace,
-               q_scale=self.q_scale, kv_scale=self.kv_scale, max_rows=self.max_rows)
+               q_scale=self.q_scale, kv_scale=self.kv_scale, max_rows=self.max_rows, qo_indptr=self.qo_indptr)
         return self.out, self.lse
 
 
@@ -505,12 +534,14 @@ class _StaticPlan:
     reduce_final: torch.Tensor
     reduce_partial_map: torch.Tensor
     num_partial_rows: int
+    block_n: int
 
     def __init__(self, step: "TritonMLADecode"):
         self.work_items, self.worker_indptr = step.work_items, step.worker_indptr
         self.reduce_indptr, self.reduce_final = step.reduce_indptr, step.reduce_final
         self.reduce_partial_map = step.reduce_partial_map
         self.num_partial_rows = step.workspace[0].shape[0]
+        self.block_n = step.config.plan_block_n
 
 
 __all__ = ["decode", "make_plan", "launch", "KernelConfig", "default_config", "TritonMLADecode", "INTERPRET"]

@@ -1,0 +1,297 @@
+"""mla-bench: time mla_fast's Triton MLA decode beside FlashInfer (FA3) and FlashMLA on one GPU.
+
+For each shape (b, s_k, h) with q_len 1, page 64, uniform lengths, random page order, randn inputs (std 1, fp8 = plain
+cast with scales 0.5 / 0.25, peers.md §2 conditions), and each dtype combination:
+
+- bf16:  bf16 q, bf16 cache (FlashInfer fa3, FlashMLA bf16)
+- fp8kv: bf16 q, e4m3fn cache (FlashInfer fa3 fp8 KV)
+- fp8:   e4m3fn q and cache (FlashMLA dense fp8, `use_legacy=True`)
+
+it reports µs per call (median and 20/80 % quantiles of `triton.testing.do_bench`, which flushes the L2 before every
+call), effective GB/s = (cache bytes read + q bytes + out bytes) / time, and % of the device-to-device copy bandwidth
+measured in the same run (a ~2 GB copy, bytes read + written). Ours is timed as one `launch` (decode + reduce), with
+the plan made beforehand; FlashInfer as `run()` after `plan()`; FlashMLA as the whole call, schedule cached after
+the first call (peers.md §2). Missing peers are reported as "not installed".
+
+Output: a rich table on stdout and, with --json, every number in a JSON file.
+"""
+
+import argparse
+import json
+import math
+import time
+
+import torch
+
+from mla_ref.decode import DecodeBatch
+
+SHAPES = [(1, 8192, 16), (32, 4096, 16), (64, 4096, 16), (128, 4096, 16), (128, 8192, 16), (32, 16384, 16),
+          (1, 8192, 128), (32, 4096, 128), (128, 4096, 128)]
+COMBOS = ("bf16", "fp8kv", "fp8")
+L, R = 512, 64
+SM_SCALE = 192**-0.5  # peers.md §2 timing conditions
+KV_SCALE, Q_SCALE = 0.5, 0.25  # fp8 per-tensor scales: real = fp8 * scale
+
+
+def build_batch(b: int, s: int, h: int, combo: str, page_size: int = 64, seed: int = 0, extra_pages: int = 1,
+                device: str = "cuda") -> DecodeBatch:
+    """Uniform batch of b requests x s tokens, h heads, q_len 1; random page order; NaN in the spare page(s)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    pages = math.ceil(s / page_size)
+    P = b * pages + extra_pages
+    cache = torch.randn(P, page_size, L + R, generator=g, device=device)  # [P, ps, L+R] fp32
+    perm = torch.randperm(P, generator=g, device=device)  # physical page of each logical page, then spare pages
+    cache[perm[b * pages:]] = float("nan")  # pages nobody owns
+    tail = pages * page_size - s
+    block_table = perm[: b * pages].view(b, pages).to(torch.int32)  # [b, pages]
+    if tail:
+        cache[block_table[:, -1].long(), page_size - tail:] = float("nan")  # unused slots of each last page
+    q = torch.randn(b, h, L + R, generator=g, device=device)  # [T, H, L+R]
+    kw = {}
+    if combo == "bf16":
+        q, cache = q.to(torch.bfloat16), cache.to(torch.bfloat16)
+    elif combo in ("fp8kv", "fp8"):
+        cache, kw["kv_scale"] = cache.to(torch.float8_e4m3fn), KV_SCALE  # |randn| < 448: the cast cannot overflow
+        if combo == "fp8":
+            q, kw["q_scale"] = q.to(torch.float8_e4m3fn), Q_SCALE
+        else:
+            q = q.to(torch.bfloat16)
+    else:
+        raise ValueError(f"combo must be one of {COMBOS}, got {combo!r}")
+    seq_lens = torch.full((b,), s, dtype=torch.int32, device=device)
+    return DecodeBatch(q, cache, block_table, seq_lens, sm_scale=SM_SCALE, kv_lora_rank=L, **kw)
+
+
+def bytes_moved(b: int, s: int, h: int, combo: str) -> int:
+    """Cache bytes read + q bytes read + bf16 out bytes written (peers.md §2 effective GB/s)."""
+    kv_bytes = 1 if combo in ("fp8kv", "fp8") else 2
+    q_bytes = 1 if combo == "fp8" else 2
+    return b * s * (L + R) * kv_bytes + b * h * (L + R) * q_bytes + b * h * L * 2
+
+
+def time_us(fn, warmup_ms: int = 25, rep_ms: int = 100) -> tuple[float, float, float]:
+    """(median, 20 %, 80 %) µs of fn() by triton.testing.do_bench (L2 flushed before each call)."""
+    import triton
+
+    ms = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
+    return tuple(1e3 * t for t in ms)
+
+
+def copy_bandwidth_gbs(nbytes: int = 2 * 2**30) -> float:
+    """Device-to-device copy rate in GB/s, bytes read + written (peers.md §3: ~4280 on an H200)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    med, _, _ = time_us(lambda: dst.copy_(src))
+    return 2 * nbytes / (med * 1e-6) / 1e9
+
+
+# ---- timed callables -------------------------------------------------------------------------------------------
+def ours(batch: DecodeBatch, config=None, num_workers: int | None = None):
+    """() -> None launching our decode on preallocated buffers, plus the compiled kernel's resource report."""
+    from mla_fast import triton_decode as td
+
+    combo = td.dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
+    config = config or td.default_config(combo, batch.num_heads, 1)
+    plan = td.make_plan(batch, config, num_workers)
+    T, H, dev = batch.q.shape[0], batch.q.shape[1], batch.q.device
+    out = torch.empty(T, H, L, dtype=torch.bfloat16, device=dev)
+    lse = torch.empty(T, H, dtype=torch.float32, device=dev)
+    rows = max(int(plan.num_partial_rows), 1)
+    workspace = (torch.empty(rows, H, L, device=dev), torch.empty(rows, H, device=dev))
+    q_scale = td._scale_tensor(batch.q_scale, batch.q.device)
+    kv_scale = td._scale_tensor(batch.kv_scale, batch.q.device)
+    qo_indptr = batch.qo_indptr
+
+    def fn():
+        return td.launch(batch, plan, out, lse, config, workspace=workspace, q_scale=q_scale, kv_scale=kv_scale,
+                         max_rows=config.head_group, qo_indptr=qo_indptr)
+
+    kernel = fn()
+    info = {"n_regs": getattr(kernel, "n_regs", None), "n_spills": getattr(kernel, "n_spills", None),
+            "num_items": plan.num_items, "split_tiles": plan.stats()["split_tiles"]}
+    return fn, info
+
+
+def flashinfer_fn(batch: DecodeBatch):
+    """() -> run() of FlashInfer's FA3 MLA wrapper after plan() (peers.md §1), or a reason string."""
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        return "not installed"
+    from mla_fast.flashinfer_backend import _workspace, flashinfer_inputs
+
+    if batch.q.dtype != torch.bfloat16:
+        return "n/a (bf16 q only)"
+    a = flashinfer_inputs(batch)
+    wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(_workspace(batch.device), backend="fa3")
+    wrapper.plan(a["qo_indptr"], a["kv_indptr"], a["kv_indices"], a["kv_len_arr"], batch.num_heads, L, R,
+                 batch.page_size, a["causal"], a["sm_scale"], a["q_dtype"], a["kv_dtype"])
+    scales = {} if a["kv_scale"] is None else {"ckv_scale": a["kv_scale"], "kpe_scale": a["kv_scale"]}
+    out = torch.empty(batch.q.shape[0], batch.num_heads, L, dtype=torch.bfloat16, device="cuda")
+
+    def fn():
+        wrapper.run(a["q_nope"], a["q_pe"], a["ckv_cache"], a["kpe_cache"], out=out, **scales)
+
+    fn()
+    return fn
+
+
+def flashmla_fn(batch: DecodeBatch):
+    """() -> flash_mla_with_kvcache(use_legacy=True) with its schedule cached (peers.md §1), or a reason string."""
+    try:
+        import flash_mla
+    except ImportError:
+        return "not installed"
+    from mla_fast.flashmla_backend import flashmla_inputs
+
+    if batch.q.dtype != batch.kv_cache.dtype:
+        return "n/a (q and cache of one dtype)"
+    a = flashmla_inputs(batch)
+    B, s_q, H, _ = a["q"].shape
+    meta, _ = flash_mla.get_mla_metadata()
+    extra = {}
+    if a["descale"] is not None:
+        tile_md, num_splits = flash_mla.get_mla_decoding_metadata(a["cache_seqlens"], s_q * H, 1,
+                                                                  is_fp8_kvcache=True, use_legacy=True)
+        meta.tile_scheduler_metadata, meta.num_splits = tile_md, num_splits
+        extra = {"is_fp8_kvcache": True,
+                 "descale_q": torch.tensor([a["descale"][0]], dtype=torch.float32, device="cuda"),
+                 "descale_k": torch.tensor([a["descale"][1]], dtype=torch.float32, device="cuda")}
+
+    def fn():
+        flash_mla.flash_mla_with_kvcache(a["q"], a["k_cache"], a["block_table"], a["cache_seqlens"], L, meta, None,
+                                         softmax_scale=a["softmax_scale"], causal=a["causal"], use_legacy=True,
+                                         **extra)
+
+    fn()
+    return fn
+
+
+PEERS = {"flashinfer": flashinfer_fn, "flashmla": flashmla_fn}
+
+
+def measure(fn_or_reason, nbytes: int, copy_gbs: float) -> dict:
+    if isinstance(fn_or_reason, str):
+        return {"status": fn_or_reason}
+    try:
+        med, p20, p80 = time_us(fn_or_reason)
+    except Exception as e:  # a peer failing on one shape must not stop the table
+        return {"status": f"error: {type(e).__name__}: {str(e)[:120]}"}
+    gbs = nbytes / (med * 1e-6) / 1e9
+    return {"status": "ok", "us": med, "us_p20": p20, "us_p80": p80, "gbs": gbs, "pct_copy": 100 * gbs / copy_gbs}
+
+
+def run_grid(shapes, combos, peers=True, copy_gbs=None, candidates=False) -> dict:
+    copy_gbs = copy_gbs or copy_bandwidth_gbs()
+    rows = []
+    for b, s, h in shapes:
+        for combo in combos:
+            batch = build_batch(b, s, h, combo)
+            nbytes = bytes_moved(b, s, h, combo)
+            row = {"b": b, "s": s, "h": h, "combo": combo, "bytes": nbytes}
+            if candidates:
+                row["candidates"] = time_candidates(batch, nbytes, copy_gbs)
+                ok = [c for c in row["candidates"] if c.get("status") == "ok"]
+                row["ours"] = min(ok, key=lambda c: c["us"]) if ok else row["candidates"][0]
+            else:
+                fn, info = ours(batch)
+                row["ours"] = {**measure(fn, nbytes, copy_gbs), **info}
+            for name, make in PEERS.items():
+                if peers:
+                    try:
+                        row[name] = measure(make(batch), nbytes, copy_gbs)
+                    except Exception as e:
+                        row[name] = {"status": f"error: {type(e).__name__}: {str(e)[:120]}"}
+                else:
+                    row[name] = {"status": "skipped"}
+            rows.append(row)
+            print({k: v for k, v in row.items() if k != "candidates"}, flush=True)
+            del batch
+            torch.cuda.empty_cache()
+    return {"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "rows": rows}
+
+
+CANDIDATES = {  # (combo, rows per item > 32) -> KernelConfig overrides timed beside the default (--candidates)
+    ("bf16", False): [dict(block_n=64, num_stages=5, workers_per_sm=1), dict(block_n=32, num_stages=5),
+                      dict(block_n=64, num_stages=3, workers_per_sm=1)],
+    ("fp8kv", False): [dict(mma="fp16", block_n=64, num_stages=5, workers_per_sm=1),
+                       dict(block_n=64, num_stages=5, workers_per_sm=1), dict(block_n=32, num_stages=5),
+                       dict(mma="fp16", block_n=32, num_stages=5), dict(v_reload=False)],
+    ("fp8", False): [dict(block_n=64, num_stages=5, workers_per_sm=1), dict(block_n=32, num_stages=5)],
+    ("bf16", True): [dict(num_stages=5), dict(block_n=64), dict(head_group=32, block_n=64, num_stages=5)],
+    ("fp8kv", True): [dict(num_stages=5), dict(mma="fp16"), dict(head_group=32, block_n=64, num_stages=5)],
+    ("fp8", True): [dict(num_stages=5), dict(head_group=32, block_n=64, num_stages=5)],
+}
+
+
+def time_candidates(batch: DecodeBatch, nbytes: int, copy_gbs: float) -> list:
+    """Time the default config and each CANDIDATES override on `batch`: [{config, us, ..., n_regs, n_spills}]."""
+    from dataclasses import asdict, replace
+
+    from mla_fast import triton_decode as td
+
+    combo = td.dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
+    base = td.default_config(combo, batch.num_heads, 1)
+    results = []
+    for o in [{}] + CANDIDATES[(combo, base.head_group > 32)]:
+        config = replace(base, **o)
+        if batch.num_heads % config.head_group:
+            continue
+        try:
+            fn, info = ours(batch, config)
+            m = {**measure(fn, nbytes, copy_gbs), **info}
+        except Exception as e:  # a config that fails to compile must not stop the table
+            m = {"status": f"error: {type(e).__name__}: {str(e)[:200]}"}
+        results.append({"config": asdict(config), "override": o, **m})
+    return results
+
+
+def print_table(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"MLA decode, q_len 1, page 64 — {result['device']}, copy {result['copy_gbs']:.0f} GB/s")
+    for col in ("b", "s_k", "h", "dtype", "ours µs (20–80%)", "GB/s", "% copy", "flashinfer µs", "flashmla µs",
+                "ours / best peer", "default µs", "best override"):
+        table.add_column(col, justify="right")
+    for r in result["rows"]:
+        o = r["ours"]
+
+        def cell(m):
+            return f"{m['us']:.1f}" if m.get("status") == "ok" else m.get("status", "")
+
+        peers = [r[p]["us"] for p in PEERS if r[p].get("status") == "ok"]
+        ratio = f"{o['us'] / min(peers):.2f}" if peers and o.get("status") == "ok" else "—"
+        ours_cell = f"{o['us']:.1f} ({o['us_p20']:.1f}–{o['us_p80']:.1f})" if o.get("status") == "ok" else o["status"]
+        table.add_row(str(r["b"]), str(r["s"]), str(r["h"]), r["combo"], ours_cell,
+                      f"{o.get('gbs', 0):.0f}", f"{o.get('pct_copy', 0):.0f}", cell(r["flashinfer"]),
+                      cell(r["flashmla"]), ratio, cell(r["candidates"][0]) if "candidates" in r else "",
+                      str(o.get("override", "")))
+    Console(width=160).print(table)
+
+
+def _parse_shapes(text: str):
+    return [tuple(int(x) for x in item.split(",")) for item in text.split(";") if item]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="mla-bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", type=_parse_shapes, default=SHAPES, help='"b,s,h;b,s,h" (default: issue grid)')
+    parser.add_argument("--dtypes", default="bf16,fp8kv", help=f"comma list of {COMBOS}")
+    parser.add_argument("--no-peers", action="store_true", help="time only mla_fast")
+    parser.add_argument("--json", help="write all numbers to this file")
+    parser.add_argument("--candidates", action="store_true", help="also time CANDIDATES configs; report the best")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("mla-bench needs a CUDA GPU")
+    t0 = time.time()
+    result = run_grid(args.shapes, args.dtypes.split(","), peers=not args.no_peers, candidates=args.candidates)
+    result["wall_s"] = time.time() - t0
+    print_table(result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""mla_fast.triton_decode on a CUDA GPU (skipped without one): bound agreement, determinism, graphs, memcheck.
+
+Tolerance everywhere: the kernel bound of numerics.md §5(f) with the kernel's declared KernelNumerics
+(tests/triton_cases.py), err / bound <= 1; determinism and graph replay are bitwise.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from triton_cases import TritonCase, check
+
+pytestmark = pytest.mark.gpu
+HERE = Path(__file__).resolve().parent
+
+BENCH_SHAPES = [(1, 8192, 16), (32, 4096, 16), (64, 4096, 16), (128, 4096, 16), (128, 8192, 16), (32, 16384, 16),
+                (1, 8192, 128), (32, 4096, 128), (128, 4096, 128)]
+VARLEN = [  # DeepSeek-V3 widths (L = 512, R = 64); ragged lengths with zeros, every page size, MTP, heads
+    TritonCase((0, 1, 63, 64, 65, 1000, 4097), (1,) * 7, heads=16, page_size=64, combo="bf16", L=512, R=64),
+    TritonCase((0, 3, 700, 2000), (2, 2, 2, 2), heads=32, page_size=16, combo="bf16", L=512, R=64, seed=1),
+    TritonCase((5, 1500, 0), (4, 3, 1), heads=128, page_size=1, combo="bf16", L=512, R=64, seed=2),
+    TritonCase((17, 333, 2500), (1, 2, 1), heads=64, page_size=3, combo="bf16", L=512, R=64, seed=3),
+    TritonCase((0, 1, 63, 64, 65, 1000, 4097), (1,) * 7, heads=16, page_size=64, combo="fp8kv", L=512, R=64, seed=4),
+    TritonCase((5, 1500, 0), (4, 3, 1), heads=128, page_size=16, combo="fp8kv", L=512, R=64, seed=5),
+    TritonCase((0, 1, 63, 64, 65, 1000, 4097), (1,) * 7, heads=16, page_size=64, combo="fp8", L=512, R=64, seed=6),
+    TritonCase((17, 333, 2500), (2, 2, 2), heads=64, page_size=3, combo="fp8", L=512, R=64, seed=7),
+]
+
+
+def _numerics(batch):
+    from mla_fast.numerics import KERNEL_NUMERICS
+    from mla_fast.triton_decode import dtype_combo
+
+    return KERNEL_NUMERICS[dtype_combo(batch.q.dtype, batch.kv_cache.dtype)]
+
+
+@pytest.mark.parametrize("combo", ["bf16", "fp8kv", "fp8"])
+@pytest.mark.parametrize("shape", BENCH_SHAPES, ids=lambda s: "b{}_s{}_h{}".format(*s))
+def test_bench_grid_within_kernel_bound(shape, combo):
+    from mla_fast.bench import build_batch
+    from mla_fast.triton_decode import decode
+
+    b, s, h = shape
+    batch = build_batch(b, s, h, combo, seed=hash(shape) % 1000)
+    out, lse = decode(batch)
+    r = check(out, lse, batch, _numerics(batch))
+    assert r["finite"] and r["out_ratio"] <= 1.0 and r["lse_ratio"] <= 1.0, r
+
+
+@pytest.mark.parametrize("case", VARLEN, ids=lambda c: f"{c.combo}_h{c.heads}_p{c.page_size}_s{c.seed}")
+def test_varlen_within_kernel_bound(case):
+    from mla_fast.triton_decode import decode
+
+    batch = case.batch("cuda")
+    out, lse = decode(batch)
+    r = check(out, lse, batch, _numerics(batch))
+    assert r["finite"] and r["empty_ok"] and r["out_ratio"] <= 1.0 and r["lse_ratio"] <= 1.0, r
+
+
+@pytest.mark.parametrize("case", [VARLEN[0], VARLEN[5]], ids=["bf16", "fp8kv"])
+def test_bitwise_deterministic_over_10_runs(case):
+    from mla_fast.triton_decode import decode, default_config, dtype_combo, make_plan
+
+    batch = case.batch("cuda")
+    config = default_config(dtype_combo(batch.q.dtype, batch.kv_cache.dtype), case.heads, max(case.q_lens))
+    plan = make_plan(batch, config)
+    out0, lse0 = decode(batch, plan=plan, config=config)
+    for _ in range(10):
+        out, lse = decode(batch, plan=plan, config=config)
+        assert torch.equal(out.view(torch.int16), out0.view(torch.int16))
+        assert torch.equal(lse.view(torch.int32), lse0.view(torch.int32))
+
+
+def test_cuda_graph_replay_equals_eager():
+    from mla_fast.triton_decode import TritonMLADecode, decode, make_plan
+
+    case = TritonCase((100, 0, 3000, 700), (1, 1, 1, 1), heads=16, page_size=64, L=512, R=64, seed=11)
+    batch = case.batch("cuda")
+    step = TritonMLADecode(batch)
+    step.plan()
+    step.run()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step.run()
+    for new_lens in ([100, 0, 3000, 700], [50, 0, 2000, 64]):  # shrink in place: every page stays valid
+        batch.seq_lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        step.plan()
+        step.out.fill_(float("nan"))
+        graph.replay()
+        out, lse = decode(batch, plan=make_plan(batch, step.config, step.num_workers), config=step.config)
+        torch.cuda.synchronize()
+        assert torch.equal(step.out.view(torch.int16), out.view(torch.int16)), new_lens
+        assert torch.equal(step.lse.view(torch.int32), lse.view(torch.int32)), new_lens
+
+
+_MEMCHECK_SCRIPT = """
+import torch
+from triton_cases import TritonCase
+from mla_fast.triton_decode import decode
+for combo in ("bf16", "fp8kv"):
+    case = TritonCase((0, 1, 65, 700, 1500), (1, 2, 1, 3, 1), heads=16, page_size=16, combo=combo, L=512, R=64)
+    out, lse = decode(case.batch("cuda"))
+    torch.cuda.synchronize()
+    assert not out.isnan().any()
+print("memcheck-done")
+"""
+
+
+@pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer not on PATH")
+def test_compute_sanitizer_memcheck_clean_on_nan_padded_varlen():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE)]))
+    proc = subprocess.run(
+        ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "17", sys.executable, "-c", _MEMCHECK_SCRIPT],
+        capture_output=True, text=True, env=env, timeout=500,
+    )
+    tail = (proc.stdout + proc.stderr)[-4000:]
+    assert proc.returncode == 0 and "memcheck-done" in proc.stdout, tail
+    assert "ERROR SUMMARY: 0 errors" in proc.stdout + proc.stderr, tail
