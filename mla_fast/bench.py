@@ -91,7 +91,7 @@ def ours(batch: DecodeBatch, config=None, num_workers: int | None = None):
     from mla_fast import triton_decode as td
 
     combo = td.dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
-    config = config or td.default_config(combo, batch.num_heads, 1)
+    config = config or td.default_config(combo, batch.num_heads, 1, td._kv_blocks(batch), td.num_sms(batch.q.device))
     plan = td.make_plan(batch, config, num_workers)
     T, H, dev = batch.q.shape[0], batch.q.shape[1], batch.q.device
     out = torch.empty(T, H, L, dtype=torch.bfloat16, device=dev)
@@ -212,15 +212,10 @@ def run_grid(shapes, combos, peers=True, copy_gbs=None, candidates=False) -> dic
 
 
 CANDIDATES = {  # (combo, rows per item > 32) -> KernelConfig overrides timed beside the default (--candidates)
-    ("bf16", False): [dict(block_n=64, num_stages=5, workers_per_sm=1), dict(block_n=32, num_stages=5),
-                      dict(block_n=64, num_stages=3, workers_per_sm=1)],
-    ("fp8kv", False): [dict(mma="fp16", block_n=64, num_stages=5, workers_per_sm=1),
-                       dict(block_n=64, num_stages=5, workers_per_sm=1), dict(block_n=32, num_stages=5),
-                       dict(mma="fp16", block_n=32, num_stages=5), dict(v_reload=False)],
-    ("fp8", False): [dict(block_n=64, num_stages=5, workers_per_sm=1), dict(block_n=32, num_stages=5)],
-    ("bf16", True): [dict(num_stages=5), dict(block_n=64), dict(head_group=32, block_n=64, num_stages=5)],
-    ("fp8kv", True): [dict(num_stages=5), dict(mma="fp16"), dict(head_group=32, block_n=64, num_stages=5)],
-    ("fp8", True): [dict(num_stages=5), dict(head_group=32, block_n=64, num_stages=5)],
+    ("bf16", False): [dict(num_stages=3, workers_per_sm=2), dict(num_stages=5, workers_per_sm=1)],
+    ("fp8kv", False): [dict(mma="bf16")],  # numerics-visible: bf16 MMAs keep q exact
+    ("fp8", False): [dict(block_n=32)],
+    ("bf16", True): [dict(num_stages=3), dict(block_n=32)],
 }
 
 
@@ -231,9 +226,9 @@ def time_candidates(batch: DecodeBatch, nbytes: int, copy_gbs: float) -> list:
     from mla_fast import triton_decode as td
 
     combo = td.dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
-    base = td.default_config(combo, batch.num_heads, 1)
+    base = td.default_config(combo, batch.num_heads, 1, td._kv_blocks(batch), td.num_sms(batch.q.device))
     results = []
-    for o in [{}] + CANDIDATES[(combo, base.head_group > 32)]:
+    for o in [{}] + CANDIDATES.get((combo, base.head_group > 32), []):
         config = replace(base, **o)
         if batch.num_heads % config.head_group:
             continue

@@ -223,9 +223,13 @@ def _mla_reduce_kernel(
     OUT, LSE,  # [T, H, L] bf16, [T, H] fp32
     stride_pt, stride_ph, stride_plt,
     stride_ot, stride_oh, stride_lt,
-    L: tl.constexpr,
+    L: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    """One program per (reduce tile, packed row): merges that row's split partials (numerics.md §3)."""
+    """One program per (reduce tile, packed row): merges that row's split partials, BLOCK_S splits at a time.
+
+    Online form of numerics.md §3 in base 2: M = max_S L_S, O = Σ_S 2^(L_S - M) O_S / Σ_S 2^(L_S - M),
+    L = M + log2 Σ_S 2^(L_S - M); empty partials (L_S = -inf) weigh 0 and their O_S is never read.
+    """
     tile = tl.program_id(0)
     r = tl.program_id(1)
     split_begin = tl.load(REDUCE_INDPTR + tile)
@@ -237,29 +241,31 @@ def _mla_reduce_kernel(
     if (split_end > split_begin) & (r < (qo_end - qo_start) * num_h):
         dq = r // num_h  # query row inside the tile
         h = head_start + r % num_h
+        offs_s = tl.arange(0, BLOCK_S)
         offs_l = tl.arange(0, L)
-        # pass 1: max of the partial LSEs (log2 units)
-        m = float("-inf")
+        m = float("-inf")  # running max of the partial LSEs (log2 units)
+        w_sum = 0.0  # running Σ 2^(L_S - m)
+        acc = tl.zeros([L], tl.float32)  # running Σ 2^(L_S - m) O_S
         i = split_begin
         while i < split_end:  # while, not range(): the interpreter cannot take loaded bounds
-            prow = (tl.load(REDUCE_PARTIAL_MAP + i) + dq).to(tl.int64)
-            m = tl.maximum(m, tl.load(LSE_PART + prow * stride_plt + h) * 1.4426950408889634)
-            i += 1
-        m_use = tl.where(m == float("-inf"), 0.0, m)
-        # pass 2: O = sum_S 2^(L_S - M) O_S / sum_S 2^(L_S - M); empty partials (L_S = -inf) weigh 0
-        acc = tl.zeros([L], tl.float32)
-        w_sum = 0.0
-        i = split_begin
-        while i < split_end:
-            prow = (tl.load(REDUCE_PARTIAL_MAP + i) + dq).to(tl.int64)
-            i += 1
-            w = tl.exp2(tl.load(LSE_PART + prow * stride_plt + h) * 1.4426950408889634 - m_use)
-            o_s = tl.load(O_PART + prow * stride_pt + h * stride_ph + offs_l)  # [L]
-            acc += tl.where(w > 0.0, w * o_s, 0.0)
-            w_sum += w
+            idx = i + offs_s  # [S]
+            ok = idx < split_end
+            prow = (tl.load(REDUCE_PARTIAL_MAP + idx, mask=ok, other=0) + dq).to(tl.int64)  # [S] workspace rows
+            lse_s = tl.load(LSE_PART + prow * stride_plt + h, mask=ok, other=float("-inf")) * 1.4426950408889634
+            m_new = tl.maximum(m, tl.max(lse_s, 0))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            rescale = tl.exp2(m - m_use)  # 0 while m = -inf
+            w = tl.exp2(lse_s - m_use)  # [S], 0 for empty partials
+            o_s = tl.load(O_PART + prow[:, None] * stride_pt + h * stride_ph + offs_l[None, :],
+                          mask=(ok & (w > 0.0))[:, None], other=0.0)  # [S, L]
+            acc = acc * rescale + tl.sum(w[:, None] * o_s, 0)
+            w_sum = w_sum * rescale + tl.sum(w, 0)
+            m = m_new
+            i += BLOCK_S
         has_tok = w_sum > 0.0
         o = acc / tl.where(has_tok, w_sum, 1.0)
-        lse = tl.where(has_tok, (m_use + tl.log2(tl.where(has_tok, w_sum, 1.0))) * 0.6931471805599453, float("-inf"))
+        m_out = tl.where(m == float("-inf"), 0.0, m)
+        lse = tl.where(has_tok, (m_out + tl.log2(tl.where(has_tok, w_sum, 1.0))) * 0.6931471805599453, float("-inf"))
         qo = (qo_start + dq).to(tl.int64)
         tl.store(OUT + qo * stride_ot + h * stride_oh + offs_l, o.to(OUT.dtype.element_ty))
         tl.store(LSE + qo * stride_lt + h, lse)
@@ -298,6 +304,8 @@ class KernelConfig:
 
 
 MAX_ROWS = 64  # packed (query row x head) rows per work item: one M tile
+MAX_ROWS_FP8 = 32  # fp8 caches: mma.sync tiles (M <= 32) measured faster than 64-row wgmma tiles at every shape
+REDUCE_BLOCK_S = 16  # split partials merged per step of the reduce kernel
 
 
 def _is_fp8(dtype: torch.dtype) -> bool:
@@ -317,18 +325,29 @@ def dtype_combo(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> str:
     )
 
 
-def default_config(combo: str, num_heads: int, max_q_len: int) -> KernelConfig:
-    """Tile choice: head_group = the largest divisor of num_heads with max_q_len x head_group <= 64 (one M tile)."""
+def default_config(combo: str, num_heads: int, max_q_len: int, kv_blocks: int | None = None,
+                   sms: int = 132) -> KernelConfig:
+    """Launch choice, from mla-bench on one H200 (issue 5 report).
+
+    head_group: the largest divisor of num_heads with max_q_len x head_group <= 64 rows (32 for fp8 caches).
+    kv_blocks: Σ_b ceil(seq_len_b / 64) (None: assume large); sms: SM count. With at least 24 blocks (x head groups)
+    per worker at two programs per SM, bf16 runs two programs per SM with one KV tile in flight each, else one program per SM
+    with two tiles in flight. fp8 caches: V loaded again for P.V (both loads pipelined), two tiles in flight.
+    """
     from mla_fast.numerics import DEFAULT_MMA
 
-    head_group = max(d for d in range(1, num_heads + 1) if num_heads % d == 0 and d * max_q_len <= MAX_ROWS)
-    rows = head_group * max_q_len
     fp8_kv = combo in ("fp8kv", "fp8")
-    if rows > 32:  # wgmma tiles (M = 64)
-        return KernelConfig(block_n=32, num_warps=8, num_stages=2, mma=DEFAULT_MMA[combo], head_group=head_group,
-                            v_reload=fp8_kv)
-    return KernelConfig(block_n=64, num_warps=8, num_stages=3, mma=DEFAULT_MMA[combo], head_group=head_group,
-                        v_reload=fp8_kv, workers_per_sm=2)
+    max_rows = MAX_ROWS_FP8 if fp8_kv else MAX_ROWS
+    head_group = max(d for d in range(1, num_heads + 1) if num_heads % d == 0 and d * max_q_len <= max_rows)
+    mma = DEFAULT_MMA[combo]
+    if head_group * max_q_len > 32:  # bf16, 64-row wgmma tiles
+        return KernelConfig(block_n=64, num_warps=8, num_stages=2, mma=mma, head_group=head_group)
+    if fp8_kv:
+        return KernelConfig(block_n=64, num_warps=8, num_stages=5, mma=mma, head_group=head_group, v_reload=True)
+    groups = num_heads // head_group
+    if kv_blocks is None or kv_blocks * groups >= 24 * 2 * sms:
+        return KernelConfig(block_n=64, num_warps=8, num_stages=3, mma=mma, head_group=head_group, workers_per_sm=2)
+    return KernelConfig(block_n=64, num_warps=8, num_stages=5, mma=mma, head_group=head_group)
 
 
 def num_sms(device: torch.device) -> int:
@@ -427,9 +446,14 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
             out, lse,
             o_part.stride(0), o_part.stride(1), lse_part.stride(0),
             out.stride(0), out.stride(1), lse.stride(0),
-            L=L, num_warps=4,
+            L=L, BLOCK_S=REDUCE_BLOCK_S, num_warps=4,
         )
     return compiled
+
+
+def _kv_blocks(batch) -> int:
+    """Σ_b ceil(seq_len_b / 64): the work default_config sizes the grid by (one host sync)."""
+    return int(((batch.seq_lens.long() + 63) // 64).sum())
 
 
 def decode(batch, *, plan=None, out=None, lse=None, config: KernelConfig | None = None, num_workers: int | None = None):
@@ -442,7 +466,7 @@ def decode(batch, *, plan=None, out=None, lse=None, config: KernelConfig | None 
     combo = dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
     T, H, L = batch.q.shape[0], batch.num_heads, batch.kv_lora_rank
     max_q_len = int(batch.q_lens.max()) if batch.q_lens.numel() else 1
-    config = config or default_config(combo, H, max(max_q_len, 1))
+    config = config or default_config(combo, H, max(max_q_len, 1), _kv_blocks(batch), num_sms(batch.q.device))
     if max(max_q_len, 1) * config.head_group > MAX_ROWS:
         raise ValueError(f"q_len x head_group must be <= {MAX_ROWS}, got {max_q_len} x {config.head_group}")
     plan = plan if plan is not None else make_plan(batch, config, num_workers)
@@ -475,7 +499,7 @@ class TritonMLADecode:
         device = batch.q.device
         H, L, B = batch.num_heads, batch.kv_lora_rank, batch.batch_size
         combo = dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
-        self.config = config or default_config(combo, H, max_q_len)
+        self.config = config or default_config(combo, H, max_q_len, _kv_blocks(batch), num_sms(device))
         self.max_rows = max_q_len * self.config.head_group
         self.num_workers = num_workers or self.config.workers_per_sm * num_sms(device)
         groups = B * triton.cdiv(H, self.config.head_group)

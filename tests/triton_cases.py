@@ -1,4 +1,4 @@
-"""Shared by tests/test_triton_decode.py (interpreter) and tests/test_triton_gpu.py: cases and the kernel bound.
+"""Shared by tests/test_triton_decode.py (interpreter) and tests/test_triton_gpu.py: cases and the bound check.
 
 Imports no triton, so the interpreter worker can set TRITON_INTERPRET=1 before triton is first imported.
 """
@@ -51,51 +51,17 @@ class TritonCase:
         return batch.to(device)
 
 
-def kernel_bound(batch, numerics):
-    """numerics.md §5(f) per element, against the fp64 oracle on the same dequantized inputs.
+def check(out, lse, batch, numerics, num_splits: int = 1) -> dict:
+    """Kernel output against the fp64 oracle on the same inputs, bound = verify.bounds.kernel_bound (numerics.md
+    §5(f), from the kernel's declared KernelNumerics) + merge_bound (§5(g), `num_splits` = most pieces of a tile).
 
-    |o_ker - o| <= (1 + 2^-8) [2^-8 |o| + (u_P + 2^-22 + gamma_PV) Σ_j p_j |v_j| + eta_P Σ_j |v_j| / l
-                               + tanh(omega_acc / 4) R_c],   omega_acc = 2 gamma_QK σ max_j Σ_i |q_i||k_ji|
-    LSE (derived the same way): |lse_ker - lse| <= omega_acc / 2 + (n + 16) 2^-22 + 2^-21 |lse|  (scores moved by
-    at most omega_acc / 2; n fp32 additions, exp2/log2 approximations (2^-22) and the merge on l; fp32 lse).
-    Returns (out_bound [T, H, L], lse_bound [T, H]) fp64; rows that see no token get bound 0 (exact 0 / -inf).
+    Returns max err / bound ratios (must be <= 1), finiteness, and the empty-row convention (out 0, lse -inf).
     """
-    u_p, eta_p = {None: (0.0, 0.0), "fp32": (0.0, 0.0), "bf16": (2**-8, 0.0), "fp16": (2**-11, 2**-25)}[numerics.p_fmt]
-    L = batch.kv_lora_rank
-    q = batch.dequantized_q()  # [T, H, D] fp64
-    visible = batch.visible_tokens().tolist()  # [T]
-    request = batch.row_request().tolist()  # [T]
-    out_ref, lse_ref = mla_decode_ref(batch)  # [T, H, L], [T, H]
-    out_bound = torch.zeros_like(out_ref)
-    lse_bound = torch.zeros_like(lse_ref)
-    kv_by_request = {}
-    for t in range(batch.num_tokens):
-        n = visible[t]
-        if n == 0:
-            continue
-        b = request[t]
-        if b not in kv_by_request:
-            kv_by_request[b] = batch.request_kv(b)  # [s_b, D] fp64, valid rows only
-        K = kv_by_request[b][:n]  # [n, D]
-        V = K[:, :L]  # [n, L]
-        s = batch.sm_scale * q[t] @ K.T  # [H, n]
-        p = torch.softmax(s, dim=-1)  # [H, n]
-        l_hat = torch.exp(s - s.amax(-1, keepdim=True)).sum(-1)  # [H]
-        omega = 2 * numerics.gamma_qk * batch.sm_scale * (q[t].abs() @ K.abs().T).amax(-1)  # [H]
-        spread = V.amax(0) - V.amin(0)  # [L] R_c
-        out_bound[t] = (1 + 2**-8) * (
-            2**-8 * out_ref[t].abs()
-            + (u_p + 2**-22 + numerics.gamma_pv) * (p @ V.abs())  # [H, L]
-            + eta_p * V.abs().sum(0)[None, :] / l_hat[:, None]
-            + torch.tanh(omega / 4)[:, None] * spread[None, :]
-        )
-        lse_bound[t] = omega / 2 + (n + 16) * 2**-22 + 2**-21 * lse_ref[t].abs()
-    return out_ref, lse_ref, out_bound, lse_bound
+    from verify.bounds import kernel_bound, merge_bound
 
-
-def check(out, lse, batch, numerics) -> dict:
-    """Kernel output against the oracle: max err / bound ratios (must be <= 1) and the empty-row convention."""
-    out_ref, lse_ref, out_bound, lse_bound = kernel_bound(batch, numerics)
+    out_ref, lse_ref = mla_decode_ref(batch)  # [T, H, L], [T, H] fp64
+    bound = kernel_bound(batch, numerics, ref=(out_ref, lse_ref)) + merge_bound(batch, num_splits)
+    out_ref, lse_ref, out_bound, lse_bound = (t.cpu() for t in (out_ref, lse_ref, bound.out, bound.lse))
     out, lse = out.double().cpu(), lse.double().cpu()
     seen = torch.isfinite(lse_ref)  # [T, H] rows that see >= 1 token
     out_err = (out - out_ref).abs()
