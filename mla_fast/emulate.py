@@ -90,20 +90,25 @@ def _chunks(lengths: list[int]) -> list[slice]:
 
 
 def _gather_kv(batch: DecodeBatch, req: torch.Tensor, kv_start: torch.Tensor, kv_len: torch.Tensor, dtype):
-    """[n, Tm, L+R] the dequantized cache rows of tokens kv_start + t (t < kv_len), zeros after; valid mask [n, Tm]."""
+    """[n, Tm, L+R] the dequantized cache rows of tokens kv_start + t (t < kv_len), zeros after; valid mask [n, Tm].
+
+    Padding positions re-read the chunk's first valid token (never an unused slot) and are then zeroed.
+    """
     n, Tm = kv_len.numel(), max(1, int(kv_len.max()))
     t = torch.arange(Tm, device=batch.device)  # [Tm]
     valid = t[None, :] < kv_len[:, None]  # [n, Tm]
-    pos = (kv_start[:, None] + t)[valid]  # [V] token positions inside their request, valid only
-    page = batch.block_table.long()[req[:, None].expand_as(valid)[valid], pos // batch.page_size]  # [V]
-    slot = page * batch.page_size + pos % batch.page_size  # [V] row of the flattened cache
-    rows = batch.kv_cache.view(-1, batch.head_dim).index_select(0, slot).to(dtype)  # [V, L+R] gather, then convert
+    if not bool(valid.any()):
+        return torch.zeros(n, Tm, batch.head_dim, dtype=dtype, device=batch.device), valid
+    longest = int(torch.argmax(kv_len))
+    pos = torch.where(valid, kv_start[:, None] + t, kv_start[longest])  # [n, Tm] token positions inside requests
+    req = torch.where(valid, req[:, None], req[longest])  # [n, Tm]
+    page = batch.block_table.long()[req, pos // batch.page_size]  # [n, Tm] pages of valid tokens only
+    slot = (page * batch.page_size + pos % batch.page_size).flatten()  # [n * Tm] rows of the flattened cache
+    kv = batch.kv_cache.view(-1, batch.head_dim).index_select(0, slot).to(dtype)  # [n * Tm, L+R] gather, convert
     if is_fp8(batch.kv_cache.dtype):
-        rows = rows * batch.kv_scale
-    if rows.shape[0] == n * Tm:  # no padding in this chunk
-        return rows.view(n, Tm, -1), valid
-    kv = rows.new_zeros(n * Tm, batch.head_dim).index_copy_(0, torch.nonzero(valid.flatten()).flatten(), rows)
-    return kv.view(n, Tm, -1), valid  # [n, Tm, L+R]
+        kv = kv * batch.kv_scale
+    kv.index_fill_(0, torch.nonzero(~valid.flatten()).flatten(), 0.0)  # padding: zeros
+    return kv.view(n, Tm, -1), valid
 
 
 def _run_items(batch, q, items, out, lse, ws_o, ws_lse, dtype) -> None:
