@@ -1,0 +1,5 @@
+"""``python -m verify ...`` is ``mla-verify ...``."""
+
+from verify.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,491 @@
+"""`mla-verify`: property-based verification of an MLA decode kernel against the fp64 oracle and derived bounds.
+
+A campaign runs a fixed smoke prefix (`verify.strategies.smoke_cases`) and then Hypothesis-drawn cases
+(`verify.strategies.cases`) through `verify.checks.run_case`. Human output (progress, summary) goes to stderr; the
+JSON report goes to ``--json PATH`` (``-`` = stdout), written atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from importlib import metadata
+
+from verify.cases import FP8_FORMATS, Case
+from verify.checks import CaseResult, CheckResult
+
+SCHEMA_VERSION = 1
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOTHING_RAN = 0, 1, 2, 5
+BACKENDS = ("auto", "ref", "emulated", "triton", "aiter", "flashinfer", "flashmla")
+DEFAULT_CASES = {"ci": 200, "dev": 200, "search": 2000}
+WORST_EXAMPLES = 5  # @example lines printed by --profile search
+
+EPILOG = """\
+profiles:
+  ci      the same cases on every run (--seed, default 0); default 200 cases
+  dev     a fresh random seed each run (printed; pass --seed to replay); default 200 cases
+  search  hunts the worst err/bound: Hypothesis target() on every check, no shrinking; default 2000 cases;
+          prints the worst cases as ready-to-paste @example(...) lines
+
+plug-in contract (--impl package.module:function):
+  function(batch: mla_ref.decode.DecodeBatch) -> out  or  (out, lse)
+    out [T, H, kv_lora_rank] any float dtype; lse [T, H] natural log, sm_scale included
+    a row that sees no KV token: out 0, lse -inf
+  optional: function.numerics = mla_fast.numerics.KernelNumerics(...) declares how it rounds; without it the
+  bound assumes fp32 scores and P, fp32 accumulation, bf16 output (verify.kernels.DEFAULT_NUMERICS).
+  A plug-in that raises or returns the wrong shape or dtype fails its case with the message.
+
+exit codes:
+  0 every check held   1 a check failed   2 bad usage or input   5 no case ran (backend or device unavailable)
+
+examples:
+  mla-verify --dtype fp8
+  mla-verify --impl mypkg.mla:decode --dtype fp8 --json report.json --plot report.png
+  mla-verify --case '{"seq_lens":[0,65],"q_lens":[1,2],"kv_dtype":"fp8","seed":3}' --backend emulated
+  mla-verify model --help
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2 (argparse's code), no usage dump
+        self.exit(EXIT_USAGE, f"mla-verify: error: {message} (see mla-verify --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="mla-verify",
+        description="Verify an MLA decode kernel (bf16 or fp8) against the fp64 oracle within derived error bounds.\n"
+        "Checks per case: tier 1 (kernel vs fp64 on the same dequantized inputs), tier 2 (fp8 quantization\n"
+        "error within B_det and B_post), split invariance, empty rows (out 0, lse -inf), finiteness.\n"
+        "Subcommand: 'mla-verify model ...' checks a whole MLA layer (verify.model_check).",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16",
+                   help="kernel inputs: bf16 q and KV, or fp8 KV with bf16 or fp8 q (default bf16)")
+    p.add_argument("--fp8-format", choices=FP8_FORMATS, default="e4m3fn", help="fp8 format (default e4m3fn)")
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="registry backend to verify; 'auto' = triton on a GPU, else emulated; unavailable ones are "
+                   "reported with their reason (exit 5)")
+    p.add_argument("--impl", metavar="MODULE:FUNCTION",
+                   help="verify your own kernel instead of --backend (see the plug-in contract below)")
+    p.add_argument("--cases", type=_positive_int, metavar="N",
+                   help="cases to run, smoke prefix included (default: 200, or 2000 with --profile search)")
+    p.add_argument("--seed", type=int, help="Hypothesis seed (default 0 for ci, random for dev/search)")
+    p.add_argument("--max-seq-len", type=_positive_int, default=4096, metavar="N",
+                   help="longest KV sequence drawn (default 4096)")
+    p.add_argument("--heads", type=_positive_int, metavar="H", help="fix the number of query heads (default drawn)")
+    p.add_argument("--page-size", type=_positive_int, metavar="P", help="fix the page size (default drawn)")
+    p.add_argument("--profile", choices=tuple(DEFAULT_CASES), default="ci", help="case generation profile (below)")
+    p.add_argument("--device", help="torch device for the cases (default cuda if available, else cpu)")
+    p.add_argument("--jobs", type=_positive_int, metavar="N",
+                   help="worker processes on CPU (default: the usable cores; 1 on a GPU and with --profile search)")
+    p.add_argument("--json", metavar="PATH", help="write the JSON report to PATH ('-' = stdout)")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG of err/bound per case and check (needs matplotlib)")
+    p.add_argument("--case", metavar="JSON", help="replay one case (the JSON of a repro line) and show every check")
+    p.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failed case")
+    return p
+
+
+# ---- campaign ---------------------------------------------------------------------------------------------------
+
+
+_KERNEL = None  # the kernel of this process (inherited by forked workers)
+_DEVICE = "cpu"
+
+
+def _run_one(case: Case) -> CaseResult:
+    """run_case that never raises: a verifier error becomes a failed 'verifier' check with its traceback."""
+    from verify.checks import run_case
+
+    t0 = time.perf_counter()
+    try:
+        return run_case(case, _KERNEL, _DEVICE)
+    except Exception as e:
+        tb = traceback.format_exc(limit=-3).strip().replace("\n", " | ")
+        check = CheckResult("verifier", False, detail=f"verifier error {type(e).__name__}: {e} [{tb}]")
+        return CaseResult(case, [check], time.perf_counter() - t0)
+
+
+def _worker_init() -> None:
+    import torch
+
+    torch.set_num_threads(1)  # one process per core
+
+
+def _draw(strategy, n: int, seed: int) -> list[Case]:
+    """n cases from a Hypothesis strategy, deterministic for a seed (generate phase only, no database)."""
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as hyp_seed
+
+    drawn: list[Case] = []
+
+    @hyp_seed(seed)
+    @settings(max_examples=n, database=None, deadline=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @given(strategy)
+    def collect(case):
+        drawn.append(case)
+
+    if n > 0:
+        collect()
+    return drawn[:n]
+
+
+def _search(strategy, n: int, seed: int, on_result) -> None:
+    """Run up to n drawn cases in Hypothesis' generate + target phases (no shrinking), targeting each check's
+    err/bound, so later cases climb toward the worst ones."""
+    from hypothesis import HealthCheck, Phase, given, settings, target
+    from hypothesis import seed as hyp_seed
+
+    done = [0]
+
+    @hyp_seed(seed)
+    @settings(max_examples=n, database=None, deadline=None, phases=[Phase.generate, Phase.target],
+              suppress_health_check=list(HealthCheck))
+    @given(strategy)
+    def hunt(case):
+        if done[0] >= n:
+            return
+        result = _run_one(case)
+        done[0] += 1
+        for c in result.checks:
+            if c.err_over_bound is not None and 0 <= c.err_over_bound < float("inf"):
+                target(c.err_over_bound, label=c.name)
+        if not on_result(result):
+            raise _Stop
+
+    if n > 0:
+        try:
+            hunt()
+        except _Stop:
+            pass
+
+
+class _Stop(Exception):
+    """Raised inside the search to end it early (--exitfirst)."""
+
+
+def _run_all(cases: list[Case], jobs: int, on_result) -> None:
+    """Run cases in order (a pool of forked workers when jobs > 1); on_result(result) -> False stops."""
+    if jobs > 1 and len(cases) > 1 and "fork" in multiprocessing.get_all_start_methods():
+        with multiprocessing.get_context("fork").Pool(jobs, initializer=_worker_init) as pool:
+            for result in pool.imap(_run_one, cases):
+                if not on_result(result):
+                    pool.terminate()
+                    return
+        return
+    for case in cases:
+        if not on_result(_run_one(case)):
+            return
+
+
+# ---- reporting --------------------------------------------------------------------------------------------------
+
+
+def _versions() -> dict:
+    import torch
+
+    def dist(name):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "triton": dist("triton"),
+            "hypothesis": dist("hypothesis"), "mla-verify": dist("mla-verify"), "cuda": torch.version.cuda,
+            "hip": torch.version.hip}
+
+
+def _device_info(device: str) -> dict:
+    import torch
+
+    d = torch.device(device)
+    if d.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(d)
+        return {"type": "cuda", "name": torch.cuda.get_device_name(d), "capability": f"{major}.{minor}"}
+    return {"type": d.type, "name": platform.processor() or platform.machine(), "capability": None}
+
+
+def _summary(results: list[CaseResult], flags: str) -> dict:
+    """Per check: cases, failed, median and max (over cases) of each case's max err/bound, worst case's repro."""
+    names: list[str] = []
+    for r in results:
+        names += [c.name for c in r.checks if c.name not in names]
+    summary = {}
+    for name in names:
+        hits = [(r, c) for r in results for c in r.checks if c.name == name]
+        ratios = [c.err_over_bound for _, c in hits if c.err_over_bound is not None]
+        failed = [(r, c) for r, c in hits if not c.ok]
+        if failed:
+            worst_r, worst_c = max(failed, key=lambda rc: rc[1].err_over_bound or float("inf"))
+        else:
+            worst_r, worst_c = max(hits, key=lambda rc: rc[1].err_over_bound or 0.0)
+        summary[name] = {
+            "cases": len(hits),
+            "failed": len(failed),
+            "median_err_over_bound": _num(statistics.median(ratios)) if ratios else None,
+            "max_err_over_bound": _num(max(ratios)) if ratios else None,
+            "worst_repro": worst_r.case.repro(flags),
+            "worst_detail": worst_c.detail,
+        }
+    return summary
+
+
+def _num(x: float):
+    """A JSON-safe number (allow_nan=False): non-finite floats become strings."""
+    if x != x:
+        return "nan"
+    if x in (float("inf"), float("-inf")):
+        return "inf" if x > 0 else "-inf"
+    return x
+
+
+def _failure(r: CaseResult, flags: str) -> dict:
+    return {
+        "case": json.loads(r.case.to_json()),
+        "describe": r.case.describe(),
+        "repro": r.case.repro(flags),
+        "checks": [c.to_json() for c in r.failed],
+    }
+
+
+def _write_json(path: str, report: dict) -> None:
+    """Write atomically (temporary file + os.replace); '-' writes to stdout."""
+    text = json.dumps(report, indent=1, allow_nan=False)
+    if path == "-":
+        sys.stdout.write(text + "\n")
+        return
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text + "\n")
+    os.replace(tmp, path)
+
+
+def _plot(path: str, results: list[CaseResult], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    names = sorted({c.name for r in results for c in r.checks if c.err_over_bound is not None})
+    for name in names:
+        pts = [(i, c.err_over_bound) for i, r in enumerate(results) for c in r.checks
+               if c.name == name and c.err_over_bound is not None]
+        ax.scatter([p[0] for p in pts], [max(p[1], 1e-12) for p in pts], s=8, label=name)
+    ax.axhline(1.0, color="red", lw=1, label="bound")
+    ax.set_yscale("log")
+    ax.set_xlabel("case")
+    ax.set_ylabel("max err / bound")
+    ax.set_title(title)
+    ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    tmp = f"{path}.tmp{os.getpid()}.png"
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def _print_summary(console, summary: dict, results: list[CaseResult], seconds: float) -> None:
+    """Table per check (cases, failed, median and max err/bound, worst case), then the worst cases' repro lines."""
+    from rich.table import Table
+
+    failed = sum(not r.ok for r in results)
+    table = Table(title=f"mla-verify: {len(results)} cases, {failed} failed, {seconds:.1f} s", title_justify="left")
+    for col in ("check", "cases", "failed", "median err/bound", "max err/bound", "worst case"):
+        table.add_column(col, no_wrap=True)
+    repros: list[str] = []
+    for name, s in summary.items():
+        if s["worst_repro"] not in repros:
+            repros.append(s["worst_repro"])
+        ratios = [s["median_err_over_bound"], s["max_err_over_bound"]]
+        ratios = ["—" if x is None else (x if isinstance(x, str) else f"{x:.3g}") for x in ratios]
+        table.add_row(name, str(s["cases"]), str(s["failed"]), *ratios, f"[{repros.index(s['worst_repro']) + 1}]",
+                      style="red" if s["failed"] else None)
+    console.print(table)
+    for i, line in enumerate(repros, 1):
+        console.print(f"[{i}] {line}", markup=False, highlight=False)
+
+
+def _example_lines(results: list[CaseResult], k: int) -> list[str]:
+    """The k cases with the largest finite err/bound, as @example(case=Case(...)) lines."""
+    worst = sorted(results, key=lambda r: r.worst(), reverse=True)[:k]
+    return [f"@example(case={r.case!r})  # max err/bound {r.worst():.3g}" for r in worst]
+
+
+# ---- main -------------------------------------------------------------------------------------------------------
+
+
+def _model(argv: list[str]) -> int:
+    try:
+        from verify import model_check
+    except ModuleNotFoundError as e:
+        if e.name != "verify.model_check":
+            raise
+        print("mla-verify: error: 'model' needs verify/model_check.py, which this installation lacks", file=sys.stderr)
+        return EXIT_USAGE
+    return model_check.main(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``mla-verify`` console script; returns the exit code."""
+    global _KERNEL, _DEVICE
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "model":
+        return _model(argv[1:])
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2, message already printed)
+        return int(e.code or 0)
+
+    from rich.console import Console
+
+    console = Console(stderr=True, soft_wrap=True)  # messages stay on one line; tables use the console width
+
+    def usage(msg: str) -> int:
+        console.print(f"mla-verify: error: {msg}", markup=False, highlight=False)
+        return EXIT_USAGE
+
+    replay = None
+    if args.case is not None:
+        try:
+            replay = Case.from_json(args.case)
+        except (ValueError, TypeError) as e:
+            return usage(f"--case: {e}")
+
+    import torch
+
+    from verify import kernels
+
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError as e:
+        return usage(f"--device: {e}")
+    report = {"schema_version": SCHEMA_VERSION, "argv": argv, "device": None, "versions": _versions(),
+              "profile": args.profile, "dtype": args.dtype, "fp8_format": args.fp8_format, "cases": 0, "failed": 0,
+              "failures": [], "checks": {}, "results": []}
+
+    def nothing_ran(msg: str) -> int:
+        console.print(f"mla-verify: nothing ran: {msg}", markup=False, highlight=False)
+        report["nothing_ran"] = msg
+        if args.json:
+            _write_json(args.json, report)
+        return EXIT_NOTHING_RAN
+
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return nothing_ran(f"device {device} requested, but torch.cuda.is_available() is False")
+    report["device"] = _device_info(str(device))
+
+    if args.impl:
+        try:
+            kernel = kernels.from_impl(args.impl)
+        except ValueError as e:
+            return usage(str(e))
+        flags = f"--impl {args.impl}"
+    else:
+        report["backend"] = {"name": args.backend}
+        try:
+            kernel = kernels.from_backend(args.backend)
+        except ValueError as e:
+            return nothing_ran(str(e))
+        flags = f"--backend {kernel.name}"
+    report["backend"] = {"name": kernel.name, "reason": kernel.reason, "impl": args.impl}
+    if args.device:
+        flags += f" --device {args.device}"
+    _KERNEL, _DEVICE = kernel, str(device)
+
+    seed = args.seed
+    if seed is None:
+        seed = 0 if args.profile == "ci" else int.from_bytes(os.urandom(4), "little")
+    n = 1 if replay else (args.cases or DEFAULT_CASES[args.profile])
+    jobs = args.jobs or (1 if device.type != "cpu" else len(os.sched_getaffinity(0)))
+    report.update(seed=seed, jobs=jobs)
+    console.print(f"mla-verify: kernel {kernel.name} ({kernel.reason}); device {device}; profile {args.profile}, "
+                  f"seed {seed}, {n} case{'s' * (n != 1)}, dtype {args.dtype}", markup=False, highlight=False)
+
+    from verify.strategies import cases as case_strategy
+    from verify.strategies import smoke_cases
+
+    shape = dict(fp8_format=args.fp8_format, max_seq_len=args.max_seq_len, heads=args.heads, page_size=args.page_size)
+    results: list[CaseResult] = []
+    t0 = time.perf_counter()
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    progress = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("{task.fields[failed]} failed"), TimeElapsedColumn(), console=console,
+                        transient=True)
+
+    with progress:
+        task = progress.add_task("cases", total=n, failed=0)
+
+        def on_result(r: CaseResult) -> bool:
+            results.append(r)
+            failed = sum(not x.ok for x in results)
+            progress.update(task, advance=1, failed=failed)
+            if not r.ok and failed <= 3:
+                progress.console.print(r.describe() + f"\n  repro: {r.case.repro(flags)}", markup=False,
+                                       highlight=False)
+            return r.ok or not args.exitfirst
+
+        try:
+            if replay:
+                on_result(_run_one(replay))
+            else:
+                smoke = smoke_cases(args.dtype, **shape)[:n]
+                strategy = case_strategy(args.dtype, **shape)
+                if args.profile == "search":
+                    _run_all(smoke, 1, on_result)
+                    if not (args.exitfirst and any(not r.ok for r in results)):
+                        _search(strategy, n - len(smoke), seed, on_result)
+                else:
+                    _run_all(smoke + _draw(strategy, n - len(smoke), seed), jobs, on_result)
+        except KeyboardInterrupt:
+            console.print("mla-verify: interrupted; reporting the cases that ran")
+    seconds = time.perf_counter() - t0
+
+    if replay and results:
+        for c in results[0].checks:
+            console.print(f"[{c.name}] {'OK' if c.ok else 'FAILED'}\n{c.detail}", markup=False, highlight=False)
+    summary = _summary(results, flags)
+    if results:
+        _print_summary(console, summary, results, seconds)
+    if args.profile == "search" and results:
+        console.print("worst cases (paste into a test as regressions):", markup=False)
+        for line in _example_lines(results, WORST_EXAMPLES):
+            console.print(line, markup=False, highlight=False)
+
+    failed = [r for r in results if not r.ok]
+    report.update(cases=len(results), failed=len(failed), seconds=round(seconds, 3), checks=summary,
+                  failures=[_failure(r, flags) for r in failed],
+                  results=[{"case": json.loads(r.case.to_json()), "ok": r.ok, "seconds": round(r.seconds, 4),
+                            "err_over_bound": {c.name: _num(c.err_over_bound) for c in r.checks
+                                               if c.err_over_bound is not None}} for r in results])
+    if args.json:
+        _write_json(args.json, report)
+    if args.plot and results:
+        try:
+            _plot(args.plot, results, f"{kernel.name}, {args.dtype}, {len(results)} cases")
+        except ImportError:
+            console.print("mla-verify: --plot needs matplotlib (pip install 'mla-verify[plot]')")
+    if not results:
+        return EXIT_NOTHING_RAN
+    return EXIT_FAILED if failed else EXIT_OK
