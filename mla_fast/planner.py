@@ -97,7 +97,7 @@ def _check_int(value, name: str, low: int) -> int:
     return value
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # tensors: compare fields with torch.equal, not ==
 class WorkPlan:
     """A persistent split-KV schedule (layout fixed in docs/architecture.md).
 
