@@ -29,6 +29,15 @@ BUG_KL_FACTOR = 10.0
 BUG_DISAGREE_FACTOR = 3.0
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Decode steps are ~100 tiny ops each: on a 2-core runner a second intra-op thread only adds contention."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def tiny():
     model = mc.build_model(TINY, seed=0)
@@ -84,6 +93,17 @@ def test_cli_writes_json_and_fails_above_max_kl(tmp_path, capsys):
     assert mc.main(["--dtype", "bf16", "--backend", "ref", *args[:6], "--json", str(path)]) == 0
     report = json.loads(path.read_text())
     assert report["kl_mean"] == 0.0 and report["top1_agreement"] == 1.0
+
+
+def test_weights_dir_loads_a_local_checkpoint(tmp_path, tiny):
+    model, _ = tiny
+    model.save_pretrained(tmp_path / "ckpt")  # a local DeepSeek-V3-architecture checkpoint: no download involved
+    path = tmp_path / "model.json"
+    args = ["--weights", str(tmp_path / "ckpt"), "--steps", "3", "--batch", "1", "--backend", "emulated"]
+    assert mc.main([*args, "--json", str(path)]) == 0
+    report = json.loads(path.read_text())
+    assert report["model"]["source"] == str(tmp_path / "ckpt")
+    assert report["model"]["vocab_size"] == TINY.vocab_size and report["kl_mean"] > 0
 
 
 def test_weights_dir_errors(tmp_path, capsys):
