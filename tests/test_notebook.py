@@ -33,3 +33,34 @@ def test_notebook_executes_at_ci_size(monkeypatch, tmp_path):
     images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
     assert len(images) == 7  # one figure per section (6) + the summary
     assert (tmp_path / "summary.png").stat().st_size > 0
+
+
+# ---- verify.analysis helpers the notebook relies on ------------------------------------------------------------
+
+
+def test_p_rounding_to_fp32_stays_within_one_fp32_unit_of_the_oracle():
+    from mla_ref.decode import mla_decode_ref
+    from verify import analysis as A
+
+    _, exact = A.fp8_case("sink", 256, seed=0, heads=4).materialize()
+    out, lse = A.decode_p_rounded(exact, "fp32")
+    ref_out, ref_lse = mla_decode_ref(exact)
+    # |Σ (p̃ - p) v| / l <= 2**-24 Σ p |v|: one fp32 rounding of each weight; 2**-40 for the fp64 arithmetic around it
+    assert A.error_stats(out, lse, ref_out, ref_lse, A.softmax_pv(exact))["err_rel"] <= 2**-24 + 2**-40
+    # lse does not see the rounding: the same fp64 formula up to summation order, ≤ 2**-40 (~256 ulps at |lse| ~ 10)
+    assert (lse - ref_lse).abs().max() <= 2**-40
+    e4m3 = A.error_stats(*A.decode_p_rounded(exact, "e4m3fn"), ref_out, ref_lse, A.softmax_pv(exact))["err_rel"]
+    assert e4m3 > 2**-24  # a coarser P format is visible
+
+
+def test_log_fit_recovers_a_known_slope_and_its_interval():
+    import numpy as np
+
+    from verify import analysis as A
+
+    n = np.array([64, 128, 256, 512, 1024, 2048] * 3)
+    noise = np.random.default_rng(0).normal(0.0, 1e-3, n.size)  # local generator
+    fit = A.log_fit(n, 0.05 + 0.01 * np.log(n) + noise)
+    assert fit["ci"][0] <= 0.01 <= fit["ci"][1] and not fit["contains_zero"]
+    exact = A.log_fit(n, 0.05 + 0.01 * np.log(n))  # no noise: slope and zero-width interval up to fp64 (1e-12)
+    assert abs(exact["slope"] - 0.01) <= 1e-12 and exact["ci"][1] - exact["ci"][0] <= 1e-12
