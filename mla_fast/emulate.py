@@ -92,7 +92,7 @@ def _chunks(lengths: list[int]) -> list[slice]:
 def _gather_kv(batch: DecodeBatch, req: torch.Tensor, kv_start: torch.Tensor, kv_len: torch.Tensor, dtype):
     """[n, Tm, L+R] the dequantized cache rows of tokens kv_start + t (t < kv_len), zeros after; valid mask [n, Tm].
 
-    Padding positions re-read the chunk's first valid token (never an unused slot) and are then zeroed.
+    Padding positions re-read the first token of the chunk's longest item (never an unused slot), then are zeroed.
     """
     n, Tm = kv_len.numel(), max(1, int(kv_len.max()))
     t = torch.arange(Tm, device=batch.device)  # [Tm]
