@@ -136,6 +136,8 @@ def _draw(strategy, n: int, seed: int) -> list[Case]:
     from hypothesis import seed as hyp_seed
 
     drawn: list[Case] = []
+    if n <= 0:
+        return drawn
 
     @hyp_seed(seed)
     @settings(max_examples=n, database=None, deadline=None, phases=[Phase.generate],
@@ -144,8 +146,7 @@ def _draw(strategy, n: int, seed: int) -> list[Case]:
     def collect(case):
         drawn.append(case)
 
-    if n > 0:
-        collect()
+    collect()
     return drawn[:n]
 
 
@@ -156,6 +157,8 @@ def _search(strategy, n: int, seed: int, on_result) -> None:
     from hypothesis import seed as hyp_seed
 
     done = [0]
+    if n <= 0:
+        return
 
     @hyp_seed(seed)
     @settings(max_examples=n, database=None, deadline=None, phases=[Phase.generate, Phase.target],
@@ -172,11 +175,10 @@ def _search(strategy, n: int, seed: int, on_result) -> None:
         if not on_result(result):
             raise _Stop
 
-    if n > 0:
-        try:
-            hunt()
-        except _Stop:
-            pass
+    try:
+        hunt()
+    except _Stop:
+        pass
 
 
 class _Stop(Exception):

@@ -102,8 +102,14 @@ def from_impl(spec: str) -> Kernel:
         fn = pkgutil.resolve_name(spec)
     except (ImportError, AttributeError, ValueError) as e:
         raise ValueError(f"--impl {spec}: cannot resolve it ({type(e).__name__}: {e})") from None
+    return from_callable(fn, spec)
+
+
+def from_callable(fn, name: str | None = None) -> Kernel:
+    """A plug-in kernel from a callable following the contract (module docstring); numerics from ``fn.numerics``."""
+    name = name or f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', type(fn).__name__)}"
     if not callable(fn):
-        raise ValueError(f"--impl {spec}: expected a callable, got {type(fn).__name__}")
+        raise ValueError(f"--impl {name}: expected a callable, got {type(fn).__name__}")
     declared = getattr(fn, "numerics", None)
     if declared is None:
         numerics, reason = (lambda batch: DEFAULT_NUMERICS), "plug-in, default numerics (fp32 P, bf16 out)"
@@ -112,8 +118,8 @@ def from_impl(spec: str) -> Kernel:
     elif callable(declared):
         numerics, reason = declared, "plug-in, declared numerics (per batch)"
     else:
-        raise ValueError(f"--impl {spec}: .numerics must be a KernelNumerics or a callable, got {type(declared)}")
-    return Kernel(spec, fn, numerics, reason=reason)
+        raise ValueError(f"--impl {name}: .numerics must be a KernelNumerics or a callable, got {type(declared)}")
+    return Kernel(name, fn, numerics, reason=reason)
 
 
 def outputs(result: object, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor | None]:

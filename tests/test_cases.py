@@ -1,0 +1,147 @@
+"""verify.cases and verify.strategies: validation, JSON/repro round trips, deterministic twins, the fp8 data
+distributions (ties, saturation, subnormals), and the edge features the strategy and the smoke prefix must reach."""
+
+import dataclasses
+import math
+import shlex
+
+import pytest
+import torch
+from hypothesis import given
+
+from mla_ref.fp8 import FORMATS
+from verify.cases import COHERENT_KV, DISTRIBUTIONS, NEAR_MAX, OUTLIER_GAIN, Case, static_scale
+from verify.strategies import WORK_BUDGET, cases, smoke_cases
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("seq_lens", ()), ("seq_lens", (3, -1)), ("q_lens", (1, 1)), ("q_lens", (0,)), ("heads", 0), ("page_size", 0),
+     ("kv_dtype", "fp16"), ("q_dtype", "int8"), ("fp8_format", "e5m2"), ("scale_mode", "auto"), ("dist", "uniform"),
+     ("num_workers", 0), ("seed", -1)],
+)
+def test_bad_field_names_itself(field, value):
+    with pytest.raises(ValueError, match=f"Case.{field}"):
+        dataclasses.replace(Case(), **{field: value})
+
+
+def test_fp8_q_needs_fp8_kv():
+    with pytest.raises(ValueError, match="Case.q_dtype"):
+        Case(q_dtype="fp8", kv_dtype="bf16")
+
+
+def test_json_and_repro_round_trip():
+    case = Case(seq_lens=(0, 65), q_lens=(2, 1), kv_dtype="fp8", q_dtype="fp8", dist="near_max", seed=9)
+    assert Case.from_json(case.to_json()) == case
+    argv = shlex.split(case.repro("--backend emulated"))  # what a shell hands to mla-verify
+    assert argv[0] == "mla-verify" and argv[1] == "--case" and argv[3:] == ["--backend", "emulated"]
+    assert Case.from_json(argv[2]) == case
+    with pytest.raises(ValueError, match="unknown fields"):
+        Case.from_json('{"seq_len": [3]}')
+    with pytest.raises(ValueError, match="JSON object"):
+        Case.from_json("[1, 2]")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def test_materialize_is_deterministic_and_twins_share_layout():
+    case = Case(seq_lens=(0, 1, 70), q_lens=(1, 2, 3), heads=2, page_size=16, kv_dtype="fp8", q_dtype="fp8", seed=5)
+    (k1, x1), (k2, _) = case.materialize(), case.materialize()
+    assert torch.equal(_bits(k1.kv_cache), _bits(k2.kv_cache)) and torch.equal(_bits(k1.q), _bits(k2.q))
+    other, _ = dataclasses.replace(case, seed=6).materialize()
+    assert not torch.equal(_bits(other.kv_cache), _bits(k1.kv_cache))
+    assert torch.equal(k1.block_table, x1.block_table) and torch.equal(k1.seq_lens, x1.seq_lens)
+    assert k1.kv_cache.dtype == torch.float8_e4m3fn and x1.kv_cache.dtype == torch.bfloat16
+    # unused slots hold NaN in both twins, and only there
+    assert torch.equal(torch.isnan(k1.kv_cache.float()), torch.isnan(x1.kv_cache.float()))
+    assert int(torch.isnan(x1.kv_cache.float()).any(-1).logical_not().sum()) == sum(case.seq_lens)
+
+
+@pytest.mark.parametrize("dist", ["gauss1", "gauss4", "outlier", "sink", "coherent", "near_max"])
+@pytest.mark.parametrize("scale_mode", ["dynamic", "static", "unit"])
+def test_fp8_twin_within_element_error_model(dist, scale_mode):
+    """|dequant(fp8) - exact| <= u|x| + η s + max(|x| - max·s, 0) elementwise (numerics.md §4, saturating)."""
+    case = Case(seq_lens=(40, 100), q_lens=(1, 2), heads=2, kv_dtype="fp8", q_dtype="fp8", dist=dist,
+                scale_mode=scale_mode, seed=11)
+    kernel, exact = case.materialize()
+    f = FORMATS[case.fp8_format]
+    for b in range(2):
+        x, s = exact.request_kv(b), kernel.kv_scale  # [s_b, D] fp64
+        err = (kernel.request_kv(b) - x).abs()
+        assert bool((err <= f.u * x.abs() + f.eta * s + (x.abs() - f.max * s).clamp(min=0)).all())
+    q, s = exact.dequantized_q(), kernel.q_scale
+    err = (kernel.dequantized_q() - q).abs()
+    assert bool((err <= f.u * q.abs() + f.eta * s + (q.abs() - f.max * s).clamp(min=0)).all())
+
+
+def test_coherent_values_are_ties():
+    """With unit scale every cache value 1.0625 sits halfway between e4m3 neighbours and rounds (to even) to 1."""
+    kernel, exact = Case(seq_lens=(30,), dist="coherent", kv_dtype="fp8", scale_mode="unit").materialize()
+    x = exact.request_kv(0)
+    assert bool((x.abs() == COHERENT_KV).all())
+    assert bool((kernel.request_kv(0).abs() == 1.0).all())
+
+
+@pytest.mark.parametrize("fmt", ["e4m3fn", "e4m3fnuz"])
+def test_near_max_values_saturate(fmt):
+    """near_max puts entries in (max·s, NEAR_MAX top·s]: torch's cast would round them to max, ours saturates."""
+    case = Case(seq_lens=(600,), kv_dtype="fp8", fp8_format=fmt, dist="near_max", scale_mode="static", seed=2)
+    kernel, exact = case.materialize()
+    s, top = static_scale(case, "kv"), FORMATS[fmt].max
+    x = exact.request_kv(0).abs() / s
+    beyond = x > top
+    assert int(beyond.sum()) > 0 and bool((x[beyond] <= max(NEAR_MAX[fmt])).all())
+    assert bool((kernel.request_kv(0).abs()[beyond] == top * s).all())
+
+
+def test_outlier_pushes_the_rest_into_subnormals():
+    kernel, exact = Case(seq_lens=(200,), kv_dtype="fp8", dist="outlier").materialize()
+    f = FORMATS["e4m3fn"]
+    assert exact.request_kv(0).abs().amax() > OUTLIER_GAIN  # the outlier channels set the dynamic scale
+    codes = kernel.kv_cache.float()[~torch.isnan(kernel.kv_cache.float())].abs()
+    assert float((codes < f.min_normal).double().mean()) > 0.2  # numerics.md §5.1: ~36% subnormal
+
+
+@given(case=cases("fp8", max_seq_len=2048))
+def test_drawn_cases_respect_limits(case):
+    assert max(case.seq_lens) <= 2048
+    assert case.work <= WORK_BUDGET or case.heads == 1
+    assert case.kv_dtype == "fp8"
+    if case.dist == "near_max":
+        assert case.scale_mode == "static"
+
+
+def _features(cs: list[Case]) -> set[str]:
+    found = set()
+    for c in cs:
+        pages = [math.ceil(s / c.page_size) for s in c.seq_lens]
+        found |= {"empty"} if 0 in c.seq_lens else set()
+        found |= {"len1"} if 1 in c.seq_lens else set()
+        found |= {"mtp"} if max(c.q_lens) > 1 else set()
+        found |= {"q_len>seq_len"} if any(n > s for n, s in zip(c.q_lens, c.seq_lens)) else set()
+        found |= {"long"} if max(c.seq_lens) >= 2048 else set()
+        found |= {"partial_page"} if any(s % c.page_size for s in c.seq_lens) else set()
+        found |= {"workers>blocks"} if c.num_workers > sum(pages) else set()
+        found |= {f"dist:{c.dist}", f"scale:{c.scale_mode}", f"q:{c.q_dtype}"}
+    return found
+
+
+def test_smoke_prefix_reaches_every_feature():
+    bf16 = _features(smoke_cases("bf16"))
+    fp8 = _features(smoke_cases("fp8"))
+    for f in ["empty", "len1", "mtp", "q_len>seq_len", "long", "partial_page", "workers>blocks", "dist:gauss4",
+              "dist:sink", "dist:outlier", "dist:coherent"]:
+        assert f in bf16 and f in fp8, f
+    for f in ["dist:near_max", "scale:dynamic", "scale:static", "scale:unit", "q:fp8", "q:bf16"]:
+        assert f in fp8, f
+
+
+def test_strategy_reaches_the_edges():
+    from verify.cli import _draw
+
+    found = _features(_draw(cases("fp8"), 150, seed=0))
+    for f in ["empty", "len1", "mtp", "q_len>seq_len", "long", "partial_page", "workers>blocks", "scale:dynamic",
+              "scale:static", "scale:unit", "q:fp8", "q:bf16"] + [f"dist:{d}" for d in DISTRIBUTIONS]:
+        assert f in found, f

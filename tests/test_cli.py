@@ -1,0 +1,149 @@
+"""mla-verify: help, usage errors (exit 2, one line), unavailable backends (exit 5 with the reason), --case replay of a
+repro line, the JSON report (schema, allow_nan=False, atomic), broken plug-ins as failed cases, the model subcommand."""
+
+import json
+import shlex
+import sys
+import types
+
+import pytest
+import torch
+
+from verify import cli
+from verify.cases import Case
+from verify.mutants import correct
+
+SMALL = Case(seq_lens=(0, 70), q_lens=(2, 1), heads=2, seed=3)
+
+
+def raises(batch):
+    raise RuntimeError("kernel exploded")
+
+
+def wrong_shape(batch):
+    out, lse = correct(batch)
+    return out[..., :-1], lse  # [T, H, L - 1]
+
+
+def int_output(batch):
+    out, lse = correct(batch)
+    return out.to(torch.int32), lse
+
+
+def out_only(batch):
+    return correct(batch)[0]
+
+
+not_callable = 3
+
+
+def run(capsys, *argv):
+    code = cli.main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_help_lists_every_flag(capsys):
+    code, out, _ = run(capsys, "--help")
+    assert code == 0
+    for flag in ["--dtype", "--fp8-format", "--backend", "--impl", "--cases", "--seed", "--max-seq-len", "--heads",
+                 "--page-size", "--profile", "--device", "--json", "--plot", "--case", "--jobs", "--exitfirst",
+                 "exit codes", "plug-in contract", "model"]:
+        assert flag in out, flag
+
+
+@pytest.mark.parametrize(
+    "argv", [["--bogus"], ["--dtype", "fp4"], ["--cases", "0"], ["--impl", "nocolon"], ["--impl", "no_such_pkg.x:f"],
+             ["--impl", "tests.test_cli:not_callable"], ["--impl", "verify.mutants:no_such_fn"],
+             ["--case", "{not json"], ["--case", '{"heads": 0}'], ["--device", "nonsense"]],
+)
+def test_bad_usage_exits_2_with_one_line(capsys, argv):
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and "error" in err, err
+    assert out == ""
+
+
+def test_unavailable_backend_exits_5_with_reason(capsys, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("FlashMLA may be available on this GPU machine")
+    path = tmp_path / "r.json"
+    code, _, err = run(capsys, "--backend", "flashmla", "--json", str(path))
+    assert code == 5 and "flashmla" in err and "cannot run here" in err
+    report = json.loads(path.read_text())
+    assert report["cases"] == 0 and "sgl-flash-mla" in report["nothing_ran"]
+
+
+def test_replay_of_repro_line(capsys, tmp_path):
+    path = tmp_path / "r.json"
+    argv = shlex.split(SMALL.repro("--backend emulated"))[1:]  # the repro line, as a shell splits it
+    code, _, err = run(capsys, *argv, "--json", str(path))
+    assert code == 0, err
+    report = json.loads(path.read_text())
+    assert report["cases"] == 1 and report["failed"] == 0
+    assert Case(**{k: tuple(v) if isinstance(v, list) else v for k, v in report["results"][0]["case"].items()}) == SMALL
+    assert "[tier1.out] OK" in err and "[empty] OK" in err
+
+
+def test_json_report_schema(capsys, tmp_path):
+    path, png = tmp_path / "r.json", tmp_path / "r.png"
+    code, _, _ = run(capsys, "--impl", "verify.mutants:out_gain", "--cases", "2", "--max-seq-len", "256", "--jobs", "1",
+                     "--json", str(path), "--plot", str(png))
+    assert code == 1
+    text = path.read_text()
+    report = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+    for key in ["schema_version", "backend", "device", "versions", "cases", "failed", "failures", "checks", "seed"]:
+        assert key in report, key
+    assert report["backend"]["impl"] == "verify.mutants:out_gain" and report["versions"]["torch"] == torch.__version__
+    assert report["cases"] == 2 and report["failed"] == len(report["failures"]) >= 1
+    failure = report["failures"][0]
+    assert failure["repro"].startswith("mla-verify --case ")
+    assert failure["repro"].endswith("--impl verify.mutants:out_gain")
+    tier1 = next(c for c in failure["checks"] if c["name"] == "tier1.out")
+    assert tier1["err_over_bound"] > 1
+    summary = report["checks"]["tier1.out"]
+    assert summary["failed"] >= 1 and summary["max_err_over_bound"] > 1 and summary["median_err_over_bound"] > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list(tmp_path.glob("*.tmp*"))  # atomic writes leave no temporaries
+
+
+@pytest.mark.parametrize(
+    "impl, message",
+    [("raises", "RuntimeError: kernel exploded"), ("wrong_shape", "expected shape"), ("int_output", "float dtype")],
+)
+def test_broken_plugin_is_a_failed_case(capsys, tmp_path, impl, message):
+    path = tmp_path / "r.json"
+    code, _, err = run(capsys, "--impl", f"tests.test_cli:{impl}", "--case", SMALL.to_json(), "--json", str(path))
+    assert code == 1
+    (check,) = json.loads(path.read_text())["failures"][0]["checks"]
+    assert check["name"] == "contract" and message in check["detail"]
+
+
+def test_plugin_without_lse_is_checked_on_out(capsys):
+    code, _, err = run(capsys, "--impl", "tests.test_cli:out_only", "--case", SMALL.to_json())
+    assert code == 0, err
+    assert "[tier1.out] OK" in err and "[tier1.lse]" not in err
+
+
+def test_forked_workers_match_one_process(capsys, tmp_path):
+    reports = []
+    for jobs in ("1", "2"):
+        path = tmp_path / f"r{jobs}.json"
+        assert run(capsys, "--backend", "emulated", "--cases", "3", "--max-seq-len", "128", "--jobs", jobs,
+                   "--json", str(path))[0] == 0
+        reports.append(json.loads(path.read_text())["results"])
+    assert [r["case"] for r in reports[0]] == [r["case"] for r in reports[1]]
+    assert [r["err_over_bound"] for r in reports[0]] == [r["err_over_bound"] for r in reports[1]]
+
+
+def test_model_subcommand_dispatch(capsys, monkeypatch):
+    fake = types.ModuleType("verify.model_check")
+    fake.main = lambda argv: 7 if argv == ["--size", "ci"] else 0
+    monkeypatch.setitem(sys.modules, "verify.model_check", fake)
+    assert cli.main(["model", "--size", "ci"]) == 7
+
+
+def test_model_subcommand_missing(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "verify.model_check", None)  # import raises ModuleNotFoundError
+    code, _, err = run(capsys, "model")
+    assert code == 2 and "model_check" in err

@@ -1,0 +1,66 @@
+"""Property tests for your own decode kernel, in your CI: the cases, bounds and checks of `mla-verify`.
+
+    # tests/test_my_kernel.py
+    from verify.testing import mla_property_test
+    from mypkg.mla import decode          # decode(batch) -> out or (out, lse); optional decode.numerics
+
+    test_my_kernel_fp8 = mla_property_test(decode, dtype="fp8")
+    test_my_kernel_bf16 = mla_property_test(decode, dtype="bf16")
+
+Each is a Hypothesis test: the smoke prefix (`verify.strategies.smoke_cases`) runs first as explicit examples, then
+cases drawn by `verify.strategies.cases`. Settings come from the active Hypothesis profile (``--hypothesis-profile``
+or HYPOTHESIS_PROFILE; the project's ci / dev / search profiles in tests/conftest.py): under a profile with the
+target phase (search) every check's err/bound is a ``target()``, so generation climbs toward the worst cases.
+A failure shows every failed check and a one-line ``mla-verify --case ...`` repro.
+"""
+
+from __future__ import annotations
+
+from hypothesis import example, given, note, target
+
+from verify.cases import Case
+from verify.checks import run_case
+from verify.kernels import from_callable
+from verify.strategies import cases, smoke_cases
+
+
+def mla_property_test(
+    fn,
+    dtype: str = "bf16",
+    *,
+    fp8_format: str = "e4m3fn",
+    max_seq_len: int = 4096,
+    heads: int | None = None,
+    page_size: int | None = None,
+    device: str | None = None,
+    smoke: bool = True,
+):
+    """A pytest test function checking ``fn`` on Hypothesis-drawn `Case`s of ``dtype`` ("bf16" or "fp8").
+
+    fn follows the plug-in contract of `verify.kernels` (``fn(batch) -> out | (out, lse)``, optional
+    ``fn.numerics``). device: where cases are built (default cuda if available, else cpu). smoke: run the fixed smoke
+    prefix first. The other arguments shape the drawn cases as the `mla-verify` flags of the same names.
+    """
+    kernel = from_callable(fn)
+    shape = dict(fp8_format=fp8_format, max_seq_len=max_seq_len, heads=heads, page_size=page_size)
+    flags = f"--impl {kernel.name}"
+
+    def test(case: Case) -> None:
+        import torch
+
+        dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        note(f"repro: {case.repro(flags)}")
+        result = run_case(case, kernel, dev)
+        for c in result.checks:  # used by profiles with the target phase (search), ignored otherwise
+            if c.err_over_bound is not None and 0 <= c.err_over_bound < float("inf"):
+                target(c.err_over_bound, label=c.name)
+        if not result.ok:
+            raise AssertionError(f"{result.describe()}\nrepro: {case.repro(flags)}")
+
+    if smoke:
+        for c in reversed(smoke_cases(dtype, **shape)):
+            test = example(case=c)(test)
+    test = given(case=cases(dtype, **shape))(test)
+    name = getattr(fn, "__name__", None) or kernel.name.rsplit(":", 1)[-1].replace(".", "_")
+    test.__name__ = test.__qualname__ = f"test_{name}_{dtype}"
+    return test
