@@ -81,21 +81,39 @@ def _mma_operand(x, MMA: tl.constexpr, UPCAST_BF16: tl.constexpr):
 
 
 @triton.jit
+def _e4m3_to_fp16_staged(x):
+    """e4m3fn -> fp16 (exact, the same cvt instruction as `.to(tl.float16)`), as an opaque op.
+
+    Triton moves a plain cast below the shared-memory load that feeds an MMA, so the MMA operand is gathered as
+    bytes (the P.V operand needs 4 tokens per register: byte loads) and converted after; it cannot move an op with
+    side effects, so this tile is converted once from a coalesced load and the fp16 tile is staged in shared
+    memory, from where both MMAs read it with ldmatrix. Device only (the interpreter runs no PTX).
+    """
+    return tl.inline_asm_elementwise(
+        asm="{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        constraints="=r,=r,r", args=[x], dtype=tl.float16, is_pure=False, pack=4)
+
+
+@triton.jit
 def _attend_tile(
-    q_nope, q_pe, m_i, l_i, acc, start, kv_end, limit, b, KV, BLOCK_TABLE, qk_scale,
+    q_nope, q_pe, m_i, l_i, acc, start, kv_end, limit, page, b, KV, BLOCK_TABLE, qk_scale,
     stride_kvp, stride_kvs, stride_bt,
     PAGE_SIZE: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
     MMA: tl.constexpr, UPCAST_BF16: tl.constexpr, TILE_IN_PAGE: tl.constexpr, V_RELOAD: tl.constexpr,
+    FP8_STAGE: tl.constexpr,
 ):
-    """One KV tile of BLOCK_N tokens from `start`: online-softmax update of (m_i, l_i, acc) for all rows."""
+    """One KV tile of BLOCK_N tokens from `start`: online-softmax update of (m_i, l_i, acc) for all rows.
+
+    TILE_IN_PAGE: the tile lies inside physical page `page` (contiguous rows); else each token's page is gathered
+    from the block table (`page` unused).
+    """
     offs_n = tl.arange(0, BLOCK_N)
     offs_l = tl.arange(0, L)
     offs_r = tl.arange(0, R)
     # -- gather one tile of cache rows through the block table; never touch slots >= kv_end
     tok = start + offs_n  # [N] positions inside the request
     tok_ok = tok < kv_end
-    if TILE_IN_PAGE:  # the tile lies inside one page: one block-table entry, contiguous rows
-        page = tl.load(BLOCK_TABLE + b * stride_bt + start // PAGE_SIZE)
+    if TILE_IN_PAGE:  # the tile lies inside one page: contiguous rows
         kv_row = KV + page.to(tl.int64) * stride_kvp + ((start % PAGE_SIZE) + offs_n)[:, None] * stride_kvs  # [N, 1]
     else:
         page = tl.load(BLOCK_TABLE + b * stride_bt + tok // PAGE_SIZE, mask=tok_ok, other=0)  # [N]
@@ -105,8 +123,12 @@ def _attend_tile(
     if V_RELOAD:  # V loaded again for P.V (hits L1/L2): each load then has one use, which Triton can pipeline
         v = tl.load(kv_row + offs_l[None, :], mask=tok_ok[:, None], other=0.0, eviction_policy="evict_first")
         v = _mma_operand(v, MMA, UPCAST_BF16)
-    c_kv = _mma_operand(c_kv, MMA, UPCAST_BF16)
-    k_pe = _mma_operand(k_pe, MMA, UPCAST_BF16)
+    if FP8_STAGE:  # e4m3fn tile, fp16 MMAs: convert once, MMAs read the staged fp16 tile
+        c_kv = _e4m3_to_fp16_staged(c_kv)
+        k_pe = _e4m3_to_fp16_staged(k_pe)
+    else:
+        c_kv = _mma_operand(c_kv, MMA, UPCAST_BF16)
+        k_pe = _mma_operand(k_pe, MMA, UPCAST_BF16)
     if not V_RELOAD:
         v = c_kv
 
@@ -129,6 +151,52 @@ def _attend_tile(
 
 
 @triton.jit
+def _attend_span(
+    q_nope, q_pe, m_i, l_i, acc, lo, hi, kv_end, limit, pages, first_page, b, KV, BLOCK_TABLE, qk_scale,
+    stride_kvp, stride_kvs, stride_bt,
+    PAGE_SIZE: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
+    MMA: tl.constexpr, INTERPRET: tl.constexpr, UPCAST_BF16: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
+    PAGE_CHUNK: tl.constexpr, V_RELOAD: tl.constexpr, FP8_STAGE: tl.constexpr,
+):
+    """The tiles starting at lo, lo + BLOCK_N, ... < hi. Page of a tile (TILE_IN_PAGE): with PAGE_CHUNK > 0, picked
+    out of `pages` ([PAGE_CHUNK] block-table entries from page `first_page`, in registers: no load in the loop, so
+    Triton pipelines the KV loads num_stages - 1 deep); else one block-table load per tile (which Triton's pipeliner
+    treats as an indirect load: one tile in flight below num_stages = 5)."""
+    if INTERPRET:  # Triton 3.6's interpreter cannot take loaded bounds in range(): same body in a while loop
+        start = lo
+        while start < hi:
+            page = _tile_page(pages, first_page, start, b, BLOCK_TABLE, stride_bt, PAGE_SIZE, TILE_IN_PAGE, PAGE_CHUNK)
+            m_i, l_i, acc = _attend_tile(
+                q_nope, q_pe, m_i, l_i, acc, start, kv_end, limit, page, b, KV, BLOCK_TABLE, qk_scale,
+                stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R, BLOCK_N, MMA, UPCAST_BF16, TILE_IN_PAGE, V_RELOAD,
+                FP8_STAGE)
+            start += BLOCK_N
+    else:
+        for start in range(lo, hi, BLOCK_N):
+            page = _tile_page(pages, first_page, start, b, BLOCK_TABLE, stride_bt, PAGE_SIZE, TILE_IN_PAGE, PAGE_CHUNK)
+            m_i, l_i, acc = _attend_tile(
+                q_nope, q_pe, m_i, l_i, acc, start, kv_end, limit, page, b, KV, BLOCK_TABLE, qk_scale,
+                stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R, BLOCK_N, MMA, UPCAST_BF16, TILE_IN_PAGE, V_RELOAD,
+                FP8_STAGE)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _tile_page(pages, first_page, start, b, BLOCK_TABLE, stride_bt,
+               PAGE_SIZE: tl.constexpr, TILE_IN_PAGE: tl.constexpr, PAGE_CHUNK: tl.constexpr):
+    """Physical page holding the tile at token `start` (TILE_IN_PAGE); 0 (unused) for the per-token gather."""
+    if TILE_IN_PAGE:
+        if PAGE_CHUNK > 0:  # select from the registers: sum of one nonzero-masked entry
+            offs_c = tl.arange(0, PAGE_CHUNK)
+            page = tl.sum(tl.where(offs_c == start // PAGE_SIZE - first_page, pages, 0), 0)
+        else:
+            page = tl.load(BLOCK_TABLE + b * stride_bt + start // PAGE_SIZE)
+    else:
+        page = 0
+    return page
+
+
+@triton.jit
 def _mla_decode_kernel(
     Q, KV, BLOCK_TABLE, SEQ_LENS, QO_INDPTR,  # q [T, H, L+R], kv [P, page, L+R], bt [B, pages], [B], [B+1]
     WORK_ITEMS, WORKER_INDPTR,  # [N, 8] int32, [W+1] int32
@@ -145,11 +213,16 @@ def _mla_decode_kernel(
     PAGE_SIZE: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MMA: tl.constexpr, INTERPRET: tl.constexpr, UPCAST_BF16: tl.constexpr,
-    TILE_IN_PAGE: tl.constexpr, V_RELOAD: tl.constexpr,
+    TILE_IN_PAGE: tl.constexpr, PAGE_CHUNK: tl.constexpr, V_RELOAD: tl.constexpr, FP8_STAGE: tl.constexpr,
+    HEAD_SPLIT: tl.constexpr,
 ):
+    # HEAD_SPLIT consecutive programs run one worker's items, each on its share of the item's heads: they stream
+    # the same KV tiles at the same time, so all but the first read of a tile hit the L2
     pid = tl.program_id(0)
-    item_begin = tl.load(WORKER_INDPTR + pid)
-    item_end = tl.load(WORKER_INDPTR + pid + 1)
+    worker = pid // HEAD_SPLIT
+    head_part = pid % HEAD_SPLIT
+    item_begin = tl.load(WORKER_INDPTR + worker)
+    item_end = tl.load(WORKER_INDPTR + worker + 1)
     # fp8 per-tensor scales: real = fp8 * scale; folded into the base-2 score scale and the output
     kv_scale = tl.load(KV_SCALE)
     qk_scale = sm_scale * tl.load(Q_SCALE) * kv_scale * 1.4426950408889634  # scores in log2 units
@@ -168,8 +241,9 @@ def _mla_decode_kernel(
         qo_end = tl.load(item + _QO_END)
         kv_start = tl.load(item + _KV_START)
         kv_end = tl.load(item + _KV_END)
-        head_start = tl.load(item + _HEAD_START)
-        num_h = tl.load(item + _HEAD_END) - head_start
+        item_head_start = tl.load(item + _HEAD_START)
+        num_h = (tl.load(item + _HEAD_END) - item_head_start) // HEAD_SPLIT  # heads of this program
+        head_start = item_head_start + head_part * num_h
 
         # -- rows: m -> (query row qo, head h), query-major
         qo = qo_start + offs_m // num_h  # [M]
@@ -191,22 +265,25 @@ def _mla_decode_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(s - m_i)
         acc = tl.zeros([BLOCK_M, L], tl.float32)  # running sum of exp2(s - m_i) * c_kv
 
-        # Triton 3.6's interpreter cannot take loaded bounds in range(): a while loop there, a pipelined for loop
-        # on the device (same tile body)
-        if INTERPRET:
-            start = kv_start
-            while start < kv_end:
-                m_i, l_i, acc = _attend_tile(
-                    q_nope, q_pe, m_i, l_i, acc, start, kv_end, limit, b, KV, BLOCK_TABLE, qk_scale,
-                    stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R, BLOCK_N, MMA, UPCAST_BF16,
-                    TILE_IN_PAGE, V_RELOAD)
-                start += BLOCK_N
+        if TILE_IN_PAGE and PAGE_CHUNK > 0:
+            # chunks of PAGE_CHUNK pages: their block-table entries in one vector load, then the chunk's tiles
+            offs_c = tl.arange(0, PAGE_CHUNK)
+            chunk = kv_start
+            while chunk < kv_end:
+                first_page = chunk // PAGE_SIZE
+                chunk_end = tl.minimum((first_page + PAGE_CHUNK) * PAGE_SIZE, kv_end)  # page-aligned unless kv_end
+                pages = tl.load(BLOCK_TABLE + b * stride_bt + first_page + offs_c,
+                                mask=(first_page + offs_c) * PAGE_SIZE < chunk_end, other=0)  # [C]
+                m_i, l_i, acc = _attend_span(
+                    q_nope, q_pe, m_i, l_i, acc, chunk, chunk_end, kv_end, limit, pages, first_page, b, KV,
+                    BLOCK_TABLE, qk_scale, stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R, BLOCK_N, MMA,
+                    INTERPRET, UPCAST_BF16, TILE_IN_PAGE, PAGE_CHUNK, V_RELOAD, FP8_STAGE)
+                chunk = chunk_end
         else:
-            for start in range(kv_start, kv_end, BLOCK_N):
-                m_i, l_i, acc = _attend_tile(
-                    q_nope, q_pe, m_i, l_i, acc, start, kv_end, limit, b, KV, BLOCK_TABLE, qk_scale,
-                    stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R, BLOCK_N, MMA, UPCAST_BF16,
-                    TILE_IN_PAGE, V_RELOAD)
+            m_i, l_i, acc = _attend_span(
+                q_nope, q_pe, m_i, l_i, acc, kv_start, kv_end, kv_end, limit, kv_start, 0, b, KV,
+                BLOCK_TABLE, qk_scale, stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R, BLOCK_N, MMA,
+                INTERPRET, UPCAST_BF16, TILE_IN_PAGE, 0, V_RELOAD, FP8_STAGE)
 
         # -- epilogue: normalise, unscale V, natural-log LSE; empty rows give out = 0, lse = -inf
         has_tok = l_i > 0.0
@@ -296,7 +373,16 @@ class KernelConfig:
         fixed_overhead: planner cost of one work item in plan_block_n blocks (None: the planner's default, 320
             tokens as in FlashMLA's scheduler).
         v_reload: load V a second time for P.V instead of reusing the K tile (fp8: lets Triton pipeline both loads).
-        workers_per_sm: persistent programs per SM (num_workers = workers_per_sm x SMs).
+        workers_per_sm: persistent programs per SM (programs = workers_per_sm x SMs).
+        head_split: programs per worker; the planner's head group is head_group x head_split and the plan has
+            workers_per_sm x SMs / head_split workers; program w * head_split + g runs worker w's items on the g-th
+            head_group heads of each item. The head_split programs of a worker read the same KV tiles at the same
+            time (one HBM read, the rest from L2), so smaller row tiles cost no extra HBM traffic.
+        page_chunk: block-table entries loaded at once (a power of two), when each tile lies inside one page (page
+            size and plan_block_n multiples of block_n); 0: one block-table load per tile.
+        fp8_stage: e4m3fn caches with mma="fp16": convert each tile to fp16 once, through an op Triton cannot move,
+            so the MMAs read an fp16 tile from shared memory (ldmatrix) instead of gathering fp8 bytes. Same values
+            (the conversion is exact); on the device only (the interpreter takes the plain cast).
     """
 
     block_n: int = 64
@@ -308,6 +394,13 @@ class KernelConfig:
     fixed_overhead: int | None = None
     v_reload: bool = False
     workers_per_sm: int = 1
+    page_chunk: int = 0
+    fp8_stage: bool = False
+    head_split: int = 1
+
+    def __post_init__(self):
+        if self.page_chunk < 0 or self.page_chunk & (self.page_chunk - 1):
+            raise ValueError(f"page_chunk must be 0 or a power of two, got {self.page_chunk}")
 
 
 MAX_ROWS = 64  # packed (query row x head) rows per work item: one M tile
@@ -334,27 +427,26 @@ def dtype_combo(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> str:
 
 def default_config(combo: str, num_heads: int, max_q_len: int, kv_blocks: int | None = None,
                    sms: int = 132) -> KernelConfig:
-    """Launch choice, from mla-bench on one H200 (issue 5 report).
+    """Launch choice (one H200, mla-bench).
 
     head_group: the largest divisor of num_heads with max_q_len x head_group <= 64 rows (32 for fp8 caches).
-    kv_blocks: Σ_b ceil(seq_len_b / 64) (None: assume large); sms: SM count. With at least 24 blocks (x head groups)
-    per worker at two programs per SM, bf16 runs two programs per SM with one KV tile in flight each, else one program per SM
-    with two tiles in flight. fp8 caches: V loaded again for P.V (both loads pipelined), two tiles in flight.
+    Rows <= 32 (mma.sync tiles): block-table entries in chunks of 32 pages (Triton then pipelines the KV loads,
+    two tiles in flight); e4m3fn caches with <= 16 rows convert each tile to fp16 once (fp8_stage).
+    kv_blocks (Σ_b ceil(seq_len_b / 64)) and sms are accepted for callers that size the grid by the work.
     """
     from mla_fast.numerics import DEFAULT_MMA
 
     fp8_kv = combo in ("fp8kv", "fp8")
     max_rows = MAX_ROWS_FP8 if fp8_kv else MAX_ROWS
     head_group = max(d for d in range(1, num_heads + 1) if num_heads % d == 0 and d * max_q_len <= max_rows)
+    rows = head_group * max_q_len
     mma = DEFAULT_MMA[combo]
-    if head_group * max_q_len > 32:  # bf16, 64-row wgmma tiles
+    if rows > 32:  # bf16, 64-row wgmma tiles
         return KernelConfig(block_n=64, num_warps=8, num_stages=2, mma=mma, head_group=head_group)
-    if fp8_kv:
+    if fp8_kv and (combo == "fp8" or rows > 16):
         return KernelConfig(block_n=64, num_warps=8, num_stages=5, mma=mma, head_group=head_group, v_reload=True)
-    groups = num_heads // head_group
-    if kv_blocks is None or kv_blocks * groups >= 24 * 2 * sms:
-        return KernelConfig(block_n=64, num_warps=8, num_stages=3, mma=mma, head_group=head_group, workers_per_sm=2)
-    return KernelConfig(block_n=64, num_warps=8, num_stages=5, mma=mma, head_group=head_group)
+    return KernelConfig(block_n=64, num_warps=8, num_stages=3, mma=mma, head_group=head_group, page_chunk=32,
+                        fp8_stage=fp8_kv)
 
 
 def num_sms(device: torch.device) -> int:
@@ -398,10 +490,10 @@ def make_plan(batch, config: KernelConfig, num_workers: int | None = None):
         batch.seq_lens,
         batch.q_lens,
         batch.num_heads,
-        num_workers or config.workers_per_sm * num_sms(device),
+        num_workers or max(1, config.workers_per_sm * num_sms(device) // config.head_split),
         block_n=config.plan_block_n,
         fixed_overhead=config.fixed_overhead,
-        head_group=config.head_group,
+        head_group=config.head_group * config.head_split,
     )
 
 
@@ -422,11 +514,14 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
     o_part, lse_part = workspace
     q_scale = _scale_tensor(batch.q_scale if q_scale is None else q_scale, device)
     kv_scale = _scale_tensor(batch.kv_scale if kv_scale is None else kv_scale, device)
-    max_rows = max_rows or MAX_ROWS
+    max_rows = max_rows or MAX_ROWS  # rows per program (q_len x head_group)
     block_m = max(16, triton.next_power_of_2(max_rows))
+    if plan.head_group != config.head_group * config.head_split:
+        raise ValueError(f"plan.head_group must be config.head_group x head_split = "
+                         f"{config.head_group * config.head_split}, got {plan.head_group}")
     kv = batch.kv_cache
     num_workers = plan.worker_indptr.numel() - 1
-    compiled = _mla_decode_kernel[(num_workers,)](
+    compiled = _mla_decode_kernel[(num_workers * config.head_split,)](
         batch.q, kv, batch.block_table, batch.seq_lens, batch.qo_indptr if qo_indptr is None else qo_indptr,
         plan.work_items, plan.worker_indptr,
         out, lse, o_part, lse_part,
@@ -442,12 +537,14 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
         PAGE_SIZE=kv.shape[1], L=L, R=R, BLOCK_M=block_m, BLOCK_N=config.block_n,
         MMA=config.mma, INTERPRET=INTERPRET, UPCAST_BF16=UPCAST_BF16,
         TILE_IN_PAGE=kv.shape[1] % config.block_n == 0 and plan.block_n % config.block_n == 0,
-        V_RELOAD=config.v_reload,
+        PAGE_CHUNK=config.page_chunk, V_RELOAD=config.v_reload,
+        FP8_STAGE=config.fp8_stage and not INTERPRET and config.mma == "fp16" and kv.dtype == torch.float8_e4m3fn,
+        HEAD_SPLIT=config.head_split,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     num_tiles = plan.reduce_final.shape[0]
     if num_tiles > 0 and plan.reduce_partial_map.numel() > 0:
-        _mla_reduce_kernel[(num_tiles, max_rows)](
+        _mla_reduce_kernel[(num_tiles, max_rows * config.head_split)](
             o_part, lse_part,
             plan.reduce_indptr, plan.reduce_final, plan.reduce_partial_map,
             out, lse,
@@ -508,8 +605,8 @@ class TritonMLADecode:
         combo = dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
         self.config = config or default_config(combo, H, max_q_len, _kv_blocks(batch), num_sms(device))
         self.max_rows = max_q_len * self.config.head_group
-        self.num_workers = num_workers or self.config.workers_per_sm * num_sms(device)
-        groups = B * triton.cdiv(H, self.config.head_group)
+        self.num_workers = num_workers or max(1, self.config.workers_per_sm * num_sms(device) // self.config.head_split)
+        groups = B * triton.cdiv(H, self.config.head_group * self.config.head_split)
         max_items = max_items or groups + 2 * self.num_workers
         max_partial_rows = max_partial_rows or max_q_len * (max_items + self.num_workers)
         i32 = dict(dtype=torch.int32, device=device)
@@ -566,6 +663,7 @@ class _StaticPlan:
     reduce_partial_map: torch.Tensor
     num_partial_rows: int
     block_n: int
+    head_group: int
 
     def __init__(self, step: "TritonMLADecode"):
         self.work_items, self.worker_indptr = step.work_items, step.worker_indptr
@@ -573,6 +671,7 @@ class _StaticPlan:
         self.reduce_partial_map = step.reduce_partial_map
         self.num_partial_rows = step.workspace[0].shape[0]
         self.block_n = step.config.plan_block_n
+        self.head_group = step.config.head_group * step.config.head_split
 
 
 __all__ = ["decode", "make_plan", "launch", "KernelConfig", "default_config", "TritonMLADecode", "INTERPRET"]

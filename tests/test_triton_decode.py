@@ -35,9 +35,20 @@ CASES = {
     # fp8 q and KV
     "fp8_p1_w3": TritonCase((33, 5, 0), (1, 1, 1), page_size=1, combo="fp8", num_workers=3, seed=8),
     "fp8_p16_mtp2_w1": TritonCase((50, 20), (2, 2), page_size=16, combo="fp8", num_workers=1, seed=9),
+    # block-table chunks of 2 pages (chunk ends mid-request and mid-page), head groups split over programs
+    "bf16_p32_chunk2_w2": TritonCase((300, 17, 129), (1, 2, 1), page_size=32, num_workers=2, seed=21),
+    "fp8kv_p32_chunk2_split2_w2": TritonCase((300, 17), (1, 1), page_size=32, combo="fp8kv", num_workers=2, seed=22),
+    "bf16_h32_mtp2_split4_w3": TritonCase((45, 3), (2, 1), heads=32, page_size=16, num_workers=3, seed=23),
 }
-SPLIT_CASES = {"bf16_p16_w3_empty", "bf16_p1_w8", "bf16_p3_mtp2_w3", "bf16_h32_mtp2_w8", "fp8kv_p16_w3",
-               "fp8kv_p3_mtp2_w8", "fp8_p1_w3"}  # the plan must cut at least one (request, head group)
+CONFIG_OVERRIDES = {  # KernelConfig fields beside the default_config of the case
+    "bf16_p32_chunk2_w2": dict(page_chunk=2),
+    "fp8kv_p32_chunk2_split2_w2": dict(page_chunk=2, head_group=8, head_split=2),
+    "bf16_h32_mtp2_split4_w3": dict(head_group=4, head_split=4),
+}
+SPLIT_CASES = {  # the plan must cut at least one (request, head group)
+    "bf16_p16_w3_empty", "bf16_p1_w8", "bf16_p3_mtp2_w3", "bf16_h32_mtp2_w8", "fp8kv_p16_w3", "fp8kv_p3_mtp2_w8",
+    "fp8_p1_w3", "bf16_p32_chunk2_w2", "fp8kv_p32_chunk2_split2_w2",
+}
 PLAN_BLOCK_N, BLOCK_N = 16, 16  # tokens per planner block / kernel tile in the interpreter; item overhead 1 block
 
 
@@ -55,13 +66,16 @@ def _worker() -> dict:
     for name, case in CASES.items():
         batch = case.batch()
         config = td.default_config(case.combo, case.heads, max(case.q_lens))  # the GPU choice, smaller tiles
-        config = replace(config, block_n=BLOCK_N, plan_block_n=PLAN_BLOCK_N, fixed_overhead=1)
+        config = replace(config, block_n=BLOCK_N, plan_block_n=PLAN_BLOCK_N, fixed_overhead=1,
+                         **CONFIG_OVERRIDES.get(name, {}))
         plan = td.make_plan(batch, config, case.num_workers)
         out, lse = td.decode(batch, plan=plan, config=config)
         stats = plan.stats()
         result = check(out, lse, batch, triton_numerics(config.mma, config.block_n), stats["pieces_per_tile"]["max"])
         result["split_tiles"] = stats["split_tiles"]
         result["num_workers"] = plan.num_workers
+        result["plan_head_group"] = plan.head_group
+        result["page_chunk"] = config.page_chunk
         report[name] = result
     # the interpreter workaround is what makes bf16 right: without it, bf16 tl.dot in the interpreter is wrong
     case = CASES["bf16_p16_w1"]
@@ -91,6 +105,12 @@ def test_interpreter_matches_oracle_within_kernel_bound(report, name):
     assert r["out_ratio"] <= 1.0, f"{name}: out error above the §5(f) kernel bound {r} case={asdict(CASES[name])}"
     assert r["lse_ratio"] <= 1.0, f"{name}: lse error above its bound {r} case={asdict(CASES[name])}"
     assert r["num_workers"] == CASES[name].num_workers
+    over = CONFIG_OVERRIDES.get(name, {})
+    assert r["plan_head_group"] == over.get("head_group", r["plan_head_group"]) * over.get("head_split", 1)
+
+
+def test_default_config_takes_the_page_chunk_path(report):
+    assert report["bf16_p16_w1"]["page_chunk"] > 0 and report["fp8kv_p16_w3"]["page_chunk"] > 0
 
 
 def test_cases_cover_splits_and_empty_rows(report):
@@ -119,6 +139,12 @@ def test_bad_batches_raise_value_error():
     batch = TritonCase((5,), (1,)).batch()
     with pytest.raises(ValueError, match="dtypes"):
         td.check_batch(batch.replace(q=batch.q.to(torch.float32)))
+    with pytest.raises(ValueError, match="page_chunk"):
+        td.KernelConfig(page_chunk=24)
+    config = td.KernelConfig(head_group=8, head_split=2, plan_block_n=16)
+    plan = td.make_plan(batch, replace(config, head_split=1), num_workers=2)  # planned for head_group 8, not 16
+    with pytest.raises(ValueError, match="head_split"):
+        td.launch(batch, plan, None, None, config)
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
