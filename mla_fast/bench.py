@@ -106,6 +106,7 @@ def ours(batch: DecodeBatch, config=None, num_workers: int | None = None):
         return td.launch(batch, plan, out, lse, config, workspace=workspace, q_scale=q_scale, kv_scale=kv_scale,
                          max_rows=config.head_group, qo_indptr=qo_indptr)
 
+    fn.outputs = (out, lse)
     kernel = fn()
     info = {"n_regs": getattr(kernel, "n_regs", None), "n_spills": getattr(kernel, "n_spills", None),
             "num_items": plan.num_items, "split_tiles": plan.stats()["split_tiles"]}
@@ -181,9 +182,11 @@ def measure(fn_or_reason, nbytes: int, copy_gbs: float) -> dict:
     return {"status": "ok", "us": med, "us_p20": p20, "us_p80": p80, "gbs": gbs, "pct_copy": 100 * gbs / copy_gbs}
 
 
-def run_grid(shapes, combos, peers=True, copy_gbs=None, candidates=False) -> dict:
+def run_grid(shapes, combos, peers=True, copy_gbs=None, candidates=False, json_path=None) -> dict:
+    """Time every (shape, combo); with json_path, the JSON is rewritten after each row (partial runs keep rows)."""
     copy_gbs = copy_gbs or copy_bandwidth_gbs()
     rows = []
+    result = {"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "rows": rows}
     for b, s, h in shapes:
         for combo in combos:
             batch = build_batch(b, s, h, combo)
@@ -191,7 +194,7 @@ def run_grid(shapes, combos, peers=True, copy_gbs=None, candidates=False) -> dic
             row = {"b": b, "s": s, "h": h, "combo": combo, "bytes": nbytes}
             if candidates:
                 row["candidates"] = time_candidates(batch, nbytes, copy_gbs)
-                ok = [c for c in row["candidates"] if c.get("status") == "ok"]
+                ok = [c for c in row["candidates"] if c.get("status") == "ok" and c.get("correct")]
                 row["ours"] = min(ok, key=lambda c: c["us"]) if ok else row["candidates"][0]
             else:
                 fn, info = ours(batch)
@@ -206,39 +209,125 @@ def run_grid(shapes, combos, peers=True, copy_gbs=None, candidates=False) -> dic
                     row[name] = {"status": "skipped"}
             rows.append(row)
             print({k: v for k, v in row.items() if k != "candidates"}, flush=True)
+            for c in row.get("candidates", []):
+                print(f"    {c.get('us', 0):8.1f} us  err {c.get('max_abs_err', float('nan')):.2e}  "
+                      f"{c.get('status')}  {c['override']}", flush=True)
+            if json_path:
+                with open(json_path, "w") as f:
+                    json.dump(result, f, indent=1)
             del batch
             torch.cuda.empty_cache()
-    return {"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "rows": rows}
+    return result
 
 
-CANDIDATES = {  # (combo, rows per item > 32) -> KernelConfig overrides timed beside the default (--candidates)
-    ("bf16", False): [dict(num_stages=3, workers_per_sm=2), dict(num_stages=5, workers_per_sm=1)],
-    ("fp8kv", False): [dict(mma="bf16")],  # numerics-visible: bf16 MMAs keep q exact
-    ("fp8", False): [dict(block_n=32)],
-    ("bf16", True): [dict(num_stages=3), dict(block_n=32)],
+_LEGACY_BF16 = [dict(page_chunk=0, num_stages=3, workers_per_sm=2), dict(page_chunk=0, num_stages=5)]  # before chunks
+_LEGACY_FP8KV = dict(page_chunk=0, fp8_stage=False, v_reload=True, num_stages=5)
+CANDIDATES = {  # (combo, num_heads) -> KernelConfig overrides of default_config timed beside it (--candidates)
+    ("bf16", 16): _LEGACY_BF16 + [
+        dict(num_stages=2, workers_per_sm=2),
+        dict(block_n=32, num_stages=3, workers_per_sm=2),
+        dict(block_n=32, num_stages=5),
+        dict(block_n=32, num_stages=6),
+        dict(block_n=32, num_stages=4, num_warps=4),
+    ],
+    ("fp8kv", 16): [
+        _LEGACY_FP8KV,
+        dict(num_stages=4),
+        dict(block_n=32, num_stages=4),
+        dict(block_n=32, num_stages=6),
+        dict(fp8_stage=False, v_reload=True),  # chunks only
+        dict(page_chunk=0, num_stages=5),  # staging only
+    ],
+    ("bf16", 128): [  # default: 64-row wgmma tiles
+        dict(head_split=2),
+        dict(head_group=32, head_split=4, num_stages=3),
+        dict(head_group=32, head_split=4, num_stages=5),
+        dict(head_group=32, head_split=4, page_chunk=32, num_stages=3),
+        dict(head_group=32, head_split=4, page_chunk=32, num_stages=3, block_n=32),
+    ],
+    ("fp8kv", 128): [  # default: 32-row tiles, V reload
+        dict(head_group=16, head_split=8, page_chunk=32, num_stages=3, fp8_stage=True, v_reload=False),
+        dict(head_group=32, head_split=4),
+    ],
 }
 
 
+def reference(batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 out [T, H, L], lse [T, H] of a bench batch (q_len 1, uniform lengths), to check each timed config."""
+    T, S = batch.q.shape[0], int(batch.seq_lens.max())
+    q_scale = 1.0 if batch.q_scale is None else float(batch.q_scale)
+    kv_scale = 1.0 if batch.kv_scale is None else float(batch.kv_scale)
+    q = batch.q.float() * q_scale  # [T, H, D]
+    raw = batch.kv_cache.view(torch.uint8) if batch.kv_cache.element_size() == 1 else batch.kv_cache  # fp8: bytes
+    kv = raw[batch.block_table.long()].view(batch.kv_cache.dtype).reshape(T, -1, batch.q.shape[-1])[:, :S]  # [T, S, D]
+    kv = kv.float() * kv_scale  # [T, S, D]
+    s = torch.einsum("thd,tsd->ths", q, kv) * batch.sm_scale  # [T, H, S]
+    lse = torch.logsumexp(s, -1)  # [T, H]
+    out = torch.einsum("ths,tsl->thl", torch.exp(s - lse[..., None]), kv[..., : batch.kv_lora_rank])  # [T, H, L]
+    return out, lse
+
+
 def time_candidates(batch: DecodeBatch, nbytes: int, copy_gbs: float) -> list:
-    """Time the default config and each CANDIDATES override on `batch`: [{config, us, ..., n_regs, n_spills}]."""
+    """Time the default config and each CANDIDATES override on `batch`: [{config, us, ..., n_regs, n_spills,
+    max_abs_err, correct}]; correct = finite and out error within 2x that of the first config (the default)."""
     from dataclasses import asdict, replace
 
     from mla_fast import triton_decode as td
 
     combo = td.dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
     base = td.default_config(combo, batch.num_heads, 1, td._kv_blocks(batch), td.num_sms(batch.q.device))
+    out_ref, lse_ref = reference(batch)
     results = []
-    for o in [{}] + CANDIDATES.get((combo, base.head_group > 32), []):
-        config = replace(base, **o)
-        if batch.num_heads % config.head_group:
-            continue
+    for o in [{}] + CANDIDATES.get((combo, batch.num_heads), []):
         try:
+            config = replace(base, **o)
+            if batch.num_heads % (config.head_group * config.head_split):
+                continue
             fn, info = ours(batch, config)
-            m = {**measure(fn, nbytes, copy_gbs), **info}
-        except Exception as e:  # a config that fails to compile must not stop the table
+            out, lse = fn.outputs
+            err = {"max_abs_err": float((out.float() - out_ref).abs().max()),
+                   "lse_abs_err": float((lse - lse_ref).abs().max()),
+                   "finite": bool(torch.isfinite(out).all() and torch.isfinite(lse).all())}
+            m = {**measure(fn, nbytes, copy_gbs), **info, **err}
+        except Exception as e:  # a config that fails to compile or launch must not stop the table
             m = {"status": f"error: {type(e).__name__}: {str(e)[:200]}"}
-        results.append({"config": asdict(config), "override": o, **m})
+            config = None
+        results.append({"config": asdict(config) if config else None, "override": o, **m})
+    ref_err = next((r["max_abs_err"] for r in results if "max_abs_err" in r), float("inf"))
+    for r in results:
+        r["correct"] = bool(r.get("finite") and r["max_abs_err"] <= 2 * ref_err)
     return results
+
+
+def _precompile_one(task):
+    """Worker process: compile one (h, combo, override) config by launching it on a small batch (same
+    specialisation as the bench shapes), so the bench finds it in Triton's on-disk cache."""
+    from dataclasses import replace
+
+    from mla_fast import triton_decode as td
+
+    h, combo, o = task
+    t0 = time.time()
+    try:
+        batch = build_batch(2, 4096, h, combo)
+        base = td.default_config(combo, h, 1, td._kv_blocks(batch), td.num_sms(batch.q.device))
+        fn, _ = ours(batch, replace(base, **o))
+        torch.cuda.synchronize()
+        return f"compiled h={h} {combo} {o} in {time.time() - t0:.1f}s"
+    except Exception as e:
+        return f"FAILED h={h} {combo} {o}: {type(e).__name__}: {str(e)[:200]}"
+
+
+def precompile(heads, combos, processes: int) -> None:
+    """Compile every candidate config of the grid in `processes` spawned processes (Triton compiles on one core)."""
+    import multiprocessing as mp
+
+    tasks = [(h, c, o) for h in heads for c in combos for o in [{}] + CANDIDATES.get((c, h), [])]
+    from mla_fast import bench  # pickled by module name, also when this file runs as __main__
+
+    with mp.get_context("spawn").Pool(processes) as pool:
+        for line in pool.imap_unordered(bench._precompile_one, tasks):
+            print(line, flush=True)
 
 
 def print_table(result: dict) -> None:
@@ -276,11 +365,17 @@ def main(argv=None) -> None:
     parser.add_argument("--no-peers", action="store_true", help="time only mla_fast")
     parser.add_argument("--json", help="write all numbers to this file")
     parser.add_argument("--candidates", action="store_true", help="also time CANDIDATES configs; report the best")
+    parser.add_argument("--precompile", type=int, default=0, metavar="N",
+                        help="with --candidates: compile all configs first in N processes")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("mla-bench needs a CUDA GPU")
     t0 = time.time()
-    result = run_grid(args.shapes, args.dtypes.split(","), peers=not args.no_peers, candidates=args.candidates)
+    if args.candidates and args.precompile:
+        precompile(sorted({h for _, _, h in args.shapes}), args.dtypes.split(","), args.precompile)
+        print(f"precompiled in {time.time() - t0:.1f}s", flush=True)
+    result = run_grid(args.shapes, args.dtypes.split(","), peers=not args.no_peers, candidates=args.candidates,
+                      json_path=args.json)
     result["wall_s"] = time.time() - t0
     print_table(result)
     if args.json:

@@ -31,14 +31,29 @@ VARLEN = [  # DeepSeek-V3 widths (L = 512, R = 64); ragged lengths with zeros, e
 ]
 
 
-def _decode_and_check(batch):
-    """Default-config decode of `batch`, checked against the fp64 oracle within the kernel + merge bound."""
+_H128 = (5, 1500, 0, 4097)  # seq_lens of the h = 128 config cases
+CONFIG_CASES = [  # (case, KernelConfig overrides): non-default configs that mla-bench times
+    (VARLEN[0], dict(block_n=32, num_stages=5)),
+    (VARLEN[4], dict(block_n=32, num_stages=4)),
+    (TritonCase(_H128, (1,) * 4, heads=128, page_size=64, combo="bf16", L=512, R=64, seed=12),
+     dict(head_group=32, head_split=4, page_chunk=32, num_stages=3, block_n=32)),
+    (TritonCase(_H128, (1,) * 4, heads=128, page_size=64, combo="fp8kv", L=512, R=64, seed=13),
+     dict(head_group=16, head_split=8, page_chunk=32, num_stages=3, fp8_stage=True, v_reload=False)),
+]
+
+
+def _decode_and_check(batch, **overrides):
+    """Default-config decode of `batch` (with `overrides`), checked against the fp64 oracle within the kernel +
+    merge bound."""
+    from dataclasses import replace
+
     from mla_fast import triton_decode as td
     from mla_fast.numerics import triton_numerics
 
     combo = td.dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
     config = td.default_config(combo, batch.num_heads, int(batch.q_lens.max()), td._kv_blocks(batch),
                                td.num_sms(batch.q.device))
+    config = replace(config, **overrides)
     plan = td.make_plan(batch, config)
     out, lse = td.decode(batch, plan=plan, config=config)
     return check(out, lse, batch, triton_numerics(config.mma, config.block_n), plan.stats()["pieces_per_tile"]["max"])
@@ -57,6 +72,12 @@ def test_bench_grid_within_kernel_bound(shape, combo):
 @pytest.mark.parametrize("case", VARLEN, ids=lambda c: f"{c.combo}_h{c.heads}_p{c.page_size}_s{c.seed}")
 def test_varlen_within_kernel_bound(case):
     r = _decode_and_check(case.batch("cuda"))
+    assert r["finite"] and r["empty_ok"] and r["out_ratio"] <= 1.0 and r["lse_ratio"] <= 1.0, r
+
+
+@pytest.mark.parametrize("case,overrides", CONFIG_CASES, ids=lambda x: str(x)[:60] if isinstance(x, dict) else None)
+def test_bench_candidate_configs_within_kernel_bound(case, overrides):
+    r = _decode_and_check(case.batch("cuda"), **overrides)
     assert r["finite"] and r["empty_ok"] and r["out_ratio"] <= 1.0 and r["lse_ratio"] <= 1.0, r
 
 
