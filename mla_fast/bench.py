@@ -91,7 +91,7 @@ def ours(batch: DecodeBatch, config=None, num_workers: int | None = None):
     from mla_fast import triton_decode as td
 
     combo = td.dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
-    config = config or td.default_config(combo, batch.num_heads, 1, td._kv_blocks(batch), td.num_sms(batch.q.device))
+    config = config or td.default_config(combo, batch.num_heads, 1)
     plan = td.make_plan(batch, config, num_workers)
     T, H, dev = batch.q.shape[0], batch.q.shape[1], batch.q.device
     out = torch.empty(T, H, L, dtype=torch.bfloat16, device=dev)
@@ -221,34 +221,15 @@ def run_grid(shapes, combos, peers=True, copy_gbs=None, candidates=False, json_p
 
 
 _LEGACY_BF16 = [dict(page_chunk=0, num_stages=3, workers_per_sm=2), dict(page_chunk=0, num_stages=5)]  # before chunks
-_LEGACY_FP8KV = dict(page_chunk=0, fp8_stage=False, v_reload=True, num_stages=5)
 CANDIDATES = {  # (combo, num_heads) -> KernelConfig overrides of default_config timed beside it (--candidates)
-    ("bf16", 16): _LEGACY_BF16 + [
-        dict(num_stages=2, workers_per_sm=2),
-        dict(block_n=32, num_stages=3, workers_per_sm=2),
-        dict(block_n=32, num_stages=5),
-        dict(block_n=32, num_stages=6),
-        dict(block_n=32, num_stages=4, num_warps=4),
-    ],
+    ("bf16", 16): _LEGACY_BF16 + [dict(num_stages=2, workers_per_sm=2), dict(block_n=32, num_stages=5)],
     ("fp8kv", 16): [
-        _LEGACY_FP8KV,
-        dict(num_stages=4),
-        dict(block_n=32, num_stages=4),
-        dict(block_n=32, num_stages=6),
-        dict(fp8_stage=False, v_reload=True),  # chunks only
-        dict(page_chunk=0, num_stages=5),  # staging only
+        dict(fp8_stage=False, v_reload=True),  # before fp8_stage
+        dict(page_chunk=32, num_stages=3),
+        dict(page_chunk=32, num_stages=4),
     ],
-    ("bf16", 128): [  # default: 64-row wgmma tiles
-        dict(head_split=2),
-        dict(head_group=32, head_split=4, num_stages=3),
-        dict(head_group=32, head_split=4, num_stages=5),
-        dict(head_group=32, head_split=4, page_chunk=32, num_stages=3),
-        dict(head_group=32, head_split=4, page_chunk=32, num_stages=3, block_n=32),
-    ],
-    ("fp8kv", 128): [  # default: 32-row tiles, V reload
-        dict(head_group=16, head_split=8, page_chunk=32, num_stages=3, fp8_stage=True, v_reload=False),
-        dict(head_group=32, head_split=4),
-    ],
+    ("bf16", 128): [dict(head_split=1), dict(head_group=32, head_split=4, page_chunk=32, num_stages=3)],
+    ("fp8kv", 128): [dict(head_group=32, head_split=4)],
 }
 
 
@@ -275,7 +256,7 @@ def time_candidates(batch: DecodeBatch, nbytes: int, copy_gbs: float) -> list:
     from mla_fast import triton_decode as td
 
     combo = td.dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
-    base = td.default_config(combo, batch.num_heads, 1, td._kv_blocks(batch), td.num_sms(batch.q.device))
+    base = td.default_config(combo, batch.num_heads, 1)
     out_ref, lse_ref = reference(batch)
     results = []
     for o in [{}] + CANDIDATES.get((combo, batch.num_heads), []):
@@ -310,7 +291,7 @@ def _precompile_one(task):
     t0 = time.time()
     try:
         batch = build_batch(2, 4096, h, combo)
-        base = td.default_config(combo, h, 1, td._kv_blocks(batch), td.num_sms(batch.q.device))
+        base = td.default_config(combo, h, 1)
         fn, _ = ours(batch, replace(base, **o))
         torch.cuda.synchronize()
         return f"compiled h={h} {combo} {o} in {time.time() - t0:.1f}s"

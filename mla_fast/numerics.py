@@ -11,7 +11,8 @@ Rounding points of `_mla_decode_kernel` (per query row, per KV tile of BLOCK_N t
    With fp8 KV and bf16 q ("fp8kv", mma="fp16") q is cast bf16 -> fp16: exact for 2^-17 <= |q| <= 65504 (bf16 has 8
    significant bits, fp16 11, and fp16 subnormals reach 2^-24); smaller |q| round with absolute error <= 2^-25,
    larger overflow to inf. verify.bounds charges u(fp16) to q when some value is not exact in fp16.
-   V loaded a second time for P.V (config v_reload) holds the same values: no numerical effect.
+   V loaded a second time for P.V (config v_reload) holds the same values, and so does the fp16 copy of an e4m3fn
+   tile staged in shared memory (config fp8_stage, exact conversion): no numerical effect.
 2. QK: one MMA over L (512) channels, then the R (64) rope channels accumulated onto it, fp32 accumulators.
    Tensor-core fp32 accumulation is not guaranteed round-to-nearest (truncation is documented for NVIDIA tensor
    cores, Fasi et al., SIAM J. Sci. Comput. 2021), so each of the n = L + R additions is charged 2^-23 (one fp32

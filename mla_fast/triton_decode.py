@@ -10,11 +10,14 @@ Absorbed MLA decode over a paged latent cache (docs/architecture.md conventions)
 
 Two kernels, beside their launcher (like Triton's fused-attention tutorial):
 
-- `_mla_decode_kernel`: persistent, one program per worker of a `WorkPlan` (grid = `num_workers`, normally the SM
-  count). A program walks its work items `work_items[worker_indptr[w]:worker_indptr[w+1]]`; an item is one request,
-  a range of query rows x a head group (packed along M: MTP rows times heads) and a token range. Each KV tile of
-  BLOCK_N tokens is loaded once, row-major, as [BLOCK_N, L] (c_kv) and [BLOCK_N, R] (k_pe), and reused for both
-  dot(q, trans(k)) and dot(p, c_kv). Online softmax in base 2. Unsplit items (PARTIAL_ROW == -1) write `out` (bf16)
+- `_mla_decode_kernel`: persistent, `head_split` programs per worker of a `WorkPlan` (grid = `num_workers x
+  head_split`, normally the SM count). A program walks its work items `work_items[worker_indptr[w]:worker_indptr[w+1]]`;
+  an item is one request, a range of query rows x a head group (packed along M: MTP rows times heads; with head_split
+  > 1 each program takes its share of the item's heads) and a token range. Each KV tile of BLOCK_N tokens is loaded
+  once, row-major, as [BLOCK_N, L] (c_kv) and [BLOCK_N, R] (k_pe), and reused for both dot(q, trans(k)) and
+  dot(p, c_kv). When a tile lies inside one page, the block-table entries come in chunks of `page_chunk` pages (one
+  vector load, the tile's page picked in registers), so no load in the tile loop feeds an address and Triton
+  pipelines the KV loads (num_stages - 1 tiles buffered). Online softmax in base 2. Unsplit items (PARTIAL_ROW == -1) write `out` (bf16)
   and `lse` straight; split items write fp32 partials (out already normalised, lse natural log) to a workspace.
 - `_mla_reduce_kernel`: merges the partials of each split (request, head group) tile, in KV order (numerics.md §3).
 
@@ -30,11 +33,16 @@ Numerics (declared in mla_fast/numerics.py, read by verify.bounds; keep the two 
   because fp8 -> fp16 is one conversion instruction per pair and fp8 -> bf16 is not.
 - fp8 per-tensor scales: q_scale * kv_scale is folded into the score scale, kv_scale multiplies the output once
   after normalisation (fp32). The MMAs see the raw fp8 values. `v_reload` (V loaded a second time for P.V, so that
-  Triton pipelines both fp8 loads) reads the same values: no numerical effect.
+  Triton pipelines both fp8 loads) and `fp8_stage` (the e4m3fn tile converted to fp16 once and read by both MMAs
+  from shared memory) give the MMAs the same values: no numerical effect.
 
-Performance (one H200, mla-bench, issue 5 report): bf16 h=16 reaches 3.1-3.6 TB/s at b >= 128 (74-84 % of the
-device copy rate, 1.15-1.25x FlashInfer FA3); fp8 KV is 1.2-1.35x slower than bf16 at h=16 and 64-row (h >= 64)
-wgmma tiles spill registers (2.7x FlashMLA at b=128, h=128).
+Performance (one H200, mla-bench --candidates, copy rate 4243 GB/s; peers.md §2 conditions): bf16 h=16 takes
+342 us at (b=128, s=8192), 3.54 TB/s = 83 % of copy (FlashInfer FA3 ~294-300 us), 189 us at (128, 4096), 108 us at
+(64, 4096), 64 us at (32, 4096), 181 us at (32, 16384); fp8 KV (bf16 q) with fp8_stage 1.13-1.25x slower than bf16
+at b >= 32 (425 us at (128, 8192)); h=128 bf16 649 us at (128, 4096) with head_split 2 (64-row wgmma tiles spill 38
+registers; FlashMLA 241 us). Varying BLOCK_N showed a fixed cost of ~3.3k cycles per tile per program (BLOCK_N 32:
+1.6x slower at every shape): the tile loop is latency-bound (dependent MMA chain over L + R, two reductions), not
+bandwidth-bound, which is why more tiles in flight alone did not close the gap to FA3.
 
 CPU: under TRITON_INTERPRET=1 the same kernels run in Triton's interpreter. Triton 3.6's interpreter computes a
 bf16 `tl.dot` wrongly (fp16/fp32/fp8 are right), so when interpreting, bf16 MMA operands are upcast to fp32
@@ -365,8 +373,9 @@ class KernelConfig:
 
     Attributes:
         block_n: tokens per KV tile (power of two >= 16).
-        num_warps, num_stages: Triton launch options (num_stages pipelines the KV-tile loop; with the block-table
-            indirection Triton keeps num_stages - 3 tiles in flight, at least one).
+        num_warps, num_stages: Triton launch options (num_stages pipelines the KV-tile loop: with page_chunk,
+            num_stages - 1 tiles buffered; with a block-table load per tile, Triton treats the KV load as indirect
+            and buffers num_stages - 3 tiles, at least one).
         mma: dtype the MMAs see, "bf16" or "fp16" (numerics: mla_fast/numerics.py).
         head_group: heads per work item (the planner's head_group); rows per item = q_len x head_group <= 64.
         plan_block_n: token granularity of the planner's splits (a page of 64 by default).
@@ -425,14 +434,18 @@ def dtype_combo(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> str:
     )
 
 
-def default_config(combo: str, num_heads: int, max_q_len: int, kv_blocks: int | None = None,
-                   sms: int = 132) -> KernelConfig:
-    """Launch choice (one H200, mla-bench).
+def default_config(combo: str, num_heads: int, max_q_len: int) -> KernelConfig:
+    """Launch choice, the fastest correct candidate of mla-bench --candidates on one H200 (b >= 32 at h=16, and
+    (128, 4096) at h=128; see the module docstring).
 
     head_group: the largest divisor of num_heads with max_q_len x head_group <= 64 rows (32 for fp8 caches).
-    Rows <= 32 (mma.sync tiles): block-table entries in chunks of 32 pages (Triton then pipelines the KV loads,
-    two tiles in flight); e4m3fn caches with <= 16 rows convert each tile to fp16 once (fp8_stage).
-    kv_blocks (Σ_b ceil(seq_len_b / 64)) and sms are accepted for callers that size the grid by the work.
+    - bf16, rows <= 32 (mma.sync tiles): block-table chunks of 32 pages, two 64-token tiles buffered, one program
+      per SM (1-3 % faster than per-tile block-table loads at b >= 64, 6 % at (32, 4096)).
+    - bf16, 64 rows (wgmma tiles): two programs per worker on halves of the head group when num_heads allows
+      (head_split 2: both read each KV tile at the same time, once from HBM; 4 % faster at (128, 4096, 128)).
+    - bf16 q + e4m3fn cache, rows <= 16: each tile converted to fp16 once (fp8_stage), per-tile block-table loads,
+      num_stages 5 (6-9 % faster than the V-reload path; block-table chunks were 2-4 % slower here).
+    - other fp8 caches: fp16 MMAs on the fp8 tile gathered from shared memory, V loaded a second time.
     """
     from mla_fast.numerics import DEFAULT_MMA
 
@@ -442,11 +455,14 @@ def default_config(combo: str, num_heads: int, max_q_len: int, kv_blocks: int | 
     rows = head_group * max_q_len
     mma = DEFAULT_MMA[combo]
     if rows > 32:  # bf16, 64-row wgmma tiles
-        return KernelConfig(block_n=64, num_warps=8, num_stages=2, mma=mma, head_group=head_group)
-    if fp8_kv and (combo == "fp8" or rows > 16):
+        head_split = 2 if num_heads % (2 * head_group) == 0 else 1
+        return KernelConfig(block_n=64, num_warps=8, num_stages=2, mma=mma, head_group=head_group,
+                            head_split=head_split)
+    if combo == "fp8kv" and rows <= 16:
+        return KernelConfig(block_n=64, num_warps=8, num_stages=5, mma=mma, head_group=head_group, fp8_stage=True)
+    if fp8_kv:
         return KernelConfig(block_n=64, num_warps=8, num_stages=5, mma=mma, head_group=head_group, v_reload=True)
-    return KernelConfig(block_n=64, num_warps=8, num_stages=3, mma=mma, head_group=head_group, page_chunk=32,
-                        fp8_stage=fp8_kv)
+    return KernelConfig(block_n=64, num_warps=8, num_stages=3, mma=mma, head_group=head_group, page_chunk=32)
 
 
 def num_sms(device: torch.device) -> int:
@@ -555,11 +571,6 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
     return compiled
 
 
-def _kv_blocks(batch) -> int:
-    """Σ_b ceil(seq_len_b / 64): the work default_config sizes the grid by (one host sync)."""
-    return int(((batch.seq_lens.long() + 63) // 64).sum())
-
-
 def decode(batch, *, plan=None, out=None, lse=None, config: KernelConfig | None = None, num_workers: int | None = None):
     """Triton MLA decode of a `DecodeBatch` -> (out [T, H, L] bf16, lse [T, H] fp32 natural log).
 
@@ -570,7 +581,7 @@ def decode(batch, *, plan=None, out=None, lse=None, config: KernelConfig | None 
     combo = dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
     T, H, L = batch.q.shape[0], batch.num_heads, batch.kv_lora_rank
     max_q_len = int(batch.q_lens.max()) if batch.q_lens.numel() else 1
-    config = config or default_config(combo, H, max(max_q_len, 1), _kv_blocks(batch), num_sms(batch.q.device))
+    config = config or default_config(combo, H, max(max_q_len, 1))
     if max(max_q_len, 1) * config.head_group > MAX_ROWS:
         raise ValueError(f"q_len x head_group must be <= {MAX_ROWS}, got {max_q_len} x {config.head_group}")
     plan = plan if plan is not None else make_plan(batch, config, num_workers)
@@ -603,7 +614,7 @@ class TritonMLADecode:
         device = batch.q.device
         H, L, B = batch.num_heads, batch.kv_lora_rank, batch.batch_size
         combo = dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
-        self.config = config or default_config(combo, H, max_q_len, _kv_blocks(batch), num_sms(device))
+        self.config = config or default_config(combo, H, max_q_len)
         self.max_rows = max_q_len * self.config.head_group
         self.num_workers = num_workers or max(1, self.config.workers_per_sm * num_sms(device) // self.config.head_split)
         groups = B * triton.cdiv(H, self.config.head_group * self.config.head_split)

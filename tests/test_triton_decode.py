@@ -39,6 +39,8 @@ CASES = {
     "bf16_p32_chunk2_w2": TritonCase((300, 17, 129), (1, 2, 1), page_size=32, num_workers=2, seed=21),
     "fp8kv_p32_chunk2_split2_w2": TritonCase((300, 17), (1, 1), page_size=32, combo="fp8kv", num_workers=2, seed=22),
     "bf16_h32_mtp2_split4_w3": TritonCase((45, 3), (2, 1), heads=32, page_size=16, num_workers=3, seed=23),
+    # 64 heads x q_len 2: 64-row tiles, default head_split 2, per-token gather (page 3)
+    "bf16_h64_mtp2_p3_w3": TritonCase((40, 7), (2, 1), heads=64, page_size=3, num_workers=3, seed=24),
 }
 CONFIG_OVERRIDES = {  # KernelConfig fields beside the default_config of the case
     "bf16_p32_chunk2_w2": dict(page_chunk=2),
@@ -109,8 +111,9 @@ def test_interpreter_matches_oracle_within_kernel_bound(report, name):
     assert r["plan_head_group"] == over.get("head_group", r["plan_head_group"]) * over.get("head_split", 1)
 
 
-def test_default_config_takes_the_page_chunk_path(report):
-    assert report["bf16_p16_w1"]["page_chunk"] > 0 and report["fp8kv_p16_w3"]["page_chunk"] > 0
+def test_default_config_takes_the_new_paths(report):
+    assert report["bf16_p16_w1"]["page_chunk"] > 0  # block-table chunks
+    assert report["bf16_h64_mtp2_p3_w3"]["plan_head_group"] == 64  # 2 programs x 32 heads
 
 
 def test_cases_cover_splits_and_empty_rows(report):

@@ -34,7 +34,7 @@ VARLEN = [  # DeepSeek-V3 widths (L = 512, R = 64); ragged lengths with zeros, e
 _H128 = (5, 1500, 0, 4097)  # seq_lens of the h = 128 config cases
 CONFIG_CASES = [  # (case, KernelConfig overrides): non-default configs that mla-bench times
     (VARLEN[0], dict(block_n=32, num_stages=5)),
-    (VARLEN[4], dict(block_n=32, num_stages=4)),
+    (VARLEN[4], dict(page_chunk=32, num_stages=3)),
     (TritonCase(_H128, (1,) * 4, heads=128, page_size=64, combo="bf16", L=512, R=64, seed=12),
      dict(head_group=32, head_split=4, page_chunk=32, num_stages=3, block_n=32)),
     (TritonCase(_H128, (1,) * 4, heads=128, page_size=64, combo="fp8kv", L=512, R=64, seed=13),
@@ -51,8 +51,7 @@ def _decode_and_check(batch, **overrides):
     from mla_fast.numerics import triton_numerics
 
     combo = td.dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
-    config = td.default_config(combo, batch.num_heads, int(batch.q_lens.max()), td._kv_blocks(batch),
-                               td.num_sms(batch.q.device))
+    config = td.default_config(combo, batch.num_heads, int(batch.q_lens.max()))
     config = replace(config, **overrides)
     plan = td.make_plan(batch, config)
     out, lse = td.decode(batch, plan=plan, config=config)
@@ -86,7 +85,7 @@ def test_bitwise_deterministic_over_10_runs(case):
     from mla_fast.triton_decode import decode, default_config, dtype_combo, make_plan
 
     batch = case.batch("cuda")
-    config = default_config(dtype_combo(batch.q.dtype, batch.kv_cache.dtype), case.heads, max(case.q_lens))  # large
+    config = default_config(dtype_combo(batch.q.dtype, batch.kv_cache.dtype), case.heads, max(case.q_lens))
     plan = make_plan(batch, config)
     out0, lse0 = decode(batch, plan=plan, config=config)
     for _ in range(10):
