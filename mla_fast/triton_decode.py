@@ -440,7 +440,8 @@ def default_config(combo: str, num_heads: int, max_q_len: int) -> KernelConfig:
 
     head_group: the largest divisor of num_heads with max_q_len x head_group <= 64 rows (32 for fp8 caches).
     - bf16, rows <= 32 (mma.sync tiles): block-table chunks of 32 pages, two 64-token tiles buffered, one program
-      per SM (1-3 % faster than per-tile block-table loads at b >= 64, 6 % at (32, 4096)).
+      per SM (vs the previous per-tile block-table loads: within 1 % at (128, 8192) and (32, 16384), 3-6 % faster
+      at (128, 4096), (64, 4096), (32, 4096)).
     - bf16, 64 rows (wgmma tiles): two programs per worker on halves of the head group when num_heads allows
       (head_split 2: both read each KV tile at the same time, once from HBM; 4 % faster at (128, 4096, 128)).
     - bf16 q + e4m3fn cache, rows <= 16: each tile converted to fp16 once (fp8_stage), per-tile block-table loads,
