@@ -52,8 +52,8 @@ class CheckResult:
     report: dict | None = None
 
     def to_json(self) -> dict:
-        return {"name": self.name, "ok": self.ok, "err_over_bound": _finite_or_str(self.err_over_bound),
-                "median": _finite_or_str(self.median), "detail": self.detail, "report": self.report}
+        return {"name": self.name, "ok": self.ok, "err_over_bound": json_number(self.err_over_bound),
+                "median": json_number(self.median), "detail": self.detail, "report": self.report}
 
 
 @dataclass
@@ -84,7 +84,8 @@ class CaseResult:
         return "\n".join(lines)
 
 
-def _finite_or_str(x: float | None):
+def json_number(x: float | None):
+    """A value ``json.dumps(..., allow_nan=False)`` accepts: None and finite floats as they are, else a string."""
     if x is None or (x == x and abs(x) != float("inf")):
         return x
     return "nan" if x != x else ("inf" if x > 0 else "-inf")

@@ -19,20 +19,19 @@ import traceback
 from importlib import metadata
 
 from verify.cases import FP8_FORMATS, Case
-from verify.checks import CaseResult, CheckResult
+from verify.checks import CaseResult, CheckResult, json_number
 
 SCHEMA_VERSION = 1
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOTHING_RAN = 0, 1, 2, 5
 BACKENDS = ("auto", "ref", "emulated", "triton", "aiter", "flashinfer", "flashmla")
 DEFAULT_CASES = {"ci": 200, "dev": 200, "search": 2000}
-WORST_EXAMPLES = 5  # @example lines printed by --profile search
 
 EPILOG = """\
 profiles:
   ci      the same cases on every run (--seed, default 0); default 200 cases
   dev     a fresh random seed each run (printed; pass --seed to replay); default 200 cases
   search  hunts the worst err/bound: Hypothesis target() on every check, no shrinking; default 2000 cases;
-          prints the worst cases as ready-to-paste @example(...) lines
+          prints each check's worst case as a ready-to-paste @example(...) line
 
 plug-in contract (--impl package.module:function):
   function(batch: mla_ref.decode.DecodeBatch) -> out  or  (out, lse)
@@ -243,21 +242,12 @@ def _summary(results: list[CaseResult], flags: str) -> dict:
         summary[name] = {
             "cases": len(hits),
             "failed": len(failed),
-            "median_err_over_bound": _num(statistics.median(ratios)) if ratios else None,
-            "max_err_over_bound": _num(max(ratios)) if ratios else None,
+            "median_err_over_bound": json_number(statistics.median(ratios)) if ratios else None,
+            "max_err_over_bound": json_number(max(ratios)) if ratios else None,
             "worst_repro": worst_r.case.repro(flags),
             "worst_detail": worst_c.detail,
         }
     return summary
-
-
-def _num(x: float):
-    """A JSON-safe number (allow_nan=False): non-finite floats become strings."""
-    if x != x:
-        return "nan"
-    if x in (float("inf"), float("-inf")):
-        return "inf" if x > 0 else "-inf"
-    return x
 
 
 def _failure(r: CaseResult, flags: str) -> dict:
@@ -327,10 +317,18 @@ def _print_summary(console, summary: dict, results: list[CaseResult], seconds: f
         console.print(f"[{i}] {line}", markup=False, highlight=False)
 
 
-def _example_lines(results: list[CaseResult], k: int) -> list[str]:
-    """The k cases with the largest finite err/bound, as @example(case=Case(...)) lines."""
-    worst = sorted(results, key=lambda r: r.worst(), reverse=True)[:k]
-    return [f"@example(case={r.case!r})  # max err/bound {r.worst():.3g}" for r in worst]
+def _example_lines(results: list[CaseResult]) -> list[str]:
+    """For each bounded check, its worst case (largest finite err/bound) as an @example(case=Case(...)) line."""
+    lines: dict[str, str] = {}
+    names = dict.fromkeys(c.name for r in results for c in r.checks if c.err_over_bound is not None)
+    for name in names:
+        scored = [(c.err_over_bound, r.case) for r in results for c in r.checks
+                  if c.name == name and c.err_over_bound is not None and c.err_over_bound < float("inf")]
+        if scored:
+            ratio, case = max(scored, key=lambda rc: rc[0])
+            line = f"@example(case={case!r})"
+            lines[line] = lines.get(line, "") + f" {name} {ratio:.3g}"
+    return [f"{line}  # max err/bound:{note}" for line, note in lines.items()]
 
 
 # ---- main -------------------------------------------------------------------------------------------------------
@@ -472,14 +470,14 @@ def main(argv: list[str] | None = None) -> int:
         _print_summary(console, summary, results, seconds)
     if args.profile == "search" and results:
         console.print("worst cases (paste into a test as regressions):", markup=False)
-        for line in _example_lines(results, WORST_EXAMPLES):
+        for line in _example_lines(results):
             console.print(line, markup=False, highlight=False)
 
     failed = [r for r in results if not r.ok]
     report.update(cases=len(results), failed=len(failed), seconds=round(seconds, 3), checks=summary,
                   failures=[_failure(r, flags) for r in failed],
                   results=[{"case": json.loads(r.case.to_json()), "ok": r.ok, "seconds": round(r.seconds, 4),
-                            "err_over_bound": {c.name: _num(c.err_over_bound) for c in r.checks
+                            "err_over_bound": {c.name: json_number(c.err_over_bound) for c in r.checks
                                                if c.err_over_bound is not None}} for r in results])
     if args.json:
         _write_json(args.json, report)

@@ -34,12 +34,15 @@ def mla_property_test(
     page_size: int | None = None,
     device: str | None = None,
     smoke: bool = True,
+    examples: tuple[Case, ...] | list[Case] = (),
 ):
     """A pytest test function checking ``fn`` on Hypothesis-drawn `Case`s of ``dtype`` ("bf16" or "fp8").
 
     fn follows the plug-in contract of `verify.kernels` (``fn(batch) -> out | (out, lse)``, optional
     ``fn.numerics``). device: where cases are built (default cuda if available, else cpu). smoke: run the fixed smoke
-    prefix first. The other arguments shape the drawn cases as the `mla-verify` flags of the same names.
+    prefix first. examples: more `Case`s to run first as explicit examples (pinned regressions, e.g. the
+    ``@example`` lines of ``mla-verify --profile search``). The other arguments shape the drawn cases as the
+    `mla-verify` flags of the same names.
     """
     kernel = from_callable(fn)
     shape = dict(fp8_format=fp8_format, max_seq_len=max_seq_len, heads=heads, page_size=page_size)
@@ -57,9 +60,9 @@ def mla_property_test(
         if not result.ok:
             raise AssertionError(f"{result.describe()}\nrepro: {case.repro(flags)}")
 
-    if smoke:
-        for c in reversed(smoke_cases(dtype, **shape)):
-            test = example(case=c)(test)
+    explicit = (smoke_cases(dtype, **shape) if smoke else []) + list(examples)
+    for c in reversed(explicit):
+        test = example(case=c)(test)
     test = given(case=cases(dtype, **shape))(test)
     name = getattr(fn, "__name__", None) or kernel.name.rsplit(":", 1)[-1].replace(".", "_")
     test.__name__ = test.__qualname__ = f"test_{name}_{dtype}"
