@@ -417,10 +417,13 @@ def main(argv: list[str] | None = None) -> int:
     if seed is None:
         seed = 0 if args.profile == "ci" else int.from_bytes(os.urandom(4), "little")
     n = 1 if replay else (args.cases or DEFAULT_CASES[args.profile])
-    jobs = args.jobs or (1 if device.type != "cpu" else len(os.sched_getaffinity(0)))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    jobs = args.jobs or (1 if device.type != "cpu" else cores)
     report.update(seed=seed, jobs=jobs)
-    console.print(f"mla-verify: kernel {kernel.name} ({kernel.reason}); device {device}; profile {args.profile}, "
-                  f"seed {seed}, {n} case{'s' * (n != 1)}, dtype {args.dtype}", markup=False, highlight=False)
+    what = f"replaying {replay.describe()}" if replay else f"profile {args.profile}, seed {seed}, {n} cases"
+    what += "" if replay else f", {args.dtype}"
+    console.print(f"mla-verify: kernel {kernel.name} ({kernel.reason}); device {device}; {what}", markup=False,
+                  highlight=False)
 
     from verify.strategies import cases as case_strategy
     from verify.strategies import smoke_cases
