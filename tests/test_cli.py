@@ -147,3 +147,13 @@ def test_model_subcommand_missing(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "verify.model_check", None)  # import raises ModuleNotFoundError
     code, _, err = run(capsys, "model")
     assert code == 2 and "model_check" in err
+
+
+def test_search_prints_pasteable_examples(capsys):
+    code, _, err = run(capsys, "--profile", "search", "--cases", "8", "--max-seq-len", "64", "--seed", "1")
+    assert code == 0, err
+    lines = [line for line in err.splitlines() if line.startswith("@example(case=Case(")]
+    assert lines and "tier1.out" in "".join(lines)
+    for line in lines:
+        expr = line.removeprefix("@example(case=").split("  # ")[0][:-1]  # Case(...)
+        assert isinstance(eval(expr, {"Case": Case}), Case)

@@ -152,18 +152,20 @@ def _draw(strategy, n: int, seed: int) -> list[Case]:
 def _search(strategy, n: int, seed: int, on_result) -> None:
     """Run up to n drawn cases in Hypothesis' generate + target phases (no shrinking), targeting each check's
     err/bound, so later cases climb toward the worst ones."""
-    from hypothesis import HealthCheck, Phase, given, settings, target
+    from hypothesis import HealthCheck, Phase, Verbosity, given, settings, target
     from hypothesis import seed as hyp_seed
 
-    done = [0]
+    done, stopped = [0], []
     if n <= 0:
         return
 
     @hyp_seed(seed)
     @settings(max_examples=n, database=None, deadline=None, phases=[Phase.generate, Phase.target],
-              suppress_health_check=list(HealthCheck))
+              suppress_health_check=list(HealthCheck), verbosity=Verbosity.quiet)  # quiet: _Stop is no "failure"
     @given(strategy)
     def hunt(case):
+        if stopped:  # Hypothesis replays a "failing" example once more: do not run it again
+            raise _Stop
         if done[0] >= n:
             return
         result = _run_one(case)
@@ -172,6 +174,7 @@ def _search(strategy, n: int, seed: int, on_result) -> None:
             if c.err_over_bound is not None and 0 <= c.err_over_bound < float("inf"):
                 target(c.err_over_bound, label=c.name)
         if not on_result(result):
+            stopped.append(True)
             raise _Stop
 
     try:
