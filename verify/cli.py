@@ -8,6 +8,7 @@ JSON report goes to ``--json PATH`` (``-`` = stdout), written atomically.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import multiprocessing
 import os
@@ -339,7 +340,7 @@ def _example_lines(results: list[CaseResult]) -> list[str]:
 
 def _model(argv: list[str]) -> int:
     try:
-        from verify import model_check
+        model_check = importlib.import_module("verify.model_check")
     except ModuleNotFoundError as e:
         if e.name != "verify.model_check":
             raise
