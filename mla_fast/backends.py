@@ -15,10 +15,14 @@ a `KernelNumerics` read by verify's kernel bound, numerics.md §5(f)).
 
 `available()` says for each whether it can run here and, if not, why; `get_backend("auto")` picks the first runnable
 of `AUTO_ORDER`. Peer packages are imported only when a backend runs, never when this module is imported.
+
+A backend that runs here may still lack a kernel for some inputs (FlashMLA: bf16 q with an fp8 cache): it then raises
+`Unsupported` with the reason, which the verifier counts as "unsupported", neither passed nor failed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 from collections.abc import Callable
@@ -30,6 +34,11 @@ from mla_fast.numerics import KERNEL_NUMERICS, KernelNumerics
 from mla_ref.decode import DecodeBatch, is_fp8
 
 AUTO_ORDER = ("triton", "flashmla", "flashinfer", "aiter", "emulated")  # "auto": our kernel first, ref never
+
+
+class Unsupported(ValueError):
+    """Raised by a backend or a plug-in for an input its kernel cannot run (an input outside the kernel's contract,
+    not a wrong result). The message is the reason, without case-specific values: mla-verify groups cases by it."""
 
 
 @dataclass(frozen=True)
@@ -102,8 +111,12 @@ def _triton_numerics(batch: DecodeBatch) -> KernelNumerics:
 
 
 def _flashinfer_numerics(batch: DecodeBatch) -> KernelNumerics:
-    # fp8 KV is staged to bf16 in shared memory (bf16 MMAs; q is bf16): same rounding points as bf16
-    return _hopper_16bit(torch.float16 if batch.kv_cache.dtype == torch.float16 else torch.bfloat16)
+    # fp8 KV is staged to bf16 in shared memory as bf16(code * bf16(kv_scale)) before bf16 MMAs (q is bf16): the
+    # 16-bit rounding points, plus one bf16 rounding of every K and V element whose product is inexact
+    numerics = _hopper_16bit(torch.float16 if batch.kv_cache.dtype == torch.float16 else torch.bfloat16)
+    if is_fp8(batch.kv_cache.dtype) and "scale_then_round" in {f.name for f in dataclasses.fields(KernelNumerics)}:
+        return dataclasses.replace(numerics, scale_then_round=True)
+    return numerics
 
 
 def _flashmla_numerics(batch: DecodeBatch) -> KernelNumerics:

@@ -12,12 +12,20 @@ Conventions handled here:
 - fp8 KV (e4m3fn only; fa3 on SM90; q must be bf16): `ckv_scale = kpe_scale = kv_scale`. The kernel dequantizes a
   tile as bf16(fp8 * bf16(scale)) (`__hmul2` in mla_hopper.cuh), so operands are exact only when the products are
   (e.g. a power-of-two scale); otherwise they carry one bf16 rounding each.
-- fp8 q (FlashInfer has no fp8-q MLA path): sent as bf16 (every e4m3 value is exact in bf16) with q_scale folded
-  into sm_scale, which leaves the scores unchanged.
+- Masking: FlashInfer's "-inf" is the finite `math::inf = 5e4` (include/flashinfer/math.cuh), written into the raw
+  q.k logits before sm_scale (mla_hopper.cuh `logits_mask_`, MaskFillValue = -math::inf). A masked slot of a KV tile
+  (causally hidden token, or the zero-filled tail past kv_len) keeps weight exp(sm_scale (-5e4 - max raw logit))
+  instead of 0: 0 in fp32 at sm_scale ~ 0.1 (e^-6760), but ~1e-23 at sm_scale = 0.135 * 2^-7, and visible in
+  rows that see one token where v = 0 exactly (the exact output is 0 there).
+- fp8 q (FlashInfer has no fp8-q MLA path): sent as bf16 q8 * 2^k (exact: e4m3 values times a power of two) with
+  the rest of q_scale, q_scale / 2^k in [2^-1/2, 2^1/2], folded into sm_scale (`split_q_scale`). The scores are
+  unchanged and the raw logits keep the scale of a bf16 deployment, so the sentinel above stays e^-thousands.
 - e4m3fnuz inputs are re-expressed as e4m3fn bit-exactly (`aiter_backend.e4m3fnuz_to_fn`).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -31,6 +39,20 @@ def _workspace(device: torch.device) -> torch.Tensor:
     if device not in _WORKSPACES:
         _WORKSPACES[device] = torch.empty(WORKSPACE_BYTES, dtype=torch.int8, device=device)
     return _WORKSPACES[device]
+
+
+def split_q_scale(q8: torch.Tensor, q_scale: float, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
+    """fp8 q as 16-bit: (q8 * 2^k in ``dtype`` [T, H, D], q_scale / 2^k) with 2^k the power of two nearest q_scale.
+
+    Multiplying by a power of two is exact while the values stay in ``dtype``'s range; where they would not (fp16
+    subnormals), k = 0: q8 itself (exact, every e4m3 value fits bf16 and fp16) and the whole q_scale left over.
+    """
+    k = round(math.log2(q_scale))
+    wide = q8.float()  # [T, H, D] exact
+    q = (wide * 2.0**k).to(dtype)  # [T, H, D]
+    if not torch.equal(q.float(), wide * 2.0**k):
+        return wide.to(dtype), q_scale
+    return q, q_scale / 2.0**k
 
 
 def flashinfer_inputs(batch: DecodeBatch) -> dict:
@@ -47,7 +69,8 @@ def flashinfer_inputs(batch: DecodeBatch) -> dict:
         raise ValueError(f"flashinfer.kv_cache: expected bf16, fp16 or fp8 e4m3fn, got {kv.dtype}")
     q_dtype = torch.bfloat16 if is_fp8(kv.dtype) else kv.dtype  # fp8 KV takes bf16 q only
     if is_fp8(q.dtype):
-        q, sm_scale = q.float().to(q_dtype), sm_scale * batch.q_scale  # exact: e4m3 values fit bf16/fp16
+        q, rest = split_q_scale(q, batch.q_scale, q_dtype)  # [T, H, D] q8 * 2^k, exact
+        sm_scale = sm_scale * rest
     if q.dtype != q_dtype:
         raise ValueError(f"flashinfer.q: expected {q_dtype} with a {kv.dtype} cache, got {q.dtype}")
     L = batch.kv_lora_rank

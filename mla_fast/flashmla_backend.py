@@ -6,13 +6,23 @@ natural log. The schedule is computed on the GPU on first use (bf16) or by `get_
 
 Conventions handled here:
 - A batch with another page size is repaged into 64-token pages (a copy; `repage`).
+- Varlen MTP: q is padded to [B, s_q_max, H, D] with each request's rows at the *end* of its slot and zero rows in
+  front (`padded_rows`). FlashMLA's causal rule (row r of s_q sees s_k - s_q + r + 1 tokens, causal=True when
+  s_q > 1) then gives every real row exactly the contract's visibility; the dummy rows are computed and dropped.
 - lse [B, H, s_q] -> [T, H]; a row that sees no token comes back as lse = +inf (FlashMLA's "lonely q"), converted to
   this package's -inf.
-- MTP: causal=True when s_q > 1 (FlashMLA's causal diagonal is s_k - s_q).
 - bf16 (or fp16) q with a cache of the same dtype -> dense kernel. fp8 q with an fp8 e4m3fn cache -> the dense fp8
   kernel (FlashMLA PR #54 in the fork: fp8 QK and PV MMAs, P cast to e4m3 without a scale) with per-tensor
   descale_q / descale_k. fp8 q with a bf16 cache is sent as bf16 (exact) with q_scale folded into softmax_scale.
-  bf16 q with an fp8 cache has no FlashMLA kernel: ValueError. e4m3fnuz is re-expressed as e4m3fn bit-exactly.
+  e4m3fnuz is re-expressed as e4m3fn bit-exactly.
+
+Inputs FlashMLA has no kernel for raise `mla_fast.backends.Unsupported`:
+- bf16 q with an fp8 cache (the dense fp8 kernel is fp8 x fp8);
+- a request with seq_len 0 on the dense fp8 kernel: for seqlen_k = 0 its `compute_attn_1rowblock_splitkv_mla`
+  starts at n_block = ceil(0 / 64) - 1 = -1 and loads the page `block_table[b][-1]`, outside request b's row (before
+  the tensor for b = 0: an illegal memory access; sgl-project/FlashMLA csrc/extension/sm90/dense_fp8/
+  flash_fwd_mla_kernel.h). vLLM avoids it by clamping seq_lens to >= 1 (vllm-project/vllm#35969, issue #33664),
+  which changes the result, so such batches are not sent.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import math
 
 import torch
 
+from mla_fast.backends import Unsupported
 from mla_ref.decode import INVALID_PAGE, DecodeBatch, is_fp8
 
 PAGE_SIZE = 64  # the only page_block_size of FlashMLA's dense decode
@@ -43,12 +54,34 @@ def repage(batch: DecodeBatch, page_size: int = PAGE_SIZE) -> DecodeBatch:
     return batch.replace(kv_cache=cache, block_table=block_table.to(batch.device)).validate()
 
 
+def padded_rows(q_lens: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Where the T real query rows go in FlashMLA's [B, s_q_max] grid of query rows.
+
+    Returns (index [T] int64 into the flattened B * s_q_max grid, s_q_max): row r of request b (q_len n_b) goes to
+    b * s_q_max + (s_q_max - n_b) + r, the end of b's slot, so its row position in the grid sees
+    s_k - s_q_max + (s_q_max - n_b + r) + 1 = s_k - n_b + r + 1 tokens under FlashMLA's causal rule: the contract's.
+    """
+    q_lens = q_lens.long()  # [B]
+    s_q = int(q_lens.max()) if q_lens.numel() else 1
+    request = torch.repeat_interleave(torch.arange(q_lens.shape[0], device=q_lens.device), q_lens)  # [T]
+    first = torch.cumsum(q_lens, 0) - q_lens  # [B] first row of each request in q
+    r = torch.arange(request.shape[0], device=q_lens.device) - first[request]  # [T] row inside its request
+    return request * s_q + (s_q - q_lens[request]) + r, s_q
+
+
 def flashmla_inputs(batch: DecodeBatch) -> dict:
-    """flash_mla_with_kvcache arguments for `batch` (see module docstring); ValueError when FlashMLA cannot run it."""
+    """flash_mla_with_kvcache arguments for `batch` (see module docstring), plus "rows" ([T] positions of the real
+    rows in the flattened [B * s_q] outputs). Unsupported for inputs FlashMLA has no kernel for."""
     batch.validate()
     if batch.page_size != PAGE_SIZE:
         batch = repage(batch, PAGE_SIZE)
-    layout = batch.to_flashmla()  # ValueError for non-uniform q_lens
+    rows, s_q = padded_rows(batch.q_lens)  # [T], s_q_max
+    q_bytes = batch.q.contiguous().view(torch.uint8)  # [T, H, D * itemsize]: index_put for every dtype, fp8 too
+    grid = q_bytes.new_zeros(batch.batch_size * s_q, *q_bytes.shape[1:])  # [B * s_q, H, D * itemsize]
+    grid[rows] = q_bytes  # real rows at the end of each request's slot, zero rows in front
+    q_grid = grid.view(batch.q.dtype)  # [B * s_q, H, D]
+    uniform = torch.full_like(batch.q_lens, s_q)  # [B]
+    layout = batch.replace(q=q_grid, q_lens=uniform).to_flashmla()
     q, kv = layout["q"], layout["k_cache"]  # [B, s_q, H, D], [P, 64, 1, D]
     q_scale, kv_scale, sm_scale = batch.q_scale, batch.kv_scale, float(batch.sm_scale)
     if q.dtype == torch.float8_e4m3fnuz or kv.dtype == torch.float8_e4m3fnuz:
@@ -60,13 +93,15 @@ def flashmla_inputs(batch: DecodeBatch) -> dict:
             kv, kv_scale = e4m3fnuz_to_fn(kv, kv_scale)
     fp8_kv = is_fp8(kv.dtype)
     if fp8_kv and kv.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"flashmla.kv_cache: fp8 must be e4m3fn (or e4m3fnuz), got {kv.dtype}")
+        raise Unsupported("flashmla.kv_cache: FlashMLA's fp8 cache is e4m3fn (or e4m3fnuz, converted)")
     if fp8_kv and not is_fp8(q.dtype):
-        raise ValueError("flashmla.q: an fp8 cache needs fp8 q (FlashMLA's dense fp8 kernel is fp8 x fp8)")
+        raise Unsupported("flashmla: bf16 q with an fp8 cache (FlashMLA's dense fp8 kernel is fp8 x fp8)")
+    if fp8_kv and batch.batch_size and int(batch.seq_lens.min()) == 0:
+        raise Unsupported("flashmla fp8: a request with seq_len 0 (the dense fp8 kernel reads block_table[b][-1])")
     if is_fp8(q.dtype) and not fp8_kv:
         q, sm_scale = q.float().to(kv.dtype), sm_scale * q_scale  # exact: e4m3 values fit bf16/fp16
     if not fp8_kv and (kv.dtype not in (torch.bfloat16, torch.float16) or q.dtype != kv.dtype):
-        raise ValueError(f"flashmla.q/kv_cache: expected both bf16 or both fp16, got {q.dtype}/{kv.dtype}")
+        raise Unsupported("flashmla.q/kv_cache: FlashMLA's dense kernel takes both bf16 or both fp16")
     block_table = layout["block_table"]  # [B, max_blocks]
     if fp8_kv:  # the dense fp8 kernel (FlashMLA PR #54) may read entries past seq_len: point them at page 0
         used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < batch.pages_per_request[:, None]
@@ -80,6 +115,7 @@ def flashmla_inputs(batch: DecodeBatch) -> dict:
         "softmax_scale": sm_scale,
         "causal": layout["causal"],
         "descale": (q_scale, kv_scale) if fp8_kv else None,
+        "rows": rows,
     }
 
 
@@ -115,7 +151,7 @@ def flashmla_decode(batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
         use_legacy=True,
         **extra,
     )
-    out = out.reshape(B * s_q, H, -1)  # [B, s_q, H, 512] -> [T, H, 512]
-    lse = lse.permute(0, 2, 1).reshape(B * s_q, H)  # [B, H, s_q] -> [T, H]
+    out = out.reshape(B * s_q, H, -1)[a["rows"]]  # [B, s_q, H, 512] -> [B * s_q, H, 512] -> real rows [T, H, 512]
+    lse = lse.permute(0, 2, 1).reshape(B * s_q, H)[a["rows"]]  # [B, H, s_q] -> [B * s_q, H] -> [T, H]
     empty = (batch.visible_tokens() == 0)[:, None] & torch.isposinf(lse)  # FlashMLA: lonely q -> +inf
     return out, torch.where(empty, -math.inf, lse)

@@ -1,34 +1,48 @@
-"""mla_fast.backends: registry contents, honest availability reasons, auto, lazy peer imports, declared numerics.
+"""mla_fast.backends: registry contents, honest availability reasons, auto, lazy peer imports, declared numerics;
+the CPU-side parts of the peer adapters (FlashMLA's varlen padding, Unsupported inputs, FlashInfer's fp8 q).
 
 Numerical tolerance (emulated backend): verify.bounds.kernel_bound with its declared KernelNumerics plus merge_bound
 for the number of 64-token blocks of the longest request (the most splits its plan can make); ref is exact.
+The adapter tests compare exactly: padding and power-of-two scalings move values without rounding them.
 """
 
 import ast
+import math
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from mla_fast import backends
+from mla_fast.flashinfer_backend import flashinfer_inputs, split_q_scale
+from mla_fast.flashmla_backend import flashmla_inputs, padded_rows
 from mla_ref import fp8
 from mla_ref.decode import make_decode_batch, mla_decode_ref
 
 NAMES = {"ref", "emulated", "triton", "aiter", "flashinfer", "flashmla"}
 
 
-def _batch(dtype="bf16", seed=0):
+def _batch(dtype="bf16", seed=0, seq_lens=(0, 70, 130), q_lens=(1, 1, 1), kv_dtype=None):
+    """bf16, or fp8 q and KV (kv_dtype="bf16": fp8 q with a bf16 cache; dtype="fp8kv": bf16 q with an fp8 cache)."""
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(3, 16, 576, generator=g)
-    kv = torch.randn(200, 576, generator=g)
+    q = torch.randn(sum(q_lens), 16, 576, generator=g)
+    kv = torch.randn(sum(seq_lens), 576, generator=g)
     scales = {}
-    if dtype == "fp8":
-        (q, qs), (kv, ks) = fp8.quantize(q), fp8.quantize(kv)
-        scales = {"q_scale": float(qs), "kv_scale": float(ks)}
+    if dtype in ("fp8", "fp8kv") and kv_dtype != "bf16":
+        kv, ks = fp8.quantize(kv)
+        scales["kv_scale"] = float(ks)
     else:
-        q, kv = q.bfloat16(), kv.bfloat16()
-    kvs = list(torch.split(kv, [0, 70, 130]))
-    return make_decode_batch(q, kvs, sm_scale=0.1352338, kv_lora_rank=512, page_size=16, generator=g, **scales)
+        kv = kv.bfloat16()
+    if dtype == "fp8":
+        q, qs = fp8.quantize(q)
+        scales["q_scale"] = float(qs)
+    else:
+        q = q.bfloat16()
+    kvs = list(torch.split(kv, list(seq_lens)))
+    return make_decode_batch(q, kvs, sm_scale=0.1352338, kv_lora_rank=512, page_size=16, generator=g,
+                             q_lens=list(q_lens), **scales)
 
 
 def test_every_backend_reports_a_reason():
@@ -131,3 +145,68 @@ def test_declared_numerics_per_backend_and_dtype():
     assert get["flashmla"](bf16).p_fmt == "bf16" and get["flashmla"](fp8_batch).p_fmt == "e4m3fn"
     assert get["aiter"](bf16).p_fmt == "bf16" and get["aiter"](fnuz).p_fmt == "e4m3fnuz"
     assert get["triton"](fp8_batch).qk_operand == torch.float16  # the Triton kernel's fp8 MMAs run in fp16
+
+
+# ---- FlashMLA adapter (CPU parts) ---------------------------------------------------------------------------------
+
+
+@given(st.lists(st.tuples(st.integers(1, 5), st.integers(0, 70)), min_size=1, max_size=6))
+def test_flashmla_padding_gives_each_row_the_contract_visibility(requests):
+    """Real rows at the end of each request's slot of the [B, s_q_max] grid: FlashMLA's causal rule (grid row p sees
+    s_k - s_q_max + p + 1 tokens) gives row r of a request with q_len n the contract's s_k - n + r + 1."""
+    q_lens = torch.tensor([n for n, _ in requests], dtype=torch.int32)
+    index, s_q = padded_rows(q_lens)
+    assert s_q == max(n for n, _ in requests) and index.dtype == torch.int64
+    assert len(set(index.tolist())) == index.numel() == int(q_lens.sum())  # one grid row per real row
+    t = 0
+    for b, (n, s_k) in enumerate(requests):
+        for r in range(n):
+            slot, p = divmod(int(index[t]), s_q)
+            assert slot == b and max(0, s_k - s_q + p + 1) == max(0, s_k - n + r + 1)
+            t += 1
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_flashmla_varlen_grid_matches_the_oracle(dtype):
+    """The padded q grid, run through FlashMLA's rule (the oracle with uniform q_len = s_q_max on the repaged cache),
+    gives the oracle's result on the real rows: the padding changes nothing for them."""
+    batch = _batch(dtype, seq_lens=(1, 70, 130, 3), q_lens=(2, 1, 3, 4))
+    a = flashmla_inputs(batch)
+    B, s_q, H, D = a["q"].shape
+    assert (B, s_q, H, D) == (4, 4, 16, 576) and a["causal"] and a["k_cache"].shape[1:] == (64, 1, 576)
+    grid = a["q"].reshape(B * s_q, H, D).view(torch.uint8)  # [B * s_q, H, D * itemsize]
+    assert torch.equal(grid[a["rows"]], batch.q.view(torch.uint8))
+    dummy = torch.ones(B * s_q, dtype=torch.bool)
+    dummy[a["rows"]] = False
+    assert not bool(grid[dummy].any())  # zero rows in front
+    padded = batch.replace(q=a["q"].reshape(B * s_q, H, D), kv_cache=a["k_cache"][:, :, 0],
+                           block_table=a["block_table"], q_lens=torch.full_like(batch.q_lens, s_q))
+    out, lse = mla_decode_ref(padded)  # [B * s_q, H, L], [B * s_q, H]
+    ref_out, ref_lse = mla_decode_ref(batch)
+    assert torch.equal(out[a["rows"]], ref_out) and torch.equal(lse[a["rows"]], ref_lse)
+
+
+def test_flashmla_unsupported_inputs_say_why():
+    assert issubclass(backends.Unsupported, ValueError)
+    with pytest.raises(backends.Unsupported, match="fp8 x fp8"):
+        flashmla_inputs(_batch("fp8kv", seq_lens=(5, 70, 130)))  # bf16 q, fp8 cache
+    with pytest.raises(backends.Unsupported, match="seq_len 0"):
+        flashmla_inputs(_batch("fp8"))  # request 0 is empty: the fp8 kernel would read block_table[0][-1]
+    assert flashmla_inputs(_batch("fp8", kv_dtype="bf16"))["descale"] is None  # fp8 q, bf16 cache: the bf16 kernel
+
+
+# ---- FlashInfer adapter (CPU parts) -------------------------------------------------------------------------------
+
+
+def test_flashinfer_fp8_q_keeps_raw_logits_at_scale():
+    """fp8 q goes in as q8 * 2^k (exact) with q_scale / 2^k in sm_scale: same scores, and sm_scale stays near σ, so
+    FlashInfer's mask value -5e4 (a finite "-inf" in raw logits) keeps a weight exp(-5e4 σ') below fp32's smallest
+    subnormal 2^-149 = e^-103.3 instead of leaking into masked slots."""
+    batch = _batch("fp8", seq_lens=(5, 70, 130))
+    q, rest = split_q_scale(batch.q, batch.q_scale, torch.bfloat16)
+    assert q.dtype == torch.bfloat16 and 2**-0.5 <= rest <= 2**0.5
+    k = round(math.log2(batch.q_scale / rest))
+    assert batch.q_scale / rest == 2.0**k and torch.equal(q.double(), batch.q.double() * 2.0**k)  # exact
+    a = flashinfer_inputs(batch)
+    assert a["sm_scale"] == batch.sm_scale * rest and torch.equal(a["q_nope"], q[..., :512])
+    assert a["sm_scale"] * 5e4 > 149 * math.log(2)

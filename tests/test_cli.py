@@ -1,5 +1,6 @@
 """mla-verify: help, usage errors (exit 2, one line), unavailable backends (exit 5 with the reason), --case replay of a
-repro line, the JSON report (schema, allow_nan=False, atomic), broken plug-ins as failed cases, the model subcommand."""
+repro line, the JSON report (schema, allow_nan=False, atomic), broken plug-ins as failed cases, unsupported cases
+(counted per reason; exit 5 when all are), a CUDA fault stopping the campaign, the model subcommand."""
 
 import json
 import shlex
@@ -9,8 +10,10 @@ import types
 import pytest
 import torch
 
+from mla_fast.backends import Unsupported
 from verify import cli
 from verify.cases import Case
+from verify.checks import is_device_fault
 from verify.mutants import correct
 
 SMALL = Case(seq_lens=(0, 70), q_lens=(2, 1), heads=2, seed=3)
@@ -35,6 +38,25 @@ def out_only(batch):
 
 
 not_callable = 3
+
+
+def no_four_heads(batch):
+    if batch.num_heads == 4:
+        raise Unsupported("no kernel for 4 heads")
+    return correct(batch)
+
+
+def never(batch):
+    raise Unsupported("no kernel at all")
+
+
+ILLEGAL_ADDRESS = "CUDA error: an illegal memory access was encountered"
+
+
+def faults_on_two_heads(batch):
+    if batch.num_heads == 2:
+        raise RuntimeError(ILLEGAL_ADDRESS)
+    return correct(batch)
 
 
 def run(capsys, *argv):
@@ -117,6 +139,44 @@ def test_broken_plugin_is_a_failed_case(capsys, tmp_path, impl, message):
     assert code == 1
     (check,) = json.loads(path.read_text())["failures"][0]["checks"]
     assert check["name"] == "contract" and message in check["detail"]
+
+
+def test_unsupported_cases_are_counted_not_failed(capsys, tmp_path):
+    path = tmp_path / "r.json"
+    code, _, err = run(capsys, "--impl", "tests.test_cli:no_four_heads", "--cases", "3", "--max-seq-len", "128",
+                       "--jobs", "1", "--json", str(path))  # smoke cases with 8, 2 and 4 heads
+    assert code == 0, err
+    report = json.loads(path.read_text())
+    assert report["cases"] == 3 and report["failed"] == 0 and report["unsupported"] == {"no kernel for 4 heads": 1}
+    assert [r["status"] for r in report["results"]] == ["passed", "passed", "unsupported"]
+    assert "unsupported, 1 case(s) like [2]: no kernel for 4 heads" in err  # the summary shows count and reason
+
+
+def test_all_unsupported_exits_5(capsys, tmp_path):
+    path = tmp_path / "r.json"
+    code, _, err = run(capsys, "--impl", "tests.test_cli:never", "--cases", "2", "--max-seq-len", "64", "--jobs", "1",
+                       "--json", str(path))
+    assert code == 5 and "nothing ran" in err
+    report = json.loads(path.read_text())
+    assert report["cases"] == 2 and report["failed"] == 0 and report["unsupported"] == {"no kernel at all": 2}
+
+
+def test_cuda_fault_stops_the_campaign(capsys, tmp_path):
+    path = tmp_path / "r.json"
+    code, _, err = run(capsys, "--impl", "tests.test_cli:faults_on_two_heads", "--cases", "4", "--max-seq-len", "128",
+                       "--jobs", "1", "--json", str(path))  # smoke cases with 8, 2, 4 and 4 heads
+    assert code == 1
+    report = json.loads(path.read_text())
+    assert report["cases"] == 2 and report["failed"] == 1 and report["not_run"] == 2  # no follow-on failures
+    faulting = report["failures"][0]
+    assert report["stopped"]["repro"] == faulting["repro"] and ILLEGAL_ADDRESS in report["stopped"]["detail"]
+    assert "STOPPED at case 2 of 4" in err and faulting["repro"] in err
+
+
+def test_device_fault_detection():
+    assert is_device_fault(RuntimeError(ILLEGAL_ADDRESS)) and is_device_fault(RuntimeError("HIP error: invalid"))
+    assert is_device_fault(torch.AcceleratorError("an illegal memory access was encountered"))
+    assert not is_device_fault(RuntimeError("kernel exploded")) and not is_device_fault(ValueError(ILLEGAL_ADDRESS))
 
 
 def test_plugin_without_lse_is_checked_on_out(capsys):

@@ -12,6 +12,13 @@
 
 err/bound is the largest elementwise |actual - expected| / bound (> 1: violated); checks without a bound report
 None. A kernel that raises or breaks the contract fails the case with its message; the other checks then do not run.
+
+Two outcomes are not ordinary failures:
+- unsupported: the kernel raised `mla_fast.backends.Unsupported` (an input it has no kernel for); no check runs and
+  the case is neither passed nor failed (`CaseResult.unsupported` holds the reason).
+- device fault: a CUDA/HIP error (illegal memory access, ...) leaves the process's GPU context unusable, so every
+  later case would fail too; the case fails and `CaseResult.device_fault` tells the campaign to stop. The kernel's
+  run is synchronized before it is judged, so an asynchronous fault is charged to the case that launched it.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mla_fast.backends import Unsupported
 from mla_ref.decode import DecodeBatch, mla_decode_ref
 from verify import bounds
 from verify.cases import Case
@@ -58,15 +66,30 @@ class CheckResult:
 
 @dataclass
 class CaseResult:
-    """Every check of one case, and how long the case took."""
+    """Every check of one case, and how long the case took.
+
+    Attributes:
+        unsupported: the kernel's reason when it raised `Unsupported` (then ``checks`` is empty), else None.
+        device_fault: a CUDA/HIP error broke the process's GPU context during this case (the case has failed).
+    """
 
     case: Case
     checks: list[CheckResult] = field(default_factory=list)
     seconds: float = 0.0
+    unsupported: str | None = None
+    device_fault: bool = False
+
+    @property
+    def status(self) -> str:
+        """"passed", "failed" or "unsupported"."""
+        if self.unsupported is not None:
+            return "unsupported"
+        return "passed" if all(c.ok for c in self.checks) else "failed"
 
     @property
     def ok(self) -> bool:
-        return all(c.ok for c in self.checks)
+        """Every check ran and held (an unsupported case is not ok, and not failed either: see ``status``)."""
+        return self.status == "passed"
 
     @property
     def failed(self) -> list[CheckResult]:
@@ -79,6 +102,8 @@ class CaseResult:
         return max(finite, default=0.0)
 
     def describe(self) -> str:
+        if self.unsupported is not None:
+            return f"case {self.case.describe()}: UNSUPPORTED by the kernel: {self.unsupported}"
         lines = [f"case {self.case.describe()}: {'OK' if self.ok else 'FAILED'} ({self.seconds:.2f} s)"]
         lines += [f"  [{c.name}] {c.detail}" for c in self.failed]
         return "\n".join(lines)
@@ -97,13 +122,30 @@ def _bounded(name: str, actual: torch.Tensor, expected: torch.Tensor, bound: tor
     return CheckResult(name, rep.ok, rep.err_over_bound_max, rep.err_over_bound_median, rep.describe(), rep.to_json())
 
 
-def _call(kernel_fn, *args) -> tuple[object | None, str | None]:
-    """Run a kernel; (result, None) or (None, one-paragraph error message). Never raises."""
+def is_device_fault(e: BaseException) -> bool:
+    """A sticky GPU error (torch.AcceleratorError, or a RuntimeError naming a CUDA/HIP error): after it every CUDA
+    call of this process fails, whatever the kernel or case."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)  # torch >= 2.8; a RuntimeError subclass
+    if accelerator_error is not None and isinstance(e, accelerator_error):
+        return True
+    return isinstance(e, RuntimeError) and ("CUDA error" in str(e) or "HIP error" in str(e))
+
+
+def error_message(e: BaseException) -> str:
+    """One paragraph: type, message and the innermost frame."""
+    where = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
+    return f"{type(e).__name__}: {e}" + (f" (at {where.filename}:{where.lineno})" if where else "")
+
+
+def _call(kernel_fn, *args, device: torch.device) -> tuple[object | None, Exception | None]:
+    """Run a kernel and wait for it on ``device``; (result, None) or (None, the exception). Never raises."""
     try:
-        return kernel_fn(*args), None
+        result = kernel_fn(*args)
+        if device.type == "cuda":  # a faulting launch is reported here, charged to this case
+            torch.cuda.synchronize(device)
+        return result, None
     except Exception as e:  # a plug-in's failure is a failed case, not a crash
-        where = traceback.extract_tb(e.__traceback__)[-1]
-        return None, f"{type(e).__name__}: {e} (at {where.filename}:{where.lineno})"
+        return None, e
 
 
 # ---- individual checks --------------------------------------------------------------------------------------------
@@ -139,9 +181,11 @@ def check_split(batch: DecodeBatch, kernel: Kernel, numerics, first: tuple, work
     2 merge + u_out (|a| + |b|) (1 + u_out) for out and 2 merge for lse.
     """
     other = 1 if workers > 1 else ALT_WORKERS
-    second, err = _call(kernel.run_workers, batch, other)
-    if err:
-        return [CheckResult("split.out", False, detail=f"{other}-worker run raised {err}")]
+    second, exc = _call(kernel.run_workers, batch, other, device=batch.device)
+    if exc is not None and is_device_fault(exc):
+        raise exc  # run_case reports it as this case's device fault
+    if exc is not None:
+        return [CheckResult("split.out", False, detail=f"{other}-worker run raised {error_message(exc)}")]
     u_out = torch.finfo(numerics.out_dtype).eps / 2  # unit roundoff of the output dtype
     results = []
     for i, (name, out_dtype) in enumerate((("split.out", numerics.out_dtype), ("split.lse", torch.float32))):
@@ -190,36 +234,49 @@ def check_finite(batch: DecodeBatch, out: torch.Tensor, lse: torch.Tensor | None
 
 def run_case(case: Case, kernel: Kernel, device: str = "cpu", *, tier2: bool = True, split: bool = True) -> CaseResult:
     """Materialize ``case`` on ``device``, run ``kernel`` on it and apply every check. Never raises for kernel
-    failures (they are failed checks); raises only if the verifier itself breaks."""
+    failures (they are failed checks; `Unsupported` makes an unsupported case; a device fault fails the case and sets
+    ``device_fault``); raises only if the verifier itself breaks."""
     t0 = time.perf_counter()
     result = CaseResult(case)
     batch, batch_exact = case.materialize(device)
     numerics = kernel.numerics(batch)
     if kernel.run_workers is not None:
-        raw, err = _call(kernel.run_workers, batch, case.num_workers)
+        raw, exc = _call(kernel.run_workers, batch, case.num_workers, device=batch.device)
     else:
-        raw, err = _call(kernel.run, batch)
-    if err is None:
+        raw, exc = _call(kernel.run, batch, device=batch.device)
+    if isinstance(exc, Unsupported):
+        result.unsupported = str(exc)
+        result.seconds = time.perf_counter() - t0
+        return result
+    err = None if exc is None else error_message(exc)
+    if exc is None:
         try:
             out, lse = outputs(raw, batch)
         except ValueError as e:
             err = str(e)
     if err is not None:
         result.checks.append(CheckResult("contract", False, detail=err))
+        result.device_fault = exc is not None and is_device_fault(exc)
         result.seconds = time.perf_counter() - t0
         return result
     given = "lse given" if lse is not None else "no lse"
     result.checks.append(CheckResult("contract", True, detail=f"out {out.dtype}, {given}"))
 
-    ref = mla_decode_ref(batch)  # fp64 oracle on the kernel's (dequantized) inputs
-    out_d, lse_d = out.detach().to(ref[0].device), (lse.detach().to(ref[0].device) if lse is not None else None)
-    merge = bounds.merge_bound(batch, kernel.max_splits(batch))  # the kernel may split rows up to max_splits times
-    result.checks += check_tier1(batch, out_d, lse_d, ref, numerics, merge)
-    result.checks.append(check_empty(batch, out_d, lse_d))
-    result.checks.append(check_finite(batch, out_d, lse_d))
-    if tier2 and case.is_fp8:
-        result.checks += check_tier2(batch, batch_exact, ref)
-    if split and kernel.run_workers is not None:
-        result.checks += check_split(batch, kernel, numerics, (out_d, lse_d), case.num_workers, merge)
+    try:
+        ref = mla_decode_ref(batch)  # fp64 oracle on the kernel's (dequantized) inputs
+        out_d, lse_d = out.detach().to(ref[0].device), (lse.detach().to(ref[0].device) if lse is not None else None)
+        merge = bounds.merge_bound(batch, kernel.max_splits(batch))  # the kernel may split rows up to max_splits times
+        result.checks += check_tier1(batch, out_d, lse_d, ref, numerics, merge)
+        result.checks.append(check_empty(batch, out_d, lse_d))
+        result.checks.append(check_finite(batch, out_d, lse_d))
+        if tier2 and case.is_fp8:
+            result.checks += check_tier2(batch, batch_exact, ref)
+        if split and kernel.run_workers is not None:
+            result.checks += check_split(batch, kernel, numerics, (out_d, lse_d), case.num_workers, merge)
+    except Exception as e:
+        if not is_device_fault(e):
+            raise
+        result.checks.append(CheckResult("device", False, detail=f"device fault: {error_message(e)}"))
+        result.device_fault = True
     result.seconds = time.perf_counter() - t0
     return result

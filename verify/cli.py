@@ -3,6 +3,10 @@
 A campaign runs a fixed smoke prefix (`verify.strategies.smoke_cases`) and then Hypothesis-drawn cases
 (`verify.strategies.cases`) through `verify.checks.run_case`. Human output (progress, summary) goes to stderr; the
 JSON report goes to ``--json PATH`` (``-`` = stdout), written atomically.
+
+Each case passes, fails, or is unsupported (the kernel raised `mla_fast.backends.Unsupported`: counted per reason,
+neither passed nor failed). A device fault (CUDA/HIP error) stops the campaign at that case: the process's GPU context
+is lost, so the remaining cases are reported as not run instead of as follow-on failures.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import traceback
 from importlib import metadata
 
 from verify.cases import FP8_FORMATS, Case
-from verify.checks import CaseResult, CheckResult, json_number
+from verify.checks import CaseResult, CheckResult, is_device_fault, json_number
 
 SCHEMA_VERSION = 1
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOTHING_RAN = 0, 1, 2, 5
@@ -41,9 +45,17 @@ plug-in contract (--impl package.module:function):
   optional: function.numerics = mla_fast.numerics.KernelNumerics(...) declares how it rounds; without it the
   bound assumes fp32 scores and P, fp32 accumulation, bf16 output (verify.kernels.DEFAULT_NUMERICS).
   A plug-in that raises or returns the wrong shape or dtype fails its case with the message.
+  For an input it has no kernel for, raise mla_fast.backends.Unsupported("reason"): the case is counted as
+  unsupported under that reason (neither passed nor failed; keep case-specific values out of the reason).
+
+outcomes:
+  passed / failed / unsupported per case, counted in the summary and the JSON (unsupported: reason -> cases).
+  A CUDA/HIP error (e.g. an illegal memory access) stops the campaign at the faulting case, printing its repro;
+  the remaining cases are reported as not run.
 
 exit codes:
-  0 every check held   1 a check failed   2 bad usage or input   5 no case ran (backend or device unavailable)
+  0 every check held (unsupported cases aside)   1 a check failed or a device fault stopped the campaign
+  2 bad usage or input   5 no case ran (backend or device unavailable, or every case unsupported)
 
 examples:
   mla-verify --dtype fp8
@@ -100,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write the JSON report to PATH ('-' = stdout)")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of err/bound per case and check (needs matplotlib)")
     p.add_argument("--case", metavar="JSON", help="replay one case (the JSON of a repro line) and show every check")
-    p.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failed case")
+    p.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failed case (not unsupported)")
     return p
 
 
@@ -112,7 +124,8 @@ _DEVICE = "cpu"
 
 
 def _run_one(case: Case) -> CaseResult:
-    """run_case that never raises: a verifier error becomes a failed 'verifier' check with its traceback."""
+    """run_case that never raises: a verifier error becomes a failed 'verifier' check with its traceback (a device
+    fault there, e.g. from a GPU context already lost, also stops the campaign)."""
     from verify.checks import run_case
 
     t0 = time.perf_counter()
@@ -121,7 +134,7 @@ def _run_one(case: Case) -> CaseResult:
     except Exception as e:
         tb = traceback.format_exc(limit=-3).strip().replace("\n", " | ")
         check = CheckResult("verifier", False, detail=f"verifier error {type(e).__name__}: {e} [{tb}]")
-        return CaseResult(case, [check], time.perf_counter() - t0)
+        return CaseResult(case, [check], time.perf_counter() - t0, device_fault=is_device_fault(e))
 
 
 def _worker_init() -> None:
@@ -300,12 +313,29 @@ def _plot(path: str, results: list[CaseResult], title: str) -> None:
     os.replace(tmp, path)
 
 
-def _print_summary(console, summary: dict, results: list[CaseResult], seconds: float) -> None:
-    """Table per check (cases, failed, median and max err/bound, worst case), then the worst cases' repro lines."""
+def _unsupported(results: list[CaseResult]) -> dict[str, list[CaseResult]]:
+    """reason -> the unsupported cases with that reason, in campaign order."""
+    groups: dict[str, list[CaseResult]] = {}
+    for r in results:
+        if r.unsupported is not None:
+            groups.setdefault(r.unsupported, []).append(r)
+    return groups
+
+
+def _title(results: list[CaseResult], not_run: int) -> str:
+    """"N cases: P passed, F failed, U unsupported[, K not run]"."""
+    count = {status: sum(r.status == status for r in results) for status in ("passed", "failed", "unsupported")}
+    text = f"{len(results)} cases: " + ", ".join(f"{v} {k}" for k, v in count.items())
+    return text + (f", {not_run} not run" if not_run else "")
+
+
+def _print_summary(console, summary: dict, results: list[CaseResult], seconds: float, flags: str,
+                   not_run: int) -> None:
+    """Table per check (cases, failed, median and max err/bound, worst case) and a row per unsupported reason, then
+    the worst cases' repro lines."""
     from rich.table import Table
 
-    failed = sum(not r.ok for r in results)
-    table = Table(title=f"mla-verify: {len(results)} cases, {failed} failed, {seconds:.1f} s", title_justify="left")
+    table = Table(title=f"mla-verify: {_title(results, not_run)}, {seconds:.1f} s", title_justify="left")
     for col in ("check", "cases", "failed", "median err/bound", "max err/bound", "worst case"):
         table.add_column(col, no_wrap=True)
     repros: list[str] = []
@@ -316,7 +346,14 @@ def _print_summary(console, summary: dict, results: list[CaseResult], seconds: f
         ratios = ["—" if x is None else (x if isinstance(x, str) else f"{x:.3g}") for x in ratios]
         table.add_row(name, str(s["cases"]), str(s["failed"]), *ratios, f"[{repros.index(s['worst_repro']) + 1}]",
                       style="red" if s["failed"] else None)
+    reasons = []
+    for reason, group in _unsupported(results).items():  # not a check: the kernel declined these inputs
+        repros.append(group[0].case.repro(flags))
+        table.add_row("unsupported", str(len(group)), "—", "—", "—", f"[{len(repros)}]", style="yellow")
+        reasons.append(f"unsupported, {len(group)} case(s) like [{len(repros)}]: {reason}")
     console.print(table)
+    for line in reasons:  # in full: a table cell may be cut to the console width
+        console.print(line, markup=False, highlight=False)
     for i, line in enumerate(repros, 1):
         console.print(f"[{i}] {line}", markup=False, highlight=False)
 
@@ -386,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         return usage(f"--device: {e}")
     report = {"schema_version": SCHEMA_VERSION, "argv": argv, "device": None, "versions": _versions(),
               "profile": args.profile, "dtype": args.dtype, "fp8_format": args.fp8_format, "cases": 0, "failed": 0,
-              "failures": [], "checks": {}, "results": []}
+              "failures": [], "unsupported": {}, "not_run": 0, "stopped": None, "checks": {}, "results": []}
 
     def nothing_ran(msg: str) -> int:
         console.print(f"mla-verify: nothing ran: {msg}", markup=False, highlight=False)
@@ -434,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
 
     shape = dict(fp8_format=args.fp8_format, max_seq_len=args.max_seq_len, heads=args.heads, page_size=args.page_size)
     results: list[CaseResult] = []
+    stopped: dict = {}  # why the campaign ended early (a device fault), for the report
     t0 = time.perf_counter()
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -446,12 +484,21 @@ def main(argv: list[str] | None = None) -> int:
 
         def on_result(r: CaseResult) -> bool:
             results.append(r)
-            failed = sum(not x.ok for x in results)
+            failed = sum(x.status == "failed" for x in results)
             progress.update(task, advance=1, failed=failed)
-            if not r.ok and failed <= 3:
+            first_of_reason = r.unsupported is not None and len(_unsupported(results)[r.unsupported]) == 1
+            if (r.status == "failed" and failed <= 3 and not r.device_fault) or first_of_reason:
                 progress.console.print(r.describe() + f"\n  repro: {r.case.repro(flags)}", markup=False,
                                        highlight=False)
-            return r.ok or not args.exitfirst
+            if r.device_fault:
+                stopped.update(case=r.case.describe(), repro=r.case.repro(flags), detail=r.failed[0].detail,
+                               reason="device fault: the GPU context of this process is lost, every later case "
+                                      "would fail")
+                progress.console.print(f"mla-verify: STOPPED at case {len(results)} of {n} by a device fault; the "
+                                       f"other {n - len(results)} cases are not run.\n  {r.failed[0].detail}\n"
+                                       f"  repro: {r.case.repro(flags)}", markup=False, highlight=False)
+                return False
+            return r.status != "failed" or not args.exitfirst
 
         try:
             if replay:
@@ -461,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
                 strategy = case_strategy(args.dtype, **shape)
                 if args.profile == "search":
                     _run_all(smoke, 1, on_result)
-                    if not (args.exitfirst and any(not r.ok for r in results)):
+                    if not stopped and not (args.exitfirst and any(r.status == "failed" for r in results)):
                         _search(strategy, n - len(smoke), seed, on_result)
                 else:
                     _run_all(smoke + _draw(strategy, n - len(smoke), seed), jobs, on_result)
@@ -473,17 +520,25 @@ def main(argv: list[str] | None = None) -> int:
         for c in results[0].checks:
             console.print(f"[{c.name}] {'OK' if c.ok else 'FAILED'}\n{c.detail}", markup=False, highlight=False)
     summary = _summary(results, flags)
+    not_run = n - len(results)
     if results:
-        _print_summary(console, summary, results, seconds)
+        _print_summary(console, summary, results, seconds, flags, not_run)
+    if stopped:
+        console.print(f"mla-verify: stopped early, {not_run} cases not run: {stopped['reason']}; faulting case:\n"
+                      f"  {stopped['repro']}", markup=False, highlight=False)
     if args.profile == "search" and results:
         console.print("worst cases (paste into a test as regressions):", markup=False)
         for line in _example_lines(results):
             console.print(line, markup=False, highlight=False)
 
-    failed = [r for r in results if not r.ok]
+    failed = [r for r in results if r.status == "failed"]
+    unsupported = _unsupported(results)
     report.update(cases=len(results), failed=len(failed), seconds=round(seconds, 3), checks=summary,
                   failures=[_failure(r, flags) for r in failed],
-                  results=[{"case": json.loads(r.case.to_json()), "ok": r.ok, "seconds": round(r.seconds, 4),
+                  unsupported={reason: len(group) for reason, group in unsupported.items()},
+                  not_run=not_run, stopped=stopped or None,
+                  results=[{"case": json.loads(r.case.to_json()), "ok": r.ok, "status": r.status,
+                            "unsupported": r.unsupported, "seconds": round(r.seconds, 4),
                             "err_over_bound": {c.name: json_number(c.err_over_bound) for c in r.checks
                                                if c.err_over_bound is not None}} for r in results])
     if args.json:
@@ -495,4 +550,10 @@ def main(argv: list[str] | None = None) -> int:
             console.print("mla-verify: --plot needs matplotlib (pip install 'mla-verify[plot]')")
     if not results:
         return EXIT_NOTHING_RAN
-    return EXIT_FAILED if failed else EXIT_OK
+    if failed:
+        return EXIT_FAILED
+    if len(results) == sum(len(group) for group in unsupported.values()):
+        console.print(f"mla-verify: nothing ran: the kernel declared all {len(results)} cases unsupported",
+                      markup=False, highlight=False)
+        return EXIT_NOTHING_RAN
+    return EXIT_OK

@@ -9,6 +9,9 @@ Plug-in contract::
 
 Without ``numerics`` a plug-in is assumed to round like ``DEFAULT_NUMERICS``: fp32 scores and P, fp32 accumulation
 over up to 2^18 tokens, bf16 output. ``numerics`` may also be a callable ``(batch) -> KernelNumerics``.
+For an input it has no kernel for (a dtype pair, a shape), a plug-in raises ``mla_fast.backends.Unsupported(reason)``
+(a ValueError): the case is then reported as unsupported under that reason, neither passed nor failed. Any other
+exception fails the case; a CUDA/HIP error stops the campaign (verify.checks).
 Plug-ins may split the KV range however they like: their tier-1 bound includes the split-merge bound for the
 largest possible number of 64-token splits.
 """
