@@ -10,7 +10,8 @@ Rounding points of `_mla_decode_kernel` (per query row, per KV tile of BLOCK_N t
    scores, kv_scale multiplies the normalised fp32 output. So the MMAs see the stored values (fp8 codes for fp8).
    With fp8 KV and bf16 q ("fp8kv", mma="fp16") q is cast bf16 -> fp16: exact for 2^-17 <= |q| <= 65504 (bf16 has 8
    significant bits, fp16 11, and fp16 subnormals reach 2^-24); smaller |q| round with absolute error <= 2^-25,
-   larger overflow to inf. verify.bounds charges u(fp16) to q when some value is not exact in fp16.
+   larger overflow to inf. When some value is not exact in fp16, verify.bounds charges u(fp16) |q| + 2^-25 (half
+   the fp16 min subnormal: the absolute error of a flushed or subnormal value) to every q element.
    V loaded a second time for P.V (config v_reload) holds the same values, and so does the fp16 copy of an e4m3fn
    tile staged in shared memory (config fp8_stage, exact conversion): no numerical effect.
 2. QK: one MMA over L (512) channels, then the R (64) rope channels accumulated onto it, fp32 accumulators.
@@ -52,6 +53,12 @@ class KernelNumerics:
         gamma_qk: accumulation error of the scores per unit of σ Σ|q||k| (relative to the exact dot product).
         gamma_pv: accumulation error of the output per unit of Σ p|v|.
         out_dtype: dtype of `out` (lse is always fp32, natural log).
+        scale_then_round: the kernel multiplies fp8 codes by their per-tensor scale (in fp32) and rounds the product
+            to the operand dtype (qk_operand / pv_operand) before the MMAs, instead of folding the scales into the
+            fp32 scores and output. FlashInfer's fp8 KV path does this (dequantized tiles rounded to bf16): with a
+            scale that is not a power of two every K and V element then carries one more rounding (2^-9 relative
+            for bf16), which verify.bounds charges on both the scores and the values. False (this module's kernel):
+            the MMAs see the fp8 codes, exact in fp16 and bf16.
     """
 
     p_fmt: str | None
@@ -61,6 +68,7 @@ class KernelNumerics:
     gamma_qk: float
     gamma_pv: float
     out_dtype: torch.dtype = torch.bfloat16
+    scale_then_round: bool = False
 
 
 def triton_numerics(mma: str, block_n: int = BLOCK_N) -> KernelNumerics:

@@ -15,11 +15,12 @@ from mla_fast.numerics import KernelNumerics
 from mla_fast.planner import PARTIAL_ROW, plan_decode
 from mla_ref.decode import make_decode_batch, merge_partials, mla_decode_ref
 from mla_ref.fp8 import fp8_format, quantize, round_p
-from verify.bounds import kernel_bound, merge_bound, prob_bound, quantization_bounds, rms_estimate
+from verify.bounds import _spread, kernel_bound, merge_bound, prob_bound, quantization_bounds, rms_estimate
 from verify.metrics import compare
 
 SIGMA = 0.1352338  # DeepSeek-V3 softmax scale (YaRN mscale² included)
 U32 = 2.0**-24
+F64 = torch.float64
 SCORE_STD = {"gauss1": 1.0, "gauss4": 4.0, "outlier": 1.0, "sink": 1.0, "coherent": 2.0}
 
 
@@ -209,6 +210,123 @@ def test_kernel_bound_real_dims_and_not_vacuous():
     tightness = float(bound.out.max() / ref[0].abs().max())
     print(f"\nreal dims bf16 P: err/B out {_report(rep)}, lse {_report(rep_lse)}, max B / max|o| {tightness:.4f}")
     assert tightness < 0.05
+
+
+def _exact_numerics(operand=torch.float64, p_fmt=None, scale_then_round=False, pv_operand=None):
+    """A kernel exact but for the rounding under test: no accumulation error, fp64 output."""
+    return KernelNumerics(
+        p_fmt=p_fmt, p_scale=1.0, qk_operand=operand, pv_operand=pv_operand or operand, gamma_qk=0.0, gamma_pv=0.0,
+        out_dtype=torch.float64, scale_then_round=scale_then_round,
+    )  # fmt: skip
+
+
+def _fp64_kernel(batch, q_fed, k_fed, p_fmt=None):
+    """fp64 decode of the fed operands (what the MMAs see, real units) with P rounded by round_p: out [T, H, L]."""
+    L = batch.kv_lora_rank
+    out = torch.zeros(batch.num_tokens, batch.num_heads, L, dtype=torch.float64)
+    qo, visible = batch.qo_indptr.tolist(), batch.visible_tokens()
+    for b in range(batch.batch_size):
+        K = k_fed[b]  # [s, D]
+        for t in range(qo[b], qo[b + 1]):
+            n = int(visible[t])
+            if n == 0:
+                continue
+            s = batch.sm_scale * q_fed[t] @ K[:n].T  # [H, n]
+            p = torch.exp(s - s.amax(dim=-1, keepdim=True))  # [H, n]
+            out[t] = round_p(p, p_fmt) @ K[:n, :L] / p.sum(dim=-1, keepdim=True)  # [H, L]
+    return out
+
+
+def test_kernel_bound_charges_fp16_p_underflow():
+    """fp16 P flushes p < 2^-25 to 0 (half its min subnormal, numerics.md §4): an absolute error u_P cannot cover.
+    One token with v = 0 takes the softmax; 2047 others sit 2^-25..2^-26.5 below it (scores set through one rope
+    channel) with v = 64, so fp16 P loses (or doubles) them all. Within the fp16 bound (η_P = 2^-25); beyond the
+    bound of a bf16 P (8x larger u, no flush): the underflow term is what holds it."""
+    n, H, L, R = 2048, 2, 64, 32
+    g = torch.Generator().manual_seed(0)
+    kv = torch.zeros(n, L + R, dtype=torch.float64)  # [n, D]
+    kv[1:, :L] = 64.0  # V of the small tokens; token 0: v = 0
+    kv[1:, L] = -math.log(2) * (25 + 1.5 * torch.rand(n - 1, generator=g, dtype=torch.float64))  # s_j - s_0
+    q = torch.zeros(1, H, L + R, dtype=torch.float64)  # [T, H, D]
+    q[..., L] = 1 / SIGMA  # s_j = σ q_L k_jL ≈ k_jL (both rounded to bf16)
+    batch = make_decode_batch(
+        q.bfloat16(), [kv.bfloat16()], q_lens=[1], sm_scale=SIGMA, kv_lora_rank=L, page_size=16,
+        generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    ref = mla_decode_ref(batch)
+    out = _fp64_kernel(batch, batch.dequantized_q(), [batch.request_kv(0)], p_fmt="fp16")
+    rep = compare(out, ref[0], kernel_bound(batch, _exact_numerics(torch.float16, "fp16"), ref=ref).out)
+    rep_bf16 = compare(out, ref[0], kernel_bound(batch, _exact_numerics(torch.bfloat16, "bf16"), ref=ref).out)
+    print(f"\nfp16 P underflow: err/B fp16 {_report(rep)}, as if bf16 {_report(rep_bf16)}")
+    assert rep.ok, rep.describe()
+    assert not rep_bf16.ok
+
+
+def test_kernel_bound_charges_flushed_q_operand():
+    """bf16 q cast to an fp16 operand (mla_fast "fp8kv"): |q| < 2^-25 flushes to 0 and |q| < 2^-14 keeps a 2^-24
+    grid, absolute errors a relative u cannot bound. Tiny q against large k (kv_scale ~ 90), V exact (fp64 P·V
+    operands, so only the scores carry the rounding): within the bound that charges u|q| + 2^-25 per q element;
+    beyond it with the relative u alone (the q operand declared fp32: exact but for u = 2^-24, no flush)."""
+    L, R, H = 64, 32, 2
+    g = torch.Generator().manual_seed(1)
+    q = (torch.randn(2, H, L + R, generator=g) * 2**-24).bfloat16()  # [T, H, D] mostly fp16-subnormal or flushed
+    kv = torch.randn(300, L + R, generator=g) * 1e4  # [s, D]
+    kv8, kv_scale = quantize(kv, "e4m3fn")
+    batch = make_decode_batch(
+        q, [kv8[:120], kv8[120:]], q_lens=[1, 1], sm_scale=SIGMA, kv_lora_rank=L, page_size=16,
+        generator=torch.Generator().manual_seed(1), kv_scale=float(kv_scale),
+    )  # fmt: skip
+    ref = mla_decode_ref(batch)
+    q_fed = batch.q.to(torch.float16).double()  # [T, H, D] what an fp16 MMA sees: subnormal grid, flushes
+    out = _fp64_kernel(batch, q_fed, [batch.request_kv(b) for b in range(2)])
+    rep = compare(out, ref[0], kernel_bound(batch, _exact_numerics(torch.float16, pv_operand=F64), ref=ref).out)
+    rep_exact = compare(out, ref[0], kernel_bound(batch, _exact_numerics(torch.float32, pv_operand=F64), ref=ref).out)
+    print(f"\nflushed fp16 q: err/B {_report(rep)}, relative u only {_report(rep_exact)}")
+    assert rep.ok, rep.describe()
+    assert not rep_exact.ok
+
+
+def test_kernel_bound_scale_then_round():
+    """A kernel that forms k = code · kv_scale in fp32 and rounds it to bf16 before the MMAs (FlashInfer's fp8 KV
+    path): a non-power-of-two scale adds up to 2^-9 relative on every K and V element. Declared with
+    scale_then_round the bound holds; declared without, the MMAs are assumed to see exact codes and it fails (score
+    std 12: the K rounding moves the scores, and with them the softmax, by more than the 2^-8 P budget covers)."""
+    L, R, H, seq = 64, 32, 4, (40, 200)
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(3, H, L + R, generator=g) * (12 / (SIGMA * math.sqrt(L + R)))  # [T, H, D] score std 12
+    kv8, kv_scale = quantize(torch.randn(sum(seq), L + R, generator=g), "e4m3fn")  # [Σs, D], dynamic scale
+    batch = make_decode_batch(
+        q.bfloat16(), [kv8[: seq[0]], kv8[seq[0] :]], q_lens=[1, 2], sm_scale=SIGMA, kv_lora_rank=L, page_size=16,
+        generator=g, kv_scale=float(kv_scale),
+    )  # fmt: skip
+    assert math.log2(batch.kv_scale) % 1 != 0  # amax / 448: not a power of two
+    ref = mla_decode_ref(batch)
+    k_fed = []
+    for b in range(batch.batch_size):
+        codes = batch.kv_cache[batch.token_slots(b)].float()  # [s, D]
+        k_fed.append((codes * torch.tensor(batch.kv_scale)).bfloat16().double())  # fp32 product, then bf16
+    out = _fp64_kernel(batch, batch.dequantized_q(), k_fed)
+    reps = {
+        flag: compare(out, ref[0], kernel_bound(batch, _exact_numerics(torch.bfloat16, None, flag), ref=ref).out)
+        for flag in (True, False)
+    }
+    print(f"\nscale then round: err/B with the flag {_report(reps[True])}, without {_report(reps[False])}")
+    assert reps[True].ok, reps[True].describe()
+    assert not reps[False].ok
+
+
+def test_spread_equals_running_max_minus_min():
+    """_spread (one max over the shared prefix, running max after it) = the running max / min over all tokens."""
+    g = torch.Generator().manual_seed(3)
+    for s, n_vis in ((0, [0, 0]), (1, [1]), (7, [0, 1]), (300, [297, 298, 299, 300]), (64, [0, 0, 5, 64]), (9, [9, 2])):
+        x = torch.randn(s, 40, generator=g, dtype=torch.float64)  # [s, C]
+        n = torch.tensor(n_vis)
+        want = torch.zeros(len(n_vis), 40, dtype=torch.float64)
+        if s:
+            last = (n - 1).clamp(min=0)
+            hi, lo = torch.cummax(x, dim=0).values[last], torch.cummin(x, dim=0).values[last]  # [n, C]
+            want = torch.where((n > 0)[:, None], hi - lo, 0.0)
+        assert torch.equal(_spread(x, n), want), (s, n_vis)
 
 
 # ---- (3) the bounds can fail ---------------------------------------------------------------------------------------

@@ -132,14 +132,19 @@ def _masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def _spread(x: torch.Tensor, n_vis: torch.Tensor) -> torch.Tensor:
     """max_j x_jc - min_j x_jc over the first n_vis[r] tokens: x [s, C], n_vis [n] -> [n, C] (0 if n_vis = 0).
 
-    Visible sets are prefixes (causal diagonal), so prefix max/min answer every row in O(s C).
+    Visible sets are prefixes (causal diagonal) and a request's rows differ by at most q_len - 1 tokens, so one
+    max / min over the prefix every seeing row shares, then running max / min over the few tokens after it, answer
+    every row (max and min are exact: the same values as running max / min over all s tokens).
     """
-    if x.shape[0] == 0:
+    seen = n_vis > 0  # [n]
+    if x.shape[0] == 0 or not bool(seen.any()):
         return x.new_zeros(n_vis.shape[0], x.shape[1])
-    hi = torch.cummax(x, dim=0).values  # [s, C] max over tokens 0..j
-    lo = torch.cummin(x, dim=0).values  # [s, C]
-    last = (n_vis - 1).clamp(min=0)  # [n]
-    return torch.where((n_vis > 0)[:, None], hi[last] - lo[last], 0.0)  # [n, C]
+    first = int(n_vis[seen].min())  # tokens every seeing row sees
+    head, tail = x[:first], x[first : int(n_vis.max())]  # [first, C], [t, C]
+    hi = torch.cat([head.amax(dim=0, keepdim=True), tail]).cummax(dim=0).values  # [1 + t, C] prefix first + k
+    lo = torch.cat([head.amin(dim=0, keepdim=True), tail]).cummin(dim=0).values  # [1 + t, C]
+    k = (n_vis - first).clamp(min=0)  # [n]
+    return torch.where(seen[:, None], hi[k] - lo[k], 0.0)  # [n, C]
 
 
 def _hull_term(omega: torch.Tensor, R: torch.Tensor, pv: torch.Tensor) -> torch.Tensor:
@@ -165,23 +170,35 @@ def _unit_roundoff(fmt) -> float:
 
 
 def _half_min_subnormal(fmt) -> float:
-    """η of a round_p format name (None = fp32): values below it flush to 0 (numerics.md §4)."""
+    """η of a torch float dtype or a round_p format name (None = fp32): half the min subnormal, the absolute error
+    bound of round-to-nearest below the normal range (values under it flush to 0; numerics.md §4, §5(f))."""
     if fmt is None or fmt in _WIDE:
-        fi = torch.finfo(_WIDE[fmt or "fp32"])
+        fmt = _WIDE[fmt or "fp32"]
+    if isinstance(fmt, torch.dtype) and not is_fp8(fmt):
+        fi = torch.finfo(fmt)
         return fi.tiny * fi.eps / 2  # min subnormal = min normal · eps
     return fp8_format(fmt).eta
 
 
-def _operand_u(raw: torch.Tensor, operand: torch.dtype) -> float:
-    """Rounding an MMA applies to its operand: 0 if every stored value is exact in ``operand``, else u(operand).
+def _operand_error(fed: torch.Tensor, operand: torch.dtype, name: str, via_fp32: bool = False) -> tuple[float, float]:
+    """(u, η) of the rounding an MMA applies to its operand: |round(x) - x| <= u|x| + η for every value x of ``fed``
+    (fp64, the values the kernel converts to ``operand``), η in the units of ``fed``.
 
-    ``raw`` are the values as stored (fp8 codes for fp8 inputs): kernels fold per-tensor scales into the fp32
-    scores / output, so an MMA sees raw values (mla_fast/numerics.py). Non-finite values cannot occur in gathered
-    valid tokens of a finite batch; they count as inexact.
+    (0, 0) when every value is exact in ``operand``. Otherwise u = u(operand) and η = half its min subnormal: below
+    the normal range the error is absolute (fp16: values under 2^-14 keep a 2^-24 grid, under 2^-25 they flush to 0),
+    so u alone does not bound it (numerics.md §4, §5(f)). ``via_fp32``: the kernel forms the value in fp32 first
+    (x = code · scale) and then rounds it to ``operand``: u = (1 + u(operand))(1 + u32) - 1, η = η(operand) + η(fp32).
+    Raises ValueError if a value overflows ``operand`` (the kernel would compute with ±inf: no bound exists).
     """
-    x = raw.to(F64)
-    exact = bool((x.to(operand).to(F64) == x).all()) if x.numel() else True
-    return 0.0 if exact else _unit_roundoff(operand)
+    rounded = fed.to(operand).to(F64)
+    if bool((rounded == fed).all()):
+        return 0.0, 0.0
+    if not bool(torch.isfinite(rounded).all()):
+        raise ValueError(f"{name}: values up to {fed.abs().max().item():.4g} overflow the kernel's {operand} operand")
+    u, eta = _unit_roundoff(operand), _half_min_subnormal(operand)
+    if via_fp32:
+        return (1 + u) * (1 + U32) - 1, eta + _half_min_subnormal(None)
+    return u, eta
 
 
 def _rounding_bound(
@@ -197,34 +214,46 @@ def _rounding_bound(
     gamma_pv: float,
     exp_rel: float,
     u_arith: float,
+    score_abs: torch.Tensor | float = 0.0,
+    eta_v: float = 0.0,
+    shared_scores: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """§5(f): bound on |o^ker - ô| [n, H, L] and |lse^ker - lse^| [n, H] for one request's rows.
 
     A kernel that computes, in arithmetic of unit roundoff u_arith (fp32 for GPU kernels),
-        s̃_j = fl(σ <q, k_j>)              error <= gamma_qk · A_j  (operand rounding folded into gamma_qk)
+        s̃_j = fl(σ <q̃, k̃_j>)             error <= gamma_qk · A_j + score_abs  (operands q̃, k̃ as the MMA sees them:
+                                          their relative rounding folded into gamma_qk, absolute η into score_abs)
         p̃_j = exp(s̃_j - m̃) (1 + ε_j)      |ε_j| <= exp_rel, same p̃ in the numerator and in l (l from unrounded P)
         P_j = round(p̃_j)                  |P_j - p̃_j| <= u_p p̃_j + min(eta_p, p̃_j)   (underflow flushes to 0)
-        o = fl(Σ_j P_j v_j) / fl(Σ_j p̃_j) accumulation errors gamma_pv Σ P|v| and gamma_pv · l
+        o = fl(Σ_j P_j ṽ_j) / fl(Σ_j p̃_j) |ṽ_jc - v̂_jc| <= (relative part, in gamma_pv) + eta_v; accumulation
+                                          errors gamma_pv Σ P|v| and gamma_pv · l
         out = round_out(o)                 |out - o| <= u_out |o|
     Score errors, including exp's ε_j (a factor (1+ε_j) on p_j is a shift ln(1+ε_j) of s_j), perturb the
-    softmax with spread <= ω_acc, bounded by the hull term (§5(b), (c)):
-        ω_acc = 2 [(gamma_qk + 6 u_arith) max_j A_j + exp_rel / (1 - exp_rel)]
+    softmax with spread <= ω = ω_qk + ω_own, bounded by the hull term (§5(b), (c)):
+        ω_qk  = 2 (gamma_qk max_j A_j + score_abs)                   the dot products and their operands
+        ω_own = 2 [6 u_arith max_j A_j + exp_rel / (1 - exp_rel)]    scale, running-max subtraction, exp
     where 6 u_arith covers rounding σ (with the folded scales and log2 e) to fp32, and the fp32 subtraction of the
-    running max (|s_j - m| <= 2 max A). The weights the kernel uses differ from p̂ by at most a factor e^ω_acc, so
-    with l̃ >= e^-ω_acc l̂ and the kernel's unnormalised P >= its block-local value (online softmax only rounds
+    running max (|s_j - m| <= 2 max A). The weights the kernel uses differ from p̂ by at most a factor e^ω, so
+    with l̃ >= e^-ω l̂ and the kernel's unnormalised P >= its block-local value (online softmax only rounds
     larger values, §5(f)):
         |o^ker_c - ô_c| <= (1 + u_out)(1 + gamma_pv) [ u_out |ô_c| + e^ω c_pv Σ_j p̂_j |v̂_jc|
-                             + e^ω (1 + c_pv) Σ_j min(eta_p / l̂, p̂_j) |v̂_jc| + gamma_pv |ô_c| + tanh(ω/4) R̂_c ]
+                             + e^ω (1 + c_pv) (Σ_j min(eta_p / l̂, p̂_j) |v̂_jc| + eta_v) + gamma_pv |ô_c|
+                             + tanh(ω/4) R̂_c ]
         c_pv = (1 + u_p)(1 + gamma_pv) - 1
     (numerics.md §5(f) with the η_P term tightened by min(·, p̂_j), and gamma_pv |ô| for the fp32 row sum l; the
     leading factors absorb the second-order products.)
-    LSE: lse = m̃ + ln l̃; the score errors move it by at most max_j |Δs_j| <= ω_acc / 2 (§5(a)), the row sum by
+    LSE: lse = m̃ + ln l̃; the score errors move it by at most max_j |Δs_j| <= ω / 2 (§5(a)), the row sum by
     ln(1 + gamma_pv) <= gamma_pv / (1 - gamma_pv), and evaluating log2, adding m and converting base 2 -> e in fp32
     costs <= 16 u_arith (|m̂| + ln l̂):
-        |lse^ker - lse^| <= ω_acc / 2 + gamma_pv / (1 - gamma_pv) + 16 u_arith (|m̂| + ln l̂)
+        |lse^ker - lse^| <= ω / 2 + gamma_pv / (1 - gamma_pv) + 16 u_arith (|m̂| + ln l̂)
+    shared_scores: bound the distance to o* = Σ_j softmax(s̃)_j v̂_j (and lse* = ln Σ_j e^s̃_j) instead, the error of
+    everything after the scores (``split_bound``): the hull term and the LSE take ω_own only; |ô| becomes
+    |o*| <= |ô| + min{tanh(ω_qk/4) R̂, (e^ω_qk - 1) Σ_j p̂_j |v̂_j|} (§5(c)); e^ω keeps ω_qk (softmax(s̃) <= e^ω_qk p̂).
     """
-    omega = 2 * ((gamma_qk + 6 * u_arith) * A_max + exp_rel / (1 - exp_rel))  # [n, H]
-    omega = torch.where(st.seen[:, None], omega, 0.0)  # [n, H] empty rows: nothing to perturb
+    seen = st.seen[:, None]  # [n, 1]
+    omega_qk = torch.where(seen, 2 * (gamma_qk * A_max + score_abs), 0.0)  # [n, H] empty rows: nothing to perturb
+    omega_own = torch.where(seen, 2 * (6 * u_arith * A_max + exp_rel / (1 - exp_rel)), 0.0)  # [n, H]
+    omega = omega_qk + omega_own  # [n, H]
     absV = V.abs()  # [s, L]
     pv = torch.einsum("nhs,sc->nhc", st.p, absV)  # [n, H, L] Σ_j p̂_j |v̂_jc|
     flush = torch.minimum(eta_p / st.l[..., None], st.p)  # [n, H, s] underflow error per unit l̂
@@ -232,16 +261,18 @@ def _rounding_bound(
     R = _spread(V, st.n_vis)  # [n, L]
     c_pv = (1 + u_p) * (1 + gamma_pv) - 1
     growth = torch.exp(omega)[..., None]  # [n, H, 1] kernel weights <= e^ω p̂
+    hull_omega = omega_own if shared_scores else omega  # [n, H] score errors not common to the compared results
+    o_mag = o.abs() + (_hull_term(omega_qk, R, pv) if shared_scores else 0.0)  # [n, H, L] |ô|, or |o*|
     inner = (
-        u_out * o.abs()  # output rounding
+        u_out * o_mag  # output rounding
         + growth * c_pv * pv  # P rounding and P·V accumulation
-        + growth * (1 + c_pv) * flush_v  # P underflow (η_P)
-        + gamma_pv * o.abs()  # fp32 row sum l
-        + torch.tanh(omega / 4)[..., None] * R[:, None, :]  # score errors: softmax stays within TV tanh(ω/4)
+        + growth * (1 + c_pv) * (flush_v + eta_v)  # P underflow (η_P), absolute V operand rounding (η_v)
+        + gamma_pv * o_mag  # fp32 row sum l
+        + torch.tanh(hull_omega / 4)[..., None] * R[:, None, :]  # score errors: softmax stays within TV tanh(ω/4)
     )  # [n, H, L]
     out = (1 + u_out) * (1 + gamma_pv) * inner  # [n, H, L]
-    lse = omega / 2 + gamma_pv / (1 - gamma_pv) + 16 * u_arith * (st.m.abs() + torch.log(st.l))  # [n, H]
-    return out, torch.where(st.seen[:, None], lse, 0.0)
+    lse = hull_omega / 2 + gamma_pv / (1 - gamma_pv) + 16 * u_arith * (st.m.abs() + torch.log(st.l))  # [n, H]
+    return out, torch.where(seen, lse, 0.0)
 
 
 def _fp64_slack(st: _Softmax, A_max: torch.Tensor, V: torch.Tensor, o: torch.Tensor, D: int):
@@ -257,15 +288,83 @@ def _fp64_slack(st: _Softmax, A_max: torch.Tensor, V: torch.Tensor, o: torch.Ten
 # ---- §5(f): kernel vs fp64 on the same dequantized inputs ------------------------------------------------------
 
 
+def _kernel_requests(batch: DecodeBatch, numerics, ref: tuple[torch.Tensor, torch.Tensor] | None):
+    """Per request: (rows, st, A_max [n, H], V [s, L], o [n, H, L], kwargs of ``_rounding_bound``) for a kernel
+    that rounds as ``numerics`` says (numerics.md §5(f); mla_fast/numerics.py).
+
+    Operands: the MMAs see the stored values (fp8 codes: scales folded into the fp32 scores and output) or, with
+    ``numerics.scale_then_round``, the fp32 products code · scale. Their rounding to qk_operand / pv_operand
+    (``_operand_error``) is u|x̂| (relative) + η (absolute; in real units η · scale for codes, η for scaled values):
+        |s̃_j - ŝ_j| <= [(1 + u_q)(1 + u_k)(1 + γ_qk) - 1] A_j                                (gamma_qk)
+                       + (1 + γ_qk) σ [η_q Σ_i |k̂_ji| (1 + u_k) + η_k Σ_i |q̂_i| (1 + u_q) + D η_q η_k]   (score_abs)
+    from |q̃_i k̃_ji - q̂_i k̂_ji| <= e^q_i |k̂_ji| + |q̂_i| e^k_ji + e^q_i e^k_ji, e^x = u_x |x̂| + η_x (§5(a)),
+    and the accumulation error γ_qk Σ_i |q̃_i||k̃_ji|. V: (1 + u_v)(1 + γ_pv) - 1 per unit of Σ p̂|v̂| (gamma_pv) and
+    η_v on each value (eta_v).
+    P: p_fmt after × p_scale: u_P, η_P = η(p_fmt) / p_scale (+ 2^-126 for a flushed fp32 P); rounded once more,
+    with u and η of pv_operand, when pv_operand is coarser than p_fmt.
+    """
+    L, D, sigma = batch.kv_lora_rank, batch.head_dim, batch.sm_scale
+    if not (math.isfinite(numerics.p_scale) and numerics.p_scale > 0):
+        raise ValueError(f"numerics.p_scale: expected a finite float > 0, got {numerics.p_scale}")
+    u_p, eta_p = _unit_roundoff(numerics.p_fmt), _half_min_subnormal(numerics.p_fmt)
+    if _unit_roundoff(numerics.pv_operand) > u_p:
+        u_p = (1 + u_p) * (1 + _unit_roundoff(numerics.pv_operand)) - 1
+        eta_p += _half_min_subnormal(numerics.pv_operand)
+    eta_p = eta_p / numerics.p_scale + FTZ_P  # [] absolute, in units of p (<= 1)
+    common = dict(u_out=_unit_roundoff(numerics.out_dtype), u_p=u_p, eta_p=eta_p, exp_rel=EXP32_REL, u_arith=U32)
+
+    # operand values as the MMA gets them (fed) and the factor from their units to real units
+    scaled, q_fp8, kv_fp8 = bool(numerics.scale_then_round), is_fp8(batch.q.dtype), is_fp8(batch.kv_cache.dtype)
+    q_hat = batch.dequantized_q(F64)  # [T, H, D]
+    if scaled and q_fp8:
+        q_fed, f_q = q_hat, 1.0
+    else:
+        q_fed, f_q = batch.q.to(F64), (float(batch.q_scale) if q_fp8 else 1.0)
+    u_q, eta_q = _operand_error(q_fed, numerics.qk_operand, "q", via_fp32=scaled and q_fp8)
+    eta_q *= f_q
+    q_abs_sum = q_hat.abs().sum(dim=-1)  # [T, H] Σ_i |q̂_i|
+    for b, rows, mask in _requests(batch):
+        K = batch.request_kv(b, F64)  # [s, D] dequantized
+        V = K[:, :L]  # [s, L]
+        if scaled and kv_fp8:
+            k_fed, f_k = K, 1.0
+        else:
+            k_fed, f_k = _raw_kv(batch, b).to(F64), (float(batch.kv_scale) if kv_fp8 else 1.0)  # [s, D]
+        via = scaled and kv_fp8
+        u_k, eta_k = _operand_error(k_fed, numerics.qk_operand, "kv_cache", via)
+        u_v, eta_v = _operand_error(k_fed[:, :L], numerics.pv_operand, "kv_cache[..., :L] (V)", via)
+        eta_k, eta_v = eta_k * f_k, eta_v * f_k
+        st = _softmax(q_hat[rows], K, mask, sigma)  # [n, H, s]
+        A = sigma * torch.einsum("nhd,sd->nhs", q_hat[rows].abs(), K.abs())  # [n, H, s] A_j
+        score_abs = 0.0
+        if eta_q or eta_k:
+            per_token = (
+                eta_q * (1 + u_k) * K.abs().sum(dim=-1)  # [s]
+                + eta_k * (1 + u_q) * q_abs_sum[rows][..., None]  # [n, H, 1]
+                + D * eta_q * eta_k
+            ).expand_as(A)  # [n, H, s]
+            score_abs = (1 + numerics.gamma_qk) * sigma * _masked_max(per_token, mask)  # [n, H]
+        o = ref[0][rows].to(F64) if ref is not None else torch.einsum("nhs,sc->nhc", st.p, V)  # [n, H, L] ô
+        kw = dict(
+            common,
+            gamma_qk=(1 + u_q) * (1 + u_k) * (1 + numerics.gamma_qk) - 1,  # rounded operands, then accumulation
+            gamma_pv=(1 + u_v) * (1 + numerics.gamma_pv) - 1,  # V operand rounding, then accumulation
+            score_abs=score_abs,
+            eta_v=eta_v,
+        )
+        yield rows, st, _masked_max(A, mask), V, o, kw
+
+
 def kernel_bound(batch: DecodeBatch, numerics, *, ref: tuple[torch.Tensor, torch.Tensor] | None = None) -> Bound:
     """Tier-1 bound (numerics.md §5(f)): |kernel(batch) - mla_decode_ref(batch)| elementwise, both on the same
     (dequantized) inputs, for a kernel that rounds as ``numerics`` (an ``mla_fast.numerics.KernelNumerics``) says.
 
     Read from ``numerics``: p_fmt / p_scale (u_P, η_P = η(p_fmt) / p_scale + 2^-126 for flushed fp32 P);
-    qk_operand and pv_operand (operand rounding: 0 when the stored values are exact in them; P rounds once more
-    when pv_operand is coarser than p_fmt); gamma_qk, gamma_pv; out_dtype (u_out). Assumes the row sum l is
-    accumulated from unrounded P (vLLM FlashMLA, mla_fast): a kernel that sums the rounded P needs another
-    (u_P + η_P/l̂)·|ô| term.
+    qk_operand and pv_operand (operand rounding u|x| + η, η = half the format's min subnormal: 0 when the values the
+    MMAs see are exact in them; P rounds once more when pv_operand is coarser than p_fmt); scale_then_round (the
+    MMAs see code · scale rounded to the operand dtype, not the codes); gamma_qk, gamma_pv; out_dtype (u_out).
+    Derivation in ``_kernel_requests`` and ``_rounding_bound``. Assumes the row sum l is accumulated from
+    unrounded P (vLLM FlashMLA, mla_fast): a kernel that sums the rounded P needs another (u_P + η_P/l̂)·|ô| term.
     The fp32 split-KV merge is not included: add ``merge_bound`` for split kernels.
 
     Args:
@@ -278,38 +377,39 @@ def kernel_bound(batch: DecodeBatch, numerics, *, ref: tuple[torch.Tensor, torch
     L, D, H, T = batch.kv_lora_rank, batch.head_dim, batch.num_heads, batch.num_tokens
     if ref is not None and (tuple(ref[0].shape) != (T, H, L) or tuple(ref[1].shape) != (T, H)):
         raise ValueError(f"ref: expected (out [{T}, {H}, {L}], lse [{T}, {H}]), got {[tuple(r.shape) for r in ref]}")
-    if not (math.isfinite(numerics.p_scale) and numerics.p_scale > 0):
-        raise ValueError(f"numerics.p_scale: expected a finite float > 0, got {numerics.p_scale}")
-
-    # P: rounded to p_fmt (None: stays fp32), then once more if the P·V operand dtype is coarser
-    u_p, u_pv_op = _unit_roundoff(numerics.p_fmt), _unit_roundoff(numerics.pv_operand)
-    if u_pv_op > u_p:
-        u_p = (1 + u_p) * (1 + u_pv_op) - 1
-    eta_p = _half_min_subnormal(numerics.p_fmt) / numerics.p_scale + FTZ_P  # [] absolute, in units of p (<= 1)
-    u_out = _unit_roundoff(numerics.out_dtype)
-    u_q = _operand_u(batch.q, numerics.qk_operand)
-
-    q_hat = batch.dequantized_q(F64)  # [T, H, D]
     out = torch.zeros(T, H, L, dtype=F64, device=batch.device)  # [T, H, L]
     lse = torch.zeros(T, H, dtype=F64, device=batch.device)  # [T, H]
-    for b, rows, mask in _requests(batch):
-        raw = _raw_kv(batch, b)  # [s, D] stored values
-        u_k, u_v = _operand_u(raw, numerics.qk_operand), _operand_u(raw[:, :L], numerics.pv_operand)
-        gamma_qk = (1 + u_q) * (1 + u_k) * (1 + numerics.gamma_qk) - 1  # rounded operands, then accumulation
-        gamma_pv = (1 + u_v) * (1 + numerics.gamma_pv) - 1  # V operand rounding, then accumulation
-        K = batch.request_kv(b, F64)  # [s, D] dequantized
-        V = K[:, :L]  # [s, L]
-        st = _softmax(q_hat[rows], K, mask, batch.sm_scale)  # [n, H, s]
-        A = batch.sm_scale * torch.einsum("nhd,sd->nhs", q_hat[rows].abs(), K.abs())  # [n, H, s] A_j
-        A_max = _masked_max(A, mask)  # [n, H]
-        o = ref[0][rows].to(F64) if ref is not None else torch.einsum("nhs,sc->nhc", st.p, V)  # [n, H, L] ô
-        b_out, b_lse = _rounding_bound(
-            st, A_max, V, o, u_out=u_out, u_p=u_p, eta_p=eta_p, gamma_qk=gamma_qk, gamma_pv=gamma_pv,
-            exp_rel=EXP32_REL, u_arith=U32,
-        )  # fmt: skip
+    for rows, st, A_max, V, o, kw in _kernel_requests(batch, numerics, ref):
+        b_out, b_lse = _rounding_bound(st, A_max, V, o, **kw)
         s_out, s_lse = _fp64_slack(st, A_max, V, o, D)  # the oracle's own fp64 rounding
         out[rows], lse[rows] = b_out + s_out, b_lse + s_lse
     return Bound(out, lse)
+
+
+def split_bound(batch: DecodeBatch, numerics, num_splits: int) -> Bound:
+    """Bound on |a - b| between two runs of one kernel on ``batch`` whose plans cut the rows' tokens differently
+    (each row in at most ``num_splits`` pieces), before output rounding: the split-invariance check.
+
+    Both runs compute the same scores s̃_j: a token's score is its own dot product over the channels, whatever tile
+    or split holds it (MMA-based kernels accumulate over channels only; mla_fast's tiles also keep their positions,
+    splits starting on the planner's 64-token blocks). What differs is the running max each piece rescales by, so P
+    is rounded from other values, exp2 sees other arguments and the P·V sums run over other pieces, and the merge.
+    Each run is within the §5(f) bound with the score errors shared (``_rounding_bound(shared_scores=True)``, no
+    output rounding) plus ``merge_bound(num_splits)`` of the same o* = Σ_j softmax(s̃)_j v̂_j, lse* = ln Σ_j e^s̃_j:
+        |a - b| <= 2 [shared-score §5(f) bound + merge_bound]        (out [T, H, L] and lse [T, H])
+    For outputs rounded to out_dtype add u_out (|round a| + |round b|)(1 + u_out). Without the shared scores the
+    runs could differ by the score term tanh(ω_acc/4) R̂, most of kernel_bound on peaky rows; with them P rounding
+    (u_P Σ p̂|v̂|, η_P), exp and accumulation remain, which a bound of 2 merge_bound alone misses: fp16 or bf16 P
+    rounded under different maxima already differs by ~u_P p̂_j per token.
+    """
+    batch.validate()
+    L, H, T = batch.kv_lora_rank, batch.num_heads, batch.num_tokens
+    out = torch.zeros(T, H, L, dtype=F64, device=batch.device)  # [T, H, L]
+    lse = torch.zeros(T, H, dtype=F64, device=batch.device)  # [T, H]
+    for rows, st, A_max, V, o, kw in _kernel_requests(batch, numerics, None):
+        out[rows], lse[rows] = _rounding_bound(st, A_max, V, o, **dict(kw, u_out=0.0), shared_scores=True)
+    merge = merge_bound(batch, num_splits)
+    return Bound(2 * (out + merge.out), 2 * (lse + merge.lse))
 
 
 # ---- §5(a)–(d): quantization error of the fp64 oracle ------------------------------------------------------------
