@@ -46,8 +46,9 @@ bandwidth-bound, which is why more tiles in flight alone did not close the gap t
 
 CPU: under TRITON_INTERPRET=1 the same kernels run in Triton's interpreter. Triton 3.6's interpreter computes a
 bf16 `tl.dot` wrongly (fp16/fp32/fp8 are right), so when interpreting, bf16 MMA operands are upcast to fp32
-(`UPCAST_BF16` constexpr = `INTERPRET`, set from the environment when this module is imported). The interpreter also
-cannot take loaded bounds in `range()`, so loops over loaded bounds are `while` loops there (`INTERPRET`).
+(`UPCAST_BF16` constexpr = `INTERPRET`, set from the environment when this module is imported). It also converts
+fp32 -> bf16 by truncation, so there `_to_out` rounds the output bits to nearest even first (the device's cvt.rn). The
+interpreter cannot take loaded bounds in `range()`, so loops over loaded bounds are `while` loops there (`INTERPRET`).
 """
 
 import os
@@ -86,6 +87,21 @@ def _mma_operand(x, MMA: tl.constexpr, UPCAST_BF16: tl.constexpr):
     elif MMA == "fp16":
         x = x.to(tl.float16)
     return x
+
+
+@triton.jit
+def _to_out(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 tile -> the output dtype, rounded to nearest even as on the device (cvt.rn.bf16x2.f32).
+
+    Triton 3.6's interpreter converts fp32 -> bf16 by truncation (round toward zero: errors up to one bf16 ulp, twice
+    the 2^-8 |o| that numerics.md §5(f) declares), so there the fp32 bits are rounded first: adding 0x7FFF plus the
+    lowest kept bit, then clearing the 16 dropped bits, is round-to-nearest-even for finite x; the cast is then exact.
+    """
+    if INTERPRET and DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(DTYPE)
 
 
 @triton.jit
@@ -299,7 +315,7 @@ def _mla_decode_kernel(
         lse = tl.where(has_tok, (m_i + tl.log2(tl.where(has_tok, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
         if partial_row < 0:
             out_ptr = OUT + qo.to(tl.int64)[:, None] * stride_ot + h[:, None] * stride_oh + offs_l[None, :]
-            tl.store(out_ptr, o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+            tl.store(out_ptr, _to_out(o, OUT.dtype.element_ty, INTERPRET), mask=row_ok[:, None])
             tl.store(LSE + qo.to(tl.int64) * stride_lt + h, lse, mask=row_ok)
         else:
             prow = (partial_row + qo - qo_start).to(tl.int64)  # [M] workspace rows of this item
@@ -315,7 +331,7 @@ def _mla_reduce_kernel(
     OUT, LSE,  # [T, H, L] bf16, [T, H] fp32
     stride_pt, stride_ph, stride_plt,
     stride_ot, stride_oh, stride_lt,
-    L: tl.constexpr, BLOCK_S: tl.constexpr,
+    L: tl.constexpr, BLOCK_S: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """One program per (reduce tile, packed row): merges that row's split partials, BLOCK_S splits at a time.
 
@@ -359,7 +375,7 @@ def _mla_reduce_kernel(
         m_out = tl.where(m == float("-inf"), 0.0, m)
         lse = tl.where(has_tok, (m_out + tl.log2(tl.where(has_tok, w_sum, 1.0))) * 0.6931471805599453, float("-inf"))
         qo = (qo_start + dq).to(tl.int64)
-        tl.store(OUT + qo * stride_ot + h * stride_oh + offs_l, o.to(OUT.dtype.element_ty))
+        tl.store(OUT + qo * stride_ot + h * stride_oh + offs_l, _to_out(o, OUT.dtype.element_ty, INTERPRET))
         tl.store(LSE + qo * stride_lt + h, lse)
 
 
@@ -567,7 +583,7 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
             out, lse,
             o_part.stride(0), o_part.stride(1), lse_part.stride(0),
             out.stride(0), out.stride(1), lse.stride(0),
-            L=L, BLOCK_S=REDUCE_BLOCK_S, num_warps=4,
+            L=L, BLOCK_S=REDUCE_BLOCK_S, INTERPRET=INTERPRET, num_warps=4,
         )
     return compiled
 

@@ -74,3 +74,17 @@ def check(out, lse, batch, numerics, num_splits: int = 1) -> dict:
         "empty_ok": bool((out[~seen] == 0).all() and (lse[~seen] == -math.inf).all()),
         "empty_rows": int((~seen).sum()),
     }
+
+
+def split_pair(out_a, out_b, batch, numerics, num_splits: int) -> dict:
+    """Two fp32 runs of one kernel under different plans: max |a - b| / verify.bounds.split_bound, and / the two
+    merge bounds alone (what a split check without the re-tiling rounding would allow)."""
+    from verify.bounds import merge_bound, split_bound
+
+    diff = (out_a.double() - out_b.double()).abs().cpu()  # [T, H, L]
+    bound, merge = split_bound(batch, numerics, num_splits).out.cpu(), merge_bound(batch, num_splits).out.cpu()
+    return {
+        "split_ratio": float((diff / bound.clamp(min=1e-300)).amax()),
+        "merge_only_ratio": float((diff / (2 * merge).clamp(min=1e-300)).amax()),
+        "max_abs_diff": float(diff.amax()),
+    }
