@@ -15,7 +15,15 @@ from mla_fast.numerics import KernelNumerics
 from mla_fast.planner import PARTIAL_ROW, plan_decode
 from mla_ref.decode import make_decode_batch, merge_partials, mla_decode_ref
 from mla_ref.fp8 import fp8_format, quantize, round_p
-from verify.bounds import _spread, kernel_bound, merge_bound, prob_bound, quantization_bounds, rms_estimate
+from verify.bounds import (
+    _spread,
+    kernel_bound,
+    merge_bound,
+    prob_bound,
+    quantization_bounds,
+    rms_estimate,
+    split_bound,
+)
 from verify.metrics import compare
 
 SIGMA = 0.1352338  # DeepSeek-V3 softmax scale (YaRN mscale² included)
@@ -418,6 +426,28 @@ def test_split_emulation_within_kernel_plus_merge_bound():
     rep, rep_lse = compare(out, ref[0], bound.out, out_dtype=torch.float32), compare(lse, ref[1], bound.lse)
     print(f"\nplanned split fp32: err/B out {_report(rep)}, lse {_report(rep_lse)}")
     assert rep.ok and rep_lse.ok, rep.describe() + "\n" + rep_lse.describe()
+
+
+def test_split_bound_holds_across_plans_and_catches_a_wrong_scale():
+    """Two plans (1 and 8 workers) of the fp32 emulation differ within split_bound; a run with σ off by 1% does not
+    (split_bound keeps no score term: both runs must compute the same scores)."""
+    batch = _bf16_batch("gauss4", seq=(0, 700, 90, 1), q_lens=(1, 2, 1, 3))
+    numerics = _fp32_numerics(batch, out_dtype=torch.float32)
+    runs = {}
+    for workers in (1, 8):
+        plan = plan_decode(batch.seq_lens, batch.q_lens, batch.num_heads, num_workers=workers, block_n=64)
+        runs[workers] = run_plan_reference(batch, plan, torch.float32)
+    splits = int(plan.stats()["pieces_per_tile"]["max"])
+    assert splits > 1
+    bound = split_bound(batch, numerics, splits)
+    rep = compare(runs[8][0], runs[1][0], bound.out, out_dtype=torch.float32)
+    rep_lse = compare(runs[8][1], runs[1][1], bound.lse)
+    print(f"\nsplit 1 vs 8 workers: err/B out {_report(rep)}, lse {_report(rep_lse)}")
+    assert rep.ok and rep_lse.ok, rep.describe() + "\n" + rep_lse.describe()
+    wrong = run_plan_reference(batch.replace(sm_scale=batch.sm_scale * 1.01), plan, torch.float32)
+    assert not compare(wrong[0], runs[1][0], bound.out, out_dtype=torch.float32).ok
+    with pytest.raises(ValueError, match="p_scale"):
+        split_bound(batch, _fp32_numerics(batch, p_scale=0.0), splits)
 
 
 # ---- §5(e) statistics -----------------------------------------------------------------------------------------------

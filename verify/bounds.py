@@ -288,6 +288,12 @@ def _fp64_slack(st: _Softmax, A_max: torch.Tensor, V: torch.Tensor, o: torch.Ten
 # ---- §5(f): kernel vs fp64 on the same dequantized inputs ------------------------------------------------------
 
 
+def _check_numerics(batch: DecodeBatch, numerics) -> None:
+    batch.validate()
+    if not (math.isfinite(numerics.p_scale) and numerics.p_scale > 0):
+        raise ValueError(f"numerics.p_scale: expected a finite float > 0, got {numerics.p_scale}")
+
+
 def _kernel_requests(batch: DecodeBatch, numerics, ref: tuple[torch.Tensor, torch.Tensor] | None):
     """Per request: (rows, st, A_max [n, H], V [s, L], o [n, H, L], kwargs of ``_rounding_bound``) for a kernel
     that rounds as ``numerics`` says (numerics.md §5(f); mla_fast/numerics.py).
@@ -304,8 +310,6 @@ def _kernel_requests(batch: DecodeBatch, numerics, ref: tuple[torch.Tensor, torc
     with u and η of pv_operand, when pv_operand is coarser than p_fmt.
     """
     L, D, sigma = batch.kv_lora_rank, batch.head_dim, batch.sm_scale
-    if not (math.isfinite(numerics.p_scale) and numerics.p_scale > 0):
-        raise ValueError(f"numerics.p_scale: expected a finite float > 0, got {numerics.p_scale}")
     u_p, eta_p = _unit_roundoff(numerics.p_fmt), _half_min_subnormal(numerics.p_fmt)
     if _unit_roundoff(numerics.pv_operand) > u_p:
         u_p = (1 + u_p) * (1 + _unit_roundoff(numerics.pv_operand)) - 1
@@ -373,7 +377,7 @@ def kernel_bound(batch: DecodeBatch, numerics, *, ref: tuple[torch.Tensor, torch
     Returns:
         Bound(out [T, H, L], lse [T, H]) in fp64.
     """
-    batch.validate()
+    _check_numerics(batch, numerics)
     L, D, H, T = batch.kv_lora_rank, batch.head_dim, batch.num_heads, batch.num_tokens
     if ref is not None and (tuple(ref[0].shape) != (T, H, L) or tuple(ref[1].shape) != (T, H)):
         raise ValueError(f"ref: expected (out [{T}, {H}, {L}], lse [{T}, {H}]), got {[tuple(r.shape) for r in ref]}")
@@ -402,7 +406,7 @@ def split_bound(batch: DecodeBatch, numerics, num_splits: int) -> Bound:
     (u_P Σ p̂|v̂|, η_P), exp and accumulation remain, which a bound of 2 merge_bound alone misses: fp16 or bf16 P
     rounded under different maxima already differs by ~u_P p̂_j per token.
     """
-    batch.validate()
+    _check_numerics(batch, numerics)
     L, H, T = batch.kv_lora_rank, batch.num_heads, batch.num_tokens
     out = torch.zeros(T, H, L, dtype=F64, device=batch.device)  # [T, H, L]
     lse = torch.zeros(T, H, dtype=F64, device=batch.device)  # [T, H]
