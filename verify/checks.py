@@ -6,7 +6,7 @@
 | tier1.out/.lse | kernel vs fp64 oracle on the same dequantized inputs            | kernel_bound + merge_bound     |
 | tier2.*        | fp64 oracle on fp8 inputs vs on exact inputs (fp8 only): a      | quantization_bounds: B_det,    |
 |                | property of the data and the format, not of the kernel          | B_post                         |
-| split.out/.lse | the kernel under several worker counts vs one worker (no split) | 2 merge_bound + output ulps    |
+| split.out/.lse | the kernel under several worker counts vs one worker (no split) | split_bound + output ulps      |
 | empty          | rows that see no token: out exactly 0, lse -inf                 | —                              |
 | finite         | rows that see tokens: out and lse finite (inputs are finite)    | —                              |
 
@@ -172,13 +172,14 @@ def check_tier2(batch_q: DecodeBatch, batch_exact: DecodeBatch, ref_q) -> list[C
     ]
 
 
-def check_split(batch: DecodeBatch, kernel: Kernel, numerics, first: tuple, workers: int, merge) -> list[CheckResult]:
+def check_split(batch: DecodeBatch, kernel: Kernel, numerics, first: tuple, workers: int) -> list[CheckResult]:
     """The kernel's result ``first`` (its run with ``workers`` persistent workers) agrees with a second run: one
     worker (no split), or ALT_WORKERS when ``workers`` is 1.
 
-    Each run is within ``merge`` (merge_bound) of the same unmerged fp32 values, and for out of dtype u_out
+    Both runs compute the same scores; P rounding under each piece's running max, exp, accumulation and the merge
+    differ: within bounds.split_bound before output rounding (numerics.md §5(f,g)). For out of dtype u_out,
     |round(x) - round(y)| <= |x - y| + u_out (|round(x)| + |round(y)|) (1 + u_out); so the bound is
-    2 merge + u_out (|a| + |b|) (1 + u_out) for out and 2 merge for lse.
+    split + u_out (|a| + |b|) (1 + u_out) for out and split for lse.
     """
     other = 1 if workers > 1 else ALT_WORKERS
     second, exc = _call(kernel.run_workers, batch, other, device=batch.device)
@@ -187,14 +188,15 @@ def check_split(batch: DecodeBatch, kernel: Kernel, numerics, first: tuple, work
     if exc is not None:
         return [CheckResult("split.out", False, detail=f"{other}-worker run raised {error_message(exc)}")]
     u_out = torch.finfo(numerics.out_dtype).eps / 2  # unit roundoff of the output dtype
+    split = bounds.split_bound(batch, numerics, kernel.max_splits(batch))  # [T, H, L], [T, H] before output rounding
     results = []
     for i, (name, out_dtype) in enumerate((("split.out", numerics.out_dtype), ("split.lse", torch.float32))):
         a, b = first[i].detach().double().cpu(), second[i].detach().double().cpu()  # [T, H, L] or [T, H]
         if i == 0:
             both = torch.isfinite(a) & torch.isfinite(b)
-            bound = 2 * merge.out.cpu() + torch.where(both, u_out * (a.abs() + b.abs()) * (1 + u_out), 0.0)
+            bound = split.out.cpu() + torch.where(both, u_out * (a.abs() + b.abs()) * (1 + u_out), 0.0)
         else:
-            bound = 2 * merge.lse.cpu()
+            bound = split.lse.cpu()
         r = _bounded(name, a, b, bound, out_dtype)
         r.detail = f"{workers} workers vs {other}: {r.detail}"
         results.append(r)
@@ -272,7 +274,7 @@ def run_case(case: Case, kernel: Kernel, device: str = "cpu", *, tier2: bool = T
         if tier2 and case.is_fp8:
             result.checks += check_tier2(batch, batch_exact, ref)
         if split and kernel.run_workers is not None:
-            result.checks += check_split(batch, kernel, numerics, (out_d, lse_d), case.num_workers, merge)
+            result.checks += check_split(batch, kernel, numerics, (out_d, lse_d), case.num_workers)
     except Exception as e:
         if not is_device_fault(e):
             raise
