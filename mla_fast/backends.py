@@ -114,9 +114,7 @@ def _flashinfer_numerics(batch: DecodeBatch) -> KernelNumerics:
     # fp8 KV is staged to bf16 in shared memory as bf16(code * bf16(kv_scale)) before bf16 MMAs (q is bf16): the
     # 16-bit rounding points, plus one bf16 rounding of every K and V element whose product is inexact
     numerics = _hopper_16bit(torch.float16 if batch.kv_cache.dtype == torch.float16 else torch.bfloat16)
-    if is_fp8(batch.kv_cache.dtype) and "scale_then_round" in {f.name for f in dataclasses.fields(KernelNumerics)}:
-        return dataclasses.replace(numerics, scale_then_round=True)
-    return numerics
+    return dataclasses.replace(numerics, scale_then_round=is_fp8(batch.kv_cache.dtype))
 
 
 def _flashmla_numerics(batch: DecodeBatch) -> KernelNumerics:

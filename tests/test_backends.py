@@ -142,6 +142,8 @@ def test_declared_numerics_per_backend_and_dtype():
     get = {name: b.numerics for name, b in backends.BACKENDS.items()}
     assert get["ref"](bf16).qk_operand == torch.float64 and get["emulated"](bf16).p_fmt is None
     assert get["flashinfer"](bf16).p_fmt == "bf16" and get["flashinfer"](fp8_batch).p_fmt == "bf16"
+    assert get["flashinfer"](fp8_batch).scale_then_round and not get["flashinfer"](bf16).scale_then_round
+    assert not get["flashmla"](fp8_batch).scale_then_round  # descale_q/_k multiply the fp32 scores
     assert get["flashmla"](bf16).p_fmt == "bf16" and get["flashmla"](fp8_batch).p_fmt == "e4m3fn"
     assert get["aiter"](bf16).p_fmt == "bf16" and get["aiter"](fnuz).p_fmt == "e4m3fnuz"
     assert get["triton"](fp8_batch).qk_operand == torch.float16  # the Triton kernel's fp8 MMAs run in fp16
