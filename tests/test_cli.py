@@ -196,6 +196,21 @@ def test_forked_workers_match_one_process(capsys, tmp_path):
     assert [r["err_over_bound"] for r in reports[0]] == [r["err_over_bound"] for r in reports[1]]
 
 
+def test_spawned_workers_match_one_process(capsys, tmp_path, monkeypatch):
+    """The GPU pool (spawned workers that resolve the kernel themselves), forced on the CPU: the same cases and
+    results as one process."""
+    monkeypatch.setattr(cli, "_start_method", lambda device: "spawn")
+    reports = []
+    for jobs in ("1", "2"):
+        path = tmp_path / f"r{jobs}.json"
+        assert run(capsys, "--backend", "emulated", "--cases", "3", "--max-seq-len", "128", "--jobs", jobs,
+                   "--json", str(path))[0] == 0
+        reports.append(json.loads(path.read_text()))
+    assert reports[1]["jobs"] == 2
+    assert [r["case"] for r in reports[0]["results"]] == [r["case"] for r in reports[1]["results"]]
+    assert [r["err_over_bound"] for r in reports[0]["results"]] == [r["err_over_bound"] for r in reports[1]["results"]]
+
+
 def test_model_subcommand_dispatch(capsys, monkeypatch):
     fake = types.ModuleType("verify.model_check")
     fake.main = lambda argv: 7 if argv == ["--size", "ci"] else 0

@@ -108,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", choices=tuple(DEFAULT_CASES), default="ci", help="case generation profile (below)")
     p.add_argument("--device", help="torch device for the cases (default cuda if available, else cpu)")
     p.add_argument("--jobs", type=_positive_int, metavar="N",
-                   help="worker processes on CPU (default: the usable cores; 1 on a GPU and with --profile search)")
+                   help="worker processes (default: the usable cores on a CPU, min(8, cores) spawned processes "
+                        "sharing one GPU; 1 with --profile search)")
     p.add_argument("--json", metavar="PATH", help="write the JSON report to PATH ('-' = stdout)")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of err/bound per case and check (needs matplotlib)")
     p.add_argument("--case", metavar="JSON", help="replay one case (the JSON of a repro line) and show every check")
@@ -119,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
 # ---- campaign ---------------------------------------------------------------------------------------------------
 
 
+GPU_JOBS = 8  # default worker processes on one GPU (each holds a CUDA context, ~0.5 GiB)
 _KERNEL = None  # the kernel of this process (inherited by forked workers)
 _DEVICE = "cpu"
 
@@ -137,10 +139,19 @@ def _run_one(case: Case) -> CaseResult:
         return CaseResult(case, [check], time.perf_counter() - t0, device_fault=is_device_fault(e))
 
 
-def _worker_init() -> None:
+def _worker_init(threads: int = 1, kernel_spec: tuple[str, str] | None = None, device: str | None = None) -> None:
+    """Pool worker setup: CPU threads per process; a spawned worker (GPU campaigns) also resolves its own kernel
+    (``("backend", name)`` or ``("impl", module:function)``) and device, since it inherits no state."""
+    global _KERNEL, _DEVICE
     import torch
 
-    torch.set_num_threads(1)  # one process per core
+    torch.set_num_threads(threads)
+    if kernel_spec is not None:
+        from verify import kernels
+
+        kind, name = kernel_spec
+        _KERNEL = kernels.from_backend(name) if kind == "backend" else kernels.from_impl(name)
+        _DEVICE = device
 
 
 def _draw(strategy, n: int, seed: int) -> list[Case]:
@@ -201,10 +212,29 @@ class _Stop(Exception):
     """Raised inside the search to end it early (--exitfirst)."""
 
 
-def _run_all(cases: list[Case], jobs: int, on_result) -> None:
-    """Run cases in order (a pool of forked workers when jobs > 1); on_result(result) -> False stops."""
-    if jobs > 1 and len(cases) > 1 and "fork" in multiprocessing.get_all_start_methods():
-        with multiprocessing.get_context("fork").Pool(jobs, initializer=_worker_init) as pool:
+def _start_method(device: str) -> str:
+    """How pool workers start: "fork" on a CPU, "spawn" on a GPU (CUDA cannot be used in a forked child)."""
+    return "fork" if device == "cpu" else "spawn"
+
+
+def _run_all(cases: list[Case], jobs: int, on_result, kernel_spec: tuple[str, str] | None = None) -> None:
+    """Run cases in order; on_result(result) -> False stops.
+
+    jobs > 1: a pool of worker processes, results still in case order. On a CPU the workers are forked (they inherit
+    the kernel). On a GPU they are spawned (a forked child cannot use its parent's CUDA context), each resolving
+    ``kernel_spec`` itself and holding its own CUDA context: one GPU is then fed by several Python processes, which
+    is what makes a GPU campaign fast, since a case is many small launches and host syncs, not FLOPs.
+    """
+    ctx = None
+    if jobs > 1 and len(cases) > 1:
+        method = _start_method(_DEVICE)
+        if method == "spawn" and kernel_spec is not None:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            ctx, init = multiprocessing.get_context("spawn"), (max(1, cores // jobs), kernel_spec, _DEVICE)
+        elif method == "fork" and "fork" in multiprocessing.get_all_start_methods():
+            ctx, init = multiprocessing.get_context("fork"), (1,)
+    if ctx is not None:
+        with ctx.Pool(jobs, initializer=_worker_init, initargs=init) as pool:
             for result in pool.imap(_run_one, cases):
                 if not on_result(result):
                     pool.terminate()
@@ -459,7 +489,8 @@ def main(argv: list[str] | None = None) -> int:
         seed = 0 if args.profile == "ci" else int.from_bytes(os.urandom(4), "little")
     n = 1 if replay else (args.cases or DEFAULT_CASES[args.profile])
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    jobs = args.jobs or (1 if device.type != "cpu" else cores)
+    jobs = args.jobs or (cores if device.type == "cpu" else min(GPU_JOBS, cores))
+    kernel_spec = ("impl", args.impl) if args.impl else ("backend", kernel.name)
     report.update(seed=seed, jobs=jobs)
     what = f"replaying {replay.describe()}" if replay else f"profile {args.profile}, seed {seed}, {n} cases"
     what += "" if replay else f", {args.dtype}"
@@ -511,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
                     if not stopped and not (args.exitfirst and any(r.status == "failed" for r in results)):
                         _search(strategy, n - len(smoke), seed, on_result)
                 else:
-                    _run_all(smoke + _draw(strategy, n - len(smoke), seed), jobs, on_result)
+                    _run_all(smoke + _draw(strategy, n - len(smoke), seed), jobs, on_result, kernel_spec)
         except KeyboardInterrupt:
             console.print("mla-verify: interrupted; reporting the cases that ran")
     seconds = time.perf_counter() - t0
