@@ -178,26 +178,68 @@ class Report:
 
 
 def _index(flat: int, shape: tuple) -> tuple:
-    """Multi-dimensional index of a flat position."""
-    return tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), shape)) if shape else ()
+    """Multi-dimensional index of a flat (row-major) position, computed on the host."""
+    index = []
+    for size in reversed(shape):
+        flat, i = divmod(flat, size)
+        index.append(i)
+    return tuple(reversed(index))
 
 
-def _nonfinite_check(a: torch.Tensor, e: torch.Tensor, shape: tuple) -> tuple[bool, str, int]:
-    """Compare NaN / +inf / -inf masks; returns (agree, detail, positions non-finite on either side)."""
+_NONFINITE = (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf))
+
+
+def _nonfinite_stats(a: torch.Tensor, e: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Device-side statistics of the NaN / +inf / -inf masks of a and e (flat fp64, non-empty).
+
+    Returns (ints, floats): per class [differing positions, count in a, count in e, first differing flat position]
+    and the non-finite count (ints); per class a and e at that first position (floats). No host sync.
+    """
+    ints, floats = [], []
+    for _, test in _NONFINITE:
+        ma, me = test(a), test(e)  # [N] bool
+        diff = ma ^ me  # [N]
+        first = diff.to(torch.uint8).argmax()  # [] first differing position (0 if none)
+        ints += [diff.sum(), ma.sum(), me.sum(), first]
+        floats += [a[first], e[first]]
+    ints.append((~torch.isfinite(a) | ~torch.isfinite(e)).sum())
+    return ints, floats
+
+
+def _nonfinite_detail(counts: list[int], values: list[float], shape: tuple) -> tuple[bool, str, int]:
+    """Host side of ``_nonfinite_stats``: (masks agree, detail, positions non-finite on either side)."""
     problems = []
-    for label, test in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
-        ma, me = test(a), test(e)  # [...] bool
-        diff = ma ^ me
-        if bool(diff.any()):
-            first = _index(int(diff.flatten().nonzero()[0]), shape)
+    for k, (label, _) in enumerate(_NONFINITE):
+        n_diff, n_a, n_e, first = counts[4 * k : 4 * k + 4]
+        if n_diff:
+            va, ve = values[2 * k : 2 * k + 2]
             problems.append(
-                f"{label} at {int(diff.sum())} positions differ (actual {int(ma.sum())}, expected {int(me.sum())};"
-                f" first at {first}: actual {a[first].item()}, expected {e[first].item()})"
+                f"{label} at {n_diff} positions differ (actual {n_a}, expected {n_e};"
+                f" first at {_index(first, shape)}: actual {va}, expected {ve})"
             )
-    count = int((~torch.isfinite(a) | ~torch.isfinite(e)).sum())
+    count = counts[4 * len(_NONFINITE)]
     if problems:
         return False, "; ".join(problems), count
     return True, f"NaN/inf positions agree ({count} non-finite)", count
+
+
+def _lower_median(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """torch.median (the lower median) of x[keep] for x [N] >= 0 (inf allowed, no NaN), 0 when nothing is kept.
+
+    No boolean indexing (no host sync): the dropped positions become +inf, which sort after every kept value, so
+    the kept values' k-th smallest is the k-th smallest overall for k < n_keep.
+    """
+    n_keep = keep.sum()  # []
+    ordered = torch.where(keep, x, math.inf).sort().values  # [N]
+    mid = ((n_keep - 1).clamp(min=0) // 2).reshape(1)  # [1] the lower median's rank
+    return torch.where(n_keep > 0, ordered.gather(0, mid)[0], 0.0)
+
+
+def _to_host(ints: list[torch.Tensor], floats: list[torch.Tensor]) -> tuple[list[int], list[float]]:
+    """One device-to-host transfer for every scalar: int64 and fp64 (bit-cast to int64) packed in one tensor."""
+    packed = torch.cat([torch.stack(ints).to(torch.int64), torch.stack(floats).to(torch.float64).view(torch.int64)])
+    packed = packed.cpu()  # the one sync
+    return packed[: len(ints)].tolist(), packed[len(ints) :].view(torch.float64).tolist()
 
 
 def compare(
@@ -210,6 +252,8 @@ def compare(
 ) -> Report:
     """Compare ``actual`` with the fp64 ``expected`` elementwise, optionally under ``bound``.
 
+    Every reduction runs on the tensors' device; the scalars come to the host in one transfer.
+
     Args:
         actual, expected: same shape, any float dtype (both go to fp64).
         bound: None (statistics only; ok then only means the non-finite masks agree), or a non-negative
@@ -220,47 +264,53 @@ def compare(
     if tuple(actual.shape) != tuple(expected.shape):
         raise ValueError(f"actual: expected shape {tuple(expected.shape)} (as expected), got {tuple(actual.shape)}")
     shape = tuple(expected.shape)
-    a, e = actual.double(), expected.to(actual.device).double()  # [...] fp64
-    mask_ok, detail, n_nonfinite = _nonfinite_check(a, e, shape)
-    finite = torch.isfinite(a) & torch.isfinite(e)  # [...] positions with a numeric error
-    err = torch.where(finite, (a - e).abs(), 0.0)  # [...] agreeing non-finite positions count 0
-    rel = torch.where(e != 0, err / e.abs(), torch.where(err > 0, math.inf, 0.0))  # [...]
+    a, e = actual.double().flatten(), expected.to(actual.device).double().flatten()  # [N] fp64
+    b = None
+    if bound is not None:
+        b = torch.as_tensor(bound, dtype=torch.float64, device=a.device).expand(shape).flatten()  # [N]
+    if a.numel() == 0:
+        return _empty_report(name, shape, b, out_dtype)
+
+    ints, floats = _nonfinite_stats(a, e)
+    finite = torch.isfinite(a) & torch.isfinite(e)  # [N] positions with a numeric error
+    err = torch.where(finite, (a - e).abs(), 0.0)  # [N] agreeing non-finite positions count 0
+    rel = torch.where(e != 0, err / e.abs(), torch.where(err > 0, math.inf, 0.0))  # [N]
     rel = torch.where(finite, rel, 0.0)
+    i_abs, i_rel = err.argmax(), rel.argmax()  # [], []
+    ulp = torch.where(finite, ulp_distance(a, e, out_dtype), 0)  # [N] finite positions only (ulp >= 0)
+    x, y = torch.where(finite, a, 0.0), torch.where(finite, e, 0.0)  # [N] cos_diff over finite positions
+    ints += [i_abs, i_rel, ulp.max()]
+    floats += [err[i_abs], a[i_abs], e[i_abs], rel[i_rel], (x * x + y * y).sum(), (x * y).sum()]
+    if b is not None:
+        ratio = torch.where(b > 0, err / b, torch.where(err > 0, math.inf, 0.0))  # [N] err / 0 -> inf or 0
+        ratio = torch.where(finite, ratio, 0.0)  # [N]
+        ints += [(torch.isnan(b) | (b < 0)).any(), (finite & (err > b)).sum(), ratio.argmax()]
+        floats += [ratio.max(), _lower_median(ratio, finite)]
+    counts, values = _to_host(ints, floats)
 
-    if err.numel():
-        i_abs, i_rel = int(err.flatten().argmax()), int(rel.flatten().argmax())
-        ulp = ulp_distance(a[finite], e[finite], out_dtype)  # [n_finite]
-        max_ulp = int(ulp.max()) if ulp.numel() else 0
-    else:
-        i_abs = i_rel = max_ulp = 0
-    at_abs = _index(i_abs, shape)
-
+    mask_ok, detail, n_nonfinite = _nonfinite_detail(counts, values, shape)
+    k, f = 4 * len(_NONFINITE) + 1, 2 * len(_NONFINITE)
+    (i_abs, i_rel, max_ulp), (max_abs, at_a, at_e, max_rel, denom, dot) = counts[k : k + 3], values[f : f + 6]
     obm = obmed = math.nan
     worst: tuple = ()
     violations = 0
-    if bound is not None:
-        b = torch.as_tensor(bound, dtype=torch.float64, device=a.device).expand(shape)  # [...]
-        if bool((torch.isnan(b) | (b < 0)).any()):
+    if b is not None:
+        bad_bound, violations, i_worst = counts[k + 3 : k + 6]
+        if bad_bound:
             raise ValueError("bound: expected a non-negative, non-NaN elementwise bound, got NaN or negative values")
-        ratio = torch.where(b > 0, err / b, torch.where(err > 0, math.inf, 0.0))  # [...] err / 0 -> inf or 0
-        ratio = torch.where(finite, ratio, 0.0)  # [...]
-        violations = int((finite & (err > b)).sum())
-        if ratio.numel():
-            worst = _index(int(ratio.flatten().argmax()), shape)
-            obm = float(ratio.max())
-            obmed = float(ratio[finite].median()) if bool(finite.any()) else 0.0
-
+        obm, obmed = values[f + 6 : f + 8]
+        worst = _index(i_worst, shape)
     return Report(
         name=name,
         shape=shape,
-        max_abs=float(err.flatten()[i_abs]) if err.numel() else 0.0,
-        max_abs_index=at_abs,
-        max_abs_actual=float(a.flatten()[i_abs]) if err.numel() else 0.0,
-        max_abs_expected=float(e.flatten()[i_abs]) if err.numel() else 0.0,
-        max_rel=float(rel.flatten()[i_rel]) if err.numel() else 0.0,
+        max_abs=max_abs,
+        max_abs_index=_index(i_abs, shape),
+        max_abs_actual=at_a,
+        max_abs_expected=at_e,
+        max_rel=max_rel,
         max_rel_index=_index(i_rel, shape),
         max_ulp=max_ulp,
-        cos_diff=cos_diff(a[finite], e[finite]),
+        cos_diff=0.0 if denom == 0.0 else 1.0 - 2.0 * dot / denom,  # as cos_diff(a[finite], e[finite])
         nonfinite_mask_ok=mask_ok,
         nonfinite_detail=detail,
         err_over_bound_max=obm,
@@ -270,4 +320,30 @@ def compare(
         ok=mask_ok and violations == 0,
         out_dtype=str(out_dtype).removeprefix("torch."),
         nonfinite_count=n_nonfinite,
+    )
+
+
+def _empty_report(name: str, shape: tuple, b: torch.Tensor | None, out_dtype: torch.dtype) -> Report:
+    """The report of two empty tensors: nothing differs; err / bound is NaN (no element) even with a bound."""
+    zero = (0,) * len(shape) if shape else ()
+    return Report(
+        name=name,
+        shape=shape,
+        max_abs=0.0,
+        max_abs_index=zero,
+        max_abs_actual=0.0,
+        max_abs_expected=0.0,
+        max_rel=0.0,
+        max_rel_index=zero,
+        max_ulp=0,
+        cos_diff=0.0,
+        nonfinite_mask_ok=True,
+        nonfinite_detail="NaN/inf positions agree (0 non-finite)",
+        err_over_bound_max=math.nan,
+        err_over_bound_median=math.nan,
+        worst_index=(),
+        violations=0,
+        ok=True,
+        out_dtype=str(out_dtype).removeprefix("torch."),
+        nonfinite_count=0,
     )
