@@ -8,10 +8,11 @@ cast with scales 0.5 / 0.25, peers.md §2 conditions), and each dtype combinatio
 - fp8:   e4m3fn q and cache (FlashMLA dense fp8, `use_legacy=True`)
 
 it reports µs per call (median and 20/80 % quantiles of `triton.testing.do_bench`, which flushes the L2 before every
-call), effective GB/s = (cache bytes read + q bytes + out bytes) / time, and % of the device-to-device copy bandwidth
-measured in the same run (a ~2 GB copy, bytes read + written). Ours is timed as one `launch` (decode + reduce), with
-the plan made beforehand; FlashInfer as `run()` after `plan()`; FlashMLA as the whole call, schedule cached after
-the first call (peers.md §2). Missing peers are reported as "not installed".
+call, timing CUDA-graph replays of each callable so that Python launch overhead is not timed; `--eager`: plain
+calls), effective GB/s = (cache bytes read + q bytes + out bytes) / time, and % of the device-to-device copy
+bandwidth measured in the same run (a ~2 GB copy, bytes read + written). Ours is timed as one `launch` (decode +
+reduce), with the plan made beforehand; FlashInfer as `run()` after `plan()`; FlashMLA as the whole call,
+schedule cached after the first call (peers.md §2). Missing peers are reported as "not installed".
 
 Output: a rich table on stdout and, with --json, every number in a JSON file.
 """
@@ -171,15 +172,43 @@ def flashmla_fn(batch: DecodeBatch):
 PEERS = {"flashinfer": flashinfer_fn, "flashmla": flashmla_fn}
 
 
+GRAPHS = True  # time CUDA-graph replays (--eager: plain calls)
+
+
+def graphed(fn):
+    """fn captured in a CUDA graph -> its replay. Every callable here launches on preallocated buffers after its
+    plan, so a replay does the same GPU work without the Python launch path, which at b = 1 (a ~20 µs kernel) would
+    otherwise be timed too: do_bench measures between events around each call, CPU gaps included."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the capture (allocator, lazy init)
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph.replay
+
+
 def measure(fn_or_reason, nbytes: int, copy_gbs: float) -> dict:
+    """Time one callable: graph replays when GRAPHS (falling back to plain calls, with the reason, if the capture
+    fails), else plain calls."""
     if isinstance(fn_or_reason, str):
         return {"status": fn_or_reason}
+    fn, timing = fn_or_reason, "eager"
+    if GRAPHS:
+        try:
+            fn, timing = graphed(fn_or_reason), "graph"
+        except Exception as e:
+            timing = f"eager (graph capture failed: {type(e).__name__}: {str(e)[:80]})"
     try:
-        med, p20, p80 = time_us(fn_or_reason)
+        med, p20, p80 = time_us(fn)
     except Exception as e:  # a peer failing on one shape must not stop the table
         return {"status": f"error: {type(e).__name__}: {str(e)[:120]}"}
     gbs = nbytes / (med * 1e-6) / 1e9
-    return {"status": "ok", "us": med, "us_p20": p20, "us_p80": p80, "gbs": gbs, "pct_copy": 100 * gbs / copy_gbs}
+    return {"status": "ok", "us": med, "us_p20": p20, "us_p80": p80, "gbs": gbs, "pct_copy": 100 * gbs / copy_gbs,
+            "timing": timing}
 
 
 def run_grid(shapes, combos, peers=True, copy_gbs=None, candidates=False, json_path=None) -> dict:
@@ -222,14 +251,18 @@ def run_grid(shapes, combos, peers=True, copy_gbs=None, candidates=False, json_p
 
 _LEGACY_BF16 = [dict(page_chunk=0, num_stages=3, workers_per_sm=2), dict(page_chunk=0, num_stages=5)]  # before chunks
 CANDIDATES = {  # (combo, num_heads) -> KernelConfig overrides of default_config timed beside it (--candidates)
-    ("bf16", 16): _LEGACY_BF16 + [dict(num_stages=2, workers_per_sm=2), dict(block_n=32, num_stages=5)],
+    ("bf16", 16): _LEGACY_BF16 + [
+        dict(split_l=4), dict(split_l=4, num_warps=4), dict(split_l=4, num_stages=2, workers_per_sm=2),
+        dict(split_l=4, page_chunk=0, num_stages=5),
+    ],
     ("fp8kv", 16): [
         dict(fp8_stage=False, v_reload=True),  # before fp8_stage
-        dict(page_chunk=32, num_stages=3),
-        dict(page_chunk=32, num_stages=4),
+        dict(split_l=4), dict(split_l=4, page_chunk=32, num_stages=3), dict(split_l=4, num_stages=4),
+        dict(split_l=4, num_warps=4),
     ],
-    ("bf16", 128): [dict(head_split=1), dict(head_group=32, head_split=4, page_chunk=32, num_stages=3)],
-    ("fp8kv", 128): [dict(head_group=32, head_split=4)],
+    ("bf16", 128): [dict(split_l=4), dict(split_l=4, head_split=1),
+                    dict(split_l=4, head_group=32, head_split=4, page_chunk=32, num_stages=3)],
+    ("fp8kv", 128): [dict(split_l=4, v_reload=False), dict(head_group=32, head_split=4)],
 }
 
 
@@ -348,7 +381,10 @@ def main(argv=None) -> None:
     parser.add_argument("--candidates", action="store_true", help="also time CANDIDATES configs; report the best")
     parser.add_argument("--precompile", type=int, default=0, metavar="N",
                         help="with --candidates: compile all configs first in N processes")
+    parser.add_argument("--eager", action="store_true", help="time plain calls instead of CUDA-graph replays")
     args = parser.parse_args(argv)
+    global GRAPHS
+    GRAPHS = not args.eager
     if not torch.cuda.is_available():
         raise SystemExit("mla-bench needs a CUDA GPU")
     t0 = time.time()

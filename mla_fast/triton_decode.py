@@ -119,20 +119,34 @@ def _e4m3_to_fp16_staged(x):
 
 
 @triton.jit
+def _kv_operand(ptrs, mask, MMA: tl.constexpr, UPCAST_BF16: tl.constexpr, FP8_STAGE: tl.constexpr):
+    """Load a [N, width] cache tile (masked rows read as 0) and give it the MMA dtype."""
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    if FP8_STAGE:  # e4m3fn tile, fp16 MMAs: convert once, the MMAs read the staged fp16 tile
+        return _e4m3_to_fp16_staged(x)
+    return _mma_operand(x, MMA, UPCAST_BF16)
+
+
+@triton.jit
 def _attend_tile(
-    q_nope, q_pe, m_i, l_i, acc, start, kv_end, limit, page, b, KV, BLOCK_TABLE, qk_scale,
-    stride_kvp, stride_kvs, stride_bt,
+    q_0, q_1, q_2, q_3, q_pe, m_i, l_i, acc_0, acc_1, acc_2, acc_3, start, kv_end, limit, page, b, KV, BLOCK_TABLE,
+    qk_scale, stride_kvp, stride_kvs, stride_bt,
     PAGE_SIZE: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
     MMA: tl.constexpr, UPCAST_BF16: tl.constexpr, TILE_IN_PAGE: tl.constexpr, V_RELOAD: tl.constexpr,
-    FP8_STAGE: tl.constexpr,
+    FP8_STAGE: tl.constexpr, SPLIT_L: tl.constexpr,
 ):
     """One KV tile of BLOCK_N tokens from `start`: online-softmax update of (m_i, l_i, acc) for all rows.
 
+    The latent channels come in SPLIT_L column slices of L / SPLIT_L (1 or 4): q_s / acc_s is slice s of q_nope / of
+    the output accumulator (with SPLIT_L = 1, q_0 and acc_0 are whole and the other slices are passed through
+    untouched). Four slices give the score MMA five independent accumulation chains (4 x L/4 + R channels) instead
+    of one chain over L + R, and each P.V MMA a quarter of the columns.
     TILE_IN_PAGE: the tile lies inside physical page `page` (contiguous rows); else each token's page is gathered
     from the block table (`page` unused).
     """
+    LS: tl.constexpr = L // SPLIT_L
     offs_n = tl.arange(0, BLOCK_N)
-    offs_l = tl.arange(0, L)
+    offs_s = tl.arange(0, LS)
     offs_r = tl.arange(0, R)
     # -- gather one tile of cache rows through the block table; never touch slots >= kv_end
     tok = start + offs_n  # [N] positions inside the request
@@ -142,23 +156,26 @@ def _attend_tile(
     else:
         page = tl.load(BLOCK_TABLE + b * stride_bt + tok // PAGE_SIZE, mask=tok_ok, other=0)  # [N]
         kv_row = KV + page.to(tl.int64)[:, None] * stride_kvp + (tok % PAGE_SIZE)[:, None] * stride_kvs  # [N, 1]
-    c_kv = tl.load(kv_row + offs_l[None, :], mask=tok_ok[:, None], other=0.0)  # [N, L]
-    k_pe = tl.load(kv_row + L + offs_r[None, :], mask=tok_ok[:, None], other=0.0)  # [N, R]
+    c_0 = _kv_operand(kv_row + offs_s[None, :], tok_ok[:, None], MMA, UPCAST_BF16, FP8_STAGE)  # [N, LS]
+    if SPLIT_L == 4:
+        c_1 = _kv_operand(kv_row + LS + offs_s[None, :], tok_ok[:, None], MMA, UPCAST_BF16, FP8_STAGE)  # [N, LS]
+        c_2 = _kv_operand(kv_row + 2 * LS + offs_s[None, :], tok_ok[:, None], MMA, UPCAST_BF16, FP8_STAGE)
+        c_3 = _kv_operand(kv_row + 3 * LS + offs_s[None, :], tok_ok[:, None], MMA, UPCAST_BF16, FP8_STAGE)
+    k_pe = _kv_operand(kv_row + L + offs_r[None, :], tok_ok[:, None], MMA, UPCAST_BF16, FP8_STAGE)  # [N, R]
     if V_RELOAD:  # V loaded again for P.V (hits L1/L2): each load then has one use, which Triton can pipeline
-        v = tl.load(kv_row + offs_l[None, :], mask=tok_ok[:, None], other=0.0, eviction_policy="evict_first")
-        v = _mma_operand(v, MMA, UPCAST_BF16)
-    if FP8_STAGE:  # e4m3fn tile, fp16 MMAs: convert once, MMAs read the staged fp16 tile
-        c_kv = _e4m3_to_fp16_staged(c_kv)
-        k_pe = _e4m3_to_fp16_staged(k_pe)
+        v = tl.load(kv_row + offs_s[None, :], mask=tok_ok[:, None], other=0.0, eviction_policy="evict_first")
+        v = _mma_operand(v, MMA, UPCAST_BF16)  # [N, L]
     else:
-        c_kv = _mma_operand(c_kv, MMA, UPCAST_BF16)
-        k_pe = _mma_operand(k_pe, MMA, UPCAST_BF16)
-    if not V_RELOAD:
-        v = c_kv
+        v = c_0
 
-    # -- scores: [M, L] x [L, N] + [M, R] x [R, N] -> [M, N], fp32 accumulation
-    s = tl.dot(q_nope, tl.trans(c_kv))
-    s = tl.dot(q_pe, tl.trans(k_pe), s)
+    # -- scores: sum over slices of [M, LS] x [LS, N], + [M, R] x [R, N] -> [M, N], fp32 accumulation
+    if SPLIT_L == 4:  # independent chains, summed at the end
+        s = (tl.dot(q_0, tl.trans(c_0)) + tl.dot(q_1, tl.trans(c_1))) + (tl.dot(q_2, tl.trans(c_2))
+                                                                          + tl.dot(q_3, tl.trans(c_3)))
+        s = s + tl.dot(q_pe, tl.trans(k_pe))
+    else:
+        s = tl.dot(q_0, tl.trans(c_0))
+        s = tl.dot(q_pe, tl.trans(k_pe), s)
     s = s * qk_scale
     visible = (tok[None, :] < limit[:, None]) & tok_ok[None, :]  # [M, N]
     s = tl.where(visible, s, float("-inf"))
@@ -170,17 +187,21 @@ def _attend_tile(
     p = tl.exp2(s - m_use[:, None])  # [M, N], exactly 0 where not visible
     l_i = l_i * alpha + tl.sum(p, 1)
     p = _mma_operand(p, MMA, UPCAST_BF16)  # P rounded to the MMA dtype (bf16/fp16)
-    acc = tl.dot(p, v, acc * alpha[:, None])  # [M, N] x [N, L] -> [M, L]
-    return m_new, l_i, acc
+    acc_0 = tl.dot(p, v, acc_0 * alpha[:, None])  # [M, N] x [N, LS] -> [M, LS]
+    if SPLIT_L == 4:
+        acc_1 = tl.dot(p, c_1, acc_1 * alpha[:, None])
+        acc_2 = tl.dot(p, c_2, acc_2 * alpha[:, None])
+        acc_3 = tl.dot(p, c_3, acc_3 * alpha[:, None])
+    return m_new, l_i, acc_0, acc_1, acc_2, acc_3
 
 
 @triton.jit
 def _attend_span(
-    q_nope, q_pe, m_i, l_i, acc, lo, hi, kv_end, limit, pages, first_page, b, KV, BLOCK_TABLE, qk_scale,
-    stride_kvp, stride_kvs, stride_bt,
+    q_0, q_1, q_2, q_3, q_pe, m_i, l_i, acc_0, acc_1, acc_2, acc_3, lo, hi, kv_end, limit, pages, first_page, b, KV,
+    BLOCK_TABLE, qk_scale, stride_kvp, stride_kvs, stride_bt,
     PAGE_SIZE: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
     MMA: tl.constexpr, INTERPRET: tl.constexpr, UPCAST_BF16: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
-    PAGE_CHUNK: tl.constexpr, V_RELOAD: tl.constexpr, FP8_STAGE: tl.constexpr,
+    PAGE_CHUNK: tl.constexpr, V_RELOAD: tl.constexpr, FP8_STAGE: tl.constexpr, SPLIT_L: tl.constexpr,
 ):
     """The tiles starting at lo, lo + BLOCK_N, ... < hi. Page of a tile (TILE_IN_PAGE): with PAGE_CHUNK > 0, picked
     out of `pages` ([PAGE_CHUNK] block-table entries from page `first_page`, in registers: no load in the loop, so
@@ -190,19 +211,19 @@ def _attend_span(
         start = lo
         while start < hi:
             page = _tile_page(pages, first_page, start, b, BLOCK_TABLE, stride_bt, PAGE_SIZE, TILE_IN_PAGE, PAGE_CHUNK)
-            m_i, l_i, acc = _attend_tile(
-                q_nope, q_pe, m_i, l_i, acc, start, kv_end, limit, page, b, KV, BLOCK_TABLE, qk_scale,
-                stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R, BLOCK_N, MMA, UPCAST_BF16, TILE_IN_PAGE, V_RELOAD,
-                FP8_STAGE)
+            m_i, l_i, acc_0, acc_1, acc_2, acc_3 = _attend_tile(
+                q_0, q_1, q_2, q_3, q_pe, m_i, l_i, acc_0, acc_1, acc_2, acc_3, start, kv_end, limit, page, b, KV,
+                BLOCK_TABLE, qk_scale, stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R, BLOCK_N, MMA, UPCAST_BF16,
+                TILE_IN_PAGE, V_RELOAD, FP8_STAGE, SPLIT_L)
             start += BLOCK_N
     else:
         for start in range(lo, hi, BLOCK_N):
             page = _tile_page(pages, first_page, start, b, BLOCK_TABLE, stride_bt, PAGE_SIZE, TILE_IN_PAGE, PAGE_CHUNK)
-            m_i, l_i, acc = _attend_tile(
-                q_nope, q_pe, m_i, l_i, acc, start, kv_end, limit, page, b, KV, BLOCK_TABLE, qk_scale,
-                stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R, BLOCK_N, MMA, UPCAST_BF16, TILE_IN_PAGE, V_RELOAD,
-                FP8_STAGE)
-    return m_i, l_i, acc
+            m_i, l_i, acc_0, acc_1, acc_2, acc_3 = _attend_tile(
+                q_0, q_1, q_2, q_3, q_pe, m_i, l_i, acc_0, acc_1, acc_2, acc_3, start, kv_end, limit, page, b, KV,
+                BLOCK_TABLE, qk_scale, stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R, BLOCK_N, MMA, UPCAST_BF16,
+                TILE_IN_PAGE, V_RELOAD, FP8_STAGE, SPLIT_L)
+    return m_i, l_i, acc_0, acc_1, acc_2, acc_3
 
 
 @triton.jit
@@ -218,6 +239,18 @@ def _tile_page(pages, first_page, start, b, BLOCK_TABLE, stride_bt,
     else:
         page = 0
     return page
+
+
+@triton.jit
+def _store_rows(ptrs, acc_0, acc_1, acc_2, acc_3, o_scale, row_ok, LS: tl.constexpr, SPLIT_L: tl.constexpr,
+                INTERPRET: tl.constexpr):
+    """Store the normalised output rows acc_s * o_scale, slice by slice ([M, LS] each), in the dtype of `ptrs`
+    (bf16 `out`: rounded to nearest even; fp32 workspace: as is)."""
+    tl.store(ptrs, _to_out(acc_0 * o_scale, ptrs.dtype.element_ty, INTERPRET), mask=row_ok[:, None])
+    if SPLIT_L == 4:
+        tl.store(ptrs + LS, _to_out(acc_1 * o_scale, ptrs.dtype.element_ty, INTERPRET), mask=row_ok[:, None])
+        tl.store(ptrs + 2 * LS, _to_out(acc_2 * o_scale, ptrs.dtype.element_ty, INTERPRET), mask=row_ok[:, None])
+        tl.store(ptrs + 3 * LS, _to_out(acc_3 * o_scale, ptrs.dtype.element_ty, INTERPRET), mask=row_ok[:, None])
 
 
 @triton.jit
@@ -238,7 +271,7 @@ def _mla_decode_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MMA: tl.constexpr, INTERPRET: tl.constexpr, UPCAST_BF16: tl.constexpr,
     TILE_IN_PAGE: tl.constexpr, PAGE_CHUNK: tl.constexpr, V_RELOAD: tl.constexpr, FP8_STAGE: tl.constexpr,
-    HEAD_SPLIT: tl.constexpr,
+    HEAD_SPLIT: tl.constexpr, SPLIT_L: tl.constexpr,
 ):
     # HEAD_SPLIT consecutive programs run one worker's items, each on its share of the item's heads: they stream
     # the same KV tiles at the same time, so all but the first read of a tile hit the L2
@@ -251,8 +284,9 @@ def _mla_decode_kernel(
     kv_scale = tl.load(KV_SCALE)
     qk_scale = sm_scale * tl.load(Q_SCALE) * kv_scale * 1.4426950408889634  # scores in log2 units
 
+    LS: tl.constexpr = L // SPLIT_L  # latent channels per slice (module docstring: SPLIT_L)
     offs_m = tl.arange(0, BLOCK_M)  # packed (query row, head) rows of one item
-    offs_l = tl.arange(0, L)  # c_kv channels (also V channels)
+    offs_s = tl.arange(0, LS)  # c_kv channels of one slice (also V channels)
     offs_r = tl.arange(0, R)  # k_pe channels
 
     it = item_begin
@@ -280,14 +314,21 @@ def _mla_decode_kernel(
         limit = seq_len - q_len + (qo - req_qo_start) + 1  # [M]
 
         q_row = Q + qo.to(tl.int64)[:, None] * stride_qt + h[:, None] * stride_qh  # [M, 1]
-        q_nope = tl.load(q_row + offs_l[None, :], mask=row_ok[:, None], other=0.0)  # [M, L]
-        q_pe = tl.load(q_row + L + offs_r[None, :], mask=row_ok[:, None], other=0.0)  # [M, R]
-        q_nope = _mma_operand(q_nope, MMA, UPCAST_BF16)
-        q_pe = _mma_operand(q_pe, MMA, UPCAST_BF16)
+        q_0 = _mma_operand(tl.load(q_row + offs_s[None, :], mask=row_ok[:, None], other=0.0), MMA, UPCAST_BF16)
+        q_1, q_2, q_3 = q_0, q_0, q_0  # [M, LS] slices of q_nope (one slice: q_0 is q_nope, the others unused)
+        if SPLIT_L == 4:
+            q_1 = _mma_operand(tl.load(q_row + LS + offs_s[None, :], mask=row_ok[:, None], other=0.0), MMA, UPCAST_BF16)
+            q_2 = _mma_operand(tl.load(q_row + 2 * LS + offs_s[None, :], mask=row_ok[:, None], other=0.0), MMA,
+                               UPCAST_BF16)
+            q_3 = _mma_operand(tl.load(q_row + 3 * LS + offs_s[None, :], mask=row_ok[:, None], other=0.0), MMA,
+                               UPCAST_BF16)
+        q_pe = _mma_operand(tl.load(q_row + L + offs_r[None, :], mask=row_ok[:, None], other=0.0), MMA,
+                            UPCAST_BF16)  # [M, R]
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of scores (log2 units)
         l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(s - m_i)
-        acc = tl.zeros([BLOCK_M, L], tl.float32)  # running sum of exp2(s - m_i) * c_kv
+        acc_0 = tl.zeros([BLOCK_M, LS], tl.float32)  # running sum of exp2(s - m_i) * c_kv, slice by slice
+        acc_1, acc_2, acc_3 = acc_0, acc_0, acc_0
 
         if TILE_IN_PAGE and PAGE_CHUNK > 0:
             # chunks of PAGE_CHUNK pages: their block-table entries in one vector load, then the chunk's tiles
@@ -298,29 +339,29 @@ def _mla_decode_kernel(
                 chunk_end = tl.minimum((first_page + PAGE_CHUNK) * PAGE_SIZE, kv_end)  # page-aligned unless kv_end
                 pages = tl.load(BLOCK_TABLE + b * stride_bt + first_page + offs_c,
                                 mask=(first_page + offs_c) * PAGE_SIZE < chunk_end, other=0)  # [C]
-                m_i, l_i, acc = _attend_span(
-                    q_nope, q_pe, m_i, l_i, acc, chunk, chunk_end, kv_end, limit, pages, first_page, b, KV,
-                    BLOCK_TABLE, qk_scale, stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R, BLOCK_N, MMA,
-                    INTERPRET, UPCAST_BF16, TILE_IN_PAGE, PAGE_CHUNK, V_RELOAD, FP8_STAGE)
+                m_i, l_i, acc_0, acc_1, acc_2, acc_3 = _attend_span(
+                    q_0, q_1, q_2, q_3, q_pe, m_i, l_i, acc_0, acc_1, acc_2, acc_3, chunk, chunk_end, kv_end, limit,
+                    pages, first_page, b, KV, BLOCK_TABLE, qk_scale, stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L,
+                    R, BLOCK_N, MMA, INTERPRET, UPCAST_BF16, TILE_IN_PAGE, PAGE_CHUNK, V_RELOAD, FP8_STAGE, SPLIT_L)
                 chunk = chunk_end
         else:
-            m_i, l_i, acc = _attend_span(
-                q_nope, q_pe, m_i, l_i, acc, kv_start, kv_end, kv_end, limit, kv_start, 0, b, KV,
-                BLOCK_TABLE, qk_scale, stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R, BLOCK_N, MMA,
-                INTERPRET, UPCAST_BF16, TILE_IN_PAGE, 0, V_RELOAD, FP8_STAGE)
+            m_i, l_i, acc_0, acc_1, acc_2, acc_3 = _attend_span(
+                q_0, q_1, q_2, q_3, q_pe, m_i, l_i, acc_0, acc_1, acc_2, acc_3, kv_start, kv_end, kv_end, limit,
+                kv_start, 0, b, KV, BLOCK_TABLE, qk_scale, stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R,
+                BLOCK_N, MMA, INTERPRET, UPCAST_BF16, TILE_IN_PAGE, 0, V_RELOAD, FP8_STAGE, SPLIT_L)
 
         # -- epilogue: normalise, unscale V, natural-log LSE; empty rows give out = 0, lse = -inf
         has_tok = l_i > 0.0
-        o = acc * (kv_scale / tl.where(has_tok, l_i, 1.0))[:, None]  # [M, L]
+        o_scale = (kv_scale / tl.where(has_tok, l_i, 1.0))[:, None]  # [M, 1]
         lse = tl.where(has_tok, (m_i + tl.log2(tl.where(has_tok, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
         if partial_row < 0:
-            out_ptr = OUT + qo.to(tl.int64)[:, None] * stride_ot + h[:, None] * stride_oh + offs_l[None, :]
-            tl.store(out_ptr, _to_out(o, OUT.dtype.element_ty, INTERPRET), mask=row_ok[:, None])
+            out_ptr = OUT + qo.to(tl.int64)[:, None] * stride_ot + h[:, None] * stride_oh + offs_s[None, :]  # [M, LS]
+            _store_rows(out_ptr, acc_0, acc_1, acc_2, acc_3, o_scale, row_ok, LS, SPLIT_L, INTERPRET)
             tl.store(LSE + qo.to(tl.int64) * stride_lt + h, lse, mask=row_ok)
         else:
             prow = (partial_row + qo - qo_start).to(tl.int64)  # [M] workspace rows of this item
-            part_ptr = O_PART + prow[:, None] * stride_pt + h[:, None] * stride_ph + offs_l[None, :]
-            tl.store(part_ptr, o, mask=row_ok[:, None])
+            part_ptr = O_PART + prow[:, None] * stride_pt + h[:, None] * stride_ph + offs_s[None, :]  # [M, LS]
+            _store_rows(part_ptr, acc_0, acc_1, acc_2, acc_3, o_scale, row_ok, LS, SPLIT_L, INTERPRET)
             tl.store(LSE_PART + prow * stride_plt + h, lse, mask=row_ok)
 
 
@@ -405,6 +446,10 @@ class KernelConfig:
             time (one HBM read, the rest from L2), so smaller row tiles cost no extra HBM traffic.
         page_chunk: block-table entries loaded at once (a power of two), when each tile lies inside one page (page
             size and plan_block_n multiples of block_n); 0: one block-table load per tile.
+        split_l: latent column slices (1 or 4; 1 when kv_lora_rank < 16 x split_l): the score MMA runs as split_l + 1
+            independent accumulation chains (slices of L/split_l, then R) summed at the end, instead of one chain
+            over L + R; each slice is loaded once and reused for its P.V MMA. Same products, another fp32 summation
+            order (within the kernel bound's accumulation term).
         fp8_stage: e4m3fn caches with mma="fp16": convert each tile to fp16 once, through an op Triton cannot move,
             so the MMAs read an fp16 tile from shared memory (ldmatrix) instead of gathering fp8 bytes. Same values
             (the conversion is exact); on the device only (the interpreter takes the plain cast).
@@ -422,10 +467,15 @@ class KernelConfig:
     page_chunk: int = 0
     fp8_stage: bool = False
     head_split: int = 1
+    split_l: int = 1
 
     def __post_init__(self):
         if self.page_chunk < 0 or self.page_chunk & (self.page_chunk - 1):
             raise ValueError(f"page_chunk must be 0 or a power of two, got {self.page_chunk}")
+        if self.split_l not in (1, 4):
+            raise ValueError(f"split_l must be 1 or 4, got {self.split_l}")
+        if self.split_l > 1 and self.v_reload:
+            raise ValueError("split_l > 1 reuses each loaded slice for P.V: it excludes v_reload")
 
 
 MAX_ROWS = 64  # packed (query row x head) rows per work item: one M tile
@@ -572,7 +622,7 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
         TILE_IN_PAGE=kv.shape[1] % config.block_n == 0 and plan.block_n % config.block_n == 0,
         PAGE_CHUNK=config.page_chunk, V_RELOAD=config.v_reload,
         FP8_STAGE=config.fp8_stage and not INTERPRET and config.mma == "fp16" and kv.dtype == torch.float8_e4m3fn,
-        HEAD_SPLIT=config.head_split,
+        HEAD_SPLIT=config.head_split, SPLIT_L=config.split_l if L >= 16 * config.split_l else 1,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     num_tiles = plan.reduce_final.shape[0]

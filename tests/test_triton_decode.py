@@ -41,15 +41,23 @@ CASES = {
     "bf16_h32_mtp2_split4_w3": TritonCase((45, 3), (2, 1), heads=32, page_size=16, num_workers=3, seed=23),
     # 64 heads x q_len 2: 64-row tiles, default head_split 2, per-token gather (page 3)
     "bf16_h64_mtp2_p3_w3": TritonCase((40, 7), (2, 1), heads=64, page_size=3, num_workers=3, seed=24),
+    # latent split in 4 column slices (split_l): bf16 with chunks and splits, fp8 KV, fp8 q + KV with MTP
+    "bf16_splitl4_p16_w3_empty": TritonCase((40, 0, 70), (1, 1, 1), page_size=16, num_workers=3, seed=25),
+    "fp8kv_splitl4_p3_mtp2_w8": TritonCase((50, 9), (2, 1), page_size=3, combo="fp8kv", num_workers=8, seed=26),
+    "fp8_splitl4_p16_mtp2_w3": TritonCase((50, 20), (2, 2), page_size=16, combo="fp8", num_workers=3, seed=27),
 }
 CONFIG_OVERRIDES = {  # KernelConfig fields beside the default_config of the case
     "bf16_p32_chunk2_w2": dict(page_chunk=2),
     "fp8kv_p32_chunk2_split2_w2": dict(page_chunk=2, head_group=8, head_split=2),
     "bf16_h32_mtp2_split4_w3": dict(head_group=4, head_split=4),
+    "bf16_splitl4_p16_w3_empty": dict(split_l=4, page_chunk=2),
+    "fp8kv_splitl4_p3_mtp2_w8": dict(split_l=4, v_reload=False),
+    "fp8_splitl4_p16_mtp2_w3": dict(split_l=4, v_reload=False),
 }
 SPLIT_CASES = {  # the plan must cut at least one (request, head group)
     "bf16_p16_w3_empty", "bf16_p1_w8", "bf16_p3_mtp2_w3", "bf16_h32_mtp2_w8", "fp8kv_p16_w3", "fp8kv_p3_mtp2_w8",
-    "fp8_p1_w3", "bf16_p32_chunk2_w2", "fp8kv_p32_chunk2_split2_w2",
+    "fp8_p1_w3", "bf16_p32_chunk2_w2", "fp8kv_p32_chunk2_split2_w2", "bf16_splitl4_p16_w3_empty",
+    "fp8kv_splitl4_p3_mtp2_w8", "fp8_splitl4_p16_mtp2_w3",
 }
 PLAN_BLOCK_N, BLOCK_N = 16, 16  # tokens per planner block / kernel tile in the interpreter; item overhead 1 block
 
@@ -78,6 +86,7 @@ def _worker() -> dict:
         result["num_workers"] = plan.num_workers
         result["plan_head_group"] = plan.head_group
         result["page_chunk"] = config.page_chunk
+        result["split_l"] = config.split_l
         report[name] = result
     # the interpreter workaround is what makes bf16 right: without it, bf16 tl.dot in the interpreter is wrong
     case = CASES["bf16_p16_w1"]
@@ -130,6 +139,7 @@ def test_interpreter_matches_oracle_within_kernel_bound(report, name):
 def test_default_config_takes_the_new_paths(report):
     assert report["bf16_p16_w1"]["page_chunk"] > 0  # block-table chunks
     assert report["bf16_h64_mtp2_p3_w3"]["plan_head_group"] == 64  # 2 programs x 32 heads
+    assert [report[n]["split_l"] for n in CASES if "splitl4" in n] == [4, 4, 4]  # L = 64: four slices of 16
 
 
 def test_cases_cover_splits_and_empty_rows(report):
@@ -175,6 +185,10 @@ def test_bad_batches_raise_value_error():
         td.check_batch(batch.replace(q=batch.q.to(torch.float32)))
     with pytest.raises(ValueError, match="page_chunk"):
         td.KernelConfig(page_chunk=24)
+    with pytest.raises(ValueError, match="split_l"):
+        td.KernelConfig(split_l=2)
+    with pytest.raises(ValueError, match="v_reload"):
+        td.KernelConfig(split_l=4, v_reload=True)
     config = td.KernelConfig(head_group=8, head_split=2, plan_block_n=16)
     plan = td.make_plan(batch, replace(config, head_split=1), num_workers=2)  # planned for head_group 8, not 16
     with pytest.raises(ValueError, match="head_split"):

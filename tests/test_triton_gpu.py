@@ -39,6 +39,11 @@ CONFIG_CASES = [  # (case, KernelConfig overrides): non-default configs that mla
      dict(head_group=32, head_split=4, page_chunk=32, num_stages=3, block_n=32)),
     (TritonCase(_H128, (1,) * 4, heads=128, page_size=64, combo="fp8kv", L=512, R=64, seed=13),
      dict(head_group=16, head_split=8, page_chunk=32, num_stages=3, fp8_stage=True, v_reload=False)),
+    (VARLEN[0], dict(split_l=4)),
+    (VARLEN[4], dict(split_l=4, v_reload=False)),
+    (TritonCase(_H128, (1,) * 4, heads=128, page_size=64, combo="bf16", L=512, R=64, seed=14), dict(split_l=4)),
+    (TritonCase(_H128, (1,) * 4, heads=128, page_size=64, combo="fp8kv", L=512, R=64, seed=15),
+     dict(split_l=4, v_reload=False)),
 ]
 
 
