@@ -215,6 +215,31 @@ class DecodeBatch:
         rows = self.kv_cache[pages, slots]  # [s_b, L+R] gather before any arithmetic
         return rows.to(dtype) * (self.kv_scale if is_fp8(self.kv_cache.dtype) else 1.0)
 
+    def grid(self) -> RequestGrid:
+        """The batch's query rows on a padded [B, N] grid (N = max q_len, S = max seq_len); one host sync."""
+        B = self.batch_size
+        N, S = torch.stack([self.q_lens.max(), self.seq_lens.max()]).tolist() if B else (0, 0)
+        request = self.row_request()  # [T]
+        r = torch.arange(self.num_tokens, device=self.device) - self.qo_indptr.long()[request]  # [T] row in request
+        slot = request * N + r  # [T] flat grid position b·N + r
+        visible = self.visible_tokens()  # [T]
+        visible = visible.new_zeros(B * N).index_copy(0, slot, visible)  # [B·N] padding rows see nothing
+        return RequestGrid(N, S, slot, visible.view(B, N))
+
+    def padded_kv(self, S: int, dtype: torch.dtype = torch.float64, *, scaled: bool = True) -> torch.Tensor:
+        """[B, S, L+R] every request's valid cache rows (``request_kv`` of each b), zero beyond its seq_len.
+
+        ``scaled=False`` keeps fp8 codes unscaled (the values as stored, in ``dtype``). Only valid slots are read:
+        padding positions gather page 0 slot 0 and are replaced by 0 before any arithmetic.
+        """
+        j = torch.arange(S, device=self.device)  # [S] token positions
+        valid = j[None, :] < self.seq_lens[:, None]  # [B, S]
+        pages = self.block_table.long().gather(1, (j // self.page_size)[None, :].expand(self.batch_size, -1))
+        pages = torch.where(valid, pages, 0)  # [B, S] unused block-table entries may hold garbage
+        rows = self.kv_cache[pages, torch.where(valid, j % self.page_size, 0)]  # [B, S, L+R] gather first
+        rows = torch.where(valid[..., None], rows.to(dtype), 0.0)  # [B, S, L+R] NaN of unused slots dropped
+        return rows * (self.kv_scale if scaled and is_fp8(self.kv_cache.dtype) else 1.0)
+
     def visible_tokens(self) -> torch.Tensor:
         """[T] int64: how many KV tokens each query row sees, max(0, s - n + r + 1)."""
         request = self.row_request()  # [T]
@@ -225,7 +250,8 @@ class DecodeBatch:
 
     def row_request(self) -> torch.Tensor:
         """[T] int64: the request each query row belongs to."""
-        return torch.repeat_interleave(torch.arange(self.batch_size, device=self.device), self.q_lens.long())
+        requests = torch.arange(self.batch_size, device=self.device)  # [B]
+        return torch.repeat_interleave(requests, self.q_lens.long(), output_size=self.num_tokens)  # no host sync
 
     # ---- layout converters ---------------------------------------------------------------------------------
     def _kv_indices(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -301,6 +327,34 @@ class DecodeBatch:
         }
 
 
+@dataclass(frozen=True)
+class RequestGrid:
+    """A batch's query rows on a padded [B, N] grid: row r of request b at flat position ``b·N + r``.
+
+    Batched computations run over [B, N, H, S] (S = max seq_len) with padding rows and tokens masked out: a padding
+    row sees no token, exactly like an empty row. ``pad`` / ``unpad`` move [T, ...] tensors on and off the grid.
+    """
+
+    N: int  # max q_len
+    S: int  # max seq_len
+    slot: torch.Tensor  # [T] int64 flat grid position of each query row
+    visible: torch.Tensor  # [B, N] int64 tokens each grid row sees (0 for padding rows)
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """[B, N, S] bool: grid row (b, r) sees token j (the causal diagonal; all False on padding rows)."""
+        return torch.arange(self.S, device=self.slot.device) < self.visible[..., None]
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, ...] -> [B, N, ...], zeros on padding rows."""
+        B = self.visible.shape[0]
+        return x.new_zeros(B * self.N, *x.shape[1:]).index_copy(0, self.slot, x).view(B, self.N, *x.shape[1:])
+
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, N, ...] -> [T, ...]."""
+        return x.flatten(0, 1)[self.slot]
+
+
 def _describe(x: object) -> str:
     if isinstance(x, torch.Tensor):
         return f"Tensor(shape={tuple(x.shape)}, dtype={x.dtype})"
@@ -371,31 +425,27 @@ def make_decode_batch(
 def mla_decode_ref(batch: DecodeBatch, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
     """The oracle: absorbed MLA decode over the paged cache, computed in ``dtype`` (fp64 by default).
 
+    All requests at once on the padded grid of ``DecodeBatch.grid`` ([B, N] query rows, S tokens, masked): per row
+    the same sums as a row-by-row loop, up to the summation order of the batched dot products (fp64 round-off).
+
     Returns:
         out: [T, H, L] in ``dtype``; lse: [T, H] natural log in ``dtype``. Rows that see no token: out 0, lse -inf.
     """
     batch.validate()
-    L = batch.kv_lora_rank
-    q = batch.dequantized_q(dtype)  # [T, H, D]
-    out = torch.zeros(batch.num_tokens, batch.num_heads, L, dtype=dtype, device=batch.device)  # [T, H, L]
-    lse = torch.full((batch.num_tokens, batch.num_heads), -math.inf, dtype=dtype, device=batch.device)  # [T, H]
-    visible = batch.visible_tokens()  # [T]
-    qo = batch.qo_indptr.tolist()
-    for b in range(batch.batch_size):
-        rows = slice(qo[b], qo[b + 1])
-        K = batch.request_kv(b, dtype)  # [s, D] valid tokens only
-        V = K[:, :L]  # [s, L] the latent is the value
-        s = batch.sm_scale * torch.einsum("nhd,sd->nhs", q[rows], K)  # [n, H, s]
-        j = torch.arange(K.shape[0], device=batch.device)  # [s]
-        mask = j[None, :] < visible[rows, None]  # [n, s] causal diagonal s_k - s_q
-        s = s.masked_fill(~mask[:, None, :], -math.inf)  # [n, H, s]
-        seen = mask.any(dim=1)  # [n] rows that see at least one token
-        m = torch.where(seen[:, None], s.amax(dim=-1) if K.shape[0] else 0.0, 0.0)  # [n, H] row max (0 if empty)
-        p = torch.exp(s - m[..., None])  # [n, H, s] unnormalised, exp(-inf) = 0
-        l = p.sum(dim=-1)  # [n, H]
-        out[rows] = torch.einsum("nhs,sc->nhc", p, V) / torch.where(seen[:, None], l, 1.0)[..., None]  # [n, H, L]
-        lse[rows] = torch.where(seen[:, None], m + torch.log(l), -math.inf)  # [n, H]
-    return out, lse
+    L, grid = batch.kv_lora_rank, batch.grid()
+    q = grid.pad(batch.dequantized_q(dtype))  # [B, N, H, D]
+    K = batch.padded_kv(grid.S, dtype)  # [B, S, D] valid tokens, zero padding
+    V = K[..., :L]  # [B, S, L] the latent is the value
+    mask = grid.mask  # [B, N, S] causal diagonal s_k - s_q
+    s = batch.sm_scale * torch.einsum("bnhd,bsd->bnhs", q, K)  # [B, N, H, S]
+    s = s.masked_fill(~mask[:, :, None, :], -math.inf)  # [B, N, H, S]
+    seen = mask.any(dim=-1)[..., None]  # [B, N, 1] rows that see at least one token
+    m = torch.where(seen, s.amax(dim=-1) if grid.S else 0.0, 0.0)  # [B, N, H] row max (0 if empty)
+    p = torch.exp(s - m[..., None])  # [B, N, H, S] unnormalised, exp(-inf) = 0
+    l = p.sum(dim=-1)  # [B, N, H]
+    out = torch.einsum("bnhs,bsc->bnhc", p, V) / torch.where(seen, l, 1.0)[..., None]  # [B, N, H, L]
+    lse = torch.where(seen, m + torch.log(l), -math.inf)  # [B, N, H]
+    return grid.unpad(out), grid.unpad(lse)
 
 
 def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

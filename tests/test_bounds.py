@@ -323,18 +323,21 @@ def test_kernel_bound_scale_then_round():
     assert not reps[False].ok
 
 
-def test_spread_equals_running_max_minus_min():
-    """_spread (one max over the shared prefix, running max after it) = the running max / min over all tokens."""
+def test_spread_equals_max_minus_min_over_each_rows_tokens():
+    """_spread (running max / min read at each row's last visible token) = max - min over each row's own prefix,
+    for requests of different lengths on one zero-padded [B, S, C] grid."""
     g = torch.Generator().manual_seed(3)
-    for s, n_vis in ((0, [0, 0]), (1, [1]), (7, [0, 1]), (300, [297, 298, 299, 300]), (64, [0, 0, 5, 64]), (9, [9, 2])):
-        x = torch.randn(s, 40, generator=g, dtype=torch.float64)  # [s, C]
-        n = torch.tensor(n_vis)
-        want = torch.zeros(len(n_vis), 40, dtype=torch.float64)
-        if s:
-            last = (n - 1).clamp(min=0)
-            hi, lo = torch.cummax(x, dim=0).values[last], torch.cummin(x, dim=0).values[last]  # [n, C]
-            want = torch.where((n > 0)[:, None], hi - lo, 0.0)
-        assert torch.equal(_spread(x, n), want), (s, n_vis)
+    requests = ((0, [0, 0]), (1, [1, 0]), (7, [0, 1]), (300, [297, 298]), (64, [5, 64]), (9, [9, 2]))
+    S = max(s for s, _ in requests)
+    x = torch.zeros(len(requests), S, 40, dtype=torch.float64)  # [B, S, C] zero padding beyond each length
+    for b, (s, _) in enumerate(requests):
+        x[b, :s] = torch.randn(s, 40, generator=g, dtype=torch.float64)
+    n_vis = torch.tensor([n for _, n in requests])  # [B, N]
+    got = _spread(x, n_vis)  # [B, N, C]
+    for b, (_, rows) in enumerate(requests):
+        for r, k in enumerate(rows):
+            want = x[b, :k].amax(dim=0) - x[b, :k].amin(dim=0) if k else torch.zeros(40, dtype=torch.float64)
+            assert torch.equal(got[b, r], want), (b, r, k)
 
 
 # ---- (3) the bounds can fail ---------------------------------------------------------------------------------------

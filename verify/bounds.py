@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mla_ref.decode import DecodeBatch, is_fp8
+from mla_ref.decode import DecodeBatch, RequestGrid, is_fp8
 from mla_ref.fp8 import fp8_format
 
 F64 = torch.float64
@@ -77,83 +77,74 @@ class QuantBounds:
         return Bound(self.post_out, self.post_lse)
 
 
-# ---- per-request fp64 statistics shared by every bound ----------------------------------------------------------
-
-
-def _requests(batch: DecodeBatch):
-    """Yield (b, rows, mask) per request: rows a slice of the T query rows, mask [n, s_b] with mask[r, j] = row r
-    sees token j (the MTP causal diagonal of ``DecodeBatch.visible_tokens``; all False for an empty row)."""
-    visible = batch.visible_tokens()  # [T]
-    qo, seq = batch.qo_indptr.tolist(), batch.seq_lens.tolist()
-    for b in range(batch.batch_size):
-        rows = slice(qo[b], qo[b + 1])
-        j = torch.arange(seq[b], device=batch.device)  # [s]
-        yield b, rows, j[None, :] < visible[rows, None]  # [n, s]
-
-
-def _raw_kv(batch: DecodeBatch, b: int) -> torch.Tensor:
-    """[s_b, D] request b's valid cache rows as stored (fp8 codes, not scaled)."""
-    pages, slots = batch.token_slots(b)
-    return batch.kv_cache[pages, slots]
+# ---- fp64 statistics shared by every bound, all requests at once on the padded grid ------------------------------
+# Shapes: B requests, N = max q_len grid rows per request (DecodeBatch.grid), H heads, S = max seq_len tokens, D, L.
+# A padding row or token is masked out everywhere: a padding row sees nothing, exactly like an empty row, and its
+# bounds are dropped by ``grid.unpad``. Per row, every statistic is the one of its own request's tokens.
 
 
 @dataclass
 class _Softmax:
-    """fp64 softmax statistics of one request's rows (n rows, H heads, s tokens)."""
+    """fp64 softmax statistics of every grid row (B requests, N rows, H heads, S tokens)."""
 
-    s: torch.Tensor  # [n, H, s] scores σ<q, k_j>, -inf where not visible
-    p: torch.Tensor  # [n, H, s] softmax weights, 0 where not visible
-    m: torch.Tensor  # [n, H] max_j s_j (0 for an empty row)
-    l: torch.Tensor  # [n, H] Σ_j exp(s_j - m) (1 for an empty row)
-    seen: torch.Tensor  # [n] rows that see at least one token
-    n_vis: torch.Tensor  # [n] visible tokens per row (a prefix of the request's tokens)
+    s: torch.Tensor  # [B, N, H, S] scores σ<q, k_j>, -inf where not visible
+    p: torch.Tensor  # [B, N, H, S] softmax weights, 0 where not visible
+    m: torch.Tensor  # [B, N, H] max_j s_j (0 for an empty row)
+    l: torch.Tensor  # [B, N, H] Σ_j exp(s_j - m) (1 for an empty row)
+    seen: torch.Tensor  # [B, N] rows that see at least one token
+    n_vis: torch.Tensor  # [B, N] visible tokens per row (a prefix of the request's tokens)
 
 
 def _softmax(q: torch.Tensor, K: torch.Tensor, mask: torch.Tensor, sm_scale: float) -> _Softmax:
-    """q [n, H, D], K [s, D] fp64, mask [n, s] -> softmax statistics."""
-    s = sm_scale * torch.einsum("nhd,sd->nhs", q, K)  # [n, H, s]
-    s = s.masked_fill(~mask[:, None, :], -math.inf)  # [n, H, s]
-    seen = mask.any(dim=1)  # [n]
-    m = s.amax(dim=-1) if K.shape[0] else s.new_zeros(s.shape[:2])  # [n, H]
-    m = torch.where(seen[:, None], m, 0.0)  # [n, H]
-    e = torch.exp(s - m[..., None])  # [n, H, s] exp(-inf) = 0
-    l = torch.where(seen[:, None], e.sum(dim=-1), 1.0)  # [n, H]
-    return _Softmax(s, e / l[..., None], m, l, seen, mask.sum(dim=1))
+    """q [B, N, H, D], K [B, S, D] fp64, mask [B, N, S] -> softmax statistics."""
+    s = sm_scale * torch.einsum("bnhd,bsd->bnhs", q, K)  # [B, N, H, S]
+    s = s.masked_fill(~mask[:, :, None, :], -math.inf)  # [B, N, H, S]
+    seen = mask.any(dim=-1)  # [B, N]
+    m = s.amax(dim=-1) if K.shape[1] else s.new_zeros(s.shape[:3])  # [B, N, H]
+    m = torch.where(seen[..., None], m, 0.0)  # [B, N, H]
+    e = torch.exp(s - m[..., None])  # [B, N, H, S] exp(-inf) = 0
+    l = torch.where(seen[..., None], e.sum(dim=-1), 1.0)  # [B, N, H]
+    return _Softmax(s, e / l[..., None], m, l, seen, mask.sum(dim=-1))
 
 
 def _masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """max over the last dim of x [n, H, s] where mask [n, s]; 0 for a row with nothing visible."""
+    """max over the last dim of x [B, N, H, S] where mask [B, N, S]; 0 for a row with nothing visible."""
     if x.shape[-1] == 0:
         return x.new_zeros(x.shape[:-1])
-    m = x.masked_fill(~mask[:, None, :], -math.inf).amax(dim=-1)  # [n, H]
-    return torch.where(mask.any(dim=1)[:, None], m, 0.0)
+    m = x.masked_fill(~mask[:, :, None, :], -math.inf).amax(dim=-1)  # [B, N, H]
+    return torch.where(mask.any(dim=-1)[..., None], m, 0.0)
 
 
 def _spread(x: torch.Tensor, n_vis: torch.Tensor) -> torch.Tensor:
-    """max_j x_jc - min_j x_jc over the first n_vis[r] tokens: x [s, C], n_vis [n] -> [n, C] (0 if n_vis = 0).
-
-    Visible sets are prefixes (causal diagonal) and a request's rows differ by at most q_len - 1 tokens, so one
-    max / min over the prefix every seeing row shares, then running max / min over the few tokens after it, answer
-    every row (max and min are exact: the same values as running max / min over all s tokens).
-    """
-    seen = n_vis > 0  # [n]
-    if x.shape[0] == 0 or not bool(seen.any()):
-        return x.new_zeros(n_vis.shape[0], x.shape[1])
-    first = int(n_vis[seen].min())  # tokens every seeing row sees
-    head, tail = x[:first], x[first : int(n_vis.max())]  # [first, C], [t, C]
-    hi = torch.cat([head.amax(dim=0, keepdim=True), tail]).cummax(dim=0).values  # [1 + t, C] prefix first + k
-    lo = torch.cat([head.amin(dim=0, keepdim=True), tail]).cummin(dim=0).values  # [1 + t, C]
-    k = (n_vis - first).clamp(min=0)  # [n]
-    return torch.where(seen[:, None], hi[k] - lo[k], 0.0)  # [n, C]
+    """max_j x_bjc - min_j x_bjc over the first n_vis[b, r] tokens: x [B, S, C], n_vis [B, N] -> [B, N, C]
+    (0 if n_vis = 0). Visible sets are prefixes (causal diagonal): running max / min, read at the last visible token
+    (max and min are exact, so the same values as a max / min over each row's tokens)."""
+    B, S, C = x.shape
+    if S == 0:
+        return x.new_zeros(B, n_vis.shape[1], C)
+    last = (n_vis - 1).clamp(min=0)[..., None].expand(-1, -1, C)  # [B, N, C] last visible token
+    hi = x.cummax(dim=1).values.gather(1, last)  # [B, N, C]
+    lo = x.cummin(dim=1).values.gather(1, last)  # [B, N, C]
+    return torch.where((n_vis > 0)[..., None], hi - lo, 0.0)
 
 
 def _hull_term(omega: torch.Tensor, R: torch.Tensor, pv: torch.Tensor) -> torch.Tensor:
     """§5(c) term 1: |Σ_j (p'_j - p_j) v_jc| <= min{tanh(ω/4) R_c, (e^ω - 1) Σ_j p_j |v_jc|} when the score
     perturbation has spread <= ω (TV(p, p') <= tanh(ω/4), §5(b); p'_j / p_j in [e^-ω, e^ω]).
 
-    omega [n, H], R [n, L], pv [n, H, L] -> [n, H, L].
+    omega [B, N, H], R [B, N, L], pv [B, N, H, L] -> [B, N, H, L].
     """
-    return torch.minimum(torch.tanh(omega / 4)[..., None] * R[:, None, :], torch.expm1(omega)[..., None] * pv)
+    return torch.minimum(torch.tanh(omega / 4)[..., None] * R[:, :, None, :], torch.expm1(omega)[..., None] * pv)
+
+
+def _per_request(x):
+    """A per-request coefficient [B] as [B, 1, 1] (broadcasts against [B, N, H]); python floats unchanged."""
+    return x[:, None, None] if isinstance(x, torch.Tensor) else x
+
+
+def _col(x):
+    """[B, N, H] or [B, 1, 1] -> [..., 1] to broadcast against [B, N, H, L]; python floats unchanged."""
+    return x[..., None] if isinstance(x, torch.Tensor) else x
 
 
 def _unit_roundoff(fmt) -> float:
@@ -180,25 +171,33 @@ def _half_min_subnormal(fmt) -> float:
     return fp8_format(fmt).eta
 
 
-def _operand_error(fed: torch.Tensor, operand: torch.dtype, name: str, via_fp32: bool = False) -> tuple[float, float]:
-    """(u, η) of the rounding an MMA applies to its operand: |round(x) - x| <= u|x| + η for every value x of ``fed``
-    (fp64, the values the kernel converts to ``operand``), η in the units of ``fed``.
+def _operand_error(fed: torch.Tensor, operand: torch.dtype, via_fp32: bool = False, *, per_request: bool = False):
+    """(u, η, finite) of the rounding an MMA applies to its operand: |round(x) - x| <= u|x| + η for every value x of
+    ``fed`` (fp64, the values the kernel converts to ``operand``), η in the units of ``fed``.
 
     (0, 0) when every value is exact in ``operand``. Otherwise u = u(operand) and η = half its min subnormal: below
     the normal range the error is absolute (fp16: values under 2^-14 keep a 2^-24 grid, under 2^-25 they flush to 0),
     so u alone does not bound it (numerics.md §4, §5(f)). ``via_fp32``: the kernel forms the value in fp32 first
     (x = code · scale) and then rounds it to ``operand``: u = (1 + u(operand))(1 + u32) - 1, η = η(operand) + η(fp32).
-    Raises ValueError if a value overflows ``operand`` (the kernel would compute with ±inf: no bound exists).
+    ``per_request``: fed is [B, ...] (zero padding is exact) and u, η are [B] fp64, one per request; else [] fp64.
+    finite: [] bool, False if a value overflows ``operand`` (the kernel would compute with ±inf: no bound exists;
+    ``_require_finite`` raises). No host sync.
     """
     rounded = fed.to(operand).to(F64)
-    if bool((rounded == fed).all()):
-        return 0.0, 0.0
-    if not bool(torch.isfinite(rounded).all()):
-        raise ValueError(f"{name}: values up to {fed.abs().max().item():.4g} overflow the kernel's {operand} operand")
+    inexact = (rounded != fed).flatten(1 if per_request else 0).any(dim=-1).to(F64)  # [B] or [] 1 = inexact
     u, eta = _unit_roundoff(operand), _half_min_subnormal(operand)
     if via_fp32:
-        return (1 + u) * (1 + U32) - 1, eta + _half_min_subnormal(None)
-    return u, eta
+        u, eta = (1 + u) * (1 + U32) - 1, eta + _half_min_subnormal(None)
+    return inexact * u, inexact * eta, torch.isfinite(rounded).all()
+
+
+def _require_finite(operands: list[tuple[str, torch.Tensor, torch.Tensor, torch.dtype]]) -> None:
+    """operands: (name, fed, finite flag of ``_operand_error``, operand dtype); one host sync for all flags.
+    Raises ValueError naming the first operand whose values overflow the kernel's operand dtype."""
+    for (name, fed, _, operand), ok in zip(operands, torch.stack([f for _, _, f, _ in operands]).tolist()):
+        if not ok:
+            top = fed.abs().max().item()
+            raise ValueError(f"{name}: values up to {top:.4g} overflow the kernel's {operand} operand")
 
 
 def _rounding_bound(
@@ -218,7 +217,8 @@ def _rounding_bound(
     eta_v: float = 0.0,
     shared_scores: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """§5(f): bound on |o^ker - ô| [n, H, L] and |lse^ker - lse^| [n, H] for one request's rows.
+    """§5(f): bound on |o^ker - ô| [B, N, H, L] and |lse^ker - lse^| [B, N, H] for every grid row. gamma_qk,
+    gamma_pv, eta_v: floats or per-request [B] tensors; score_abs: a float or [B, N, H].
 
     A kernel that computes, in arithmetic of unit roundoff u_arith (fp32 for GPU kernels),
         s̃_j = fl(σ <q̃, k̃_j>)             error <= gamma_qk · A_j + score_abs  (operands q̃, k̃ as the MMA sees them:
@@ -250,36 +250,37 @@ def _rounding_bound(
     everything after the scores (``split_bound``): the hull term and the LSE take ω_own only; |ô| becomes
     |o*| <= |ô| + min{tanh(ω_qk/4) R̂, (e^ω_qk - 1) Σ_j p̂_j |v̂_j|} (§5(c)); e^ω keeps ω_qk (softmax(s̃) <= e^ω_qk p̂).
     """
-    seen = st.seen[:, None]  # [n, 1]
-    omega_qk = torch.where(seen, 2 * (gamma_qk * A_max + score_abs), 0.0)  # [n, H] empty rows: nothing to perturb
-    omega_own = torch.where(seen, 2 * (6 * u_arith * A_max + exp_rel / (1 - exp_rel)), 0.0)  # [n, H]
-    omega = omega_qk + omega_own  # [n, H]
-    absV = V.abs()  # [s, L]
-    pv = torch.einsum("nhs,sc->nhc", st.p, absV)  # [n, H, L] Σ_j p̂_j |v̂_jc|
-    flush = torch.minimum(eta_p / st.l[..., None], st.p)  # [n, H, s] underflow error per unit l̂
-    flush_v = torch.einsum("nhs,sc->nhc", flush, absV)  # [n, H, L]
-    R = _spread(V, st.n_vis)  # [n, L]
-    c_pv = (1 + u_p) * (1 + gamma_pv) - 1
-    growth = torch.exp(omega)[..., None]  # [n, H, 1] kernel weights <= e^ω p̂
-    hull_omega = omega_own if shared_scores else omega  # [n, H] score errors not common to the compared results
-    o_mag = o.abs() + (_hull_term(omega_qk, R, pv) if shared_scores else 0.0)  # [n, H, L] |ô|, or |o*|
+    seen = st.seen[..., None]  # [B, N, 1]
+    gamma_qk, gamma_pv, eta_v = _per_request(gamma_qk), _per_request(gamma_pv), _per_request(eta_v)  # [B, 1, 1]
+    omega_qk = torch.where(seen, 2 * (gamma_qk * A_max + score_abs), 0.0)  # [B, N, H] empty rows: nothing to perturb
+    omega_own = torch.where(seen, 2 * (6 * u_arith * A_max + exp_rel / (1 - exp_rel)), 0.0)  # [B, N, H]
+    omega = omega_qk + omega_own  # [B, N, H]
+    absV = V.abs()  # [B, S, L]
+    pv = torch.einsum("bnhs,bsc->bnhc", st.p, absV)  # [B, N, H, L] Σ_j p̂_j |v̂_jc|
+    flush = torch.minimum(eta_p / st.l[..., None], st.p)  # [B, N, H, S] underflow error per unit l̂
+    flush_v = torch.einsum("bnhs,bsc->bnhc", flush, absV)  # [B, N, H, L]
+    R = _spread(V, st.n_vis)  # [B, N, L]
+    c_pv = _col((1 + u_p) * (1 + gamma_pv) - 1)  # [B, 1, 1, 1] or float
+    growth = torch.exp(omega)[..., None]  # [B, N, H, 1] kernel weights <= e^ω p̂
+    hull_omega = omega_own if shared_scores else omega  # [B, N, H] score errors not common to the compared results
+    o_mag = o.abs() + (_hull_term(omega_qk, R, pv) if shared_scores else 0.0)  # [B, N, H, L] |ô|, or |o*|
     inner = (
         u_out * o_mag  # output rounding
         + growth * c_pv * pv  # P rounding and P·V accumulation
-        + growth * (1 + c_pv) * (flush_v + eta_v)  # P underflow (η_P), absolute V operand rounding (η_v)
-        + gamma_pv * o_mag  # fp32 row sum l
-        + torch.tanh(hull_omega / 4)[..., None] * R[:, None, :]  # score errors: softmax stays within TV tanh(ω/4)
-    )  # [n, H, L]
-    out = (1 + u_out) * (1 + gamma_pv) * inner  # [n, H, L]
-    lse = hull_omega / 2 + gamma_pv / (1 - gamma_pv) + 16 * u_arith * (st.m.abs() + torch.log(st.l))  # [n, H]
+        + growth * (1 + c_pv) * (flush_v + _col(eta_v))  # P underflow (η_P), absolute V operand rounding (η_v)
+        + _col(gamma_pv) * o_mag  # fp32 row sum l
+        + torch.tanh(hull_omega / 4)[..., None] * R[:, :, None, :]  # score errors: softmax stays within TV tanh(ω/4)
+    )  # [B, N, H, L]
+    out = _col((1 + u_out) * (1 + gamma_pv)) * inner  # [B, N, H, L]
+    lse = hull_omega / 2 + gamma_pv / (1 - gamma_pv) + 16 * u_arith * (st.m.abs() + torch.log(st.l))  # [B, N, H]
     return out, torch.where(seen, lse, 0.0)
 
 
-def _fp64_slack(st: _Softmax, A_max: torch.Tensor, V: torch.Tensor, o: torch.Tensor, D: int):
+def _fp64_slack(st: _Softmax, A_max: torch.Tensor, V: torch.Tensor, o: torch.Tensor, D: int, seq_lens: torch.Tensor):
     """Evaluation error of one fp64 oracle run (mla_ref.decode.mla_decode_ref): §5(f) with fp64 constants,
-    gamma = (terms) · u64 for the D-term dot products and the s-term sums (any summation order)."""
-    s = st.p.shape[-1]
-    g = (max(D, s) + 2) * U64
+    gamma = (terms) · u64 for the D-term dot products and the s-term sums (any summation order), per request with
+    s = its seq_len (seq_lens [B])."""
+    g = (seq_lens.to(F64).clamp(min=D) + 2) * U64  # [B] (max(D, s) + 2) u64
     return _rounding_bound(
         st, A_max, V, o, u_out=U64, u_p=0.0, eta_p=0.0, gamma_qk=g, gamma_pv=g, exp_rel=EXP64_REL, u_arith=U64
     )
@@ -294,9 +295,9 @@ def _check_numerics(batch: DecodeBatch, numerics) -> None:
         raise ValueError(f"numerics.p_scale: expected a finite float > 0, got {numerics.p_scale}")
 
 
-def _kernel_requests(batch: DecodeBatch, numerics, ref: tuple[torch.Tensor, torch.Tensor] | None):
-    """Per request: (rows, st, A_max [n, H], V [s, L], o [n, H, L], kwargs of ``_rounding_bound``) for a kernel
-    that rounds as ``numerics`` says (numerics.md §5(f); mla_fast/numerics.py).
+def _kernel_grid(batch: DecodeBatch, numerics, ref: tuple[torch.Tensor, torch.Tensor] | None):
+    """(grid, st, A_max [B, N, H], V [B, S, L], o [B, N, H, L], kwargs of ``_rounding_bound``) for a kernel that
+    rounds as ``numerics`` says (numerics.md §5(f); mla_fast/numerics.py), all requests on the padded grid.
 
     Operands: the MMAs see the stored values (fp8 codes: scales folded into the fp32 scores and output) or, with
     ``numerics.scale_then_round``, the fp32 products code · scale. Their rounding to qk_operand / pv_operand
@@ -308,6 +309,7 @@ def _kernel_requests(batch: DecodeBatch, numerics, ref: tuple[torch.Tensor, torc
     η_v on each value (eta_v).
     P: p_fmt after × p_scale: u_P, η_P = η(p_fmt) / p_scale (+ 2^-126 for a flushed fp32 P); rounded once more,
     with u and η of pv_operand, when pv_operand is coarser than p_fmt.
+    The operand errors of K and V are per request (exact requests get 0), as a per-request loop would give them.
     """
     L, D, sigma = batch.kv_lora_rank, batch.head_dim, batch.sm_scale
     u_p, eta_p = _unit_roundoff(numerics.p_fmt), _half_min_subnormal(numerics.p_fmt)
@@ -316,6 +318,8 @@ def _kernel_requests(batch: DecodeBatch, numerics, ref: tuple[torch.Tensor, torc
         eta_p += _half_min_subnormal(numerics.pv_operand)
     eta_p = eta_p / numerics.p_scale + FTZ_P  # [] absolute, in units of p (<= 1)
     common = dict(u_out=_unit_roundoff(numerics.out_dtype), u_p=u_p, eta_p=eta_p, exp_rel=EXP32_REL, u_arith=U32)
+    grid = batch.grid()
+    mask = grid.mask  # [B, N, S]
 
     # operand values as the MMA gets them (fed) and the factor from their units to real units
     scaled, q_fp8, kv_fp8 = bool(numerics.scale_then_round), is_fp8(batch.q.dtype), is_fp8(batch.kv_cache.dtype)
@@ -324,39 +328,38 @@ def _kernel_requests(batch: DecodeBatch, numerics, ref: tuple[torch.Tensor, torc
         q_fed, f_q = q_hat, 1.0
     else:
         q_fed, f_q = batch.q.to(F64), (float(batch.q_scale) if q_fp8 else 1.0)
-    u_q, eta_q = _operand_error(q_fed, numerics.qk_operand, "q", via_fp32=scaled and q_fp8)
-    eta_q *= f_q
-    q_abs_sum = q_hat.abs().sum(dim=-1)  # [T, H] Σ_i |q̂_i|
-    for b, rows, mask in _requests(batch):
-        K = batch.request_kv(b, F64)  # [s, D] dequantized
-        V = K[:, :L]  # [s, L]
-        if scaled and kv_fp8:
-            k_fed, f_k = K, 1.0
-        else:
-            k_fed, f_k = _raw_kv(batch, b).to(F64), (float(batch.kv_scale) if kv_fp8 else 1.0)  # [s, D]
-        via = scaled and kv_fp8
-        u_k, eta_k = _operand_error(k_fed, numerics.qk_operand, "kv_cache", via)
-        u_v, eta_v = _operand_error(k_fed[:, :L], numerics.pv_operand, "kv_cache[..., :L] (V)", via)
-        eta_k, eta_v = eta_k * f_k, eta_v * f_k
-        st = _softmax(q_hat[rows], K, mask, sigma)  # [n, H, s]
-        A = sigma * torch.einsum("nhd,sd->nhs", q_hat[rows].abs(), K.abs())  # [n, H, s] A_j
-        score_abs = 0.0
-        if eta_q or eta_k:
-            per_token = (
-                eta_q * (1 + u_k) * K.abs().sum(dim=-1)  # [s]
-                + eta_k * (1 + u_q) * q_abs_sum[rows][..., None]  # [n, H, 1]
-                + D * eta_q * eta_k
-            ).expand_as(A)  # [n, H, s]
-            score_abs = (1 + numerics.gamma_qk) * sigma * _masked_max(per_token, mask)  # [n, H]
-        o = ref[0][rows].to(F64) if ref is not None else torch.einsum("nhs,sc->nhc", st.p, V)  # [n, H, L] ô
-        kw = dict(
-            common,
-            gamma_qk=(1 + u_q) * (1 + u_k) * (1 + numerics.gamma_qk) - 1,  # rounded operands, then accumulation
-            gamma_pv=(1 + u_v) * (1 + numerics.gamma_pv) - 1,  # V operand rounding, then accumulation
-            score_abs=score_abs,
-            eta_v=eta_v,
-        )
-        yield rows, st, _masked_max(A, mask), V, o, kw
+    K = batch.padded_kv(grid.S, F64)  # [B, S, D] dequantized, zero padding
+    V = K[..., :L]  # [B, S, L]
+    if scaled and kv_fp8:
+        k_fed, f_k = K, 1.0
+    else:
+        k_fed, f_k = batch.padded_kv(grid.S, F64, scaled=False), (float(batch.kv_scale) if kv_fp8 else 1.0)
+    u_q, eta_q, ok_q = _operand_error(q_fed, numerics.qk_operand, scaled and q_fp8)  # [], [], []
+    via = scaled and kv_fp8
+    u_k, eta_k, ok_k = _operand_error(k_fed, numerics.qk_operand, via, per_request=True)  # [B], [B], []
+    u_v, eta_v, ok_v = _operand_error(k_fed[..., :L], numerics.pv_operand, via, per_request=True)  # [B], [B], []
+    _require_finite([("q", q_fed, ok_q, numerics.qk_operand), ("kv_cache", k_fed, ok_k, numerics.qk_operand),
+                     ("kv_cache[..., :L] (V)", k_fed[..., :L], ok_v, numerics.pv_operand)])
+    eta_q, eta_k, eta_v = eta_q * f_q, eta_k * f_k, eta_v * f_k
+
+    q_grid = grid.pad(q_hat)  # [B, N, H, D]
+    st = _softmax(q_grid, K, mask, sigma)  # [B, N, H, S]
+    A = sigma * torch.einsum("bnhd,bsd->bnhs", q_grid.abs(), K.abs())  # [B, N, H, S] A_j
+    per_token = (
+        (eta_q * (1 + u_k)[:, None] * K.abs().sum(dim=-1))[:, None, None, :]  # [B, 1, 1, S]
+        + _col(_per_request(eta_k)) * (1 + u_q) * q_grid.abs().sum(dim=-1)[..., None]  # [B, N, H, 1]
+        + D * eta_q * _col(_per_request(eta_k))  # [B, 1, 1, 1]
+    ).expand_as(A)  # [B, N, H, S] 0 when every operand value is exact or normal (η_q = η_k = 0)
+    score_abs = (1 + numerics.gamma_qk) * sigma * _masked_max(per_token, mask)  # [B, N, H]
+    o = grid.pad(ref[0].to(F64)) if ref is not None else torch.einsum("bnhs,bsc->bnhc", st.p, V)  # [B, N, H, L] ô
+    kw = dict(
+        common,
+        gamma_qk=(1 + u_q) * (1 + u_k) * (1 + numerics.gamma_qk) - 1,  # [B] rounded operands, then accumulation
+        gamma_pv=(1 + u_v) * (1 + numerics.gamma_pv) - 1,  # [B] V operand rounding, then accumulation
+        score_abs=score_abs,
+        eta_v=eta_v,  # [B]
+    )
+    return grid, st, _masked_max(A, mask), V, o, kw
 
 
 def kernel_bound(batch: DecodeBatch, numerics, *, ref: tuple[torch.Tensor, torch.Tensor] | None = None) -> Bound:
@@ -367,7 +370,7 @@ def kernel_bound(batch: DecodeBatch, numerics, *, ref: tuple[torch.Tensor, torch
     qk_operand and pv_operand (operand rounding u|x| + η, η = half the format's min subnormal: 0 when the values the
     MMAs see are exact in them; P rounds once more when pv_operand is coarser than p_fmt); scale_then_round (the
     MMAs see code · scale rounded to the operand dtype, not the codes); gamma_qk, gamma_pv; out_dtype (u_out).
-    Derivation in ``_kernel_requests`` and ``_rounding_bound``. Assumes the row sum l is accumulated from
+    Derivation in ``_kernel_grid`` and ``_rounding_bound``. Assumes the row sum l is accumulated from
     unrounded P (vLLM FlashMLA, mla_fast): a kernel that sums the rounded P needs another (u_P + η_P/l̂)·|ô| term.
     The fp32 split-KV merge is not included: add ``merge_bound`` for split kernels.
 
@@ -381,13 +384,10 @@ def kernel_bound(batch: DecodeBatch, numerics, *, ref: tuple[torch.Tensor, torch
     L, D, H, T = batch.kv_lora_rank, batch.head_dim, batch.num_heads, batch.num_tokens
     if ref is not None and (tuple(ref[0].shape) != (T, H, L) or tuple(ref[1].shape) != (T, H)):
         raise ValueError(f"ref: expected (out [{T}, {H}, {L}], lse [{T}, {H}]), got {[tuple(r.shape) for r in ref]}")
-    out = torch.zeros(T, H, L, dtype=F64, device=batch.device)  # [T, H, L]
-    lse = torch.zeros(T, H, dtype=F64, device=batch.device)  # [T, H]
-    for rows, st, A_max, V, o, kw in _kernel_requests(batch, numerics, ref):
-        b_out, b_lse = _rounding_bound(st, A_max, V, o, **kw)
-        s_out, s_lse = _fp64_slack(st, A_max, V, o, D)  # the oracle's own fp64 rounding
-        out[rows], lse[rows] = b_out + s_out, b_lse + s_lse
-    return Bound(out, lse)
+    grid, st, A_max, V, o, kw = _kernel_grid(batch, numerics, ref)
+    b_out, b_lse = _rounding_bound(st, A_max, V, o, **kw)  # [B, N, H, L], [B, N, H]
+    s_out, s_lse = _fp64_slack(st, A_max, V, o, D, batch.seq_lens)  # the oracle's own fp64 rounding
+    return Bound(grid.unpad(b_out + s_out), grid.unpad(b_lse + s_lse))
 
 
 def split_bound(batch: DecodeBatch, numerics, num_splits: int) -> Bound:
@@ -407,11 +407,9 @@ def split_bound(batch: DecodeBatch, numerics, num_splits: int) -> Bound:
     rounded under different maxima already differs by ~u_P p̂_j per token.
     """
     _check_numerics(batch, numerics)
-    L, H, T = batch.kv_lora_rank, batch.num_heads, batch.num_tokens
-    out = torch.zeros(T, H, L, dtype=F64, device=batch.device)  # [T, H, L]
-    lse = torch.zeros(T, H, dtype=F64, device=batch.device)  # [T, H]
-    for rows, st, A_max, V, o, kw in _kernel_requests(batch, numerics, None):
-        out[rows], lse[rows] = _rounding_bound(st, A_max, V, o, **dict(kw, u_out=0.0), shared_scores=True)
+    grid, st, A_max, V, o, kw = _kernel_grid(batch, numerics, None)
+    out, lse = _rounding_bound(st, A_max, V, o, **dict(kw, u_out=0.0), shared_scores=True)  # [B, N, H, L], [B, N, H]
+    out, lse = grid.unpad(out), grid.unpad(lse)  # [T, H, L], [T, H]
     merge = merge_bound(batch, num_splits)
     return Bound(2 * (out + merge.out), 2 * (lse + merge.lse))
 
@@ -421,7 +419,7 @@ def split_bound(batch: DecodeBatch, numerics, num_splits: int) -> Bound:
 
 def _element_error(exact: torch.Tensor, stored_dtype: torch.dtype, exact_dtype: torch.dtype, scale):
     """Element error model (numerics.md §4, §5 notation): |x̂ - x| <= e = u|x| + η s, plus the clipping error of
-    a saturating quantizer. Returns (e [same shape as exact], number of saturated elements).
+    a saturating quantizer. Returns (e [same shape as exact], number of saturated elements as a [] int64 tensor).
 
     fp8 storage: (u, η) of the format, s = its scale. Round-to-nearest already maps |x| up to
     top = (max + h) s to ±max (h = u 2^⌊log2 max⌋, half the spacing at max: 464 for e4m3fn) with error <= u|x|;
@@ -434,11 +432,11 @@ def _element_error(exact: torch.Tensor, stored_dtype: torch.dtype, exact_dtype: 
         f = fp8_format(stored_dtype)
         top = (f.max + f.u * 2.0 ** math.floor(math.log2(f.max))) * scale  # largest |x| that rounds to max
         clip = (x - top).clamp(min=0)  # [...]
-        return f.u * x + f.eta * scale + clip, int((x > top).sum())
+        return f.u * x + f.eta * scale + clip, (x > top).sum()
     if stored_dtype == exact_dtype or stored_dtype == F64:
-        return torch.zeros_like(x), 0
+        return torch.zeros_like(x), (x > math.inf).sum()  # 0
     fi = torch.finfo(stored_dtype)
-    return (fi.eps / 2) * x + fi.tiny * fi.eps / 2, int((x > fi.max).sum())
+    return (fi.eps / 2) * x + fi.tiny * fi.eps / 2, (x > fi.max).sum()
 
 
 def _check_pair(batch_q: DecodeBatch, batch_exact: DecodeBatch) -> None:
@@ -447,8 +445,12 @@ def _check_pair(batch_q: DecodeBatch, batch_exact: DecodeBatch) -> None:
     batch_exact.validate()
     if tuple(batch_q.q.shape) != tuple(batch_exact.q.shape):
         raise ValueError(f"batch_exact.q: expected shape {tuple(batch_q.q.shape)}, got {tuple(batch_exact.q.shape)}")
-    for name in ("seq_lens", "q_lens"):
-        if not torch.equal(getattr(batch_q, name).cpu(), getattr(batch_exact, name).cpu()):
+    if batch_q.batch_size != batch_exact.batch_size:
+        raise ValueError(f"batch_exact.seq_lens: expected {batch_q.batch_size} requests as batch_q")
+    same = [bool(x) for x in torch.stack([(batch_q.seq_lens == batch_exact.seq_lens).all(),
+                                           (batch_q.q_lens == batch_exact.q_lens).all()]).tolist()]  # one sync
+    for name, ok in zip(("seq_lens", "q_lens"), same):
+        if not ok:
             raise ValueError(f"batch_exact.{name}: expected {getattr(batch_q, name).tolist()} as batch_q")
     for name in ("sm_scale", "kv_lora_rank"):
         if getattr(batch_q, name) != getattr(batch_exact, name):
@@ -456,58 +458,58 @@ def _check_pair(batch_q: DecodeBatch, batch_exact: DecodeBatch) -> None:
 
 
 @dataclass
-class _QuantRows:
-    """One request's rows for the quantization bounds: exact and dequantized inputs and their error model."""
+class _QuantGrid:
+    """Every request's rows on the padded grid for the quantization bounds: exact and dequantized inputs and their
+    error model (B requests, N grid rows, H heads, S tokens, D channels)."""
 
-    rows: slice
-    mask: torch.Tensor  # [n, s]
-    q: torch.Tensor  # [n, H, D] exact
-    q_hat: torch.Tensor  # [n, H, D] dequantized
-    e_q: torch.Tensor  # [n, H, D] element error bound of q
-    K: torch.Tensor  # [s, D] exact
-    K_hat: torch.Tensor  # [s, D] dequantized
-    e_k: torch.Tensor  # [s, D] element error bound of K
+    grid: RequestGrid
+    mask: torch.Tensor  # [B, N, S]
+    q: torch.Tensor  # [B, N, H, D] exact
+    q_hat: torch.Tensor  # [B, N, H, D] dequantized
+    e_q: torch.Tensor  # [B, N, H, D] element error bound of q
+    K: torch.Tensor  # [B, S, D] exact
+    K_hat: torch.Tensor  # [B, S, D] dequantized
+    e_k: torch.Tensor  # [B, S, D] element error bound of K
     st: _Softmax  # exact scores and weights p
     st_hat: _Softmax  # dequantized scores and weights p̂
-    saturated: int  # saturated elements of K (and of q, on the first request)
+    saturated: torch.Tensor  # [] saturated elements of q and K
 
 
-def _quant_rows(batch_q: DecodeBatch, batch_exact: DecodeBatch, lse_exact: torch.Tensor | None = None):
-    """Yield ``_QuantRows`` per request. ``lse_exact`` [T, H]: reuse the exact oracle's LSE for p = exp(s - lse)."""
+def _quant_grid(batch_q: DecodeBatch, batch_exact: DecodeBatch, lse_exact: torch.Tensor | None = None) -> _QuantGrid:
+    """``_QuantGrid`` of the pair. ``lse_exact`` [T, H]: reuse the exact oracle's LSE for p = exp(s - lse)."""
     _check_pair(batch_q, batch_exact)
-    sigma = batch_q.sm_scale
+    sigma, grid = batch_q.sm_scale, batch_q.grid()
+    mask = grid.mask  # [B, N, S]
     q = batch_exact.dequantized_q(F64)  # [T, H, D]
-    q_hat = batch_q.dequantized_q(F64)  # [T, H, D]
     e_q, sat_q = _element_error(q, batch_q.q.dtype, batch_exact.q.dtype, batch_q.q_scale)  # [T, H, D]
-    for b, rows, mask in _requests(batch_q):
-        K = batch_exact.request_kv(b, F64)  # [s, D]
-        K_hat = batch_q.request_kv(b, F64)  # [s, D]
-        e_k, sat_k = _element_error(K, batch_q.kv_cache.dtype, batch_exact.kv_cache.dtype, batch_q.kv_scale)
-        st = _softmax(q[rows], K, mask, sigma)
-        if lse_exact is not None:
-            shift = torch.where(st.seen[:, None], lse_exact[rows].to(F64), 0.0)  # [n, H]
-            st.p = torch.exp(st.s - shift[..., None])  # [n, H, s] exp(-inf) = 0 where not visible
-        st_hat = _softmax(q_hat[rows], K_hat, mask, sigma)
-        sat = sat_k + (sat_q if b == 0 else 0)
-        yield _QuantRows(rows, mask, q[rows], q_hat[rows], e_q[rows], K, K_hat, e_k, st, st_hat, sat)
+    q, q_hat, e_q = grid.pad(q), grid.pad(batch_q.dequantized_q(F64)), grid.pad(e_q)  # [B, N, H, D]
+    K = batch_exact.padded_kv(grid.S, F64)  # [B, S, D] zero padding: no error, never saturated
+    K_hat = batch_q.padded_kv(grid.S, F64)  # [B, S, D]
+    e_k, sat_k = _element_error(K, batch_q.kv_cache.dtype, batch_exact.kv_cache.dtype, batch_q.kv_scale)
+    st = _softmax(q, K, mask, sigma)
+    if lse_exact is not None:
+        shift = torch.where(st.seen[..., None], grid.pad(lse_exact.to(F64)), 0.0)  # [B, N, H]
+        st.p = torch.exp(st.s - shift[..., None])  # [B, N, H, S] exp(-inf) = 0 where not visible
+    st_hat = _softmax(q_hat, K_hat, mask, sigma)
+    return _QuantGrid(grid, mask, q, q_hat, e_q, K, K_hat, e_k, st, st_hat, sat_q + sat_k)
 
 
-def _score_error_bound(r: _QuantRows, sigma: float) -> torch.Tensor:
-    """§5(a): δ_j = σ Σ_i (e^q_i |k_ji| + |q_i| e^k_ji + e^q_i e^k_ji) >= |ŝ_j - s_j|; [n, H, s]."""
+def _score_error_bound(r: _QuantGrid, sigma: float) -> torch.Tensor:
+    """§5(a): δ_j = σ Σ_i (e^q_i |k_ji| + |q_i| e^k_ji + e^q_i e^k_ji) >= |ŝ_j - s_j|; [B, N, H, S]."""
     return sigma * (
-        torch.einsum("nhd,sd->nhs", r.e_q, r.K.abs())
-        + torch.einsum("nhd,sd->nhs", r.q.abs(), r.e_k)
-        + torch.einsum("nhd,sd->nhs", r.e_q, r.e_k)
+        torch.einsum("bnhd,bsd->bnhs", r.e_q, r.K.abs())
+        + torch.einsum("bnhd,bsd->bnhs", r.q.abs(), r.e_k)
+        + torch.einsum("bnhd,bsd->bnhs", r.e_q, r.e_k)
     )
 
 
-def _oracle_slack(r: _QuantRows, sigma: float, L: int, D: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp64 evaluation error of both oracle runs (exact and dequantized inputs): ([n, H, L], [n, H])."""
+def _oracle_slack(r: _QuantGrid, sigma: float, L: int, D: int, seq_lens: torch.Tensor):
+    """fp64 evaluation error of both oracle runs (exact and dequantized inputs): ([B, N, H, L], [B, N, H])."""
     total_out, total_lse = 0.0, 0.0
     for st, q, K in ((r.st, r.q, r.K), (r.st_hat, r.q_hat, r.K_hat)):
-        A_max = _masked_max(sigma * torch.einsum("nhd,sd->nhs", q.abs(), K.abs()), r.mask)  # [n, H]
-        o = torch.einsum("nhs,sc->nhc", st.p, K[:, :L])  # [n, H, L]
-        s_out, s_lse = _fp64_slack(st, A_max, K[:, :L], o, D)
+        A_max = _masked_max(sigma * torch.einsum("bnhd,bsd->bnhs", q.abs(), K.abs()), r.mask)  # [B, N, H]
+        o = torch.einsum("bnhs,bsc->bnhc", st.p, K[..., :L])  # [B, N, H, L]
+        s_out, s_lse = _fp64_slack(st, A_max, K[..., :L], o, D, seq_lens)
         total_out, total_lse = total_out + s_out, total_lse + s_lse
     return total_out, total_lse
 
@@ -536,38 +538,36 @@ def quantization_bounds(
     Args:
         ref_exact: (out, lse) of ``mla_decode_ref(batch_exact)`` if already computed: p is then exp(s - lse).
     """
-    L, D, H, T = batch_q.kv_lora_rank, batch_q.head_dim, batch_q.num_heads, batch_q.num_tokens
-    sigma, dev = batch_q.sm_scale, batch_q.device
-    det_out, post_out = (torch.zeros(T, H, L, dtype=F64, device=dev) for _ in range(2))  # [T, H, L]
-    det_lse, post_lse, omega_det, omega_act = (torch.zeros(T, H, dtype=F64, device=dev) for _ in range(4))  # [T, H]
-    saturated = 0
-    lse_exact = ref_exact[1] if ref_exact is not None else None
-    for r in _quant_rows(batch_q, batch_exact, lse_exact):
-        V, V_hat, e_v = r.K[:, :L], r.K_hat[:, :L], r.e_k[:, :L]  # [s, L]
-        pv = torch.einsum("nhs,sc->nhc", r.st.p, V.abs())  # [n, H, L] Σ_j p_j |v_jc|
-        R = _spread(V, r.st.n_vis)  # [n, L]
-        seen = r.st.seen[:, None]  # [n, 1]
+    L, D, sigma = batch_q.kv_lora_rank, batch_q.head_dim, batch_q.sm_scale
+    r = _quant_grid(batch_q, batch_exact, ref_exact[1] if ref_exact is not None else None)
+    V, V_hat, e_v = r.K[..., :L], r.K_hat[..., :L], r.e_k[..., :L]  # [B, S, L]
+    pv = torch.einsum("bnhs,bsc->bnhc", r.st.p, V.abs())  # [B, N, H, L] Σ_j p_j |v_jc|
+    R = _spread(V, r.st.n_vis)  # [B, N, L]
+    seen = r.st.seen[..., None]  # [B, N, 1]
 
-        # B_det: (a) score errors, (b) their spread, (c) output
-        delta_max = _masked_max(_score_error_bound(r, sigma), r.mask)  # [n, H] max_j δ_j
-        w_det = 2 * delta_max  # [n, H]
-        term1 = _hull_term(w_det, R, pv)  # [n, H, L]
-        e_v_spread = _spread(e_v, r.st.n_vis)[:, None, :]  # [n, 1, L]
-        term2 = torch.einsum("nhs,sc->nhc", r.st.p, e_v) + torch.tanh(w_det / 4)[..., None] * e_v_spread  # [n, H, L]
+    # B_det: (a) score errors, (b) their spread, (c) output
+    delta_max = _masked_max(_score_error_bound(r, sigma), r.mask)  # [B, N, H] max_j δ_j
+    w_det = 2 * delta_max  # [B, N, H]
+    term1 = _hull_term(w_det, R, pv)  # [B, N, H, L]
+    e_v_spread = _spread(e_v, r.st.n_vis)[:, :, None, :]  # [B, N, 1, L]
+    term2 = torch.einsum("bnhs,bsc->bnhc", r.st.p, e_v) + torch.tanh(w_det / 4)[..., None] * e_v_spread  # [B, N, H, L]
 
-        # B_post: (d) from the actual score changes
-        ds = torch.where(r.mask[:, None, :], r.st_hat.s - r.st.s, 0.0)  # [n, H, s] Δs_j (0 where not visible)
-        w_act = _masked_max(ds, r.mask) + _masked_max(-ds, r.mask)  # [n, H] max Δs - min Δs
-        moved = torch.einsum("nhs,sc->nhc", r.st_hat.p, (V_hat - V).abs())  # [n, H, L] Σ_j p̂_j |v̂_jc - v_jc|
+    # B_post: (d) from the actual score changes
+    ds = torch.where(r.mask[:, :, None, :], r.st_hat.s - r.st.s, 0.0)  # [B, N, H, S] Δs_j (0 where not visible)
+    w_act = _masked_max(ds, r.mask) + _masked_max(-ds, r.mask)  # [B, N, H] max Δs - min Δs
+    moved = torch.einsum("bnhs,bsc->bnhc", r.st_hat.p, (V_hat - V).abs())  # [B, N, H, L] Σ_j p̂_j |v̂_jc - v_jc|
 
-        slack_out, slack_lse = _oracle_slack(r, sigma, L, D)  # [n, H, L], [n, H]
-        det_out[r.rows] = term1 + term2 + slack_out
-        post_out[r.rows] = _hull_term(w_act, R, pv) + moved + slack_out
-        det_lse[r.rows] = torch.where(seen, delta_max + slack_lse, 0.0)
-        post_lse[r.rows] = torch.where(seen, _masked_max(ds.abs(), r.mask) + slack_lse, 0.0)
-        omega_det[r.rows], omega_act[r.rows] = w_det, w_act
-        saturated += r.saturated
-    return QuantBounds(det_out, det_lse, post_out, post_lse, omega_det, omega_act, saturated)
+    slack_out, slack_lse = _oracle_slack(r, sigma, L, D, batch_q.seq_lens)  # [B, N, H, L], [B, N, H]
+    unpad = r.grid.unpad
+    return QuantBounds(
+        det_out=unpad(term1 + term2 + slack_out),
+        det_lse=unpad(torch.where(seen, delta_max + slack_lse, 0.0)),
+        post_out=unpad(_hull_term(w_act, R, pv) + moved + slack_out),
+        post_lse=unpad(torch.where(seen, _masked_max(ds.abs(), r.mask) + slack_lse, 0.0)),
+        omega_det=unpad(w_det),
+        omega_act=unpad(w_act),
+        saturated=int(r.saturated),
+    )
 
 
 # ---- §5(g): split-KV merge --------------------------------------------------------------------------------------
@@ -593,22 +593,21 @@ def merge_bound(batch: DecodeBatch, num_splits: int, *, accum: torch.dtype = tor
         raise ValueError(f"num_splits: expected an int >= 1, got {num_splits!r}")
     batch.validate()
     L, H, T = batch.kv_lora_rank, batch.num_heads, batch.num_tokens
-    out = torch.zeros(T, H, L, dtype=F64, device=batch.device)  # [T, H, L]
-    lse = torch.zeros(T, H, dtype=F64, device=batch.device)  # [T, H]
     if num_splits == 1:
-        return Bound(out, lse)
+        out = torch.zeros(T, H, L, dtype=F64, device=batch.device)  # [T, H, L]
+        return Bound(out, torch.zeros(T, H, dtype=F64, device=batch.device))  # no merge: no error
     u = _unit_roundoff(accum)
     S = int(num_splits)
-    q_hat = batch.dequantized_q(F64)  # [T, H, D]
-    for b, rows, mask in _requests(batch):
-        K = batch.request_kv(b, F64)  # [s, D]
-        st = _softmax(q_hat[rows], K, mask, batch.sm_scale)
-        lam = _masked_max(st.s.abs(), mask) + torch.log(st.n_vis.clamp(min=1).to(F64))[:, None]  # [n, H] Λ
-        xi = 4 * u + 34 * u * lam  # [n, H] relative error of a merge weight
-        pv = torch.einsum("nhs,sc->nhc", st.p, K[:, :L].abs())  # [n, H, L] Σ_j p̂_j |v̂_jc|
-        out[rows] = ((xi + (S + 1) * u) * (1 + xi))[..., None] * pv
-        lse[rows] = torch.where(st.seen[:, None], xi + (S + 1) * u + 16 * u * lam, 0.0)
-    return Bound(out, lse)
+    grid = batch.grid()
+    mask = grid.mask  # [B, N, S_max]
+    K = batch.padded_kv(grid.S, F64)  # [B, S_max, D]
+    st = _softmax(grid.pad(batch.dequantized_q(F64)), K, mask, batch.sm_scale)  # [B, N, H, S_max]
+    lam = _masked_max(st.s.abs(), mask) + torch.log(st.n_vis.clamp(min=1).to(F64))[..., None]  # [B, N, H] Λ
+    xi = 4 * u + 34 * u * lam  # [B, N, H] relative error of a merge weight
+    pv = torch.einsum("bnhs,bsc->bnhc", st.p, K[..., :L].abs())  # [B, N, H, L] Σ_j p̂_j |v̂_jc|
+    out = ((xi + (S + 1) * u) * (1 + xi))[..., None] * pv  # [B, N, H, L]
+    lse = torch.where(st.seen[..., None], xi + (S + 1) * u + 16 * u * lam, 0.0)  # [B, N, H]
+    return Bound(grid.unpad(out), grid.unpad(lse))
 
 
 # ---- §5(e): probabilistic estimates (statistics only) ----------------------------------------------------------
@@ -634,18 +633,15 @@ def prob_bound(batch_q: DecodeBatch, batch_exact: DecodeBatch, *, alpha: float =
     n_pairs = max(int(batch_q.visible_tokens().sum()) * H, 1)
     lam = math.sqrt(2 * math.log(2 * n_pairs / alpha))
     lam_out = math.sqrt(2 * math.log(2 * max(T * H * L, 1) / alpha))
-    out = torch.zeros(T, H, L, dtype=F64, device=batch_q.device)  # [T, H, L]
-    lse = torch.zeros(T, H, dtype=F64, device=batch_q.device)  # [T, H]
-    for r in _quant_rows(batch_q, batch_exact):
-        V, e_v = r.K[:, :L], r.e_k[:, :L]  # [s, L]
-        var_s = torch.einsum("nhd,sd->nhs", r.e_q**2, r.K**2) + torch.einsum("nhd,sd->nhs", r.q**2, r.e_k**2)
-        delta_p = sigma * lam * var_s.sqrt()  # [n, H, s]
-        dmax = _masked_max(delta_p, r.mask)  # [n, H]
-        pv = torch.einsum("nhs,sc->nhc", r.st.p, V.abs())  # [n, H, L]
-        v_term = lam_out * torch.einsum("nhs,sc->nhc", r.st.p**2, e_v**2).sqrt()  # [n, H, L]
-        out[r.rows] = _hull_term(2 * dmax, _spread(V, r.st.n_vis), pv) + v_term
-        lse[r.rows] = dmax
-    return Bound(out, lse)
+    r = _quant_grid(batch_q, batch_exact)
+    V, e_v = r.K[..., :L], r.e_k[..., :L]  # [B, S, L]
+    var_s = torch.einsum("bnhd,bsd->bnhs", r.e_q**2, r.K**2) + torch.einsum("bnhd,bsd->bnhs", r.q**2, r.e_k**2)
+    delta_p = sigma * lam * var_s.sqrt()  # [B, N, H, S]
+    dmax = _masked_max(delta_p, r.mask)  # [B, N, H]
+    pv = torch.einsum("bnhs,bsc->bnhc", r.st.p, V.abs())  # [B, N, H, L]
+    v_term = lam_out * torch.einsum("bnhs,bsc->bnhc", r.st.p**2, e_v**2).sqrt()  # [B, N, H, L]
+    out = _hull_term(2 * dmax, _spread(V, r.st.n_vis), pv) + v_term  # [B, N, H, L]
+    return Bound(r.grid.unpad(out), r.grid.unpad(dmax))
 
 
 def _centered_cross(p: torch.Tensor, V: torch.Tensor, K: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
@@ -674,21 +670,21 @@ def rms_estimate(batch_q: DecodeBatch, batch_exact: DecodeBatch) -> torch.Tensor
                           + Σ_j p_j² (e^v_jc)²                                     V rounding
                           + σ² Σ_i (e^q_i)² (Σ_j p_j (v_jc - o_c) k_ji)² ]          q rounding (shared by all j)
     """
-    L, H, T = batch_q.kv_lora_rank, batch_q.num_heads, batch_q.num_tokens
-    sigma = batch_q.sm_scale
-    var = torch.zeros(T, H, L, dtype=F64, device=batch_q.device)  # [T, H, L]
-    for r in _quant_rows(batch_q, batch_exact):
-        V, e_v, p = r.K[:, :L], r.e_k[:, :L], r.st.p  # [s, L], [s, L], [n, H, s]
-        o = torch.einsum("nhs,sc->nhc", p, V)  # [n, H, L]
-        g = torch.einsum("nhd,sd->nhs", r.q**2, r.e_k**2)  # [n, H, s] Σ_i q_i² (e^k_ji)²
-        w = p**2 * g  # [n, H, s]
+    L, sigma = batch_q.kv_lora_rank, batch_q.sm_scale
+    r = _quant_grid(batch_q, batch_exact)
+    var = torch.zeros_like(r.q[..., :L])  # [B, N, H, L]
+    for b in range(r.K.shape[0]):  # one request at a time: the [N, H, L, D] covariance is large
+        V, e_v, p = r.K[b, :, :L], r.e_k[b, :, :L], r.st.p[b]  # [S, L], [S, L], [N, H, S]
+        o = torch.einsum("nhs,sc->nhc", p, V)  # [N, H, L]
+        g = torch.einsum("nhd,sd->nhs", r.q[b] ** 2, r.e_k[b] ** 2)  # [N, H, S] Σ_i q_i² (e^k_ji)²
+        w = p**2 * g  # [N, H, S]
         k_term = (
             torch.einsum("nhs,sc->nhc", w, V**2)
             - 2 * o * torch.einsum("nhs,sc->nhc", w, V)
             + o**2 * w.sum(dim=-1, keepdim=True)
-        )  # [n, H, L] Σ_j p_j² g_j (v_jc - o_c)²
-        v_term = torch.einsum("nhs,sc->nhc", p**2, e_v**2)  # [n, H, L]
-        cov = _centered_cross(p, V, r.K, o)  # [n, H, L, D]
-        q_term = torch.einsum("nhi,nhci->nhc", r.e_q**2, cov**2)  # [n, H, L]
-        var[r.rows] = (sigma**2 * k_term.clamp(min=0) + v_term + sigma**2 * q_term) / 3
-    return var.sqrt()
+        )  # [N, H, L] Σ_j p_j² g_j (v_jc - o_c)²
+        v_term = torch.einsum("nhs,sc->nhc", p**2, e_v**2)  # [N, H, L]
+        cov = _centered_cross(p, V, r.K[b], o)  # [N, H, L, D]
+        q_term = torch.einsum("nhi,nhci->nhc", r.e_q[b] ** 2, cov**2)  # [N, H, L]
+        var[b] = (sigma**2 * k_term.clamp(min=0) + v_term + sigma**2 * q_term) / 3
+    return r.grid.unpad(var).sqrt()
