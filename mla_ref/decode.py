@@ -165,20 +165,32 @@ class DecodeBatch:
             raise _field_error("q_lens", f"shape ({B},) like seq_lens", tuple(self.q_lens.shape))
         if self.block_table.dim() != 2 or self.block_table.shape[0] != B:
             raise _field_error("block_table", f"a 2-D tensor [{B}, max_pages]", tuple(self.block_table.shape))
-        if B and int(self.seq_lens.min()) < 0:
+        used = torch.arange(self.block_table.shape[1], device=q.device)[None, :] < self.pages_per_request[:, None]
+        table = self.block_table.long()  # [B, max_pages] only the pages that valid tokens live on are checked
+        seq, n = self.seq_lens.long(), self.q_lens.long()  # [B], [B]
+        none = torch.zeros((), dtype=torch.int64, device=q.device)  # the reductions of an empty batch pass
+        stats = torch.stack([  # one host sync for every value-dependent check
+            seq.min() if B else none,
+            n.min() if B else none + 1,
+            n.sum(),
+            seq.max() if B else none,
+            torch.where(used, table, 0).min() if used.numel() else none,  # 0 when no page is used
+            torch.where(used, table, -1).max() if used.numel() else none - 1,  # -1 when no page is used
+        ]).tolist()
+        seq_min, q_min, q_sum, seq_max, page_min, page_max = stats
+        if seq_min < 0:
             raise _field_error("seq_lens", "values >= 0", self.seq_lens.tolist())
-        if B and int(self.q_lens.min()) < 1:
+        if q_min < 1:
             raise _field_error("q_lens", "values >= 1", self.q_lens.tolist())
-        if int(self.q_lens.sum()) != q.shape[0]:
-            raise _field_error("q_lens", f"a sum equal to q.shape[0] = {q.shape[0]}", int(self.q_lens.sum()))
+        if q_sum != q.shape[0]:
+            raise _field_error("q_lens", f"a sum equal to q.shape[0] = {q.shape[0]}", q_sum)
         capacity = self.block_table.shape[1] * self.page_size
-        if B and int(self.seq_lens.max()) > capacity:
+        if seq_max > capacity:
             raise _field_error(
                 "seq_lens", f"values <= block_table capacity {capacity} (max_pages x page_size)", self.seq_lens.tolist()
             )
-        used = torch.arange(self.block_table.shape[1], device=q.device)[None, :] < self.pages_per_request[:, None]
-        pages = self.block_table[used]  # only the pages that valid tokens live on
-        if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= kv.shape[0]):
+        if page_min < 0 or page_max >= kv.shape[0]:
+            pages = self.block_table[used]  # the used entries, for the message
             raise _field_error("block_table", f"used entries in [0, {kv.shape[0]}) (kv_cache pages)", pages.tolist())
         if not (isinstance(self.sm_scale, (int, float)) and math.isfinite(self.sm_scale) and self.sm_scale > 0):
             raise _field_error("sm_scale", "a finite float > 0", self.sm_scale)
@@ -393,21 +405,23 @@ def make_decode_batch(
     seq_lens = [int(kv.shape[0]) for kv in kv_per_request]
     npages = [-(-s // page_size) for s in seq_lens]  # ceil
     total = sum(npages) + extra_pages
-    perm = torch.randperm(total, generator=generator).to(device)  # physical page of each logical page
-    nan = torch.full((total, page_size, D), float("nan"), dtype=torch.float32, device=device)
-    kv_cache = nan.to(kv_dtype)  # [P, ps, D] NaN everywhere (fp8 NaN bit pattern for fp8 dtypes)
-    block_table = torch.full((B, max(npages, default=0) or 1), INVALID_PAGE, dtype=torch.int32, device=device)
-    logical = 0
     for b, kv in enumerate(kv_per_request):
         if kv.shape[-1] != D or kv.dtype != kv_dtype:
             expected = f"[s, {D}] {kv_dtype}"
             raise ValueError(f"make_decode_batch.kv_per_request[{b}]: expected {expected}, got {_describe(kv)}")
-        for p in range(npages[b]):
-            page = int(perm[logical])
-            rows = kv[p * page_size : (p + 1) * page_size]  # [<=ps, D]
-            kv_cache[page, : rows.shape[0]] = rows
-            block_table[b, p] = page
-            logical += 1
+    perm = torch.randperm(total, generator=generator).to(device)  # physical page of each logical page
+    nan = torch.full((total, page_size, D), float("nan"), dtype=torch.float32, device=device)
+    kv_cache = nan.to(kv_dtype)  # [P, ps, D] NaN everywhere (fp8 NaN bit pattern for fp8 dtypes)
+    block_table = torch.full((B, max(npages, default=0) or 1), INVALID_PAGE, dtype=torch.int32, device=device)
+    # logical pages run request by request, page by page: the row-major order of the used block-table entries
+    used = torch.arange(block_table.shape[1], device=device)[None, :] < torch.tensor(npages, device=device)[:, None]
+    block_table[used] = perm[: sum(npages)].to(torch.int32)  # [B, max_pages]
+    if sum(seq_lens):
+        s_b = torch.tensor(seq_lens, device=device)  # [B]
+        request = torch.repeat_interleave(torch.arange(B, device=device), s_b)  # [Σ s_b] request of each token
+        j = torch.arange(sum(seq_lens), device=device) - (torch.cumsum(s_b, 0) - s_b)[request]  # [Σ s_b] position
+        page = block_table.long()[request, j // page_size]  # [Σ s_b] physical page of each token
+        kv_cache[page, j % page_size] = torch.cat([kv.to(device) for kv in kv_per_request])  # [Σ s_b, D]
     q_lens_t = torch.as_tensor(q_lens if q_lens is not None else [1] * B, dtype=torch.int32, device=device)
     return DecodeBatch(
         q,

@@ -167,24 +167,22 @@ class Case:
         """Build (batch_kernel, batch_exact) on ``device``; both share block_table and page order."""
         g = torch.Generator().manual_seed(self.seed)
         q, kv = _draw(self, g)  # [T, H, D] fp32, B x [s_b, D] fp32
-        exact = make_decode_batch(
-            q.to(torch.bfloat16),
-            [k.to(torch.bfloat16) for k in kv],
-            sm_scale=SM_SCALE,
-            kv_lora_rank=self.kv_lora_rank,
-            page_size=self.page_size,
-            generator=g,
-            q_lens=list(self.q_lens),
-        )
+        q, kv = q.to(torch.bfloat16), [k.to(torch.bfloat16) for k in kv]  # [T, H, D], B x [s_b, D]
+        pages = torch.Generator().set_state(g.get_state())  # the same page order for the fp8 twin
+        shape = dict(sm_scale=SM_SCALE, kv_lora_rank=self.kv_lora_rank, page_size=self.page_size,
+                     q_lens=list(self.q_lens))
+        exact = make_decode_batch(q, kv, generator=g, **shape)
         if not self.is_fp8:
             return exact.to(device), exact.to(device)
-        # dynamic: amax over the finite entries = the real tokens (unused slots are NaN and stay NaN)
-        kv8, kv_scale = quantize(exact.kv_cache, self.fp8_format, scale=self._scale("kv"))  # [P, ps, D]
-        kernel = exact.replace(kv_cache=kv8, kv_scale=float(kv_scale))
+        # one per-tensor scale over every request's tokens (dynamic: their amax); only valid rows are quantized
+        kv8, kv_scale = quantize(torch.cat(kv), self.fp8_format, scale=self._scale("kv"))  # [Σ s_b, D]
+        q_scale = None
         if self.q_dtype == "fp8":
-            q8, q_scale = quantize(exact.q, self.fp8_format, scale=self._scale("q"))  # [T, H, D]
-            kernel = kernel.replace(q=q8, q_scale=float(q_scale))
-        return kernel.validate().to(device), exact.to(device)
+            q, q_scale = quantize(q, self.fp8_format, scale=self._scale("q"))  # [T, H, D]
+            q_scale = float(q_scale)
+        kernel = make_decode_batch(q, list(kv8.split(list(self.seq_lens))), generator=pages, q_scale=q_scale,
+                                   kv_scale=float(kv_scale), **shape)
+        return kernel.to(device), exact.to(device)
 
     def _scale(self, which: str) -> float | None:
         """The per-tensor scale of the scale mode (None = dynamic, quantize computes amax / fmt.max)."""
