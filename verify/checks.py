@@ -191,12 +191,13 @@ def check_split(batch: DecodeBatch, kernel: Kernel, numerics, first: tuple, work
     split = bounds.split_bound(batch, numerics, kernel.max_splits(batch))  # [T, H, L], [T, H] before output rounding
     results = []
     for i, (name, out_dtype) in enumerate((("split.out", numerics.out_dtype), ("split.lse", torch.float32))):
-        a, b = first[i].detach().double().cpu(), second[i].detach().double().cpu()  # [T, H, L] or [T, H]
+        a = first[i].detach().double()  # [T, H, L] or [T, H], on the bound's device
+        b = second[i].detach().to(a.device).double()
         if i == 0:
             both = torch.isfinite(a) & torch.isfinite(b)
-            bound = split.out.cpu() + torch.where(both, u_out * (a.abs() + b.abs()) * (1 + u_out), 0.0)
+            bound = split.out.to(a.device) + torch.where(both, u_out * (a.abs() + b.abs()) * (1 + u_out), 0.0)
         else:
-            bound = split.lse.cpu()
+            bound = split.lse.to(a.device)
         r = _bounded(name, a, b, bound, out_dtype)
         r.detail = f"{workers} workers vs {other}: {r.detail}"
         results.append(r)
@@ -205,30 +206,32 @@ def check_split(batch: DecodeBatch, kernel: Kernel, numerics, first: tuple, work
 
 def check_empty(batch: DecodeBatch, out: torch.Tensor, lse: torch.Tensor | None) -> CheckResult:
     """Rows that see no KV token: out exactly 0 and lse exactly -inf (docs/architecture.md)."""
-    empty = (batch.visible_tokens() == 0).cpu()  # [T]
-    if not bool(empty.any()):
+    empty = (batch.visible_tokens() == 0).to(out.device)  # [T]
+    bad_rows = (out.detach() != 0).flatten(1).any(dim=1) & empty  # [T] NaN != 0 too
+    bad_lse_rows = (~torch.isneginf(lse.detach())).any(dim=1) & empty if lse is not None else torch.zeros_like(empty)
+    n, bad_out, bad_lse = torch.stack([empty.sum(), bad_rows.sum(), bad_lse_rows.sum()]).tolist()  # one sync
+    if not n:
         return CheckResult("empty", True, detail="no empty rows in this case")
-    o = out.detach().cpu()[empty].double()  # [E, H, L]
-    bad_out = int((o != 0).flatten(1).any(dim=1).sum())  # NaN != 0 too
-    bad_lse = int((~torch.isneginf(lse.detach().cpu()[empty].double())).any(dim=1).sum()) if lse is not None else 0
-    n = int(empty.sum())
     if bad_out or bad_lse:
+        o = out.detach().cpu()[empty.cpu()].double()  # [E, H, L] (failure path: host copies are fine)
         sample = o.flatten()[(o.flatten() != 0)][:3].tolist()
-        lse_note = f"; lse != -inf on {bad_lse} (first {lse.detach().cpu()[empty][0, :3].tolist()})" if bad_lse else ""
+        lse_note = ""
+        if bad_lse:
+            lse_note = f"; lse != -inf on {bad_lse} (first {lse.detach().cpu()[empty.cpu()][0, :3].tolist()})"
         return CheckResult("empty", False, detail=f"{n} empty rows: out != 0 on {bad_out} (e.g. {sample}){lse_note}")
     return CheckResult("empty", True, detail=f"{n} empty rows: out 0, lse -inf")
 
 
 def check_finite(batch: DecodeBatch, out: torch.Tensor, lse: torch.Tensor | None) -> CheckResult:
     """Rows that see at least one token give finite out and lse (every generated input is finite)."""
-    seen = (batch.visible_tokens() > 0).cpu()  # [T]
-    bad = ~torch.isfinite(out.detach().cpu()[seen].double())  # [S, H, L]
-    n_out = int(bad.sum())
-    n_lse = int((~torch.isfinite(lse.detach().cpu()[seen].double())).sum()) if lse is not None else 0
+    seen = (batch.visible_tokens() > 0).to(out.device)  # [T]
+    bad_out = ~torch.isfinite(out.detach()) & seen[:, None, None]  # [T, H, L]
+    bad_lse = ~torch.isfinite(lse.detach()) & seen[:, None] if lse is not None else torch.zeros_like(seen)  # [T, H]
+    n_seen, n_out, n_lse = torch.stack([seen.sum(), bad_out.sum(), bad_lse.sum()]).tolist()  # one sync
     if n_out or n_lse:
         return CheckResult("finite", False, detail=f"non-finite values on rows that see tokens: {n_out} in out, "
                            f"{n_lse} in lse")
-    return CheckResult("finite", True, detail=f"{int(seen.sum())} rows finite")
+    return CheckResult("finite", True, detail=f"{n_seen} rows finite")
 
 
 # ---- one case -----------------------------------------------------------------------------------------------------
