@@ -249,20 +249,23 @@ def run_grid(shapes, combos, peers=True, copy_gbs=None, candidates=False, json_p
     return result
 
 
-_LEGACY_BF16 = [dict(page_chunk=0, num_stages=3, workers_per_sm=2), dict(page_chunk=0, num_stages=5)]  # before chunks
 CANDIDATES = {  # (combo, num_heads) -> KernelConfig overrides of default_config timed beside it (--candidates)
-    ("bf16", 16): _LEGACY_BF16 + [
-        dict(split_l=4), dict(split_l=4, num_warps=4), dict(split_l=4, num_stages=2, workers_per_sm=2),
-        dict(split_l=4, page_chunk=0, num_stages=5),
+    ("bf16", 16): [
+        dict(split_l=1, num_warps=8),  # before split_l
+        dict(lazy_l=True), dict(num_stages=4), dict(fixed_overhead=640), dict(fixed_overhead=1280),
+        dict(lazy_l=True, fixed_overhead=640),
     ],
     ("fp8kv", 16): [
-        dict(fp8_stage=False, v_reload=True),  # before fp8_stage
-        dict(split_l=4), dict(split_l=4, page_chunk=32, num_stages=3), dict(split_l=4, num_stages=4),
-        dict(split_l=4, num_warps=4),
+        dict(split_l=1, num_warps=8),  # before split_l
+        dict(lazy_l=True), dict(page_chunk=32, num_stages=3), dict(block_n=128, num_stages=3),
+        dict(fixed_overhead=640),
     ],
-    ("bf16", 128): [dict(split_l=4), dict(split_l=4, head_split=1),
-                    dict(split_l=4, head_group=32, head_split=4, page_chunk=32, num_stages=3)],
-    ("fp8kv", 128): [dict(split_l=4, v_reload=False), dict(head_group=32, head_split=4)],
+    ("fp8", 16): [
+        dict(v_reload=False, split_l=4, num_warps=4), dict(v_reload=False, split_l=4, num_warps=4, fp8_stage=True),
+        dict(v_reload=False, split_l=4, num_warps=4, fp8_stage=True, lazy_l=True),
+    ],
+    ("bf16", 128): [dict(split_l=1), dict(lazy_l=True), dict(head_split=1)],
+    ("fp8kv", 128): [dict(head_group=32, head_split=4)],
 }
 
 

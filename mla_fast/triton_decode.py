@@ -133,13 +133,14 @@ def _attend_tile(
     qk_scale, stride_kvp, stride_kvs, stride_bt,
     PAGE_SIZE: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
     MMA: tl.constexpr, UPCAST_BF16: tl.constexpr, TILE_IN_PAGE: tl.constexpr, V_RELOAD: tl.constexpr,
-    FP8_STAGE: tl.constexpr, SPLIT_L: tl.constexpr,
+    FP8_STAGE: tl.constexpr, SPLIT_L: tl.constexpr, LAZY_L: tl.constexpr,
 ):
     """One KV tile of BLOCK_N tokens from `start`: online-softmax update of (m_i, l_i, acc) for all rows.
 
     The latent channels come in SPLIT_L column slices of L / SPLIT_L (1 or 4): q_s / acc_s is slice s of q_nope / of
     the output accumulator (with SPLIT_L = 1, q_0 and acc_0 are whole and the other slices are passed through
-    untouched). Four slices give the score MMA five independent accumulation chains (4 x L/4 + R channels) instead
+    untouched). LAZY_L: l_i is [M, N], one running sum per column, reduced over N once after the last tile (one
+    cross-warp reduction per tile fewer; another fp32 summation order of the same terms). Four slices give the score MMA five independent accumulation chains (4 x L/4 + R channels) instead
     of one chain over L + R, and each P.V MMA a quarter of the columns.
     TILE_IN_PAGE: the tile lies inside physical page `page` (contiguous rows); else each token's page is gathered
     from the block table (`page` unused).
@@ -185,7 +186,10 @@ def _attend_tile(
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_use)  # [M], 0 while m_i = -inf
     p = tl.exp2(s - m_use[:, None])  # [M, N], exactly 0 where not visible
-    l_i = l_i * alpha + tl.sum(p, 1)
+    if LAZY_L:
+        l_i = l_i * alpha[:, None] + p  # [M, N]
+    else:
+        l_i = l_i * alpha + tl.sum(p, 1)  # [M]
     p = _mma_operand(p, MMA, UPCAST_BF16)  # P rounded to the MMA dtype (bf16/fp16)
     acc_0 = tl.dot(p, v, acc_0 * alpha[:, None])  # [M, N] x [N, LS] -> [M, LS]
     if SPLIT_L == 4:
@@ -202,6 +206,7 @@ def _attend_span(
     PAGE_SIZE: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
     MMA: tl.constexpr, INTERPRET: tl.constexpr, UPCAST_BF16: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
     PAGE_CHUNK: tl.constexpr, V_RELOAD: tl.constexpr, FP8_STAGE: tl.constexpr, SPLIT_L: tl.constexpr,
+    LAZY_L: tl.constexpr,
 ):
     """The tiles starting at lo, lo + BLOCK_N, ... < hi. Page of a tile (TILE_IN_PAGE): with PAGE_CHUNK > 0, picked
     out of `pages` ([PAGE_CHUNK] block-table entries from page `first_page`, in registers: no load in the loop, so
@@ -214,7 +219,7 @@ def _attend_span(
             m_i, l_i, acc_0, acc_1, acc_2, acc_3 = _attend_tile(
                 q_0, q_1, q_2, q_3, q_pe, m_i, l_i, acc_0, acc_1, acc_2, acc_3, start, kv_end, limit, page, b, KV,
                 BLOCK_TABLE, qk_scale, stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R, BLOCK_N, MMA, UPCAST_BF16,
-                TILE_IN_PAGE, V_RELOAD, FP8_STAGE, SPLIT_L)
+                TILE_IN_PAGE, V_RELOAD, FP8_STAGE, SPLIT_L, LAZY_L)
             start += BLOCK_N
     else:
         for start in range(lo, hi, BLOCK_N):
@@ -222,7 +227,7 @@ def _attend_span(
             m_i, l_i, acc_0, acc_1, acc_2, acc_3 = _attend_tile(
                 q_0, q_1, q_2, q_3, q_pe, m_i, l_i, acc_0, acc_1, acc_2, acc_3, start, kv_end, limit, page, b, KV,
                 BLOCK_TABLE, qk_scale, stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R, BLOCK_N, MMA, UPCAST_BF16,
-                TILE_IN_PAGE, V_RELOAD, FP8_STAGE, SPLIT_L)
+                TILE_IN_PAGE, V_RELOAD, FP8_STAGE, SPLIT_L, LAZY_L)
     return m_i, l_i, acc_0, acc_1, acc_2, acc_3
 
 
@@ -271,7 +276,7 @@ def _mla_decode_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MMA: tl.constexpr, INTERPRET: tl.constexpr, UPCAST_BF16: tl.constexpr,
     TILE_IN_PAGE: tl.constexpr, PAGE_CHUNK: tl.constexpr, V_RELOAD: tl.constexpr, FP8_STAGE: tl.constexpr,
-    HEAD_SPLIT: tl.constexpr, SPLIT_L: tl.constexpr,
+    HEAD_SPLIT: tl.constexpr, SPLIT_L: tl.constexpr, LAZY_L: tl.constexpr,
 ):
     # HEAD_SPLIT consecutive programs run one worker's items, each on its share of the item's heads: they stream
     # the same KV tiles at the same time, so all but the first read of a tile hit the L2
@@ -326,7 +331,10 @@ def _mla_decode_kernel(
                             UPCAST_BF16)  # [M, R]
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of scores (log2 units)
-        l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(s - m_i)
+        if LAZY_L:
+            l_i = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # running sums of exp2(s - m_i), one per tile column
+        else:
+            l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(s - m_i)
         acc_0 = tl.zeros([BLOCK_M, LS], tl.float32)  # running sum of exp2(s - m_i) * c_kv, slice by slice
         acc_1, acc_2, acc_3 = acc_0, acc_0, acc_0
 
@@ -342,15 +350,18 @@ def _mla_decode_kernel(
                 m_i, l_i, acc_0, acc_1, acc_2, acc_3 = _attend_span(
                     q_0, q_1, q_2, q_3, q_pe, m_i, l_i, acc_0, acc_1, acc_2, acc_3, chunk, chunk_end, kv_end, limit,
                     pages, first_page, b, KV, BLOCK_TABLE, qk_scale, stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L,
-                    R, BLOCK_N, MMA, INTERPRET, UPCAST_BF16, TILE_IN_PAGE, PAGE_CHUNK, V_RELOAD, FP8_STAGE, SPLIT_L)
+                    R, BLOCK_N, MMA, INTERPRET, UPCAST_BF16, TILE_IN_PAGE, PAGE_CHUNK, V_RELOAD, FP8_STAGE, SPLIT_L,
+                    LAZY_L)
                 chunk = chunk_end
         else:
             m_i, l_i, acc_0, acc_1, acc_2, acc_3 = _attend_span(
                 q_0, q_1, q_2, q_3, q_pe, m_i, l_i, acc_0, acc_1, acc_2, acc_3, kv_start, kv_end, kv_end, limit,
                 kv_start, 0, b, KV, BLOCK_TABLE, qk_scale, stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R,
-                BLOCK_N, MMA, INTERPRET, UPCAST_BF16, TILE_IN_PAGE, 0, V_RELOAD, FP8_STAGE, SPLIT_L)
+                BLOCK_N, MMA, INTERPRET, UPCAST_BF16, TILE_IN_PAGE, 0, V_RELOAD, FP8_STAGE, SPLIT_L, LAZY_L)
 
         # -- epilogue: normalise, unscale V, natural-log LSE; empty rows give out = 0, lse = -inf
+        if LAZY_L:
+            l_i = tl.sum(l_i, 1)  # [M]
         has_tok = l_i > 0.0
         o_scale = (kv_scale / tl.where(has_tok, l_i, 1.0))[:, None]  # [M, 1]
         lse = tl.where(has_tok, (m_i + tl.log2(tl.where(has_tok, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
@@ -450,6 +461,8 @@ class KernelConfig:
             independent accumulation chains (slices of L/split_l, then R) summed at the end, instead of one chain
             over L + R; each slice is loaded once and reused for its P.V MMA. Same products, another fp32 summation
             order (within the kernel bound's accumulation term).
+        lazy_l: keep the softmax denominator as [rows, block_n] running sums, reduced once per work item (one
+            cross-warp reduction per tile fewer); another fp32 summation order of the same terms.
         fp8_stage: e4m3fn caches with mma="fp16": convert each tile to fp16 once, through an op Triton cannot move,
             so the MMAs read an fp16 tile from shared memory (ldmatrix) instead of gathering fp8 bytes. Same values
             (the conversion is exact); on the device only (the interpreter takes the plain cast).
@@ -468,6 +481,7 @@ class KernelConfig:
     fp8_stage: bool = False
     head_split: int = 1
     split_l: int = 1
+    lazy_l: bool = False
 
     def __post_init__(self):
         if self.page_chunk < 0 or self.page_chunk & (self.page_chunk - 1):
@@ -501,13 +515,16 @@ def dtype_combo(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> str:
 
 
 def default_config(combo: str, num_heads: int, max_q_len: int) -> KernelConfig:
-    """Launch choice, the fastest correct candidate of mla-bench --candidates on one H200 (b >= 32 at h=16, and
-    (128, 4096) at h=128; see the module docstring).
+    """Launch choice, the fastest correct candidate of mla-bench --candidates on one H200 (the h=16 shapes with b >= 32
+    and (128, 4096, 128); see the module docstring).
 
     head_group: the largest divisor of num_heads with max_q_len x head_group <= 64 rows (32 for fp8 caches).
+    - every path but V reload takes four latent slices (split_l 4: five independent score MMA chains), 4-10 %
+      faster at every shape measured, and no register spills at 16 rows (128 regs + 40 bytes of stack before).
+    - rows <= 16 (bf16 or bf16 q + e4m3fn cache): 4 warps (each warp's share of the 64-column score tile is twice
+      as wide: more independent MMAs per warp), another 2-10 %; at 32 rows 4 warps spill, so 8 warps there.
     - bf16, rows <= 32 (mma.sync tiles): block-table chunks of 32 pages, two 64-token tiles buffered, one program
-      per SM (vs the previous per-tile block-table loads: within 1 % at (128, 8192) and (32, 16384), 3-6 % faster
-      at (128, 4096), (64, 4096), (32, 4096)).
+      per SM (vs per-tile block-table loads: 3-6 % faster at b >= 32 and s = 4096).
     - bf16, 64 rows (wgmma tiles): two programs per worker on halves of the head group when num_heads allows
       (head_split 2: both read each KV tile at the same time, once from HBM; 4 % faster at (128, 4096, 128)).
     - bf16 q + e4m3fn cache, rows <= 16: each tile converted to fp16 once (fp8_stage), per-tile block-table loads,
@@ -521,15 +538,18 @@ def default_config(combo: str, num_heads: int, max_q_len: int) -> KernelConfig:
     head_group = max(d for d in range(1, num_heads + 1) if num_heads % d == 0 and d * max_q_len <= max_rows)
     rows = head_group * max_q_len
     mma = DEFAULT_MMA[combo]
+    warps = 4 if rows <= 16 else 8
     if rows > 32:  # bf16, 64-row wgmma tiles
         head_split = 2 if num_heads % (2 * head_group) == 0 else 1
         return KernelConfig(block_n=64, num_warps=8, num_stages=2, mma=mma, head_group=head_group,
-                            head_split=head_split)
+                            head_split=head_split, split_l=4)
     if combo == "fp8kv" and rows <= 16:
-        return KernelConfig(block_n=64, num_warps=8, num_stages=5, mma=mma, head_group=head_group, fp8_stage=True)
+        return KernelConfig(block_n=64, num_warps=warps, num_stages=5, mma=mma, head_group=head_group,
+                            fp8_stage=True, split_l=4)
     if fp8_kv:
         return KernelConfig(block_n=64, num_warps=8, num_stages=5, mma=mma, head_group=head_group, v_reload=True)
-    return KernelConfig(block_n=64, num_warps=8, num_stages=3, mma=mma, head_group=head_group, page_chunk=32)
+    return KernelConfig(block_n=64, num_warps=warps, num_stages=3, mma=mma, head_group=head_group, page_chunk=32,
+                        split_l=4)
 
 
 def num_sms(device: torch.device) -> int:
@@ -622,7 +642,7 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
         TILE_IN_PAGE=kv.shape[1] % config.block_n == 0 and plan.block_n % config.block_n == 0,
         PAGE_CHUNK=config.page_chunk, V_RELOAD=config.v_reload,
         FP8_STAGE=config.fp8_stage and not INTERPRET and config.mma == "fp16" and kv.dtype == torch.float8_e4m3fn,
-        HEAD_SPLIT=config.head_split, SPLIT_L=config.split_l if L >= 16 * config.split_l else 1,
+        HEAD_SPLIT=config.head_split, SPLIT_L=config.split_l if L >= 16 * config.split_l else 1, LAZY_L=config.lazy_l,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     num_tiles = plan.reduce_final.shape[0]

@@ -45,6 +45,9 @@ CASES = {
     "bf16_splitl4_p16_w3_empty": TritonCase((40, 0, 70), (1, 1, 1), page_size=16, num_workers=3, seed=25),
     "fp8kv_splitl4_p3_mtp2_w8": TritonCase((50, 9), (2, 1), page_size=3, combo="fp8kv", num_workers=8, seed=26),
     "fp8_splitl4_p16_mtp2_w3": TritonCase((50, 20), (2, 2), page_size=16, combo="fp8", num_workers=3, seed=27),
+    # softmax denominators kept per tile column (lazy_l), reduced once per item; with and without latent slices
+    "bf16_lazyl_p3_mtp2_w3": TritonCase((50, 1, 0), (2, 2, 1), page_size=3, num_workers=3, seed=28),
+    "fp8kv_lazyl_splitl1_p16_w3": TritonCase((40, 0, 70), (1, 1, 1), page_size=16, combo="fp8kv", seed=29),
 }
 CONFIG_OVERRIDES = {  # KernelConfig fields beside the default_config of the case
     "bf16_p32_chunk2_w2": dict(page_chunk=2),
@@ -53,11 +56,13 @@ CONFIG_OVERRIDES = {  # KernelConfig fields beside the default_config of the cas
     "bf16_splitl4_p16_w3_empty": dict(split_l=4, page_chunk=2),
     "fp8kv_splitl4_p3_mtp2_w8": dict(split_l=4, v_reload=False),
     "fp8_splitl4_p16_mtp2_w3": dict(split_l=4, v_reload=False),
+    "bf16_lazyl_p3_mtp2_w3": dict(lazy_l=True),
+    "fp8kv_lazyl_splitl1_p16_w3": dict(lazy_l=True, split_l=1),
 }
 SPLIT_CASES = {  # the plan must cut at least one (request, head group)
     "bf16_p16_w3_empty", "bf16_p1_w8", "bf16_p3_mtp2_w3", "bf16_h32_mtp2_w8", "fp8kv_p16_w3", "fp8kv_p3_mtp2_w8",
     "fp8_p1_w3", "bf16_p32_chunk2_w2", "fp8kv_p32_chunk2_split2_w2", "bf16_splitl4_p16_w3_empty",
-    "fp8kv_splitl4_p3_mtp2_w8", "fp8_splitl4_p16_mtp2_w3",
+    "fp8kv_splitl4_p3_mtp2_w8", "fp8_splitl4_p16_mtp2_w3", "bf16_lazyl_p3_mtp2_w3", "fp8kv_lazyl_splitl1_p16_w3",
 }
 PLAN_BLOCK_N, BLOCK_N = 16, 16  # tokens per planner block / kernel tile in the interpreter; item overhead 1 block
 
@@ -87,6 +92,7 @@ def _worker() -> dict:
         result["plan_head_group"] = plan.head_group
         result["page_chunk"] = config.page_chunk
         result["split_l"] = config.split_l
+        result["lazy_l"] = config.lazy_l
         report[name] = result
     # the interpreter workaround is what makes bf16 right: without it, bf16 tl.dot in the interpreter is wrong
     case = CASES["bf16_p16_w1"]
@@ -140,6 +146,8 @@ def test_default_config_takes_the_new_paths(report):
     assert report["bf16_p16_w1"]["page_chunk"] > 0  # block-table chunks
     assert report["bf16_h64_mtp2_p3_w3"]["plan_head_group"] == 64  # 2 programs x 32 heads
     assert [report[n]["split_l"] for n in CASES if "splitl4" in n] == [4, 4, 4]  # L = 64: four slices of 16
+    assert report["bf16_p16_w1"]["split_l"] == 4  # the default at 16 rows
+    assert [report[n]["lazy_l"] for n in CASES if "lazyl" in n] == [True, True]
 
 
 def test_cases_cover_splits_and_empty_rows(report):
