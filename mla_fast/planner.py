@@ -34,6 +34,14 @@ block ends, so there are at most ``ceil((b - 1) / Q)`` of them. For ``m >= 2`` t
 ``max cost <= Q + OVH`` holds with that Q (the optimum is at least ``max(C / W, b_max / m)``). For ``m = 1`` no
 cut splits a tile: each moves back to its tile's start, and ``max cost <= ceil(C / W) + max_t (blocks_t + OVH) - 1``.
 
+Split or not. Cutting tiles is what balances few long requests over many workers, but when there are about as
+many tiles as workers the line's cuts can split almost every tile near its end (tiles slightly longer than the
+stride Q), for no gain: each piece pays an overhead and a partial write, and the tile needs a reduce. So the planner
+also makes the plan with no split (``max_splits = 1``) and returns it when its busiest worker costs no more than the
+split plan's; the balance guarantee above holds for whichever is returned. (b = 128 requests of 4096 tokens on 132
+workers: split plan max 72 blocks with every request split, unsplit 69 blocks and no reduce; measured on an H200,
+161.5 vs 171.0 µs.)
+
 Worked example: ``seq_lens = [1000, 100, 0]``, ``q_lens = 1``, ``block_n = 64``, ``OVH = 5``, 4 workers, one head
 group. Blocks are 16, 2, 0; tile lengths 21, 7, 5 start at 0, 21, 28; ``C = 33`` and ``Q = 9``: cuts at 9, 18, 27.
 Cut 9 lies 4 blocks into tile 0 (after its overhead 0..5), cut 18 lies 13 blocks in; cut 27 lies 1 block into
@@ -254,6 +262,16 @@ def plan_decode(
     Returns:
         WorkPlan with int32 tensors on the device of seq_lens (computed on the CPU).
     """
+    plan = _line_plan(seq_lens, q_lens, num_heads, num_workers, block_n, fixed_overhead, max_splits, head_group)
+    if max_splits != 1 and plan.num_partial_rows > 0:  # split only where it shortens the busiest worker
+        whole = _line_plan(seq_lens, q_lens, num_heads, num_workers, block_n, fixed_overhead, 1, head_group)
+        if int(whole.worker_costs().max()) <= int(plan.worker_costs().max()):
+            return whole
+    return plan
+
+
+def _line_plan(seq_lens, q_lens, num_heads, num_workers, block_n, fixed_overhead, max_splits, head_group) -> WorkPlan:
+    """The line-cutting plan of the module docstring, for one split cap (arguments as in plan_decode)."""
     seq_lens = _as_lengths(seq_lens, "seq_lens")
     q_lens = _as_lengths(q_lens, "q_lens")
     if q_lens.shape != seq_lens.shape:

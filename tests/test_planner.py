@@ -20,6 +20,7 @@ from mla_fast.planner import (
     QO_END,
     QO_START,
     WorkPlan,
+    _line_plan,
     plan_decode,
 )
 
@@ -282,6 +283,21 @@ def test_worked_example_from_docstring():
     assert plan.work_items[:, PARTIAL_ROW].tolist() == [0, 1, 2, 3, 4, -1]
     assert plan.worker_costs().tolist() == [9, 14, 14, 11]
     assert plan.num_partial_rows == 5
+
+
+@pytest.mark.parametrize("batch, seq_len, split", [(128, 4096, False), (128, 8192, False), (64, 4096, True),
+                                                   (32, 16384, True), (1, 8192, True)])
+def test_splits_only_when_the_busiest_worker_gains(batch: int, seq_len: int, split: bool):
+    """About as many requests as workers: the line would cut nearly every tile near its end (max cost Q + OVH = 72
+    blocks at b=128, s=4096) where keeping tiles whole costs 69 and needs no reduce; fewer requests must split."""
+    seqs = torch.full((batch,), seq_len)
+    plan = plan_decode(seqs, torch.ones(batch, dtype=torch.long), 16, 132)
+    cut = _line_plan(seqs, torch.ones(batch, dtype=torch.long), 16, 132, 64, None, None, None)  # always cuts
+    assert (plan.num_partial_rows > 0) == split
+    assert int(plan.worker_costs().max()) <= int(cut.worker_costs().max())
+    if not split:
+        assert int(plan.worker_costs().max()) == -(-seq_len // 64) + 5 < int(cut.worker_costs().max())
+        assert cut.num_partial_rows > 0  # the line alone would have split
 
 
 def test_summary_reports_balance():
