@@ -249,8 +249,8 @@ class DecodeBatch:
         pages = self.block_table.long().gather(1, (j // self.page_size)[None, :].expand(self.batch_size, -1))
         pages = torch.where(valid, pages, 0)  # [B, S] unused block-table entries may hold garbage
         rows = self.kv_cache[pages, torch.where(valid, j % self.page_size, 0)]  # [B, S, L+R] gather first
-        rows = torch.where(valid[..., None], rows.to(dtype), 0.0)  # [B, S, L+R] NaN of unused slots dropped
-        return rows * (self.kv_scale if scaled and is_fp8(self.kv_cache.dtype) else 1.0)
+        rows = rows.to(dtype).masked_fill_(~valid[..., None], 0.0)  # [B, S, L+R] NaN of unused slots dropped
+        return rows.mul_(self.kv_scale) if scaled and is_fp8(self.kv_cache.dtype) else rows
 
     def visible_tokens(self) -> torch.Tensor:
         """[T] int64: how many KV tokens each query row sees, max(0, s - n + r + 1)."""

@@ -324,18 +324,19 @@ def test_kernel_bound_scale_then_round():
 
 
 def test_spread_equals_max_minus_min_over_each_rows_tokens():
-    """_spread (running max / min read at each row's last visible token) = max - min over each row's own prefix,
-    for requests of different lengths on one zero-padded [B, S, C] grid."""
+    """_spread (a max over the shared prefix, running max after it) = max - min over each row's own prefix, for
+    requests of different lengths and query lengths (MTP diagonal, q_len > seq_len) on one zero-padded grid."""
     g = torch.Generator().manual_seed(3)
-    requests = ((0, [0, 0]), (1, [1, 0]), (7, [0, 1]), (300, [297, 298]), (64, [5, 64]), (9, [9, 2]))
-    S = max(s for s, _ in requests)
+    requests = ((0, 2), (1, 4), (7, 1), (300, 4), (64, 3), (9, 2), (2, 4))  # (seq_len, q_len)
+    S, N = max(s for s, _ in requests), max(n for _, n in requests)
     x = torch.zeros(len(requests), S, 40, dtype=torch.float64)  # [B, S, C] zero padding beyond each length
-    for b, (s, _) in enumerate(requests):
+    n_vis = torch.zeros(len(requests), N, dtype=torch.int64)  # [B, N] padding rows see nothing
+    for b, (s, n) in enumerate(requests):
         x[b, :s] = torch.randn(s, 40, generator=g, dtype=torch.float64)
-    n_vis = torch.tensor([n for _, n in requests])  # [B, N]
+        n_vis[b, :n] = torch.tensor([max(0, s - n + r + 1) for r in range(n)])  # the causal diagonal
     got = _spread(x, n_vis)  # [B, N, C]
-    for b, (_, rows) in enumerate(requests):
-        for r, k in enumerate(rows):
+    for b in range(len(requests)):
+        for r, k in enumerate(n_vis[b].tolist()):
             want = x[b, :k].amax(dim=0) - x[b, :k].amin(dim=0) if k else torch.zeros(40, dtype=torch.float64)
             assert torch.equal(got[b, r], want), (b, r, k)
 

@@ -117,15 +117,29 @@ def _masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def _spread(x: torch.Tensor, n_vis: torch.Tensor) -> torch.Tensor:
     """max_j x_bjc - min_j x_bjc over the first n_vis[b, r] tokens: x [B, S, C], n_vis [B, N] -> [B, N, C]
-    (0 if n_vis = 0). Visible sets are prefixes (causal diagonal): running max / min, read at the last visible token
-    (max and min are exact, so the same values as a max / min over each row's tokens)."""
+    (0 if n_vis = 0).
+
+    Visible sets are prefixes (causal diagonal) and the seeing rows of a request differ by at most N - 1 tokens
+    (row r of request b sees s_b - q_len_b + r + 1): one max / min over the prefix every seeing row of the request
+    shares, then running max / min over the N - 1 tokens after it, answer every row (max and min are exact: the same
+    values as a max / min over each row's tokens). A wider spread of n_vis within a request is out of range for the
+    gather and raises.
+    """
     B, S, C = x.shape
+    N = n_vis.shape[1]
     if S == 0:
-        return x.new_zeros(B, n_vis.shape[1], C)
-    last = (n_vis - 1).clamp(min=0)[..., None].expand(-1, -1, C)  # [B, N, C] last visible token
-    hi = x.cummax(dim=1).values.gather(1, last)  # [B, N, C]
-    lo = x.cummin(dim=1).values.gather(1, last)  # [B, N, C]
-    return torch.where((n_vis > 0)[..., None], hi - lo, 0.0)
+        return x.new_zeros(B, N, C)
+    seen = n_vis > 0  # [B, N]
+    first = torch.where(seen, n_vis, S).amin(dim=1)  # [B] tokens every seeing row of the request sees
+    head = (torch.arange(S, device=x.device) < first[:, None])[..., None]  # [B, S, 1]
+    head_hi = torch.where(head, x, -math.inf).amax(dim=1, keepdim=True)  # [B, 1, C]
+    head_lo = torch.where(head, x, math.inf).amin(dim=1, keepdim=True)  # [B, 1, C]
+    after = (first[:, None] + torch.arange(N - 1, device=x.device)).clamp(max=S - 1)  # [B, N - 1] next tokens
+    tail = x.gather(1, after[..., None].expand(-1, -1, C))  # [B, N - 1, C]
+    hi = torch.cat([head_hi, tail], dim=1).cummax(dim=1).values  # [B, N, C] max over the first `first + k` tokens
+    lo = torch.cat([head_lo, tail], dim=1).cummin(dim=1).values  # [B, N, C]
+    k = (n_vis - first[:, None]).clamp(min=0)[..., None].expand(-1, -1, C)  # [B, N, C] tokens beyond the prefix
+    return torch.where(seen[..., None], hi.gather(1, k) - lo.gather(1, k), 0.0)
 
 
 def _hull_term(omega: torch.Tensor, R: torch.Tensor, pv: torch.Tensor) -> torch.Tensor:
@@ -183,12 +197,13 @@ def _operand_error(fed: torch.Tensor, operand: torch.dtype, via_fp32: bool = Fal
     finite: [] bool, False if a value overflows ``operand`` (the kernel would compute with ±inf: no bound exists;
     ``_require_finite`` raises). No host sync.
     """
-    rounded = fed.to(operand).to(F64)
-    inexact = (rounded != fed).flatten(1 if per_request else 0).any(dim=-1).to(F64)  # [B] or [] 1 = inexact
+    inexact = (fed.to(operand).to(F64) != fed).flatten(1 if per_request else 0).any(dim=-1).to(F64)  # [B] or []
     u, eta = _unit_roundoff(operand), _half_min_subnormal(operand)
     if via_fp32:
         u, eta = (1 + u) * (1 + U32) - 1, eta + _half_min_subnormal(None)
-    return inexact * u, inexact * eta, torch.isfinite(rounded).all()
+    lo, hi = torch.aminmax(fed) if fed.numel() else (fed.new_zeros(()), fed.new_zeros(()))  # [], []
+    finite = torch.isfinite(torch.maximum(hi, -lo).to(operand))  # [] rounding is monotone: max |x| overflows first
+    return inexact * u, inexact * eta, finite
 
 
 def _require_finite(operands: list[tuple[str, torch.Tensor, torch.Tensor, torch.dtype]]) -> None:
@@ -216,9 +231,12 @@ def _rounding_bound(
     score_abs: torch.Tensor | float = 0.0,
     eta_v: float = 0.0,
     shared_scores: bool = False,
+    R: torch.Tensor | None = None,
+    pv: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """§5(f): bound on |o^ker - ô| [B, N, H, L] and |lse^ker - lse^| [B, N, H] for every grid row. gamma_qk,
-    gamma_pv, eta_v: floats or per-request [B] tensors; score_abs: a float or [B, N, H].
+    gamma_pv, eta_v: floats or per-request [B] tensors; score_abs: a float or [B, N, H]. R [B, N, L], pv [B, N, H, L]:
+    ``_spread(V, st.n_vis)`` and Σ_j p̂_j |v̂_jc| if already computed for the same st and V.
 
     A kernel that computes, in arithmetic of unit roundoff u_arith (fp32 for GPU kernels),
         s̃_j = fl(σ <q̃, k̃_j>)             error <= gamma_qk · A_j + score_abs  (operands q̃, k̃ as the MMA sees them:
@@ -255,11 +273,11 @@ def _rounding_bound(
     omega_qk = torch.where(seen, 2 * (gamma_qk * A_max + score_abs), 0.0)  # [B, N, H] empty rows: nothing to perturb
     omega_own = torch.where(seen, 2 * (6 * u_arith * A_max + exp_rel / (1 - exp_rel)), 0.0)  # [B, N, H]
     omega = omega_qk + omega_own  # [B, N, H]
-    absV = V.abs()  # [B, S, L]
-    pv = torch.einsum("bnhs,bsc->bnhc", st.p, absV)  # [B, N, H, L] Σ_j p̂_j |v̂_jc|
-    flush = torch.minimum(eta_p / st.l[..., None], st.p)  # [B, N, H, S] underflow error per unit l̂
-    flush_v = torch.einsum("bnhs,bsc->bnhc", flush, absV)  # [B, N, H, L]
-    R = _spread(V, st.n_vis)  # [B, N, L]
+    R = _spread(V, st.n_vis) if R is None else R  # [B, N, L]
+    pv = torch.einsum("bnhs,bsc->bnhc", st.p, V.abs()) if pv is None else pv  # [B, N, H, L] Σ_j p̂_j |v̂_jc|
+    flush_v = 0.0  # [B, N, H, L] underflow error per unit l̂: min(η_P / l̂, p̂_j) summed against |v̂_j| (0 if η_P = 0)
+    if eta_p:
+        flush_v = torch.einsum("bnhs,bsc->bnhc", torch.minimum(eta_p / st.l[..., None], st.p), V.abs())
     c_pv = _col((1 + u_p) * (1 + gamma_pv) - 1)  # [B, 1, 1, 1] or float
     growth = torch.exp(omega)[..., None]  # [B, N, H, 1] kernel weights <= e^ω p̂
     hull_omega = omega_own if shared_scores else omega  # [B, N, H] score errors not common to the compared results
@@ -276,13 +294,14 @@ def _rounding_bound(
     return out, torch.where(seen, lse, 0.0)
 
 
-def _fp64_slack(st: _Softmax, A_max: torch.Tensor, V: torch.Tensor, o: torch.Tensor, D: int, seq_lens: torch.Tensor):
+def _fp64_slack(st: _Softmax, A_max: torch.Tensor, V: torch.Tensor, o: torch.Tensor, D: int, seq_lens: torch.Tensor,
+                **stats):
     """Evaluation error of one fp64 oracle run (mla_ref.decode.mla_decode_ref): §5(f) with fp64 constants,
     gamma = (terms) · u64 for the D-term dot products and the s-term sums (any summation order), per request with
-    s = its seq_len (seq_lens [B])."""
+    s = its seq_len (seq_lens [B]). stats: R, pv of ``_rounding_bound`` if already computed."""
     g = (seq_lens.to(F64).clamp(min=D) + 2) * U64  # [B] (max(D, s) + 2) u64
     return _rounding_bound(
-        st, A_max, V, o, u_out=U64, u_p=0.0, eta_p=0.0, gamma_qk=g, gamma_pv=g, exp_rel=EXP64_REL, u_arith=U64
+        st, A_max, V, o, u_out=U64, u_p=0.0, eta_p=0.0, gamma_qk=g, gamma_pv=g, exp_rel=EXP64_REL, u_arith=U64, **stats
     )
 
 
@@ -330,8 +349,8 @@ def _kernel_grid(batch: DecodeBatch, numerics, ref: tuple[torch.Tensor, torch.Te
         q_fed, f_q = batch.q.to(F64), (float(batch.q_scale) if q_fp8 else 1.0)
     K = batch.padded_kv(grid.S, F64)  # [B, S, D] dequantized, zero padding
     V = K[..., :L]  # [B, S, L]
-    if scaled and kv_fp8:
-        k_fed, f_k = K, 1.0
+    if scaled or not kv_fp8:
+        k_fed, f_k = K, 1.0  # the MMAs see the dequantized values (code · scale, or a bf16 / fp16 cache as it is)
     else:
         k_fed, f_k = batch.padded_kv(grid.S, F64, scaled=False), (float(batch.kv_scale) if kv_fp8 else 1.0)
     u_q, eta_q, ok_q = _operand_error(q_fed, numerics.qk_operand, scaled and q_fp8)  # [], [], []
@@ -342,11 +361,11 @@ def _kernel_grid(batch: DecodeBatch, numerics, ref: tuple[torch.Tensor, torch.Te
                      ("kv_cache[..., :L] (V)", k_fed[..., :L], ok_v, numerics.pv_operand)])
     eta_q, eta_k, eta_v = eta_q * f_q, eta_k * f_k, eta_v * f_k
 
-    q_grid = grid.pad(q_hat)  # [B, N, H, D]
+    q_grid, K_abs = grid.pad(q_hat), K.abs()  # [B, N, H, D], [B, S, D]
     st = _softmax(q_grid, K, mask, sigma)  # [B, N, H, S]
-    A = sigma * torch.einsum("bnhd,bsd->bnhs", q_grid.abs(), K.abs())  # [B, N, H, S] A_j
+    A = sigma * torch.einsum("bnhd,bsd->bnhs", q_grid.abs(), K_abs)  # [B, N, H, S] A_j
     per_token = (
-        (eta_q * (1 + u_k)[:, None] * K.abs().sum(dim=-1))[:, None, None, :]  # [B, 1, 1, S]
+        (eta_q * (1 + u_k)[:, None] * K_abs.sum(dim=-1))[:, None, None, :]  # [B, 1, 1, S]
         + _col(_per_request(eta_k)) * (1 + u_q) * q_grid.abs().sum(dim=-1)[..., None]  # [B, N, H, 1]
         + D * eta_q * _col(_per_request(eta_k))  # [B, 1, 1, 1]
     ).expand_as(A)  # [B, N, H, S] 0 when every operand value is exact or normal (η_q = η_k = 0)
@@ -385,8 +404,9 @@ def kernel_bound(batch: DecodeBatch, numerics, *, ref: tuple[torch.Tensor, torch
     if ref is not None and (tuple(ref[0].shape) != (T, H, L) or tuple(ref[1].shape) != (T, H)):
         raise ValueError(f"ref: expected (out [{T}, {H}, {L}], lse [{T}, {H}]), got {[tuple(r.shape) for r in ref]}")
     grid, st, A_max, V, o, kw = _kernel_grid(batch, numerics, ref)
-    b_out, b_lse = _rounding_bound(st, A_max, V, o, **kw)  # [B, N, H, L], [B, N, H]
-    s_out, s_lse = _fp64_slack(st, A_max, V, o, D, batch.seq_lens)  # the oracle's own fp64 rounding
+    stats = dict(R=_spread(V, st.n_vis), pv=torch.einsum("bnhs,bsc->bnhc", st.p, V.abs()))  # shared by both terms
+    b_out, b_lse = _rounding_bound(st, A_max, V, o, **kw, **stats)  # [B, N, H, L], [B, N, H]
+    s_out, s_lse = _fp64_slack(st, A_max, V, o, D, batch.seq_lens, **stats)  # the oracle's own fp64 rounding
     return Bound(grid.unpad(b_out + s_out), grid.unpad(b_lse + s_lse))
 
 
@@ -503,13 +523,15 @@ def _score_error_bound(r: _QuantGrid, sigma: float) -> torch.Tensor:
     )
 
 
-def _oracle_slack(r: _QuantGrid, sigma: float, L: int, D: int, seq_lens: torch.Tensor):
-    """fp64 evaluation error of both oracle runs (exact and dequantized inputs): ([B, N, H, L], [B, N, H])."""
+def _oracle_slack(r: _QuantGrid, sigma: float, L: int, D: int, seq_lens: torch.Tensor, R: torch.Tensor,
+                  pv: torch.Tensor):
+    """fp64 evaluation error of both oracle runs (exact and dequantized inputs): ([B, N, H, L], [B, N, H]).
+    R, pv: ``_spread`` and Σ_j p_j |v_jc| of the exact inputs (already computed by the caller)."""
     total_out, total_lse = 0.0, 0.0
-    for st, q, K in ((r.st, r.q, r.K), (r.st_hat, r.q_hat, r.K_hat)):
+    for st, q, K, stats in ((r.st, r.q, r.K, dict(R=R, pv=pv)), (r.st_hat, r.q_hat, r.K_hat, {})):
         A_max = _masked_max(sigma * torch.einsum("bnhd,bsd->bnhs", q.abs(), K.abs()), r.mask)  # [B, N, H]
         o = torch.einsum("bnhs,bsc->bnhc", st.p, K[..., :L])  # [B, N, H, L]
-        s_out, s_lse = _fp64_slack(st, A_max, K[..., :L], o, D, seq_lens)
+        s_out, s_lse = _fp64_slack(st, A_max, K[..., :L], o, D, seq_lens, **stats)
         total_out, total_lse = total_out + s_out, total_lse + s_lse
     return total_out, total_lse
 
@@ -557,7 +579,7 @@ def quantization_bounds(
     w_act = _masked_max(ds, r.mask) + _masked_max(-ds, r.mask)  # [B, N, H] max Δs - min Δs
     moved = torch.einsum("bnhs,bsc->bnhc", r.st_hat.p, (V_hat - V).abs())  # [B, N, H, L] Σ_j p̂_j |v̂_jc - v_jc|
 
-    slack_out, slack_lse = _oracle_slack(r, sigma, L, D, batch_q.seq_lens)  # [B, N, H, L], [B, N, H]
+    slack_out, slack_lse = _oracle_slack(r, sigma, L, D, batch_q.seq_lens, R, pv)  # [B, N, H, L], [B, N, H]
     unpad = r.grid.unpad
     return QuantBounds(
         det_out=unpad(term1 + term2 + slack_out),
