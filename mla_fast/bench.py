@@ -97,7 +97,8 @@ def ours(batch: DecodeBatch, config=None, num_workers: int | None = None):
     T, H, dev = batch.q.shape[0], batch.q.shape[1], batch.q.device
     out = torch.empty(T, H, L, dtype=torch.bfloat16, device=dev)
     lse = torch.empty(T, H, dtype=torch.float32, device=dev)
-    workspace = td.make_workspace(batch, plan.num_partial_rows, plan.reduce_final.shape[0], config)
+    rows = max(int(plan.num_partial_rows), 1)
+    workspace = (torch.empty(rows, H, L, device=dev), torch.empty(rows, H, device=dev))
     q_scale = td._scale_tensor(batch.q_scale, batch.q.device)
     kv_scale = td._scale_tensor(batch.kv_scale, batch.q.device)
     qo_indptr = batch.qo_indptr
@@ -251,15 +252,18 @@ def run_grid(shapes, combos, peers=True, copy_gbs=None, candidates=False, json_p
 CANDIDATES = {  # (combo, num_heads) -> KernelConfig overrides of default_config timed beside it (--candidates)
     ("bf16", 16): [
         dict(split_l=1, num_warps=8),  # before split_l
-        dict(fused_reduce=True), dict(lazy_l=True), dict(fused_reduce=True, lazy_l=True),
+        dict(lazy_l=True), dict(num_stages=4), dict(fixed_overhead=640), dict(fixed_overhead=1280),
+        dict(lazy_l=True, fixed_overhead=640),
     ],
     ("fp8kv", 16): [
         dict(split_l=1, num_warps=8),  # before split_l
-        dict(fused_reduce=True), dict(page_chunk=32, num_stages=3), dict(page_chunk=32, num_stages=3, lazy_l=True),
-        dict(page_chunk=32, num_stages=3, fused_reduce=True), dict(page_chunk=32, num_stages=3, fused_reduce=True,
-                                                                   lazy_l=True),
+        dict(lazy_l=True), dict(page_chunk=32, num_stages=3), dict(block_n=128, num_stages=3),
+        dict(fixed_overhead=640),
     ],
-    ("fp8", 16): [dict(fused_reduce=True)],
+    ("fp8", 16): [
+        dict(v_reload=False, split_l=4, num_warps=4), dict(v_reload=False, split_l=4, num_warps=4, fp8_stage=True),
+        dict(v_reload=False, split_l=4, num_warps=4, fp8_stage=True, lazy_l=True),
+    ],
     ("bf16", 128): [dict(split_l=1), dict(lazy_l=True), dict(head_split=1)],
     ("fp8kv", 128): [dict(head_group=32, head_split=4)],
 }

@@ -259,61 +259,12 @@ def _store_rows(ptrs, acc_0, acc_1, acc_2, acc_3, o_scale, row_ok, LS: tl.conste
 
 
 @triton.jit
-def _fence(x, INTERPRET: tl.constexpr):
-    """fence.acq_rel.gpu on every thread (`x`: any tensor, only to make the op elementwise); none in the
-    interpreter, which runs programs one after another."""
-    if not INTERPRET:
-        tl.inline_asm_elementwise(asm="fence.acq_rel.gpu;\n mov.u32 $0, 0;", constraints="=r,r", args=[x.to(tl.int32)],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _merge_pieces(O_PART, LSE_PART, REDUCE_PARTIAL_MAP, split_begin, n_pieces, qo, qo_start, h, row_ok, OUT, LSE,
-                  stride_pt, stride_ph, stride_plt, stride_ot, stride_oh, stride_lt,
-                  L: tl.constexpr, BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr):
-    """Merge the n_pieces split partials of rows (qo, h) in KV order into `out` / `lse` (numerics.md §3, base 2):
-    the fused form of `_mla_reduce_kernel`, one piece at a time, MERGE_COLS output columns at a time (few live
-    registers). Partials are read from L2 (.cg): other SMs wrote them."""
-    MERGE_COLS: tl.constexpr = 128 if L > 128 else L
-    offs_c = tl.arange(0, MERGE_COLS)
-    for c in tl.static_range(L // MERGE_COLS):
-        m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the pieces' LSEs (log2 units)
-        w_sum = tl.zeros([BLOCK_M], tl.float32)  # running sum of 2^(L_S - m)
-        acc = tl.zeros([BLOCK_M, MERGE_COLS], tl.float32)  # running sum of 2^(L_S - m) O_S, columns of chunk c
-        i = 0
-        while i < n_pieces:  # while, not range(): the interpreter cannot take loaded bounds
-            prow = (tl.load(REDUCE_PARTIAL_MAP + split_begin + i) + qo - qo_start).to(tl.int64)  # [M] workspace rows
-            lse_s = tl.load(LSE_PART + prow * stride_plt + h, mask=row_ok, other=float("-inf"),
-                            cache_modifier=".cg") * 1.4426950408889634  # [M]
-            m_new = tl.maximum(m, lse_s)
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            rescale = tl.exp2(m - m_use)  # 0 while m = -inf
-            w = tl.exp2(lse_s - m_use)  # [M], 0 for an empty piece (its O_S is never read)
-            o_s = tl.load(O_PART + prow[:, None] * stride_pt + h[:, None] * stride_ph + c * MERGE_COLS + offs_c[None, :],
-                          mask=(row_ok & (w > 0.0))[:, None], other=0.0, cache_modifier=".cg")  # [M, MERGE_COLS]
-            acc = acc * rescale[:, None] + w[:, None] * o_s
-            w_sum = w_sum * rescale + w
-            m = m_new
-            i += 1
-        has_tok = w_sum > 0.0
-        o = acc / tl.where(has_tok, w_sum, 1.0)[:, None]  # [M, MERGE_COLS]
-        out_ptr = OUT + qo.to(tl.int64)[:, None] * stride_ot + h[:, None] * stride_oh + c * MERGE_COLS + offs_c[None, :]
-        tl.store(out_ptr, _to_out(o, OUT.dtype.element_ty, INTERPRET), mask=row_ok[:, None])
-        if c == 0:
-            m_out = tl.where(m == float("-inf"), 0.0, m)
-            lse = tl.where(has_tok, (m_out + tl.log2(tl.where(has_tok, w_sum, 1.0))) * 0.6931471805599453,
-                           float("-inf"))
-            tl.store(LSE + qo.to(tl.int64) * stride_lt + h, lse, mask=row_ok)
-
-
-@triton.jit
 def _mla_decode_kernel(
     Q, KV, BLOCK_TABLE, SEQ_LENS, QO_INDPTR,  # q [T, H, L+R], kv [P, page, L+R], bt [B, pages], [B], [B+1]
     WORK_ITEMS, WORKER_INDPTR,  # [N, 8] int32, [W+1] int32
     OUT, LSE, O_PART, LSE_PART,  # [T, H, L] bf16, [T, H] fp32, [rows, H, L] fp32, [rows, H] fp32
     Q_SCALE, KV_SCALE,  # fp32 [1] each (1.0 when unquantized)
-    REDUCE_INDPTR, REDUCE_PARTIAL_MAP, ARRIVALS,  # FUSED_REDUCE: [tiles+1], [M] int32, [tiles x HEAD_SPLIT] int32 (0)
-    sm_scale, groups_per_request, plan_head_group,
+    sm_scale,
     stride_qt, stride_qh,
     stride_kvp, stride_kvs,
     stride_bt,
@@ -325,7 +276,7 @@ def _mla_decode_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MMA: tl.constexpr, INTERPRET: tl.constexpr, UPCAST_BF16: tl.constexpr,
     TILE_IN_PAGE: tl.constexpr, PAGE_CHUNK: tl.constexpr, V_RELOAD: tl.constexpr, FP8_STAGE: tl.constexpr,
-    HEAD_SPLIT: tl.constexpr, SPLIT_L: tl.constexpr, LAZY_L: tl.constexpr, FUSED_REDUCE: tl.constexpr,
+    HEAD_SPLIT: tl.constexpr, SPLIT_L: tl.constexpr, LAZY_L: tl.constexpr,
 ):
     # HEAD_SPLIT consecutive programs run one worker's items, each on its share of the item's heads: they stream
     # the same KV tiles at the same time, so all but the first read of a tile hit the L2
@@ -423,19 +374,6 @@ def _mla_decode_kernel(
             part_ptr = O_PART + prow[:, None] * stride_pt + h[:, None] * stride_ph + offs_s[None, :]  # [M, LS]
             _store_rows(part_ptr, acc_0, acc_1, acc_2, acc_3, o_scale, row_ok, LS, SPLIT_L, INTERPRET)
             tl.store(LSE_PART + prow * stride_plt + h, lse, mask=row_ok)
-            if FUSED_REDUCE:  # the last piece of this (tile, head share) to finish merges all its pieces
-                tile = b * groups_per_request + item_head_start // plan_head_group
-                split_begin = tl.load(REDUCE_INDPTR + tile)
-                n_pieces = tl.load(REDUCE_INDPTR + tile + 1) - split_begin
-                _fence(lse, INTERPRET)  # every thread: its partial stores are visible GPU-wide ...
-                tl.debug_barrier()  # ... before the arrival below is counted
-                arrival = ARRIVALS + tile * HEAD_SPLIT + head_part
-                if tl.atomic_add(arrival, 1, sem="acq_rel", scope="gpu") == n_pieces - 1:
-                    _fence(lse, INTERPRET)  # the other pieces' partials are visible to every thread
-                    _merge_pieces(O_PART, LSE_PART, REDUCE_PARTIAL_MAP, split_begin, n_pieces, qo, qo_start, h,
-                                  row_ok, OUT, LSE, stride_pt, stride_ph, stride_plt, stride_ot, stride_oh,
-                                  stride_lt, L, BLOCK_M, INTERPRET)
-                    tl.atomic_xchg(arrival, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
 
 
 @triton.jit
@@ -523,8 +461,6 @@ class KernelConfig:
             independent accumulation chains (slices of L/split_l, then R) summed at the end, instead of one chain
             over L + R; each slice is loaded once and reused for its P.V MMA. Same products, another fp32 summation
             order (within the kernel bound's accumulation term).
-        fused_reduce: no reduce kernel: the last piece of a split tile to finish (counted with a GPU-scope atomic
-            per tile and head share) merges the tile's pieces, in KV order, one piece at a time.
         lazy_l: keep the softmax denominator as [rows, block_n] running sums, reduced once per work item (one
             cross-warp reduction per tile fewer); another fp32 summation order of the same terms.
         fp8_stage: e4m3fn caches with mma="fp16": convert each tile to fp16 once, through an op Triton cannot move,
@@ -546,7 +482,6 @@ class KernelConfig:
     head_split: int = 1
     split_l: int = 1
     lazy_l: bool = False
-    fused_reduce: bool = False
 
     def __post_init__(self):
         if self.page_chunk < 0 or self.page_chunk & (self.page_chunk - 1):
@@ -665,16 +600,6 @@ def make_plan(batch, config: KernelConfig, num_workers: int | None = None):
     )
 
 
-def make_workspace(batch, partial_rows: int, num_tiles: int, config: KernelConfig):
-    """Split workspace of `launch`: (o_part [rows, H, L] fp32, lse_part [rows, H] fp32, arrivals [tiles x head_split]
-    int32 zeros); the kernel leaves `arrivals` zero again, so one workspace serves every later launch."""
-    H, L, device = batch.num_heads, batch.kv_lora_rank, batch.q.device
-    rows = max(int(partial_rows), 1)
-    return (torch.empty(rows, H, L, dtype=torch.float32, device=device),
-            torch.empty(rows, H, dtype=torch.float32, device=device),
-            torch.zeros(max(num_tiles, 1) * config.head_split, dtype=torch.int32, device=device))
-
-
 def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=None, kv_scale=None,
            max_rows: int | None = None, qo_indptr: torch.Tensor | None = None):
     """Launch decode (+ reduce when the plan splits) into preallocated `out`/`lse`; no host sync, graph-safe.
@@ -686,8 +611,10 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
     H = batch.num_heads
     device = batch.q.device
     if workspace is None:
-        workspace = make_workspace(batch, plan.num_partial_rows, plan.reduce_final.shape[0], config)
-    o_part, lse_part, arrivals = workspace
+        rows = max(int(plan.num_partial_rows), 1)
+        workspace = (torch.empty(rows, H, L, dtype=torch.float32, device=device),
+                     torch.empty(rows, H, dtype=torch.float32, device=device))
+    o_part, lse_part = workspace
     q_scale = _scale_tensor(batch.q_scale if q_scale is None else q_scale, device)
     kv_scale = _scale_tensor(batch.kv_scale if kv_scale is None else kv_scale, device)
     max_rows = max_rows or MAX_ROWS  # rows per program (q_len x head_group)
@@ -702,8 +629,7 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
         plan.work_items, plan.worker_indptr,
         out, lse, o_part, lse_part,
         q_scale, kv_scale,
-        plan.reduce_indptr, plan.reduce_partial_map, arrivals,
-        float(batch.sm_scale), H // plan.head_group, plan.head_group,
+        float(batch.sm_scale),
         batch.q.stride(0), batch.q.stride(1),
         kv.stride(0), kv.stride(1),
         batch.block_table.stride(0),
@@ -717,11 +643,10 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
         PAGE_CHUNK=config.page_chunk, V_RELOAD=config.v_reload,
         FP8_STAGE=config.fp8_stage and not INTERPRET and config.mma == "fp16" and kv.dtype == torch.float8_e4m3fn,
         HEAD_SPLIT=config.head_split, SPLIT_L=config.split_l if L >= 16 * config.split_l else 1, LAZY_L=config.lazy_l,
-        FUSED_REDUCE=config.fused_reduce,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     num_tiles = plan.reduce_final.shape[0]
-    if not config.fused_reduce and num_tiles > 0 and plan.reduce_partial_map.numel() > 0:
+    if num_tiles > 0 and plan.reduce_partial_map.numel() > 0:
         _mla_reduce_kernel[(num_tiles, max_rows * config.head_split)](
             o_part, lse_part,
             plan.reduce_indptr, plan.reduce_final, plan.reduce_partial_map,
@@ -788,7 +713,8 @@ class TritonMLADecode:
         self.reduce_indptr = torch.zeros(groups + 1, **i32)
         self.reduce_final = torch.zeros(groups, 4, **i32)
         self.reduce_partial_map = torch.zeros(max_items, **i32)
-        self.workspace = make_workspace(batch, max_partial_rows, groups, self.config)
+        self.workspace = (torch.empty(max_partial_rows, H, L, dtype=torch.float32, device=device),
+                          torch.empty(max_partial_rows, H, dtype=torch.float32, device=device))
         self.q_scale = _scale_tensor(batch.q_scale, device)
         self.kv_scale = _scale_tensor(batch.kv_scale, device)
         self.qo_indptr = batch.qo_indptr.clone()  # [B+1]
@@ -846,4 +772,4 @@ class _StaticPlan:
         self.head_group = step.config.head_group * step.config.head_split
 
 
-__all__ = ["decode", "make_plan", "launch", "make_workspace", "KernelConfig", "default_config", "TritonMLADecode", "INTERPRET"]
+__all__ = ["decode", "make_plan", "launch", "KernelConfig", "default_config", "TritonMLADecode", "INTERPRET"]
