@@ -250,21 +250,9 @@ def run_grid(shapes, combos, peers=True, copy_gbs=None, candidates=False, json_p
 
 
 CANDIDATES = {  # (combo, num_heads) -> KernelConfig overrides of default_config timed beside it (--candidates)
-    ("bf16", 16): [
-        dict(split_l=1, num_warps=8),  # before split_l
-        dict(lazy_l=True), dict(num_stages=4), dict(fixed_overhead=640), dict(fixed_overhead=1280),
-        dict(lazy_l=True, fixed_overhead=640),
-    ],
-    ("fp8kv", 16): [
-        dict(split_l=1, num_warps=8),  # before split_l
-        dict(lazy_l=True), dict(page_chunk=32, num_stages=3), dict(block_n=128, num_stages=3),
-        dict(fixed_overhead=640),
-    ],
-    ("fp8", 16): [
-        dict(v_reload=False, split_l=4, num_warps=4), dict(v_reload=False, split_l=4, num_warps=4, fp8_stage=True),
-        dict(v_reload=False, split_l=4, num_warps=4, fp8_stage=True, lazy_l=True),
-    ],
-    ("bf16", 128): [dict(split_l=1), dict(lazy_l=True), dict(head_split=1)],
+    ("bf16", 16): [dict(split_l=1, num_warps=8), dict(pdl=True), dict(pdl=True, lazy_l=True)],  # first: before split_l
+    ("fp8kv", 16): [dict(split_l=1, num_warps=8, lazy_l=False, page_chunk=0, num_stages=5), dict(pdl=True)],
+    ("bf16", 128): [dict(split_l=1), dict(pdl=True), dict(head_split=1)],
     ("fp8kv", 128): [dict(head_group=32, head_split=4)],
 }
 

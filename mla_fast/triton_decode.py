@@ -276,10 +276,12 @@ def _mla_decode_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MMA: tl.constexpr, INTERPRET: tl.constexpr, UPCAST_BF16: tl.constexpr,
     TILE_IN_PAGE: tl.constexpr, PAGE_CHUNK: tl.constexpr, V_RELOAD: tl.constexpr, FP8_STAGE: tl.constexpr,
-    HEAD_SPLIT: tl.constexpr, SPLIT_L: tl.constexpr, LAZY_L: tl.constexpr,
+    HEAD_SPLIT: tl.constexpr, SPLIT_L: tl.constexpr, LAZY_L: tl.constexpr, PDL: tl.constexpr,
 ):
     # HEAD_SPLIT consecutive programs run one worker's items, each on its share of the item's heads: they stream
     # the same KV tiles at the same time, so all but the first read of a tile hit the L2
+    if PDL:  # let the reduce kernel launch now; its programs wait (griddepcontrol.wait) until this grid is done
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     worker = pid // HEAD_SPLIT
     head_part = pid % HEAD_SPLIT
@@ -383,13 +385,15 @@ def _mla_reduce_kernel(
     OUT, LSE,  # [T, H, L] bf16, [T, H] fp32
     stride_pt, stride_ph, stride_plt,
     stride_ot, stride_oh, stride_lt,
-    L: tl.constexpr, BLOCK_S: tl.constexpr, INTERPRET: tl.constexpr,
+    L: tl.constexpr, BLOCK_S: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per (reduce tile, packed row): merges that row's split partials, BLOCK_S splits at a time.
 
     Online form of numerics.md §3 in base 2: M = max_S L_S, O = Σ_S 2^(L_S - M) O_S / Σ_S 2^(L_S - M),
     L = M + log2 Σ_S 2^(L_S - M); empty partials (L_S = -inf) weigh 0 and their O_S is never read.
     """
+    if PDL:  # launched as a programmatic dependent of the decode kernel: wait for its partials (no-op otherwise)
+        tl.extra.cuda.gdc_wait()
     tile = tl.program_id(0)
     r = tl.program_id(1)
     split_begin = tl.load(REDUCE_INDPTR + tile)
@@ -461,6 +465,9 @@ class KernelConfig:
             independent accumulation chains (slices of L/split_l, then R) summed at the end, instead of one chain
             over L + R; each slice is loaded once and reused for its P.V MMA. Same products, another fp32 summation
             order (within the kernel bound's accumulation term).
+        pdl: launch the reduce kernel as a programmatic dependent of the decode kernel (Hopper griddepcontrol): it
+            is scheduled while decode runs and waits in hardware for its partials, instead of launching after it.
+            Device only; no numerical effect.
         lazy_l: keep the softmax denominator as [rows, block_n] running sums, reduced once per work item (one
             cross-warp reduction per tile fewer); another fp32 summation order of the same terms.
         fp8_stage: e4m3fn caches with mma="fp16": convert each tile to fp16 once, through an op Triton cannot move,
@@ -482,6 +489,7 @@ class KernelConfig:
     head_split: int = 1
     split_l: int = 1
     lazy_l: bool = False
+    pdl: bool = False
 
     def __post_init__(self):
         if self.page_chunk < 0 or self.page_chunk & (self.page_chunk - 1):
@@ -527,8 +535,9 @@ def default_config(combo: str, num_heads: int, max_q_len: int) -> KernelConfig:
       per SM (vs per-tile block-table loads: 3-6 % faster at b >= 32 and s = 4096).
     - bf16, 64 rows (wgmma tiles): two programs per worker on halves of the head group when num_heads allows
       (head_split 2: both read each KV tile at the same time, once from HBM; 4 % faster at (128, 4096, 128)).
-    - bf16 q + e4m3fn cache, rows <= 16: each tile converted to fp16 once (fp8_stage), per-tile block-table loads,
-      num_stages 5 (6-9 % faster than the V-reload path; block-table chunks were 2-4 % slower here).
+    - bf16 q + e4m3fn cache, rows <= 16: each tile converted to fp16 once (fp8_stage; 6-9 % faster than the
+      V-reload path), block-table chunks with two tiles buffered and per-column softmax sums (lazy_l): with 4 warps
+      and latent slices 4-9 % faster than per-tile block-table loads and 5 stages.
     - other fp8 caches: fp16 MMAs on the fp8 tile gathered from shared memory, V loaded a second time.
     """
     from mla_fast.numerics import DEFAULT_MMA
@@ -544,8 +553,8 @@ def default_config(combo: str, num_heads: int, max_q_len: int) -> KernelConfig:
         return KernelConfig(block_n=64, num_warps=8, num_stages=2, mma=mma, head_group=head_group,
                             head_split=head_split, split_l=4)
     if combo == "fp8kv" and rows <= 16:
-        return KernelConfig(block_n=64, num_warps=warps, num_stages=5, mma=mma, head_group=head_group,
-                            fp8_stage=True, split_l=4)
+        return KernelConfig(block_n=64, num_warps=warps, num_stages=3, mma=mma, head_group=head_group,
+                            fp8_stage=True, split_l=4, page_chunk=32, lazy_l=True)
     if fp8_kv:
         return KernelConfig(block_n=64, num_warps=8, num_stages=5, mma=mma, head_group=head_group, v_reload=True)
     return KernelConfig(block_n=64, num_warps=warps, num_stages=3, mma=mma, head_group=head_group, page_chunk=32,
@@ -624,6 +633,8 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
                          f"{config.head_group * config.head_split}, got {plan.head_group}")
     kv = batch.kv_cache
     num_workers = plan.worker_indptr.numel() - 1
+    pdl = config.pdl and not INTERPRET and device.type == "cuda"  # the interpreter runs no PTX
+    launch_pdl = {"launch_pdl": True} if pdl else {}
     compiled = _mla_decode_kernel[(num_workers * config.head_split,)](
         batch.q, kv, batch.block_table, batch.seq_lens, batch.qo_indptr if qo_indptr is None else qo_indptr,
         plan.work_items, plan.worker_indptr,
@@ -643,6 +654,7 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
         PAGE_CHUNK=config.page_chunk, V_RELOAD=config.v_reload,
         FP8_STAGE=config.fp8_stage and not INTERPRET and config.mma == "fp16" and kv.dtype == torch.float8_e4m3fn,
         HEAD_SPLIT=config.head_split, SPLIT_L=config.split_l if L >= 16 * config.split_l else 1, LAZY_L=config.lazy_l,
+        PDL=pdl,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     num_tiles = plan.reduce_final.shape[0]
@@ -653,7 +665,7 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
             out, lse,
             o_part.stride(0), o_part.stride(1), lse_part.stride(0),
             out.stride(0), out.stride(1), lse.stride(0),
-            L=L, BLOCK_S=REDUCE_BLOCK_S, INTERPRET=INTERPRET, num_warps=4,
+            L=L, BLOCK_S=REDUCE_BLOCK_S, INTERPRET=INTERPRET, PDL=pdl, num_warps=4, **launch_pdl,
         )
     return compiled
 
