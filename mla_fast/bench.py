@@ -250,9 +250,11 @@ def run_grid(shapes, combos, peers=True, copy_gbs=None, candidates=False, json_p
 
 
 CANDIDATES = {  # (combo, num_heads) -> KernelConfig overrides of default_config timed beside it (--candidates)
-    ("bf16", 16): [dict(split_l=1, num_warps=8), dict(pdl=True), dict(pdl=True, lazy_l=True)],  # first: before split_l
-    ("fp8kv", 16): [dict(split_l=1, num_warps=8, lazy_l=False, page_chunk=0, num_stages=5), dict(pdl=True)],
-    ("bf16", 128): [dict(split_l=1), dict(pdl=True), dict(head_split=1)],
+    ("bf16", 16): [dict(split_l=1, num_warps=8),  # before split_l
+                   dict(page_chunk=64), dict(page_chunk=128), dict(fixed_overhead=8), dict(fixed_overhead=12)],
+    ("fp8kv", 16): [dict(split_l=1, num_warps=8, lazy_l=False, page_chunk=0, num_stages=5),  # before split_l
+                    dict(page_chunk=64), dict(page_chunk=128), dict(fixed_overhead=8), dict(fixed_overhead=12)],
+    ("bf16", 128): [dict(split_l=1), dict(head_split=1)],
     ("fp8kv", 128): [dict(head_group=32, head_split=4)],
 }
 

@@ -276,12 +276,10 @@ def _mla_decode_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MMA: tl.constexpr, INTERPRET: tl.constexpr, UPCAST_BF16: tl.constexpr,
     TILE_IN_PAGE: tl.constexpr, PAGE_CHUNK: tl.constexpr, V_RELOAD: tl.constexpr, FP8_STAGE: tl.constexpr,
-    HEAD_SPLIT: tl.constexpr, SPLIT_L: tl.constexpr, LAZY_L: tl.constexpr, PDL: tl.constexpr,
+    HEAD_SPLIT: tl.constexpr, SPLIT_L: tl.constexpr, LAZY_L: tl.constexpr,
 ):
     # HEAD_SPLIT consecutive programs run one worker's items, each on its share of the item's heads: they stream
     # the same KV tiles at the same time, so all but the first read of a tile hit the L2
-    if PDL:  # let the reduce kernel launch now; its programs wait (griddepcontrol.wait) until this grid is done
-        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     worker = pid // HEAD_SPLIT
     head_part = pid % HEAD_SPLIT
@@ -385,15 +383,13 @@ def _mla_reduce_kernel(
     OUT, LSE,  # [T, H, L] bf16, [T, H] fp32
     stride_pt, stride_ph, stride_plt,
     stride_ot, stride_oh, stride_lt,
-    L: tl.constexpr, BLOCK_S: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    L: tl.constexpr, BLOCK_S: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """One program per (reduce tile, packed row): merges that row's split partials, BLOCK_S splits at a time.
 
     Online form of numerics.md §3 in base 2: M = max_S L_S, O = Σ_S 2^(L_S - M) O_S / Σ_S 2^(L_S - M),
     L = M + log2 Σ_S 2^(L_S - M); empty partials (L_S = -inf) weigh 0 and their O_S is never read.
     """
-    if PDL:  # launched as a programmatic dependent of the decode kernel: wait for its partials (no-op otherwise)
-        tl.extra.cuda.gdc_wait()
     tile = tl.program_id(0)
     r = tl.program_id(1)
     split_begin = tl.load(REDUCE_INDPTR + tile)
@@ -465,9 +461,6 @@ class KernelConfig:
             independent accumulation chains (slices of L/split_l, then R) summed at the end, instead of one chain
             over L + R; each slice is loaded once and reused for its P.V MMA. Same products, another fp32 summation
             order (within the kernel bound's accumulation term).
-        pdl: launch the reduce kernel as a programmatic dependent of the decode kernel (Hopper griddepcontrol): it
-            is scheduled while decode runs and waits in hardware for its partials, instead of launching after it.
-            Device only; no numerical effect.
         lazy_l: keep the softmax denominator as [rows, block_n] running sums, reduced once per work item (one
             cross-warp reduction per tile fewer); another fp32 summation order of the same terms.
         fp8_stage: e4m3fn caches with mma="fp16": convert each tile to fp16 once, through an op Triton cannot move,
@@ -489,7 +482,6 @@ class KernelConfig:
     head_split: int = 1
     split_l: int = 1
     lazy_l: bool = False
-    pdl: bool = False
 
     def __post_init__(self):
         if self.page_chunk < 0 or self.page_chunk & (self.page_chunk - 1):
@@ -633,8 +625,6 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
                          f"{config.head_group * config.head_split}, got {plan.head_group}")
     kv = batch.kv_cache
     num_workers = plan.worker_indptr.numel() - 1
-    pdl = config.pdl and not INTERPRET and device.type == "cuda"  # the interpreter runs no PTX
-    launch_pdl = {"launch_pdl": True} if pdl else {}
     compiled = _mla_decode_kernel[(num_workers * config.head_split,)](
         batch.q, kv, batch.block_table, batch.seq_lens, batch.qo_indptr if qo_indptr is None else qo_indptr,
         plan.work_items, plan.worker_indptr,
@@ -654,7 +644,6 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
         PAGE_CHUNK=config.page_chunk, V_RELOAD=config.v_reload,
         FP8_STAGE=config.fp8_stage and not INTERPRET and config.mma == "fp16" and kv.dtype == torch.float8_e4m3fn,
         HEAD_SPLIT=config.head_split, SPLIT_L=config.split_l if L >= 16 * config.split_l else 1, LAZY_L=config.lazy_l,
-        PDL=pdl,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     num_tiles = plan.reduce_final.shape[0]
@@ -665,7 +654,7 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
             out, lse,
             o_part.stride(0), o_part.stride(1), lse_part.stride(0),
             out.stride(0), out.stride(1), lse.stride(0),
-            L=L, BLOCK_S=REDUCE_BLOCK_S, INTERPRET=INTERPRET, PDL=pdl, num_warps=4, **launch_pdl,
+            L=L, BLOCK_S=REDUCE_BLOCK_S, INTERPRET=INTERPRET, num_warps=4,
         )
     return compiled
 
