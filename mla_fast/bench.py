@@ -254,7 +254,8 @@ CANDIDATES = {  # (combo, num_heads) -> KernelConfig overrides of default_config
                    dict(page_chunk=64), dict(page_chunk=128), dict(fixed_overhead=8), dict(fixed_overhead=12)],
     ("fp8kv", 16): [dict(split_l=1, num_warps=8, lazy_l=False, page_chunk=0, num_stages=5),  # before split_l
                     dict(page_chunk=64), dict(page_chunk=128), dict(fixed_overhead=8), dict(fixed_overhead=12)],
-    ("bf16", 128): [dict(split_l=1), dict(head_split=1)],
+    ("bf16", 128): [dict(split_l=1), dict(head_split=1), dict(head_group=32, head_split=4, page_chunk=32, num_stages=3),
+                    dict(head_group=16, head_split=8, page_chunk=32, num_stages=3, num_warps=4)],
     ("fp8kv", 128): [dict(head_group=32, head_split=4)],
 }
 

@@ -14,12 +14,15 @@ Rounding points of `_mla_decode_kernel` (per query row, per KV tile of BLOCK_N t
    the fp16 min subnormal: the absolute error of a flushed or subnormal value) to every q element.
    V loaded a second time for P.V (config v_reload) holds the same values, and so does the fp16 copy of an e4m3fn
    tile staged in shared memory (config fp8_stage, exact conversion): no numerical effect.
-2. QK: one MMA over L (512) channels, then the R (64) rope channels accumulated onto it, fp32 accumulators.
-   Tensor-core fp32 accumulation is not guaranteed round-to-nearest (truncation is documented for NVIDIA tensor
-   cores, Fasi et al., SIAM J. Sci. Comput. 2021), so each of the n = L + R additions is charged 2^-23 (one fp32
-   ulp, chopped), plus one fp32 rounding of the scale multiply: gamma_qk = (L + R + 1) * 2^-23.
+2. QK: fp32 accumulators over the L (512) latent and R (64) rope channels: one chain (L, then R onto it) with
+   split_l = 1; with split_l = 4 (the default) four independent chains of L/4 channels and one of R, summed by four
+   fp32 adds. Either way every score is a sum of L + R products with at most L + R additions. Tensor-core fp32
+   accumulation is not guaranteed round-to-nearest (truncation is documented for NVIDIA tensor cores, Fasi et al.,
+   SIAM J. Sci. Comput. 2021), so each addition is charged 2^-23 (one fp32 ulp, chopped), plus one fp32 rounding of
+   the scale multiply: gamma_qk = (L + R + 1) * 2^-23, whatever the summation order.
 3. Softmax: base 2, s * log2(e) folded into the scale; exp2 is the hardware approximation (~2 ulp), covered by the
-   2^-22 term of §5(f). Row sums l in fp32 from unrounded P.
+   2^-22 term of §5(f). Row sums l in fp32 from unrounded P (with lazy_l one running sum per tile column, each
+   rescaled by alpha per tile like the row sum, added up once at the end: another order of the same fp32 sum).
 4. P: rounded to `p_fmt` (bf16 or fp16, no scale: p <= 1) before the P.V MMA.
 5. PV: per tile one MMA over BLOCK_N tokens (charged BLOCK_N * 2^-23, chopped) added into the fp32 running
    accumulator after its rescale by alpha (2 fp32 roundings per tile, 2^-24 each): over a request of at most
