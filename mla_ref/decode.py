@@ -229,14 +229,61 @@ class DecodeBatch:
 
     def grid(self) -> RequestGrid:
         """The batch's query rows on a padded [B, N] grid (N = max q_len, S = max seq_len); one host sync."""
+        N, S = torch.stack([self.q_lens.max(), self.seq_lens.max()]).tolist() if self.batch_size else (0, 0)
+        return self._grid(N, S)
+
+    def _grid(self, N: int, S: int) -> RequestGrid:
+        """``grid()`` with N = max q_len and S = max seq_len already known on the host."""
         B = self.batch_size
-        N, S = torch.stack([self.q_lens.max(), self.seq_lens.max()]).tolist() if B else (0, 0)
         request = self.row_request()  # [T]
         r = torch.arange(self.num_tokens, device=self.device) - self.qo_indptr.long()[request]  # [T] row in request
         slot = request * N + r  # [T] flat grid position b·N + r
         visible = self.visible_tokens()  # [T]
         visible = visible.new_zeros(B * N).index_copy(0, slot, visible)  # [B·N] padding rows see nothing
         return RequestGrid(N, S, slot, visible.view(B, N))
+
+    def buckets(self, waste: float = 1.25) -> list[Bucket]:
+        """The requests in length buckets, each evaluated on a padded grid of its own; one host sync.
+
+        A single padded grid does B x max seq_len x max q_len work, up to B times the true work when lengths
+        differ (4096, 17, 0). Requests sorted by seq_len (stable) are grouped into consecutive runs: from the first
+        request not yet in a bucket, the longest run whose padded work (members x max seq_len x max q_len) stays
+        <= ``waste`` x its true work (Σ seq_len x q_len, an empty request counting 1). A batch that passes as a
+        whole is one bucket, the batch itself (``Bucket.whole``). Per row, every result is the one of a single
+        grid up to fp64 summation order. A loop over the buckets, not over the requests.
+        """
+        B, T = self.batch_size, self.num_tokens
+        everything = torch.arange(B, device=self.device), torch.arange(T, device=self.device)  # [B], [T]
+        if not B:
+            return [Bucket(self, self._grid(0, 0), *everything, whole=True)]
+        s, n = torch.stack([self.seq_lens, self.q_lens]).cpu().long()  # [B], [B] on the host: the one sync
+        order = torch.argsort(s, stable=True)  # [B] requests by seq_len
+        s, n = s[order], n[order]  # [B], [B] sorted
+        work = (s * n).clamp(min=1).double()  # [B] true work, an empty request counts 1
+        buckets, i = [], 0
+        while i < B:
+            members = torch.arange(1, B - i + 1, dtype=torch.float64)  # [B - i] size of the run i..j
+            padded = members * s[i:] * n[i:].cummax(0).values  # [B - i] s ascending: s_j is the run's max
+            fits = padded <= waste * work[i:].cumsum(0)  # [B - i] always True at j = i
+            end = i + int(fits.nonzero()[-1]) + 1  # the longest run that fits
+            N, S = int(n[i:end].max()), int(s[end - 1])
+            if end - i == B:
+                return [Bucket(self, self._grid(N, S), *everything, whole=True)]
+            requests = order[i:end].sort().values.to(self.device)  # [b] in their original order
+            sub, rows = self._subset(requests, int(n[i:end].sum()))
+            buckets.append(Bucket(sub, sub._grid(N, S), requests, rows, whole=False))
+            i = end
+        return buckets
+
+    def _subset(self, requests: torch.Tensor, t: int) -> tuple[DecodeBatch, torch.Tensor]:
+        """(the requests [b] as a batch of their own, rows [t] int64 of their query rows in q); t = their Σ q_len.
+        Shares kv_cache; fields are not validated again."""
+        n = self.q_lens.long()[requests]  # [b]
+        first = self.qo_indptr.long()[requests] - (torch.cumsum(n, 0) - n)  # [b] q row minus sub-batch row
+        rows = torch.repeat_interleave(first, n, output_size=t) + torch.arange(t, device=self.device)  # [t]
+        sub = self.replace(q=self.q[rows], block_table=self.block_table[requests], seq_lens=self.seq_lens[requests],
+                           q_lens=self.q_lens[requests])
+        return sub, rows
 
     def padded_kv(self, S: int, dtype: torch.dtype = torch.float64, *, scaled: bool = True) -> torch.Tensor:
         """[B, S, L+R] every request's valid cache rows (``request_kv`` of each b), zero beyond its seq_len.
@@ -367,6 +414,40 @@ class RequestGrid:
         return x.flatten(0, 1)[self.slot]
 
 
+@dataclass(frozen=True)
+class Bucket:
+    """Requests of similar length evaluated together (``DecodeBatch.buckets``): a batch of their own on its own grid.
+
+    ``whole``: the bucket is the whole batch (``batch`` is it, requests and rows are aranges, nothing to gather).
+    """
+
+    batch: DecodeBatch  # the bucket's requests in their original order; kv_cache shared
+    grid: RequestGrid  # batch's padded grid, N and S of this bucket
+    requests: torch.Tensor  # [b] int64 the requests' ids in the whole batch
+    rows: torch.Tensor  # [t] int64 where batch.q's rows sit in the whole batch's q
+    _: KW_ONLY
+    whole: bool
+
+    def take(self, other: DecodeBatch) -> DecodeBatch:
+        """The bucket's requests of ``other``, a batch with the same seq_lens and q_lens (e.g. the exact twin)."""
+        return other if self.whole else other._subset(self.requests, self.rows.shape[0])[0]
+
+    def rows_of(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, ...] tensor of the whole batch -> [t, ...] the bucket's rows."""
+        return x if self.whole else x[self.rows]
+
+
+def by_bucket(buckets: list[Bucket], fn) -> tuple[torch.Tensor, ...]:
+    """Evaluate ``fn(bucket)`` -> a tuple of per-row tensors [t, ...] on each bucket and reassemble each as [T, ...]
+    in q's row order. One whole bucket: fn's result as it is."""
+    parts = [fn(bucket) for bucket in buckets]
+    if len(buckets) == 1 and buckets[0].whole:
+        return tuple(parts[0])
+    rows = torch.cat([bucket.rows for bucket in buckets])  # [T] a permutation of the query rows
+    joined = [torch.cat(xs) for xs in zip(*parts)]  # [T, ...] each, bucket by bucket
+    return tuple(x.new_empty(x.shape).index_copy_(0, rows, x) for x in joined)  # [T, ...] in q's order
+
+
 def _describe(x: object) -> str:
     if isinstance(x, torch.Tensor):
         return f"Tensor(shape={tuple(x.shape)}, dtype={x.dtype})"
@@ -439,14 +520,20 @@ def make_decode_batch(
 def mla_decode_ref(batch: DecodeBatch, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
     """The oracle: absorbed MLA decode over the paged cache, computed in ``dtype`` (fp64 by default).
 
-    All requests at once on the padded grid of ``DecodeBatch.grid`` ([B, N] query rows, S tokens, masked): per row
-    the same sums as a row-by-row loop, up to the summation order of the batched dot products (fp64 round-off).
+    Requests in length buckets (``DecodeBatch.buckets``), each bucket's at once on its padded grid ([b, N] query rows,
+    S tokens, masked): per row the same sums as a row-by-row loop, up to the summation order of the batched dot
+    products (fp64 round-off).
 
     Returns:
         out: [T, H, L] in ``dtype``; lse: [T, H] natural log in ``dtype``. Rows that see no token: out 0, lse -inf.
     """
     batch.validate()
-    L, grid = batch.kv_lora_rank, batch.grid()
+    return by_bucket(batch.buckets(), lambda bucket: _decode_grid(bucket.batch, bucket.grid, dtype))
+
+
+def _decode_grid(batch: DecodeBatch, grid: RequestGrid, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mla_decode_ref`` of every request of ``batch`` on its padded ``grid``: (out [T, H, L], lse [T, H])."""
+    L = batch.kv_lora_rank
     q = grid.pad(batch.dequantized_q(dtype))  # [B, N, H, D]
     K = batch.padded_kv(grid.S, dtype)  # [B, S, D] valid tokens, zero padding
     V = K[..., :L]  # [B, S, L] the latent is the value

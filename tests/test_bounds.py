@@ -13,7 +13,7 @@ import torch
 from mla_fast.emulate import run_plan_reference
 from mla_fast.numerics import KernelNumerics
 from mla_fast.planner import PARTIAL_ROW, plan_decode
-from mla_ref.decode import make_decode_batch, merge_partials, mla_decode_ref
+from mla_ref.decode import DecodeBatch, make_decode_batch, merge_partials, mla_decode_ref
 from mla_ref.fp8 import fp8_format, quantize, round_p
 from verify.bounds import (
     _spread,
@@ -473,3 +473,40 @@ def test_rms_estimate_is_a_statistic_not_an_oracle():
     print(f"\nRMS predicted / measured: {ratios}")
     assert 1.0 <= ratios["gauss1"] <= 2.0
     assert ratios["coherent"] < 1.0
+
+
+def test_bucketed_bounds_equal_one_grid(monkeypatch):
+    """Requests of very different lengths go in length buckets (DecodeBatch.buckets); every bound equals its
+    one-grid evaluation (waste = inf: the whole batch on one padded grid) up to fp64 summation order. The long
+    request's q is tiny (inexact in an fp16 operand), the others' are exact in fp16: the q operand's rounding is
+    batch-wide, so the buckets without the long request must still be charged for it."""
+    seq, q_lens = (300, 5, 0, 40, 1), (1, 2, 1, 3, 2)
+    batch_q, batch_exact = _fp8_pair("gauss1", seq=seq, q_lens=q_lens, H=2)
+    q = batch_exact.q.clone()  # [T, H, D] fp32
+    q[0] *= 2.0**-20  # request 0's single row: fp16-subnormal, inexact in an fp16 operand
+    batch_b = batch_exact.replace(q=q.bfloat16(), kv_cache=batch_exact.kv_cache.bfloat16())  # bf16 inputs
+    assert len(batch_q.buckets()) >= 3
+    numerics = _fp32_numerics(batch_b)
+    fp16 = KernelNumerics(**{**numerics.__dict__, "qk_operand": torch.float16, "pv_operand": torch.float16})
+
+    def everything():
+        ref = mla_decode_ref(batch_b)
+        qb = quantization_bounds(batch_q, batch_exact)
+        return dict(
+            kernel=kernel_bound(batch_b, fp16, ref=ref), split=split_bound(batch_b, fp16, 4),
+            merge=merge_bound(batch_q, 3), det_out=qb.det_out, det_lse=qb.det_lse, sat=torch.tensor(qb.saturated),
+            prob=prob_bound(batch_q, batch_exact), rms=rms_estimate(batch_q, batch_exact),
+        )
+
+    bucketed = everything()
+    one_grid = DecodeBatch.buckets
+    monkeypatch.setattr(DecodeBatch, "buckets", lambda self, waste=math.inf: one_grid(self, waste))
+    assert len(batch_q.buckets()) == 1
+    whole = everything()
+    # the bounds are sums of non-negative fp64 terms, here only summed in another order: fp64 bar of numerics.md
+    rel = 1e-12
+    for name, x in bucketed.items():
+        pairs = [(x.out, whole[name].out), (x.lse, whole[name].lse)] if hasattr(x, "out") else [(x, whole[name])]
+        for a, b in pairs:
+            assert (a - b).abs().max() <= rel * b.abs().max(), name
+            assert (a >= b * (1 - rel)).all(), name  # never smaller than the one-grid bound

@@ -8,7 +8,15 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mla_ref.decode import INVALID_PAGE, DecodeBatch, make_decode_batch, merge_partials, mla_decode_ref
+from mla_ref.decode import (
+    INVALID_PAGE,
+    DecodeBatch,
+    _decode_grid,
+    by_bucket,
+    make_decode_batch,
+    merge_partials,
+    mla_decode_ref,
+)
 
 FP64_BAR = 1e-12  # the issue's fp64 bar: ~10^4 fp64 ulps (2**-52) at unit scale, far above summation error here
 
@@ -91,6 +99,32 @@ def test_real_dims_and_empty_rows():
         assert torch.isneginf(lse[row]).all() and (out[row] == 0).all()
     # q_len 4 over 3 tokens: rows see 0, 1, 2, 3 tokens
     assert torch.isneginf(lse[-4]).all() and torch.isfinite(lse[-3:]).all()
+
+
+def test_length_buckets_partition_the_batch_and_equal_one_grid():
+    """Very different lengths go in several buckets (DecodeBatch.buckets): every request and query row in exactly
+    one, each bucket's padded work <= 1.25 x its true work, and the bucketed oracle equals one padded grid (waste =
+    inf: a single bucket, the whole batch) and the dense reference."""
+    case = DenseCase(seq_lens=(600, 17, 0, 3, 600, 1, 40), q_lens=(1, 2, 1, 4, 3, 2, 1), heads=2, page_size=16,
+                     L=32, R=16, seed=3)
+    batch, q, kvs = build(case)
+    buckets = batch.buckets()
+    assert len(buckets) >= 3 and not any(b.whole for b in buckets)
+    assert sorted(torch.cat([b.requests for b in buckets]).tolist()) == list(range(batch.batch_size))
+    assert sorted(torch.cat([b.rows for b in buckets]).tolist()) == list(range(batch.num_tokens))
+    for b in buckets:
+        s, n = b.batch.seq_lens.tolist(), b.batch.q_lens.tolist()
+        assert s == batch.seq_lens[b.requests].tolist() and torch.equal(b.batch.q, batch.q[b.rows])
+        assert len(s) * max(s) * max(n) <= 1.25 * sum(max(si * ni, 1) for si, ni in zip(s, n))
+    one = batch.buckets(waste=math.inf)
+    assert len(one) == 1 and one[0].whole and one[0].batch is batch
+    out, lse = mla_decode_ref(batch)  # bucketed
+    out_1, lse_1 = by_bucket(one, lambda b: _decode_grid(b.batch, b.grid, torch.float64))  # one grid
+    assert (out - out_1).abs().max() <= FP64_BAR and torch.equal(torch.isneginf(lse), torch.isneginf(lse_1))
+    seen = torch.isfinite(lse_1)  # [T, H]
+    assert (lse[seen] - lse_1[seen]).abs().max() <= FP64_BAR
+    out_d, lse_d = dense_softmax_reference(q, kvs, case.q_lens, 0.3, case.L)
+    assert (out - out_d).abs().max() <= FP64_BAR and (lse[seen] - lse_d[seen]).abs().max() <= FP64_BAR
 
 
 @given(dense_cases(), st.integers(1, 8))

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mla_ref.decode import DecodeBatch, RequestGrid, is_fp8
+from mla_ref.decode import Bucket, DecodeBatch, RequestGrid, by_bucket, is_fp8
 from mla_ref.fp8 import fp8_format
 
 F64 = torch.float64
@@ -77,10 +77,13 @@ class QuantBounds:
         return Bound(self.post_out, self.post_lse)
 
 
-# ---- fp64 statistics shared by every bound, all requests at once on the padded grid ------------------------------
-# Shapes: B requests, N = max q_len grid rows per request (DecodeBatch.grid), H heads, S = max seq_len tokens, D, L.
-# A padding row or token is masked out everywhere: a padding row sees nothing, exactly like an empty row, and its
-# bounds are dropped by ``grid.unpad``. Per row, every statistic is the one of its own request's tokens.
+# ---- fp64 statistics shared by every bound, a bucket of requests at once on its padded grid ----------------------
+# Requests go in length buckets (DecodeBatch.buckets; by_bucket reassembles the rows), each bucket on its own grid.
+# Shapes: B requests of the bucket, N = max q_len grid rows per request (DecodeBatch.grid), H heads, S = max seq_len
+# tokens, D, L. A padding row or token is masked out everywhere: a padding row sees nothing, exactly like an empty
+# row, and its bounds are dropped by ``grid.unpad``. Per row, every statistic is the one of its own request's tokens;
+# quantities that are batch-wide (the q operand's rounding, prob_bound's union bound) are computed on the whole batch
+# and passed into every bucket.
 
 
 @dataclass
@@ -314,9 +317,22 @@ def _check_numerics(batch: DecodeBatch, numerics) -> None:
         raise ValueError(f"numerics.p_scale: expected a finite float > 0, got {numerics.p_scale}")
 
 
-def _kernel_grid(batch: DecodeBatch, numerics, ref: tuple[torch.Tensor, torch.Tensor] | None):
-    """(grid, st, A_max [B, N, H], V [B, S, L], o [B, N, H, L], kwargs of ``_rounding_bound``) for a kernel that
-    rounds as ``numerics`` says (numerics.md §5(f); mla_fast/numerics.py), all requests on the padded grid.
+def _q_operand(batch: DecodeBatch, numerics):
+    """The q operand as the Q.K MMA gets it, over the whole batch: (u_q [], η_q [] in real units, the
+    ``_require_finite`` entry of q). Batch-wide, as a kernel sees one q tensor: every bucket gets the same u_q, η_q."""
+    scaled, q_fp8 = bool(numerics.scale_then_round), is_fp8(batch.q.dtype)
+    if scaled and q_fp8:
+        q_fed, f_q = batch.dequantized_q(F64), 1.0  # [T, H, D] code · scale, rounded to qk_operand
+    else:
+        q_fed, f_q = batch.q.to(F64), (float(batch.q_scale) if q_fp8 else 1.0)  # [T, H, D] as stored
+    u_q, eta_q, ok_q = _operand_error(q_fed, numerics.qk_operand, scaled and q_fp8)  # [], [], []
+    return u_q, eta_q * f_q, ("q", q_fed, ok_q, numerics.qk_operand)
+
+
+def _kernel_grid(bucket: Bucket, numerics, ref: tuple[torch.Tensor, torch.Tensor] | None, q_operand):
+    """(st, A_max [B, N, H], V [B, S, L], o [B, N, H, L], kwargs of ``_rounding_bound``) for a kernel that
+    rounds as ``numerics`` says (numerics.md §5(f); mla_fast/numerics.py), the bucket's requests on its padded grid.
+    ref: the bucket's rows of the oracle's (out, lse), or None; q_operand: ``_q_operand`` of the whole batch.
 
     Operands: the MMAs see the stored values (fp8 codes: scales folded into the fp32 scores and output) or, with
     ``numerics.scale_then_round``, the fp32 products code · scale. Their rounding to qk_operand / pv_operand
@@ -328,8 +344,10 @@ def _kernel_grid(batch: DecodeBatch, numerics, ref: tuple[torch.Tensor, torch.Te
     η_v on each value (eta_v).
     P: p_fmt after × p_scale: u_P, η_P = η(p_fmt) / p_scale (+ 2^-126 for a flushed fp32 P); rounded once more,
     with u and η of pv_operand, when pv_operand is coarser than p_fmt.
-    The operand errors of K and V are per request (exact requests get 0), as a per-request loop would give them.
+    The operand errors of K and V are per request (exact requests get 0), as a per-request loop would give them;
+    the q operand's are the whole batch's.
     """
+    batch, grid = bucket.batch, bucket.grid
     L, D, sigma = batch.kv_lora_rank, batch.head_dim, batch.sm_scale
     u_p, eta_p = _unit_roundoff(numerics.p_fmt), _half_min_subnormal(numerics.p_fmt)
     if _unit_roundoff(numerics.pv_operand) > u_p:
@@ -337,31 +355,25 @@ def _kernel_grid(batch: DecodeBatch, numerics, ref: tuple[torch.Tensor, torch.Te
         eta_p += _half_min_subnormal(numerics.pv_operand)
     eta_p = eta_p / numerics.p_scale + FTZ_P  # [] absolute, in units of p (<= 1)
     common = dict(u_out=_unit_roundoff(numerics.out_dtype), u_p=u_p, eta_p=eta_p, exp_rel=EXP32_REL, u_arith=U32)
-    grid = batch.grid()
     mask = grid.mask  # [B, N, S]
 
     # operand values as the MMA gets them (fed) and the factor from their units to real units
-    scaled, q_fp8, kv_fp8 = bool(numerics.scale_then_round), is_fp8(batch.q.dtype), is_fp8(batch.kv_cache.dtype)
-    q_hat = batch.dequantized_q(F64)  # [T, H, D]
-    if scaled and q_fp8:
-        q_fed, f_q = q_hat, 1.0
-    else:
-        q_fed, f_q = batch.q.to(F64), (float(batch.q_scale) if q_fp8 else 1.0)
+    scaled, kv_fp8 = bool(numerics.scale_then_round), is_fp8(batch.kv_cache.dtype)
     K = batch.padded_kv(grid.S, F64)  # [B, S, D] dequantized, zero padding
     V = K[..., :L]  # [B, S, L]
     if scaled or not kv_fp8:
         k_fed, f_k = K, 1.0  # the MMAs see the dequantized values (code · scale, or a bf16 / fp16 cache as it is)
     else:
         k_fed, f_k = batch.padded_kv(grid.S, F64, scaled=False), (float(batch.kv_scale) if kv_fp8 else 1.0)
-    u_q, eta_q, ok_q = _operand_error(q_fed, numerics.qk_operand, scaled and q_fp8)  # [], [], []
+    u_q, eta_q, q_check = q_operand  # [], [], the whole batch's q
     via = scaled and kv_fp8
     u_k, eta_k, ok_k = _operand_error(k_fed, numerics.qk_operand, via, per_request=True)  # [B], [B], []
     u_v, eta_v, ok_v = _operand_error(k_fed[..., :L], numerics.pv_operand, via, per_request=True)  # [B], [B], []
-    _require_finite([("q", q_fed, ok_q, numerics.qk_operand), ("kv_cache", k_fed, ok_k, numerics.qk_operand),
+    _require_finite([q_check, ("kv_cache", k_fed, ok_k, numerics.qk_operand),
                      ("kv_cache[..., :L] (V)", k_fed[..., :L], ok_v, numerics.pv_operand)])
-    eta_q, eta_k, eta_v = eta_q * f_q, eta_k * f_k, eta_v * f_k
+    eta_k, eta_v = eta_k * f_k, eta_v * f_k  # [B], [B]
 
-    q_grid, K_abs = grid.pad(q_hat), K.abs()  # [B, N, H, D], [B, S, D]
+    q_grid, K_abs = grid.pad(batch.dequantized_q(F64)), K.abs()  # [B, N, H, D], [B, S, D]
     st = _softmax(q_grid, K, mask, sigma)  # [B, N, H, S]
     A = sigma * torch.einsum("bnhd,bsd->bnhs", q_grid.abs(), K_abs)  # [B, N, H, S] A_j
     per_token = (
@@ -378,7 +390,7 @@ def _kernel_grid(batch: DecodeBatch, numerics, ref: tuple[torch.Tensor, torch.Te
         score_abs=score_abs,
         eta_v=eta_v,  # [B]
     )
-    return grid, st, _masked_max(A, mask), V, o, kw
+    return st, _masked_max(A, mask), V, o, kw
 
 
 def kernel_bound(batch: DecodeBatch, numerics, *, ref: tuple[torch.Tensor, torch.Tensor] | None = None) -> Bound:
@@ -403,11 +415,17 @@ def kernel_bound(batch: DecodeBatch, numerics, *, ref: tuple[torch.Tensor, torch
     L, D, H, T = batch.kv_lora_rank, batch.head_dim, batch.num_heads, batch.num_tokens
     if ref is not None and (tuple(ref[0].shape) != (T, H, L) or tuple(ref[1].shape) != (T, H)):
         raise ValueError(f"ref: expected (out [{T}, {H}, {L}], lse [{T}, {H}]), got {[tuple(r.shape) for r in ref]}")
-    grid, st, A_max, V, o, kw = _kernel_grid(batch, numerics, ref)
-    stats = dict(R=_spread(V, st.n_vis), pv=torch.einsum("bnhs,bsc->bnhc", st.p, V.abs()))  # shared by both terms
-    b_out, b_lse = _rounding_bound(st, A_max, V, o, **kw, **stats)  # [B, N, H, L], [B, N, H]
-    s_out, s_lse = _fp64_slack(st, A_max, V, o, D, batch.seq_lens, **stats)  # the oracle's own fp64 rounding
-    return Bound(grid.unpad(b_out + s_out), grid.unpad(b_lse + s_lse))
+    q_operand = _q_operand(batch, numerics)  # batch-wide
+
+    def bucket_bound(bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
+        ref_b = (bucket.rows_of(ref[0]), bucket.rows_of(ref[1])) if ref is not None else None  # [t, H, L], [t, H]
+        st, A_max, V, o, kw = _kernel_grid(bucket, numerics, ref_b, q_operand)
+        stats = dict(R=_spread(V, st.n_vis), pv=torch.einsum("bnhs,bsc->bnhc", st.p, V.abs()))  # shared by both terms
+        b_out, b_lse = _rounding_bound(st, A_max, V, o, **kw, **stats)  # [B, N, H, L], [B, N, H]
+        s_out, s_lse = _fp64_slack(st, A_max, V, o, D, bucket.batch.seq_lens, **stats)  # the oracle's fp64 rounding
+        return bucket.grid.unpad(b_out + s_out), bucket.grid.unpad(b_lse + s_lse)  # [t, H, L], [t, H]
+
+    return Bound(*by_bucket(batch.buckets(), bucket_bound))
 
 
 def split_bound(batch: DecodeBatch, numerics, num_splits: int) -> Bound:
@@ -427,9 +445,15 @@ def split_bound(batch: DecodeBatch, numerics, num_splits: int) -> Bound:
     rounded under different maxima already differs by ~u_P p̂_j per token.
     """
     _check_numerics(batch, numerics)
-    grid, st, A_max, V, o, kw = _kernel_grid(batch, numerics, None)
-    out, lse = _rounding_bound(st, A_max, V, o, **dict(kw, u_out=0.0), shared_scores=True)  # [B, N, H, L], [B, N, H]
-    out, lse = grid.unpad(out), grid.unpad(lse)  # [T, H, L], [T, H]
+    q_operand = _q_operand(batch, numerics)  # batch-wide
+
+    def bucket_bound(bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
+        st, A_max, V, o, kw = _kernel_grid(bucket, numerics, None, q_operand)
+        kw["u_out"] = 0.0  # before output rounding
+        out, lse = _rounding_bound(st, A_max, V, o, **kw, shared_scores=True)  # [B, N, H, L], [B, N, H]
+        return bucket.grid.unpad(out), bucket.grid.unpad(lse)  # [t, H, L], [t, H]
+
+    out, lse = by_bucket(batch.buckets(), bucket_bound)  # [T, H, L], [T, H]
     merge = merge_bound(batch, num_splits)
     return Bound(2 * (out + merge.out), 2 * (lse + merge.lse))
 
@@ -495,10 +519,11 @@ class _QuantGrid:
     saturated: torch.Tensor  # [] saturated elements of q and K
 
 
-def _quant_grid(batch_q: DecodeBatch, batch_exact: DecodeBatch, lse_exact: torch.Tensor | None = None) -> _QuantGrid:
-    """``_QuantGrid`` of the pair. ``lse_exact`` [T, H]: reuse the exact oracle's LSE for p = exp(s - lse)."""
-    _check_pair(batch_q, batch_exact)
-    sigma, grid = batch_q.sm_scale, batch_q.grid()
+def _quant_grid(bucket: Bucket, batch_exact: DecodeBatch, lse_exact: torch.Tensor | None = None) -> _QuantGrid:
+    """``_QuantGrid`` of the bucket's requests (``bucket.batch`` quantized, their rows of the whole ``batch_exact``).
+    ``lse_exact`` [T, H]: the whole exact oracle's LSE, reused for p = exp(s - lse)."""
+    batch_q, batch_exact, grid = bucket.batch, bucket.take(batch_exact), bucket.grid
+    sigma = batch_q.sm_scale
     mask = grid.mask  # [B, N, S]
     q = batch_exact.dequantized_q(F64)  # [T, H, D]
     e_q, sat_q = _element_error(q, batch_q.q.dtype, batch_exact.q.dtype, batch_q.q_scale)  # [T, H, D]
@@ -508,7 +533,7 @@ def _quant_grid(batch_q: DecodeBatch, batch_exact: DecodeBatch, lse_exact: torch
     e_k, sat_k = _element_error(K, batch_q.kv_cache.dtype, batch_exact.kv_cache.dtype, batch_q.kv_scale)
     st = _softmax(q, K, mask, sigma)
     if lse_exact is not None:
-        shift = torch.where(st.seen[..., None], grid.pad(lse_exact.to(F64)), 0.0)  # [B, N, H]
+        shift = torch.where(st.seen[..., None], grid.pad(bucket.rows_of(lse_exact).to(F64)), 0.0)  # [B, N, H]
         st.p = torch.exp(st.s - shift[..., None])  # [B, N, H, S] exp(-inf) = 0 where not visible
     st_hat = _softmax(q_hat, K_hat, mask, sigma)
     return _QuantGrid(grid, mask, q, q_hat, e_q, K, K_hat, e_k, st, st_hat, sat_q + sat_k)
@@ -560,8 +585,18 @@ def quantization_bounds(
     Args:
         ref_exact: (out, lse) of ``mla_decode_ref(batch_exact)`` if already computed: p is then exp(s - lse).
     """
+    _check_pair(batch_q, batch_exact)
+    saturated = []  # [] int64 per bucket
+    parts = by_bucket(batch_q.buckets(), lambda bucket: _quant_bucket(bucket, batch_exact, ref_exact, saturated))
+    return QuantBounds(*parts, saturated=int(sum(saturated)))
+
+
+def _quant_bucket(bucket: Bucket, batch_exact: DecodeBatch, ref_exact, saturated: list) -> tuple[torch.Tensor, ...]:
+    """``quantization_bounds`` of the bucket's rows: (det_out, det_lse, post_out, post_lse, omega_det, omega_act),
+    [t, H, L] and [t, H]; appends the bucket's saturated count to ``saturated``."""
+    batch_q = bucket.batch
     L, D, sigma = batch_q.kv_lora_rank, batch_q.head_dim, batch_q.sm_scale
-    r = _quant_grid(batch_q, batch_exact, ref_exact[1] if ref_exact is not None else None)
+    r = _quant_grid(bucket, batch_exact, ref_exact[1] if ref_exact is not None else None)
     V, V_hat, e_v = r.K[..., :L], r.K_hat[..., :L], r.e_k[..., :L]  # [B, S, L]
     pv = torch.einsum("bnhs,bsc->bnhc", r.st.p, V.abs())  # [B, N, H, L] Σ_j p_j |v_jc|
     R = _spread(V, r.st.n_vis)  # [B, N, L]
@@ -580,15 +615,15 @@ def quantization_bounds(
     moved = torch.einsum("bnhs,bsc->bnhc", r.st_hat.p, (V_hat - V).abs())  # [B, N, H, L] Σ_j p̂_j |v̂_jc - v_jc|
 
     slack_out, slack_lse = _oracle_slack(r, sigma, L, D, batch_q.seq_lens, R, pv)  # [B, N, H, L], [B, N, H]
+    saturated.append(r.saturated)
     unpad = r.grid.unpad
-    return QuantBounds(
-        det_out=unpad(term1 + term2 + slack_out),
-        det_lse=unpad(torch.where(seen, delta_max + slack_lse, 0.0)),
-        post_out=unpad(_hull_term(w_act, R, pv) + moved + slack_out),
-        post_lse=unpad(torch.where(seen, _masked_max(ds.abs(), r.mask) + slack_lse, 0.0)),
-        omega_det=unpad(w_det),
-        omega_act=unpad(w_act),
-        saturated=int(r.saturated),
+    return (
+        unpad(term1 + term2 + slack_out),  # det_out [t, H, L]
+        unpad(torch.where(seen, delta_max + slack_lse, 0.0)),  # det_lse [t, H]
+        unpad(_hull_term(w_act, R, pv) + moved + slack_out),  # post_out [t, H, L]
+        unpad(torch.where(seen, _masked_max(ds.abs(), r.mask) + slack_lse, 0.0)),  # post_lse [t, H]
+        unpad(w_det),  # omega_det [t, H]
+        unpad(w_act),  # omega_act [t, H]
     )
 
 
@@ -620,16 +655,20 @@ def merge_bound(batch: DecodeBatch, num_splits: int, *, accum: torch.dtype = tor
         return Bound(out, torch.zeros(T, H, dtype=F64, device=batch.device))  # no merge: no error
     u = _unit_roundoff(accum)
     S = int(num_splits)
-    grid = batch.grid()
-    mask = grid.mask  # [B, N, S_max]
-    K = batch.padded_kv(grid.S, F64)  # [B, S_max, D]
-    st = _softmax(grid.pad(batch.dequantized_q(F64)), K, mask, batch.sm_scale)  # [B, N, H, S_max]
-    lam = _masked_max(st.s.abs(), mask) + torch.log(st.n_vis.clamp(min=1).to(F64))[..., None]  # [B, N, H] Λ
-    xi = 4 * u + 34 * u * lam  # [B, N, H] relative error of a merge weight
-    pv = torch.einsum("bnhs,bsc->bnhc", st.p, K[..., :L].abs())  # [B, N, H, L] Σ_j p̂_j |v̂_jc|
-    out = ((xi + (S + 1) * u) * (1 + xi))[..., None] * pv  # [B, N, H, L]
-    lse = torch.where(st.seen[..., None], xi + (S + 1) * u + 16 * u * lam, 0.0)  # [B, N, H]
-    return Bound(grid.unpad(out), grid.unpad(lse))
+
+    def bucket_bound(bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
+        b, grid = bucket.batch, bucket.grid
+        mask = grid.mask  # [B, N, S_max]
+        K = b.padded_kv(grid.S, F64)  # [B, S_max, D]
+        st = _softmax(grid.pad(b.dequantized_q(F64)), K, mask, b.sm_scale)  # [B, N, H, S_max]
+        lam = _masked_max(st.s.abs(), mask) + torch.log(st.n_vis.clamp(min=1).to(F64))[..., None]  # [B, N, H] Λ
+        xi = 4 * u + 34 * u * lam  # [B, N, H] relative error of a merge weight
+        pv = torch.einsum("bnhs,bsc->bnhc", st.p, K[..., :L].abs())  # [B, N, H, L] Σ_j p̂_j |v̂_jc|
+        out = ((xi + (S + 1) * u) * (1 + xi))[..., None] * pv  # [B, N, H, L]
+        lse = torch.where(st.seen[..., None], xi + (S + 1) * u + 16 * u * lam, 0.0)  # [B, N, H]
+        return grid.unpad(out), grid.unpad(lse)  # [t, H, L], [t, H]
+
+    return Bound(*by_bucket(batch.buckets(), bucket_bound))
 
 
 # ---- §5(e): probabilistic estimates (statistics only) ----------------------------------------------------------
@@ -655,15 +694,20 @@ def prob_bound(batch_q: DecodeBatch, batch_exact: DecodeBatch, *, alpha: float =
     n_pairs = max(int(batch_q.visible_tokens().sum()) * H, 1)
     lam = math.sqrt(2 * math.log(2 * n_pairs / alpha))
     lam_out = math.sqrt(2 * math.log(2 * max(T * H * L, 1) / alpha))
-    r = _quant_grid(batch_q, batch_exact)
-    V, e_v = r.K[..., :L], r.e_k[..., :L]  # [B, S, L]
-    var_s = torch.einsum("bnhd,bsd->bnhs", r.e_q**2, r.K**2) + torch.einsum("bnhd,bsd->bnhs", r.q**2, r.e_k**2)
-    delta_p = sigma * lam * var_s.sqrt()  # [B, N, H, S]
-    dmax = _masked_max(delta_p, r.mask)  # [B, N, H]
-    pv = torch.einsum("bnhs,bsc->bnhc", r.st.p, V.abs())  # [B, N, H, L]
-    v_term = lam_out * torch.einsum("bnhs,bsc->bnhc", r.st.p**2, e_v**2).sqrt()  # [B, N, H, L]
-    out = _hull_term(2 * dmax, _spread(V, r.st.n_vis), pv) + v_term  # [B, N, H, L]
-    return Bound(r.grid.unpad(out), r.grid.unpad(dmax))
+    _check_pair(batch_q, batch_exact)
+
+    def bucket_bound(bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor]:  # lam, lam_out: the whole batch's
+        r = _quant_grid(bucket, batch_exact)
+        V, e_v = r.K[..., :L], r.e_k[..., :L]  # [B, S, L]
+        var_s = torch.einsum("bnhd,bsd->bnhs", r.e_q**2, r.K**2) + torch.einsum("bnhd,bsd->bnhs", r.q**2, r.e_k**2)
+        delta_p = sigma * lam * var_s.sqrt()  # [B, N, H, S]
+        dmax = _masked_max(delta_p, r.mask)  # [B, N, H]
+        pv = torch.einsum("bnhs,bsc->bnhc", r.st.p, V.abs())  # [B, N, H, L]
+        v_term = lam_out * torch.einsum("bnhs,bsc->bnhc", r.st.p**2, e_v**2).sqrt()  # [B, N, H, L]
+        out = _hull_term(2 * dmax, _spread(V, r.st.n_vis), pv) + v_term  # [B, N, H, L]
+        return r.grid.unpad(out), r.grid.unpad(dmax)  # [t, H, L], [t, H]
+
+    return Bound(*by_bucket(batch_q.buckets(), bucket_bound))
 
 
 def _centered_cross(p: torch.Tensor, V: torch.Tensor, K: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
@@ -692,8 +736,14 @@ def rms_estimate(batch_q: DecodeBatch, batch_exact: DecodeBatch) -> torch.Tensor
                           + Σ_j p_j² (e^v_jc)²                                     V rounding
                           + σ² Σ_i (e^q_i)² (Σ_j p_j (v_jc - o_c) k_ji)² ]          q rounding (shared by all j)
     """
-    L, sigma = batch_q.kv_lora_rank, batch_q.sm_scale
-    r = _quant_grid(batch_q, batch_exact)
+    _check_pair(batch_q, batch_exact)
+    return by_bucket(batch_q.buckets(), lambda bucket: (_rms_bucket(bucket, batch_exact),))[0]
+
+
+def _rms_bucket(bucket: Bucket, batch_exact: DecodeBatch) -> torch.Tensor:
+    """``rms_estimate`` of the bucket's rows: [t, H, L]."""
+    L, sigma = bucket.batch.kv_lora_rank, bucket.batch.sm_scale
+    r = _quant_grid(bucket, batch_exact)
     var = torch.zeros_like(r.q[..., :L])  # [B, N, H, L]
     for b in range(r.K.shape[0]):  # one request at a time: the [N, H, L, D] covariance is large
         V, e_v, p = r.K[b, :, :L], r.e_k[b, :, :L], r.st.p[b]  # [S, L], [S, L], [N, H, S]
