@@ -211,6 +211,13 @@ def test_spawned_workers_match_one_process(capsys, tmp_path, monkeypatch):
     assert [r["err_over_bound"] for r in reports[0]["results"]] == [r["err_over_bound"] for r in reports[1]["results"]]
 
 
+def test_mps_detection_follows_the_pipe_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    assert not cli.mps_running()
+    (tmp_path / "control").touch()  # the daemon's control pipe
+    assert cli.mps_running()
+
+
 def test_model_subcommand_dispatch(capsys, monkeypatch):
     fake = types.ModuleType("verify.model_check")
     fake.main = lambda argv: 7 if argv == ["--size", "ci"] else 0

@@ -212,6 +212,13 @@ class _Stop(Exception):
     """Raised inside the search to end it early (--exitfirst)."""
 
 
+def mps_running() -> bool:
+    """An NVIDIA MPS control daemon is listening (its pipe directory: $CUDA_MPS_PIPE_DIRECTORY, default
+    /tmp/nvidia-mps). Without one, CUDA contexts of different processes time-slice the GPU."""
+    pipe_dir = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
+    return os.path.exists(os.path.join(pipe_dir, "control"))
+
+
 def _start_method(device: str) -> str:
     """How pool workers start: "fork" on a CPU, "spawn" on a GPU (CUDA cannot be used in a forked child)."""
     return "fork" if device == "cpu" else "spawn"
@@ -496,6 +503,11 @@ def main(argv: list[str] | None = None) -> int:
     what += "" if replay else f", {args.dtype}"
     console.print(f"mla-verify: kernel {kernel.name} ({kernel.reason}); device {device}; {what}", markup=False,
                   highlight=False)
+    if device.type == "cuda" and jobs > 1 and n > 1 and not mps_running():
+        report["mps"] = False
+        console.print(f"mla-verify: {jobs} worker processes share the GPU without an MPS daemon, so their kernels "
+                      "time-slice instead of running side by side; start one with `nvidia-cuda-mps-control -d` "
+                      "(one H200: 1560 -> 4166 cases/min)", markup=False, highlight=False)
 
     from verify.strategies import cases as case_strategy
     from verify.strategies import smoke_cases
