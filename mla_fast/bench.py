@@ -92,7 +92,7 @@ def ours(batch: DecodeBatch, config=None, num_workers: int | None = None):
     from mla_fast import triton_decode as td
 
     combo = td.dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
-    config = config or td.default_config(combo, batch.num_heads, 1)
+    config = config or td.default_config(combo, batch.num_heads, 1, batch.batch_size)
     plan = td.make_plan(batch, config, num_workers)
     T, H, dev = batch.q.shape[0], batch.q.shape[1], batch.q.device
     out = torch.empty(T, H, L, dtype=torch.bfloat16, device=dev)
@@ -283,7 +283,7 @@ def time_candidates(batch: DecodeBatch, nbytes: int, copy_gbs: float) -> list:
     from mla_fast import triton_decode as td
 
     combo = td.dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
-    base = td.default_config(combo, batch.num_heads, 1)
+    base = td.default_config(combo, batch.num_heads, 1, batch.batch_size)
     out_ref, lse_ref = reference(batch)
     results = []
     for o in [{}] + CANDIDATES.get((combo, batch.num_heads), []):

@@ -47,6 +47,8 @@ CASES = {
     "fp8_splitl4_p16_mtp2_w3": TritonCase((50, 20), (2, 2), page_size=16, combo="fp8", num_workers=3, seed=27),
     # softmax denominators kept per tile column (lazy_l), reduced once per item; with and without latent slices
     "bf16_lazyl_p3_mtp2_w3": TritonCase((50, 1, 0), (2, 2, 1), page_size=3, num_workers=3, seed=28),
+    # one request, 64 heads: the small-batch default (16-row tiles, 4 head groups per worker)
+    "bf16_h64_b1_smallbatch_w3": TritonCase((90,), (1,), heads=64, page_size=16, num_workers=3, seed=33),
     "fp8kv_lazyl_splitl1_p16_w3": TritonCase((40, 0, 70), (1, 1, 1), page_size=16, combo="fp8kv", seed=29),
 }
 CONFIG_OVERRIDES = {  # KernelConfig fields beside the default_config of the case
@@ -80,7 +82,8 @@ def _worker() -> dict:
     report["interpret"] = td.INTERPRET and td.UPCAST_BF16
     for name, case in CASES.items():
         batch = case.batch()
-        config = td.default_config(case.combo, case.heads, max(case.q_lens))  # the GPU choice, smaller tiles
+        batch_size = len(case.seq_lens) if "smallbatch" in name else None  # else the large-batch choice
+        config = td.default_config(case.combo, case.heads, max(case.q_lens), batch_size)  # GPU choice, smaller tiles
         config = replace(config, block_n=BLOCK_N, plan_block_n=PLAN_BLOCK_N, fixed_overhead=1,
                          **CONFIG_OVERRIDES.get(name, {}))
         plan = td.make_plan(batch, config, case.num_workers)
@@ -93,6 +96,7 @@ def _worker() -> dict:
         result["page_chunk"] = config.page_chunk
         result["split_l"] = config.split_l
         result["lazy_l"] = config.lazy_l
+        result["head_group"] = config.head_group
         report[name] = result
     # the interpreter workaround is what makes bf16 right: without it, bf16 tl.dot in the interpreter is wrong
     case = CASES["bf16_p16_w1"]
@@ -147,6 +151,9 @@ def test_default_config_takes_the_new_paths(report):
     assert report["bf16_h64_mtp2_p3_w3"]["plan_head_group"] == 64  # 2 programs x 32 heads
     assert [report[n]["split_l"] for n in CASES if "splitl4" in n] == [4, 4, 4]  # L = 64: four slices of 16
     assert report["bf16_p16_w1"]["split_l"] == 4  # the default at 16 rows
+    small, large = report["bf16_h64_b1_smallbatch_w3"], report["bf16_h64_mtp2_p3_w3"]
+    assert (small["plan_head_group"], small["head_group"]) == (64, 16)  # 4 programs x 16 heads
+    assert (large["plan_head_group"], large["head_group"]) == (64, 32)  # large-batch rule: 2 programs x 32 heads
     assert [report[n]["lazy_l"] for n in CASES if "lazyl" in n] == [True, True]
 
 
