@@ -534,7 +534,7 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
       V-reload path), block-table chunks with two tiles buffered and per-column softmax sums (lazy_l): with 4 warps
       and latent slices 4-9 % faster than per-tile block-table loads and 5 stages.
     - other fp8 caches: fp16 MMAs on the fp8 tile gathered from shared memory, V loaded a second time.
-    - bf16 with 64-row tiles and batch_size <= SMALL_BATCH: 16-row tiles as at h = 16, all num_heads / 16 head
+    - bf16 with 64-row tiles, q_len 1 and batch_size <= SMALL_BATCH: 16-row tiles as at h = 16, all num_heads / 16 head
       groups of a worker reading each KV tile together (head_split; each KV tile read once from HBM, the rest from
       L2): 31.5 vs 35.1 µs at (1, 8192, 128) (FlashInfer 27.4). At b = 32 the same config took 263 vs 189 µs (8 x
       the L2 reads), hence the batch rule; sizes between were not measured, the threshold 4 is a guess.
@@ -547,10 +547,9 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
     rows = head_group * max_q_len
     mma = DEFAULT_MMA[combo]
     warps = 4 if rows <= 16 else 8
-    if rows > 32 and batch_size is not None and batch_size <= SMALL_BATCH:  # bf16, few requests: 16-row tiles
-        group = max(d for d in range(1, num_heads + 1) if num_heads % d == 0 and d * max_q_len <= 16)
-        return KernelConfig(block_n=64, num_warps=4, num_stages=3, mma=mma, head_group=group,
-                            head_split=num_heads // group, page_chunk=32, split_l=4)
+    if rows > 32 and max_q_len == 1 and batch_size is not None and batch_size <= SMALL_BATCH:  # bf16, few requests
+        return KernelConfig(block_n=64, num_warps=4, num_stages=3, mma=mma, head_group=16,
+                            head_split=num_heads // 16, page_chunk=32, split_l=4)
     if rows > 32:  # bf16, 64-row wgmma tiles
         head_split = 2 if num_heads % (2 * head_group) == 0 else 1
         return KernelConfig(block_n=64, num_warps=8, num_stages=2, mma=mma, head_group=head_group,
