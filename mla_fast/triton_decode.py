@@ -36,13 +36,14 @@ Numerics (declared in mla_fast/numerics.py, read by verify.bounds; keep the two 
   Triton pipelines both fp8 loads) and `fp8_stage` (the e4m3fn tile converted to fp16 once and read by both MMAs
   from shared memory) give the MMAs the same values: no numerical effect.
 
-Performance (one H200, mla-bench --candidates, copy rate 4243 GB/s; peers.md §2 conditions): bf16 h=16 takes
-342 us at (b=128, s=8192), 3.54 TB/s = 83 % of copy (FlashInfer FA3 ~294-300 us), 189 us at (128, 4096), 108 us at
-(64, 4096), 64 us at (32, 4096), 181 us at (32, 16384); fp8 KV (bf16 q) with fp8_stage 1.13-1.25x slower than bf16
-at b >= 32 (425 us at (128, 8192)); h=128 bf16 649 us at (128, 4096) with head_split 2 (64-row wgmma tiles spill 38
-registers; FlashMLA 241 us). Varying BLOCK_N showed a fixed cost of ~3.3k cycles per tile per program (BLOCK_N 32:
-1.6x slower at every shape): the tile loop is latency-bound (dependent MMA chain over L + R, two reductions), not
-bandwidth-bound, which is why more tiles in flight alone did not close the gap to FA3.
+Performance (one H200, mla-bench, CUDA-graph replays, copy rate 4241 GB/s; peers.md §2 conditions; README table):
+bf16 h=16 takes 290 us at (b=128, s=8192), 4.18 TB/s = 99 % of copy (FlashInfer FA3 294 us), 155 us at (128, 4096),
+99 us at (64, 4096), 60 us at (32, 4096), 162 us at (32, 16384), 23 us at (1, 8192); fp8 KV (bf16 q) 1.03-1.19x
+slower than bf16; h=128 bf16 587 us at (128, 4096) (FlashMLA 247 us). The tile loop is latency-bound, not
+bandwidth-bound: one score MMA chain over L + R = 576 channels per warp was the critical path (~3.3k cycles per
+tile), which split_l (independent chains) and 4 warps at 16 rows (twice the columns per warp) cut by 10-15 %.
+At h=128 the 64-row tiles stay slow: Triton puts all warps along M for a dot that feeds another dot, so both
+warpgroups compute the same scores, and the 64 x 512 fp32 accumulator spills.
 
 CPU: under TRITON_INTERPRET=1 the same kernels run in Triton's interpreter. Triton 3.6's interpreter computes a
 bf16 `tl.dot` wrongly (fp16/fp32/fp8 are right), so when interpreting, bf16 MMA operands are upcast to fp32
