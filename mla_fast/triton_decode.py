@@ -120,8 +120,8 @@ def _e4m3_to_fp16_staged(x):
 
 
 @triton.jit
-def _kv_operand(ptrs, mask, MMA: tl.constexpr, UPCAST_BF16: tl.constexpr, FP8_STAGE: tl.constexpr):
-    """Load a [N, width] cache tile (masked rows read as 0) and give it the MMA dtype."""
+def _load_operand(ptrs, mask, MMA: tl.constexpr, UPCAST_BF16: tl.constexpr, FP8_STAGE: tl.constexpr):
+    """Load a 2-D tile (q rows or cache rows; masked rows read as 0) and give it the MMA dtype."""
     x = tl.load(ptrs, mask=mask, other=0.0)
     if FP8_STAGE:  # e4m3fn tile, fp16 MMAs: convert once, the MMAs read the staged fp16 tile
         return _e4m3_to_fp16_staged(x)
@@ -140,9 +140,10 @@ def _attend_tile(
 
     The latent channels come in SPLIT_L column slices of L / SPLIT_L (1 or 4): q_s / acc_s is slice s of q_nope / of
     the output accumulator (with SPLIT_L = 1, q_0 and acc_0 are whole and the other slices are passed through
-    untouched). LAZY_L: l_i is [M, N], one running sum per column, reduced over N once after the last tile (one
-    cross-warp reduction per tile fewer; another fp32 summation order of the same terms). Four slices give the score MMA five independent accumulation chains (4 x L/4 + R channels) instead
+    untouched). Four slices give the score MMA five independent accumulation chains (4 x L/4 + R channels) instead
     of one chain over L + R, and each P.V MMA a quarter of the columns.
+    LAZY_L: l_i is [M, N], one running sum per column, reduced over N once after the last tile (one cross-warp
+    reduction per tile fewer; another fp32 summation order of the same terms).
     TILE_IN_PAGE: the tile lies inside physical page `page` (contiguous rows); else each token's page is gathered
     from the block table (`page` unused).
     """
@@ -158,15 +159,15 @@ def _attend_tile(
     else:
         page = tl.load(BLOCK_TABLE + b * stride_bt + tok // PAGE_SIZE, mask=tok_ok, other=0)  # [N]
         kv_row = KV + page.to(tl.int64)[:, None] * stride_kvp + (tok % PAGE_SIZE)[:, None] * stride_kvs  # [N, 1]
-    c_0 = _kv_operand(kv_row + offs_s[None, :], tok_ok[:, None], MMA, UPCAST_BF16, FP8_STAGE)  # [N, LS]
+    c_0 = _load_operand(kv_row + offs_s[None, :], tok_ok[:, None], MMA, UPCAST_BF16, FP8_STAGE)  # [N, LS]
     if SPLIT_L == 4:
-        c_1 = _kv_operand(kv_row + LS + offs_s[None, :], tok_ok[:, None], MMA, UPCAST_BF16, FP8_STAGE)  # [N, LS]
-        c_2 = _kv_operand(kv_row + 2 * LS + offs_s[None, :], tok_ok[:, None], MMA, UPCAST_BF16, FP8_STAGE)
-        c_3 = _kv_operand(kv_row + 3 * LS + offs_s[None, :], tok_ok[:, None], MMA, UPCAST_BF16, FP8_STAGE)
-    k_pe = _kv_operand(kv_row + L + offs_r[None, :], tok_ok[:, None], MMA, UPCAST_BF16, FP8_STAGE)  # [N, R]
+        c_1 = _load_operand(kv_row + LS + offs_s[None, :], tok_ok[:, None], MMA, UPCAST_BF16, FP8_STAGE)  # [N, LS]
+        c_2 = _load_operand(kv_row + 2 * LS + offs_s[None, :], tok_ok[:, None], MMA, UPCAST_BF16, FP8_STAGE)
+        c_3 = _load_operand(kv_row + 3 * LS + offs_s[None, :], tok_ok[:, None], MMA, UPCAST_BF16, FP8_STAGE)
+    k_pe = _load_operand(kv_row + L + offs_r[None, :], tok_ok[:, None], MMA, UPCAST_BF16, FP8_STAGE)  # [N, R]
     if V_RELOAD:  # V loaded again for P.V (hits L1/L2): each load then has one use, which Triton can pipeline
         v = tl.load(kv_row + offs_s[None, :], mask=tok_ok[:, None], other=0.0, eviction_policy="evict_first")
-        v = _mma_operand(v, MMA, UPCAST_BF16)  # [N, L]
+        v = _mma_operand(v, MMA, UPCAST_BF16)  # [N, LS]
     else:
         v = c_0
 
@@ -320,16 +321,13 @@ def _mla_decode_kernel(
         limit = seq_len - q_len + (qo - req_qo_start) + 1  # [M]
 
         q_row = Q + qo.to(tl.int64)[:, None] * stride_qt + h[:, None] * stride_qh  # [M, 1]
-        q_0 = _mma_operand(tl.load(q_row + offs_s[None, :], mask=row_ok[:, None], other=0.0), MMA, UPCAST_BF16)
+        q_0 = _load_operand(q_row + offs_s[None, :], row_ok[:, None], MMA, UPCAST_BF16, False)  # [M, LS]
         q_1, q_2, q_3 = q_0, q_0, q_0  # [M, LS] slices of q_nope (one slice: q_0 is q_nope, the others unused)
         if SPLIT_L == 4:
-            q_1 = _mma_operand(tl.load(q_row + LS + offs_s[None, :], mask=row_ok[:, None], other=0.0), MMA, UPCAST_BF16)
-            q_2 = _mma_operand(tl.load(q_row + 2 * LS + offs_s[None, :], mask=row_ok[:, None], other=0.0), MMA,
-                               UPCAST_BF16)
-            q_3 = _mma_operand(tl.load(q_row + 3 * LS + offs_s[None, :], mask=row_ok[:, None], other=0.0), MMA,
-                               UPCAST_BF16)
-        q_pe = _mma_operand(tl.load(q_row + L + offs_r[None, :], mask=row_ok[:, None], other=0.0), MMA,
-                            UPCAST_BF16)  # [M, R]
+            q_1 = _load_operand(q_row + LS + offs_s[None, :], row_ok[:, None], MMA, UPCAST_BF16, False)
+            q_2 = _load_operand(q_row + 2 * LS + offs_s[None, :], row_ok[:, None], MMA, UPCAST_BF16, False)
+            q_3 = _load_operand(q_row + 3 * LS + offs_s[None, :], row_ok[:, None], MMA, UPCAST_BF16, False)
+        q_pe = _load_operand(q_row + L + offs_r[None, :], row_ok[:, None], MMA, UPCAST_BF16, False)  # [M, R]
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of scores (log2 units)
         if LAZY_L:
