@@ -547,8 +547,9 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
     mma = DEFAULT_MMA[combo]
     warps = 4 if rows <= 16 else 8
     if rows > 32 and max_q_len == 1 and batch_size is not None and batch_size <= SMALL_BATCH:  # bf16, few requests
-        return KernelConfig(block_n=64, num_warps=4, num_stages=3, mma=mma, head_group=16,
-                            head_split=num_heads // 16, page_chunk=32, split_l=4)
+        group = max(d for d in range(1, 17) if num_heads % d == 0)  # <= 16 rows; the programs cover every head
+        return KernelConfig(block_n=64, num_warps=4, num_stages=3, mma=mma, head_group=group,
+                            head_split=num_heads // group, page_chunk=32, split_l=4)
     if rows > 32:  # bf16, 64-row wgmma tiles
         head_split = 2 if num_heads % (2 * head_group) == 0 else 1
         return KernelConfig(block_n=64, num_warps=8, num_stages=2, mma=mma, head_group=head_group,

@@ -190,6 +190,15 @@ def test_importing_mla_fast_does_not_import_triton(report):
     assert report["triton_imported_by_mla_fast"] is False
 
 
+@pytest.mark.parametrize("heads", [40, 48, 64, 128])
+def test_small_batch_default_covers_every_head(heads):
+    """head_group x head_split programs of a worker must cover the heads exactly (the planner's head group divides
+    num_heads): 40 heads in groups of 16 would leave 8 uncovered."""
+    td = pytest.importorskip("mla_fast.triton_decode")
+    config = td.default_config("bf16", heads, 1, batch_size=1)
+    assert config.head_group <= 16 and config.head_group * config.head_split == heads, config
+
+
 def test_bad_batches_raise_value_error():
     td = pytest.importorskip("mla_fast.triton_decode")
     batch = TritonCase((5,), (1,), L=48, R=16).batch()  # kv_lora_rank not a power of two
