@@ -79,10 +79,12 @@ def cos_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     Non-finite inputs give NaN; ``compare()`` evaluates it over the positions where both sides are finite.
     """
     x, y = a.double().flatten(), b.double().flatten()  # [N]
-    denom = float((x * x + y * y).sum())
-    if denom == 0.0:
-        return 0.0
-    return 1.0 - 2.0 * float((x * y).sum()) / denom
+    return _cos_diff_of_sums(float((x * x + y * y).sum()), float((x * y).sum()))
+
+
+def _cos_diff_of_sums(denom: float, dot: float) -> float:
+    """``cos_diff`` from its two sums: Σ (a² + b²) and Σ a·b (0 when both tensors are all zero)."""
+    return 0.0 if denom == 0.0 else 1.0 - 2.0 * dot / denom
 
 
 def _json_float(x: float) -> float | str:
@@ -310,7 +312,7 @@ def compare(
         max_rel=max_rel,
         max_rel_index=_index(i_rel, shape),
         max_ulp=max_ulp,
-        cos_diff=0.0 if denom == 0.0 else 1.0 - 2.0 * dot / denom,  # as cos_diff(a[finite], e[finite])
+        cos_diff=_cos_diff_of_sums(denom, dot),  # cos_diff(a[finite], e[finite])
         nonfinite_mask_ok=mask_ok,
         nonfinite_detail=detail,
         err_over_bound_max=obm,
