@@ -219,6 +219,11 @@ def mps_running() -> bool:
     return os.path.exists(os.path.join(pipe_dir, "control"))
 
 
+def _usable_cores() -> int:
+    """CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def _start_method(device: str) -> str:
     """How pool workers start: "fork" on a CPU, "spawn" on a GPU (CUDA cannot be used in a forked child)."""
     return "fork" if device == "cpu" else "spawn"
@@ -236,8 +241,7 @@ def _run_all(cases: list[Case], jobs: int, on_result, kernel_spec: tuple[str, st
     if jobs > 1 and len(cases) > 1:
         method = _start_method(_DEVICE)
         if method == "spawn" and kernel_spec is not None:
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-            ctx, init = multiprocessing.get_context("spawn"), (max(1, cores // jobs), kernel_spec, _DEVICE)
+            ctx, init = multiprocessing.get_context("spawn"), (max(1, _usable_cores() // jobs), kernel_spec, _DEVICE)
         elif method == "fork" and "fork" in multiprocessing.get_all_start_methods():
             ctx, init = multiprocessing.get_context("fork"), (1,)
     if ctx is not None:
@@ -495,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     if seed is None:
         seed = 0 if args.profile == "ci" else int.from_bytes(os.urandom(4), "little")
     n = 1 if replay else (args.cases or DEFAULT_CASES[args.profile])
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = _usable_cores()
     jobs = args.jobs or (cores if device.type == "cpu" else min(GPU_JOBS, cores))
     kernel_spec = ("impl", args.impl) if args.impl else ("backend", kernel.name)
     report.update(seed=seed, jobs=jobs)
@@ -503,8 +507,9 @@ def main(argv: list[str] | None = None) -> int:
     what += "" if replay else f", {args.dtype}"
     console.print(f"mla-verify: kernel {kernel.name} ({kernel.reason}); device {device}; {what}", markup=False,
                   highlight=False)
-    if device.type == "cuda" and jobs > 1 and n > 1 and not mps_running():
-        report["mps"] = False
+    if device.type == "cuda":
+        report["mps"] = mps_running()
+    if device.type == "cuda" and jobs > 1 and n > 1 and not report["mps"]:
         console.print(f"mla-verify: {jobs} worker processes share the GPU without an MPS daemon, so their kernels "
                       "time-slice instead of running side by side; start one with `nvidia-cuda-mps-control -d` "
                       "(one H200: 1560 -> 4166 cases/min)", markup=False, highlight=False)
