@@ -227,13 +227,8 @@ class DecodeBatch:
         rows = self.kv_cache[pages, slots]  # [s_b, L+R] gather before any arithmetic
         return rows.to(dtype) * (self.kv_scale if is_fp8(self.kv_cache.dtype) else 1.0)
 
-    def grid(self) -> RequestGrid:
-        """The batch's query rows on a padded [B, N] grid (N = max q_len, S = max seq_len); one host sync."""
-        N, S = torch.stack([self.q_lens.max(), self.seq_lens.max()]).tolist() if self.batch_size else (0, 0)
-        return self._grid(N, S)
-
     def _grid(self, N: int, S: int) -> RequestGrid:
-        """``grid()`` with N = max q_len and S = max seq_len already known on the host."""
+        """The batch's query rows on a padded [B, N] grid; N = max q_len and S = max seq_len, known on the host."""
         B = self.batch_size
         request = self.row_request()  # [T]
         r = torch.arange(self.num_tokens, device=self.device) - self.qo_indptr.long()[request]  # [T] row in request

@@ -79,7 +79,7 @@ class QuantBounds:
 
 # ---- fp64 statistics shared by every bound, a bucket of requests at once on its padded grid ----------------------
 # Requests go in length buckets (DecodeBatch.buckets; by_bucket reassembles the rows), each bucket on its own grid.
-# Shapes: B requests of the bucket, N = max q_len grid rows per request (DecodeBatch.grid), H heads, S = max seq_len
+# Shapes: B requests of the bucket, N = max q_len grid rows per request (RequestGrid), H heads, S = max seq_len
 # tokens, D, L. A padding row or token is masked out everywhere: a padding row sees nothing, exactly like an empty
 # row, and its bounds are dropped by ``grid.unpad``. Per row, every statistic is the one of its own request's tokens;
 # quantities that are batch-wide (the q operand's rounding, prob_bound's union bound) are computed on the whole batch
