@@ -250,13 +250,14 @@ def run_grid(shapes, combos, peers=True, copy_gbs=None, candidates=False, json_p
 
 
 CANDIDATES = {  # (combo, num_heads) -> KernelConfig overrides of default_config timed beside it (--candidates)
-    ("bf16", 16): [dict(split_l=1, num_warps=8),  # before split_l
-                   dict(page_chunk=64), dict(page_chunk=128), dict(fixed_overhead=8), dict(fixed_overhead=12)],
-    ("fp8kv", 16): [dict(split_l=1, num_warps=8, lazy_l=False, page_chunk=0, num_stages=5),  # before split_l
-                    dict(page_chunk=64), dict(page_chunk=128), dict(fixed_overhead=8), dict(fixed_overhead=12)],
-    ("bf16", 128): [dict(split_l=1), dict(head_split=1), dict(head_group=32, head_split=4, page_chunk=32, num_stages=3),
-                    dict(head_group=16, head_split=8, page_chunk=32, num_stages=3, num_warps=4)],
-    ("fp8kv", 128): [dict(head_group=32, head_split=4)],
+    # two programs per SM on half tiles (32 tokens: 84 / 92 KB of shared memory each, so two fit)
+    ("bf16", 16): [dict(block_n=32, workers_per_sm=2), dict(block_n=32, num_stages=2, workers_per_sm=2)],
+    ("fp8kv", 16): [dict(block_n=32, workers_per_sm=2), dict(block_n=32, num_stages=4, workers_per_sm=2),
+                    dict(block_n=32, workers_per_sm=2, lazy_l=False)],
+    # score dots behind _unchain: each warpgroup computes half of the scores instead of both computing all
+    ("bf16", 128): [dict(unchain=True), dict(unchain=True, block_n=32),
+                    dict(unchain=True, block_n=32, num_stages=3, page_chunk=32), dict(unchain=True, head_split=1),
+                    dict(unchain=True, num_warps=16, block_n=32, num_stages=3, page_chunk=32)],
 }
 
 

@@ -120,6 +120,33 @@ def _e4m3_to_fp16_staged(x):
 
 
 @triton.jit
+def _unchain(s, always):
+    """s unchanged (always is true at run time), passed through an scf.if so that the score dot does not count as
+    chained to the P.V dot in Triton's layout choice.
+
+    Triton 3.6 gives a wgmma dot whose result reaches another dot all warps along M (AccelerateMatmul,
+    warpsPerTileV3): with 64 rows and 8 warps both warpgroups then compute the same 64 x BLOCK_N scores. Its forward
+    slice stops at the scf.yield of an if, so behind one the score dot gets the plain choice [4, 2] (each warpgroup
+    half of the tile's tokens). The else branch (never taken) adds 0.0, which MLIR does not fold (-0.0 + 0.0 = +0.0),
+    so the if is not turned back into a select.
+    """
+    if always:
+        out = s
+    else:
+        out = s + 0.0
+    return out
+
+
+@triton.jit
+def _score(q, k, live, UNCHAIN: tl.constexpr):
+    """[M, D] x [N, D]^T -> [M, N] fp32 scores of one channel slice; UNCHAIN: behind `_unchain` (live is true)."""
+    s = tl.dot(q, tl.trans(k))
+    if UNCHAIN:
+        s = _unchain(s, live)
+    return s
+
+
+@triton.jit
 def _load_operand(ptrs, mask, MMA: tl.constexpr, UPCAST_BF16: tl.constexpr, FP8_STAGE: tl.constexpr):
     """Load a 2-D tile (q rows or cache rows; masked rows read as 0) and give it the MMA dtype."""
     x = tl.load(ptrs, mask=mask, other=0.0)
@@ -134,7 +161,7 @@ def _attend_tile(
     qk_scale, stride_kvp, stride_kvs, stride_bt,
     PAGE_SIZE: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
     MMA: tl.constexpr, UPCAST_BF16: tl.constexpr, TILE_IN_PAGE: tl.constexpr, V_RELOAD: tl.constexpr,
-    FP8_STAGE: tl.constexpr, SPLIT_L: tl.constexpr, LAZY_L: tl.constexpr,
+    FP8_STAGE: tl.constexpr, SPLIT_L: tl.constexpr, LAZY_L: tl.constexpr, UNCHAIN: tl.constexpr,
 ):
     """One KV tile of BLOCK_N tokens from `start`: online-softmax update of (m_i, l_i, acc) for all rows.
 
@@ -173,9 +200,10 @@ def _attend_tile(
 
     # -- scores: sum over slices of [M, LS] x [LS, N], + [M, R] x [R, N] -> [M, N], fp32 accumulation
     if SPLIT_L == 4:  # independent chains, summed at the end
-        s = (tl.dot(q_0, tl.trans(c_0)) + tl.dot(q_1, tl.trans(c_1))) + (tl.dot(q_2, tl.trans(c_2))
-                                                                          + tl.dot(q_3, tl.trans(c_3)))
-        s = s + tl.dot(q_pe, tl.trans(k_pe))
+        live = start < kv_end  # true: the tile loop runs below kv_end (for _unchain)
+        s = ((_score(q_0, c_0, live, UNCHAIN) + _score(q_1, c_1, live, UNCHAIN))
+             + (_score(q_2, c_2, live, UNCHAIN) + _score(q_3, c_3, live, UNCHAIN)))
+        s = s + _score(q_pe, k_pe, live, UNCHAIN)
     else:
         s = tl.dot(q_0, tl.trans(c_0))
         s = tl.dot(q_pe, tl.trans(k_pe), s)
@@ -208,7 +236,7 @@ def _attend_span(
     PAGE_SIZE: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
     MMA: tl.constexpr, INTERPRET: tl.constexpr, UPCAST_BF16: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
     PAGE_CHUNK: tl.constexpr, V_RELOAD: tl.constexpr, FP8_STAGE: tl.constexpr, SPLIT_L: tl.constexpr,
-    LAZY_L: tl.constexpr,
+    LAZY_L: tl.constexpr, UNCHAIN: tl.constexpr,
 ):
     """The tiles starting at lo, lo + BLOCK_N, ... < hi. Page of a tile (TILE_IN_PAGE): with PAGE_CHUNK > 0, picked
     out of `pages` ([PAGE_CHUNK] block-table entries from page `first_page`, in registers: no load in the loop, so
@@ -221,7 +249,7 @@ def _attend_span(
             m_i, l_i, acc_0, acc_1, acc_2, acc_3 = _attend_tile(
                 q_0, q_1, q_2, q_3, q_pe, m_i, l_i, acc_0, acc_1, acc_2, acc_3, start, kv_end, limit, page, b, KV,
                 BLOCK_TABLE, qk_scale, stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R, BLOCK_N, MMA, UPCAST_BF16,
-                TILE_IN_PAGE, V_RELOAD, FP8_STAGE, SPLIT_L, LAZY_L)
+                TILE_IN_PAGE, V_RELOAD, FP8_STAGE, SPLIT_L, LAZY_L, UNCHAIN)
             start += BLOCK_N
     else:
         for start in range(lo, hi, BLOCK_N):
@@ -229,7 +257,7 @@ def _attend_span(
             m_i, l_i, acc_0, acc_1, acc_2, acc_3 = _attend_tile(
                 q_0, q_1, q_2, q_3, q_pe, m_i, l_i, acc_0, acc_1, acc_2, acc_3, start, kv_end, limit, page, b, KV,
                 BLOCK_TABLE, qk_scale, stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R, BLOCK_N, MMA, UPCAST_BF16,
-                TILE_IN_PAGE, V_RELOAD, FP8_STAGE, SPLIT_L, LAZY_L)
+                TILE_IN_PAGE, V_RELOAD, FP8_STAGE, SPLIT_L, LAZY_L, UNCHAIN)
     return m_i, l_i, acc_0, acc_1, acc_2, acc_3
 
 
@@ -278,7 +306,7 @@ def _mla_decode_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MMA: tl.constexpr, INTERPRET: tl.constexpr, UPCAST_BF16: tl.constexpr,
     TILE_IN_PAGE: tl.constexpr, PAGE_CHUNK: tl.constexpr, V_RELOAD: tl.constexpr, FP8_STAGE: tl.constexpr,
-    HEAD_SPLIT: tl.constexpr, SPLIT_L: tl.constexpr, LAZY_L: tl.constexpr,
+    HEAD_SPLIT: tl.constexpr, SPLIT_L: tl.constexpr, LAZY_L: tl.constexpr, UNCHAIN: tl.constexpr,
 ):
     # HEAD_SPLIT consecutive programs run one worker's items, each on its share of the item's heads: they stream
     # the same KV tiles at the same time, so all but the first read of a tile hit the L2
@@ -350,13 +378,13 @@ def _mla_decode_kernel(
                     q_0, q_1, q_2, q_3, q_pe, m_i, l_i, acc_0, acc_1, acc_2, acc_3, chunk, chunk_end, kv_end, limit,
                     pages, first_page, b, KV, BLOCK_TABLE, qk_scale, stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L,
                     R, BLOCK_N, MMA, INTERPRET, UPCAST_BF16, TILE_IN_PAGE, PAGE_CHUNK, V_RELOAD, FP8_STAGE, SPLIT_L,
-                    LAZY_L)
+                    LAZY_L, UNCHAIN)
                 chunk = chunk_end
         else:
             m_i, l_i, acc_0, acc_1, acc_2, acc_3 = _attend_span(
                 q_0, q_1, q_2, q_3, q_pe, m_i, l_i, acc_0, acc_1, acc_2, acc_3, kv_start, kv_end, kv_end, limit,
                 kv_start, 0, b, KV, BLOCK_TABLE, qk_scale, stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R,
-                BLOCK_N, MMA, INTERPRET, UPCAST_BF16, TILE_IN_PAGE, 0, V_RELOAD, FP8_STAGE, SPLIT_L, LAZY_L)
+                BLOCK_N, MMA, INTERPRET, UPCAST_BF16, TILE_IN_PAGE, 0, V_RELOAD, FP8_STAGE, SPLIT_L, LAZY_L, UNCHAIN)
 
         # -- epilogue: normalise, unscale V, natural-log LSE; empty rows give out = 0, lse = -inf
         if LAZY_L:
@@ -481,6 +509,7 @@ class KernelConfig:
     head_split: int = 1
     split_l: int = 1
     lazy_l: bool = False
+    unchain: bool = False
 
     def __post_init__(self):
         if self.page_chunk < 0 or self.page_chunk & (self.page_chunk - 1):
@@ -654,6 +683,7 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
         PAGE_CHUNK=config.page_chunk, V_RELOAD=config.v_reload,
         FP8_STAGE=config.fp8_stage and not INTERPRET and config.mma == "fp16" and kv.dtype == torch.float8_e4m3fn,
         HEAD_SPLIT=config.head_split, SPLIT_L=config.split_l if L >= 16 * config.split_l else 1, LAZY_L=config.lazy_l,
+        UNCHAIN=config.unchain and config.split_l == 4,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     num_tiles = plan.reduce_final.shape[0]

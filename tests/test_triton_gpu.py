@@ -46,6 +46,12 @@ CONFIG_CASES = [  # (case, KernelConfig overrides): non-default configs that mla
     (TritonCase(_H128, (1,) * 4, heads=128, page_size=64, combo="bf16", L=512, R=64, seed=14), dict(split_l=4)),
     (TritonCase(_H128, (1,) * 4, heads=128, page_size=64, combo="fp8kv", L=512, R=64, seed=15),
      dict(split_l=4, v_reload=False)),
+    (VARLEN[2], dict(unchain=True)),
+    (VARLEN[3], dict(unchain=True, block_n=32)),
+    (TritonCase(_H128, (1,) * 4, heads=128, page_size=64, combo="bf16", L=512, R=64, seed=16),
+     dict(unchain=True, num_warps=16, block_n=32, num_stages=3, page_chunk=32)),
+    (VARLEN[0], dict(block_n=32, workers_per_sm=2)),
+    (VARLEN[4], dict(block_n=32, num_stages=4, workers_per_sm=2)),
 ]
 
 
