@@ -39,11 +39,12 @@ Numerics (declared in mla_fast/numerics.py, read by verify.bounds; keep the two 
 Performance (one H200, mla-bench, CUDA-graph replays, copy rate 4241 GB/s; peers.md §2 conditions; README table):
 bf16 h=16 takes 290 us at (b=128, s=8192), 4.18 TB/s = 99 % of copy (FlashInfer FA3 294 us), 155 us at (128, 4096),
 99 us at (64, 4096), 60 us at (32, 4096), 162 us at (32, 16384), 23 us at (1, 8192); fp8 KV (bf16 q) 1.03-1.19x
-slower than bf16; h=128 bf16 587 us at (128, 4096) (FlashMLA 247 us). The tile loop is latency-bound, not
+slower than bf16; h=128 bf16 491 us at (128, 4096) (FlashMLA 250 us). The tile loop is latency-bound, not
 bandwidth-bound: one score MMA chain over L + R = 576 channels per warp was the critical path (~3.3k cycles per
 tile), which split_l (independent chains) and 4 warps at 16 rows (twice the columns per warp) cut by 10-15 %.
-At h=128 the 64-row tiles stay slow: Triton puts all warps along M for a dot that feeds another dot, so both
-warpgroups compute the same scores, and the 64 x 512 fp32 accumulator spills.
+At h=128 (64-row wgmma tiles) Triton puts all warps along M for a dot that feeds another dot, so both warpgroups
+computed the same scores (587 us); `_unchain` hides the chain (491 us). The 64 x 512 fp32 accumulator (128
+registers per thread on two warpgroups) still leaves ~18 registers spilled.
 
 CPU: under TRITON_INTERPRET=1 the same kernels run in Triton's interpreter. Triton 3.6's interpreter computes a
 bf16 `tl.dot` wrongly (fp16/fp32/fp8 are right), so when interpreting, bf16 MMA operands are upcast to fp32
@@ -493,6 +494,9 @@ class KernelConfig:
         fp8_stage: e4m3fn caches with mma="fp16": convert each tile to fp16 once, through an op Triton cannot move,
             so the MMAs read an fp16 tile from shared memory (ldmatrix) instead of gathering fp8 bytes. Same values
             (the conversion is exact); on the device only (the interpreter takes the plain cast).
+        unchain: with split_l = 4, each score dot passes through `_unchain` (an scf.if), so that Triton lays out a
+            64-row score dot on both warpgroups (half of the tile's tokens each) instead of computing it twice. No
+            numerical effect (the same dots and sums).
     """
 
     block_n: int = 64
@@ -557,7 +561,9 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
     - bf16, rows <= 32 (mma.sync tiles): block-table chunks of 32 pages, two 64-token tiles buffered, one program
       per SM (vs per-tile block-table loads: 3-6 % faster at b >= 32 and s = 4096).
     - bf16, 64 rows (wgmma tiles): two programs per worker on halves of the head group when num_heads allows
-      (head_split 2: both read each KV tile at the same time, once from HBM; 4 % faster at (128, 4096, 128)).
+      (head_split 2: both read each KV tile at the same time, once from HBM; 4 % faster at (128, 4096, 128)), and
+      the score dots behind `_unchain` (each warpgroup half of the scores): 491 vs 586 us at (128, 4096, 128), 164
+      vs 188 us at (32, 4096, 128).
     - bf16 q + e4m3fn cache, rows <= 16: each tile converted to fp16 once (fp8_stage; 6-9 % faster than the
       V-reload path), block-table chunks with two tiles buffered and per-column softmax sums (lazy_l): with 4 warps
       and latent slices 4-9 % faster than per-tile block-table loads and 5 stages.
@@ -582,7 +588,7 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
     if rows > 32:  # bf16, 64-row wgmma tiles
         head_split = 2 if num_heads % (2 * head_group) == 0 else 1
         return KernelConfig(block_n=64, num_warps=8, num_stages=2, mma=mma, head_group=head_group,
-                            head_split=head_split, split_l=4)
+                            head_split=head_split, split_l=4, unchain=True)
     if combo == "fp8kv" and rows <= 16:
         return KernelConfig(block_n=64, num_warps=warps, num_stages=3, mma=mma, head_group=head_group,
                             fp8_stage=True, split_l=4, page_chunk=32, lazy_l=True)

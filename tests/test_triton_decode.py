@@ -50,7 +50,7 @@ CASES = {
     # one request, 64 heads: the small-batch default (16-row tiles, 4 head groups per worker)
     "bf16_h64_b1_smallbatch_w3": TritonCase((90,), (1,), heads=64, page_size=16, num_workers=3, seed=33),
     "fp8kv_lazyl_splitl1_p16_w3": TritonCase((40, 0, 70), (1, 1, 1), page_size=16, combo="fp8kv", seed=29),
-    # 64-row tiles with the score dots behind _unchain (an scf.if per slice; the GPU layout choice it changes)
+    # 64-row tiles (default: score dots behind _unchain, an scf.if per slice), page 16 with splits and MTP
     "bf16_h64_unchain_p16_w3": TritonCase((70, 0, 33), (1, 1, 2), heads=64, page_size=16, num_workers=3, seed=34),
 }
 CONFIG_OVERRIDES = {  # KernelConfig fields beside the default_config of the case
@@ -62,7 +62,6 @@ CONFIG_OVERRIDES = {  # KernelConfig fields beside the default_config of the cas
     "fp8_splitl4_p16_mtp2_w3": dict(split_l=4, v_reload=False),
     "bf16_lazyl_p3_mtp2_w3": dict(lazy_l=True),
     "fp8kv_lazyl_splitl1_p16_w3": dict(lazy_l=True, split_l=1),
-    "bf16_h64_unchain_p16_w3": dict(unchain=True),
 }
 SPLIT_CASES = {  # the plan must cut at least one (request, head group)
     "bf16_p16_w3_empty", "bf16_p1_w8", "bf16_p3_mtp2_w3", "bf16_h32_mtp2_w8", "fp8kv_p16_w3", "fp8kv_p3_mtp2_w8",
@@ -160,7 +159,8 @@ def test_default_config_takes_the_new_paths(report):
     assert (small["plan_head_group"], small["head_group"]) == (64, 16)  # 4 programs x 16 heads
     assert (large["plan_head_group"], large["head_group"]) == (64, 32)  # large-batch rule: 2 programs x 32 heads
     assert [report[n]["lazy_l"] for n in CASES if "lazyl" in n] == [True, True]
-    assert [n for n in CASES if report[n]["unchain"]] == ["bf16_h64_unchain_p16_w3"]
+    unchained = {n for n in CASES if report[n]["unchain"]}  # the 64-row bf16 default; never 16-row tiles
+    assert {"bf16_h64_mtp2_p3_w3", "bf16_h64_unchain_p16_w3"} <= unchained and "bf16_p16_w1" not in unchained
 
 
 def test_cases_cover_splits_and_empty_rows(report):
