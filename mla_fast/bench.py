@@ -250,14 +250,12 @@ def run_grid(shapes, combos, peers=True, copy_gbs=None, candidates=False, json_p
 
 
 CANDIDATES = {  # (combo, num_heads) -> KernelConfig overrides of default_config timed beside it (--candidates)
-    # two programs per SM on half tiles (32 tokens: 84 / 92 KB of shared memory each, so two fit)
-    ("bf16", 16): [dict(block_n=32, workers_per_sm=2), dict(block_n=32, num_stages=2, workers_per_sm=2)],
-    ("fp8kv", 16): [dict(block_n=32, workers_per_sm=2), dict(block_n=32, num_stages=4, workers_per_sm=2),
-                    dict(block_n=32, workers_per_sm=2, lazy_l=False)],
-    # score dots behind _unchain: each warpgroup computes half of the scores instead of both computing all
-    ("bf16", 128): [dict(unchain=True), dict(unchain=True, block_n=32),
-                    dict(unchain=True, block_n=32, num_stages=3, page_chunk=32), dict(unchain=True, head_split=1),
-                    dict(unchain=True, num_warps=16, block_n=32, num_stages=3, page_chunk=32)],
+    # L2 prefetch of the next item's first tiles; with it, smaller planner item costs (more, better balanced items)
+    ("bf16", 16): [dict(prefetch=1), dict(prefetch=2), dict(prefetch=2, fixed_overhead=3)],
+    # two programs per SM on 64-token tiles (one tile buffered: 109 KB of shared memory each)
+    ("fp8kv", 16): [dict(prefetch=2), dict(num_stages=2, workers_per_sm=2),
+                    dict(num_stages=2, workers_per_sm=2, prefetch=1)],
+    ("bf16", 128): [dict(unchain=False)],  # before _unchain
 }
 
 

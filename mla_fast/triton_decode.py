@@ -308,6 +308,7 @@ def _mla_decode_kernel(
     MMA: tl.constexpr, INTERPRET: tl.constexpr, UPCAST_BF16: tl.constexpr,
     TILE_IN_PAGE: tl.constexpr, PAGE_CHUNK: tl.constexpr, V_RELOAD: tl.constexpr, FP8_STAGE: tl.constexpr,
     HEAD_SPLIT: tl.constexpr, SPLIT_L: tl.constexpr, LAZY_L: tl.constexpr, UNCHAIN: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     # HEAD_SPLIT consecutive programs run one worker's items, each on its share of the item's heads: they stream
     # the same KV tiles at the same time, so all but the first read of a tile hit the L2
@@ -320,88 +321,176 @@ def _mla_decode_kernel(
     kv_scale = tl.load(KV_SCALE)
     qk_scale = sm_scale * tl.load(Q_SCALE) * kv_scale * 1.4426950408889634  # scores in log2 units
 
-    LS: tl.constexpr = L // SPLIT_L  # latent channels per slice (module docstring: SPLIT_L)
-    offs_m = tl.arange(0, BLOCK_M)  # packed (query row, head) rows of one item
-    offs_s = tl.arange(0, LS)  # c_kv channels of one slice (also V channels)
-    offs_r = tl.arange(0, R)  # k_pe channels
+    if INTERPRET:  # Triton 3.6's interpreter cannot take loaded bounds in range(): the same items in a while loop
+        it = item_begin
+        while it < item_end:
+            _attend_item(
+                it, item_end, Q, KV, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, head_part, OUT, LSE, O_PART, LSE_PART,
+                kv_scale, qk_scale, stride_qt, stride_qh, stride_kvp, stride_kvs, stride_bt, stride_ot, stride_oh,
+                stride_lt, stride_pt, stride_ph, stride_plt, PAGE_SIZE, L, R, BLOCK_M, BLOCK_N, MMA, INTERPRET,
+                UPCAST_BF16, TILE_IN_PAGE, PAGE_CHUNK, V_RELOAD, FP8_STAGE, HEAD_SPLIT, SPLIT_L, LAZY_L, UNCHAIN,
+                PREFETCH)
+            it += 1
+    else:
+        for it in range(item_begin, item_end):
+            _attend_item(
+                it, item_end, Q, KV, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, head_part, OUT, LSE, O_PART, LSE_PART,
+                kv_scale, qk_scale, stride_qt, stride_qh, stride_kvp, stride_kvs, stride_bt, stride_ot, stride_oh,
+                stride_lt, stride_pt, stride_ph, stride_plt, PAGE_SIZE, L, R, BLOCK_M, BLOCK_N, MMA, INTERPRET,
+                UPCAST_BF16, TILE_IN_PAGE, PAGE_CHUNK, V_RELOAD, FP8_STAGE, HEAD_SPLIT, SPLIT_L, LAZY_L, UNCHAIN,
+                PREFETCH)
 
-    it = item_begin
-    while it < item_end:
-        item = WORK_ITEMS + it * 8
-        it += 1
-        b = tl.load(item + _BATCH)
-        partial_row = tl.load(item + _PARTIAL_ROW)
-        qo_start = tl.load(item + _QO_START)
-        qo_end = tl.load(item + _QO_END)
-        kv_start = tl.load(item + _KV_START)
-        kv_end = tl.load(item + _KV_END)
-        item_head_start = tl.load(item + _HEAD_START)
-        num_h = (tl.load(item + _HEAD_END) - item_head_start) // HEAD_SPLIT  # heads of this program
-        head_start = item_head_start + head_part * num_h
 
-        # -- rows: m -> (query row qo, head h), query-major
-        qo = qo_start + offs_m // num_h  # [M]
-        h = head_start + offs_m % num_h  # [M]
-        row_ok = offs_m < (qo_end - qo_start) * num_h  # [M]
-        # MTP causal limit: row r of a request with q_len n, seq_len s sees tokens < s - n + r + 1
-        req_qo_start = tl.load(QO_INDPTR + b)
-        q_len = tl.load(QO_INDPTR + b + 1) - req_qo_start
-        seq_len = tl.load(SEQ_LENS + b)
-        limit = seq_len - q_len + (qo - req_qo_start) + 1  # [M]
-
-        q_row = Q + qo.to(tl.int64)[:, None] * stride_qt + h[:, None] * stride_qh  # [M, 1]
-        q_0 = _load_operand(q_row + offs_s[None, :], row_ok[:, None], MMA, UPCAST_BF16, False)  # [M, LS]
-        q_1, q_2, q_3 = q_0, q_0, q_0  # [M, LS] slices of q_nope (one slice: q_0 is q_nope, the others unused)
-        if SPLIT_L == 4:
-            q_1 = _load_operand(q_row + LS + offs_s[None, :], row_ok[:, None], MMA, UPCAST_BF16, False)
-            q_2 = _load_operand(q_row + 2 * LS + offs_s[None, :], row_ok[:, None], MMA, UPCAST_BF16, False)
-            q_3 = _load_operand(q_row + 3 * LS + offs_s[None, :], row_ok[:, None], MMA, UPCAST_BF16, False)
-        q_pe = _load_operand(q_row + L + offs_r[None, :], row_ok[:, None], MMA, UPCAST_BF16, False)  # [M, R]
-
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of scores (log2 units)
-        if LAZY_L:
-            l_i = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # running sums of exp2(s - m_i), one per tile column
-        else:
-            l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(s - m_i)
-        acc_0 = tl.zeros([BLOCK_M, LS], tl.float32)  # running sum of exp2(s - m_i) * c_kv, slice by slice
-        acc_1, acc_2, acc_3 = acc_0, acc_0, acc_0
-
-        if TILE_IN_PAGE and PAGE_CHUNK > 0:
-            # chunks of PAGE_CHUNK pages: their block-table entries in one vector load, then the chunk's tiles
-            offs_c = tl.arange(0, PAGE_CHUNK)
-            chunk = kv_start
-            while chunk < kv_end:
-                first_page = chunk // PAGE_SIZE
-                chunk_end = tl.minimum((first_page + PAGE_CHUNK) * PAGE_SIZE, kv_end)  # page-aligned unless kv_end
-                pages = tl.load(BLOCK_TABLE + b * stride_bt + first_page + offs_c,
-                                mask=(first_page + offs_c) * PAGE_SIZE < chunk_end, other=0)  # [C]
-                m_i, l_i, acc_0, acc_1, acc_2, acc_3 = _attend_span(
-                    q_0, q_1, q_2, q_3, q_pe, m_i, l_i, acc_0, acc_1, acc_2, acc_3, chunk, chunk_end, kv_end, limit,
-                    pages, first_page, b, KV, BLOCK_TABLE, qk_scale, stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L,
-                    R, BLOCK_N, MMA, INTERPRET, UPCAST_BF16, TILE_IN_PAGE, PAGE_CHUNK, V_RELOAD, FP8_STAGE, SPLIT_L,
-                    LAZY_L, UNCHAIN)
-                chunk = chunk_end
-        else:
+@triton.jit
+def _attend_item(
+    it, item_end, Q, KV, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, head_part, OUT, LSE, O_PART, LSE_PART,
+    kv_scale, qk_scale, stride_qt, stride_qh, stride_kvp, stride_kvs, stride_bt, stride_ot, stride_oh, stride_lt,
+    stride_pt, stride_ph, stride_plt,
+    PAGE_SIZE: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MMA: tl.constexpr, INTERPRET: tl.constexpr, UPCAST_BF16: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
+    PAGE_CHUNK: tl.constexpr, V_RELOAD: tl.constexpr, FP8_STAGE: tl.constexpr, HEAD_SPLIT: tl.constexpr,
+    SPLIT_L: tl.constexpr, LAZY_L: tl.constexpr, UNCHAIN: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    """Work item `it` (of a worker whose items end at item_end): its rows over its token range, then its output (or
+    workspace) rows."""
+    LS: tl.constexpr = L // SPLIT_L
+    b, partial_row, qo_start, n_rows, kv_start, kv_end, head_start, num_h, limit_0 = _item_scalars(
+        WORK_ITEMS, SEQ_LENS, QO_INDPTR, it, head_part, HEAD_SPLIT)
+    qo, h, row_ok, limit, q_0, q_1, q_2, q_3, q_pe = _item_rows(
+        Q, qo_start, n_rows, head_start, num_h, limit_0, stride_qt, stride_qh, L, R, BLOCK_M, MMA, UPCAST_BF16,
+        SPLIT_L)
+    m_i, l_i, acc_0, acc_1, acc_2, acc_3 = _fresh_state(BLOCK_M, BLOCK_N, LS, LAZY_L)
+    if TILE_IN_PAGE and PAGE_CHUNK > 0:
+        # chunks of PAGE_CHUNK pages: their block-table entries in one vector load, then the chunk's tiles
+        chunk = kv_start
+        while chunk < kv_end:
+            first_page = chunk // PAGE_SIZE
+            chunk_end = tl.minimum((first_page + PAGE_CHUNK) * PAGE_SIZE, kv_end)  # page-aligned unless kv_end
+            pages = _load_pages(BLOCK_TABLE, b, stride_bt, first_page, kv_end, PAGE_SIZE, PAGE_CHUNK)  # [C]
+            if PREFETCH > 0 and not INTERPRET:  # once, after this item's first loads (the hint orders memory ops)
+                if (chunk == kv_start) & (it + 1 < item_end):
+                    _prefetch_item(WORK_ITEMS, it + 1, KV, BLOCK_TABLE, stride_kvp, stride_kvs, stride_bt,
+                                   PAGE_SIZE, L + R, BLOCK_N, PREFETCH)
             m_i, l_i, acc_0, acc_1, acc_2, acc_3 = _attend_span(
-                q_0, q_1, q_2, q_3, q_pe, m_i, l_i, acc_0, acc_1, acc_2, acc_3, kv_start, kv_end, kv_end, limit,
-                kv_start, 0, b, KV, BLOCK_TABLE, qk_scale, stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R,
-                BLOCK_N, MMA, INTERPRET, UPCAST_BF16, TILE_IN_PAGE, 0, V_RELOAD, FP8_STAGE, SPLIT_L, LAZY_L, UNCHAIN)
+                q_0, q_1, q_2, q_3, q_pe, m_i, l_i, acc_0, acc_1, acc_2, acc_3, chunk, chunk_end, kv_end, limit,
+                pages, first_page, b, KV, BLOCK_TABLE, qk_scale, stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R,
+                BLOCK_N, MMA, INTERPRET, UPCAST_BF16, True, PAGE_CHUNK, V_RELOAD, FP8_STAGE, SPLIT_L, LAZY_L,
+                UNCHAIN)
+            chunk = chunk_end
+    else:
+        m_i, l_i, acc_0, acc_1, acc_2, acc_3 = _attend_span(
+            q_0, q_1, q_2, q_3, q_pe, m_i, l_i, acc_0, acc_1, acc_2, acc_3, kv_start, kv_end, kv_end, limit,
+            kv_start, 0, b, KV, BLOCK_TABLE, qk_scale, stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R,
+            BLOCK_N, MMA, INTERPRET, UPCAST_BF16, TILE_IN_PAGE, 0, V_RELOAD, FP8_STAGE, SPLIT_L, LAZY_L, UNCHAIN)
+    _store_item(m_i, l_i, acc_0, acc_1, acc_2, acc_3, kv_scale, partial_row, qo, qo_start, h, row_ok, OUT, LSE,
+                O_PART, LSE_PART, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt, LS, SPLIT_L,
+                LAZY_L, INTERPRET)
 
-        # -- epilogue: normalise, unscale V, natural-log LSE; empty rows give out = 0, lse = -inf
-        if LAZY_L:
-            l_i = tl.sum(l_i, 1)  # [M]
-        has_tok = l_i > 0.0
-        o_scale = (kv_scale / tl.where(has_tok, l_i, 1.0))[:, None]  # [M, 1]
-        lse = tl.where(has_tok, (m_i + tl.log2(tl.where(has_tok, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-        if partial_row < 0:
-            out_ptr = OUT + qo.to(tl.int64)[:, None] * stride_ot + h[:, None] * stride_oh + offs_s[None, :]  # [M, LS]
-            _store_rows(out_ptr, acc_0, acc_1, acc_2, acc_3, o_scale, row_ok, LS, SPLIT_L, INTERPRET)
-            tl.store(LSE + qo.to(tl.int64) * stride_lt + h, lse, mask=row_ok)
-        else:
-            prow = (partial_row + qo - qo_start).to(tl.int64)  # [M] workspace rows of this item
-            part_ptr = O_PART + prow[:, None] * stride_pt + h[:, None] * stride_ph + offs_s[None, :]  # [M, LS]
-            _store_rows(part_ptr, acc_0, acc_1, acc_2, acc_3, o_scale, row_ok, LS, SPLIT_L, INTERPRET)
-            tl.store(LSE_PART + prow * stride_plt + h, lse, mask=row_ok)
+
+@triton.jit
+def _prefetch_item(WORK_ITEMS, nxt, KV, BLOCK_TABLE, stride_kvp, stride_kvs, stride_bt,
+                   PAGE_SIZE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr):
+    """L2 prefetch (`prefetch.global.L2`, a hint with no result) of the cache rows of the first PREFETCH tiles of work
+    item `nxt`, so that its first loads hit L2 instead of waiting on HBM after this item's pipeline drains. Tokens
+    past the item's end prefetch rows of page 0 (harmless)."""
+    b = tl.load(WORK_ITEMS + nxt * 8 + _BATCH)
+    start = tl.load(WORK_ITEMS + nxt * 8 + _KV_START)
+    tok = start + tl.arange(0, PREFETCH * BLOCK_N)  # [T]
+    ok = tok < tl.load(WORK_ITEMS + nxt * 8 + _KV_END)
+    page = tl.load(BLOCK_TABLE + b * stride_bt + tok // PAGE_SIZE, mask=ok, other=0)  # [T]
+    LINE: tl.constexpr = 128 // (KV.dtype.element_ty.primitive_bitwidth // 8)  # elements per 128-byte line
+    NL: tl.constexpr = triton.next_power_of_2((D + LINE - 1) // LINE)  # lines per row, rounded up
+    offs_l = tl.arange(0, NL) * LINE  # [NL] line starts in a row
+    row = KV + page.to(tl.int64) * stride_kvp + (tok % PAGE_SIZE).to(tl.int64) * stride_kvs  # [T] row pointers
+    ptrs = row[:, None] + tl.where(offs_l < D, offs_l, 0)[None, :]  # [T, NL] (lines past the row: its first again)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _item_scalars(WORK_ITEMS, SEQ_LENS, QO_INDPTR, it, head_part, HEAD_SPLIT: tl.constexpr):
+    """Work item `it` as seen by this program (its head_part share of the item's heads): request b, first workspace
+    row (-1: unsplit), first query row, packed rows, token range, first head, heads, and the causal limit of the
+    first query row (row r of a request with q_len n and seq_len s sees tokens < s - n + r + 1)."""
+    item = WORK_ITEMS + it * 8
+    b = tl.load(item + _BATCH)
+    qo_start = tl.load(item + _QO_START)
+    item_head_start = tl.load(item + _HEAD_START)
+    num_h = (tl.load(item + _HEAD_END) - item_head_start) // HEAD_SPLIT  # heads of this program
+    req_qo_start = tl.load(QO_INDPTR + b)
+    q_len = tl.load(QO_INDPTR + b + 1) - req_qo_start
+    limit_0 = tl.load(SEQ_LENS + b) - q_len + (qo_start - req_qo_start) + 1
+    return (b, tl.load(item + _PARTIAL_ROW), qo_start, (tl.load(item + _QO_END) - qo_start) * num_h,
+            tl.load(item + _KV_START), tl.load(item + _KV_END), item_head_start + head_part * num_h, num_h, limit_0)
+
+
+@triton.jit
+def _item_rows(Q, qo_start, n_rows, head_start, num_h, limit_0, stride_qt, stride_qh,
+               L: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, MMA: tl.constexpr,
+               UPCAST_BF16: tl.constexpr, SPLIT_L: tl.constexpr):
+    """The packed rows m -> (query row qo, head h) of an item, query-major: qo, h, row_ok, causal limits [M] and the
+    q slices (q_nope in SPLIT_L slices [M, L / SPLIT_L], q_pe [M, R]; masked rows read as 0)."""
+    LS: tl.constexpr = L // SPLIT_L
+    offs_m = tl.arange(0, BLOCK_M)  # packed (query row, head) rows of one item
+    offs_s = tl.arange(0, LS)  # c_kv channels of one slice
+    offs_r = tl.arange(0, R)  # k_pe channels
+    qo = qo_start + offs_m // num_h  # [M]
+    h = head_start + offs_m % num_h  # [M]
+    row_ok = offs_m < n_rows  # [M]
+    limit = limit_0 + offs_m // num_h  # [M]
+    q_row = Q + qo.to(tl.int64)[:, None] * stride_qt + h[:, None] * stride_qh  # [M, 1]
+    q_0 = _load_operand(q_row + offs_s[None, :], row_ok[:, None], MMA, UPCAST_BF16, False)  # [M, LS]
+    q_1, q_2, q_3 = q_0, q_0, q_0  # [M, LS] slices of q_nope (one slice: q_0 is q_nope, the others unused)
+    if SPLIT_L == 4:
+        q_1 = _load_operand(q_row + LS + offs_s[None, :], row_ok[:, None], MMA, UPCAST_BF16, False)
+        q_2 = _load_operand(q_row + 2 * LS + offs_s[None, :], row_ok[:, None], MMA, UPCAST_BF16, False)
+        q_3 = _load_operand(q_row + 3 * LS + offs_s[None, :], row_ok[:, None], MMA, UPCAST_BF16, False)
+    q_pe = _load_operand(q_row + L + offs_r[None, :], row_ok[:, None], MMA, UPCAST_BF16, False)  # [M, R]
+    return qo, h, row_ok, limit, q_0, q_1, q_2, q_3, q_pe
+
+
+@triton.jit
+def _fresh_state(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LS: tl.constexpr, LAZY_L: tl.constexpr):
+    """Online-softmax state before the first tile: m_i = -inf, l_i = 0, acc = 0 (slices [M, LS])."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of scores (log2 units)
+    if LAZY_L:
+        l_i = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # running sums of exp2(s - m_i), one per tile column
+    else:
+        l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(s - m_i)
+    acc_0 = tl.zeros([BLOCK_M, LS], tl.float32)  # running sum of exp2(s - m_i) * c_kv, slice by slice
+    return m_i, l_i, acc_0, acc_0, acc_0, acc_0
+
+
+@triton.jit
+def _load_pages(BLOCK_TABLE, b, stride_bt, first_page, kv_end, PAGE_SIZE: tl.constexpr, PAGE_CHUNK: tl.constexpr):
+    """[PAGE_CHUNK] block-table entries of request b from page `first_page`, in one vector load (pages at or past
+    kv_end read as 0, never used)."""
+    offs_c = tl.arange(0, PAGE_CHUNK)
+    return tl.load(BLOCK_TABLE + b * stride_bt + first_page + offs_c,
+                   mask=(first_page + offs_c) * PAGE_SIZE < kv_end, other=0)  # [C]
+
+
+@triton.jit
+def _store_item(m_i, l_i, acc_0, acc_1, acc_2, acc_3, kv_scale, partial_row, qo, qo_start, h, row_ok, OUT, LSE,
+                O_PART, LSE_PART, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt,
+                LS: tl.constexpr, SPLIT_L: tl.constexpr, LAZY_L: tl.constexpr, INTERPRET: tl.constexpr):
+    """Epilogue of a work item: normalise, unscale V, natural-log LSE; empty rows give out = 0, lse = -inf. Unsplit
+    items (partial_row < 0) write out (bf16) and lse; split items their fp32 workspace rows."""
+    offs_s = tl.arange(0, LS)
+    if LAZY_L:
+        l_i = tl.sum(l_i, 1)  # [M]
+    has_tok = l_i > 0.0
+    o_scale = (kv_scale / tl.where(has_tok, l_i, 1.0))[:, None]  # [M, 1]
+    lse = tl.where(has_tok, (m_i + tl.log2(tl.where(has_tok, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    if partial_row < 0:
+        out_ptr = OUT + qo.to(tl.int64)[:, None] * stride_ot + h[:, None] * stride_oh + offs_s[None, :]  # [M, LS]
+        _store_rows(out_ptr, acc_0, acc_1, acc_2, acc_3, o_scale, row_ok, LS, SPLIT_L, INTERPRET)
+        tl.store(LSE + qo.to(tl.int64) * stride_lt + h, lse, mask=row_ok)
+    else:
+        prow = (partial_row + qo - qo_start).to(tl.int64)  # [M] workspace rows of this item
+        part_ptr = O_PART + prow[:, None] * stride_pt + h[:, None] * stride_ph + offs_s[None, :]  # [M, LS]
+        _store_rows(part_ptr, acc_0, acc_1, acc_2, acc_3, o_scale, row_ok, LS, SPLIT_L, INTERPRET)
+        tl.store(LSE_PART + prow * stride_plt + h, lse, mask=row_ok)
 
 
 @triton.jit
@@ -494,6 +583,8 @@ class KernelConfig:
         fp8_stage: e4m3fn caches with mma="fp16": convert each tile to fp16 once, through an op Triton cannot move,
             so the MMAs read an fp16 tile from shared memory (ldmatrix) instead of gathering fp8 bytes. Same values
             (the conversion is exact); on the device only (the interpreter takes the plain cast).
+        prefetch: with block-table chunks, L2-prefetch the first `prefetch` tiles of the worker's next item when an
+            item starts (0: off; a hint, no numerical effect; device only).
         unchain: with split_l = 4, each score dot passes through `_unchain` (an scf.if), so that Triton lays out a
             64-row score dot on both warpgroups (half of the tile's tokens each) instead of computing it twice. No
             numerical effect (the same dots and sums).
@@ -514,6 +605,7 @@ class KernelConfig:
     split_l: int = 1
     lazy_l: bool = False
     unchain: bool = False
+    prefetch: int = 0
 
     def __post_init__(self):
         if self.page_chunk < 0 or self.page_chunk & (self.page_chunk - 1):
@@ -522,6 +614,8 @@ class KernelConfig:
             raise ValueError(f"split_l must be 1 or 4, got {self.split_l}")
         if self.split_l > 1 and self.v_reload:
             raise ValueError("split_l > 1 reuses each loaded slice for P.V: it excludes v_reload")
+        if self.prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0 tiles, got {self.prefetch}")
 
 
 MAX_ROWS = 64  # packed (query row x head) rows per work item: one M tile
@@ -670,6 +764,7 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
                          f"{config.head_group * config.head_split}, got {plan.head_group}")
     kv = batch.kv_cache
     num_workers = plan.worker_indptr.numel() - 1
+    tile_in_page = kv.shape[1] % config.block_n == 0 and plan.block_n % config.block_n == 0
     compiled = _mla_decode_kernel[(num_workers * config.head_split,)](
         batch.q, kv, batch.block_table, batch.seq_lens, batch.qo_indptr if qo_indptr is None else qo_indptr,
         plan.work_items, plan.worker_indptr,
@@ -685,11 +780,11 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
         lse_part.stride(0),
         PAGE_SIZE=kv.shape[1], L=L, R=R, BLOCK_M=block_m, BLOCK_N=config.block_n,
         MMA=config.mma, INTERPRET=INTERPRET, UPCAST_BF16=UPCAST_BF16,
-        TILE_IN_PAGE=kv.shape[1] % config.block_n == 0 and plan.block_n % config.block_n == 0,
+        TILE_IN_PAGE=tile_in_page,
         PAGE_CHUNK=config.page_chunk, V_RELOAD=config.v_reload,
         FP8_STAGE=config.fp8_stage and not INTERPRET and config.mma == "fp16" and kv.dtype == torch.float8_e4m3fn,
         HEAD_SPLIT=config.head_split, SPLIT_L=config.split_l if L >= 16 * config.split_l else 1, LAZY_L=config.lazy_l,
-        UNCHAIN=config.unchain and config.split_l == 4,
+        UNCHAIN=config.unchain and config.split_l == 4, PREFETCH=config.prefetch,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     num_tiles = plan.reduce_final.shape[0]
