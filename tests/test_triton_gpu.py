@@ -53,7 +53,7 @@ CONFIG_CASES = [  # (case, KernelConfig overrides): non-default configs that mla
     (VARLEN[0], dict(block_n=32, workers_per_sm=2)),
     (VARLEN[4], dict(block_n=32, num_stages=4, workers_per_sm=2)),
     (VARLEN[0], dict(prefetch=2)),
-    (VARLEN[4], dict(num_stages=2, workers_per_sm=2, prefetch=1)),
+    (VARLEN[4], dict(prefetch=1)),
 ]
 
 
