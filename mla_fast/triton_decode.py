@@ -233,17 +233,16 @@ def _attend_tile(
 @triton.jit
 def _attend_span(
     q_0, q_1, q_2, q_3, q_pe, m_i, l_i, acc_0, acc_1, acc_2, acc_3, lo, hi, kv_end, limit, pages, first_page, b, KV,
-    BLOCK_TABLE, qk_scale, stride_kvp, stride_kvs, stride_bt, pf_at, pf_page_0, pf_off_0, pf_page_1, pf_off_1,
+    BLOCK_TABLE, qk_scale, stride_kvp, stride_kvs, stride_bt,
     PAGE_SIZE: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
     MMA: tl.constexpr, INTERPRET: tl.constexpr, UPCAST_BF16: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
     PAGE_CHUNK: tl.constexpr, V_RELOAD: tl.constexpr, FP8_STAGE: tl.constexpr, SPLIT_L: tl.constexpr,
-    LAZY_L: tl.constexpr, UNCHAIN: tl.constexpr, PREFETCH: tl.constexpr,
+    LAZY_L: tl.constexpr, UNCHAIN: tl.constexpr,
 ):
     """The tiles starting at lo, lo + BLOCK_N, ... < hi. Page of a tile (TILE_IN_PAGE): with PAGE_CHUNK > 0, picked
     out of `pages` ([PAGE_CHUNK] block-table entries from page `first_page`, in registers: no load in the loop, so
     Triton pipelines the KV loads num_stages - 1 deep); else one block-table load per tile (which Triton's pipeliner
-    treats as an indirect load: one tile in flight below num_stages = 5). PREFETCH (device): at the tile starting at
-    pf_at, L2-prefetch the PREFETCH tiles at rows pf_off_k of pages pf_page_k (the next item's first tiles)."""
+    treats as an indirect load: one tile in flight below num_stages = 5)."""
     if INTERPRET:  # Triton 3.6's interpreter cannot take loaded bounds in range(): same body in a while loop
         start = lo
         while start < hi:
@@ -255,11 +254,6 @@ def _attend_span(
             start += BLOCK_N
     else:
         for start in range(lo, hi, BLOCK_N):
-            if PREFETCH > 0:
-                if start == pf_at:  # (+ start - pf_at = 0: keeps the addresses in the branch, not hoisted and live)
-                    _prefetch_tile(KV, pf_page_0, pf_off_0 + (start - pf_at), stride_kvp, stride_kvs, BLOCK_N)
-                    if PREFETCH > 1:
-                        _prefetch_tile(KV, pf_page_1, pf_off_1 + (start - pf_at), stride_kvp, stride_kvs, BLOCK_N)
             page = _tile_page(pages, first_page, start, b, BLOCK_TABLE, stride_bt, PAGE_SIZE, TILE_IN_PAGE, PAGE_CHUNK)
             m_i, l_i, acc_0, acc_1, acc_2, acc_3 = _attend_tile(
                 q_0, q_1, q_2, q_3, q_pe, m_i, l_i, acc_0, acc_1, acc_2, acc_3, start, kv_end, limit, page, b, KV,
@@ -314,7 +308,6 @@ def _mla_decode_kernel(
     MMA: tl.constexpr, INTERPRET: tl.constexpr, UPCAST_BF16: tl.constexpr,
     TILE_IN_PAGE: tl.constexpr, PAGE_CHUNK: tl.constexpr, V_RELOAD: tl.constexpr, FP8_STAGE: tl.constexpr,
     HEAD_SPLIT: tl.constexpr, SPLIT_L: tl.constexpr, LAZY_L: tl.constexpr, UNCHAIN: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     # HEAD_SPLIT consecutive programs run one worker's items, each on its share of the item's heads: they stream
     # the same KV tiles at the same time, so all but the first read of a tile hit the L2
@@ -331,34 +324,31 @@ def _mla_decode_kernel(
         it = item_begin
         while it < item_end:
             _attend_item(
-                it, item_end, Q, KV, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, head_part, OUT, LSE, O_PART, LSE_PART,
+                it, Q, KV, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, head_part, OUT, LSE, O_PART, LSE_PART,
                 kv_scale, qk_scale, stride_qt, stride_qh, stride_kvp, stride_kvs, stride_bt, stride_ot, stride_oh,
                 stride_lt, stride_pt, stride_ph, stride_plt, PAGE_SIZE, L, R, BLOCK_M, BLOCK_N, MMA, INTERPRET,
-                UPCAST_BF16, TILE_IN_PAGE, PAGE_CHUNK, V_RELOAD, FP8_STAGE, HEAD_SPLIT, SPLIT_L, LAZY_L, UNCHAIN,
-                PREFETCH)
+                UPCAST_BF16, TILE_IN_PAGE, PAGE_CHUNK, V_RELOAD, FP8_STAGE, HEAD_SPLIT, SPLIT_L, LAZY_L, UNCHAIN)
             it += 1
     else:
         for it in range(item_begin, item_end):
             _attend_item(
-                it, item_end, Q, KV, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, head_part, OUT, LSE, O_PART, LSE_PART,
+                it, Q, KV, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, head_part, OUT, LSE, O_PART, LSE_PART,
                 kv_scale, qk_scale, stride_qt, stride_qh, stride_kvp, stride_kvs, stride_bt, stride_ot, stride_oh,
                 stride_lt, stride_pt, stride_ph, stride_plt, PAGE_SIZE, L, R, BLOCK_M, BLOCK_N, MMA, INTERPRET,
-                UPCAST_BF16, TILE_IN_PAGE, PAGE_CHUNK, V_RELOAD, FP8_STAGE, HEAD_SPLIT, SPLIT_L, LAZY_L, UNCHAIN,
-                PREFETCH)
+                UPCAST_BF16, TILE_IN_PAGE, PAGE_CHUNK, V_RELOAD, FP8_STAGE, HEAD_SPLIT, SPLIT_L, LAZY_L, UNCHAIN)
 
 
 @triton.jit
 def _attend_item(
-    it, item_end, Q, KV, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, head_part, OUT, LSE, O_PART, LSE_PART,
+    it, Q, KV, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, head_part, OUT, LSE, O_PART, LSE_PART,
     kv_scale, qk_scale, stride_qt, stride_qh, stride_kvp, stride_kvs, stride_bt, stride_ot, stride_oh, stride_lt,
     stride_pt, stride_ph, stride_plt,
     PAGE_SIZE: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MMA: tl.constexpr, INTERPRET: tl.constexpr, UPCAST_BF16: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
     PAGE_CHUNK: tl.constexpr, V_RELOAD: tl.constexpr, FP8_STAGE: tl.constexpr, HEAD_SPLIT: tl.constexpr,
-    SPLIT_L: tl.constexpr, LAZY_L: tl.constexpr, UNCHAIN: tl.constexpr, PREFETCH: tl.constexpr,
+    SPLIT_L: tl.constexpr, LAZY_L: tl.constexpr, UNCHAIN: tl.constexpr,
 ):
-    """Work item `it` (of a worker whose items end at item_end): its rows over its token range, then its output (or
-    workspace) rows."""
+    """Work item `it`: its rows over its token range, then its output (or workspace) rows."""
     LS: tl.constexpr = L // SPLIT_L
     b, partial_row, qo_start, n_rows, kv_start, kv_end, head_start, num_h, limit_0 = _item_scalars(
         WORK_ITEMS, SEQ_LENS, QO_INDPTR, it, head_part, HEAD_SPLIT)
@@ -368,10 +358,6 @@ def _attend_item(
     m_i, l_i, acc_0, acc_1, acc_2, acc_3 = _fresh_state(BLOCK_M, BLOCK_N, LS, LAZY_L)
     if TILE_IN_PAGE and PAGE_CHUNK > 0:
         # chunks of PAGE_CHUNK pages: their block-table entries in one vector load, then the chunk's tiles
-        pf_at, pf_page_0, pf_off_0, pf_page_1, pf_off_1 = -1, 0, 0, 0, 0
-        if PREFETCH > 0 and not INTERPRET:
-            pf_at, pf_page_0, pf_off_0, pf_page_1, pf_off_1 = _next_item_tiles(
-                WORK_ITEMS, it, item_end, kv_start, kv_end, BLOCK_TABLE, stride_bt, PAGE_SIZE, BLOCK_N)
         chunk = kv_start
         while chunk < kv_end:
             first_page = chunk // PAGE_SIZE
@@ -379,55 +365,17 @@ def _attend_item(
             pages = _load_pages(BLOCK_TABLE, b, stride_bt, first_page, kv_end, PAGE_SIZE, PAGE_CHUNK)  # [C]
             m_i, l_i, acc_0, acc_1, acc_2, acc_3 = _attend_span(
                 q_0, q_1, q_2, q_3, q_pe, m_i, l_i, acc_0, acc_1, acc_2, acc_3, chunk, chunk_end, kv_end, limit,
-                pages, first_page, b, KV, BLOCK_TABLE, qk_scale, stride_kvp, stride_kvs, stride_bt, pf_at, pf_page_0,
-                pf_off_0, pf_page_1, pf_off_1, PAGE_SIZE, L, R, BLOCK_N, MMA, INTERPRET, UPCAST_BF16, True,
-                PAGE_CHUNK, V_RELOAD, FP8_STAGE, SPLIT_L, LAZY_L, UNCHAIN, PREFETCH)
+                pages, first_page, b, KV, BLOCK_TABLE, qk_scale, stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R,
+                BLOCK_N, MMA, INTERPRET, UPCAST_BF16, True, PAGE_CHUNK, V_RELOAD, FP8_STAGE, SPLIT_L, LAZY_L, UNCHAIN)
             chunk = chunk_end
     else:
         m_i, l_i, acc_0, acc_1, acc_2, acc_3 = _attend_span(
             q_0, q_1, q_2, q_3, q_pe, m_i, l_i, acc_0, acc_1, acc_2, acc_3, kv_start, kv_end, kv_end, limit,
-            kv_start, 0, b, KV, BLOCK_TABLE, qk_scale, stride_kvp, stride_kvs, stride_bt, -1, 0, 0, 0, 0, PAGE_SIZE,
-            L, R, BLOCK_N, MMA, INTERPRET, UPCAST_BF16, TILE_IN_PAGE, 0, V_RELOAD, FP8_STAGE, SPLIT_L, LAZY_L, UNCHAIN,
-            0)
+            kv_start, 0, b, KV, BLOCK_TABLE, qk_scale, stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R,
+            BLOCK_N, MMA, INTERPRET, UPCAST_BF16, TILE_IN_PAGE, 0, V_RELOAD, FP8_STAGE, SPLIT_L, LAZY_L, UNCHAIN)
     _store_item(m_i, l_i, acc_0, acc_1, acc_2, acc_3, kv_scale, partial_row, qo, qo_start, h, row_ok, OUT, LSE,
                 O_PART, LSE_PART, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt, LS, SPLIT_L,
                 LAZY_L, INTERPRET)
-
-
-@triton.jit
-def _next_item_tiles(WORK_ITEMS, it, item_end, kv_start, kv_end, BLOCK_TABLE, stride_bt,
-                     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Where to L2-prefetch the next item's first two tiles (tiles inside pages): (pf_at, page_0, row_0, page_1,
-    row_1). pf_at is the start of this item's second-to-last tile (its only tile if one; -1: no next item or no
-    token), late enough that the streamed tiles in between do not evict the prefetched lines, early enough to hide
-    the HBM latency. A next item of one tile repeats its first tile as the second."""
-    has_next = it + 1 < item_end
-    nxt = WORK_ITEMS + tl.minimum(it + 1, item_end - 1) * 8
-    nb = tl.load(nxt + _BATCH)
-    ns = tl.load(nxt + _KV_START)
-    ne = tl.load(nxt + _KV_END)
-    ok_0 = has_next & (ns < ne)
-    page_0 = tl.load(BLOCK_TABLE + nb * stride_bt + ns // PAGE_SIZE, mask=ok_0, other=0)
-    ok_1 = ok_0 & (ns + BLOCK_N < ne)
-    page_1 = tl.load(BLOCK_TABLE + nb * stride_bt + (ns + BLOCK_N) // PAGE_SIZE, mask=ok_1, other=0)
-    last = kv_start + (kv_end - kv_start - 1) // BLOCK_N * BLOCK_N  # start of this item's last tile
-    pf_at = tl.where(ok_0 & (kv_end > kv_start), tl.maximum(kv_start, last - BLOCK_N), -1)
-    return (pf_at, page_0, ns % PAGE_SIZE, tl.where(ok_1, page_1, page_0),
-            tl.where(ok_1, (ns + BLOCK_N) % PAGE_SIZE, ns % PAGE_SIZE))
-
-
-@triton.jit
-def _prefetch_tile(KV, page, row_0, stride_kvp, stride_kvs, BLOCK_N: tl.constexpr):
-    """L2 prefetch of the BLOCK_N cache rows from row row_0 of `page`: one bulk prefetch
-    (`cp.async.bulk.prefetch.L2.global`, a hint with no result) of the span row_0 * stride_kvs ... (row_0 + BLOCK_N)
-    * stride_kvs of the page (the rows and any padding between them; inside the page, as the tile is), issued by one
-    elected thread per warp."""
-    ESIZE: tl.constexpr = KV.dtype.element_ty.primitive_bitwidth // 8
-    base = KV + page.to(tl.int64) * stride_kvp + row_0.to(tl.int64) * stride_kvs
-    nbytes = (BLOCK_N * stride_kvs * ESIZE + 15) // 16 * 16  # a multiple of 16 bytes (rows start 16-byte aligned)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; elect.sync _|p, 0xffffffff; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [base, nbytes], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -606,8 +554,6 @@ class KernelConfig:
         fp8_stage: e4m3fn caches with mma="fp16": convert each tile to fp16 once, through an op Triton cannot move,
             so the MMAs read an fp16 tile from shared memory (ldmatrix) instead of gathering fp8 bytes. Same values
             (the conversion is exact); on the device only (the interpreter takes the plain cast).
-        prefetch: with block-table chunks, L2-prefetch the first `prefetch` (1 or 2) tiles of the worker's next item
-            two tiles before the current item ends (0: off; a hint, no numerical effect; device only).
         unchain: with split_l = 4, each score dot passes through `_unchain` (an scf.if), so that Triton lays out a
             64-row score dot on both warpgroups (half of the tile's tokens each) instead of computing it twice. No
             numerical effect (the same dots and sums).
@@ -628,7 +574,6 @@ class KernelConfig:
     split_l: int = 1
     lazy_l: bool = False
     unchain: bool = False
-    prefetch: int = 0
 
     def __post_init__(self):
         if self.page_chunk < 0 or self.page_chunk & (self.page_chunk - 1):
@@ -637,8 +582,6 @@ class KernelConfig:
             raise ValueError(f"split_l must be 1 or 4, got {self.split_l}")
         if self.split_l > 1 and self.v_reload:
             raise ValueError("split_l > 1 reuses each loaded slice for P.V: it excludes v_reload")
-        if self.prefetch not in (0, 1, 2):
-            raise ValueError(f"prefetch must be 0, 1 or 2 tiles, got {self.prefetch}")
 
 
 MAX_ROWS = 64  # packed (query row x head) rows per work item: one M tile
@@ -788,9 +731,6 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
     kv = batch.kv_cache
     num_workers = plan.worker_indptr.numel() - 1
     tile_in_page = kv.shape[1] % config.block_n == 0 and plan.block_n % config.block_n == 0
-    if config.prefetch and (any(n * kv.element_size() % 16 for n in kv.stride()[:2]) or kv.data_ptr() % 16):
-        raise ValueError("prefetch (bulk L2 prefetch) needs 16-byte aligned kv_cache pages and rows, got strides "
-                         f"{kv.stride()[:2]} x {kv.element_size()} bytes at {kv.data_ptr():#x}")
     compiled = _mla_decode_kernel[(num_workers * config.head_split,)](
         batch.q, kv, batch.block_table, batch.seq_lens, batch.qo_indptr if qo_indptr is None else qo_indptr,
         plan.work_items, plan.worker_indptr,
@@ -810,7 +750,7 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
         PAGE_CHUNK=config.page_chunk, V_RELOAD=config.v_reload,
         FP8_STAGE=config.fp8_stage and not INTERPRET and config.mma == "fp16" and kv.dtype == torch.float8_e4m3fn,
         HEAD_SPLIT=config.head_split, SPLIT_L=config.split_l if L >= 16 * config.split_l else 1, LAZY_L=config.lazy_l,
-        UNCHAIN=config.unchain and config.split_l == 4, PREFETCH=config.prefetch,
+        UNCHAIN=config.unchain and config.split_l == 4,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     num_tiles = plan.reduce_final.shape[0]

@@ -223,13 +223,6 @@ def test_bad_batches_raise_value_error():
     plan = td.make_plan(batch, replace(config, head_split=1), num_workers=2)  # planned for head_group 8, not 16
     with pytest.raises(ValueError, match="head_split"):
         td.launch(batch, plan, None, None, config)
-    with pytest.raises(ValueError, match="prefetch"):
-        td.KernelConfig(prefetch=3)
-    config = td.KernelConfig(head_group=8, plan_block_n=16, page_chunk=2, prefetch=1)
-    padded = torch.zeros(*batch.kv_cache.shape[:2], batch.kv_cache.shape[2] + 1, dtype=batch.kv_cache.dtype)
-    odd = batch.replace(kv_cache=padded[..., :-1])  # rows of D + 1 bf16: not 16-byte aligned
-    with pytest.raises(ValueError, match="16-byte aligned"):
-        td.launch(odd, td.make_plan(odd, config, num_workers=2), None, None, config)
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:

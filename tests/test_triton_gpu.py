@@ -52,8 +52,6 @@ CONFIG_CASES = [  # (case, KernelConfig overrides): non-default configs that mla
      dict(unchain=True, num_warps=16, block_n=32, num_stages=3, page_chunk=32)),
     (VARLEN[0], dict(block_n=32, workers_per_sm=2)),
     (VARLEN[4], dict(block_n=32, num_stages=4, workers_per_sm=2)),
-    (VARLEN[0], dict(prefetch=2)),
-    (VARLEN[4], dict(prefetch=1)),
 ]
 
 
@@ -107,30 +105,6 @@ def test_bitwise_deterministic_over_10_runs(case):
         out, lse = decode(batch, plan=plan, config=config)
         assert torch.equal(out.view(torch.int16), out0.view(torch.int16))
         assert torch.equal(lse.view(torch.int32), lse0.view(torch.int32))
-
-
-@pytest.mark.parametrize("combo", ["bf16", "fp8kv"])
-def test_prefetch_is_a_hint_bitwise_equal_within_bound(combo):
-    """The next-item L2 prefetch changes no value: with 3 workers (several items each, splits) the output equals the
-    prefetch-free decode bit for bit, within the kernel bound."""
-    from dataclasses import replace
-
-    from mla_fast import triton_decode as td
-    from mla_fast.numerics import triton_numerics
-
-    case = TritonCase((0, 1, 65, 700, 1500, 3000), (1,) * 6, heads=16, page_size=64, combo=combo, L=512, R=64,
-                      seed=17)
-    batch = case.batch("cuda")
-    base = td.default_config(combo, 16, 1)
-    assert base.page_chunk > 0  # the prefetch rides on the block-table chunks
-    plan = td.make_plan(batch, base, 3)
-    assert int((plan.worker_indptr[1:] - plan.worker_indptr[:-1]).max()) >= 2  # some worker has a next item
-    out0, lse0 = td.decode(batch, plan=plan, config=base)
-    out, lse = td.decode(batch, plan=plan, config=replace(base, prefetch=2))
-    assert torch.equal(out.view(torch.int16), out0.view(torch.int16))
-    assert torch.equal(lse.view(torch.int32), lse0.view(torch.int32))
-    r = check(out, lse, batch, triton_numerics(base.mma, base.block_n), plan.stats()["pieces_per_tile"]["max"])
-    assert r["finite"] and r["empty_ok"] and r["out_ratio"] <= 1.0 and r["lse_ratio"] <= 1.0, r
 
 
 def test_cuda_graph_replay_equals_eager():

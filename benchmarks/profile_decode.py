@@ -1,0 +1,31 @@
+"""Launch our Triton decode a few times on one mla-bench shape, for a profiler (`ncu`) to attach to.
+
+    ncu --kernel-name regex:_mla_decode_kernel --launch-skip 1 --launch-count 1 --section SpeedOfLight \\
+        python benchmarks/profile_decode.py --shape 128,8192,16 --dtype fp8kv
+
+Default config (`default_config`), q_len 1, page 64, the same batch as `mla-bench` (`build_batch`).
+"""
+
+import argparse
+
+import torch
+
+from mla_fast.bench import build_batch, ours
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="128,8192,16", help="b,s_k,h")
+    parser.add_argument("--dtype", default="bf16", help="bf16, fp8kv or fp8")
+    parser.add_argument("--calls", type=int, default=3)
+    args = parser.parse_args()
+    b, s, h = (int(x) for x in args.shape.split(","))
+    fn, info = ours(build_batch(b, s, h, args.dtype))
+    for _ in range(args.calls):
+        fn()
+    torch.cuda.synchronize()
+    print({"shape": (b, s, h), "dtype": args.dtype, **info})
+
+
+if __name__ == "__main__":
+    main()
