@@ -158,18 +158,18 @@ def _load_operand(ptrs, mask, MMA: tl.constexpr, UPCAST_BF16: tl.constexpr, FP8_
 
 @triton.jit
 def _attend_tile(
-    q_0, q_1, q_2, q_3, q_pe, m_i, l_i, acc_0, acc_1, acc_2, acc_3, start, kv_end, limit, page, b, KV, BLOCK_TABLE,
-    qk_scale, stride_kvp, stride_kvs, stride_bt,
+    q, q_pe, m_i, l_i, acc, start, kv_end, limit, page, b, KV, BLOCK_TABLE, qk_scale, stride_kvp, stride_kvs,
+    stride_bt,
     PAGE_SIZE: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
     MMA: tl.constexpr, UPCAST_BF16: tl.constexpr, TILE_IN_PAGE: tl.constexpr, V_RELOAD: tl.constexpr,
     FP8_STAGE: tl.constexpr, SPLIT_L: tl.constexpr, LAZY_L: tl.constexpr, UNCHAIN: tl.constexpr,
 ):
     """One KV tile of BLOCK_N tokens from `start`: online-softmax update of (m_i, l_i, acc) for all rows.
 
-    The latent channels come in SPLIT_L column slices of L / SPLIT_L (1 or 4): q_s / acc_s is slice s of q_nope / of
-    the output accumulator (with SPLIT_L = 1, q_0 and acc_0 are whole and the other slices are passed through
-    untouched). Four slices give the score MMA five independent accumulation chains (4 x L/4 + R channels) instead
-    of one chain over L + R, and each P.V MMA a quarter of the columns.
+    The latent channels come in SPLIT_L column slices of L / SPLIT_L (1, 2, 4 or 8): q / acc are tuples of SPLIT_L
+    slices [M, L / SPLIT_L] of q_nope / of the output accumulator. More slices give the score MMA SPLIT_L + 1
+    independent accumulation chains (SPLIT_L x L/SPLIT_L + R channels, summed pairwise at the end) instead of one
+    chain over L + R, and each P.V MMA L / SPLIT_L columns.
     LAZY_L: l_i is [M, N], one running sum per column, reduced over N once after the last tile (one cross-warp
     reduction per tile fewer; another fp32 summation order of the same terms).
     TILE_IN_PAGE: the tile lies inside physical page `page` (contiguous rows); else each token's page is gathered
@@ -187,26 +187,22 @@ def _attend_tile(
     else:
         page = tl.load(BLOCK_TABLE + b * stride_bt + tok // PAGE_SIZE, mask=tok_ok, other=0)  # [N]
         kv_row = KV + page.to(tl.int64)[:, None] * stride_kvp + (tok % PAGE_SIZE)[:, None] * stride_kvs  # [N, 1]
-    c_0 = _load_operand(kv_row + offs_s[None, :], tok_ok[:, None], MMA, UPCAST_BF16, FP8_STAGE)  # [N, LS]
-    if SPLIT_L == 4:
-        c_1 = _load_operand(kv_row + LS + offs_s[None, :], tok_ok[:, None], MMA, UPCAST_BF16, FP8_STAGE)  # [N, LS]
-        c_2 = _load_operand(kv_row + 2 * LS + offs_s[None, :], tok_ok[:, None], MMA, UPCAST_BF16, FP8_STAGE)
-        c_3 = _load_operand(kv_row + 3 * LS + offs_s[None, :], tok_ok[:, None], MMA, UPCAST_BF16, FP8_STAGE)
+    c = ()  # SPLIT_L slices [N, LS] of c_kv, each loaded once for both MMAs
+    for i in tl.static_range(SPLIT_L):
+        c = c + (_load_operand(kv_row + i * LS + offs_s[None, :], tok_ok[:, None], MMA, UPCAST_BF16, FP8_STAGE),)
     k_pe = _load_operand(kv_row + L + offs_r[None, :], tok_ok[:, None], MMA, UPCAST_BF16, FP8_STAGE)  # [N, R]
     if V_RELOAD:  # V loaded again for P.V (hits L1/L2): each load then has one use, which Triton can pipeline
         v = tl.load(kv_row + offs_s[None, :], mask=tok_ok[:, None], other=0.0, eviction_policy="evict_first")
         v = _mma_operand(v, MMA, UPCAST_BF16)  # [N, LS]
     else:
-        v = c_0
+        v = c[0]
 
     # -- scores: sum over slices of [M, LS] x [LS, N], + [M, R] x [R, N] -> [M, N], fp32 accumulation
-    if SPLIT_L == 4:  # independent chains, summed at the end
+    if SPLIT_L > 1:  # independent chains, summed pairwise at the end
         live = start < kv_end  # true: the tile loop runs below kv_end (for _unchain)
-        s = ((_score(q_0, c_0, live, UNCHAIN) + _score(q_1, c_1, live, UNCHAIN))
-             + (_score(q_2, c_2, live, UNCHAIN) + _score(q_3, c_3, live, UNCHAIN)))
-        s = s + _score(q_pe, k_pe, live, UNCHAIN)
+        s = _slice_scores(q, c, live, SPLIT_L, UNCHAIN) + _score(q_pe, k_pe, live, UNCHAIN)
     else:
-        s = tl.dot(q_0, tl.trans(c_0))
+        s = tl.dot(q[0], tl.trans(c[0]))
         s = tl.dot(q_pe, tl.trans(k_pe), s)
     s = s * qk_scale
     visible = (tok[None, :] < limit[:, None]) & tok_ok[None, :]  # [M, N]
@@ -222,18 +218,32 @@ def _attend_tile(
     else:
         l_i = l_i * alpha + tl.sum(p, 1)  # [M]
     p = _mma_operand(p, MMA, UPCAST_BF16)  # P rounded to the MMA dtype (bf16/fp16)
-    acc_0 = tl.dot(p, v, acc_0 * alpha[:, None])  # [M, N] x [N, LS] -> [M, LS]
-    if SPLIT_L == 4:
-        acc_1 = tl.dot(p, c_1, acc_1 * alpha[:, None])
-        acc_2 = tl.dot(p, c_2, acc_2 * alpha[:, None])
-        acc_3 = tl.dot(p, c_3, acc_3 * alpha[:, None])
-    return m_new, l_i, acc_0, acc_1, acc_2, acc_3
+    out = (tl.dot(p, v, acc[0] * alpha[:, None]),)  # [M, N] x [N, LS] -> [M, LS], slice by slice
+    for i in tl.static_range(1, SPLIT_L):
+        out = out + (tl.dot(p, c[i], acc[i] * alpha[:, None]),)
+    return m_new, l_i, out
+
+
+@triton.jit
+def _slice_scores(q, c, live, SPLIT_L: tl.constexpr, UNCHAIN: tl.constexpr):
+    """sum_i q[i] c[i]^T over the SPLIT_L (2, 4 or 8) latent slices -> [M, N] fp32, summed pairwise:
+    (0 + 1), ((0 + 1) + (2 + 3)), (((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)))."""
+    s = ()
+    for i in tl.static_range(SPLIT_L):
+        s = s + (_score(q[i], c[i], live, UNCHAIN),)
+    if SPLIT_L == 2:
+        total = s[0] + s[1]
+    elif SPLIT_L == 4:
+        total = (s[0] + s[1]) + (s[2] + s[3])
+    else:
+        total = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]))
+    return total
 
 
 @triton.jit
 def _attend_span(
-    q_0, q_1, q_2, q_3, q_pe, m_i, l_i, acc_0, acc_1, acc_2, acc_3, lo, hi, kv_end, limit, pages, first_page, b, KV,
-    BLOCK_TABLE, qk_scale, stride_kvp, stride_kvs, stride_bt,
+    q, q_pe, m_i, l_i, acc, lo, hi, kv_end, limit, pages, first_page, b, KV, BLOCK_TABLE, qk_scale, stride_kvp,
+    stride_kvs, stride_bt,
     PAGE_SIZE: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
     MMA: tl.constexpr, INTERPRET: tl.constexpr, UPCAST_BF16: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
     PAGE_CHUNK: tl.constexpr, V_RELOAD: tl.constexpr, FP8_STAGE: tl.constexpr, SPLIT_L: tl.constexpr,
@@ -247,19 +257,19 @@ def _attend_span(
         start = lo
         while start < hi:
             page = _tile_page(pages, first_page, start, b, BLOCK_TABLE, stride_bt, PAGE_SIZE, TILE_IN_PAGE, PAGE_CHUNK)
-            m_i, l_i, acc_0, acc_1, acc_2, acc_3 = _attend_tile(
-                q_0, q_1, q_2, q_3, q_pe, m_i, l_i, acc_0, acc_1, acc_2, acc_3, start, kv_end, limit, page, b, KV,
-                BLOCK_TABLE, qk_scale, stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R, BLOCK_N, MMA, UPCAST_BF16,
-                TILE_IN_PAGE, V_RELOAD, FP8_STAGE, SPLIT_L, LAZY_L, UNCHAIN)
+            m_i, l_i, acc = _attend_tile(
+                q, q_pe, m_i, l_i, acc, start, kv_end, limit, page, b, KV, BLOCK_TABLE, qk_scale, stride_kvp,
+                stride_kvs, stride_bt, PAGE_SIZE, L, R, BLOCK_N, MMA, UPCAST_BF16, TILE_IN_PAGE, V_RELOAD, FP8_STAGE,
+                SPLIT_L, LAZY_L, UNCHAIN)
             start += BLOCK_N
     else:
         for start in range(lo, hi, BLOCK_N):
             page = _tile_page(pages, first_page, start, b, BLOCK_TABLE, stride_bt, PAGE_SIZE, TILE_IN_PAGE, PAGE_CHUNK)
-            m_i, l_i, acc_0, acc_1, acc_2, acc_3 = _attend_tile(
-                q_0, q_1, q_2, q_3, q_pe, m_i, l_i, acc_0, acc_1, acc_2, acc_3, start, kv_end, limit, page, b, KV,
-                BLOCK_TABLE, qk_scale, stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R, BLOCK_N, MMA, UPCAST_BF16,
-                TILE_IN_PAGE, V_RELOAD, FP8_STAGE, SPLIT_L, LAZY_L, UNCHAIN)
-    return m_i, l_i, acc_0, acc_1, acc_2, acc_3
+            m_i, l_i, acc = _attend_tile(
+                q, q_pe, m_i, l_i, acc, start, kv_end, limit, page, b, KV, BLOCK_TABLE, qk_scale, stride_kvp,
+                stride_kvs, stride_bt, PAGE_SIZE, L, R, BLOCK_N, MMA, UPCAST_BF16, TILE_IN_PAGE, V_RELOAD, FP8_STAGE,
+                SPLIT_L, LAZY_L, UNCHAIN)
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -278,15 +288,11 @@ def _tile_page(pages, first_page, start, b, BLOCK_TABLE, stride_bt,
 
 
 @triton.jit
-def _store_rows(ptrs, acc_0, acc_1, acc_2, acc_3, o_scale, row_ok, LS: tl.constexpr, SPLIT_L: tl.constexpr,
-                INTERPRET: tl.constexpr):
-    """Store the normalised output rows acc_s * o_scale, slice by slice ([M, LS] each), in the dtype of `ptrs`
+def _store_rows(ptrs, acc, o_scale, row_ok, LS: tl.constexpr, SPLIT_L: tl.constexpr, INTERPRET: tl.constexpr):
+    """Store the normalised output rows acc[i] * o_scale, slice by slice ([M, LS] each), in the dtype of `ptrs`
     (bf16 `out`: rounded to nearest even; fp32 workspace: as is)."""
-    tl.store(ptrs, _to_out(acc_0 * o_scale, ptrs.dtype.element_ty, INTERPRET), mask=row_ok[:, None])
-    if SPLIT_L == 4:
-        tl.store(ptrs + LS, _to_out(acc_1 * o_scale, ptrs.dtype.element_ty, INTERPRET), mask=row_ok[:, None])
-        tl.store(ptrs + 2 * LS, _to_out(acc_2 * o_scale, ptrs.dtype.element_ty, INTERPRET), mask=row_ok[:, None])
-        tl.store(ptrs + 3 * LS, _to_out(acc_3 * o_scale, ptrs.dtype.element_ty, INTERPRET), mask=row_ok[:, None])
+    for i in tl.static_range(SPLIT_L):
+        tl.store(ptrs + i * LS, _to_out(acc[i] * o_scale, ptrs.dtype.element_ty, INTERPRET), mask=row_ok[:, None])
 
 
 @triton.jit
@@ -352,10 +358,10 @@ def _attend_item(
     LS: tl.constexpr = L // SPLIT_L
     b, partial_row, qo_start, n_rows, kv_start, kv_end, head_start, num_h, limit_0 = _item_scalars(
         WORK_ITEMS, SEQ_LENS, QO_INDPTR, it, head_part, HEAD_SPLIT)
-    qo, h, row_ok, limit, q_0, q_1, q_2, q_3, q_pe = _item_rows(
+    qo, h, row_ok, limit, q, q_pe = _item_rows(
         Q, qo_start, n_rows, head_start, num_h, limit_0, stride_qt, stride_qh, L, R, BLOCK_M, MMA, UPCAST_BF16,
         SPLIT_L)
-    m_i, l_i, acc_0, acc_1, acc_2, acc_3 = _fresh_state(BLOCK_M, BLOCK_N, LS, LAZY_L)
+    m_i, l_i, acc = _fresh_state(BLOCK_M, BLOCK_N, LS, LAZY_L, SPLIT_L)
     if TILE_IN_PAGE and PAGE_CHUNK > 0:
         # chunks of PAGE_CHUNK pages: their block-table entries in one vector load, then the chunk's tiles
         chunk = kv_start
@@ -363,17 +369,15 @@ def _attend_item(
             first_page = chunk // PAGE_SIZE
             chunk_end = tl.minimum((first_page + PAGE_CHUNK) * PAGE_SIZE, kv_end)  # page-aligned unless kv_end
             pages = _load_pages(BLOCK_TABLE, b, stride_bt, first_page, kv_end, PAGE_SIZE, PAGE_CHUNK)  # [C]
-            m_i, l_i, acc_0, acc_1, acc_2, acc_3 = _attend_span(
-                q_0, q_1, q_2, q_3, q_pe, m_i, l_i, acc_0, acc_1, acc_2, acc_3, chunk, chunk_end, kv_end, limit,
-                pages, first_page, b, KV, BLOCK_TABLE, qk_scale, stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R,
+            m_i, l_i, acc = _attend_span(
+                q, q_pe, m_i, l_i, acc, chunk, chunk_end, kv_end, limit, pages, first_page, b, KV, BLOCK_TABLE, qk_scale, stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R,
                 BLOCK_N, MMA, INTERPRET, UPCAST_BF16, True, PAGE_CHUNK, V_RELOAD, FP8_STAGE, SPLIT_L, LAZY_L, UNCHAIN)
             chunk = chunk_end
     else:
-        m_i, l_i, acc_0, acc_1, acc_2, acc_3 = _attend_span(
-            q_0, q_1, q_2, q_3, q_pe, m_i, l_i, acc_0, acc_1, acc_2, acc_3, kv_start, kv_end, kv_end, limit,
-            kv_start, 0, b, KV, BLOCK_TABLE, qk_scale, stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R,
+        m_i, l_i, acc = _attend_span(
+            q, q_pe, m_i, l_i, acc, kv_start, kv_end, kv_end, limit, kv_start, 0, b, KV, BLOCK_TABLE, qk_scale, stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R,
             BLOCK_N, MMA, INTERPRET, UPCAST_BF16, TILE_IN_PAGE, 0, V_RELOAD, FP8_STAGE, SPLIT_L, LAZY_L, UNCHAIN)
-    _store_item(m_i, l_i, acc_0, acc_1, acc_2, acc_3, kv_scale, partial_row, qo, qo_start, h, row_ok, OUT, LSE,
+    _store_item(m_i, l_i, acc, kv_scale, partial_row, qo, qo_start, h, row_ok, OUT, LSE,
                 O_PART, LSE_PART, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt, LS, SPLIT_L,
                 LAZY_L, INTERPRET)
 
@@ -410,26 +414,26 @@ def _item_rows(Q, qo_start, n_rows, head_start, num_h, limit_0, stride_qt, strid
     row_ok = offs_m < n_rows  # [M]
     limit = limit_0 + offs_m // num_h  # [M]
     q_row = Q + qo.to(tl.int64)[:, None] * stride_qt + h[:, None] * stride_qh  # [M, 1]
-    q_0 = _load_operand(q_row + offs_s[None, :], row_ok[:, None], MMA, UPCAST_BF16, False)  # [M, LS]
-    q_1, q_2, q_3 = q_0, q_0, q_0  # [M, LS] slices of q_nope (one slice: q_0 is q_nope, the others unused)
-    if SPLIT_L == 4:
-        q_1 = _load_operand(q_row + LS + offs_s[None, :], row_ok[:, None], MMA, UPCAST_BF16, False)
-        q_2 = _load_operand(q_row + 2 * LS + offs_s[None, :], row_ok[:, None], MMA, UPCAST_BF16, False)
-        q_3 = _load_operand(q_row + 3 * LS + offs_s[None, :], row_ok[:, None], MMA, UPCAST_BF16, False)
+    q = ()  # SPLIT_L slices [M, LS] of q_nope
+    for i in tl.static_range(SPLIT_L):
+        q = q + (_load_operand(q_row + i * LS + offs_s[None, :], row_ok[:, None], MMA, UPCAST_BF16, False),)
     q_pe = _load_operand(q_row + L + offs_r[None, :], row_ok[:, None], MMA, UPCAST_BF16, False)  # [M, R]
-    return qo, h, row_ok, limit, q_0, q_1, q_2, q_3, q_pe
+    return qo, h, row_ok, limit, q, q_pe
 
 
 @triton.jit
-def _fresh_state(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LS: tl.constexpr, LAZY_L: tl.constexpr):
-    """Online-softmax state before the first tile: m_i = -inf, l_i = 0, acc = 0 (slices [M, LS])."""
+def _fresh_state(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LS: tl.constexpr, LAZY_L: tl.constexpr,
+                 SPLIT_L: tl.constexpr):
+    """Online-softmax state before the first tile: m_i = -inf, l_i = 0, acc = SPLIT_L zero slices [M, LS]."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of scores (log2 units)
     if LAZY_L:
         l_i = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # running sums of exp2(s - m_i), one per tile column
     else:
         l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(s - m_i)
-    acc_0 = tl.zeros([BLOCK_M, LS], tl.float32)  # running sum of exp2(s - m_i) * c_kv, slice by slice
-    return m_i, l_i, acc_0, acc_0, acc_0, acc_0
+    acc = ()  # running sums of exp2(s - m_i) * c_kv, slice by slice
+    for _ in tl.static_range(SPLIT_L):
+        acc = acc + (tl.zeros([BLOCK_M, LS], tl.float32),)
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -442,8 +446,7 @@ def _load_pages(BLOCK_TABLE, b, stride_bt, first_page, kv_end, PAGE_SIZE: tl.con
 
 
 @triton.jit
-def _store_item(m_i, l_i, acc_0, acc_1, acc_2, acc_3, kv_scale, partial_row, qo, qo_start, h, row_ok, OUT, LSE,
-                O_PART, LSE_PART, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt,
+def _store_item(m_i, l_i, acc, kv_scale, partial_row, qo, qo_start, h, row_ok, OUT, LSE, O_PART, LSE_PART, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt,
                 LS: tl.constexpr, SPLIT_L: tl.constexpr, LAZY_L: tl.constexpr, INTERPRET: tl.constexpr):
     """Epilogue of a work item: normalise, unscale V, natural-log LSE; empty rows give out = 0, lse = -inf. Unsplit
     items (partial_row < 0) write out (bf16) and lse; split items their fp32 workspace rows."""
@@ -455,12 +458,12 @@ def _store_item(m_i, l_i, acc_0, acc_1, acc_2, acc_3, kv_scale, partial_row, qo,
     lse = tl.where(has_tok, (m_i + tl.log2(tl.where(has_tok, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     if partial_row < 0:
         out_ptr = OUT + qo.to(tl.int64)[:, None] * stride_ot + h[:, None] * stride_oh + offs_s[None, :]  # [M, LS]
-        _store_rows(out_ptr, acc_0, acc_1, acc_2, acc_3, o_scale, row_ok, LS, SPLIT_L, INTERPRET)
+        _store_rows(out_ptr, acc, o_scale, row_ok, LS, SPLIT_L, INTERPRET)
         tl.store(LSE + qo.to(tl.int64) * stride_lt + h, lse, mask=row_ok)
     else:
         prow = (partial_row + qo - qo_start).to(tl.int64)  # [M] workspace rows of this item
         part_ptr = O_PART + prow[:, None] * stride_pt + h[:, None] * stride_ph + offs_s[None, :]  # [M, LS]
-        _store_rows(part_ptr, acc_0, acc_1, acc_2, acc_3, o_scale, row_ok, LS, SPLIT_L, INTERPRET)
+        _store_rows(part_ptr, acc, o_scale, row_ok, LS, SPLIT_L, INTERPRET)
         tl.store(LSE_PART + prow * stride_plt + h, lse, mask=row_ok)
 
 
@@ -545,16 +548,16 @@ class KernelConfig:
             time (one HBM read, the rest from L2), so smaller row tiles cost no extra HBM traffic.
         page_chunk: block-table entries loaded at once (a power of two), when each tile lies inside one page (page
             size and plan_block_n multiples of block_n); 0: one block-table load per tile.
-        split_l: latent column slices (1 or 4; 1 when kv_lora_rank < 16 x split_l): the score MMA runs as split_l + 1
-            independent accumulation chains (slices of L/split_l, then R) summed at the end, instead of one chain
-            over L + R; each slice is loaded once and reused for its P.V MMA. Same products, another fp32 summation
+        split_l: latent column slices (1, 2, 4 or 8; halved while kv_lora_rank < 16 x split_l): the score MMA runs
+            as split_l + 1 independent accumulation chains (slices of L/split_l, then R) summed pairwise at the end,
+            instead of one chain over L + R; each slice is loaded once and reused for its P.V MMA. Same products, another fp32 summation
             order (within the kernel bound's accumulation term).
         lazy_l: keep the softmax denominator as [rows, block_n] running sums, reduced once per work item (one
             cross-warp reduction per tile fewer); another fp32 summation order of the same terms.
         fp8_stage: e4m3fn caches with mma="fp16": convert each tile to fp16 once, through an op Triton cannot move,
             so the MMAs read an fp16 tile from shared memory (ldmatrix) instead of gathering fp8 bytes. Same values
             (the conversion is exact); on the device only (the interpreter takes the plain cast).
-        unchain: with split_l = 4, each score dot passes through `_unchain` (an scf.if), so that Triton lays out a
+        unchain: with split_l > 1, each score dot passes through `_unchain` (an scf.if), so that Triton lays out a
             64-row score dot on both warpgroups (half of the tile's tokens each) instead of computing it twice. No
             numerical effect (the same dots and sums).
     """
@@ -578,8 +581,8 @@ class KernelConfig:
     def __post_init__(self):
         if self.page_chunk < 0 or self.page_chunk & (self.page_chunk - 1):
             raise ValueError(f"page_chunk must be 0 or a power of two, got {self.page_chunk}")
-        if self.split_l not in (1, 4):
-            raise ValueError(f"split_l must be 1 or 4, got {self.split_l}")
+        if self.split_l not in (1, 2, 4, 8):
+            raise ValueError(f"split_l must be 1, 2, 4 or 8, got {self.split_l}")
         if self.split_l > 1 and self.v_reload:
             raise ValueError("split_l > 1 reuses each loaded slice for P.V: it excludes v_reload")
 
@@ -658,6 +661,14 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
                         split_l=4)
 
 
+def effective_split_l(config: KernelConfig, kv_lora_rank: int) -> int:
+    """The kernel's latent slices: config.split_l, halved while a slice would be narrower than 16 channels (tl.dot)."""
+    split_l = config.split_l
+    while split_l > 1 and kv_lora_rank < 16 * split_l:
+        split_l //= 2
+    return split_l
+
+
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (the persistent grid); 4 on CPU (interpreter)."""
     if device.type == "cuda":
@@ -731,6 +742,7 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
     kv = batch.kv_cache
     num_workers = plan.worker_indptr.numel() - 1
     tile_in_page = kv.shape[1] % config.block_n == 0 and plan.block_n % config.block_n == 0
+    split_l = effective_split_l(config, L)
     compiled = _mla_decode_kernel[(num_workers * config.head_split,)](
         batch.q, kv, batch.block_table, batch.seq_lens, batch.qo_indptr if qo_indptr is None else qo_indptr,
         plan.work_items, plan.worker_indptr,
@@ -749,8 +761,7 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
         TILE_IN_PAGE=tile_in_page,
         PAGE_CHUNK=config.page_chunk, V_RELOAD=config.v_reload,
         FP8_STAGE=config.fp8_stage and not INTERPRET and config.mma == "fp16" and kv.dtype == torch.float8_e4m3fn,
-        HEAD_SPLIT=config.head_split, SPLIT_L=config.split_l if L >= 16 * config.split_l else 1, LAZY_L=config.lazy_l,
-        UNCHAIN=config.unchain and config.split_l == 4,
+        HEAD_SPLIT=config.head_split, SPLIT_L=split_l, LAZY_L=config.lazy_l, UNCHAIN=config.unchain and split_l > 1,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     num_tiles = plan.reduce_final.shape[0]

@@ -50,6 +50,10 @@ CASES = {
     # one request, 64 heads: the small-batch default (16-row tiles, 4 head groups per worker)
     "bf16_h64_b1_smallbatch_w3": TritonCase((90,), (1,), heads=64, page_size=16, num_workers=3, seed=33),
     "fp8kv_lazyl_splitl1_p16_w3": TritonCase((40, 0, 70), (1, 1, 1), page_size=16, combo="fp8kv", seed=29),
+    # eight latent slices (L = 128: slices of 16), fp8 KV staged as fp16, and bf16 with MTP
+    "fp8kv_splitl8_p16_w3": TritonCase((40, 0, 70), (1, 1, 1), page_size=16, combo="fp8kv", L=128, R=32,
+                                       num_workers=3, seed=35),
+    "bf16_splitl8_p3_mtp2_w3": TritonCase((50, 9), (2, 1), page_size=3, L=128, R=32, num_workers=3, seed=36),
     # 64-row tiles (default: score dots behind _unchain, an scf.if per slice), page 16 with splits and MTP
     "bf16_h64_unchain_p16_w3": TritonCase((70, 0, 33), (1, 1, 2), heads=64, page_size=16, num_workers=3, seed=34),
 }
@@ -62,12 +66,14 @@ CONFIG_OVERRIDES = {  # KernelConfig fields beside the default_config of the cas
     "fp8_splitl4_p16_mtp2_w3": dict(split_l=4, v_reload=False),
     "bf16_lazyl_p3_mtp2_w3": dict(lazy_l=True),
     "fp8kv_lazyl_splitl1_p16_w3": dict(lazy_l=True, split_l=1),
+    "fp8kv_splitl8_p16_w3": dict(split_l=8),
+    "bf16_splitl8_p3_mtp2_w3": dict(split_l=8),
 }
 SPLIT_CASES = {  # the plan must cut at least one (request, head group)
     "bf16_p16_w3_empty", "bf16_p1_w8", "bf16_p3_mtp2_w3", "bf16_h32_mtp2_w8", "fp8kv_p16_w3", "fp8kv_p3_mtp2_w8",
     "fp8_p1_w3", "bf16_p32_chunk2_w2", "fp8kv_p32_chunk2_split2_w2", "bf16_splitl4_p16_w3_empty",
     "fp8kv_splitl4_p3_mtp2_w8", "fp8_splitl4_p16_mtp2_w3", "bf16_lazyl_p3_mtp2_w3", "fp8kv_lazyl_splitl1_p16_w3",
-    "bf16_h64_unchain_p16_w3",
+    "bf16_h64_unchain_p16_w3", "fp8kv_splitl8_p16_w3", "bf16_splitl8_p3_mtp2_w3",
 }
 PLAN_BLOCK_N, BLOCK_N = 16, 16  # tokens per planner block / kernel tile in the interpreter; item overhead 1 block
 
@@ -97,9 +103,9 @@ def _worker() -> dict:
         result["num_workers"] = plan.num_workers
         result["plan_head_group"] = plan.head_group
         result["page_chunk"] = config.page_chunk
-        result["split_l"] = config.split_l
+        result["split_l"] = td.effective_split_l(config, case.L)  # the kernel's SPLIT_L
         result["lazy_l"] = config.lazy_l
-        result["unchain"] = config.unchain and config.split_l == 4  # the kernel's UNCHAIN constexpr
+        result["unchain"] = config.unchain and td.effective_split_l(config, case.L) > 1  # the UNCHAIN constexpr
         result["head_group"] = config.head_group
         report[name] = result
     # the interpreter workaround is what makes bf16 right: without it, bf16 tl.dot in the interpreter is wrong
@@ -154,6 +160,7 @@ def test_default_config_takes_the_new_paths(report):
     assert report["bf16_p16_w1"]["page_chunk"] > 0  # block-table chunks
     assert report["bf16_h64_mtp2_p3_w3"]["plan_head_group"] == 64  # 2 programs x 32 heads
     assert [report[n]["split_l"] for n in CASES if "splitl4" in n] == [4, 4, 4]  # L = 64: four slices of 16
+    assert [report[n]["split_l"] for n in CASES if "splitl8" in n] == [8, 8]  # L = 128: eight slices of 16
     assert report["bf16_p16_w1"]["split_l"] == 4  # the default at 16 rows
     small, large = report["bf16_h64_b1_smallbatch_w3"], report["bf16_h64_mtp2_p3_w3"]
     assert (small["plan_head_group"], small["head_group"]) == (64, 16)  # 4 programs x 16 heads
@@ -216,7 +223,7 @@ def test_bad_batches_raise_value_error():
     with pytest.raises(ValueError, match="page_chunk"):
         td.KernelConfig(page_chunk=24)
     with pytest.raises(ValueError, match="split_l"):
-        td.KernelConfig(split_l=2)
+        td.KernelConfig(split_l=3)
     with pytest.raises(ValueError, match="v_reload"):
         td.KernelConfig(split_l=4, v_reload=True)
     config = td.KernelConfig(head_group=8, head_split=2, plan_block_n=16)

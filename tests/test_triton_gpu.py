@@ -50,6 +50,10 @@ CONFIG_CASES = [  # (case, KernelConfig overrides): non-default configs that mla
     (VARLEN[3], dict(unchain=True, block_n=32)),
     (TritonCase(_H128, (1,) * 4, heads=128, page_size=64, combo="bf16", L=512, R=64, seed=16),
      dict(unchain=True, num_warps=16, block_n=32, num_stages=3, page_chunk=32)),
+    (VARLEN[0], dict(split_l=8)),
+    (VARLEN[4], dict(split_l=8)),
+    (VARLEN[6], dict(split_l=8, v_reload=False)),
+    (TritonCase(_H128, (1,) * 4, heads=128, page_size=64, combo="bf16", L=512, R=64, seed=18), dict(split_l=8)),
     (VARLEN[0], dict(block_n=32, workers_per_sm=2)),
     (VARLEN[4], dict(block_n=32, num_stages=4, workers_per_sm=2)),
 ]
