@@ -250,11 +250,13 @@ def run_grid(shapes, combos, peers=True, copy_gbs=None, candidates=False, json_p
 
 
 CANDIDATES = {  # (combo, num_heads) -> KernelConfig overrides of default_config timed beside it (--candidates)
-    # eight latent slices of 64 channels: the fp16 staging stores of fp8 tiles without bank conflicts (ncu: 8.3-way
-    # on 128-channel slices)
-    ("bf16", 16): [dict(split_l=8)],
-    ("fp8kv", 16): [dict(split_l=8), dict(split_l=8, num_warps=8)],
-    ("bf16", 128): [dict(unchain=False), dict(split_l=8)],  # before _unchain; eight slices
+    ("bf16", 16): [dict(split_l=8)],  # eight latent slices (neutral for bf16: no staging)
+    ("fp8kv", 16): [dict(split_l=4),  # before eight slices
+                    dict(num_stages=4), dict(lazy_l=False), dict(num_stages=2, workers_per_sm=2)],
+    # fp8 q + KV through the fp8kv path: staged fp16 tiles, eight slices
+    ("fp8", 16): [dict(fp8_stage=True, split_l=8, page_chunk=32, lazy_l=True, num_warps=4, num_stages=3,
+                       v_reload=False)],
+    ("bf16", 128): [dict(unchain=False)],  # before _unchain
 }
 
 
