@@ -360,7 +360,7 @@ def _attend_item(
         WORK_ITEMS, SEQ_LENS, QO_INDPTR, it, head_part, HEAD_SPLIT)
     qo, h, row_ok, limit, q, q_pe = _item_rows(
         Q, qo_start, n_rows, head_start, num_h, limit_0, stride_qt, stride_qh, L, R, BLOCK_M, MMA, UPCAST_BF16,
-        SPLIT_L)
+        SPLIT_L, FP8_STAGE)
     m_i, l_i, acc = _fresh_state(BLOCK_M, BLOCK_N, LS, LAZY_L, SPLIT_L)
     if TILE_IN_PAGE and PAGE_CHUNK > 0:
         # chunks of PAGE_CHUNK pages: their block-table entries in one vector load, then the chunk's tiles
@@ -402,10 +402,12 @@ def _item_scalars(WORK_ITEMS, SEQ_LENS, QO_INDPTR, it, head_part, HEAD_SPLIT: tl
 @triton.jit
 def _item_rows(Q, qo_start, n_rows, head_start, num_h, limit_0, stride_qt, stride_qh,
                L: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, MMA: tl.constexpr,
-               UPCAST_BF16: tl.constexpr, SPLIT_L: tl.constexpr):
+               UPCAST_BF16: tl.constexpr, SPLIT_L: tl.constexpr, FP8_STAGE: tl.constexpr):
     """The packed rows m -> (query row qo, head h) of an item, query-major: qo, h, row_ok, causal limits [M] and the
-    q slices (q_nope in SPLIT_L slices [M, L / SPLIT_L], q_pe [M, R]; masked rows read as 0)."""
+    q slices (q_nope in SPLIT_L slices [M, L / SPLIT_L], q_pe [M, R]; masked rows read as 0). With FP8_STAGE an
+    e4m3fn q is converted to fp16 here, once per item (else Triton converts the bytes at every tile's MMA)."""
     LS: tl.constexpr = L // SPLIT_L
+    Q_STAGE: tl.constexpr = FP8_STAGE and Q.dtype.element_ty == tl.float8e4nv
     offs_m = tl.arange(0, BLOCK_M)  # packed (query row, head) rows of one item
     offs_s = tl.arange(0, LS)  # c_kv channels of one slice
     offs_r = tl.arange(0, R)  # k_pe channels
@@ -416,8 +418,8 @@ def _item_rows(Q, qo_start, n_rows, head_start, num_h, limit_0, stride_qt, strid
     q_row = Q + qo.to(tl.int64)[:, None] * stride_qt + h[:, None] * stride_qh  # [M, 1]
     q = ()  # SPLIT_L slices [M, LS] of q_nope
     for i in tl.static_range(SPLIT_L):
-        q = q + (_load_operand(q_row + i * LS + offs_s[None, :], row_ok[:, None], MMA, UPCAST_BF16, False),)
-    q_pe = _load_operand(q_row + L + offs_r[None, :], row_ok[:, None], MMA, UPCAST_BF16, False)  # [M, R]
+        q = q + (_load_operand(q_row + i * LS + offs_s[None, :], row_ok[:, None], MMA, UPCAST_BF16, Q_STAGE),)
+    q_pe = _load_operand(q_row + L + offs_r[None, :], row_ok[:, None], MMA, UPCAST_BF16, Q_STAGE)  # [M, R]
     return qo, h, row_ok, limit, q, q_pe
 
 
