@@ -249,13 +249,10 @@ def run_grid(shapes, combos, peers=True, copy_gbs=None, candidates=False, json_p
     return result
 
 
-_FP8_STAGED = dict(fp8_stage=True, split_l=8, page_chunk=32, lazy_l=True, num_warps=4, v_reload=False)
 CANDIDATES = {  # (combo, num_heads) -> KernelConfig overrides of default_config timed beside it (--candidates)
-    ("bf16", 16): [dict(split_l=8)],  # eight latent slices (neutral for bf16: no staging)
-    ("fp8kv", 16): [dict(split_l=4),  # before eight slices
-                    dict(num_stages=4), dict(block_n=32, num_stages=8)],
-    # fp8 q + KV through the fp8kv path: staged fp16 tiles (q staged once per item), eight slices
-    ("fp8", 16): [dict(_FP8_STAGED, num_stages=3), dict(_FP8_STAGED, num_stages=4)],
+    ("fp8kv", 16): [dict(split_l=4, num_stages=3)],  # before eight slices and three tiles buffered
+    ("fp8", 16): [dict(fp8_stage=False, split_l=1, page_chunk=0, lazy_l=False, num_warps=8, num_stages=5,
+                       v_reload=True)],  # before the staged path
     ("bf16", 128): [dict(unchain=False)],  # before _unchain
 }
 

@@ -629,13 +629,15 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
       (head_split 2: both read each KV tile at the same time, once from HBM; 4 % faster at (128, 4096, 128)), and
       the score dots behind `_unchain` (each warpgroup half of the scores): 491 vs 586 us at (128, 4096, 128), 164
       vs 188 us at (32, 4096, 128).
-    - bf16 q + e4m3fn cache, rows <= 16: each tile converted to fp16 once (fp8_stage; 6-9 % faster than the
+    - bf16 or fp8 q + e4m3fn cache, rows <= 16: each tile converted to fp16 once (fp8_stage; 6-9 % faster than the
       V-reload path), block-table chunks with two tiles buffered and per-column softmax sums (lazy_l): with 4 warps
       and latent slices 4-9 % faster than per-tile block-table loads and 5 stages. Eight slices of 64 channels:
       staging a 128-channel slice had 8.3-way shared-store bank conflicts (ncu; each 8-lane phase of the
       [4, 8]-thread layout stores 4 distinct 16-byte bank groups twice); 64-channel slices take a [8, 4]-thread
-      layout whose phases cover all 8. 4-10 % faster than four slices (309 vs 342 us at (128, 8192, 16)).
-    - other fp8 caches: fp16 MMAs on the fp8 tile gathered from shared memory, V loaded a second time.
+      layout whose phases cover all 8. 4-10 % faster than four slices (309 vs 342 us at (128, 8192, 16)); three
+      tiles buffered (num_stages 4, 198 KB of shared memory) 1-3 % faster again at b >= 32 (304 us), 3 % slower
+      at b = 1. The same path for fp8 q (q staged as fp16 once per item): 304 vs 407 us for the V-reload path.
+    - fp8 caches with more than 16 rows: fp16 MMAs on the fp8 tile gathered from shared memory, V loaded again.
     - bf16 with 64-row tiles, q_len 1 and batch_size <= SMALL_BATCH: 16-row tiles as at h = 16, all num_heads / 16 head
       groups of a worker reading each KV tile together (head_split; each KV tile read once from HBM, the rest from
       L2): 31.5 vs 35.1 µs at (1, 8192, 128) (FlashInfer 27.4). At b = 32 the same config took 263 vs 189 µs (8 x
@@ -657,8 +659,8 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
         head_split = 2 if num_heads % (2 * head_group) == 0 else 1
         return KernelConfig(block_n=64, num_warps=8, num_stages=2, mma=mma, head_group=head_group,
                             head_split=head_split, split_l=4, unchain=True)
-    if combo == "fp8kv" and rows <= 16:
-        return KernelConfig(block_n=64, num_warps=warps, num_stages=3, mma=mma, head_group=head_group,
+    if fp8_kv and rows <= 16:  # bf16 or fp8 q with an fp8 cache
+        return KernelConfig(block_n=64, num_warps=warps, num_stages=4, mma=mma, head_group=head_group,
                             fp8_stage=True, split_l=8, page_chunk=32, lazy_l=True)
     if fp8_kv:
         return KernelConfig(block_n=64, num_warps=8, num_stages=5, mma=mma, head_group=head_group, v_reload=True)

@@ -55,7 +55,6 @@ CONFIG_CASES = [  # (case, KernelConfig overrides): non-default configs that mla
     (VARLEN[6], dict(split_l=8, v_reload=False)),
     (VARLEN[6], dict(fp8_stage=True, split_l=8, page_chunk=32, lazy_l=True, num_warps=4, num_stages=4, v_reload=False)),
     (VARLEN[4], dict(num_stages=4)),
-    (VARLEN[0], dict(block_n=32, num_stages=8, split_l=8)),
     (TritonCase(_H128, (1,) * 4, heads=128, page_size=64, combo="bf16", L=512, R=64, seed=18), dict(split_l=8)),
     (VARLEN[0], dict(block_n=32, workers_per_sm=2)),
     (VARLEN[4], dict(block_n=32, num_stages=4, workers_per_sm=2)),
