@@ -249,19 +249,13 @@ def run_grid(shapes, combos, peers=True, copy_gbs=None, candidates=False, json_p
     return result
 
 
-_FP8_STAGED = dict(fp8_stage=True, split_l=8, page_chunk=32, lazy_l=True, v_reload=False)  # the <= 16-row fp8 path
+_V_RELOAD = dict(fp8_stage=False, split_l=1, page_chunk=0, lazy_l=False, num_warps=8, num_stages=5, v_reload=True)
 CANDIDATES = {  # (combo, num_heads) -> KernelConfig overrides of default_config timed beside it (--candidates)
     ("fp8kv", 16): [dict(split_l=4, num_stages=3)],  # before eight slices and three tiles buffered
-    ("fp8", 16): [dict(fp8_stage=False, split_l=1, page_chunk=0, lazy_l=False, num_warps=8, num_stages=5,
-                       v_reload=True)],  # before the staged path
+    ("fp8", 16): [_V_RELOAD],  # before the staged path
     ("bf16", 128): [dict(unchain=False)],  # before _unchain
-    # fp8 at 128 heads through the staged path: 16-row programs, 8 per worker sharing each tile; 32-row programs
-    ("fp8kv", 128): [dict(_FP8_STAGED, num_stages=4, num_warps=4, head_group=16, head_split=8),
-                     dict(_FP8_STAGED, num_stages=3, num_warps=8),
-                     dict(_FP8_STAGED, num_stages=3, num_warps=8, head_split=4)],
-    ("fp8", 128): [dict(_FP8_STAGED, num_stages=4, num_warps=4, head_group=16, head_split=8),
-                   dict(_FP8_STAGED, num_stages=3, num_warps=8),
-                   dict(_FP8_STAGED, num_stages=3, num_warps=8, head_split=4)],
+    ("fp8kv", 128): [_V_RELOAD, dict(num_stages=4, num_warps=4, head_group=16, head_split=8)],
+    ("fp8", 128): [_V_RELOAD],
 }
 
 

@@ -637,7 +637,9 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
       layout whose phases cover all 8. 4-10 % faster than four slices (309 vs 342 us at (128, 8192, 16)); three
       tiles buffered (num_stages 4, 198 KB of shared memory) 1-3 % faster again at b >= 32 (304 us), 3 % slower
       at b = 1. The same path for fp8 q (q staged as fp16 once per item): 304 vs 407 us for the V-reload path.
-    - fp8 caches with more than 16 rows: fp16 MMAs on the fp8 tile gathered from shared memory, V loaded again.
+    - fp8 caches with 17-32 rows (8 warps): the same staged path with two tiles buffered: 989 vs 1204 us at
+      (128, 4096, 128), 250 vs 308 us at (32, 4096, 128) against fp16 MMAs on the fp8 tile gathered from shared
+      memory with V loaded again (v_reload).
     - bf16 with 64-row tiles, q_len 1 and batch_size <= SMALL_BATCH: 16-row tiles as at h = 16, all num_heads / 16 head
       groups of a worker reading each KV tile together (head_split; each KV tile read once from HBM, the rest from
       L2): 31.5 vs 35.1 µs at (1, 8192, 128) (FlashInfer 27.4). At b = 32 the same config took 263 vs 189 µs (8 x
@@ -659,11 +661,9 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
         head_split = 2 if num_heads % (2 * head_group) == 0 else 1
         return KernelConfig(block_n=64, num_warps=8, num_stages=2, mma=mma, head_group=head_group,
                             head_split=head_split, split_l=4, unchain=True)
-    if fp8_kv and rows <= 16:  # bf16 or fp8 q with an fp8 cache
-        return KernelConfig(block_n=64, num_warps=warps, num_stages=4, mma=mma, head_group=head_group,
-                            fp8_stage=True, split_l=8, page_chunk=32, lazy_l=True)
-    if fp8_kv:
-        return KernelConfig(block_n=64, num_warps=8, num_stages=5, mma=mma, head_group=head_group, v_reload=True)
+    if fp8_kv:  # bf16 or fp8 q with an fp8 cache: <= 32 rows
+        return KernelConfig(block_n=64, num_warps=warps, num_stages=4 if rows <= 16 else 3, mma=mma,
+                            head_group=head_group, fp8_stage=True, split_l=8, page_chunk=32, lazy_l=True)
     return KernelConfig(block_n=64, num_warps=warps, num_stages=3, mma=mma, head_group=head_group, page_chunk=32,
                         split_l=4)
 

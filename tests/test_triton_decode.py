@@ -54,6 +54,8 @@ CASES = {
     "fp8kv_splitl8_p16_w3": TritonCase((40, 0, 70), (1, 1, 1), page_size=16, combo="fp8kv", L=128, R=32,
                                        num_workers=3, seed=35),
     "bf16_splitl8_p3_mtp2_w3": TritonCase((50, 9), (2, 1), page_size=3, L=128, R=32, num_workers=3, seed=36),
+    # V loaded a second time for P.V (v_reload, no latent slices): fp8 q + KV with MTP
+    "fp8_vreload_p16_mtp2_w3": TritonCase((50, 20), (2, 2), page_size=16, combo="fp8", num_workers=3, seed=37),
     # 64-row tiles (default: score dots behind _unchain, an scf.if per slice), page 16 with splits and MTP
     "bf16_h64_unchain_p16_w3": TritonCase((70, 0, 33), (1, 1, 2), heads=64, page_size=16, num_workers=3, seed=34),
 }
@@ -67,13 +69,14 @@ CONFIG_OVERRIDES = {  # KernelConfig fields beside the default_config of the cas
     "bf16_lazyl_p3_mtp2_w3": dict(lazy_l=True),
     "fp8kv_lazyl_splitl1_p16_w3": dict(lazy_l=True, split_l=1),
     "fp8kv_splitl8_p16_w3": dict(split_l=8),
+    "fp8_vreload_p16_mtp2_w3": dict(v_reload=True, split_l=1, fp8_stage=False, lazy_l=False, page_chunk=0),
     "bf16_splitl8_p3_mtp2_w3": dict(split_l=8),
 }
 SPLIT_CASES = {  # the plan must cut at least one (request, head group)
     "bf16_p16_w3_empty", "bf16_p1_w8", "bf16_p3_mtp2_w3", "bf16_h32_mtp2_w8", "fp8kv_p16_w3", "fp8kv_p3_mtp2_w8",
     "fp8_p1_w3", "bf16_p32_chunk2_w2", "fp8kv_p32_chunk2_split2_w2", "bf16_splitl4_p16_w3_empty",
     "fp8kv_splitl4_p3_mtp2_w8", "fp8_splitl4_p16_mtp2_w3", "bf16_lazyl_p3_mtp2_w3", "fp8kv_lazyl_splitl1_p16_w3",
-    "bf16_h64_unchain_p16_w3", "fp8kv_splitl8_p16_w3", "bf16_splitl8_p3_mtp2_w3",
+    "bf16_h64_unchain_p16_w3", "fp8kv_splitl8_p16_w3", "bf16_splitl8_p3_mtp2_w3", "fp8_vreload_p16_mtp2_w3",
 }
 PLAN_BLOCK_N, BLOCK_N = 16, 16  # tokens per planner block / kernel tile in the interpreter; item overhead 1 block
 
