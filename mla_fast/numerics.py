@@ -13,12 +13,12 @@ Rounding points of `_mla_decode_kernel` (per query row, per KV tile of BLOCK_N t
    larger overflow to inf. When some value is not exact in fp16, verify.bounds charges u(fp16) |q| + 2^-25 (half
    the fp16 min subnormal: the absolute error of a flushed or subnormal value) to every q element.
    V loaded a second time for P.V (config v_reload) holds the same values, and so does the fp16 copy of an e4m3fn
-   tile staged in shared memory (config fp8_stage, exact conversion): no numerical effect.
+   tile (and of an e4m3fn q) staged in shared memory (config fp8_stage, exact conversion): no numerical effect.
 2. QK: fp32 accumulators over the L (512) latent and R (64) rope channels: one chain (L, then R onto it) with
-   split_l = 1; with split_l = 4 (the default) four independent chains of L/4 channels and one of R, summed by four
-   fp32 adds. Either way every score is a sum of L + R products with at most L + R additions. Tensor-core fp32
-   accumulation is not guaranteed round-to-nearest (truncation is documented for NVIDIA tensor cores, Fasi et al.,
-   SIAM J. Sci. Comput. 2021), so each addition is charged 2^-23 (one fp32 ulp, chopped), plus one fp32 rounding of
+   split_l = 1; with split_l = n (4 for bf16, 8 for fp8 caches by default) n independent chains of L/n channels and
+   one of R, summed pairwise by n fp32 adds. Either way every score is a sum of L + R products with at most L + R
+   additions. Tensor-core fp32 accumulation is not guaranteed round-to-nearest (truncation is documented for NVIDIA
+   tensor cores, Fasi et al., SIAM J. Sci. Comput. 2021), so each addition is charged 2^-23 (one fp32 ulp, chopped), plus one fp32 rounding of
    the scale multiply: gamma_qk = (L + R + 1) * 2^-23, whatever the summation order.
 3. Softmax: base 2, s * log2(e) folded into the scale; exp2 is the hardware approximation (~2 ulp), covered by the
    2^-22 term of §5(f). Row sums l in fp32 from unrounded P (with lazy_l one running sum per tile column, each

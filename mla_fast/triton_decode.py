@@ -33,18 +33,20 @@ Numerics (declared in mla_fast/numerics.py, read by verify.bounds; keep the two 
   because fp8 -> fp16 is one conversion instruction per pair and fp8 -> bf16 is not.
 - fp8 per-tensor scales: q_scale * kv_scale is folded into the score scale, kv_scale multiplies the output once
   after normalisation (fp32). The MMAs see the raw fp8 values. `v_reload` (V loaded a second time for P.V, so that
-  Triton pipelines both fp8 loads) and `fp8_stage` (the e4m3fn tile converted to fp16 once and read by both MMAs
-  from shared memory) give the MMAs the same values: no numerical effect.
+  Triton pipelines both fp8 loads) and `fp8_stage` (the e4m3fn tile, and an e4m3fn q once per item, converted to
+  fp16 and read by both MMAs from shared memory) give the MMAs the same values: no numerical effect.
 
-Performance (one H200, mla-bench, CUDA-graph replays, copy rate 4241 GB/s; peers.md §2 conditions; README table):
-bf16 h=16 takes 290 us at (b=128, s=8192), 4.18 TB/s = 99 % of copy (FlashInfer FA3 294 us), 155 us at (128, 4096),
-99 us at (64, 4096), 60 us at (32, 4096), 162 us at (32, 16384), 23 us at (1, 8192); fp8 KV (bf16 q) 1.03-1.19x
-slower than bf16; h=128 bf16 491 us at (128, 4096) (FlashMLA 250 us). The tile loop is latency-bound, not
+Performance (one H200, mla-bench, CUDA-graph replays, copy rate 4244 GB/s; peers.md §2 conditions; README table):
+bf16 h=16 takes 290 us at (b=128, s=8192), 4.18 TB/s = 98 % of copy (FlashInfer FA3 291 us), 155 us at (128, 4096),
+99 us at (64, 4096), 60 us at (32, 4096), 163 us at (32, 16384), 23 us at (1, 8192); fp8 KV (bf16 or fp8 q) 0.92-1.06x
+our bf16 time; h=128 bf16 492 us at (128, 4096) (FlashMLA 243 us). The tile loop is latency-bound, not
 bandwidth-bound: one score MMA chain over L + R = 576 channels per warp was the critical path (~3.3k cycles per
 tile), which split_l (independent chains) and 4 warps at 16 rows (twice the columns per warp) cut by 10-15 %.
-At h=128 (64-row wgmma tiles) Triton puts all warps along M for a dot that feeds another dot, so both warpgroups
-computed the same scores (587 us); `_unchain` hides the chain (491 us). The 64 x 512 fp32 accumulator (128
-registers per thread on two warpgroups) still leaves ~18 registers spilled.
+fp8: staging 128-channel slices as fp16 had 8.3-way shared-store bank conflicts (ncu); 64-channel slices
+(split_l = 8) store conflict-free, 10 % faster. At h=128 (64-row wgmma tiles) Triton puts all warps along M for a
+dot that feeds another dot, so both warpgroups computed the same scores (587 us); `_unchain` hides the chain
+(491 us). The 64 x 512 fp32 accumulator (128 registers per thread on two warpgroups) still leaves ~18 registers
+spilled.
 
 CPU: under TRITON_INTERPRET=1 the same kernels run in Triton's interpreter. Triton 3.6's interpreter computes a
 bf16 `tl.dot` wrongly (fp16/fp32/fp8 are right), so when interpreting, bf16 MMA operands are upcast to fp32
