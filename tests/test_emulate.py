@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from planner_cases import PlanCase
 
 from mla_fast import plan_decode, run_plan_reference
 from mla_ref.decode import DecodeBatch, make_decode_batch, mla_decode_ref
@@ -139,15 +140,7 @@ def build_batch(seq_lens, q_lens, num_heads, page_size, seed, scale=1.0, fp8_sca
 
 
 @dataclass(frozen=True)
-class EmuCase:
-    seq_lens: tuple[int, ...]
-    q_lens: tuple[int, ...]
-    num_heads: int
-    head_group: int
-    num_workers: int
-    block_n: int
-    fixed_overhead: int
-    max_splits: int | None
+class EmuCase(PlanCase):  # the planner's arguments, then the batch's
     page_size: int
     scale: float
     seed: int
@@ -179,17 +172,7 @@ def emu_cases(draw) -> EmuCase:
 @given(emu_cases())
 def test_emulation_matches_oracle(case: EmuCase):
     batch = build_batch(case.seq_lens, case.q_lens, case.num_heads, case.page_size, case.seed, case.scale)
-    plan = plan_decode(
-        batch.seq_lens,
-        batch.q_lens,
-        case.num_heads,
-        case.num_workers,
-        block_n=case.block_n,
-        fixed_overhead=case.fixed_overhead,
-        max_splits=case.max_splits,
-        head_group=case.head_group,
-    )
-    check_against_oracle(batch, plan)
+    check_against_oracle(batch, case.plan())
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3, 7, 16, 64, 255, 256])

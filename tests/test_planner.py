@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from planner_cases import PlanCase
 
 from mla_fast.planner import (
     BATCH,
@@ -23,31 +22,6 @@ from mla_fast.planner import (
     _line_plan,
     plan_decode,
 )
-
-
-@dataclass(frozen=True)
-class PlanCase:
-    seq_lens: tuple[int, ...]
-    q_lens: tuple[int, ...]
-    num_heads: int
-    head_group: int
-    num_workers: int
-    block_n: int
-    fixed_overhead: int
-    max_splits: int | None
-
-    def plan(self, device: str = "cpu") -> WorkPlan:
-        return plan_decode(
-            torch.tensor(self.seq_lens, dtype=torch.int32, device=device),
-            torch.tensor(self.q_lens, dtype=torch.int32, device=device),
-            self.num_heads,
-            self.num_workers,
-            block_n=self.block_n,
-            fixed_overhead=self.fixed_overhead,
-            max_splits=self.max_splits,
-            head_group=self.head_group,
-        )
-
 
 seq_len = st.integers(0, 100_000)
 short = st.integers(0, 300)
