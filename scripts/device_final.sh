@@ -2,17 +2,8 @@
 # One H200 session's measurements, in one device call (carry .whl): the verifier against each backend, the
 # model-level check at full size, compute-sanitizer on the Triton kernel, and mla-bench with the peers.
 # Writes at most 8 files to $OUT (the device tool's limit): 5 x v_*.json, model.json, bench.json, log.txt.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/mla_final_out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-log="$OUT/log.txt"
-step() { echo "=== $* ($(date +%T))" | tee -a "$log"; }
-# campaigns run in spawned worker processes sharing the GPU: without MPS their kernels time-slice (1560 vs 4166
-# cases/min on one H200), so start the daemon if it is not running
-[ -e "${CUDA_MPS_PIPE_DIRECTORY:-/tmp/nvidia-mps}/control" ] || nvidia-cuda-mps-control -d || echo "no MPS daemon"
+source "$(dirname "$0")/device_env.sh" /tmp/mla_final_out
+mps_start  # the campaigns run in spawned worker processes sharing the GPU
 
 verify() {  # backend dtype cases
   step "mla-verify --backend $1 --dtype $2 --cases $3"
@@ -36,5 +27,5 @@ timeout 60 python3 -m pytest tests/test_triton_gpu.py -q -x -k memcheck -p no:ca
 step "mla-bench with peers"
 timeout 120 python3 -m mla_fast.bench --json "$OUT/bench.json" 2>&1 | tail -40 | tee -a "$log"
 verify flashmla fp8 300  # last: its legacy fp8 kernel has faulted on some h=128 batches (mla_fast/flashmla_backend.py)
-echo quit | nvidia-cuda-mps-control 2>/dev/null
+mps_stop
 step done

@@ -3,23 +3,16 @@
 # verifier on our kernel (2000 fp8 cases, MPS), then the GPU tests of the Triton kernel (shape grid, varlen, every
 # candidate config, determinism, graph replay, compute-sanitizer memcheck). Writes bench.json, v_triton_fp8.json,
 # log.txt to $OUT.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/mla_kernel_out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-log="$OUT/log.txt"
-step() { echo "=== $* ($(date +%T))" | tee -a "$log"; }
+source "$(dirname "$0")/device_env.sh" /tmp/mla_kernel_out
 
 step "mla-bench with peers"
 timeout 240 python3 -m mla_fast.bench --dtypes bf16,fp8kv,fp8 --json "$OUT/bench.json" 2>&1 | tail -45 | tee -a "$log"
 
 step "mla-verify --backend triton --dtype fp8 --cases 2000 (MPS)"
-[ -e "${CUDA_MPS_PIPE_DIRECTORY:-/tmp/nvidia-mps}/control" ] || nvidia-cuda-mps-control -d || echo "no MPS daemon"
+mps_start
 timeout 100 python3 -m verify --backend triton --dtype fp8 --cases 2000 --json "$OUT/v_triton_fp8.json" 2>&1 \
   | tail -16 | tee -a "$log"
-echo quit | nvidia-cuda-mps-control 2>/dev/null
+mps_stop
 
 step "tests/test_triton_gpu.py"
 timeout 330 python3 -m pytest tests/test_triton_gpu.py -q -p no:cacheprovider 2>&1 | tail -8 | tee -a "$log"

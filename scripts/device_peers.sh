@@ -4,12 +4,8 @@
 # Needs the wheels in .whl/ (git-ignored): flashinfer-python 0.6.14, apache-tvm-ffi 0.1.x (cp312), sgl-flash-mla
 # 1.0.0. Device tool call (carry .whl):  bash scripts/device_peers.sh
 # Writes $OUT/peers.json (one row per case: err/bound ratios, max errors, empty-row convention) and logs.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/mla_peers_out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+source "$(dirname "$0")/device_env.sh" /tmp/mla_peers_out
+[ "$wheels_rc" = 0 ] || exit 1
 
 python3 - <<'PY' 2>&1 | tee "$OUT/env.log"
 import torch, flashinfer, flash_mla
