@@ -31,37 +31,35 @@ VARLEN = [  # DeepSeek-V3 widths (L = 512, R = 64); ragged lengths with zeros, e
 ]
 
 
-_H128 = (5, 1500, 0, 4097)  # seq_lens of the h = 128 config cases
+def _h128(combo: str, seed: int) -> TritonCase:
+    """The h = 128 config case: DeepSeek-V3 widths, page 64, q_len 1, a zero-length request."""
+    return TritonCase((5, 1500, 0, 4097), (1,) * 4, heads=128, page_size=64, combo=combo, L=512, R=64, seed=seed)
+
+
+_STAGED = dict(fp8_stage=True, split_l=8, page_chunk=32, lazy_l=True, v_reload=False)  # the staged fp8 path
 CONFIG_CASES = [  # (case, KernelConfig overrides): non-default configs that mla-bench times
     (VARLEN[0], dict(block_n=32, num_stages=5)),
     (VARLEN[4], dict(page_chunk=32, num_stages=3)),
-    (TritonCase(_H128, (1,) * 4, heads=128, page_size=64, combo="bf16", L=512, R=64, seed=12),
-     dict(head_group=32, head_split=4, page_chunk=32, num_stages=3, block_n=32)),
-    (TritonCase(_H128, (1,) * 4, heads=128, page_size=64, combo="fp8kv", L=512, R=64, seed=13),
+    (_h128("bf16", 12), dict(head_group=32, head_split=4, page_chunk=32, num_stages=3, block_n=32)),
+    (_h128("fp8kv", 13),
      dict(head_group=16, head_split=8, page_chunk=32, num_stages=3, fp8_stage=True, v_reload=False)),
     (VARLEN[0], dict(split_l=1, num_warps=8)),
     (VARLEN[0], dict(lazy_l=True)),
     (VARLEN[4], dict(lazy_l=True)),
     (VARLEN[4], dict(split_l=4, v_reload=False)),
-    (TritonCase(_H128, (1,) * 4, heads=128, page_size=64, combo="bf16", L=512, R=64, seed=14), dict(split_l=4)),
-    (TritonCase(_H128, (1,) * 4, heads=128, page_size=64, combo="fp8kv", L=512, R=64, seed=15),
-     dict(split_l=4, v_reload=False)),
+    (_h128("bf16", 14), dict(split_l=4)),
+    (_h128("fp8kv", 15), dict(split_l=4, v_reload=False)),
     (VARLEN[2], dict(unchain=True)),
     (VARLEN[3], dict(unchain=True, block_n=32)),
-    (TritonCase(_H128, (1,) * 4, heads=128, page_size=64, combo="bf16", L=512, R=64, seed=16),
-     dict(unchain=True, num_warps=16, block_n=32, num_stages=3, page_chunk=32)),
+    (_h128("bf16", 16), dict(unchain=True, num_warps=16, block_n=32, num_stages=3, page_chunk=32)),
     (VARLEN[0], dict(split_l=8)),
     (VARLEN[4], dict(split_l=8)),
     (VARLEN[6], dict(split_l=8, v_reload=False)),
-    (VARLEN[6], dict(fp8_stage=True, split_l=8, page_chunk=32, lazy_l=True, num_warps=4, num_stages=4, v_reload=False)),
+    (VARLEN[6], dict(_STAGED, num_warps=4, num_stages=4)),
     (VARLEN[4], dict(num_stages=4)),
-    (TritonCase(_H128, (1,) * 4, heads=128, page_size=64, combo="fp8kv", L=512, R=64, seed=19),
-     dict(fp8_stage=True, split_l=8, page_chunk=32, lazy_l=True, v_reload=False, num_stages=4, num_warps=4,
-          head_group=16, head_split=8)),
-    (TritonCase(_H128, (1,) * 4, heads=128, page_size=64, combo="fp8", L=512, R=64, seed=20),
-     dict(fp8_stage=True, split_l=8, page_chunk=32, lazy_l=True, v_reload=False, num_stages=3, num_warps=8,
-          head_split=4)),
-    (TritonCase(_H128, (1,) * 4, heads=128, page_size=64, combo="bf16", L=512, R=64, seed=18), dict(split_l=8)),
+    (_h128("fp8kv", 19), dict(_STAGED, num_stages=4, num_warps=4, head_group=16, head_split=8)),
+    (_h128("fp8", 20), dict(_STAGED, num_stages=3, num_warps=8, head_split=4)),
+    (_h128("bf16", 18), dict(split_l=8)),
     (VARLEN[0], dict(block_n=32, workers_per_sm=2)),
     (VARLEN[4], dict(block_n=32, num_stages=4, workers_per_sm=2)),
 ]
