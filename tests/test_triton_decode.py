@@ -108,7 +108,7 @@ def _worker() -> dict:
         result["page_chunk"] = config.page_chunk
         result["split_l"] = td.effective_split_l(config, case.L)  # the kernel's SPLIT_L
         result["lazy_l"] = config.lazy_l
-        result["unchain"] = config.unchain and td.effective_split_l(config, case.L) > 1  # the UNCHAIN constexpr
+        result["unchain"] = config.unchain and result["split_l"] > 1  # the UNCHAIN constexpr (launch's rule)
         result["head_group"] = config.head_group
         report[name] = result
     # the interpreter workaround is what makes bf16 right: without it, bf16 tl.dot in the interpreter is wrong
