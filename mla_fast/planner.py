@@ -34,18 +34,31 @@ block ends, so there are at most ``ceil((b - 1) / Q)`` of them. For ``m >= 2`` t
 ``max cost <= Q + OVH`` holds with that Q (the optimum is at least ``max(C / W, b_max / m)``). For ``m = 1`` no
 cut splits a tile: each moves back to its tile's start, and ``max cost <= ceil(C / W) + max_t (blocks_t + OVH) - 1``.
 
-Split or not. Cutting tiles is what balances few long requests over many workers, but when there are about as
-many tiles as workers the line's cuts can split almost every tile near its end (tiles slightly longer than the
-stride Q), for no gain: each piece pays an overhead and a partial write, and the tile needs a reduce. So the planner
-also makes the plan with no split (``max_splits = 1``) and returns it when its busiest worker costs no more than the
-split plan's; the balance guarantee above holds for whichever is returned. (b = 128 requests of 4096 tokens on 132
-workers: split plan max 72 blocks with every request split, unsplit 69 blocks and no reduce; measured on an H200,
-161.5 vs 171.0 µs.)
+Three candidate plans. Cutting tiles is what balances few long requests over many workers, but the line's cuts
+fall wherever the stride puts them, so when there are about as many tiles as workers they can split almost every
+tile near its end (tiles slightly longer than the stride Q) for no gain: each piece pays an overhead and a partial
+write, and the tile needs a reduce. The planner makes three plans and returns the one whose busiest worker costs
+least, ties going to fewer partial rows (less reduce work); the balance guarantee above holds for it.
 
-Worked example: ``seq_lens = [1000, 100, 0]``, ``q_lens = 1``, ``block_n = 64``, ``OVH = 5``, 4 workers, one head
-group. Blocks are 16, 2, 0; tile lengths 21, 7, 5 start at 0, 21, 28; ``C = 33`` and ``Q = 9``: cuts at 9, 18, 27.
-Cut 9 lies 4 blocks into tile 0 (after its overhead 0..5), cut 18 lies 13 blocks in; cut 27 lies 1 block into
-tile 1. The items (request: tokens) and worker costs are::
+- the *line* plan above;
+- the *unsplit* plan (``max_splits = 1``), tried when the line plan splits;
+- the *even* plan, when there are no more tiles than workers: one item per worker, tile t cut into
+  ``k_t = ceil(blocks_t / P)`` near-equal pieces (at most ``max_splits``) for the least piece length ``P`` with
+  ``sum_t k_t <= W``; its busiest worker costs ``max_t ceil(blocks_t / k_t) + OVH`` (``<= P + OVH`` without a
+  cap). Tiles of no cost (empty, with ``OVH = 0``) may share a worker.
+
+On 132 workers (h = 16, one head group), measured on one H200 with the Triton kernel (bf16, µs, same run):
+
+- b = 128 requests of 4096 tokens: line plan max 72 blocks with every request split, unsplit 69 blocks and no
+  reduce: 161.5 vs 171.0 µs.
+- b = 64 of 4096: line max 39 blocks (186 items, 2-3 pieces per request), even 37 (2 pieces each, 128 items):
+  93.0 vs 98.4 µs. b = 32 of 4096: 59.1 vs 60.7 µs; b = 1 of 8192: 18.6 vs 20.1 µs (128 vs 65 pieces); 32 of
+  4096 at 128 heads (66 workers): 145.8 vs 156.4 µs.
+
+Worked example of the line plan: ``seq_lens = [1000, 100, 0]``, ``q_lens = 1``, ``block_n = 64``, ``OVH = 5``, 4
+workers, one head group. Blocks are 16, 2, 0; tile lengths 21, 7, 5 start at 0, 21, 28; ``C = 33`` and ``Q = 9``:
+cuts at 9, 18, 27. Cut 9 lies 4 blocks into tile 0 (after its overhead 0..5), cut 18 lies 13 blocks in; cut 27 lies
+1 block into tile 1. The items (request: tokens) and worker costs are::
 
     worker 0: 0:[0, 256)                    cost 4 + 5           =  9
     worker 1: 0:[256, 832)                  cost 9 + 5           = 14
@@ -53,7 +66,9 @@ tile 1. The items (request: tokens) and worker costs are::
     worker 3: 1:[64, 100),   2:[0, 0)       cost (1 + 5) + (0 + 5) = 11   (max 14 = Q + OVH, mean 12)
 
 Request 0 is split in three (partial rows 0, 1, 2), request 1 in two (rows 3, 4); request 2 is written straight
-to ``out`` (``out = 0``, ``lse = -inf``).
+to ``out`` (``out = 0``, ``lse = -inf``). ``plan_decode`` returns the even plan here (3 tiles, 4 workers, P = 8):
+request 0 in two pieces ``[0, 512)``, ``[512, 1000)`` (partial rows 0, 1), requests 1 and 2 whole, one per worker;
+costs 13, 13, 7, 5 (max 13).
 
 Partial workspace. Piece ``i`` of a split tile of request ``b`` uses the rows ``base_b + i * q_len_b + r``
 (``r < q_len_b``) of ``o [num_partial_rows, H, L] fp32`` and ``lse [num_partial_rows, H] fp32``, heads of its group
@@ -119,6 +134,7 @@ class WorkPlan:
         reduce_final: int32 [num_tiles, 4], columns 0..3 = qo_start, qo_end, head_start, head_end of each tile.
         reduce_partial_map: int32 [M], first partial row of each piece, in KV order.
         num_workers, num_partial_rows, block_n, fixed_overhead (blocks), num_heads, head_group: ints.
+        max_pieces: int, the most pieces of any split tile (0 when no tile is split); sizes the reduce's tiles.
         seq_lens, q_lens: int32 [B], the planner's inputs.
     """
 
@@ -133,6 +149,7 @@ class WorkPlan:
     fixed_overhead: int
     num_heads: int
     head_group: int
+    max_pieces: int
     seq_lens: torch.Tensor
     q_lens: torch.Tensor
 
@@ -260,25 +277,47 @@ def plan_decode(
         head_group: heads per tile (divides num_heads); default num_heads (one group).
 
     Returns:
-        WorkPlan with int32 tensors on the device of seq_lens (computed on the CPU).
+        WorkPlan with int32 tensors on the device of seq_lens (computed on the CPU): of the line plan, the unsplit
+        plan and the even plan (module docstring), the one whose busiest worker costs least; ties go to fewer
+        partial rows (less reduce work), then to that order.
     """
-    plan = _line_plan(seq_lens, q_lens, num_heads, num_workers, block_n, fixed_overhead, max_splits, head_group)
-    if max_splits != 1 and plan.num_partial_rows > 0:  # split only where it shortens the busiest worker
-        whole = _line_plan(seq_lens, q_lens, num_heads, num_workers, block_n, fixed_overhead, 1, head_group)
-        if int(whole.worker_costs().max()) <= int(plan.worker_costs().max()):
-            return whole
-    return plan
+    line = _line(seq_lens, q_lens, num_heads, num_workers, block_n, fixed_overhead, max_splits, head_group)
+    plans = [_plan_from_cuts(line, _line_cuts(line, max_splits), split=max_splits != 1)]
+    if max_splits != 1 and plans[0].num_partial_rows > 0:
+        plans.append(_plan_from_cuts(line, _line_cuts(line, 1), split=False))
+    even = _even_cuts(line, max_splits)
+    if even is not None:
+        plans.append(_plan_from_cuts(line, even, split=True))
+    return min(plans, key=lambda p: (int(p.worker_costs().max()), p.num_partial_rows))
 
 
-def _line_plan(seq_lens, q_lens, num_heads, num_workers, block_n, fixed_overhead, max_splits, head_group) -> WorkPlan:
-    """The line-cutting plan of the module docstring, for one split cap (arguments as in plan_decode)."""
+@dataclass(frozen=True)
+class _Line:
+    """Validated planner inputs and the tiles laid end to end (module docstring); int64 CPU tensors."""
+
+    seq: torch.Tensor  # [B] KV tokens per request
+    qlen: torch.Tensor  # [B] q rows per request
+    tile_req: torch.Tensor  # [T] request of each tile, request-major
+    tile_grp: torch.Tensor  # [T] head group of each tile
+    blocks: torch.Tensor  # [T] KV blocks per tile
+    start: torch.Tensor  # [T] line position of each tile (its overhead first, then its blocks)
+    total: int  # C, the line's length in units
+    ovh: int  # fixed overhead per item, in blocks
+    num_heads: int
+    head_group: int
+    num_workers: int
+    block_n: int
+    device: torch.device  # where the plan's tensors go
+
+
+def _line(seq_lens, q_lens, num_heads, num_workers, block_n, fixed_overhead, max_splits, head_group) -> _Line:
+    """Check the planner's arguments (as in plan_decode) and lay the (request, head group) tiles on the line."""
     seq_lens = _as_lengths(seq_lens, "seq_lens")
     q_lens = _as_lengths(q_lens, "q_lens")
     if q_lens.shape != seq_lens.shape:
         raise ValueError(f"q_lens must have the shape of seq_lens {tuple(seq_lens.shape)}, got {tuple(q_lens.shape)}")
     if q_lens.device != seq_lens.device:
         raise ValueError(f"q_lens must be on the device of seq_lens ({seq_lens.device}), got {q_lens.device}")
-    device = seq_lens.device
     seq = seq_lens.cpu().long()  # [B]
     qlen = q_lens.cpu().long()  # [B]
     if bool((seq < 0).any()):
@@ -297,25 +336,61 @@ def _line_plan(seq_lens, q_lens, num_heads, num_workers, block_n, fixed_overhead
     if num_heads % head_group:
         raise ValueError(f"head_group must divide num_heads ({num_heads}), got {head_group}")
 
-    # tiles: (request, head group), request-major
     B, G = seq.numel(), num_heads // head_group
     tile_req = torch.arange(B).repeat_interleave(G)  # [T]
-    tile_grp = torch.arange(G).repeat(B)  # [T]
-    blocks = _ceil_div(seq, block_n)[tile_req]  # [T] KV blocks per tile
+    blocks = _ceil_div(seq, block_n)[tile_req]  # [T]
     length = blocks + ovh  # [T] line units: overhead first, then blocks
-    start = _exclusive_cumsum(length)  # [T] line position of each tile
-    total = int(length.sum())  # C
+    return _Line(seq=seq, qlen=qlen, tile_req=tile_req, tile_grp=torch.arange(G).repeat(B), blocks=blocks,
+                 start=_exclusive_cumsum(length), total=int(length.sum()), ovh=ovh, num_heads=num_heads,
+                 head_group=head_group, num_workers=num_workers, block_n=block_n, device=seq_lens.device)
 
-    # stride Q between cuts: ceil(C / W), raised so that no tile exceeds max_splits pieces
-    stride = max(1, _ceil_div(total, num_workers))
+
+def _line_cuts(line: _Line, max_splits: int | None) -> torch.Tensor:
+    """[W - 1] cuts of the line plan: cut w at w x Q, Q = ceil(C / W) raised so that no tile exceeds max_splits
+    pieces (max_splits 1: the caller keeps every tile whole)."""
+    stride = max(1, _ceil_div(line.total, line.num_workers))
     if max_splits is not None and max_splits >= 2:
-        stride = max(stride, _ceil_div(int(blocks.max()) - 1, max_splits - 1))
+        stride = max(stride, _ceil_div(int(line.blocks.max()) - 1, max_splits - 1))
+    return (torch.arange(1, line.num_workers) * stride).clamp(max=line.total)  # [W-1]
 
-    # cut w (w = 1..W-1) opens worker w; a cut inside a tile's blocks splits it, any other moves to the tile start
-    cut = (torch.arange(1, num_workers) * stride).clamp(max=total)  # [W-1]
+
+def _even_cuts(line: _Line, max_splits: int | None) -> torch.Tensor | None:
+    """[W - 1] cuts of the even plan, or None when there are more tiles than workers.
+
+    One item per worker: tile t is cut into k_t = clamp(ceil(blocks_t / P), 1, max_splits) near-equal pieces (block
+    boundaries floor(j x blocks_t / k_t)), for the smallest piece length P (blocks) with sum_t k_t <= W; the busiest
+    worker costs max_t ceil(blocks_t / k_t) + OVH. Cut w sits where item w starts; the cuts past the last item sit
+    at C (idle workers).
+    """
+    T, W = line.blocks.numel(), line.num_workers
+    if T > W:
+        return None
+    cap = max_splits or int(line.blocks.max()) or 1
+
+    def pieces(P: int) -> torch.Tensor:
+        return _ceil_div(line.blocks, P).clamp(min=1, max=cap)  # [T]
+
+    lo, hi = 1, max(1, int(line.blocks.max()))  # sum(pieces(hi)) = T <= W; find the least feasible P
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if int(pieces(mid).sum()) <= W else (mid + 1, hi)
+    k = pieces(lo)  # [T]
+    item_tile = torch.arange(T).repeat_interleave(k)  # [N]
+    j = torch.arange(item_tile.numel()) - _exclusive_cumsum(k)[item_tile]  # [N] piece index inside its tile
+    first_block = j * line.blocks[item_tile] // k[item_tile]  # [N]
+    item_pos = line.start[item_tile] + torch.where(j == 0, 0, line.ovh + first_block)  # [N] line position
+    return torch.cat([item_pos[1:], torch.full((W - item_pos.numel(),), line.total)])  # [W-1]
+
+
+def _plan_from_cuts(line: _Line, cut: torch.Tensor, split: bool) -> WorkPlan:
+    """WorkPlan of the line cut at `cut` ([W - 1] non-decreasing positions; cut w opens worker w): a cut inside a
+    tile's blocks splits it there (unless not `split`), any other moves back to its tile's start."""
+    seq, qlen, blocks, start, ovh, total = line.seq, line.qlen, line.blocks, line.start, line.ovh, line.total
+    B, G = seq.numel(), line.num_heads // line.head_group
+    tile_req, block_n, num_workers = line.tile_req, line.block_n, line.num_workers
     cut_tile = torch.searchsorted(start, cut, right=True) - 1  # [W-1] last tile starting at or before the cut
     cut_block = cut - start[cut_tile] - ovh  # [W-1] blocks of that tile before the cut
-    splits = (cut_block > 0) & (cut_block < blocks[cut_tile]) & (max_splits != 1)  # [W-1]
+    splits = (cut_block > 0) & (cut_block < blocks[cut_tile]) & split  # [W-1]
     cut = torch.where(splits, cut, torch.where(cut < total, start[cut_tile], cut))  # [W-1] non-decreasing
 
     # items: every tile's first piece plus one piece per splitting cut, in line order
@@ -341,7 +416,7 @@ def _line_plan(seq_lens, q_lens, num_heads, num_workers, block_n, fixed_overhead
     partial_row = torch.where(is_split[item_tile], req_base[item_req] + piece_idx * qlen[item_req], FINAL)  # [N]
 
     qo_indptr = _indptr(qlen)  # [B + 1]
-    head_start = tile_grp * head_group  # [T]
+    head_start = line.tile_grp * line.head_group  # [T]
     work_items = torch.stack([
         item_req,
         partial_row,
@@ -350,16 +425,16 @@ def _line_plan(seq_lens, q_lens, num_heads, num_workers, block_n, fixed_overhead
         blk_start * block_n,
         torch.minimum(blk_end * block_n, seq[item_req]),
         head_start[item_tile],
-        head_start[item_tile] + head_group,
+        head_start[item_tile] + line.head_group,
     ], dim=1)  # [N, 8]
     reduce_indptr = _indptr(torch.where(is_split, pieces, 0))  # [T + 1]
     reduce_final = torch.stack(
-        [qo_indptr[tile_req], qo_indptr[tile_req + 1], head_start, head_start + head_group], dim=1
+        [qo_indptr[tile_req], qo_indptr[tile_req + 1], head_start, head_start + line.head_group], dim=1
     )  # [T, 4]
     reduce_partial_map = partial_row[is_split[item_tile]]  # [M], items are in KV order within a tile
 
     def out(x: torch.Tensor) -> torch.Tensor:
-        return x.to(device=device, dtype=torch.int32)
+        return x.to(device=line.device, dtype=torch.int32)
 
     return WorkPlan(
         work_items=out(work_items),
@@ -371,8 +446,9 @@ def _line_plan(seq_lens, q_lens, num_heads, num_workers, block_n, fixed_overhead
         num_partial_rows=int((req_pieces * qlen).sum()),
         block_n=block_n,
         fixed_overhead=ovh,
-        num_heads=num_heads,
-        head_group=head_group,
+        num_heads=line.num_heads,
+        head_group=line.head_group,
+        max_pieces=int(torch.where(is_split, pieces, 0).max()) if B * G else 0,
         seq_lens=out(seq),
         q_lens=out(qlen),
     )

@@ -19,7 +19,10 @@ from mla_fast.planner import (
     QO_END,
     QO_START,
     WorkPlan,
-    _line_plan,
+    _even_cuts,
+    _line,
+    _line_cuts,
+    _plan_from_cuts,
     plan_decode,
 )
 
@@ -249,14 +252,60 @@ def test_request_split_across_every_worker():
     assert plan.num_items == 1024 and torch.equal(torch.diff(plan.worker_indptr), torch.ones(1024, dtype=torch.int32))
 
 
+def candidates(case: PlanCase) -> dict[str, WorkPlan]:
+    """The planner's candidate plans of a case (module docstring): line, unsplit, and even when tiles <= workers."""
+    line = _line(torch.tensor(case.seq_lens), torch.tensor(case.q_lens), case.num_heads, case.num_workers,
+                 case.block_n, case.fixed_overhead, case.max_splits, case.head_group)
+    plans = {"line": _plan_from_cuts(line, _line_cuts(line, case.max_splits), split=case.max_splits != 1),
+             "unsplit": _plan_from_cuts(line, _line_cuts(line, 1), split=False)}
+    even = _even_cuts(line, case.max_splits)
+    if even is not None:
+        plans["even"] = _plan_from_cuts(line, even, split=True)
+    return plans
+
+
+@given(plan_cases())
+def test_returns_the_cheapest_candidate(case: PlanCase):
+    """plan_decode's busiest worker costs no more than any candidate's. The even plan, valid on its own (it is held
+    to the line's balance bound only when returned), runs at most one item of nonzero cost per worker, each tile in
+    k_t = clamp(ceil(blocks_t / P), 1, max_splits) pieces for the least feasible piece length P."""
+    plan, plans = case.plan(), candidates(case)
+    assert int(plan.worker_costs().max()) == min(int(p.worker_costs().max()) for p in plans.values())
+    G = case.num_heads // case.head_group
+    if "even" not in plans:
+        assert len(case.seq_lens) * G > case.num_workers
+        return
+    even = plans["even"]
+    for check in (check_structure, check_coverage, check_partials, check_final_map):
+        check(case, even)
+    items = even.work_items.long()
+    costly = ((items[:, KV_END] > items[:, KV_START]) | (case.fixed_overhead > 0)).long()  # [N]
+    worker = torch.arange(case.num_workers).repeat_interleave(torch.diff(even.worker_indptr.long()))  # [N]
+    assert int(torch.zeros(case.num_workers, dtype=torch.long).index_add_(0, worker, costly).max()) <= 1
+    blocks = torch.tensor([ceil_div(s, case.block_n) for s in case.seq_lens for _ in range(G)])  # [T]
+    cap = case.max_splits or max(int(blocks.max()), 1)
+    P = next(P for P in range(1, max(int(blocks.max()), 1) + 1)  # brute force, not the planner's bisection
+             if int(ceil_div(blocks, P).clamp(1, cap).sum()) <= case.num_workers)
+    k = ceil_div(blocks, P).clamp(1, cap)  # [T]
+    assert torch.equal(torch.bincount(tile_ids(case, items), minlength=blocks.numel()), k)
+    assert int(even.worker_costs().max()) == int(ceil_div(blocks, k).max()) + case.fixed_overhead
+
+
 def test_worked_example_from_docstring():
-    plan = plan_decode(torch.tensor([1000, 100, 0]), torch.tensor([1, 1, 1]), 16, 4, fixed_overhead=5)
-    kv = plan.work_items[:, [BATCH, KV_START, KV_END]].tolist()
+    case = PlanCase((1000, 100, 0), (1, 1, 1), 16, 16, 4, 64, 5, None)
+    line = candidates(case)["line"]
+    kv = line.work_items[:, [BATCH, KV_START, KV_END]].tolist()
     assert kv == [[0, 0, 256], [0, 256, 832], [0, 832, 1000], [1, 0, 64], [1, 64, 100], [2, 0, 0]]
-    assert plan.worker_indptr.tolist() == [0, 1, 2, 4, 6]
-    assert plan.work_items[:, PARTIAL_ROW].tolist() == [0, 1, 2, 3, 4, -1]
-    assert plan.worker_costs().tolist() == [9, 14, 14, 11]
-    assert plan.num_partial_rows == 5
+    assert line.worker_indptr.tolist() == [0, 1, 2, 4, 6]
+    assert line.work_items[:, PARTIAL_ROW].tolist() == [0, 1, 2, 3, 4, -1]
+    assert line.worker_costs().tolist() == [9, 14, 14, 11]
+    assert line.num_partial_rows == 5
+    plan = case.plan()  # the even plan: request 0 in two pieces, one item per worker
+    kv = plan.work_items[:, [BATCH, KV_START, KV_END]].tolist()
+    assert kv == [[0, 0, 512], [0, 512, 1000], [1, 0, 100], [2, 0, 0]]
+    assert plan.worker_indptr.tolist() == [0, 1, 2, 3, 4]
+    assert plan.work_items[:, PARTIAL_ROW].tolist() == [0, 1, -1, -1]
+    assert plan.worker_costs().tolist() == [13, 13, 7, 5]
 
 
 @pytest.mark.parametrize("batch, seq_len, split", [(128, 4096, False), (128, 8192, False), (64, 4096, True),
@@ -266,7 +315,7 @@ def test_splits_only_when_the_busiest_worker_gains(batch: int, seq_len: int, spl
     blocks at b=128, s=4096) where keeping tiles whole costs 69 and needs no reduce; fewer requests must split."""
     seqs = torch.full((batch,), seq_len)
     plan = plan_decode(seqs, torch.ones(batch, dtype=torch.long), 16, 132)
-    cut = _line_plan(seqs, torch.ones(batch, dtype=torch.long), 16, 132, 64, None, None, None)  # always cuts
+    cut = candidates(PlanCase((seq_len,) * batch, (1,) * batch, 16, 16, 132, 64, 5, None))["line"]  # always cuts
     assert (plan.num_partial_rows > 0) == split
     assert int(plan.worker_costs().max()) <= int(cut.worker_costs().max())
     if not split:
@@ -275,10 +324,24 @@ def test_splits_only_when_the_busiest_worker_gains(batch: int, seq_len: int, spl
 
 
 def test_summary_reports_balance():
-    plan = plan_decode(torch.tensor([1000, 100, 0]), torch.tensor([1, 1, 1]), 16, 4, fixed_overhead=5)
-    s = plan.stats()
+    line = candidates(PlanCase((1000, 100, 0), (1, 1, 1), 16, 16, 4, 64, 5, None))["line"]  # the worked example
+    s = line.stats()
     assert s["imbalance"] == 14 / 12 and s["split_tiles"] == 2 and s["pieces_per_tile"]["max"] == 3
-    assert "imbalance max/mean 1.167" in plan.summary()
+    assert "imbalance max/mean 1.167" in line.summary()
+
+
+@pytest.mark.parametrize("batch, pieces, line_max", [(32, 4, 22), (64, 2, 39)])
+def test_even_plan_for_uniform_batches(batch: int, pieces: int, line_max: int):
+    """Uniform requests of 4096 tokens (64 blocks) on 132 workers: every request in `pieces` equal pieces, one per
+    worker (max 64 / pieces + 5 blocks), where the line's cuts fall at uneven offsets (max line_max, up to two items
+    per worker) and make more partial rows."""
+    case = PlanCase((4096,) * batch, (1,) * batch, 16, 16, 132, 64, 5, None)
+    plan, line = case.plan(), candidates(case)["line"]
+    assert int(line.worker_costs().max()) == line_max
+    assert int(plan.worker_costs().max()) == 64 // pieces + 5 < line_max
+    assert plan.num_items == batch * pieces == plan.num_partial_rows < line.num_partial_rows
+    assert torch.equal(plan.work_items[:, KV_END] - plan.work_items[:, KV_START],
+                       torch.full((batch * pieces,), 4096 // pieces, dtype=torch.int32))
 
 
 def test_to_aiter_rejects_head_groups_and_unaligned_pages():
