@@ -470,15 +470,18 @@ def _mla_reduce_kernel(
     OUT, LSE,  # [T, H, L] bf16, [T, H] fp32
     stride_pt, stride_ph, stride_plt,
     stride_ot, stride_oh, stride_lt,
-    L: tl.constexpr, BLOCK_S: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """One program per (reduce tile, packed row): merges that row's split partials, BLOCK_S splits at a time.
+    """One program per (reduce tile, packed row, BLOCK_L output channels): merges that row's split partials, BLOCK_S
+    splits at a time ([BLOCK_S, BLOCK_L] fp32 per step; the launcher sizes both from the plan's max_pieces). The
+    program of the first channels also writes the row's LSE.
 
     Online form of numerics.md §3 in base 2: M = max_S L_S, O = Σ_S 2^(L_S - M) O_S / Σ_S 2^(L_S - M),
-    L = M + log2 Σ_S 2^(L_S - M); empty partials (L_S = -inf) weigh 0 and their O_S is never read.
+    L = M + log2 Σ_S 2^(L_S - M); empty partials (L_S = -inf) weigh 0: their O_S is selected away, not multiplied by 0.
     """
     tile = tl.program_id(0)
     r = tl.program_id(1)
+    cols = tl.program_id(2)
     split_begin = tl.load(REDUCE_INDPTR + tile)
     split_end = tl.load(REDUCE_INDPTR + tile + 1)
     qo_start = tl.load(REDUCE_FINAL + tile * 4 + 0)
@@ -489,22 +492,23 @@ def _mla_reduce_kernel(
         dq = r // num_h  # query row inside the tile
         h = head_start + r % num_h
         offs_s = tl.arange(0, BLOCK_S)
-        offs_l = tl.arange(0, L)
+        offs_l = cols * BLOCK_L + tl.arange(0, BLOCK_L)
         m = float("-inf")  # running max of the partial LSEs (log2 units)
         w_sum = 0.0  # running Σ 2^(L_S - m)
-        acc = tl.zeros([L], tl.float32)  # running Σ 2^(L_S - m) O_S
+        acc = tl.zeros([BLOCK_L], tl.float32)  # running Σ 2^(L_S - m) O_S
         i = split_begin
         while i < split_end:  # while, not range(): the interpreter cannot take loaded bounds
             idx = i + offs_s  # [S]
             ok = idx < split_end
             prow = (tl.load(REDUCE_PARTIAL_MAP + idx, mask=ok, other=0) + dq).to(tl.int64)  # [S] workspace rows
             lse_s = tl.load(LSE_PART + prow * stride_plt + h, mask=ok, other=float("-inf")) * 1.4426950408889634
+            o_s = tl.load(O_PART + prow[:, None] * stride_pt + h * stride_ph + offs_l[None, :],
+                          mask=ok[:, None], other=0.0)  # [S, BLOCK_L], loaded beside lse_s (no w in the mask)
             m_new = tl.maximum(m, tl.max(lse_s, 0))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             rescale = tl.exp2(m - m_use)  # 0 while m = -inf
             w = tl.exp2(lse_s - m_use)  # [S], 0 for empty partials
-            o_s = tl.load(O_PART + prow[:, None] * stride_pt + h * stride_ph + offs_l[None, :],
-                          mask=(ok & (w > 0.0))[:, None], other=0.0)  # [S, L]
+            o_s = tl.where((w > 0.0)[:, None], o_s, 0.0)  # an empty partial weighs 0, whatever its O_S holds
             acc = acc * rescale + tl.sum(w[:, None] * o_s, 0)
             w_sum = w_sum * rescale + tl.sum(w, 0)
             m = m_new
@@ -515,7 +519,8 @@ def _mla_reduce_kernel(
         lse = tl.where(has_tok, (m_out + tl.log2(tl.where(has_tok, w_sum, 1.0))) * 0.6931471805599453, float("-inf"))
         qo = (qo_start + dq).to(tl.int64)
         tl.store(OUT + qo * stride_ot + h * stride_oh + offs_l, _to_out(o, OUT.dtype.element_ty, INTERPRET))
-        tl.store(LSE + qo * stride_lt + h, lse)
+        if cols == 0:
+            tl.store(LSE + qo * stride_lt + h, lse)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -585,7 +590,17 @@ class KernelConfig:
 
 MAX_ROWS = 64  # packed (query row x head) rows per work item: one M tile
 MAX_ROWS_FP8 = 32  # fp8 caches: mma.sync tiles (M <= 32) measured faster than 64-row wgmma tiles at every shape
-REDUCE_BLOCK_S = 16  # split partials merged per step of the reduce kernel
+REDUCE_TILE = 2048  # fp32 partial values per reduce step and program (16 per thread of 4 warps)
+REDUCE_MAX_S = 64  # most split partials merged per step of the reduce kernel
+
+
+def reduce_blocks(max_pieces: int, kv_lora_rank: int) -> tuple[int, int]:
+    """(BLOCK_S, BLOCK_L) of the reduce kernel for a plan whose split tiles have at most max_pieces pieces: all
+    pieces in one step up to REDUCE_MAX_S, on BLOCK_L = REDUCE_TILE / BLOCK_S output channels (at least 32, at most
+    kv_lora_rank). Small steps keep the programs small (b = 64, 2 pieces: 1024 programs of [2, 512] in one wave on
+    an H200), many pieces take few serial steps over more programs (b = 1, 128 pieces: 256 programs of [64, 32])."""
+    block_s = min(triton.next_power_of_2(max(max_pieces, 1)), REDUCE_MAX_S)
+    return block_s, min(kv_lora_rank, max(32, REDUCE_TILE // block_s))
 
 
 def _is_fp8(dtype: torch.dtype) -> bool:
@@ -767,13 +782,14 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
     )
     num_tiles = plan.reduce_final.shape[0]
     if num_tiles > 0 and plan.reduce_partial_map.numel() > 0:
-        _mla_reduce_kernel[(num_tiles, max_rows * config.head_split)](
+        block_s, block_l = reduce_blocks(plan.max_pieces, L)
+        _mla_reduce_kernel[(num_tiles, max_rows * config.head_split, L // block_l)](
             o_part, lse_part,
             plan.reduce_indptr, plan.reduce_final, plan.reduce_partial_map,
             out, lse,
             o_part.stride(0), o_part.stride(1), lse_part.stride(0),
             out.stride(0), out.stride(1), lse.stride(0),
-            L=L, BLOCK_S=REDUCE_BLOCK_S, INTERPRET=INTERPRET, num_warps=4,
+            BLOCK_L=block_l, BLOCK_S=block_s, INTERPRET=INTERPRET, num_warps=4,
         )
     return compiled
 

@@ -33,7 +33,7 @@ CASES = {
     "fp8kv_p16_w3": TritonCase((40, 0, 70), (1, 1, 1), page_size=16, combo="fp8kv", num_workers=3, seed=6),
     "fp8kv_p3_mtp2_w8": TritonCase((50, 9), (2, 1), page_size=3, combo="fp8kv", num_workers=8, seed=7),
     # fp8 q and KV
-    "fp8_p1_w3": TritonCase((33, 5, 0), (1, 1, 1), page_size=1, combo="fp8", num_workers=3, seed=8),
+    "fp8_p1_w5": TritonCase((133, 5, 0), (1, 1, 1), page_size=1, combo="fp8", num_workers=5, seed=8),
     "fp8_p16_mtp2_w1": TritonCase((50, 20), (2, 2), page_size=16, combo="fp8", num_workers=1, seed=9),
     # block-table chunks of 2 pages (chunk ends mid-request and mid-page), head groups split over programs
     "bf16_p32_chunk2_w2": TritonCase((300, 17, 129), (1, 2, 1), page_size=32, num_workers=2, seed=21),
@@ -58,6 +58,8 @@ CASES = {
     "fp8_vreload_p16_mtp2_w3": TritonCase((50, 20), (2, 2), page_size=16, combo="fp8", num_workers=3, seed=37),
     # 64-row tiles (default: score dots behind _unchain, an scf.if per slice), page 16 with splits and MTP
     "bf16_h64_unchain_p16_w3": TritonCase((70, 0, 33), (1, 1, 2), heads=64, page_size=16, num_workers=3, seed=34),
+    # 38 pieces of one request: the reduce merges 64 partial slots per step on 32 of the 64 channels per program
+    "bf16_p16_manysplits_w40": TritonCase((600, 3), (1, 1), page_size=16, num_workers=40, seed=38),
 }
 CONFIG_OVERRIDES = {  # KernelConfig fields beside the default_config of the case
     "bf16_p32_chunk2_w2": dict(page_chunk=2),
@@ -74,9 +76,10 @@ CONFIG_OVERRIDES = {  # KernelConfig fields beside the default_config of the cas
 }
 SPLIT_CASES = {  # the plan must cut at least one (request, head group)
     "bf16_p16_w3_empty", "bf16_p1_w8", "bf16_p3_mtp2_w3", "bf16_h32_mtp2_w8", "fp8kv_p16_w3", "fp8kv_p3_mtp2_w8",
-    "fp8_p1_w3", "bf16_p32_chunk2_w2", "fp8kv_p32_chunk2_split2_w2", "bf16_splitl4_p16_w3_empty",
+    "fp8_p1_w5", "bf16_p32_chunk2_w2", "fp8kv_p32_chunk2_split2_w2", "bf16_splitl4_p16_w3_empty",
     "fp8kv_splitl4_p3_mtp2_w8", "fp8_splitl4_p16_mtp2_w3", "bf16_lazyl_p3_mtp2_w3", "fp8kv_lazyl_splitl1_p16_w3",
     "bf16_h64_unchain_p16_w3", "fp8kv_splitl8_p16_w3", "bf16_splitl8_p3_mtp2_w3", "fp8_vreload_p16_mtp2_w3",
+    "bf16_p16_manysplits_w40",
 }
 PLAN_BLOCK_N, BLOCK_N = 16, 16  # tokens per planner block / kernel tile in the interpreter; item overhead 1 block
 
@@ -110,6 +113,7 @@ def _worker() -> dict:
         result["lazy_l"] = config.lazy_l
         result["unchain"] = config.unchain and result["split_l"] > 1  # the UNCHAIN constexpr (launch's rule)
         result["head_group"] = config.head_group
+        result["reduce_blocks"] = td.reduce_blocks(plan.max_pieces, case.L)  # (BLOCK_S, BLOCK_L) of the reduce
         report[name] = result
     # the interpreter workaround is what makes bf16 right: without it, bf16 tl.dot in the interpreter is wrong
     case = CASES["bf16_p16_w1"]
@@ -179,6 +183,8 @@ def test_cases_cover_splits_and_empty_rows(report):
     assert report["bf16_p16_w3_empty"]["empty_rows"] > 0
     assert report["bf16_p3_mtp2_w3"]["empty_rows"] > 0  # seq 1, q_len 2: row 0 sees no token
     assert report["bf16_all_empty"]["empty_rows"] == 3 * 16
+    assert report["bf16_p16_manysplits_w40"]["reduce_blocks"] == [64, 32]  # two channel programs per row
+    assert report["bf16_p16_w3_empty"]["reduce_blocks"][1] == 64  # few pieces: one program per row
 
 
 def test_interpreter_bf16_workaround_is_taken_and_needed(report):
