@@ -352,20 +352,26 @@ def _attend_item(
     LS: tl.constexpr = L // SPLIT_L
     b, partial_row, qo_start, n_rows, kv_start, kv_end, head_start, num_h, limit_0 = _item_scalars(
         WORK_ITEMS, SEQ_LENS, QO_INDPTR, it, head_part, HEAD_SPLIT)
+    if TILE_IN_PAGE and PAGE_CHUNK > 0:  # the first chunk's block-table entries, loaded before q (whose layout
+        # conversion waits for it): the two round trips overlap
+        pages = _load_pages(BLOCK_TABLE, b, stride_bt, kv_start // PAGE_SIZE, kv_end, PAGE_SIZE, PAGE_CHUNK)  # [C]
     qo, h, row_ok, limit, q, q_pe = _item_rows(
         Q, qo_start, n_rows, head_start, num_h, limit_0, stride_qt, stride_qh, L, R, BLOCK_M, MMA, UPCAST_BF16,
         SPLIT_L, FP8_STAGE)
     m_i, l_i, acc = _fresh_state(BLOCK_M, BLOCK_N, LS, LAZY_L, SPLIT_L)
     if TILE_IN_PAGE and PAGE_CHUNK > 0:
-        # chunks of PAGE_CHUNK pages: their block-table entries in one vector load, then the chunk's tiles
+        # chunks of PAGE_CHUNK pages: their block-table entries in one vector load, then the chunk's tiles; each
+        # chunk's entries are loaded while the chunk before runs
         chunk = kv_start
         while chunk < kv_end:
             first_page = chunk // PAGE_SIZE
             chunk_end = tl.minimum((first_page + PAGE_CHUNK) * PAGE_SIZE, kv_end)  # page-aligned unless kv_end
-            pages = _load_pages(BLOCK_TABLE, b, stride_bt, first_page, kv_end, PAGE_SIZE, PAGE_CHUNK)  # [C]
+            next_pages = _load_pages(BLOCK_TABLE, b, stride_bt, first_page + PAGE_CHUNK, kv_end, PAGE_SIZE,
+                                     PAGE_CHUNK)  # [C], all masked past kv_end
             m_i, l_i, acc = _attend_span(
                 q, q_pe, m_i, l_i, acc, chunk, chunk_end, kv_end, limit, pages, first_page, b, KV, BLOCK_TABLE, qk_scale, stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R,
                 BLOCK_N, MMA, INTERPRET, UPCAST_BF16, True, PAGE_CHUNK, V_RELOAD, FP8_STAGE, SPLIT_L, LAZY_L, UNCHAIN)
+            pages = next_pages
             chunk = chunk_end
     else:
         m_i, l_i, acc = _attend_span(
