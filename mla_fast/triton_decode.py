@@ -609,6 +609,9 @@ def reduce_blocks(max_pieces: int, kv_lora_rank: int) -> tuple[int, int]:
     return block_s, min(kv_lora_rank, max(32, REDUCE_TILE // block_s))
 
 
+STEP_REDUCE_PIECES = 8  # TritonMLADecode's fixed reduce shape: [8, 256] steps
+
+
 def _is_fp8(dtype: torch.dtype) -> bool:
     return dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
@@ -834,10 +837,14 @@ class TritonMLADecode:
         max_q_len: largest q_len any later step uses.
         max_items, max_partial_rows, max_tiles, max_map: capacities of the plan buffers (defaults sized for one item
             per (request, head group) per worker plus splits).
+        reduce_pieces: split pieces per tile that the reduce kernel's steps are sized for (`reduce_blocks`), fixed
+            for the step so that eager runs and graph replays give the same bits whatever the plan (the step shape
+            sets the merge's summation order). Tiles with more pieces are merged in more steps.
     """
 
     def __init__(self, batch, *, max_q_len: int = 1, num_workers: int | None = None, config: KernelConfig | None = None,
-                 max_items: int | None = None, max_partial_rows: int | None = None):
+                 max_items: int | None = None, max_partial_rows: int | None = None,
+                 reduce_pieces: int = STEP_REDUCE_PIECES):
         check_batch(batch)
         self.batch = batch
         device = batch.q.device
@@ -862,6 +869,7 @@ class TritonMLADecode:
         self.qo_indptr = batch.qo_indptr.clone()  # [B+1]
         self.out = torch.empty(batch.q.shape[0], H, L, dtype=torch.bfloat16, device=device)
         self.lse = torch.empty(batch.q.shape[0], H, dtype=torch.float32, device=device)
+        self.reduce_pieces = reduce_pieces
 
     def plan(self, batch=None) -> None:
         """Plan on the current seq_lens/q_lens and copy into the static buffers (eager; never inside a capture)."""
@@ -904,6 +912,7 @@ class _StaticPlan:
     num_partial_rows: int
     block_n: int
     head_group: int
+    max_pieces: int
 
     def __init__(self, step: "TritonMLADecode"):
         self.work_items, self.worker_indptr = step.work_items, step.worker_indptr
@@ -912,6 +921,7 @@ class _StaticPlan:
         self.num_partial_rows = step.workspace[0].shape[0]
         self.block_n = step.config.plan_block_n
         self.head_group = step.config.head_group * step.config.head_split
+        self.max_pieces = step.reduce_pieces  # the step's fixed reduce shape, not the last plan's
 
 
 __all__ = ["decode", "make_plan", "launch", "KernelConfig", "default_config", "TritonMLADecode", "INTERPRET"]

@@ -139,6 +139,18 @@ def _worker() -> dict:
         runs[workers] = (out32, plan.stats()["pieces_per_tile"]["max"])
     report["split_pair"] = split_pair(runs[1][0], runs[3][0], batch, triton_numerics(config.mma, config.block_n),
                                       runs[3][1])
+    # the graph-capturable step: plan() into its static buffers, run() launches; equal to decode() with the step's
+    # fixed reduce shape, also after seq_lens shrink in place and a re-plan (other pieces per tile)
+    step = td.TritonMLADecode(batch, num_workers=3, config=config)
+    report["step_equals_decode"] = []
+    for new_lens in (case.seq_lens, (3, 0, 70)):
+        batch.seq_lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        step.plan()
+        out, lse = step.run()
+        plan = replace(td.make_plan(batch, config, 3), max_pieces=step.reduce_pieces)
+        ref_out, ref_lse = td.decode(batch, plan=plan, config=config)
+        report["step_equals_decode"].append(bool(torch.equal(out, ref_out) and torch.equal(lse, ref_lse))
+                                            and plan.num_partial_rows > 0)
     return report
 
 
@@ -185,6 +197,10 @@ def test_cases_cover_splits_and_empty_rows(report):
     assert report["bf16_all_empty"]["empty_rows"] == 3 * 16
     assert report["bf16_p16_manysplits_w40"]["reduce_blocks"] == [64, 32]  # two channel programs per row
     assert report["bf16_p16_w3_empty"]["reduce_blocks"][1] == 64  # few pieces: one program per row
+
+
+def test_graph_step_equals_decode(report):
+    assert report["step_equals_decode"] == [True, True]
 
 
 def test_interpreter_bf16_workaround_is_taken_and_needed(report):
