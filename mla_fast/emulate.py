@@ -158,7 +158,7 @@ def _reduce(plan: WorkPlan, out, lse, ws_o, ws_lse) -> None:
     device = out.device
     indptr = plan.reduce_indptr.to(device).long()  # [tiles + 1]
     pmap = plan.reduce_partial_map.to(device).long()  # [M]
-    final = plan.reduce_final.to(device).long()  # [tiles, 4] qo_start, qo_end, head_start, head_end
+    final = plan.reduce_final.to(device).long()  # [tiles, 8]: qo_start, qo_end, head_start, head_end, ...
     n_split = torch.diff(indptr)  # [tiles]
     tiles = torch.nonzero(n_split > 0).flatten()  # [t] tiles that need a reduce
     if tiles.numel() == 0:

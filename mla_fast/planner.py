@@ -84,8 +84,9 @@ from dataclasses import dataclass
 
 import torch
 
-# columns of WorkPlan.work_items (docs/architecture.md)
+# columns of WorkPlan.work_items and WorkPlan.reduce_final (docs/architecture.md)
 BATCH, PARTIAL_ROW, QO_START, QO_END, KV_START, KV_END, HEAD_START, HEAD_END = range(8)
+TILE_QO_START, TILE_QO_END, TILE_HEAD_START, TILE_HEAD_END, SPLIT_BEGIN, SPLIT_END, PARTIAL_BASE = range(7)
 FINAL = -1  # PARTIAL_ROW of an unsplit item: write straight to out / lse
 DEFAULT_OVERHEAD_TOKENS = 320  # FlashMLA: 5 blocks of 64 tokens per piece (aiter: 16 blocks of 16)
 
@@ -131,7 +132,10 @@ class WorkPlan:
         worker_indptr: int32 [num_workers + 1]; worker w runs work_items[worker_indptr[w]:worker_indptr[w + 1]].
         reduce_indptr: int32 [num_tiles + 1]; tile t (request-major, head group minor) merges the partial rows
             reduce_partial_map[reduce_indptr[t]:reduce_indptr[t + 1]] (empty range: unsplit, no reduce).
-        reduce_final: int32 [num_tiles, 4], columns 0..3 = qo_start, qo_end, head_start, head_end of each tile.
+        reduce_final: int32 [num_tiles, 8], columns TILE_QO_START, TILE_QO_END, TILE_HEAD_START, TILE_HEAD_END (the
+            tile's q rows and heads), SPLIT_BEGIN, SPLIT_END (= reduce_indptr[t], reduce_indptr[t + 1]), PARTIAL_BASE
+            (reduce_partial_map[reduce_indptr[t]]: piece i uses rows PARTIAL_BASE + i x q_len; -1 when unsplit), and
+            0: everything a reduce program needs in one 32-byte row.
         reduce_partial_map: int32 [M], first partial row of each piece, in KV order.
         num_workers, num_partial_rows, block_n, fixed_overhead (blocks), num_heads, head_group: ints.
         max_pieces: int, the most pieces of any split tile (0 when no tile is split); sizes the reduce's tiles.
@@ -428,10 +432,12 @@ def _plan_from_cuts(line: _Line, cut: torch.Tensor, split: bool) -> WorkPlan:
         head_start[item_tile] + line.head_group,
     ], dim=1)  # [N, 8]
     reduce_indptr = _indptr(torch.where(is_split, pieces, 0))  # [T + 1]
-    reduce_final = torch.stack(
-        [qo_indptr[tile_req], qo_indptr[tile_req + 1], head_start, head_start + line.head_group], dim=1
-    )  # [T, 4]
     reduce_partial_map = partial_row[is_split[item_tile]]  # [M], items are in KV order within a tile
+    partial_base = torch.where(is_split, req_base[tile_req], FINAL)  # [T] piece i: rows base + i * q_len
+    reduce_final = torch.stack(
+        [qo_indptr[tile_req], qo_indptr[tile_req + 1], head_start, head_start + line.head_group,
+         reduce_indptr[:-1], reduce_indptr[1:], partial_base, torch.zeros_like(partial_base)], dim=1
+    )  # [T, 8]
 
     def out(x: torch.Tensor) -> torch.Tensor:
         return x.to(device=line.device, dtype=torch.int32)

@@ -78,6 +78,13 @@ _KV_START = tl.constexpr(planner.KV_START)
 _KV_END = tl.constexpr(planner.KV_END)
 _HEAD_START = tl.constexpr(planner.HEAD_START)
 _HEAD_END = tl.constexpr(planner.HEAD_END)
+_TILE_QO_START = tl.constexpr(planner.TILE_QO_START)
+_TILE_QO_END = tl.constexpr(planner.TILE_QO_END)
+_TILE_HEAD_START = tl.constexpr(planner.TILE_HEAD_START)
+_TILE_HEAD_END = tl.constexpr(planner.TILE_HEAD_END)
+_SPLIT_BEGIN = tl.constexpr(planner.SPLIT_BEGIN)
+_SPLIT_END = tl.constexpr(planner.SPLIT_END)
+_PARTIAL_BASE = tl.constexpr(planner.PARTIAL_BASE)
 
 
 @triton.jit
@@ -472,7 +479,7 @@ def _store_item(m_i, l_i, acc, kv_scale, partial_row, qo, qo_start, h, row_ok, O
 @triton.jit
 def _mla_reduce_kernel(
     O_PART, LSE_PART,  # [rows, H, L] fp32, [rows, H] fp32
-    REDUCE_INDPTR, REDUCE_FINAL, REDUCE_PARTIAL_MAP,  # [tiles+1], [tiles, 4], [M] int32
+    REDUCE_FINAL,  # [tiles, 8] int32 (WorkPlan.reduce_final)
     OUT, LSE,  # [T, H, L] bf16, [T, H] fp32
     stride_pt, stride_ph, stride_plt,
     stride_ot, stride_oh, stride_lt,
@@ -480,7 +487,9 @@ def _mla_reduce_kernel(
 ):
     """One program per (reduce tile, packed row, BLOCK_L output channels): merges that row's split partials, BLOCK_S
     splits at a time ([BLOCK_S, BLOCK_L] fp32 per step; the launcher sizes both from the plan's max_pieces). The
-    program of the first channels also writes the row's LSE.
+    program of the first channels also writes the row's LSE. A tile's row of REDUCE_FINAL holds all its metadata
+    (one load), and piece i of a split tile has workspace rows PARTIAL_BASE + i x q_len (the planner's layout), so
+    the partials are loaded one round trip after the kernel starts.
 
     Online form of numerics.md §3 in base 2: M = max_S L_S, O = Σ_S 2^(L_S - M) O_S / Σ_S 2^(L_S - M),
     L = M + log2 Σ_S 2^(L_S - M); empty partials (L_S = -inf) weigh 0: their O_S is selected away, not multiplied by 0.
@@ -488,13 +497,15 @@ def _mla_reduce_kernel(
     tile = tl.program_id(0)
     r = tl.program_id(1)
     cols = tl.program_id(2)
-    split_begin = tl.load(REDUCE_INDPTR + tile)
-    split_end = tl.load(REDUCE_INDPTR + tile + 1)
-    qo_start = tl.load(REDUCE_FINAL + tile * 4 + 0)
-    qo_end = tl.load(REDUCE_FINAL + tile * 4 + 1)
-    head_start = tl.load(REDUCE_FINAL + tile * 4 + 2)
-    num_h = tl.load(REDUCE_FINAL + tile * 4 + 3) - head_start
-    if (split_end > split_begin) & (r < (qo_end - qo_start) * num_h):
+    final = REDUCE_FINAL + tile * 8
+    qo_start = tl.load(final + _TILE_QO_START)
+    q_len = tl.load(final + _TILE_QO_END) - qo_start
+    head_start = tl.load(final + _TILE_HEAD_START)
+    num_h = tl.load(final + _TILE_HEAD_END) - head_start
+    split_begin = tl.load(final + _SPLIT_BEGIN)
+    split_end = tl.load(final + _SPLIT_END)
+    base = tl.load(final + _PARTIAL_BASE)
+    if (split_end > split_begin) & (r < q_len * num_h):
         dq = r // num_h  # query row inside the tile
         h = head_start + r % num_h
         offs_s = tl.arange(0, BLOCK_S)
@@ -506,7 +517,7 @@ def _mla_reduce_kernel(
         while i < split_end:  # while, not range(): the interpreter cannot take loaded bounds
             idx = i + offs_s  # [S]
             ok = idx < split_end
-            prow = (tl.load(REDUCE_PARTIAL_MAP + idx, mask=ok, other=0) + dq).to(tl.int64)  # [S] workspace rows
+            prow = (base + (idx - split_begin) * q_len + dq).to(tl.int64)  # [S] workspace rows
             lse_s = tl.load(LSE_PART + prow * stride_plt + h, mask=ok, other=float("-inf")) * 1.4426950408889634
             o_s = tl.load(O_PART + prow[:, None] * stride_pt + h * stride_ph + offs_l[None, :],
                           mask=ok[:, None], other=0.0)  # [S, BLOCK_L], loaded beside lse_s (no w in the mask)
@@ -793,9 +804,7 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
     if num_tiles > 0 and plan.reduce_partial_map.numel() > 0:
         block_s, block_l = reduce_blocks(plan.max_pieces, L)
         _mla_reduce_kernel[(num_tiles, max_rows * config.head_split, L // block_l)](
-            o_part, lse_part,
-            plan.reduce_indptr, plan.reduce_final, plan.reduce_partial_map,
-            out, lse,
+            o_part, lse_part, plan.reduce_final, out, lse,
             o_part.stride(0), o_part.stride(1), lse_part.stride(0),
             out.stride(0), out.stride(1), lse.stride(0),
             BLOCK_L=block_l, BLOCK_S=block_s, INTERPRET=INTERPRET, num_warps=4,
@@ -860,7 +869,7 @@ class TritonMLADecode:
         self.work_items = torch.zeros(max_items, 8, **i32)
         self.worker_indptr = torch.zeros(self.num_workers + 1, **i32)
         self.reduce_indptr = torch.zeros(groups + 1, **i32)
-        self.reduce_final = torch.zeros(groups, 4, **i32)
+        self.reduce_final = torch.zeros(groups, 8, **i32)
         self.reduce_partial_map = torch.zeros(max_items, **i32)
         self.workspace = (torch.empty(max_partial_rows, H, L, dtype=torch.float32, device=device),
                           torch.empty(max_partial_rows, H, dtype=torch.float32, device=device))

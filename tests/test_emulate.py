@@ -94,7 +94,7 @@ def splits_per_row_head(batch: DecodeBatch, plan) -> torch.Tensor:
     """[T, H] pieces merged for each (row, head): the reduce range of its tile, at least 1."""
     S = torch.ones(batch.num_tokens, batch.num_heads, dtype=torch.float64)
     n = torch.diff(plan.reduce_indptr.long())  # [tiles]
-    for (qs, qe, hs, he), k in zip(plan.reduce_final.long().tolist(), n.tolist()):
+    for (qs, qe, hs, he), k in zip(plan.reduce_final[:, :4].long().tolist(), n.tolist()):
         S[qs:qe, hs:he] = max(1, k)
     return S
 

@@ -163,7 +163,7 @@ def check_partials(case: PlanCase, plan: WorkPlan) -> None:
 
     n_rows = items[:, QO_END] - items[:, QO_START]  # [N]
     written = counts(items[split, PARTIAL_ROW], n_rows[split], items[split, HEAD_START])
-    final = plan.reduce_final.long()  # [T, 4]
+    final = plan.reduce_final.long()  # [T, 8]
     red_tile = torch.arange(B * G).repeat_interleave(n_red)  # [M] tile of each reduce_partial_map entry
     read = counts(plan.reduce_partial_map.long(), (final[:, 1] - final[:, 0])[red_tile], final[red_tile, 2])
     assert bool((written <= 1).all()) and torch.equal(written, read)
@@ -173,12 +173,21 @@ def check_partials(case: PlanCase, plan: WorkPlan) -> None:
 
 
 def check_final_map(case: PlanCase, plan: WorkPlan) -> None:
-    """reduce_final lists every (request, head group) once: its q rows and heads."""
+    """reduce_final lists every (request, head group) once: its q rows and heads, its reduce range, and the base row
+    from which its pieces' partial rows follow at q_len apart (the rule the Triton reduce computes rows by)."""
     B, G, hg = len(case.seq_lens), case.num_heads // case.head_group, case.head_group
     qo = torch.cumsum(torch.tensor((0, *case.q_lens)), 0)
     b, g = torch.arange(B).repeat_interleave(G), torch.arange(G).repeat(B)
-    expect = torch.stack([qo[b], qo[b + 1], g * hg, (g + 1) * hg], dim=1)  # [T, 4]
-    assert torch.equal(plan.reduce_final.long(), expect)
+    final = plan.reduce_final.long()  # [T, 8]
+    assert final.shape == (B * G, 8) and bool((final[:, 7] == 0).all())
+    assert torch.equal(final[:, :4], torch.stack([qo[b], qo[b + 1], g * hg, (g + 1) * hg], dim=1))
+    indptr, pmap = plan.reduce_indptr.long(), plan.reduce_partial_map.long()
+    assert torch.equal(final[:, 4], indptr[:-1]) and torch.equal(final[:, 5], indptr[1:])
+    n = indptr[1:] - indptr[:-1]  # [T] pieces of split tiles, 0 unsplit
+    assert bool((final[n == 0, 6] == FINAL).all())
+    tile = torch.arange(B * G).repeat_interleave(n)  # [M] tile of each map entry
+    i = torch.arange(pmap.numel()) - indptr[tile]  # [M] piece index inside its tile
+    assert torch.equal(pmap, final[tile, 6] + i * (qo[b + 1] - qo[b])[tile])
 
 
 def check_aiter(case: PlanCase, plan: WorkPlan, page_size: int) -> None:
