@@ -37,9 +37,9 @@ Numerics (declared in mla_fast/numerics.py, read by verify.bounds; keep the two 
   fp16 and read by both MMAs from shared memory) give the MMAs the same values: no numerical effect.
 
 Performance (one H200, mla-bench, CUDA-graph replays, copy rate 4244 GB/s; peers.md §2 conditions; README table):
-bf16 h=16 takes 290 us at (b=128, s=8192), 4.18 TB/s = 98 % of copy (FlashInfer FA3 291 us), 155 us at (128, 4096),
-99 us at (64, 4096), 60 us at (32, 4096), 163 us at (32, 16384), 23 us at (1, 8192); fp8 KV (bf16 or fp8 q) 0.92-1.06x
-our bf16 time; h=128 bf16 492 us at (128, 4096) (FlashMLA 243 us). The tile loop is latency-bound, not
+bf16 h=16 takes 288 us at (b=128, s=8192), 4.20 TB/s = 99 % of copy (FlashInfer FA3 291 us), 154 us at (128, 4096),
+91 us at (64, 4096), 57 us at (32, 4096), 158 us at (32, 16384), 17.5 us at (1, 8192); fp8 KV (bf16 or fp8 q)
+0.88-1.06x our bf16 time; h=128 bf16 492 us at (128, 4096) (FlashMLA 249 us). The tile loop is latency-bound, not
 bandwidth-bound: one score MMA chain over L + R = 576 channels per warp was the critical path (~3.3k cycles per
 tile), which split_l (independent chains) and 4 warps at 16 rows (twice the columns per warp) cut by 10-15 %.
 fp8: staging 128-channel slices as fp16 had 8.3-way shared-store bank conflicts (ncu); 64-channel slices
