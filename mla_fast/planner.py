@@ -289,10 +289,11 @@ def plan_decode(
     plans = [_plan_from_cuts(line, _line_cuts(line, max_splits), split=max_splits != 1)]
     if max_splits != 1 and plans[0].num_partial_rows > 0:
         plans.append(_plan_from_cuts(line, _line_cuts(line, 1), split=False))
+    best = min(plans, key=lambda p: (int(p.worker_costs().max()), p.num_partial_rows))
     even = _even_cuts(line, max_splits)
-    if even is not None:
-        plans.append(_plan_from_cuts(line, even, split=True))
-    return min(plans, key=lambda p: (int(p.worker_costs().max()), p.num_partial_rows))
+    if even is not None and even[1:] < (int(best.worker_costs().max()), best.num_partial_rows):
+        best = _plan_from_cuts(line, even[0], split=True)  # built only when it wins (its cost is known)
+    return best
 
 
 @dataclass(frozen=True)
@@ -358,8 +359,9 @@ def _line_cuts(line: _Line, max_splits: int | None) -> torch.Tensor:
     return (torch.arange(1, line.num_workers) * stride).clamp(max=line.total)  # [W-1]
 
 
-def _even_cuts(line: _Line, max_splits: int | None) -> torch.Tensor | None:
-    """[W - 1] cuts of the even plan, or None when there are more tiles than workers.
+def _even_cuts(line: _Line, max_splits: int | None) -> tuple[torch.Tensor, int, int] | None:
+    """(cuts [W - 1], busiest worker's cost, partial rows) of the even plan, or None when there are more tiles than
+    workers.
 
     One item per worker: tile t is cut into k_t = clamp(ceil(blocks_t / P), 1, max_splits) near-equal pieces (block
     boundaries floor(j x blocks_t / k_t)), for the smallest piece length P (blocks) with sum_t k_t <= W; the busiest
@@ -383,7 +385,10 @@ def _even_cuts(line: _Line, max_splits: int | None) -> torch.Tensor | None:
     j = torch.arange(item_tile.numel()) - _exclusive_cumsum(k)[item_tile]  # [N] piece index inside its tile
     first_block = j * line.blocks[item_tile] // k[item_tile]  # [N]
     item_pos = line.start[item_tile] + torch.where(j == 0, 0, line.ovh + first_block)  # [N] line position
-    return torch.cat([item_pos[1:], torch.full((W - item_pos.numel(),), line.total)])  # [W-1]
+    cuts = torch.cat([item_pos[1:], torch.full((W - item_pos.numel(),), line.total)])  # [W-1]
+    cost = int(_ceil_div(line.blocks, k).max()) + line.ovh
+    rows = int((torch.where(k > 1, k, 0) * line.qlen[line.tile_req]).sum()) // (T // line.qlen.numel())  # per request
+    return cuts, cost, rows
 
 
 def _plan_from_cuts(line: _Line, cut: torch.Tensor, split: bool) -> WorkPlan:

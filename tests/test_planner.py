@@ -269,7 +269,8 @@ def candidates(case: PlanCase) -> dict[str, WorkPlan]:
              "unsplit": _plan_from_cuts(line, _line_cuts(line, 1), split=False)}
     even = _even_cuts(line, case.max_splits)
     if even is not None:
-        plans["even"] = _plan_from_cuts(line, even, split=True)
+        plans["even"] = _plan_from_cuts(line, even[0], split=True)
+        assert even[1:] == (int(plans["even"].worker_costs().max()), plans["even"].num_partial_rows)  # closed forms
     return plans
 
 
