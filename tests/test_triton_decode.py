@@ -255,6 +255,8 @@ def test_bad_batches_raise_value_error():
     plan = td.make_plan(batch, replace(config, head_split=1), num_workers=2)  # planned for head_group 8, not 16
     with pytest.raises(ValueError, match="head_split"):
         td.launch(batch, plan, None, None, config)
+    with pytest.raises(ValueError, match="reduce_pieces"):
+        td.TritonMLADecode(batch, reduce_pieces=0)
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
