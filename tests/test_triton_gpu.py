@@ -60,6 +60,7 @@ CONFIG_CASES = [  # (case, KernelConfig overrides): non-default configs that mla
     (_h128("fp8kv", 19), dict(_STAGED, num_stages=4, num_warps=4, head_group=16, head_split=8)),
     (_h128("fp8", 20), dict(_STAGED, num_stages=3, num_warps=8, head_split=4)),
     (_h128("bf16", 18), dict(split_l=8)),
+    (_h128("bf16", 21), dict(split_l=2)),
     (VARLEN[0], dict(block_n=32, workers_per_sm=2)),
     (VARLEN[4], dict(block_n=32, num_stages=4, workers_per_sm=2)),
 ]
