@@ -80,7 +80,7 @@ to the device of ``seq_lens``; the same lengths give bit-identical plans on any 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -289,11 +289,21 @@ def plan_decode(
     plans = [_plan_from_cuts(line, _line_cuts(line, max_splits), split=max_splits != 1)]
     if max_splits != 1 and plans[0].num_partial_rows > 0:
         plans.append(_plan_from_cuts(line, _line_cuts(line, 1), split=False))
-    best = min(plans, key=lambda p: (int(p.worker_costs().max()), p.num_partial_rows))
+    # (busiest worker's cost, partial rows) of each candidate, computed once; min keeps the first of equal keys
+    key, best = min((((int(p.worker_costs().max()), p.num_partial_rows), p) for p in plans), key=lambda kp: kp[0])
     even = _even_cuts(line, max_splits)
-    if even is not None and even[1:] < (int(best.worker_costs().max()), best.num_partial_rows):
+    if even is not None and even[1:] < key:
         best = _plan_from_cuts(line, even[0], split=True)  # built only when it wins (its cost is known)
-    return best
+    return _on_device(best, line.device)
+
+
+def _on_device(plan: WorkPlan, device: torch.device) -> WorkPlan:
+    """The plan with its tensors on `device`: candidates are built and compared on the CPU, only the returned one
+    moves."""
+    if device.type == "cpu":
+        return plan
+    tensors = {f.name: getattr(plan, f.name) for f in fields(plan)}
+    return replace(plan, **{k: v.to(device) for k, v in tensors.items() if isinstance(v, torch.Tensor)})
 
 
 @dataclass(frozen=True)
@@ -312,7 +322,7 @@ class _Line:
     head_group: int
     num_workers: int
     block_n: int
-    device: torch.device  # where the plan's tensors go
+    device: torch.device  # where the returned plan's tensors go (candidates stay on the CPU)
 
 
 def _line(seq_lens, q_lens, num_heads, num_workers, block_n, fixed_overhead, max_splits, head_group) -> _Line:
@@ -445,7 +455,7 @@ def _plan_from_cuts(line: _Line, cut: torch.Tensor, split: bool) -> WorkPlan:
     )  # [T, 8]
 
     def out(x: torch.Tensor) -> torch.Tensor:
-        return x.to(device=line.device, dtype=torch.int32)
+        return x.to(dtype=torch.int32)  # on the CPU; plan_decode moves the plan it returns
 
     return WorkPlan(
         work_items=out(work_items),
