@@ -855,8 +855,7 @@ class TritonMLADecode:
                  max_items: int | None = None, max_partial_rows: int | None = None,
                  reduce_pieces: int = STEP_REDUCE_PIECES):
         check_batch(batch)
-        if isinstance(reduce_pieces, bool) or not isinstance(reduce_pieces, int) or reduce_pieces < 1:
-            raise ValueError(f"reduce_pieces must be an int >= 1, got {reduce_pieces!r}")
+        planner._check_int(reduce_pieces, "reduce_pieces", 1)
         self.batch = batch
         device = batch.q.device
         H, L, B = batch.num_heads, batch.kv_lora_rank, batch.batch_size
