@@ -66,8 +66,8 @@ from mla_fast import planner
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once at import, like triton itself
 UPCAST_BF16 = INTERPRET  # Triton 3.6's interpreter computes bf16 tl.dot wrongly: feed it fp32 (exact for bf16)
-LOG2E = 1.4426950408889634  # = 1 / ln(2)
-LN2 = 0.6931471805599453
+LOG2E = tl.constexpr(1.4426950408889634)  # = 1 / ln(2): natural-log units -> log2 units
+LN2 = tl.constexpr(0.6931471805599453)  # log2 units -> natural log
 
 # work-item and reduce-tile columns (docs/architecture.md, WorkPlan)
 _BATCH = tl.constexpr(planner.BATCH)
@@ -333,7 +333,7 @@ def _mla_decode_kernel(
     item_end = tl.load(WORKER_INDPTR + worker + 1)
     # fp8 per-tensor scales: real = fp8 * scale; folded into the base-2 score scale and the output
     kv_scale = tl.load(KV_SCALE)
-    qk_scale = sm_scale * tl.load(Q_SCALE) * kv_scale * 1.4426950408889634  # scores in log2 units
+    qk_scale = sm_scale * tl.load(Q_SCALE) * kv_scale * LOG2E  # scores in log2 units
 
     it = item_begin
     while it < item_end:  # while, not range(): the interpreter cannot take loaded bounds
@@ -464,7 +464,7 @@ def _store_item(m_i, l_i, acc, kv_scale, partial_row, qo, qo_start, h, row_ok, O
         l_i = tl.sum(l_i, 1)  # [M]
     has_tok = l_i > 0.0
     o_scale = (kv_scale / tl.where(has_tok, l_i, 1.0))[:, None]  # [M, 1]
-    lse = tl.where(has_tok, (m_i + tl.log2(tl.where(has_tok, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    lse = tl.where(has_tok, (m_i + tl.log2(tl.where(has_tok, l_i, 1.0))) * LN2, float("-inf"))
     if partial_row < 0:
         out_ptr = OUT + qo.to(tl.int64)[:, None] * stride_ot + h[:, None] * stride_oh + offs_s[None, :]  # [M, LS]
         _store_rows(out_ptr, acc, o_scale, row_ok, LS, SPLIT_L, INTERPRET)
@@ -518,7 +518,7 @@ def _mla_reduce_kernel(
             idx = i + offs_s  # [S]
             ok = idx < split_end
             prow = (base + (idx - split_begin) * q_len + dq).to(tl.int64)  # [S] workspace rows
-            lse_s = tl.load(LSE_PART + prow * stride_plt + h, mask=ok, other=float("-inf")) * 1.4426950408889634
+            lse_s = tl.load(LSE_PART + prow * stride_plt + h, mask=ok, other=float("-inf")) * LOG2E
             o_s = tl.load(O_PART + prow[:, None] * stride_pt + h * stride_ph + offs_l[None, :],
                           mask=ok[:, None], other=0.0)  # [S, BLOCK_L], loaded beside lse_s (no w in the mask)
             m_new = tl.maximum(m, tl.max(lse_s, 0))
@@ -533,7 +533,7 @@ def _mla_reduce_kernel(
         has_tok = w_sum > 0.0
         o = acc / tl.where(has_tok, w_sum, 1.0)
         m_out = tl.where(m == float("-inf"), 0.0, m)
-        lse = tl.where(has_tok, (m_out + tl.log2(tl.where(has_tok, w_sum, 1.0))) * 0.6931471805599453, float("-inf"))
+        lse = tl.where(has_tok, (m_out + tl.log2(tl.where(has_tok, w_sum, 1.0))) * LN2, float("-inf"))
         qo = (qo_start + dq).to(tl.int64)
         tl.store(OUT + qo * stride_ot + h * stride_oh + offs_l, _to_out(o, OUT.dtype.element_ty, INTERPRET))
         if cols == 0:
