@@ -207,7 +207,7 @@ def _attend_tile(
         v = c[0]
 
     # -- scores: sum over slices of [M, LS] x [LS, N], + [M, R] x [R, N] -> [M, N], fp32 accumulation
-    if SPLIT_L > 1:  # independent chains, summed pairwise at the end
+    if SPLIT_L > 1 or UNCHAIN:  # independent chains (one per slice, then k_pe), summed pairwise at the end
         live = start < kv_end  # true: the tile loop runs below kv_end (for _unchain)
         s = _slice_scores(q, c, live, SPLIT_L, UNCHAIN) + _score(q_pe, k_pe, live, UNCHAIN)
     else:
@@ -235,12 +235,14 @@ def _attend_tile(
 
 @triton.jit
 def _slice_scores(q, c, live, SPLIT_L: tl.constexpr, UNCHAIN: tl.constexpr):
-    """sum_i q[i] c[i]^T over the SPLIT_L (2, 4 or 8) latent slices -> [M, N] fp32, summed pairwise:
-    (0 + 1), ((0 + 1) + (2 + 3)), (((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)))."""
+    """sum_i q[i] c[i]^T over the SPLIT_L (1, 2, 4 or 8) latent slices -> [M, N] fp32, summed pairwise:
+    0, (0 + 1), ((0 + 1) + (2 + 3)), (((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)))."""
     s = ()
     for i in tl.static_range(SPLIT_L):
         s = s + (_score(q[i], c[i], live, UNCHAIN),)
-    if SPLIT_L == 2:
+    if SPLIT_L == 1:
+        total = s[0]
+    elif SPLIT_L == 2:
         total = s[0] + s[1]
     elif SPLIT_L == 4:
         total = (s[0] + s[1]) + (s[2] + s[3])
@@ -575,9 +577,10 @@ class KernelConfig:
         fp8_stage: e4m3fn caches with mma="fp16": convert each tile to fp16 once, through an op Triton cannot move,
             so the MMAs read an fp16 tile from shared memory (ldmatrix) instead of gathering fp8 bytes. Same values
             (the conversion is exact); on the device only (the interpreter takes the plain cast).
-        unchain: with split_l > 1, each score dot passes through `_unchain` (an scf.if), so that Triton lays out a
-            64-row score dot on both warpgroups (half of the tile's tokens each) instead of computing it twice. No
-            numerical effect (the same dots and sums).
+        unchain: each score dot passes through `_unchain` (an scf.if), so that Triton lays out a 64-row score dot
+            on both warpgroups (half of the tile's tokens each) instead of computing it twice. No numerical effect
+            with split_l > 1 (the same dots and sums); with split_l = 1 the q_nope and q_pe dots become two chains
+            summed at the end, as with slices (another fp32 summation order).
     """
 
     block_n: int = 64
@@ -797,7 +800,7 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
         TILE_IN_PAGE=tile_in_page,
         PAGE_CHUNK=config.page_chunk, V_RELOAD=config.v_reload,
         FP8_STAGE=config.fp8_stage and not INTERPRET and config.mma == "fp16" and kv.dtype == torch.float8_e4m3fn,
-        HEAD_SPLIT=config.head_split, SPLIT_L=split_l, LAZY_L=config.lazy_l, UNCHAIN=config.unchain and split_l > 1,
+        HEAD_SPLIT=config.head_split, SPLIT_L=split_l, LAZY_L=config.lazy_l, UNCHAIN=config.unchain,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     num_tiles = plan.reduce_final.shape[0]

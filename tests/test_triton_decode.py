@@ -60,6 +60,9 @@ CASES = {
     "bf16_h64_unchain_p16_w3": TritonCase((70, 0, 33), (1, 1, 2), heads=64, page_size=16, num_workers=3, seed=34),
     # two latent slices on 64-row tiles (the default unchain): the h = 128 candidate with the fewest spills
     "bf16_h64_splitl2_p16_w3": TritonCase((70, 0, 33), (1, 1, 2), heads=64, page_size=16, num_workers=3, seed=39),
+    # one latent slice on 64-row tiles, unchained: the q_nope and q_pe score dots as two chains
+    "bf16_h64_splitl1_unchain_p16_w3": TritonCase((70, 0, 33), (1, 1, 2), heads=64, page_size=16, num_workers=3,
+                                                  seed=40),
     # 38 pieces of one request: the reduce merges 64 partial slots per step on 32 of the 64 channels per program
     "bf16_p16_manysplits_w40": TritonCase((600, 3), (1, 1), page_size=16, num_workers=40, seed=38),
 }
@@ -76,13 +79,14 @@ CONFIG_OVERRIDES = {  # KernelConfig fields beside the default_config of the cas
     "fp8_vreload_p16_mtp2_w3": dict(v_reload=True, split_l=1, fp8_stage=False, lazy_l=False, page_chunk=0),
     "bf16_splitl8_p3_mtp2_w3": dict(split_l=8),
     "bf16_h64_splitl2_p16_w3": dict(split_l=2),
+    "bf16_h64_splitl1_unchain_p16_w3": dict(split_l=1),
 }
 SPLIT_CASES = {  # the plan must cut at least one (request, head group)
     "bf16_p16_w3_empty", "bf16_p1_w8", "bf16_p3_mtp2_w3", "bf16_h32_mtp2_w8", "fp8kv_p16_w3", "fp8kv_p3_mtp2_w8",
     "fp8_p1_w5", "bf16_p32_chunk2_w2", "fp8kv_p32_chunk2_split2_w2", "bf16_splitl4_p16_w3_empty",
     "fp8kv_splitl4_p3_mtp2_w8", "fp8_splitl4_p16_mtp2_w3", "bf16_lazyl_p3_mtp2_w3", "fp8kv_lazyl_splitl1_p16_w3",
     "bf16_h64_unchain_p16_w3", "fp8kv_splitl8_p16_w3", "bf16_splitl8_p3_mtp2_w3", "fp8_vreload_p16_mtp2_w3",
-    "bf16_p16_manysplits_w40", "bf16_h64_splitl2_p16_w3",
+    "bf16_p16_manysplits_w40", "bf16_h64_splitl2_p16_w3", "bf16_h64_splitl1_unchain_p16_w3",
 }
 PLAN_BLOCK_N, BLOCK_N = 16, 16  # tokens per planner block / kernel tile in the interpreter; item overhead 1 block
 
@@ -114,7 +118,7 @@ def _worker() -> dict:
         result["page_chunk"] = config.page_chunk
         result["split_l"] = td.effective_split_l(config, case.L)  # the kernel's SPLIT_L
         result["lazy_l"] = config.lazy_l
-        result["unchain"] = config.unchain and result["split_l"] > 1  # the UNCHAIN constexpr (launch's rule)
+        result["unchain"] = config.unchain  # the UNCHAIN constexpr
         result["head_group"] = config.head_group
         result["reduce_blocks"] = td.reduce_blocks(plan.max_pieces, case.L)  # (BLOCK_S, BLOCK_L) of the reduce
         report[name] = result
@@ -184,6 +188,8 @@ def test_default_config_takes_the_new_paths(report):
     assert [report[n]["split_l"] for n in CASES if "splitl4" in n] == [4, 4, 4]  # L = 64: four slices of 16
     assert [report[n]["split_l"] for n in CASES if "splitl8" in n] == [8, 8]  # L = 128: eight slices of 16
     assert report["bf16_h64_splitl2_p16_w3"]["split_l"] == 2 and report["bf16_h64_splitl2_p16_w3"]["unchain"]
+    one = report["bf16_h64_splitl1_unchain_p16_w3"]
+    assert one["split_l"] == 1 and one["unchain"]  # unchained with one slice: two score chains
     assert report["bf16_p16_w1"]["split_l"] == 4  # the default at 16 rows
     small, large = report["bf16_h64_b1_smallbatch_w3"], report["bf16_h64_mtp2_p3_w3"]
     assert (small["plan_head_group"], small["head_group"]) == (64, 16)  # 4 programs x 16 heads

@@ -14,6 +14,8 @@ import pytest
 import torch
 from triton_cases import TritonCase, check
 
+from mla_fast.bench import ROWS64  # the 64-row layout of the h = 128 candidates
+
 pytestmark = pytest.mark.gpu
 HERE = Path(__file__).resolve().parent
 
@@ -61,6 +63,13 @@ CONFIG_CASES = [  # (case, KernelConfig overrides): non-default configs that mla
     (_h128("fp8", 20), dict(_STAGED, num_stages=3, num_warps=8, head_split=4)),
     (_h128("bf16", 18), dict(split_l=8)),
     (_h128("bf16", 21), dict(split_l=2)),
+    (_h128("bf16", 22), dict(split_l=1)),
+    (_h128("fp8kv", 23), dict(ROWS64, split_l=2)),
+    (_h128("fp8kv", 24), dict(ROWS64, split_l=4)),
+    (_h128("fp8kv", 25), dict(ROWS64, split_l=2, num_stages=3, page_chunk=32)),
+    (_h128("fp8", 26), dict(ROWS64, split_l=2)),
+    (TritonCase((5, 1500, 0, 333), (1,) * 4, heads=128, page_size=16, combo="fp8kv", L=512, R=64, seed=27),
+     dict(ROWS64, split_l=2, num_stages=3, page_chunk=32)),  # page 16: per-token gather
     (VARLEN[0], dict(block_n=32, workers_per_sm=2)),
     (VARLEN[4], dict(block_n=32, num_stages=4, workers_per_sm=2)),
 ]
