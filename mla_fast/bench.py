@@ -250,20 +250,17 @@ def run_grid(shapes, combos, peers=True, copy_gbs=None, candidates=False, json_p
 
 
 _V_RELOAD = dict(fp8_stage=False, split_l=1, page_chunk=0, lazy_l=False, num_warps=8, num_stages=5, v_reload=True)
-# fp8 caches on the bf16 h = 128 layout: 64-row wgmma tiles on two warpgroups, unchained score dots, the staged
-# fp16 tile; not yet timed (sm_90 offline: 16-24 bytes of stack, 180 KB of shared memory, 216 KB with page chunks
-# and three stages)
-ROWS64 = dict(head_group=64, head_split=2, num_warps=8, num_stages=2, page_chunk=0, lazy_l=False, unchain=True)
+# fp8 caches on 32-row mma.sync tiles: the h >= 64 default before 64-row tiles (and still at batch <= SMALL_BATCH)
+FP8_32_ROWS = dict(head_group=32, head_split=1, num_warps=8, num_stages=3, split_l=8, page_chunk=32, lazy_l=True,
+                   unchain=False)
 CANDIDATES = {  # (combo, num_heads) -> KernelConfig overrides of default_config timed beside it (--candidates)
     ("fp8kv", 16): [dict(split_l=4, num_stages=3)],  # before eight slices and three tiles buffered
     ("fp8", 16): [_V_RELOAD],  # before the staged path
-    ("bf16", 128): [dict(unchain=False),  # before _unchain
-                    dict(split_l=2),  # not yet timed: 16 bytes of stack on sm_90 against the default's 72
-                    dict(split_l=1)],  # not yet timed: two unchained score chains, one P.V dot (128 bytes of stack)
-    ("fp8kv", 128): [_V_RELOAD, dict(num_stages=4, num_warps=4, head_group=16, head_split=8),
-                     dict(ROWS64, split_l=2), dict(ROWS64, split_l=4),
-                     dict(ROWS64, split_l=2, num_stages=3, page_chunk=32)],
-    ("fp8", 128): [_V_RELOAD, dict(ROWS64, split_l=2), dict(ROWS64, split_l=2, num_stages=3, page_chunk=32)],
+    ("bf16", 128): [dict(split_l=4),  # before two slices
+                    dict(page_chunk=32)],  # not yet timed: block-table chunks on the 64-row layout
+    ("fp8kv", 64): [FP8_32_ROWS],
+    ("fp8kv", 128): [FP8_32_ROWS],
+    ("fp8", 128): [FP8_32_ROWS],
 }
 
 

@@ -609,7 +609,7 @@ class KernelConfig:
 
 
 MAX_ROWS = 64  # packed (query row x head) rows per work item: one M tile
-MAX_ROWS_FP8 = 32  # fp8 caches: mma.sync tiles (M <= 32) measured faster than 64-row wgmma tiles at every shape
+MAX_ROWS_SMALL_FP8 = 32  # fp8 caches, batch <= SMALL_BATCH: 32-row mma.sync tiles (as fast as 64 rows at b = 1)
 REDUCE_TILE = 2048  # fp32 partial values per reduce step and program (16 per thread of 4 warps)
 REDUCE_MAX_S = 64  # most split partials merged per step of the reduce kernel
 
@@ -643,24 +643,29 @@ def dtype_combo(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> str:
     )
 
 
-SMALL_BATCH = 4  # bf16 batches up to this size use 16-row tiles at any head count (default_config)
+SMALL_BATCH = 4  # batches up to this size (q_len 1) take no 64-row tiles (default_config)
 
 
 def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int | None = None) -> KernelConfig:
     """Launch choice, the fastest correct candidate of mla-bench --candidates on one H200 (the h=16 shapes with b >= 32
-    and (128, 4096, 128); see the module docstring).
+    and the h = 128 shapes; see the module docstring).
 
-    head_group: the largest divisor of num_heads with max_q_len x head_group <= 64 rows (32 for fp8 caches).
-    - every path but V reload takes four latent slices (split_l 4: five independent score MMA chains), 4-10 %
+    head_group: the largest divisor of num_heads with max_q_len x head_group <= 64 rows (MAX_ROWS; 32 for fp8 caches
+    at batch_size <= SMALL_BATCH).
+    - every path with up to 32 rows takes latent slices (split_l 4 or 8: independent score MMA chains), 4-10 %
       faster at every shape measured, and no register spills at 16 rows (128 regs + 40 bytes of stack before).
     - rows <= 16 (bf16 or bf16 q + e4m3fn cache): 4 warps (each warp's share of the 64-column score tile is twice
       as wide: more independent MMAs per warp), another 2-10 %; at 32 rows 4 warps spill, so 8 warps there.
     - bf16, rows <= 32 (mma.sync tiles): block-table chunks of 32 pages, two 64-token tiles buffered, one program
       per SM (vs per-tile block-table loads: 3-6 % faster at b >= 32 and s = 4096).
-    - bf16, 64 rows (wgmma tiles): two programs per worker on halves of the head group when num_heads allows
-      (head_split 2: both read each KV tile at the same time, once from HBM; 4 % faster at (128, 4096, 128)), and
-      the score dots behind `_unchain` (each warpgroup half of the scores): 491 vs 586 us at (128, 4096, 128), 164
-      vs 188 us at (32, 4096, 128).
+    - 64 rows (wgmma tiles, bf16 or fp8 caches): two programs per worker on halves of the head group when num_heads
+      allows (head_split 2: both read each KV tile at the same time, once from HBM; 4 % faster at (128, 4096, 128)),
+      and the score dots behind `_unchain` (each warpgroup half of the scores): bf16 491 vs 586 us at
+      (128, 4096, 128), 164 vs 188 us at (32, 4096, 128). Two latent slices: bf16 484 vs 491 us (four slices; 497
+      with one) at (128, 4096, 128), 142 vs 145 us at (32, 4096, 128); 4 vs 18 spilled registers.
+    - fp8 caches with 64 rows: the staged fp16 tile (fp8_stage) on the same layout, three stages with block-table
+      chunks (two tiles buffered, 216 KB of shared memory): 552 vs 975 us at (128, 4096, 128) and 155 vs 247 us at
+      (32, 4096, 128) against 32-row mma.sync tiles (602 / 172 us with two stages and per-tile block-table loads).
     - bf16 or fp8 q + e4m3fn cache, rows <= 16: each tile converted to fp16 once (fp8_stage; 6-9 % faster than the
       V-reload path), block-table chunks with two tiles buffered and per-column softmax sums (lazy_l): with 4 warps
       and latent slices 4-9 % faster than per-tile block-table loads and 5 stages. Eight slices of 64 channels:
@@ -671,28 +676,34 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
       at b = 1. The same path for fp8 q (q staged as fp16 once per item): 304 vs 407 us for the V-reload path.
     - fp8 caches with 17-32 rows (8 warps): the same staged path with two tiles buffered: 989 vs 1204 us at
       (128, 4096, 128), 250 vs 308 us at (32, 4096, 128) against fp16 MMAs on the fp8 tile gathered from shared
-      memory with V loaded again (v_reload).
+      memory with V loaded again (v_reload). At (1, 8192, 128) (batch <= SMALL_BATCH) 31.3 us, as fast as 64 rows
+      (31.1).
     - bf16 with 64-row tiles, q_len 1 and batch_size <= SMALL_BATCH: 16-row tiles as at h = 16, all num_heads / 16 head
       groups of a worker reading each KV tile together (head_split; each KV tile read once from HBM, the rest from
       L2): 31.5 vs 35.1 µs at (1, 8192, 128) (FlashInfer 27.4). At b = 32 the same config took 263 vs 189 µs (8 x
       the L2 reads), hence the batch rule; sizes between were not measured, the threshold 4 is a guess.
+    Measured at q_len 1 and 16 or 128 heads; other head counts and MTP rows take the rule of their row count.
     """
     from mla_fast.numerics import DEFAULT_MMA
 
     fp8_kv = combo in ("fp8kv", "fp8")
-    max_rows = MAX_ROWS_FP8 if fp8_kv else MAX_ROWS
+    small_batch = max_q_len == 1 and batch_size is not None and batch_size <= SMALL_BATCH
+    max_rows = MAX_ROWS_SMALL_FP8 if fp8_kv and small_batch else MAX_ROWS
     head_group = max(d for d in range(1, num_heads + 1) if num_heads % d == 0 and d * max_q_len <= max_rows)
     rows = head_group * max_q_len
     mma = DEFAULT_MMA[combo]
     warps = 4 if rows <= 16 else 8
-    if rows > 32 and max_q_len == 1 and batch_size is not None and batch_size <= SMALL_BATCH:  # bf16, few requests
+    if rows > 32 and small_batch:  # bf16, few requests
         group = max(d for d in range(1, 17) if num_heads % d == 0)  # <= 16 rows; the programs cover every head
         return KernelConfig(block_n=64, num_warps=4, num_stages=3, mma=mma, head_group=group,
                             head_split=num_heads // group, page_chunk=32, split_l=4)
-    if rows > 32:  # bf16, 64-row wgmma tiles
+    if rows > 32:  # 64-row wgmma tiles
         head_split = 2 if num_heads % (2 * head_group) == 0 else 1
+        if fp8_kv:
+            return KernelConfig(block_n=64, num_warps=8, num_stages=3, mma=mma, head_group=head_group,
+                                head_split=head_split, split_l=2, unchain=True, fp8_stage=True, page_chunk=32)
         return KernelConfig(block_n=64, num_warps=8, num_stages=2, mma=mma, head_group=head_group,
-                            head_split=head_split, split_l=4, unchain=True)
+                            head_split=head_split, split_l=2, unchain=True)
     if fp8_kv:  # bf16 or fp8 q with an fp8 cache: <= 32 rows
         return KernelConfig(block_n=64, num_warps=warps, num_stages=4 if rows <= 16 else 3, mma=mma,
                             head_group=head_group, fp8_stage=True, split_l=8, page_chunk=32, lazy_l=True)

@@ -56,13 +56,19 @@ CASES = {
     "bf16_splitl8_p3_mtp2_w3": TritonCase((50, 9), (2, 1), page_size=3, L=128, R=32, num_workers=3, seed=36),
     # V loaded a second time for P.V (v_reload, no latent slices): fp8 q + KV with MTP
     "fp8_vreload_p16_mtp2_w3": TritonCase((50, 20), (2, 2), page_size=16, combo="fp8", num_workers=3, seed=37),
-    # 64-row tiles (default: score dots behind _unchain, an scf.if per slice), page 16 with splits and MTP
+    # 64-row tiles (score dots behind _unchain, an scf.if per slice) with four latent slices (the default before
+    # two), page 16 with splits and MTP
     "bf16_h64_unchain_p16_w3": TritonCase((70, 0, 33), (1, 1, 2), heads=64, page_size=16, num_workers=3, seed=34),
-    # two latent slices on 64-row tiles (the default unchain): the h = 128 candidate with the fewest spills
+    # two latent slices on 64-row tiles, unchained: the default
     "bf16_h64_splitl2_p16_w3": TritonCase((70, 0, 33), (1, 1, 2), heads=64, page_size=16, num_workers=3, seed=39),
     # one latent slice on 64-row tiles, unchained: the q_nope and q_pe score dots as two chains
     "bf16_h64_splitl1_unchain_p16_w3": TritonCase((70, 0, 33), (1, 1, 2), heads=64, page_size=16, num_workers=3,
                                                   seed=40),
+    # fp8 caches on 64-row tiles (unchained, two slices): 64 heads, and 32 heads x q_len 2 on page 3
+    "fp8kv_h64_rows64_p16_w3": TritonCase((70, 0, 33), (1, 1, 1), heads=64, page_size=16, combo="fp8kv",
+                                          num_workers=3, seed=41),
+    "fp8_h32_mtp2_rows64_p3_w3": TritonCase((50, 9), (2, 1), heads=32, page_size=3, combo="fp8", num_workers=3,
+                                            seed=42),
     # 38 pieces of one request: the reduce merges 64 partial slots per step on 32 of the 64 channels per program
     "bf16_p16_manysplits_w40": TritonCase((600, 3), (1, 1), page_size=16, num_workers=40, seed=38),
 }
@@ -78,6 +84,7 @@ CONFIG_OVERRIDES = {  # KernelConfig fields beside the default_config of the cas
     "fp8kv_splitl8_p16_w3": dict(split_l=8),
     "fp8_vreload_p16_mtp2_w3": dict(v_reload=True, split_l=1, fp8_stage=False, lazy_l=False, page_chunk=0),
     "bf16_splitl8_p3_mtp2_w3": dict(split_l=8),
+    "bf16_h64_unchain_p16_w3": dict(split_l=4),
     "bf16_h64_splitl2_p16_w3": dict(split_l=2),
     "bf16_h64_splitl1_unchain_p16_w3": dict(split_l=1),
 }
@@ -87,6 +94,7 @@ SPLIT_CASES = {  # the plan must cut at least one (request, head group)
     "fp8kv_splitl4_p3_mtp2_w8", "fp8_splitl4_p16_mtp2_w3", "bf16_lazyl_p3_mtp2_w3", "fp8kv_lazyl_splitl1_p16_w3",
     "bf16_h64_unchain_p16_w3", "fp8kv_splitl8_p16_w3", "bf16_splitl8_p3_mtp2_w3", "fp8_vreload_p16_mtp2_w3",
     "bf16_p16_manysplits_w40", "bf16_h64_splitl2_p16_w3", "bf16_h64_splitl1_unchain_p16_w3",
+    "fp8kv_h64_rows64_p16_w3", "fp8_h32_mtp2_rows64_p3_w3",
 }
 PLAN_BLOCK_N, BLOCK_N = 16, 16  # tokens per planner block / kernel tile in the interpreter; item overhead 1 block
 
@@ -120,6 +128,7 @@ def _worker() -> dict:
         result["lazy_l"] = config.lazy_l
         result["unchain"] = config.unchain  # the UNCHAIN constexpr
         result["head_group"] = config.head_group
+        result["rows"] = config.head_group * max(case.q_lens)
         result["reduce_blocks"] = td.reduce_blocks(plan.max_pieces, case.L)  # (BLOCK_S, BLOCK_L) of the reduce
         report[name] = result
     # the interpreter workaround is what makes bf16 right: without it, bf16 tl.dot in the interpreter is wrong
@@ -188,6 +197,8 @@ def test_default_config_takes_the_new_paths(report):
     assert [report[n]["split_l"] for n in CASES if "splitl4" in n] == [4, 4, 4]  # L = 64: four slices of 16
     assert [report[n]["split_l"] for n in CASES if "splitl8" in n] == [8, 8]  # L = 128: eight slices of 16
     assert report["bf16_h64_splitl2_p16_w3"]["split_l"] == 2 and report["bf16_h64_splitl2_p16_w3"]["unchain"]
+    for name in ("fp8kv_h64_rows64_p16_w3", "fp8_h32_mtp2_rows64_p3_w3"):  # fp8 caches on 64-row tiles
+        assert report[name]["rows"] == 64 and report[name]["unchain"] and report[name]["split_l"] == 2, name
     one = report["bf16_h64_splitl1_unchain_p16_w3"]
     assert one["split_l"] == 1 and one["unchain"]  # unchained with one slice: two score chains
     assert report["bf16_p16_w1"]["split_l"] == 4  # the default at 16 rows

@@ -14,7 +14,7 @@ import pytest
 import torch
 from triton_cases import TritonCase, check
 
-from mla_fast.bench import ROWS64  # the 64-row layout of the h = 128 candidates
+from mla_fast.bench import FP8_32_ROWS  # the fp8 32-row layout (h >= 64 before 64-row tiles)
 
 pytestmark = pytest.mark.gpu
 HERE = Path(__file__).resolve().parent
@@ -62,14 +62,12 @@ CONFIG_CASES = [  # (case, KernelConfig overrides): non-default configs that mla
     (_h128("fp8kv", 19), dict(_STAGED, num_stages=4, num_warps=4, head_group=16, head_split=8)),
     (_h128("fp8", 20), dict(_STAGED, num_stages=3, num_warps=8, head_split=4)),
     (_h128("bf16", 18), dict(split_l=8)),
-    (_h128("bf16", 21), dict(split_l=2)),
     (_h128("bf16", 22), dict(split_l=1)),
-    (_h128("fp8kv", 23), dict(ROWS64, split_l=2)),
-    (_h128("fp8kv", 24), dict(ROWS64, split_l=4)),
-    (_h128("fp8kv", 25), dict(ROWS64, split_l=2, num_stages=3, page_chunk=32)),
-    (_h128("fp8", 26), dict(ROWS64, split_l=2)),
+    (_h128("fp8kv", 23), FP8_32_ROWS),
+    (_h128("fp8", 26), FP8_32_ROWS),
+    (_h128("bf16", 24), dict(page_chunk=32)),
     (TritonCase((5, 1500, 0, 333), (1,) * 4, heads=128, page_size=16, combo="fp8kv", L=512, R=64, seed=27),
-     dict(ROWS64, split_l=2, num_stages=3, page_chunk=32)),  # page 16: per-token gather
+     dict(num_stages=2, page_chunk=0)),  # page 16: per-token gather, one tile buffered
     (VARLEN[0], dict(block_n=32, workers_per_sm=2)),
     (VARLEN[4], dict(block_n=32, num_stages=4, workers_per_sm=2)),
 ]
