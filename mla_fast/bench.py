@@ -256,8 +256,9 @@ FP8_32_ROWS = dict(head_group=32, head_split=1, num_warps=8, num_stages=3, split
 CANDIDATES = {  # (combo, num_heads) -> KernelConfig overrides of default_config timed beside it (--candidates)
     ("fp8kv", 16): [dict(split_l=4, num_stages=3)],  # before eight slices and three tiles buffered
     ("fp8", 16): [_V_RELOAD],  # before the staged path
-    ("bf16", 128): [dict(split_l=4),  # before two slices
-                    dict(page_chunk=32)],  # not yet timed: block-table chunks on the 64-row layout
+    ("bf16", 128): [dict(split_l=4, page_chunk=0),  # before two slices and block-table chunks
+                    # the b >= 32 layout, at b = 1 too (the small-batch rule was measured before _unchain)
+                    dict(head_group=64, head_split=2, num_warps=8, num_stages=2, split_l=2, unchain=True)],
     ("fp8kv", 64): [FP8_32_ROWS],
     ("fp8kv", 128): [FP8_32_ROWS],
     ("fp8", 128): [FP8_32_ROWS],

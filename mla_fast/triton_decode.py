@@ -662,10 +662,13 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
       allows (head_split 2: both read each KV tile at the same time, once from HBM; 4 % faster at (128, 4096, 128)),
       and the score dots behind `_unchain` (each warpgroup half of the scores): bf16 491 vs 586 us at
       (128, 4096, 128), 164 vs 188 us at (32, 4096, 128). Two latent slices: bf16 484 vs 491 us (four slices; 497
-      with one) at (128, 4096, 128), 142 vs 145 us at (32, 4096, 128); 4 vs 18 spilled registers.
+      with one) at (128, 4096, 128), 142 vs 145 us at (32, 4096, 128); 4 vs 18 spilled registers. bf16 with
+      block-table chunks (one tile buffered either way): 468 vs 481 us at (128, 4096, 128), 140 vs 144 at
+      (32, 4096, 128).
     - fp8 caches with 64 rows: the staged fp16 tile (fp8_stage) on the same layout, three stages with block-table
       chunks (two tiles buffered, 216 KB of shared memory): 552 vs 975 us at (128, 4096, 128) and 155 vs 247 us at
-      (32, 4096, 128) against 32-row mma.sync tiles (602 / 172 us with two stages and per-tile block-table loads).
+      (32, 4096, 128) against 32-row mma.sync tiles (602 / 172 us with two stages and per-tile block-table loads);
+      at 64 heads (one program per worker) 272 vs 489 us at (128, 4096, 64), 87 vs 135 us at (32, 4096, 64).
     - bf16 or fp8 q + e4m3fn cache, rows <= 16: each tile converted to fp16 once (fp8_stage; 6-9 % faster than the
       V-reload path), block-table chunks with two tiles buffered and per-column softmax sums (lazy_l): with 4 warps
       and latent slices 4-9 % faster than per-tile block-table loads and 5 stages. Eight slices of 64 channels:
@@ -682,7 +685,8 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
       groups of a worker reading each KV tile together (head_split; each KV tile read once from HBM, the rest from
       L2): 31.5 vs 35.1 µs at (1, 8192, 128) (FlashInfer 27.4). At b = 32 the same config took 263 vs 189 µs (8 x
       the L2 reads), hence the batch rule; sizes between were not measured, the threshold 4 is a guess.
-    Measured at q_len 1 and 16 or 128 heads; other head counts and MTP rows take the rule of their row count.
+    Measured at q_len 1 and 16, 64 (fp8 caches) or 128 heads; other head counts and MTP rows take the rule of their
+    row count.
     """
     from mla_fast.numerics import DEFAULT_MMA
 
@@ -703,7 +707,7 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
             return KernelConfig(block_n=64, num_warps=8, num_stages=3, mma=mma, head_group=head_group,
                                 head_split=head_split, split_l=2, unchain=True, fp8_stage=True, page_chunk=32)
         return KernelConfig(block_n=64, num_warps=8, num_stages=2, mma=mma, head_group=head_group,
-                            head_split=head_split, split_l=2, unchain=True)
+                            head_split=head_split, split_l=2, unchain=True, page_chunk=32)
     if fp8_kv:  # bf16 or fp8 q with an fp8 cache: <= 32 rows
         return KernelConfig(block_n=64, num_warps=warps, num_stages=4 if rows <= 16 else 3, mma=mma,
                             head_group=head_group, fp8_stage=True, split_l=8, page_chunk=32, lazy_l=True)
