@@ -36,17 +36,18 @@ Numerics (declared in mla_fast/numerics.py, read by verify.bounds; keep the two 
   Triton pipelines both fp8 loads) and `fp8_stage` (the e4m3fn tile, and an e4m3fn q once per item, converted to
   fp16 and read by both MMAs from shared memory) give the MMAs the same values: no numerical effect.
 
-Performance (one H200, mla-bench, CUDA-graph replays, copy rate 4244 GB/s; peers.md §2 conditions; README table):
-bf16 h=16 takes 288 us at (b=128, s=8192), 4.20 TB/s = 99 % of copy (FlashInfer FA3 291 us), 154 us at (128, 4096),
-91 us at (64, 4096), 57 us at (32, 4096), 158 us at (32, 16384), 17.5 us at (1, 8192); fp8 KV (bf16 or fp8 q)
-0.88-1.06x our bf16 time; h=128 bf16 492 us at (128, 4096) (FlashMLA 249 us). The tile loop is latency-bound, not
-bandwidth-bound: one score MMA chain over L + R = 576 channels per warp was the critical path (~3.3k cycles per
-tile), which split_l (independent chains) and 4 warps at 16 rows (twice the columns per warp) cut by 10-15 %.
-fp8: staging 128-channel slices as fp16 had 8.3-way shared-store bank conflicts (ncu); 64-channel slices
-(split_l = 8) store conflict-free, 10 % faster. At h=128 (64-row wgmma tiles) Triton puts all warps along M for a
-dot that feeds another dot, so both warpgroups computed the same scores (587 us); `_unchain` hides the chain
-(491 us). The 64 x 512 fp32 accumulator (128 registers per thread on two warpgroups) still leaves ~18 registers
-spilled.
+Performance (one H200, mla-bench, CUDA-graph replays, copy rate 4244-4267 GB/s; peers.md §2 conditions; README
+table): bf16 h=16 takes 288-294 us at (b=128, s=8192), 97-99 % of copy (FlashInfer FA3 291-300 us), 154-157 us at
+(128, 4096), 91-92 us at (64, 4096), 57-58 us at (32, 4096), 158-161 us at (32, 16384), 17.5 us at (1, 8192); fp8 KV
+(bf16 or fp8 q) 0.87-1.04x our bf16 time at h=16; h=128 bf16 466 us at (128, 4096) (FlashMLA 248 us), fp8 KV 556 us
+(FlashInfer's fp8 666 us). The tile loop is latency-bound, not bandwidth-bound: one score MMA chain over L + R = 576
+channels per warp was the critical path (~3.3k cycles per tile), which split_l (independent chains) and 4 warps at
+16 rows (twice the columns per warp) cut by 10-15 %. fp8: staging 128-channel slices as fp16 had 8.3-way
+shared-store bank conflicts (ncu); 64-channel slices (split_l = 8) store conflict-free, 10 % faster. At h=128
+(64-row wgmma tiles) Triton puts all warps along M for a dot that feeds another dot, so both warpgroups computed the
+same scores (587 us); `_unchain` hides the chain (491 us), two latent slices and block-table chunks 466 us; the same
+layout took fp8 caches from 975 to 556 us. The 64 x 512 fp32 accumulator (128 registers per thread on two
+warpgroups) still leaves 4-8 registers spilled, and each warpgroup's score wgmma is N = 32 wide.
 
 CPU: under TRITON_INTERPRET=1 the same kernels run in Triton's interpreter. Triton 3.6's interpreter computes a
 bf16 `tl.dot` wrongly (fp16/fp32/fp8 are right), so when interpreting, bf16 MMA operands are upcast to fp32
@@ -683,8 +684,9 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
       (31.1).
     - bf16 with 64-row tiles, q_len 1 and batch_size <= SMALL_BATCH: 16-row tiles as at h = 16, all num_heads / 16 head
       groups of a worker reading each KV tile together (head_split; each KV tile read once from HBM, the rest from
-      L2): 31.5 vs 35.1 µs at (1, 8192, 128) (FlashInfer 27.4). At b = 32 the same config took 263 vs 189 µs (8 x
-      the L2 reads), hence the batch rule; sizes between were not measured, the threshold 4 is a guess.
+      L2): 31.5 vs 35.1 µs at (1, 8192, 128) (FlashInfer 27.4); 29.4 vs 31.4 µs against the unchained 64-row layout
+      with two slices. At b = 32 the same config took 263 vs 189 µs (8 x the L2 reads), hence the batch rule; sizes
+      between were not measured, the threshold 4 is a guess.
     Measured at q_len 1 and 16, 64 (fp8 caches) or 128 heads; other head counts and MTP rows take the rule of their
     row count.
     """
