@@ -198,18 +198,9 @@ def _attend_tile(
         page = tl.load(BLOCK_TABLE + b * stride_bt + tok // PAGE_SIZE, mask=tok_ok, other=0)  # [N]
         kv_row = KV + page.to(tl.int64)[:, None] * stride_kvp + (tok % PAGE_SIZE)[:, None] * stride_kvs  # [N, 1]
     c = ()  # SPLIT_L slices [N, LS] of c_kv, each loaded once for both MMAs
-    c_s = ()  # FP8_STAGE == 2: the same slices for the score MMAs, converted in registers (not staged)
     for i in tl.static_range(SPLIT_L):
-        ptrs = kv_row + i * LS + offs_s[None, :]  # [N, LS]
-        if FP8_STAGE == 2:
-            raw = tl.load(ptrs, mask=tok_ok[:, None], other=0.0)  # [N, LS] e4m3fn
-            c = c + (_e4m3_to_fp16_staged(raw),)
-            c_s = c_s + (raw.to(tl.float16),)
-        else:
-            c = c + (_load_operand(ptrs, tok_ok[:, None], MMA, UPCAST_BF16, FP8_STAGE),)
-    if FP8_STAGE != 2:
-        c_s = c
-    k_pe = _load_operand(kv_row + L + offs_r[None, :], tok_ok[:, None], MMA, UPCAST_BF16, FP8_STAGE == 1)  # [N, R]
+        c = c + (_load_operand(kv_row + i * LS + offs_s[None, :], tok_ok[:, None], MMA, UPCAST_BF16, FP8_STAGE),)
+    k_pe = _load_operand(kv_row + L + offs_r[None, :], tok_ok[:, None], MMA, UPCAST_BF16, FP8_STAGE)  # [N, R]
     if V_RELOAD:  # V loaded again for P.V (hits L1/L2): each load then has one use, which Triton can pipeline
         v = tl.load(kv_row + offs_s[None, :], mask=tok_ok[:, None], other=0.0, eviction_policy="evict_first")
         v = _mma_operand(v, MMA, UPCAST_BF16)  # [N, LS]
@@ -219,9 +210,9 @@ def _attend_tile(
     # -- scores: sum over slices of [M, LS] x [LS, N], + [M, R] x [R, N] -> [M, N], fp32 accumulation
     if SPLIT_L > 1 or UNCHAIN:  # independent chains (one per slice, then k_pe), summed pairwise at the end
         live = start < kv_end  # true: the tile loop runs below kv_end (for _unchain)
-        s = _slice_scores(q, c_s, live, SPLIT_L, UNCHAIN) + _score(q_pe, k_pe, live, UNCHAIN)
+        s = _slice_scores(q, c, live, SPLIT_L, UNCHAIN) + _score(q_pe, k_pe, live, UNCHAIN)
     else:
-        s = tl.dot(q[0], tl.trans(c_s[0]))
+        s = tl.dot(q[0], tl.trans(c[0]))
         s = tl.dot(q_pe, tl.trans(k_pe), s)
     s = s * qk_scale
     visible = (tok[None, :] < limit[:, None]) & tok_ok[None, :]  # [M, N]
@@ -608,7 +599,6 @@ class KernelConfig:
     split_l: int = 1
     lazy_l: bool = False
     unchain: bool = False
-    stage_scores: bool = True
 
     def __post_init__(self):
         if self.page_chunk < 0 or self.page_chunk & (self.page_chunk - 1):
@@ -826,8 +816,7 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
         MMA=config.mma, INTERPRET=INTERPRET, UPCAST_BF16=UPCAST_BF16,
         TILE_IN_PAGE=tile_in_page,
         PAGE_CHUNK=config.page_chunk, V_RELOAD=config.v_reload,
-        FP8_STAGE=(1 if config.stage_scores else 2) if (
-            config.fp8_stage and not INTERPRET and config.mma == "fp16" and kv.dtype == torch.float8_e4m3fn) else 0,
+        FP8_STAGE=config.fp8_stage and not INTERPRET and config.mma == "fp16" and kv.dtype == torch.float8_e4m3fn,
         HEAD_SPLIT=config.head_split, SPLIT_L=split_l, LAZY_L=config.lazy_l, UNCHAIN=config.unchain,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
