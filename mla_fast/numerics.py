@@ -15,11 +15,12 @@ Rounding points of `_mla_decode_kernel` (per query row, per KV tile of BLOCK_N t
    V loaded a second time for P.V (config v_reload) holds the same values, and so does the fp16 copy of an e4m3fn
    tile (and of an e4m3fn q) staged in shared memory (config fp8_stage, exact conversion): no numerical effect.
 2. QK: fp32 accumulators over the L (512) latent and R (64) rope channels: one chain (L, then R onto it) with
-   split_l = 1; with split_l = n (4 for bf16, 8 for fp8 caches by default) n independent chains of L/n channels and
-   one of R, summed pairwise by n fp32 adds. Either way every score is a sum of L + R products with at most L + R
-   additions. Tensor-core fp32 accumulation is not guaranteed round-to-nearest (truncation is documented for NVIDIA
-   tensor cores, Fasi et al., SIAM J. Sci. Comput. 2021), so each addition is charged 2^-23 (one fp32 ulp, chopped),
-   plus one fp32 rounding of the scale multiply: gamma_qk = (L + R + 1) * 2^-23, whatever the summation order.
+   split_l = 1 and no unchain; with split_l = n (by default 4 for bf16 and 8 for fp8 caches up to 32 rows, 2 at 64
+   rows; unchain with n = 1 too) n independent chains of L/n channels and one of R, summed pairwise by n fp32 adds.
+   Either way every score is a sum of L + R products with at most L + R additions. Tensor-core fp32 accumulation
+   is not guaranteed round-to-nearest (truncation is documented for NVIDIA tensor cores, Fasi et al., SIAM J. Sci.
+   Comput. 2021), so each addition is charged 2^-23 (one fp32 ulp, chopped), plus one fp32 rounding of the scale
+   multiply: gamma_qk = (L + R + 1) * 2^-23, whatever the summation order.
 3. Softmax: base 2, s * log2(e) folded into the scale; exp2 is the hardware approximation (~2 ulp), covered by the
    2^-22 term of §5(f). Row sums l in fp32 from unrounded P (with lazy_l one running sum per tile column, each
    rescaled by alpha per tile like the row sum, added up once at the end: another order of the same fp32 sum).
