@@ -261,10 +261,11 @@ CANDIDATES = {  # (combo, num_heads) -> KernelConfig overrides of default_config
     ("bf16", 128): [dict(split_l=4, page_chunk=0),  # before two slices and block-table chunks
                     # the b >= 32 layout, at b = 1 too: 31.4 vs 29.4 us at (1, 8192, 128), the small-batch rule holds
                     dict(head_group=64, head_split=2, num_warps=8, num_stages=2, split_l=2, unchain=True),
-                    dict(interleave=True)],
-    ("fp8kv", 64): [FP8_32_ROWS],
-    ("fp8kv", 128): [FP8_32_ROWS, dict(interleave=True)],
-    ("fp8", 128): [FP8_32_ROWS],
+                    dict(interleave=True), dict(interleave=True, split_l=4), dict(interleave=True, page_chunk=0)],
+    ("bf16", 64): [dict(interleave=True)],
+    ("fp8kv", 64): [FP8_32_ROWS, dict(interleave=True)],
+    ("fp8kv", 128): [FP8_32_ROWS, dict(interleave=True), dict(interleave=True, split_l=4)],
+    ("fp8", 128): [FP8_32_ROWS, dict(interleave=True)],
 }
 
 
