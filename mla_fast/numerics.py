@@ -20,7 +20,8 @@ Rounding points of `_mla_decode_kernel` (per query row, per KV tile of BLOCK_N t
    Either way every score is a sum of L + R products with at most L + R additions. Tensor-core fp32 accumulation
    is not guaranteed round-to-nearest (truncation is documented for NVIDIA tensor cores, Fasi et al., SIAM J. Sci.
    Comput. 2021), so each addition is charged 2^-23 (one fp32 ulp, chopped), plus one fp32 rounding of the scale
-   multiply: gamma_qk = (L + R + 1) * 2^-23, whatever the summation order.
+   multiply: gamma_qk = (L + R + 1) * 2^-23, whatever the summation order. Config interleave (each slice's dot
+   written after its load) keeps the same dots and sums: no numerical effect.
 3. Softmax: base 2, s * log2(e) folded into the scale; exp2 is the hardware approximation (~2 ulp), covered by the
    2^-22 term of §5(f). Row sums l in fp32 from unrounded P (with lazy_l one running sum per tile column, each
    rescaled by alpha per tile like the row sum, added up once at the end: another order of the same fp32 sum).

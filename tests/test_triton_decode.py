@@ -155,6 +155,18 @@ def _worker() -> dict:
         runs[workers] = (out32, plan.stats()["pieces_per_tile"]["max"])
     report["split_pair"] = split_pair(runs[1][0], runs[3][0], batch, triton_numerics(config.mma, config.block_n),
                                       runs[3][1])
+    # interleave (each slice's score dot written after its load) is program order only: bitwise the same output,
+    # on 64-row tiles (the bf16 default there) and 16-row tiles with eight slices (fp8 KV, L = 128)
+    report["interleave_bitwise"] = []
+    for name in ("bf16_h64_splitl2_p16_w3", "fp8kv_splitl8_p16_w3"):
+        case = CASES[name]
+        batch = case.batch()
+        config = replace(td.default_config(case.combo, case.heads, max(case.q_lens)), block_n=BLOCK_N,
+                         plan_block_n=PLAN_BLOCK_N, fixed_overhead=1, **CONFIG_OVERRIDES.get(name, {}))
+        plan = td.make_plan(batch, config, case.num_workers)
+        runs = [td.decode(batch, plan=plan, config=replace(config, interleave=flag)) for flag in (False, True)]
+        report["interleave_bitwise"].append(bool(torch.equal(runs[0][0], runs[1][0])
+                                                 and torch.equal(runs[0][1], runs[1][1])))
     # the graph-capturable step: plan() into its static buffers, run() launches; equal to decode() with the step's
     # fixed reduce shape, also after seq_lens shrink in place and a re-plan (other pieces per tile)
     step = td.TritonMLADecode(batch, num_workers=3, config=config)
@@ -208,6 +220,10 @@ def test_default_config_takes_the_new_paths(report):
     assert [report[n]["lazy_l"] for n in CASES if "lazyl" in n] == [True, True]
     unchained = {n for n in CASES if report[n]["unchain"]}  # the 64-row bf16 default; never 16-row tiles
     assert {"bf16_h64_mtp2_p3_w3", "bf16_h64_unchain_p16_w3"} <= unchained and "bf16_p16_w1" not in unchained
+
+
+def test_interleave_gives_the_same_bits(report):
+    assert report["interleave_bitwise"] == [True, True]
 
 
 def test_cases_cover_splits_and_empty_rows(report):

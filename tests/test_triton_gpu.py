@@ -66,6 +66,8 @@ CONFIG_CASES = [  # (case, KernelConfig overrides): non-default configs that mla
     (_h128("fp8kv", 23), FP8_32_ROWS),
     (_h128("fp8", 26), FP8_32_ROWS),
     (_h128("bf16", 24), dict(page_chunk=0)),
+    (_h128("bf16", 28), dict(interleave=False)),
+    (_h128("fp8kv", 29), dict(interleave=True)),
     (TritonCase((5, 1500, 0, 333), (1,) * 4, heads=128, page_size=16, combo="fp8kv", L=512, R=64, seed=27),
      dict(num_stages=2, page_chunk=0)),  # page 16: per-token gather, one tile buffered
     (VARLEN[0], dict(block_n=32, workers_per_sm=2)),
@@ -123,6 +125,23 @@ def test_bitwise_deterministic_over_10_runs(case):
         out, lse = decode(batch, plan=plan, config=config)
         assert torch.equal(out.view(torch.int16), out0.view(torch.int16))
         assert torch.equal(lse.view(torch.int32), lse0.view(torch.int32))
+
+
+@pytest.mark.parametrize("combo", ["bf16", "fp8kv"])
+def test_interleave_gives_the_same_bits(combo):
+    """interleave only reorders the program (each slice's score dot after its load): the same bits on the device,
+    on the 64-row wgmma layout (bf16: the default) and with the staged fp8 tile."""
+    from dataclasses import replace
+
+    from mla_fast.triton_decode import decode, default_config, make_plan
+
+    case = _h128(combo, 30)
+    batch = case.batch("cuda")
+    config = default_config(combo, case.heads, 1)
+    plan = make_plan(batch, config)
+    (out0, lse0), (out1, lse1) = (decode(batch, plan=plan, config=replace(config, interleave=f)) for f in (False, True))
+    assert torch.equal(out0.view(torch.int16), out1.view(torch.int16))
+    assert torch.equal(lse0.view(torch.int32), lse1.view(torch.int32))
 
 
 def test_cuda_graph_replay_equals_eager():
