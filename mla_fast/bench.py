@@ -254,11 +254,8 @@ _V_RELOAD = dict(fp8_stage=False, split_l=1, page_chunk=0, lazy_l=False, num_war
 FP8_32_ROWS = dict(head_group=32, head_split=1, num_warps=8, num_stages=3, split_l=8, page_chunk=32, lazy_l=True,
                    unchain=False)
 CANDIDATES = {  # (combo, num_heads) -> KernelConfig overrides of default_config timed beside it (--candidates)
-    ("bf16", 16): [dict(score_chains=2), dict(score_chains=2, interleave=True)],
-    ("fp8kv", 16): [dict(split_l=4, num_stages=3),  # before eight slices and three tiles buffered
-                    dict(score_chains=2, interleave=True), dict(score_chains=4, interleave=True),
-                    dict(score_chains=4), dict(score_chains=2)],
-    ("fp8", 16): [_V_RELOAD, dict(score_chains=2, interleave=True)],  # before the staged path
+    ("fp8kv", 16): [dict(split_l=4, num_stages=3)],  # before eight slices and three tiles buffered
+    ("fp8", 16): [_V_RELOAD],  # before the staged path
     ("bf16", 128): [dict(interleave=False),  # before each slice's score dot followed its load
                     # the b >= 32 layout, at b = 1 too: 31.4 vs 29.4 us at (1, 8192, 128), the small-batch rule holds
                     dict(head_group=64, head_split=2, num_warps=8, num_stages=2, split_l=2, unchain=True,

@@ -174,7 +174,7 @@ def _attend_tile(
     PAGE_SIZE: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
     MMA: tl.constexpr, UPCAST_BF16: tl.constexpr, TILE_IN_PAGE: tl.constexpr, V_RELOAD: tl.constexpr,
     FP8_STAGE: tl.constexpr, SPLIT_L: tl.constexpr, LAZY_L: tl.constexpr, UNCHAIN: tl.constexpr,
-    INTERLEAVE: tl.constexpr, CHAINS: tl.constexpr = 0,
+    INTERLEAVE: tl.constexpr,
 ):
     """One KV tile of BLOCK_N tokens from `start`: online-softmax update of (m_i, l_i, acc) for all rows.
 
@@ -207,7 +207,7 @@ def _attend_tile(
     for i in tl.static_range(SPLIT_L):
         c = c + (_load_operand(kv_row + i * LS + offs_s[None, :], tok_ok[:, None], MMA, UPCAST_BF16, FP8_STAGE),)
         if INTERLEAVE:
-            s_parts = _add_slice(s_parts, q[i], c[i], i, live, CHAINS, UNCHAIN)
+            s_parts = s_parts + (_score(q[i], c[i], live, UNCHAIN),)
     k_pe = _load_operand(kv_row + L + offs_r[None, :], tok_ok[:, None], MMA, UPCAST_BF16, FP8_STAGE)  # [N, R]
     if V_RELOAD:  # V loaded again for P.V (hits L1/L2): each load then has one use, which Triton can pipeline
         v = tl.load(kv_row + offs_s[None, :], mask=tok_ok[:, None], other=0.0, eviction_policy="evict_first")
@@ -217,9 +217,9 @@ def _attend_tile(
 
     # -- scores: sum over slices of [M, LS] x [LS, N], + [M, R] x [R, N] -> [M, N], fp32 accumulation
     if INTERLEAVE:
-        s = _pairwise_sum(s_parts, CHAINS) + _score(q_pe, k_pe, live, UNCHAIN)
+        s = _pairwise_sum(s_parts, SPLIT_L) + _score(q_pe, k_pe, live, UNCHAIN)
     elif SPLIT_L > 1 or UNCHAIN:  # independent chains (one per slice, then k_pe), summed pairwise at the end
-        s = _slice_scores(q, c, live, SPLIT_L, UNCHAIN, CHAINS) + _score(q_pe, k_pe, live, UNCHAIN)
+        s = _slice_scores(q, c, live, SPLIT_L, UNCHAIN) + _score(q_pe, k_pe, live, UNCHAIN)
     else:
         s = tl.dot(q[0], tl.trans(c[0]))
         s = tl.dot(q_pe, tl.trans(k_pe), s)
@@ -244,28 +244,13 @@ def _attend_tile(
 
 
 @triton.jit
-def _slice_scores(q, c, live, SPLIT_L: tl.constexpr, UNCHAIN: tl.constexpr, CHAINS: tl.constexpr):
+def _slice_scores(q, c, live, SPLIT_L: tl.constexpr, UNCHAIN: tl.constexpr):
     """sum_i q[i] c[i]^T over the SPLIT_L (1, 2, 4 or 8) latent slices -> [M, N] fp32, summed pairwise:
     0, (0 + 1), ((0 + 1) + (2 + 3)), (((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)))."""
     s = ()
     for i in tl.static_range(SPLIT_L):
-        s = _add_slice(s, q[i], c[i], i, live, CHAINS, UNCHAIN)
-    return _pairwise_sum(s, CHAINS)
-
-
-@triton.jit
-def _add_slice(parts, q_i, c_i, i: tl.constexpr, live, CHAINS: tl.constexpr, UNCHAIN: tl.constexpr):
-    if i < CHAINS:
-        parts = parts + (_score(q_i, c_i, live, UNCHAIN),)
-    else:
-        new = ()
-        for j in tl.static_range(CHAINS):
-            if j == i % CHAINS:
-                new = new + (tl.dot(q_i, tl.trans(c_i), parts[j]),)
-            else:
-                new = new + (parts[j],)
-        parts = new
-    return parts
+        s = s + (_score(q[i], c[i], live, UNCHAIN),)
+    return _pairwise_sum(s, SPLIT_L)
 
 
 @triton.jit
@@ -289,7 +274,7 @@ def _attend_span(
     PAGE_SIZE: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
     MMA: tl.constexpr, INTERPRET: tl.constexpr, UPCAST_BF16: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
     PAGE_CHUNK: tl.constexpr, V_RELOAD: tl.constexpr, FP8_STAGE: tl.constexpr, SPLIT_L: tl.constexpr,
-    LAZY_L: tl.constexpr, UNCHAIN: tl.constexpr, INTERLEAVE: tl.constexpr, CHAINS: tl.constexpr = 0,
+    LAZY_L: tl.constexpr, UNCHAIN: tl.constexpr, INTERLEAVE: tl.constexpr,
 ):
     """The tiles starting at lo, lo + BLOCK_N, ... < hi. Page of a tile (TILE_IN_PAGE): with PAGE_CHUNK > 0, picked
     out of `pages` ([PAGE_CHUNK] block-table entries from page `first_page`, in registers: no load in the loop, so
@@ -302,7 +287,7 @@ def _attend_span(
             m_i, l_i, acc = _attend_tile(
                 q, q_pe, m_i, l_i, acc, start, kv_end, limit, page, b, KV, BLOCK_TABLE, qk_scale, stride_kvp,
                 stride_kvs, stride_bt, PAGE_SIZE, L, R, BLOCK_N, MMA, UPCAST_BF16, TILE_IN_PAGE, V_RELOAD, FP8_STAGE,
-                SPLIT_L, LAZY_L, UNCHAIN, INTERLEAVE, CHAINS)
+                SPLIT_L, LAZY_L, UNCHAIN, INTERLEAVE)
             start += BLOCK_N
     else:
         for start in range(lo, hi, BLOCK_N):
@@ -310,7 +295,7 @@ def _attend_span(
             m_i, l_i, acc = _attend_tile(
                 q, q_pe, m_i, l_i, acc, start, kv_end, limit, page, b, KV, BLOCK_TABLE, qk_scale, stride_kvp,
                 stride_kvs, stride_bt, PAGE_SIZE, L, R, BLOCK_N, MMA, UPCAST_BF16, TILE_IN_PAGE, V_RELOAD, FP8_STAGE,
-                SPLIT_L, LAZY_L, UNCHAIN, INTERLEAVE, CHAINS)
+                SPLIT_L, LAZY_L, UNCHAIN, INTERLEAVE)
     return m_i, l_i, acc
 
 
@@ -356,7 +341,7 @@ def _mla_decode_kernel(
     MMA: tl.constexpr, INTERPRET: tl.constexpr, UPCAST_BF16: tl.constexpr,
     TILE_IN_PAGE: tl.constexpr, PAGE_CHUNK: tl.constexpr, V_RELOAD: tl.constexpr, FP8_STAGE: tl.constexpr,
     HEAD_SPLIT: tl.constexpr, SPLIT_L: tl.constexpr, LAZY_L: tl.constexpr, UNCHAIN: tl.constexpr,
-    INTERLEAVE: tl.constexpr, CHAINS: tl.constexpr = 0,
+    INTERLEAVE: tl.constexpr,
 ):
     # HEAD_SPLIT consecutive programs run one worker's items, each on its share of the item's heads: they stream
     # the same KV tiles at the same time, so all but the first read of a tile hit the L2
@@ -375,7 +360,7 @@ def _mla_decode_kernel(
             it, Q, KV, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, head_part, OUT, LSE, O_PART, LSE_PART,
             kv_scale, qk_scale, stride_qt, stride_qh, stride_kvp, stride_kvs, stride_bt, stride_ot, stride_oh,
             stride_lt, stride_pt, stride_ph, stride_plt, PAGE_SIZE, L, R, BLOCK_M, BLOCK_N, MMA, INTERPRET,
-            UPCAST_BF16, TILE_IN_PAGE, PAGE_CHUNK, V_RELOAD, FP8_STAGE, HEAD_SPLIT, SPLIT_L, LAZY_L, UNCHAIN, INTERLEAVE, CHAINS)
+            UPCAST_BF16, TILE_IN_PAGE, PAGE_CHUNK, V_RELOAD, FP8_STAGE, HEAD_SPLIT, SPLIT_L, LAZY_L, UNCHAIN, INTERLEAVE)
         it += 1
 
 
@@ -388,7 +373,7 @@ def _attend_item(
     MMA: tl.constexpr, INTERPRET: tl.constexpr, UPCAST_BF16: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
     PAGE_CHUNK: tl.constexpr, V_RELOAD: tl.constexpr, FP8_STAGE: tl.constexpr, HEAD_SPLIT: tl.constexpr,
     SPLIT_L: tl.constexpr, LAZY_L: tl.constexpr, UNCHAIN: tl.constexpr,
-    INTERLEAVE: tl.constexpr, CHAINS: tl.constexpr = 0,
+    INTERLEAVE: tl.constexpr,
 ):
     """Work item `it`: its rows over its token range, then its output (or workspace) rows."""
     LS: tl.constexpr = L // SPLIT_L
@@ -412,13 +397,13 @@ def _attend_item(
                                      PAGE_CHUNK)  # [C], all masked past kv_end
             m_i, l_i, acc = _attend_span(
                 q, q_pe, m_i, l_i, acc, chunk, chunk_end, kv_end, limit, pages, first_page, b, KV, BLOCK_TABLE, qk_scale, stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R,
-                BLOCK_N, MMA, INTERPRET, UPCAST_BF16, True, PAGE_CHUNK, V_RELOAD, FP8_STAGE, SPLIT_L, LAZY_L, UNCHAIN, INTERLEAVE, CHAINS)
+                BLOCK_N, MMA, INTERPRET, UPCAST_BF16, True, PAGE_CHUNK, V_RELOAD, FP8_STAGE, SPLIT_L, LAZY_L, UNCHAIN, INTERLEAVE)
             pages = next_pages
             chunk = chunk_end
     else:
         m_i, l_i, acc = _attend_span(
             q, q_pe, m_i, l_i, acc, kv_start, kv_end, kv_end, limit, kv_start, 0, b, KV, BLOCK_TABLE, qk_scale, stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R,
-            BLOCK_N, MMA, INTERPRET, UPCAST_BF16, TILE_IN_PAGE, 0, V_RELOAD, FP8_STAGE, SPLIT_L, LAZY_L, UNCHAIN, INTERLEAVE, CHAINS)
+            BLOCK_N, MMA, INTERPRET, UPCAST_BF16, TILE_IN_PAGE, 0, V_RELOAD, FP8_STAGE, SPLIT_L, LAZY_L, UNCHAIN, INTERLEAVE)
     _store_item(m_i, l_i, acc, kv_scale, partial_row, qo, qo_start, h, row_ok, OUT, LSE,
                 O_PART, LSE_PART, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt, LS, SPLIT_L,
                 LAZY_L, INTERPRET)
@@ -636,7 +621,6 @@ class KernelConfig:
     lazy_l: bool = False
     unchain: bool = False
     interleave: bool = False
-    score_chains: int = 0
 
     def __post_init__(self):
         if self.page_chunk < 0 or self.page_chunk & (self.page_chunk - 1):
@@ -862,7 +846,7 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
         PAGE_CHUNK=config.page_chunk, V_RELOAD=config.v_reload,
         FP8_STAGE=config.fp8_stage and not INTERPRET and config.mma == "fp16" and kv.dtype == torch.float8_e4m3fn,
         HEAD_SPLIT=config.head_split, SPLIT_L=split_l, LAZY_L=config.lazy_l, UNCHAIN=config.unchain,
-        INTERLEAVE=config.interleave, CHAINS=min(config.score_chains or split_l, split_l),
+        INTERLEAVE=config.interleave,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     num_tiles = plan.reduce_final.shape[0]
