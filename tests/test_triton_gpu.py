@@ -176,11 +176,17 @@ _MEMCHECK_SCRIPT = """
 import torch
 from triton_cases import TritonCase
 from mla_fast.triton_decode import decode
-for combo in ("bf16", "fp8kv"):
-    case = TritonCase((0, 1, 65, 700, 1500), (1, 2, 1, 3, 1), heads=16, page_size=16, combo=combo, L=512, R=64)
-    out, lse = decode(case.batch("cuda"))
-    torch.cuda.synchronize()
-    assert not out.isnan().any()
+cases = [  # page 16 with MTP (64-row tiles at q_len 3, per-token gather); page 64 at 128 heads (block-table chunks)
+    dict(seq_lens=(0, 1, 65, 700, 1500), q_lens=(1, 2, 1, 3, 1), heads=16, page_size=16),
+    dict(seq_lens=(0, 1, 65, 700, 4097), q_lens=(1,) * 5, heads=128, page_size=64),
+]
+for kw in cases:
+    for combo in ("bf16", "fp8kv"):
+        case = TritonCase(kw["seq_lens"], kw["q_lens"], heads=kw["heads"], page_size=kw["page_size"], combo=combo,
+                          L=512, R=64)
+        out, lse = decode(case.batch("cuda"))
+        torch.cuda.synchronize()
+        assert not out.isnan().any()
 print("memcheck-done")
 """
 
