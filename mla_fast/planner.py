@@ -397,7 +397,8 @@ def _even_cuts(line: _Line, max_splits: int | None) -> tuple[torch.Tensor, int, 
     item_pos = line.start[item_tile] + torch.where(j == 0, 0, line.ovh + first_block)  # [N] line position
     cuts = torch.cat([item_pos[1:], torch.full((W - item_pos.numel(),), line.total)])  # [W-1]
     cost = int(_ceil_div(line.blocks, k).max()) + line.ovh
-    rows = int((torch.where(k > 1, k, 0) * line.qlen[line.tile_req]).sum()) // (T // line.qlen.numel())  # per request
+    G = line.num_heads // line.head_group  # the head groups of a request share its partial rows
+    rows = int((torch.where(k > 1, k, 0) * line.qlen[line.tile_req]).sum()) // G
     return cuts, cost, rows
 
 
