@@ -850,7 +850,7 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     num_tiles = plan.reduce_final.shape[0]
-    if num_tiles > 0 and plan.reduce_partial_map.numel() > 0:
+    if num_tiles > 0 and plan.num_partial_rows > 0:  # some tile is split
         block_s, block_l = reduce_blocks(plan.max_pieces, L)
         _mla_reduce_kernel[(num_tiles, max_rows * config.head_split, L // block_l)](
             o_part, lse_part, plan.reduce_final, out, lse,
@@ -893,8 +893,9 @@ class TritonMLADecode:
         batch: a DecodeBatch whose tensors (q, kv_cache, block_table, seq_lens, q_lens) are the static buffers the
             graph reads; refill them in place between replays, then call `plan(batch)` again.
         max_q_len: largest q_len any later step uses.
-        max_items, max_partial_rows, max_tiles, max_map: capacities of the plan buffers (defaults sized for one item
-            per (request, head group) per worker plus splits).
+        max_items, max_partial_rows: capacities of the plan buffers (defaults sized for one item per (request, head
+            group) per worker plus splits). The kernels read the plan's work items, worker ranges and reduce_final
+            rows only, so only those are kept.
         reduce_pieces: split pieces per tile that the reduce kernel's steps are sized for (`reduce_blocks`), fixed
             for the step so that eager runs and graph replays give the same bits whatever the plan (the step shape
             sets the merge's summation order). Tiles with more pieces are merged in more steps.
@@ -918,9 +919,7 @@ class TritonMLADecode:
         i32 = dict(dtype=torch.int32, device=device)
         self.work_items = torch.zeros(max_items, 8, **i32)
         self.worker_indptr = torch.zeros(self.num_workers + 1, **i32)
-        self.reduce_indptr = torch.zeros(groups + 1, **i32)
         self.reduce_final = torch.zeros(groups, 8, **i32)
-        self.reduce_partial_map = torch.zeros(max_items, **i32)
         self.workspace = (torch.empty(max_partial_rows, H, L, dtype=torch.float32, device=device),
                           torch.empty(max_partial_rows, H, dtype=torch.float32, device=device))
         self.q_scale = _scale_tensor(batch.q_scale, device)
@@ -934,19 +933,16 @@ class TritonMLADecode:
         """Plan on the current seq_lens/q_lens and copy into the static buffers (eager; never inside a capture)."""
         batch = batch or self.batch
         p = make_plan(batch, self.config, self.num_workers)
-        n, m, t = p.work_items.shape[0], p.reduce_partial_map.numel(), p.reduce_final.shape[0]
-        if n > self.work_items.shape[0] or m > self.reduce_partial_map.numel() or t > self.reduce_final.shape[0]:
-            raise ValueError(f"plan needs {n} items / {m} partials / {t} tiles, above this step's capacities")
+        n, t = p.work_items.shape[0], p.reduce_final.shape[0]
+        if n > self.work_items.shape[0] or t > self.reduce_final.shape[0]:
+            raise ValueError(f"plan needs {n} items / {t} tiles, above this step's capacities")
         if p.num_partial_rows > self.workspace[0].shape[0]:
             raise ValueError(f"plan needs {p.num_partial_rows} partial rows, capacity {self.workspace[0].shape[0]}")
         self.qo_indptr.copy_(batch.qo_indptr)
         self.work_items[:n].copy_(p.work_items)
         self.worker_indptr.copy_(p.worker_indptr)
-        self.reduce_partial_map[:m].copy_(p.reduce_partial_map)
         self.reduce_final[:t].copy_(p.reduce_final)
-        self.reduce_indptr[: t + 1].copy_(p.reduce_indptr)
-        self.reduce_indptr[t + 1 :].fill_(int(p.reduce_indptr[-1]) if p.reduce_indptr.numel() else 0)
-        self.reduce_final[t:].zero_()
+        self.reduce_final[t:].zero_()  # padded tiles: empty split ranges
         if batch.q_scale is not None:
             self.q_scale.copy_(_scale_tensor(batch.q_scale, self.q_scale.device))
         if batch.kv_scale is not None:
@@ -965,19 +961,15 @@ class _StaticPlan:
 
     work_items: torch.Tensor
     worker_indptr: torch.Tensor
-    reduce_indptr: torch.Tensor
     reduce_final: torch.Tensor
-    reduce_partial_map: torch.Tensor
     num_partial_rows: int
     block_n: int
     head_group: int
     max_pieces: int
 
     def __init__(self, step: "TritonMLADecode"):
-        self.work_items, self.worker_indptr = step.work_items, step.worker_indptr
-        self.reduce_indptr, self.reduce_final = step.reduce_indptr, step.reduce_final
-        self.reduce_partial_map = step.reduce_partial_map
-        self.num_partial_rows = step.workspace[0].shape[0]
+        self.work_items, self.worker_indptr, self.reduce_final = step.work_items, step.worker_indptr, step.reduce_final
+        self.num_partial_rows = step.workspace[0].shape[0]  # capacity: the step always launches the reduce
         self.block_n = step.config.plan_block_n
         self.head_group = step.config.head_group * step.config.head_split
         self.max_pieces = step.reduce_pieces  # the step's fixed reduce shape, not the last plan's
