@@ -17,8 +17,9 @@ Two kernels, beside their launcher (like Triton's fused-attention tutorial):
   once, row-major, as [BLOCK_N, L] (c_kv) and [BLOCK_N, R] (k_pe), and reused for both dot(q, trans(k)) and
   dot(p, c_kv). When a tile lies inside one page, the block-table entries come in chunks of `page_chunk` pages (one
   vector load, the tile's page picked in registers), so no load in the tile loop feeds an address and Triton
-  pipelines the KV loads (num_stages - 1 tiles buffered). Online softmax in base 2. Unsplit items (PARTIAL_ROW == -1) write `out` (bf16)
-  and `lse` straight; split items write fp32 partials (out already normalised, lse natural log) to a workspace.
+  pipelines the KV loads (num_stages - 1 tiles buffered). Online softmax in base 2. Unsplit items (PARTIAL_ROW == -1)
+  write `out` (bf16) and `lse` straight; split items write fp32 partials (out already normalised, lse natural log)
+  to a workspace.
 - `_mla_reduce_kernel`: merges the partials of each split (request, head group) tile, in KV order (numerics.md §3).
 
 Safety: cache slots at or past a request's `seq_len` may hold NaN. Loads are masked by the item's KV_END (never read)
@@ -360,7 +361,8 @@ def _mla_decode_kernel(
             it, Q, KV, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, head_part, OUT, LSE, O_PART, LSE_PART,
             kv_scale, qk_scale, stride_qt, stride_qh, stride_kvp, stride_kvs, stride_bt, stride_ot, stride_oh,
             stride_lt, stride_pt, stride_ph, stride_plt, PAGE_SIZE, L, R, BLOCK_M, BLOCK_N, MMA, INTERPRET,
-            UPCAST_BF16, TILE_IN_PAGE, PAGE_CHUNK, V_RELOAD, FP8_STAGE, HEAD_SPLIT, SPLIT_L, LAZY_L, UNCHAIN, INTERLEAVE)
+            UPCAST_BF16, TILE_IN_PAGE, PAGE_CHUNK, V_RELOAD, FP8_STAGE, HEAD_SPLIT, SPLIT_L, LAZY_L, UNCHAIN,
+            INTERLEAVE)
         it += 1
 
 
@@ -396,14 +398,16 @@ def _attend_item(
             next_pages = _load_pages(BLOCK_TABLE, b, stride_bt, first_page + PAGE_CHUNK, kv_end, PAGE_SIZE,
                                      PAGE_CHUNK)  # [C], all masked past kv_end
             m_i, l_i, acc = _attend_span(
-                q, q_pe, m_i, l_i, acc, chunk, chunk_end, kv_end, limit, pages, first_page, b, KV, BLOCK_TABLE, qk_scale, stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R,
-                BLOCK_N, MMA, INTERPRET, UPCAST_BF16, True, PAGE_CHUNK, V_RELOAD, FP8_STAGE, SPLIT_L, LAZY_L, UNCHAIN, INTERLEAVE)
+                q, q_pe, m_i, l_i, acc, chunk, chunk_end, kv_end, limit, pages, first_page, b, KV, BLOCK_TABLE,
+                qk_scale, stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R, BLOCK_N, MMA, INTERPRET, UPCAST_BF16,
+                True, PAGE_CHUNK, V_RELOAD, FP8_STAGE, SPLIT_L, LAZY_L, UNCHAIN, INTERLEAVE)
             pages = next_pages
             chunk = chunk_end
     else:
         m_i, l_i, acc = _attend_span(
-            q, q_pe, m_i, l_i, acc, kv_start, kv_end, kv_end, limit, kv_start, 0, b, KV, BLOCK_TABLE, qk_scale, stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R,
-            BLOCK_N, MMA, INTERPRET, UPCAST_BF16, TILE_IN_PAGE, 0, V_RELOAD, FP8_STAGE, SPLIT_L, LAZY_L, UNCHAIN, INTERLEAVE)
+            q, q_pe, m_i, l_i, acc, kv_start, kv_end, kv_end, limit, kv_start, 0, b, KV, BLOCK_TABLE, qk_scale,
+            stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R, BLOCK_N, MMA, INTERPRET, UPCAST_BF16, TILE_IN_PAGE, 0,
+            V_RELOAD, FP8_STAGE, SPLIT_L, LAZY_L, UNCHAIN, INTERLEAVE)
     _store_item(m_i, l_i, acc, kv_scale, partial_row, qo, qo_start, h, row_ok, OUT, LSE,
                 O_PART, LSE_PART, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt, LS, SPLIT_L,
                 LAZY_L, INTERPRET)
@@ -475,7 +479,8 @@ def _load_pages(BLOCK_TABLE, b, stride_bt, first_page, kv_end, PAGE_SIZE: tl.con
 
 
 @triton.jit
-def _store_item(m_i, l_i, acc, kv_scale, partial_row, qo, qo_start, h, row_ok, OUT, LSE, O_PART, LSE_PART, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt,
+def _store_item(m_i, l_i, acc, kv_scale, partial_row, qo, qo_start, h, row_ok, OUT, LSE, O_PART, LSE_PART,
+                stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt,
                 LS: tl.constexpr, SPLIT_L: tl.constexpr, LAZY_L: tl.constexpr, INTERPRET: tl.constexpr):
     """Epilogue of a work item: normalise, unscale V, natural-log LSE; empty rows give out = 0, lse = -inf. Unsplit
     items (partial_row < 0) write out (bf16) and lse; split items their fp32 workspace rows."""
@@ -588,8 +593,8 @@ class KernelConfig:
             size and plan_block_n multiples of block_n); 0: one block-table load per tile.
         split_l: latent column slices (1, 2, 4 or 8; halved while kv_lora_rank < 16 x split_l): the score MMA runs
             as split_l + 1 independent accumulation chains (slices of L/split_l, then R) summed pairwise at the end,
-            instead of one chain over L + R; each slice is loaded once and reused for its P.V MMA. Same products, another fp32 summation
-            order (within the kernel bound's accumulation term).
+            instead of one chain over L + R; each slice is loaded once and reused for its P.V MMA. Same products,
+            another fp32 summation order (within the kernel bound's accumulation term).
         lazy_l: keep the softmax denominator as [rows, block_n] running sums, reduced once per work item (one
             cross-warp reduction per tile fewer); another fp32 summation order of the same terms.
         fp8_stage: e4m3fn caches with mma="fp16": convert each tile to fp16 once, through an op Triton cannot move,
