@@ -254,9 +254,7 @@ _V_RELOAD = dict(fp8_stage=False, split_l=1, page_chunk=0, lazy_l=False, num_war
 FP8_32_ROWS = dict(head_group=32, head_split=1, num_warps=8, num_stages=3, split_l=8, page_chunk=32, lazy_l=True,
                    unchain=False)
 CANDIDATES = {  # (combo, num_heads) -> KernelConfig overrides of default_config timed beside it (--candidates)
-    ("fp8kv", 16): [dict(split_l=4, num_stages=3),  # before eight slices and three tiles buffered
-                    dict(num_warps=8), dict(num_warps=8, pin_q=True), dict(pin_q=True),
-                    dict(num_warps=8, pin_q=True, num_stages=3), dict(num_warps=8, pin_q=True, split_l=4)],  # WIP
+    ("fp8kv", 16): [dict(split_l=4, num_stages=3)],  # before eight slices and three tiles buffered
     ("fp8", 16): [_V_RELOAD],  # before the staged path
     ("bf16", 128): [dict(interleave=False),  # before each slice's score dot followed its load
                     # the b >= 32 layout, at b = 1 too: 31.4 vs 29.4 us at (1, 8192, 128), the small-batch rule holds

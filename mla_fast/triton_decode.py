@@ -342,7 +342,7 @@ def _mla_decode_kernel(
     MMA: tl.constexpr, INTERPRET: tl.constexpr, UPCAST_BF16: tl.constexpr,
     TILE_IN_PAGE: tl.constexpr, PAGE_CHUNK: tl.constexpr, V_RELOAD: tl.constexpr, FP8_STAGE: tl.constexpr,
     HEAD_SPLIT: tl.constexpr, SPLIT_L: tl.constexpr, LAZY_L: tl.constexpr, UNCHAIN: tl.constexpr,
-    INTERLEAVE: tl.constexpr, PIN_Q: tl.constexpr,
+    INTERLEAVE: tl.constexpr,
 ):
     # HEAD_SPLIT consecutive programs run one worker's items, each on its share of the item's heads: they stream
     # the same KV tiles at the same time, so all but the first read of a tile hit the L2
@@ -362,7 +362,7 @@ def _mla_decode_kernel(
             kv_scale, qk_scale, stride_qt, stride_qh, stride_kvp, stride_kvs, stride_bt, stride_ot, stride_oh,
             stride_lt, stride_pt, stride_ph, stride_plt, PAGE_SIZE, L, R, BLOCK_M, BLOCK_N, MMA, INTERPRET,
             UPCAST_BF16, TILE_IN_PAGE, PAGE_CHUNK, V_RELOAD, FP8_STAGE, HEAD_SPLIT, SPLIT_L, LAZY_L, UNCHAIN,
-            INTERLEAVE, PIN_Q)
+            INTERLEAVE)
         it += 1
 
 
@@ -375,7 +375,7 @@ def _attend_item(
     MMA: tl.constexpr, INTERPRET: tl.constexpr, UPCAST_BF16: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
     PAGE_CHUNK: tl.constexpr, V_RELOAD: tl.constexpr, FP8_STAGE: tl.constexpr, HEAD_SPLIT: tl.constexpr,
     SPLIT_L: tl.constexpr, LAZY_L: tl.constexpr, UNCHAIN: tl.constexpr,
-    INTERLEAVE: tl.constexpr, PIN_Q: tl.constexpr,
+    INTERLEAVE: tl.constexpr,
 ):
     """Work item `it`: its rows over its token range, then its output (or workspace) rows."""
     LS: tl.constexpr = L // SPLIT_L
@@ -388,8 +388,6 @@ def _attend_item(
         Q, qo_start, n_rows, head_start, num_h, limit_0, stride_qt, stride_qh, L, R, BLOCK_M, MMA, UPCAST_BF16,
         SPLIT_L, FP8_STAGE)
     m_i, l_i, acc = _fresh_state(BLOCK_M, BLOCK_N, LS, LAZY_L, SPLIT_L)
-    if PIN_Q:
-        l_i = _pin_q(q, q_pe, l_i, BLOCK_N, SPLIT_L, LAZY_L)
     if TILE_IN_PAGE and PAGE_CHUNK > 0:
         # chunks of PAGE_CHUNK pages: their block-table entries in one vector load, then the chunk's tiles; each
         # chunk's entries are loaded while the chunk before runs
@@ -469,21 +467,6 @@ def _fresh_state(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LS: tl.constexpr,
     for _ in tl.static_range(SPLIT_L):
         acc = acc + (tl.zeros([BLOCK_M, LS], tl.float32),)
     return m_i, l_i, acc
-
-
-@triton.jit
-def _pin_q(q, q_pe, l_i, BLOCK_N: tl.constexpr, SPLIT_L: tl.constexpr, LAZY_L: tl.constexpr):
-    """l_i plus dots of every q slice with a zero tile: l_i exactly for finite q (non-finite q gives NaN, as its
-    scores would), but each q MMA operand gets a second user outside the tile loop (KernelConfig.pin_q)."""
-    zero = tl.zeros([BLOCK_N, q_pe.shape[1]], q_pe.dtype)  # [N, R]
-    d = tl.dot(q_pe, tl.trans(zero))  # [M, N] zeros
-    for i in tl.static_range(SPLIT_L):
-        d += tl.dot(q[i], tl.trans(tl.zeros([BLOCK_N, q[i].shape[1]], q[i].dtype)))
-    if LAZY_L:
-        l_i = l_i + d
-    else:
-        l_i = l_i + tl.sum(d, 1)
-    return l_i
 
 
 @triton.jit
@@ -643,7 +626,6 @@ class KernelConfig:
     lazy_l: bool = False
     unchain: bool = False
     interleave: bool = False
-    pin_q: bool = False
 
     def __post_init__(self):
         if self.page_chunk < 0 or self.page_chunk & (self.page_chunk - 1):
@@ -869,7 +851,7 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
         PAGE_CHUNK=config.page_chunk, V_RELOAD=config.v_reload,
         FP8_STAGE=config.fp8_stage and not INTERPRET and config.mma == "fp16" and kv.dtype == torch.float8_e4m3fn,
         HEAD_SPLIT=config.head_split, SPLIT_L=split_l, LAZY_L=config.lazy_l, UNCHAIN=config.unchain,
-        INTERLEAVE=config.interleave, PIN_Q=config.pin_q,
+        INTERLEAVE=config.interleave,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     num_tiles = plan.reduce_final.shape[0]
