@@ -21,6 +21,9 @@ Two kernels, beside their launcher (like Triton's fused-attention tutorial):
   write `out` (bf16) and `lse` straight; split items write fp32 partials (out already normalised, lse natural log)
   to a workspace.
 - `_mla_reduce_kernel`: merges the partials of each split (request, head group) tile, in KV order (numerics.md §3).
+  On sm_90+ CUDA it is launched with programmatic dependent launch: the decode kernel lets it start at once
+  (gdc_launch_dependents), and its programs load their tile metadata, then wait (gdc_wait) until decode has
+  finished and its partials are visible. Same bits; 0.3-0.7 us less per call at the split shapes (one H200).
 
 Safety: cache slots at or past a request's `seq_len` may hold NaN. Loads are masked by the item's KV_END (never read)
 and scores past a row's causal limit are removed with `tl.where` (never multiplied by 0). A row that sees no token
@@ -342,8 +345,10 @@ def _mla_decode_kernel(
     MMA: tl.constexpr, INTERPRET: tl.constexpr, UPCAST_BF16: tl.constexpr,
     TILE_IN_PAGE: tl.constexpr, PAGE_CHUNK: tl.constexpr, V_RELOAD: tl.constexpr, FP8_STAGE: tl.constexpr,
     HEAD_SPLIT: tl.constexpr, SPLIT_L: tl.constexpr, LAZY_L: tl.constexpr, UNCHAIN: tl.constexpr,
-    INTERLEAVE: tl.constexpr,
+    INTERLEAVE: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # the reduce kernel may start now; its programs wait (gdc_wait) until this grid has finished
+        tl.extra.cuda.gdc_launch_dependents()
     # HEAD_SPLIT consecutive programs run one worker's items, each on its share of the item's heads: they stream
     # the same KV tiles at the same time, so all but the first read of a tile hit the L2
     pid = tl.program_id(0)
@@ -508,7 +513,7 @@ def _mla_reduce_kernel(
     OUT, LSE,  # [T, H, L] bf16, [T, H] fp32
     stride_pt, stride_ph, stride_plt,
     stride_ot, stride_oh, stride_lt,
-    BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per (reduce tile, packed row, BLOCK_L output channels): merges that row's split partials, BLOCK_S
     splits at a time ([BLOCK_S, BLOCK_L] fp32 per step; the launcher sizes both from the plan's max_pieces). The
@@ -530,6 +535,8 @@ def _mla_reduce_kernel(
     split_begin = tl.load(final + _SPLIT_BEGIN)
     split_end = tl.load(final + _SPLIT_END)
     base = tl.load(final + _PARTIAL_BASE)
+    if PDL:  # launched while the decode kernel ran: wait for it to finish (its partials are then visible)
+        tl.extra.cuda.gdc_wait()
     if (split_end > split_begin) & (r < q_len * num_h):
         dq = r // num_h  # query row inside the tile
         h = head_start + r % num_h
@@ -758,6 +765,12 @@ def effective_split_l(config: KernelConfig, kv_lora_rank: int) -> int:
     return split_l
 
 
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch (griddepcontrol): CUDA sm_90 and newer, not ROCm, not the interpreter."""
+    return (not INTERPRET and device.type == "cuda" and torch.version.hip is None
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (the persistent grid); 4 on CPU (interpreter)."""
     if device.type == "cuda":
@@ -807,7 +820,7 @@ def make_plan(batch, config: KernelConfig, num_workers: int | None = None):
 
 
 def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=None, kv_scale=None,
-           max_rows: int | None = None, qo_indptr: torch.Tensor | None = None):
+           max_rows: int | None = None, qo_indptr: torch.Tensor | None = None, pdl: bool | None = None):
     """Launch decode (+ reduce when the plan splits) into preallocated `out`/`lse`; no host sync, graph-safe.
 
     Returns the compiled decode kernel (its n_regs / n_spills are reported by mla-bench).
@@ -829,6 +842,7 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
         raise ValueError(f"plan.head_group must be config.head_group x head_split = "
                          f"{config.head_group * config.head_split}, got {plan.head_group}")
     kv = batch.kv_cache
+    pdl = pdl_supported(device) if pdl is None else pdl
     num_workers = plan.worker_indptr.numel() - 1
     tile_in_page = kv.shape[1] % config.block_n == 0 and plan.block_n % config.block_n == 0
     split_l = effective_split_l(config, L)
@@ -851,7 +865,7 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
         PAGE_CHUNK=config.page_chunk, V_RELOAD=config.v_reload,
         FP8_STAGE=config.fp8_stage and not INTERPRET and config.mma == "fp16" and kv.dtype == torch.float8_e4m3fn,
         HEAD_SPLIT=config.head_split, SPLIT_L=split_l, LAZY_L=config.lazy_l, UNCHAIN=config.unchain,
-        INTERLEAVE=config.interleave,
+        INTERLEAVE=config.interleave, PDL=pdl,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     num_tiles = plan.reduce_final.shape[0]
@@ -861,7 +875,8 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
             o_part, lse_part, plan.reduce_final, out, lse,
             o_part.stride(0), o_part.stride(1), lse_part.stride(0),
             out.stride(0), out.stride(1), lse.stride(0),
-            BLOCK_L=block_l, BLOCK_S=block_s, INTERPRET=INTERPRET, num_warps=4,
+            BLOCK_L=block_l, BLOCK_S=block_s, INTERPRET=INTERPRET, PDL=pdl, num_warps=4,
+            **({"launch_pdl": True} if pdl else {}),
         )
     return compiled
 

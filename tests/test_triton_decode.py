@@ -110,6 +110,7 @@ def _worker() -> dict:
     from mla_fast.numerics import triton_numerics
 
     report["interpret"] = td.INTERPRET and td.UPCAST_BF16
+    report["pdl"] = td.pdl_supported(torch.device("cuda"))  # the interpreter runs no griddepcontrol PTX
     for name, case in CASES.items():
         batch = case.batch()
         batch_size = len(case.seq_lens) if "smallbatch" in name else None  # else the large-batch choice
@@ -244,6 +245,10 @@ def test_interpreter_bf16_workaround_is_taken_and_needed(report):
     assert report["interpret"] is True
     r = report["no_workaround"]
     assert not (r["out_ratio"] <= 1.0), f"bf16 tl.dot in the interpreter was right without the upcast: {r}"
+
+
+def test_interpreter_takes_no_programmatic_dependent_launch(report):
+    assert report["pdl"] is False
 
 
 def test_interpreter_rounds_bf16_output_to_nearest(report):

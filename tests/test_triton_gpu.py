@@ -144,6 +144,48 @@ def test_interleave_gives_the_same_bits(combo):
     assert torch.equal(lse0.view(torch.int32), lse1.view(torch.int32))
 
 
+@pytest.mark.parametrize("case", [TritonCase((65536,), (1,), heads=16, page_size=64, L=512, R=64, seed=12),
+                                  VARLEN[1]], ids=["b1_128_pieces", "varlen_mtp"])
+def test_programmatic_dependent_reduce_gives_the_serial_bits(case):
+    """The reduce kernel launched with programmatic dependent launch (it may start while decode runs and waits in
+    gdc_wait) gives the bits of the serialised launch. The launches replay from a CUDA graph (no host gap between
+    the two kernels) and the workspace is NaN-poisoned before every replay, so a reduce that read a partial before
+    decode wrote it would show as NaN or other bits."""
+    from mla_fast.triton_decode import default_config, dtype_combo, launch, make_plan, pdl_supported
+
+    batch = case.batch("cuda")
+    if not pdl_supported(batch.q.device):
+        pytest.skip("programmatic dependent launch needs sm_90+")
+    config = default_config(dtype_combo(batch.q.dtype, batch.kv_cache.dtype), case.heads, max(case.q_lens),
+                            batch.batch_size)
+    plan = make_plan(batch, config)
+    assert plan.num_partial_rows > 0  # the reduce runs
+    T, H, L = batch.q.shape[0], case.heads, batch.kv_lora_rank
+    workspace = (torch.empty(plan.num_partial_rows, H, L, device="cuda"),
+                 torch.empty(plan.num_partial_rows, H, device="cuda"))
+    out, lse = torch.empty(T, H, L, dtype=torch.bfloat16, device="cuda"), torch.empty(T, H, device="cuda")
+
+    def run(pdl: bool):
+        launch(batch, plan, out, lse, config, workspace=workspace, max_rows=max(case.q_lens) * config.head_group,
+               pdl=pdl)
+
+    run(False)
+    out0, lse0 = out.clone(), lse.clone()
+    assert not out0.isnan().any()
+    run(True)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(True)
+    for _ in range(5):
+        for t in (out, lse, *workspace):
+            t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.view(torch.int16), out0.view(torch.int16))
+        assert torch.equal(lse.view(torch.int32), lse0.view(torch.int32))
+
+
 def test_cuda_graph_replay_equals_eager():
     """Replays after re-planning equal eager decodes bit for bit (the eager plan takes the step's fixed reduce shape,
     which sets the merge's summation order)."""
