@@ -23,7 +23,8 @@ Two kernels, beside their launcher (like Triton's fused-attention tutorial):
 - `_mla_reduce_kernel`: merges the partials of each split (request, head group) tile, in KV order (numerics.md §3).
   On sm_90+ CUDA it is launched with programmatic dependent launch: the decode kernel lets it start at once
   (gdc_launch_dependents), and its programs load their tile metadata, then wait (gdc_wait) until decode has
-  finished and its partials are visible. Same bits; 0.3-0.7 us less per call at the split shapes (one H200).
+  finished and its partials are visible. Same bits; on one H200 0.3-0.9 us less per call at most split shapes,
+  0.4 us more at (1, 8192, 16) fp8 KV (README).
 
 Safety: cache slots at or past a request's `seq_len` may hold NaN. Loads are masked by the item's KV_END (never read)
 and scores past a row's causal limit are removed with `tl.where` (never multiplied by 0). A row that sees no token
