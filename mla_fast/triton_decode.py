@@ -824,6 +824,8 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
            max_rows: int | None = None, qo_indptr: torch.Tensor | None = None, pdl: bool | None = None):
     """Launch decode (+ reduce when the plan splits) into preallocated `out`/`lse`; no host sync, graph-safe.
 
+    pdl: launch the reduce as a programmatic dependent of decode (None: where `pdl_supported`; True elsewhere raises).
+
     Returns the compiled decode kernel (its n_regs / n_spills are reported by mla-bench).
     """
     L = batch.kv_lora_rank
@@ -843,6 +845,8 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
         raise ValueError(f"plan.head_group must be config.head_group x head_split = "
                          f"{config.head_group * config.head_split}, got {plan.head_group}")
     kv = batch.kv_cache
+    if pdl and not pdl_supported(device):
+        raise ValueError(f"pdl=True needs CUDA sm_90+ outside the interpreter (griddepcontrol), got {device}")
     pdl = pdl_supported(device) if pdl is None else pdl
     num_workers = plan.worker_indptr.numel() - 1
     tile_in_page = kv.shape[1] % config.block_n == 0 and plan.block_n % config.block_n == 0

@@ -297,6 +297,9 @@ def test_bad_batches_raise_value_error():
     plan = td.make_plan(batch, replace(config, head_split=1), num_workers=2)  # planned for head_group 8, not 16
     with pytest.raises(ValueError, match="head_split"):
         td.launch(batch, plan, None, None, config)
+    plan = td.make_plan(batch, config, num_workers=2)
+    with pytest.raises(ValueError, match="pdl=True needs CUDA sm_90"):  # griddepcontrol: not on the CPU
+        td.launch(batch, plan, None, None, config, pdl=True)
     with pytest.raises(ValueError, match="reduce_pieces"):
         td.TritonMLADecode(batch, reduce_pieces=0)
 
