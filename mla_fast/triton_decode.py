@@ -41,11 +41,11 @@ Numerics (declared in mla_fast/numerics.py, read by verify.bounds; keep the two 
   Triton pipelines both fp8 loads) and `fp8_stage` (the e4m3fn tile, and an e4m3fn q once per item, converted to
   fp16 and read by both MMAs from shared memory) give the MMAs the same values: no numerical effect.
 
-Performance (one H200, mla-bench, CUDA-graph replays, copy rate 4244-4267 GB/s; peers.md §2 conditions; README
-table): bf16 h=16 takes 288-294 us at (b=128, s=8192), 97-99 % of copy (FlashInfer FA3 291-300 us), 154-157 us at
-(128, 4096), 91-92 us at (64, 4096), 57-58 us at (32, 4096), 158-161 us at (32, 16384), 17.5 us at (1, 8192); fp8 KV
-(bf16 or fp8 q) 0.87-1.04x our bf16 time at h=16; h=128 bf16 443 us at (128, 4096) (FlashMLA 239-251 us), fp8 KV 556
-us (FlashInfer's fp8 666 us). The tile loop is latency-bound, not bandwidth-bound: one score MMA chain over L + R =
+Performance (one H200, mla-bench, CUDA-graph replays, copy rate 4244-4269 GB/s; peers.md §2 conditions; README
+table): bf16 h=16 takes 288-294 us at (b=128, s=8192), 97-99 % of copy (FlashInfer FA3 291-301 us), 154-157 us at
+(128, 4096), 91-92 us at (64, 4096), 57-58 us at (32, 4096), 158-161 us at (32, 16384), 17.5-17.7 us at (1, 8192); fp8 KV
+(bf16 or fp8 q) 0.87-1.04x our bf16 time at h=16; h=128 bf16 443 us at (128, 4096) (FlashMLA 239-251 us), fp8 KV 552-559
+us (FlashInfer's fp8 666-671 us). The tile loop is latency-bound, not bandwidth-bound: one score MMA chain over L + R =
 576 channels per warp was the critical path (~3.3k cycles per tile), which split_l (independent chains) and 4 warps
 at 16 rows (twice the columns per warp) cut by 10-15 %. fp8: staging 128-channel slices as fp16 had 8.3-way
 shared-store bank conflicts (ncu); 64-channel slices (split_l = 8) store conflict-free, 10 % faster. At h=128
@@ -53,7 +53,9 @@ shared-store bank conflicts (ncu); 64-channel slices (split_l = 8) store conflic
 same scores (587 us); `_unchain` hides the chain (491 us), two latent slices and block-table chunks 466 us, each
 slice's score dot written after its load (`interleave`) 441 us; the same layout took fp8 caches from 975 to 556 us.
 The 64 x 512 fp32 accumulator (128 registers per thread on two warpgroups) still leaves 4-8 registers spilled, and
-each warpgroup's score wgmma is N = 32 wide.
+each warpgroup's score wgmma is N = 32 wide. ncu there: a third of the warp stalls wait on the score wgmmas (Triton
+waits right after each) and the CTA barrier before the next tile's copies; at 16 rows fp8 KV keeps the
+shared-memory pipe 72 % busy (the staged tile's round trip), bf16 keeps HBM 71 % busy.
 
 CPU: under TRITON_INTERPRET=1 the same kernels run in Triton's interpreter. Triton 3.6's interpreter computes a
 bf16 `tl.dot` wrongly (fp16/fp32/fp8 are right), so when interpreting, bf16 MMA operands are upcast to fp32
