@@ -210,7 +210,7 @@ def _attend_tile(
         kv_row = KV + page.to(tl.int64)[:, None] * stride_kvp + (tok % PAGE_SIZE)[:, None] * stride_kvs  # [N, 1]
     live = start < kv_end  # true: the tile loop runs below kv_end (for _unchain)
     c = ()  # SPLIT_L slices [N, LS] of c_kv, each loaded once for both MMAs
-    s_parts = ()  # INTERLEAVE: each slice's score dot right after its load (its staging, with FP8_STAGE)
+    s_parts = ()  # each slice's score [M, N] (INTERLEAVE: right after its load and, with FP8_STAGE, its staging)
     for i in tl.static_range(SPLIT_L):
         c = c + (_load_operand(kv_row + i * LS + offs_s[None, :], tok_ok[:, None], MMA, UPCAST_BF16, FP8_STAGE),)
         if INTERLEAVE:
@@ -223,10 +223,11 @@ def _attend_tile(
         v = c[0]
 
     # -- scores: sum over slices of [M, LS] x [LS, N], + [M, R] x [R, N] -> [M, N], fp32 accumulation
-    if INTERLEAVE:
+    if SPLIT_L > 1 or UNCHAIN or INTERLEAVE:  # independent chains (one per slice, then k_pe), summed at the end
+        if not INTERLEAVE:  # every slice's score dot after all loads
+            for i in tl.static_range(SPLIT_L):
+                s_parts = s_parts + (_score(q[i], c[i], live, UNCHAIN),)
         s = _pairwise_sum(s_parts, SPLIT_L) + _score(q_pe, k_pe, live, UNCHAIN)
-    elif SPLIT_L > 1 or UNCHAIN:  # independent chains (one per slice, then k_pe), summed pairwise at the end
-        s = _slice_scores(q, c, live, SPLIT_L, UNCHAIN) + _score(q_pe, k_pe, live, UNCHAIN)
     else:
         s = tl.dot(q[0], tl.trans(c[0]))
         s = tl.dot(q_pe, tl.trans(k_pe), s)
@@ -251,18 +252,9 @@ def _attend_tile(
 
 
 @triton.jit
-def _slice_scores(q, c, live, SPLIT_L: tl.constexpr, UNCHAIN: tl.constexpr):
-    """sum_i q[i] c[i]^T over the SPLIT_L (1, 2, 4 or 8) latent slices -> [M, N] fp32, summed pairwise:
-    0, (0 + 1), ((0 + 1) + (2 + 3)), (((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)))."""
-    s = ()
-    for i in tl.static_range(SPLIT_L):
-        s = s + (_score(q[i], c[i], live, UNCHAIN),)
-    return _pairwise_sum(s, SPLIT_L)
-
-
-@triton.jit
 def _pairwise_sum(s, SPLIT_L: tl.constexpr):
-    """Sum of the SPLIT_L [M, N] tiles of tuple s, pairwise (the order of _slice_scores)."""
+    """Sum of the SPLIT_L (1, 2, 4 or 8) [M, N] tiles of tuple s, pairwise: 0, (0 + 1), ((0 + 1) + (2 + 3)),
+    (((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)))."""
     if SPLIT_L == 1:
         total = s[0]
     elif SPLIT_L == 2:
@@ -847,9 +839,10 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
         raise ValueError(f"plan.head_group must be config.head_group x head_split = "
                          f"{config.head_group * config.head_split}, got {plan.head_group}")
     kv = batch.kv_cache
-    if pdl and not pdl_supported(device):
+    supported = pdl_supported(device)
+    if pdl and not supported:
         raise ValueError(f"pdl=True needs CUDA sm_90+ outside the interpreter (griddepcontrol), got {device}")
-    pdl = pdl_supported(device) if pdl is None else pdl
+    pdl = supported if pdl is None else pdl
     num_workers = plan.worker_indptr.numel() - 1
     tile_in_page = kv.shape[1] % config.block_n == 0 and plan.block_n % config.block_n == 0
     split_l = effective_split_l(config, L)
