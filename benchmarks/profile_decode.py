@@ -3,13 +3,17 @@
     ncu --kernel-name regex:_mla_decode_kernel --launch-skip 1 --launch-count 1 --section SpeedOfLight \\
         python benchmarks/profile_decode.py --shape 128,8192,16 --dtype fp8kv
 
-Default config (`default_config`), q_len 1, page 64, the same batch as `mla-bench` (`build_batch`).
+Default config (`default_config`; `--config '{"kernel": "gluon", "head_group": 64, "head_split": 2}'` for
+KernelConfig overrides), q_len 1, page 64, the same batch as `mla-bench` (`build_batch`).
 """
 
 import argparse
+import json
+from dataclasses import replace
 
 import torch
 
+from mla_fast import triton_decode as td
 from mla_fast.bench import build_batch, ours
 
 
@@ -18,9 +22,13 @@ def main() -> None:
     parser.add_argument("--shape", default="128,8192,16", help="b,s_k,h")
     parser.add_argument("--dtype", default="bf16", help="bf16, fp8kv or fp8")
     parser.add_argument("--calls", type=int, default=3)
+    parser.add_argument("--config", default="{}", help="KernelConfig overrides of default_config, as JSON")
     args = parser.parse_args()
     b, s, h = (int(x) for x in args.shape.split(","))
-    fn, info = ours(build_batch(b, s, h, args.dtype))
+    batch = build_batch(b, s, h, args.dtype)
+    combo = td.dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
+    config = replace(td.default_config(combo, h, 1, b), **json.loads(args.config))
+    fn, info = ours(batch, config)
     for _ in range(args.calls):
         fn()
     torch.cuda.synchronize()

@@ -259,7 +259,8 @@ CANDIDATES = {  # (combo, num_heads) -> KernelConfig overrides of default_config
     ("bf16", 128): [dict(interleave=False),  # before each slice's score dot followed its load
                     # the b >= 32 layout, at b = 1 too: 31.4 vs 29.4 us at (1, 8192, 128), the small-batch rule holds
                     dict(head_group=64, head_split=2, num_warps=8, num_stages=2, split_l=2, unchain=True,
-                         page_chunk=32, interleave=True)],
+                         page_chunk=32, interleave=True),
+                    dict(kernel="gluon", head_group=64, head_split=2)],  # the warp-specialized seesaw kernel
     ("fp8kv", 64): [FP8_32_ROWS, dict(interleave=True)],
     ("fp8kv", 128): [FP8_32_ROWS, dict(interleave=True)],
     ("fp8", 128): [FP8_32_ROWS, dict(interleave=True)],

@@ -606,6 +606,9 @@ class KernelConfig:
             on both warpgroups (half of the tile's tokens each) instead of computing it twice. No numerical effect
             with split_l > 1 (the same dots and sums); with split_l = 1 the q_nope and q_pe dots become two chains
             summed at the end, as with slices (another fp32 summation order).
+        kernel: "triton" (`_mla_decode_kernel`, every input) or "gluon" (`mla_fast.gluon_decode`, the warp-specialized
+            seesaw kernel: CUDA sm_90, bf16, 64 heads per program, q_len 1, page_size % 64 == 0, L = 512, R = 64;
+            of the fields above it reads head_split only). Both write the same partials, merged by the same reduce.
         interleave: each latent slice's score dot directly after that slice's load (and its fp16 staging with
             fp8_stage) instead of all loads first. Same dots, same pairwise sum: bitwise the same output. On the
             64-row wgmma layout the compiler then starts the score MMAs earlier (bf16 6-10 % faster); at 16 rows
@@ -628,8 +631,14 @@ class KernelConfig:
     lazy_l: bool = False
     unchain: bool = False
     interleave: bool = False
+    kernel: str = "triton"
 
     def __post_init__(self):
+        if self.kernel not in ("triton", "gluon"):
+            raise ValueError(f"kernel must be 'triton' or 'gluon', got {self.kernel!r}")
+        if self.kernel == "gluon" and (self.mma, self.head_group, self.block_n) != ("bf16", 64, 64):
+            raise ValueError("kernel='gluon' (mla_fast.gluon_decode) takes mma='bf16', head_group=64, block_n=64, got "
+                             f"{self.mma!r}, {self.head_group}, {self.block_n}")
         if self.page_chunk < 0 or self.page_chunk & (self.page_chunk - 1):
             raise ValueError(f"page_chunk must be 0 or a power of two, got {self.page_chunk}")
         if self.split_l not in (1, 2, 4, 8):
@@ -814,39 +823,15 @@ def make_plan(batch, config: KernelConfig, num_workers: int | None = None):
     )
 
 
-def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=None, kv_scale=None,
-           max_rows: int | None = None, qo_indptr: torch.Tensor | None = None, pdl: bool | None = None):
-    """Launch decode (+ reduce when the plan splits) into preallocated `out`/`lse`; no host sync, graph-safe.
-
-    pdl: launch the reduce as a programmatic dependent of decode (None: where `pdl_supported`; True elsewhere raises).
-
-    Returns the compiled decode kernel (its n_regs / n_spills are reported by mla-bench).
-    """
+def _launch_triton(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, config, qo_indptr, block_m, pdl,
+                   num_workers):
+    """Launch `_mla_decode_kernel` (config.kernel == "triton") on preallocated buffers; returns the compiled kernel."""
     L = batch.kv_lora_rank
     R = batch.q.shape[-1] - L
-    H = batch.num_heads
-    device = batch.q.device
-    if workspace is None:
-        rows = max(int(plan.num_partial_rows), 1)
-        workspace = (torch.empty(rows, H, L, dtype=torch.float32, device=device),
-                     torch.empty(rows, H, dtype=torch.float32, device=device))
-    o_part, lse_part = workspace
-    q_scale = _scale_tensor(batch.q_scale if q_scale is None else q_scale, device)
-    kv_scale = _scale_tensor(batch.kv_scale if kv_scale is None else kv_scale, device)
-    max_rows = max_rows or MAX_ROWS  # rows per program (q_len x head_group)
-    block_m = max(16, triton.next_power_of_2(max_rows))
-    if plan.head_group != config.head_group * config.head_split:
-        raise ValueError(f"plan.head_group must be config.head_group x head_split = "
-                         f"{config.head_group * config.head_split}, got {plan.head_group}")
     kv = batch.kv_cache
-    supported = pdl_supported(device)
-    if pdl and not supported:
-        raise ValueError(f"pdl=True needs CUDA sm_90+ outside the interpreter (griddepcontrol), got {device}")
-    pdl = supported if pdl is None else pdl
-    num_workers = plan.worker_indptr.numel() - 1
     tile_in_page = kv.shape[1] % config.block_n == 0 and plan.block_n % config.block_n == 0
     split_l = effective_split_l(config, L)
-    compiled = _mla_decode_kernel[(num_workers * config.head_split,)](
+    return _mla_decode_kernel[(num_workers * config.head_split,)](
         batch.q, kv, batch.block_table, batch.seq_lens, batch.qo_indptr if qo_indptr is None else qo_indptr,
         plan.work_items, plan.worker_indptr,
         out, lse, o_part, lse_part,
@@ -868,6 +853,46 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
         INTERLEAVE=config.interleave, PDL=pdl,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
+
+
+def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=None, kv_scale=None,
+           max_rows: int | None = None, qo_indptr: torch.Tensor | None = None, pdl: bool | None = None):
+    """Launch decode (+ reduce when the plan splits) into preallocated `out`/`lse`; no host sync, graph-safe.
+
+    pdl: launch the reduce as a programmatic dependent of decode (None: where `pdl_supported`; True elsewhere raises).
+
+    Returns the compiled decode kernel (its n_regs / n_spills are reported by mla-bench).
+    """
+    L = batch.kv_lora_rank
+    H = batch.num_heads
+    device = batch.q.device
+    if workspace is None:
+        rows = max(int(plan.num_partial_rows), 1)
+        workspace = (torch.empty(rows, H, L, dtype=torch.float32, device=device),
+                     torch.empty(rows, H, dtype=torch.float32, device=device))
+    o_part, lse_part = workspace
+    q_scale = _scale_tensor(batch.q_scale if q_scale is None else q_scale, device)
+    kv_scale = _scale_tensor(batch.kv_scale if kv_scale is None else kv_scale, device)
+    max_rows = max_rows or MAX_ROWS  # rows per program (q_len x head_group)
+    block_m = max(16, triton.next_power_of_2(max_rows))
+    if plan.head_group != config.head_group * config.head_split:
+        raise ValueError(f"plan.head_group must be config.head_group x head_split = "
+                         f"{config.head_group * config.head_split}, got {plan.head_group}")
+    supported = pdl_supported(device)
+    if pdl and not supported:
+        raise ValueError(f"pdl=True needs CUDA sm_90+ outside the interpreter (griddepcontrol), got {device}")
+    pdl = supported if pdl is None else pdl
+    num_workers = plan.worker_indptr.numel() - 1
+    if config.kernel == "gluon":
+        from mla_fast import gluon_decode
+
+        gluon_decode.check_batch(batch, config.head_split, max_rows)
+        if INTERPRET or device.type != "cuda" or torch.version.hip or torch.cuda.get_device_capability(device) != (9, 0):
+            raise ValueError(f"kernel='gluon' runs on CUDA sm_90 outside the interpreter (wgmma, TMA), got {device}")
+        compiled = gluon_decode.launch_decode(batch, plan, out, lse, o_part, lse_part, kv_scale, config.head_split)
+    else:
+        compiled = _launch_triton(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, config, qo_indptr,
+                                  block_m, pdl, num_workers)
     num_tiles = plan.reduce_final.shape[0]
     if num_tiles > 0 and plan.num_partial_rows > 0:  # some tile is split
         block_s, block_l = reduce_blocks(plan.max_pieces, L)

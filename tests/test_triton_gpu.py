@@ -243,3 +243,69 @@ def test_compute_sanitizer_memcheck_clean_on_nan_padded_varlen():
     tail = (proc.stdout + proc.stderr)[-4000:]
     assert proc.returncode == 0 and "memcheck-done" in proc.stdout, tail
     assert "ERROR SUMMARY: 0 errors" in proc.stdout + proc.stderr, tail
+
+
+def _gluon(heads: int) -> dict:
+    """KernelConfig overrides of the warp-specialized seesaw kernel (mla_fast.gluon_decode): 64 heads per program."""
+    return dict(kernel="gluon", head_group=64, head_split=heads // 64)
+
+
+GLUON_CASES = [  # bf16, q_len 1, pages of 64 or 128: zero-length requests, odd tile counts, partial last tiles
+    TritonCase((5, 1500, 0, 4097), (1,) * 4, heads=128, page_size=64, L=512, R=64, seed=40),
+    TritonCase((64, 65, 127, 129, 3000, 1), (1,) * 6, heads=128, page_size=128, L=512, R=64, seed=41),
+    TritonCase((1, 200, 0, 4096), (1,) * 4, heads=64, page_size=64, L=512, R=64, seed=42),
+    TritonCase((65536,), (1,), heads=128, page_size=64, L=512, R=64, seed=43),  # one request split over all SMs
+]
+
+
+def _sm90():
+    return torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon' needs sm_90")
+@pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: f"h{c.heads}_p{c.page_size}_s{c.seed}")
+def test_gluon_seesaw_within_kernel_bound(case):
+    r = _decode_and_check(case.batch("cuda"), **_gluon(case.heads))
+    assert r["finite"] and r["empty_ok"] and r["out_ratio"] <= 1.0 and r["lse_ratio"] <= 1.0, r
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon' needs sm_90")
+@pytest.mark.parametrize("shape", [s for s in BENCH_SHAPES if s[2] == 128], ids=lambda s: "b{}_s{}_h{}".format(*s))
+def test_gluon_seesaw_bench_grid_within_kernel_bound(shape):
+    from mla_fast.bench import build_batch
+
+    b, s, h = shape
+    r = _decode_and_check(build_batch(b, s, h, "bf16", seed=hash(shape) % 1000), **_gluon(h))
+    assert r["finite"] and r["out_ratio"] <= 1.0 and r["lse_ratio"] <= 1.0, r
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon' needs sm_90")
+def test_gluon_seesaw_deterministic_and_graph_replay_equals_eager():
+    """10 eager runs give the same bits, and so do graph replays after re-planning (NaN-poisoned outputs)."""
+    from dataclasses import replace
+
+    from mla_fast.triton_decode import KernelConfig, TritonMLADecode, decode, make_plan
+
+    case = GLUON_CASES[0]
+    batch = case.batch("cuda")
+    step = TritonMLADecode(batch, config=KernelConfig(**_gluon(case.heads)))
+    step.plan()
+    out0, lse0 = (t.clone() for t in step.run())
+    for _ in range(10):
+        out, lse = step.run()
+        assert torch.equal(out.view(torch.int16), out0.view(torch.int16))
+        assert torch.equal(lse.view(torch.int32), lse0.view(torch.int32))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step.run()
+    for new_lens in ([5, 1500, 0, 4097], [50, 0, 2000, 64]):  # shrink in place: every page stays valid
+        batch.seq_lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        step.plan()
+        step.out.fill_(float("nan"))
+        graph.replay()
+        plan = replace(make_plan(batch, step.config, step.num_workers), max_pieces=step.reduce_pieces)
+        out, lse = decode(batch, plan=plan, config=step.config)
+        torch.cuda.synchronize()
+        assert torch.equal(step.out.view(torch.int16), out.view(torch.int16)), new_lens
+        assert torch.equal(step.lse.view(torch.int32), lse.view(torch.int32)), new_lens

@@ -1,0 +1,463 @@
+"""
+Seesaw MLA decode in Gluon (Hopper, bf16, 64 heads per program)
+=================================================================
+
+The same absorbed-MLA decode contract and `WorkPlan` as `mla_fast.triton_decode._mla_decode_kernel` (whose partials
+its reduce kernel merges), written in Gluon, Triton's lower-level language, for the compute-bound shapes: bf16 q and
+cache, 64 heads per program (head_group 64, q_len 1), 64-token tiles that lie inside one page (page_size % 64 == 0),
+L = 512 and R = 64. Triton 3.6 cannot warp-specialize on Hopper; Gluon can, and this kernel needs it.
+
+Each program runs three partitions on its worker's work items (grid = num_workers x head_split, like the Triton
+kernel):
+
+- a loader warp: per item, q's [64, 576] rows, then the item's KV tiles, by TMA into two tile slots of 9 [64, 64]
+  chunks (c_kv channels 0-255 "L", 256-511 "R", k_pe "E"), each group with a full and an empty mbarrier;
+- warpgroup 0 (default partition): the scores of the even tiles of each pair and the left half of the output,
+  o_L [64, 256] fp32;
+- warpgroup 1: the scores of the odd tiles and the right half o_R.
+
+One 64 x 512 fp32 accumulator is all the registers an SM has, so the output is split by columns, and the two
+warpgroups alternate on pairs of tiles (K0, K1) with one running max m shared through shared memory (FlashMLA's
+"seesaw" schedule, deepseek-ai/FlashMLA docs/20250422-new-kernel-deep-dive.md), here with exact base-2 rescales:
+
+    [0] s0 = q K0^T;  m0 = max(m, rowmax s0);  p0 = 2^(s0 - m0);  o_L = o_L 2^(m - m0) + bf16(p0) V0_L
+    [1] s1 = q K1^T;  m1 = max(m0, rowmax s1); p1 = 2^(s1 - m1);  o_R = o_R 2^(m - m1) + bf16(p1) V1_R
+    [0] p0' = bf16(p0 2^(m0 - m1)) to shared memory;  o_L = o_L 2^(m0 - m1) + p1 V1_L  (p1 from shared memory)
+    [1] o_R = o_R + p0' V0_R;  m <- m1
+
+so each warpgroup's tensor-core work overlaps the other's softmax. P is rounded to bf16 once (p0' rounds
+p0 2^(m0 - m1), a value <= 1 like p0); row sums l are kept in fp32 from unrounded P, one per warpgroup (l_L over
+even tiles, l_R over odd tiles, both in the frame of m) and added at the end. The rounding points are those of
+`mla_fast.numerics.KERNEL_NUMERICS["bf16"]`: one fp32 chain of L + R products per score, P in bf16, two fp32
+rescales of the accumulator per tile on average, fp32 row sums from unrounded P.
+
+Safety: TMA copies whole 64-token tiles, so the last tile of an item may hold cache slots past the item's KV_END
+(NaN-poisoned slots are allowed). Their scores are removed with `gl.where` before the max; their V rows are set to
+0 in shared memory before any P.V MMA reads them (NaN x 0 would be NaN). Rows that see no token give out = 0,
+lse = -inf.
+
+Device only: Gluon kernels need a CUDA driver (sm_90); the interpreter cannot run them, so this kernel has GPU
+tests only (tests/test_triton_gpu.py). `mla_fast.triton_decode.launch` calls it for `KernelConfig(kernel="gluon")`.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.runtime.jit import constexpr_function
+
+from mla_fast import planner
+
+ROWS = 64  # packed rows per program: 64 heads of one query row (one wgmma M tile per warpgroup)
+TILE = 64  # KV tokens per tile
+CHUNK = 64  # channels per TMA box and per shared-memory chunk (128-byte swizzle)
+L_DIM, R_DIM = 512, 64
+N_CHUNKS = (L_DIM + R_DIM) // CHUNK  # 9: chunks 0-3 = c_kv left half, 4-7 = right half, 8 = k_pe
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+_ROWS = gl.constexpr(ROWS)
+_TILE = gl.constexpr(TILE)
+_CHUNK = gl.constexpr(CHUNK)
+_L_DIM = gl.constexpr(L_DIM)
+_R_DIM = gl.constexpr(R_DIM)
+_N_CHUNKS = gl.constexpr(N_CHUNKS)
+_LN2 = gl.constexpr(LN2)
+_BATCH = gl.constexpr(planner.BATCH)
+_PARTIAL_ROW = gl.constexpr(planner.PARTIAL_ROW)
+_QO_START = gl.constexpr(planner.QO_START)
+_KV_START = gl.constexpr(planner.KV_START)
+_KV_END = gl.constexpr(planner.KV_END)
+_HEAD_START = gl.constexpr(planner.HEAD_START)
+_HEAD_END = gl.constexpr(planner.HEAD_END)
+
+# chunk groups of a tile slot, each with its own full/empty barrier: (first chunk, chunks)
+_GROUP_L = gl.constexpr(0)  # chunks 0-3: V_L (warpgroup 0's P.V) and the first score channels
+_GROUP_R = gl.constexpr(1)  # chunks 4-7: V_R (warpgroup 1's P.V)
+_GROUP_E = gl.constexpr(2)  # chunk 8: k_pe; after the scores of an odd tile it holds p1 for warpgroup 0
+
+
+@gluon.jit
+def _item(WORK_ITEMS, it, head_part, HEAD_SPLIT: gl.constexpr):
+    """Work item `it` as this program sees it: request, workspace row (-1: unsplit), query row, token range and the
+    first of its 64 heads."""
+    item = WORK_ITEMS + it * 8
+    head_start = gl.load(item + _HEAD_START)
+    heads = (gl.load(item + _HEAD_END) - head_start) // HEAD_SPLIT
+    return (gl.load(item + _BATCH), gl.load(item + _PARTIAL_ROW), gl.load(item + _QO_START),
+            gl.load(item + _KV_START), gl.load(item + _KV_END), head_start + head_part * heads)
+
+
+@gluon.jit
+def _chunk(kv_smem, slot, c: gl.constexpr):
+    """Chunk c [64 tokens, 64 channels] of tile slot `slot`: kv_smem = (c_kv [2, 64, 512], k_pe [2, 64, 64]),
+    128-byte swizzled; chunks 0-7 are c_kv column blocks, chunk 8 is k_pe."""
+    ckv, kpe = kv_smem
+    if c < 8:
+        return ckv.index(slot).slice(c * _CHUNK, _CHUNK, dim=1)
+    else:
+        return kpe.index(slot)
+
+
+@gluon.jit
+def _q_chunk(q_smem, c: gl.constexpr):
+    """Chunk c [64 rows, 64 channels] of q: q_smem = (q_nope [64, 512], q_pe [64, 64])."""
+    q_nope, q_pe = q_smem
+    if c < 8:
+        return q_nope.slice(c * _CHUNK, _CHUNK, dim=1)
+    else:
+        return q_pe
+
+
+@gluon.jit
+def _v_half(kv_smem, slot, half: gl.constexpr):
+    """V half `half` [64 tokens, 256 channels] of tile slot `slot`: the B operand of a P.V MMA (N contiguous)."""
+    ckv, kpe = kv_smem
+    return ckv.index(slot).slice(half * (_L_DIM // 2), _L_DIM // 2, dim=1)
+
+
+@constexpr_function
+def _group_first(g):
+    """First chunk of chunk group g (L: 0-3, R: 4-7, E: 8)."""
+    return (0, 4, 8)[g]
+
+
+@constexpr_function
+def _group_end(g):
+    return (4, 8, 9)[g]
+
+
+@gluon.jit
+def _load_group(kv_desc, kv_smem, kv_full, kv_empty, slot, phase, row, g: gl.constexpr):
+    """Once chunk group g of a tile slot is released, copy the tile's chunks of that group (TMA, one barrier)."""
+    mbarrier.wait(kv_empty.index(slot * 3 + g), phase ^ 1)
+    mbarrier.expect(kv_full.index(slot * 3 + g), (_group_end(g) - _group_first(g)) * _TILE * _CHUNK * 2)
+    for c in gl.static_range(_group_first(g), _group_end(g)):
+        tma.async_copy_global_to_shared(kv_desc, [row, c * _CHUNK], kv_full.index(slot * 3 + g),
+                                        _chunk(kv_smem, slot, c))
+
+
+@gluon.jit
+def _loader(q_desc, kv_desc, q_smem, kv_smem, q_full, q_empty, kv_full, kv_empty,
+            WORK_ITEMS, WORKER_INDPTR, BLOCK_TABLE, stride_bt, num_heads,
+            PAGE_SIZE: gl.constexpr, HEAD_SPLIT: gl.constexpr):
+    """One warp: per item, q by TMA once the previous item's scores are done, then each tile's three chunk groups
+    as soon as their slot's group is released. Tile 2k of an item goes to slot 0, tile 2k + 1 to slot 1."""
+    pid = gl.program_id(0)
+    head_part = pid % HEAD_SPLIT
+    worker = pid // HEAD_SPLIT
+    uses0 = 0  # fills of slot 0 / slot 1 so far (barrier phases)
+    uses1 = 0
+    n_items = 0
+    for it in range(gl.load(WORKER_INDPTR + worker), gl.load(WORKER_INDPTR + worker + 1)):
+        b, partial_row, qo, kv_start, kv_end, head_start = _item(WORK_ITEMS, it, head_part, HEAD_SPLIT)
+        mbarrier.wait(q_empty, (n_items & 1) ^ 1)
+        mbarrier.expect(q_full, _N_CHUNKS * _ROWS * _CHUNK * 2)
+        for c in gl.static_range(_N_CHUNKS):
+            tma.async_copy_global_to_shared(q_desc, [qo * num_heads + head_start, c * _CHUNK], q_full,
+                                            _q_chunk(q_smem, c))
+        n_tiles = gl.cdiv(kv_end - kv_start, _TILE)
+        for t in range(n_tiles):
+            tok = kv_start + t * _TILE
+            page = gl.load(BLOCK_TABLE + b * stride_bt + tok // PAGE_SIZE)
+            row = page * PAGE_SIZE + tok % PAGE_SIZE  # first cache row of the tile ([pages x page_size, 576] view)
+            slot = t % 2
+            phase = gl.where(slot == 0, uses0, uses1) & 1
+            for g in gl.static_range(3):
+                _load_group(kv_desc, kv_smem, kv_full, kv_empty, slot, phase, row, g)
+            uses0 += (slot == 0).to(gl.int32)
+            uses1 += (slot == 1).to(gl.int32)
+        n_items += 1
+
+
+@gluon.jit
+def _score_group(s, q_smem, kv_smem, kv_full, slot, phase, g: gl.constexpr):
+    """Wait for chunk group g of a tile slot, then issue its score MMAs onto s (asynchronous)."""
+    mbarrier.wait(kv_full.index(slot * 3 + g), phase)
+    for c in gl.static_range(_group_first(g), _group_end(g)):
+        s = warpgroup_mma(_q_chunk(q_smem, c), _chunk(kv_smem, slot, c).permute((1, 0)), s, is_async=True)
+    return s
+
+
+@gluon.jit
+def _scores(q_smem, kv_smem, kv_full, slot, phase, s_layout: gl.constexpr):
+    """s = q K^T over the 9 chunks of a tile slot [64, 64] fp32 (one accumulator chain), each chunk group's MMAs
+    issued once its copies have landed: L, then E, then R (R is released last by the previous pair)."""
+    s = gl.zeros([_ROWS, _TILE], gl.float32, s_layout)
+    s = _score_group(s, q_smem, kv_smem, kv_full, slot, phase, 0)
+    s = _score_group(s, q_smem, kv_smem, kv_full, slot, phase, 2)
+    s = _score_group(s, q_smem, kv_smem, kv_full, slot, phase, 1)
+    return warpgroup_mma_wait(0, deps=(s,))
+
+
+@gluon.jit
+def _masked(s, t0, kv_end, qk_scale, s_layout: gl.constexpr):
+    """Scores in log2 units; tokens at or past kv_end -> -inf (selected, never multiplied)."""
+    tok = t0 + gl.arange(0, _TILE, gl.SliceLayout(0, s_layout))  # [N]
+    return gl.where((tok < kv_end)[None, :], s * qk_scale, float("-inf"))
+
+
+@gluon.jit
+def _zero_tail(kv_smem, slot, first: gl.constexpr, n_valid):
+    """Set V rows >= n_valid of chunks first..first+3 of a slot to 0 (cache slots past KV_END may hold NaN), then
+    make the stores visible to the MMAs (async proxy)."""
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    keep = (gl.arange(0, _TILE, gl.SliceLayout(1, blk)) < n_valid)[:, None]  # [N, 1]
+    for c in gl.static_range(first, first + 4):
+        chunk = _chunk(kv_smem, slot, c)
+        chunk.store(gl.where(keep, chunk.load(blk), 0.0).to(gl.bfloat16))
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _alpha(m_old, m_new):
+    """2^(m_old - m_new): 0 when m_old = -inf (nothing accumulated yet); m_new = -inf counts as 0 (no NaN)."""
+    return gl.exp2(m_old - gl.where(m_new == float("-inf"), 0.0, m_new))
+
+
+@gluon.jit
+def _store_half(acc, l_sum, m_i, kv_scale, partial_row, qo, head_start, col0: gl.constexpr, write_lse: gl.constexpr,
+                OUT, LSE, O_PART, LSE_PART, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt,
+                o_layout: gl.constexpr):
+    """Normalise one [64, 256] half, unscale, write out (bf16) or the fp32 workspace; lse (natural log) if asked."""
+    row_l: gl.constexpr = gl.SliceLayout(1, o_layout)
+    has_tok = l_sum > 0.0
+    o_scale = kv_scale / gl.where(has_tok, l_sum, 1.0)  # [M]
+    o = acc * gl.convert_layout(o_scale, row_l)[:, None]
+    h = head_start + gl.arange(0, _ROWS, row_l)  # [M]
+    cols = col0 + gl.arange(0, _L_DIM // 2, gl.SliceLayout(0, o_layout))  # [256]
+    lse = gl.where(has_tok, (m_i + gl.log2(gl.where(has_tok, l_sum, 1.0))) * _LN2, float("-inf"))
+    lse_h = head_start + gl.arange(0, _ROWS, lse.type.layout)  # [M]
+    if partial_row < 0:
+        gl.store(OUT + qo.to(gl.int64) * stride_ot + h[:, None] * stride_oh + cols[None, :], o.to(gl.bfloat16))
+        if write_lse:
+            gl.store(LSE + qo.to(gl.int64) * stride_lt + lse_h, lse)
+    else:
+        gl.store(O_PART + partial_row.to(gl.int64) * stride_pt + h[:, None] * stride_ph + cols[None, :], o)
+        if write_lse:
+            gl.store(LSE_PART + partial_row.to(gl.int64) * stride_plt + lse_h, lse)
+
+
+@gluon.jit
+def _pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end, ph0, xph):
+    """Warpgroup 1: o_R += p0' V0_R once warpgroup 0 has published p0' (xbar 2); waits for all its MMAs."""
+    mbarrier.wait(xbar.index(2), xph)
+    mbarrier.wait(kv_full.index(_GROUP_R), ph0)
+    if kv_end - t0 < _TILE:
+        _zero_tail(kv_smem, 0, 4, kv_end - t0)
+    acc = warpgroup_mma(p0_smem, _v_half(kv_smem, 0, 1), acc, is_async=True)
+    return warpgroup_mma_wait(0, deps=(acc,))
+
+
+@gluon.jit
+def _warpgroup(WG: gl.constexpr, q_smem, kv_smem, p0_smem, m_smem, l_smem, q_full, q_empty, kv_full, kv_empty, xbar,
+               WORK_ITEMS, WORKER_INDPTR, OUT, LSE, O_PART, LSE_PART, KV_SCALE, qk_scale,
+               stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt, HEAD_SPLIT: gl.constexpr):
+    """Warpgroup WG (0: even tiles, o_L; 1: odd tiles, o_R) of the seesaw schedule (module docstring).
+
+    Exchange barriers xbar: 0 = m0 ready (WG 0 -> 1), 1 = m1 ready (1 -> 0), 2 = p0' ready (0 -> 1), 3 = p1 ready
+    (1 -> 0), 4 = l_L ready (0 -> 1), 5 = l_R ready (1 -> 0). m_smem holds m0 and m1 [2, 64], l_smem l_L and l_R.
+    """
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, 256, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+    orow_l: gl.constexpr = gl.SliceLayout(1, o_layout)
+    HALF: gl.constexpr = _L_DIM // 2
+    pid = gl.program_id(0)
+    head_part = pid % HEAD_SPLIT
+    worker = pid // HEAD_SPLIT
+    kv_scale = gl.load(KV_SCALE)
+    uses0 = 0  # tiles consumed from slot 0 / slot 1 (barrier phases)
+    uses1 = 0
+    pairs = 0
+    n_items = 0
+    for it in range(gl.load(WORKER_INDPTR + worker), gl.load(WORKER_INDPTR + worker + 1)):
+        b, partial_row, qo, kv_start, kv_end, head_start = _item(WORK_ITEMS, it, head_part, HEAD_SPLIT)
+        n_tiles = gl.cdiv(kv_end - kv_start, _TILE)
+        mbarrier.wait(q_full, n_items & 1)
+        m_i = gl.full([_ROWS], float("-inf"), gl.float32, row_l)  # running max (log2 units), same on both WGs
+        l_i = gl.zeros([_ROWS], gl.float32, row_l)  # this WG's row sums in the frame of m_i
+        acc = gl.zeros([_ROWS, HALF], gl.float32, o_layout)  # this WG's half of the output
+        for k in range(gl.cdiv(n_tiles, 2)):
+            t0 = kv_start + 2 * k * _TILE  # first token of the pair's even tile
+            has1 = 2 * k + 1 < n_tiles
+            ph0 = uses0 & 1
+            ph1 = uses1 & 1
+            xph = pairs & 1
+            if WG == 0:
+                s = _masked(_scores(q_smem, kv_smem, kv_full, 0, ph0, s_layout), t0, kv_end, qk_scale, s_layout)
+                mbarrier.arrive(kv_empty.index(_GROUP_E))  # slot 0's k_pe chunk is free
+                m0 = gl.maximum(m_i, gl.max(s, 1))  # [M]
+                alpha0 = _alpha(m_i, m0)
+                p = gl.exp2(s - gl.where(m0 == float("-inf"), 0.0, m0)[:, None])  # [M, N] fp32
+                l_i = l_i * alpha0 + gl.sum(p, 1)
+                m_smem.index(0).store(m0)
+                mbarrier.arrive(xbar.index(0))
+                acc = acc * gl.convert_layout(alpha0, orow_l)[:, None]
+                if kv_end - t0 < _TILE:
+                    _zero_tail(kv_smem, 0, 0, kv_end - t0)
+                p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+                acc = warpgroup_mma(p_op, _v_half(kv_smem, 0, 0), acc, is_async=True)
+                mbarrier.wait(xbar.index(1), xph)
+                m1 = m_smem.index(1).load(row_l)
+                alpha1 = _alpha(m0, m1)
+                p0_smem.store((p * alpha1[:, None]).to(gl.bfloat16))
+                fence_async_shared()
+                mbarrier.arrive(xbar.index(2))
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+                mbarrier.arrive(kv_empty.index(_GROUP_L))  # slot 0's V_L is free
+                acc = acc * gl.convert_layout(alpha1, orow_l)[:, None]
+                l_i = l_i * alpha1
+                m_i = m1
+                if has1:
+                    mbarrier.wait(kv_full.index(3 + _GROUP_L), ph1)
+                    mbarrier.wait(xbar.index(3), ph1)
+                    if kv_end - t0 - _TILE < _TILE:
+                        _zero_tail(kv_smem, 1, 0, kv_end - t0 - _TILE)
+                    acc = warpgroup_mma(_chunk(kv_smem, 1, 8), _v_half(kv_smem, 1, 0), acc, is_async=True)
+                    acc = warpgroup_mma_wait(0, deps=(acc,))
+                    mbarrier.arrive(kv_empty.index(3 + _GROUP_L))  # slot 1's V_L and p1 are free
+                    mbarrier.arrive(kv_empty.index(3 + _GROUP_E))
+            else:
+                if has1:
+                    s = _masked(_scores(q_smem, kv_smem, kv_full, 1, ph1, s_layout), t0 + _TILE, kv_end, qk_scale,
+                                s_layout)
+                else:
+                    s = gl.full([_ROWS, _TILE], float("-inf"), gl.float32, s_layout)
+                mbarrier.wait(xbar.index(0), xph)
+                m0 = m_smem.index(0).load(row_l)
+                m1 = gl.maximum(m0, gl.max(s, 1))
+                m_smem.index(1).store(m1)
+                mbarrier.arrive(xbar.index(1))
+                alpha = _alpha(m_i, m0) * _alpha(m0, m1)  # o_R and l_R: frame m -> m0 -> m1
+                p = gl.exp2(s - gl.where(m1 == float("-inf"), 0.0, m1)[:, None])
+                l_i = l_i * alpha + gl.sum(p, 1)
+                acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
+                if has1:
+                    p_bf = p.to(gl.bfloat16)
+                    _chunk(kv_smem, 1, 8).store(p_bf)  # p1 for warpgroup 0, over slot 1's k_pe chunk
+                    fence_async_shared()
+                    mbarrier.arrive(xbar.index(3))
+                    mbarrier.wait(kv_full.index(3 + _GROUP_R), ph1)
+                    if kv_end - t0 - _TILE < _TILE:
+                        _zero_tail(kv_smem, 1, 4, kv_end - t0 - _TILE)
+                    acc = warpgroup_mma(gl.convert_layout(p_bf, p_layout), _v_half(kv_smem, 1, 1), acc,
+                                        is_async=True)
+                    acc = _pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end, ph0, xph)
+                else:
+                    acc = _pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end, ph0, xph)
+                mbarrier.arrive(kv_empty.index(_GROUP_R))  # slot 0's V_R is free
+                if has1:
+                    mbarrier.arrive(kv_empty.index(3 + _GROUP_R))
+                m_i = m1
+            uses0 += 1
+            uses1 += has1.to(gl.int32)
+            pairs += 1
+        mbarrier.arrive(q_empty)  # this WG's scores of the item are done
+        # total row sums: l_L + l_R, exchanged (WG 1 waits for l_L before it publishes l_R: neither runs ahead)
+        iph = n_items & 1
+        if WG == 0:
+            l_smem.index(0).store(l_i)
+            mbarrier.arrive(xbar.index(4))
+            mbarrier.wait(xbar.index(5), iph)
+            l_sum = l_i + l_smem.index(1).load(row_l)
+        else:
+            mbarrier.wait(xbar.index(4), iph)
+            l_sum = l_i + l_smem.index(0).load(row_l)
+            l_smem.index(1).store(l_i)
+            mbarrier.arrive(xbar.index(5))
+        _store_half(acc, l_sum, m_i, kv_scale, partial_row, qo, head_start, WG * HALF, WG == 0,
+                    OUT, LSE, O_PART, LSE_PART, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt,
+                    o_layout)
+        n_items += 1
+
+
+@gluon.jit
+def _mla_decode_seesaw_kernel(
+    q_desc, kv_desc,  # TMA: q as [T x H, 576], the cache as [pages x page_size, 576], [64, 64] boxes
+    BLOCK_TABLE, WORK_ITEMS, WORKER_INDPTR,  # [B, pages] int32, [N, 8] int32, [W+1] int32
+    OUT, LSE, O_PART, LSE_PART,  # [T, H, L] bf16, [T, H] fp32, [rows, H, L] fp32, [rows, H] fp32
+    KV_SCALE,  # fp32 [1] (1.0: bf16)
+    qk_scale,  # sm_scale x log2(e)
+    num_heads, stride_bt, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt,
+    PAGE_SIZE: gl.constexpr, HEAD_SPLIT: gl.constexpr, LOADER_REGS: gl.constexpr, WG1_REGS: gl.constexpr,
+):
+    chunk_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_TILE, _CHUNK], gl.bfloat16)
+    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    q_smem = (gl.allocate_shared_memory(gl.bfloat16, [_ROWS, _L_DIM], chunk_layout),  # q_nope, q_pe: 72 KB
+              gl.allocate_shared_memory(gl.bfloat16, [_ROWS, _R_DIM], chunk_layout))
+    kv_smem = (gl.allocate_shared_memory(gl.bfloat16, [2, _TILE, _L_DIM], chunk_layout),  # two tile slots: 144 KB
+               gl.allocate_shared_memory(gl.bfloat16, [2, _TILE, _R_DIM], chunk_layout))
+    p0_smem = gl.allocate_shared_memory(gl.bfloat16, [_ROWS, _TILE], chunk_layout)  # 8 KB: p0' for warpgroup 1
+    m_smem = gl.allocate_shared_memory(gl.float32, [2, _ROWS], flat)
+    l_smem = gl.allocate_shared_memory(gl.float32, [2, _ROWS], flat)
+    q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_full = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())  # [slot x 3 + group]
+    kv_empty = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
+    xbar = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_full, count=1)
+    mbarrier.init(q_empty, count=2)  # both warpgroups' scores of the item are done
+    for i in gl.static_range(6):
+        mbarrier.init(kv_full.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=1)  # each group has one releasing warpgroup
+        mbarrier.init(xbar.index(i), count=1)
+    fence_async_shared()
+    gl.warp_specialize([
+        (_warpgroup, (0, q_smem, kv_smem, p0_smem, m_smem, l_smem, q_full, q_empty, kv_full, kv_empty, xbar,
+                      WORK_ITEMS, WORKER_INDPTR, OUT, LSE, O_PART, LSE_PART, KV_SCALE, qk_scale,
+                      stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt, HEAD_SPLIT)),
+        (_warpgroup, (1, q_smem, kv_smem, p0_smem, m_smem, l_smem, q_full, q_empty, kv_full, kv_empty, xbar,
+                      WORK_ITEMS, WORKER_INDPTR, OUT, LSE, O_PART, LSE_PART, KV_SCALE, qk_scale,
+                      stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt, HEAD_SPLIT)),
+        (_loader, (q_desc, kv_desc, q_smem, kv_smem, q_full, q_empty, kv_full, kv_empty,
+                   WORK_ITEMS, WORKER_INDPTR, BLOCK_TABLE, stride_bt, num_heads, PAGE_SIZE, HEAD_SPLIT)),
+    ], [4, 1], [WG1_REGS, LOADER_REGS])
+
+
+def check_batch(batch, head_split: int, max_rows: int) -> None:
+    """Raise ValueError naming the field when the seesaw kernel cannot take `batch` (the Triton kernel can).
+    max_rows = max q_len x 64 heads (the launcher's rows per program); no host sync (graph capture)."""
+    if max_rows != ROWS:
+        raise ValueError(f"kernel='gluon' takes q_len 1 (64 rows per program), got {max_rows} rows")
+    if batch.q.dtype != batch.kv_cache.dtype or batch.q.dtype.itemsize != 2 or batch.q.dtype.is_floating_point is False:
+        raise ValueError(f"kernel='gluon' takes bf16 q and cache, got {batch.q.dtype}/{batch.kv_cache.dtype}")
+    if (batch.kv_lora_rank, batch.q.shape[-1] - batch.kv_lora_rank) != (L_DIM, R_DIM):
+        raise ValueError(f"kernel='gluon' needs kv_lora_rank {L_DIM} and rope_dim {R_DIM}")
+    if batch.kv_cache.shape[1] % TILE:
+        raise ValueError(f"kernel='gluon' needs page_size % {TILE} == 0, got {batch.kv_cache.shape[1]}")
+    if batch.num_heads != ROWS * head_split:
+        raise ValueError(f"kernel='gluon' needs num_heads = 64 x head_split, got {batch.num_heads} heads, "
+                         f"head_split {head_split}")
+    if not batch.q.is_contiguous() or not batch.kv_cache.is_contiguous():
+        raise ValueError("kernel='gluon' needs contiguous q and kv_cache (TMA descriptors)")
+
+
+LOADER_REGS, WG1_REGS = 24, 232  # registers per thread of the loader warp and warpgroup 1 (setmaxnreg); warpgroup 0
+# gets the rest (248): 31 spill instructions vs 85 with 40 / 240 (sm_90 SASS, compiled offline)
+
+
+def launch_decode(batch, plan, out, lse, o_part, lse_part, kv_scale, head_split: int):
+    """Launch the seesaw decode kernel (one program per worker and head half); the caller launches the reduce."""
+    T, H, D = batch.q.shape
+    kv = batch.kv_cache
+    layout = gl.NVMMASharedLayout.get_default_for([TILE, CHUNK], gl.bfloat16)
+    q_desc = TensorDescriptor(batch.q.view(T * H, D), [T * H, D], [D, 1], [ROWS, CHUNK], layout)
+    kv_desc = TensorDescriptor(kv.view(-1, D), [kv.shape[0] * kv.shape[1], D], [D, 1], [TILE, CHUNK], layout)
+    num_workers = plan.worker_indptr.numel() - 1
+    return _mla_decode_seesaw_kernel[(num_workers * head_split,)](
+        q_desc, kv_desc, batch.block_table, plan.work_items, plan.worker_indptr,
+        out, lse, o_part, lse_part, kv_scale, float(batch.sm_scale) * LOG2E,
+        H, batch.block_table.stride(0), out.stride(0), out.stride(1), lse.stride(0),
+        o_part.stride(0), o_part.stride(1), lse_part.stride(0),
+        PAGE_SIZE=kv.shape[1], HEAD_SPLIT=head_split, LOADER_REGS=LOADER_REGS, WG1_REGS=WG1_REGS, num_warps=4,
+    )
