@@ -10,11 +10,16 @@ L = 512 and R = 64. Triton 3.6 cannot warp-specialize on Hopper; Gluon can, and 
 Each program runs three partitions on its worker's work items (grid = num_workers x head_split, like the Triton
 kernel):
 
-- a loader warp: per item, q's [64, 576] rows, then the item's KV tiles, by TMA into two tile slots of 9 [64, 64]
-  chunks (c_kv channels 0-255 "L", 256-511 "R", k_pe "E"), each group with a full and an empty mbarrier;
 - warpgroup 0 (default partition): the scores of the even tiles of each pair and the left half of the output,
   o_L [64, 256] fp32;
-- warpgroup 1: the scores of the odd tiles and the right half o_R.
+- warpgroup 1 (a worker partition): the scores of the odd tiles and the right half o_R.
+
+KV tiles arrive by TMA in two tile slots (even tiles of an item in slot 0, odd tiles in slot 1) of 9 [64, 64]
+chunks, in three groups with one mbarrier each: "L" (c_kv channels 0-255), "R" (256-511) and "E" (k_pe). A group
+is reloaded with the next tile of its slot by the warpgroup that uses it last, as soon as it is done with it:
+warpgroup 0 owns L and E, warpgroup 1 owns R (the other warpgroup's uses are ordered before by the exchange
+barriers). A separate loader warp was slower: its register budget (setmaxnreg) made ptxas serialize every wgmma
+("insufficient register resources").
 
 One 64 x 512 fp32 accumulator is all the registers an SM has, so the output is split by columns, and the two
 warpgroups alternate on pairs of tiles (K0, K1) with one running max m shared through shared memory (FlashMLA's
@@ -134,9 +139,8 @@ def _group_end(g):
 
 
 @gluon.jit
-def _load_group(kv_desc, kv_smem, kv_full, kv_empty, slot, phase, row, g: gl.constexpr):
-    """Once chunk group g of a tile slot is released, copy the tile's chunks of that group (TMA, one barrier)."""
-    mbarrier.wait(kv_empty.index(slot * 3 + g), phase ^ 1)
+def _issue_group(kv_desc, kv_smem, kv_full, slot, row, g: gl.constexpr):
+    """TMA copies of chunk group g of the tile whose first cache row is `row` into tile slot `slot` (one barrier)."""
     mbarrier.expect(kv_full.index(slot * 3 + g), (_group_end(g) - _group_first(g)) * _TILE * _CHUNK * 2)
     for c in gl.static_range(_group_first(g), _group_end(g)):
         tma.async_copy_global_to_shared(kv_desc, [row, c * _CHUNK], kv_full.index(slot * 3 + g),
@@ -144,36 +148,21 @@ def _load_group(kv_desc, kv_smem, kv_full, kv_empty, slot, phase, row, g: gl.con
 
 
 @gluon.jit
-def _loader(q_desc, kv_desc, q_smem, kv_smem, q_full, q_empty, kv_full, kv_empty,
-            WORK_ITEMS, WORKER_INDPTR, BLOCK_TABLE, stride_bt, num_heads,
-            PAGE_SIZE: gl.constexpr, HEAD_SPLIT: gl.constexpr):
-    """One warp: per item, q by TMA once the previous item's scores are done, then each tile's three chunk groups
-    as soon as their slot's group is released. Tile 2k of an item goes to slot 0, tile 2k + 1 to slot 1."""
-    pid = gl.program_id(0)
-    head_part = pid % HEAD_SPLIT
-    worker = pid // HEAD_SPLIT
-    uses0 = 0  # fills of slot 0 / slot 1 so far (barrier phases)
-    uses1 = 0
-    n_items = 0
-    for it in range(gl.load(WORKER_INDPTR + worker), gl.load(WORKER_INDPTR + worker + 1)):
-        b, partial_row, qo, kv_start, kv_end, head_start = _item(WORK_ITEMS, it, head_part, HEAD_SPLIT)
-        mbarrier.wait(q_empty, (n_items & 1) ^ 1)
-        mbarrier.expect(q_full, _N_CHUNKS * _ROWS * _CHUNK * 2)
-        for c in gl.static_range(_N_CHUNKS):
-            tma.async_copy_global_to_shared(q_desc, [qo * num_heads + head_start, c * _CHUNK], q_full,
-                                            _q_chunk(q_smem, c))
-        n_tiles = gl.cdiv(kv_end - kv_start, _TILE)
-        for t in range(n_tiles):
-            tok = kv_start + t * _TILE
-            page = gl.load(BLOCK_TABLE + b * stride_bt + tok // PAGE_SIZE)
-            row = page * PAGE_SIZE + tok % PAGE_SIZE  # first cache row of the tile ([pages x page_size, 576] view)
-            slot = t % 2
-            phase = gl.where(slot == 0, uses0, uses1) & 1
-            for g in gl.static_range(3):
-                _load_group(kv_desc, kv_smem, kv_full, kv_empty, slot, phase, row, g)
-            uses0 += (slot == 0).to(gl.int32)
-            uses1 += (slot == 1).to(gl.int32)
-        n_items += 1
+def _issue_own(WG: gl.constexpr, kv_desc, kv_smem, kv_full, slot, row):
+    """The chunk groups warpgroup WG loads (and releases): 0 -> L and E, 1 -> R."""
+    if WG == 0:
+        _issue_group(kv_desc, kv_smem, kv_full, slot, row, 0)
+        _issue_group(kv_desc, kv_smem, kv_full, slot, row, 2)
+    else:
+        _issue_group(kv_desc, kv_smem, kv_full, slot, row, 1)
+
+
+@gluon.jit
+def _tile_row(BLOCK_TABLE, b, stride_bt, kv_start, t, n_tiles, PAGE_SIZE: gl.constexpr):
+    """First cache row (of the [pages x page_size, 576] view) of tile t of an item; 0 past the item's last tile."""
+    tok = kv_start + t * _TILE
+    page = gl.load(BLOCK_TABLE + b * stride_bt + tok // PAGE_SIZE, mask=t < n_tiles, other=0)
+    return page * PAGE_SIZE + tok % PAGE_SIZE
 
 
 @gluon.jit
@@ -257,13 +246,15 @@ def _pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end, ph0, xph):
 
 
 @gluon.jit
-def _warpgroup(WG: gl.constexpr, q_smem, kv_smem, p0_smem, m_smem, l_smem, q_full, q_empty, kv_full, kv_empty, xbar,
-               WORK_ITEMS, WORKER_INDPTR, OUT, LSE, O_PART, LSE_PART, KV_SCALE, qk_scale,
-               stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt, HEAD_SPLIT: gl.constexpr):
+def _warpgroup(WG: gl.constexpr, q_desc, kv_desc, q_smem, kv_smem, p0_smem, m_smem, l_smem, q_full, q_empty, kv_full,
+               xbar, BLOCK_TABLE, WORK_ITEMS, WORKER_INDPTR, OUT, LSE, O_PART, LSE_PART, KV_SCALE, qk_scale,
+               num_heads, stride_bt, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt,
+               PAGE_SIZE: gl.constexpr, HEAD_SPLIT: gl.constexpr):
     """Warpgroup WG (0: even tiles, o_L; 1: odd tiles, o_R) of the seesaw schedule (module docstring).
 
     Exchange barriers xbar: 0 = m0 ready (WG 0 -> 1), 1 = m1 ready (1 -> 0), 2 = p0' ready (0 -> 1), 3 = p1 ready
     (1 -> 0), 4 = l_L ready (0 -> 1), 5 = l_R ready (1 -> 0). m_smem holds m0 and m1 [2, 64], l_smem l_L and l_R.
+    q_empty: warpgroup 1 is done with an item (warpgroup 0 then loads the next item's q).
     """
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -283,6 +274,19 @@ def _warpgroup(WG: gl.constexpr, q_smem, kv_smem, p0_smem, m_smem, l_smem, q_ful
     for it in range(gl.load(WORKER_INDPTR + worker), gl.load(WORKER_INDPTR + worker + 1)):
         b, partial_row, qo, kv_start, kv_end, head_start = _item(WORK_ITEMS, it, head_part, HEAD_SPLIT)
         n_tiles = gl.cdiv(kv_end - kv_start, _TILE)
+        if WG == 0:  # q, once warpgroup 1 is done with the previous item
+            mbarrier.wait(q_empty, (n_items & 1) ^ 1)
+            mbarrier.expect(q_full, _N_CHUNKS * _ROWS * _CHUNK * 2)
+            for c in gl.static_range(_N_CHUNKS):
+                tma.async_copy_global_to_shared(q_desc, [qo * num_heads + head_start, c * _CHUNK], q_full,
+                                                _q_chunk(q_smem, c))
+        # this warpgroup's groups of the first two tiles (both slots are free: see the module docstring)
+        if n_tiles > 0:
+            _issue_own(WG, kv_desc, kv_smem, kv_full, 0,
+                       _tile_row(BLOCK_TABLE, b, stride_bt, kv_start, 0, n_tiles, PAGE_SIZE))
+        if n_tiles > 1:
+            _issue_own(WG, kv_desc, kv_smem, kv_full, 1,
+                       _tile_row(BLOCK_TABLE, b, stride_bt, kv_start, 1, n_tiles, PAGE_SIZE))
         mbarrier.wait(q_full, n_items & 1)
         m_i = gl.full([_ROWS], float("-inf"), gl.float32, row_l)  # running max (log2 units), same on both WGs
         l_i = gl.zeros([_ROWS], gl.float32, row_l)  # this WG's row sums in the frame of m_i
@@ -290,12 +294,17 @@ def _warpgroup(WG: gl.constexpr, q_smem, kv_smem, p0_smem, m_smem, l_smem, q_ful
         for k in range(gl.cdiv(n_tiles, 2)):
             t0 = kv_start + 2 * k * _TILE  # first token of the pair's even tile
             has1 = 2 * k + 1 < n_tiles
+            next0 = 2 * k + 2 < n_tiles  # the next pair's tiles exist
+            next1 = 2 * k + 3 < n_tiles
+            row0 = _tile_row(BLOCK_TABLE, b, stride_bt, kv_start, 2 * k + 2, n_tiles, PAGE_SIZE)  # loaded early
+            row1 = _tile_row(BLOCK_TABLE, b, stride_bt, kv_start, 2 * k + 3, n_tiles, PAGE_SIZE)
             ph0 = uses0 & 1
             ph1 = uses1 & 1
             xph = pairs & 1
             if WG == 0:
                 s = _masked(_scores(q_smem, kv_smem, kv_full, 0, ph0, s_layout), t0, kv_end, qk_scale, s_layout)
-                mbarrier.arrive(kv_empty.index(_GROUP_E))  # slot 0's k_pe chunk is free
+                if next0:  # slot 0's k_pe chunk is free
+                    _issue_group(kv_desc, kv_smem, kv_full, 0, row0, _GROUP_E)
                 m0 = gl.maximum(m_i, gl.max(s, 1))  # [M]
                 alpha0 = _alpha(m_i, m0)
                 p = gl.exp2(s - gl.where(m0 == float("-inf"), 0.0, m0)[:, None])  # [M, N] fp32
@@ -314,7 +323,8 @@ def _warpgroup(WG: gl.constexpr, q_smem, kv_smem, p0_smem, m_smem, l_smem, q_ful
                 fence_async_shared()
                 mbarrier.arrive(xbar.index(2))
                 acc = warpgroup_mma_wait(0, deps=(acc,))
-                mbarrier.arrive(kv_empty.index(_GROUP_L))  # slot 0's V_L is free
+                if next0:  # slot 0's V_L is free
+                    _issue_group(kv_desc, kv_smem, kv_full, 0, row0, _GROUP_L)
                 acc = acc * gl.convert_layout(alpha1, orow_l)[:, None]
                 l_i = l_i * alpha1
                 m_i = m1
@@ -325,8 +335,9 @@ def _warpgroup(WG: gl.constexpr, q_smem, kv_smem, p0_smem, m_smem, l_smem, q_ful
                         _zero_tail(kv_smem, 1, 0, kv_end - t0 - _TILE)
                     acc = warpgroup_mma(_chunk(kv_smem, 1, 8), _v_half(kv_smem, 1, 0), acc, is_async=True)
                     acc = warpgroup_mma_wait(0, deps=(acc,))
-                    mbarrier.arrive(kv_empty.index(3 + _GROUP_L))  # slot 1's V_L and p1 are free
-                    mbarrier.arrive(kv_empty.index(3 + _GROUP_E))
+                    if next1:  # slot 1's V_L and p1 (over its k_pe chunk) are free
+                        _issue_group(kv_desc, kv_smem, kv_full, 1, row1, _GROUP_L)
+                        _issue_group(kv_desc, kv_smem, kv_full, 1, row1, _GROUP_E)
             else:
                 if has1:
                     s = _masked(_scores(q_smem, kv_smem, kv_full, 1, ph1, s_layout), t0 + _TILE, kv_end, qk_scale,
@@ -347,7 +358,6 @@ def _warpgroup(WG: gl.constexpr, q_smem, kv_smem, p0_smem, m_smem, l_smem, q_ful
                     _chunk(kv_smem, 1, 8).store(p_bf)  # p1 for warpgroup 0, over slot 1's k_pe chunk
                     fence_async_shared()
                     mbarrier.arrive(xbar.index(3))
-                    mbarrier.wait(kv_full.index(3 + _GROUP_R), ph1)
                     if kv_end - t0 - _TILE < _TILE:
                         _zero_tail(kv_smem, 1, 4, kv_end - t0 - _TILE)
                     acc = warpgroup_mma(gl.convert_layout(p_bf, p_layout), _v_half(kv_smem, 1, 1), acc,
@@ -355,14 +365,14 @@ def _warpgroup(WG: gl.constexpr, q_smem, kv_smem, p0_smem, m_smem, l_smem, q_ful
                     acc = _pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end, ph0, xph)
                 else:
                     acc = _pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end, ph0, xph)
-                mbarrier.arrive(kv_empty.index(_GROUP_R))  # slot 0's V_R is free
-                if has1:
-                    mbarrier.arrive(kv_empty.index(3 + _GROUP_R))
+                if next0:  # slot 0's V_R is free (warpgroup 0's scores of it are done: it published p0')
+                    _issue_group(kv_desc, kv_smem, kv_full, 0, row0, _GROUP_R)
+                if next1:
+                    _issue_group(kv_desc, kv_smem, kv_full, 1, row1, _GROUP_R)
                 m_i = m1
             uses0 += 1
             uses1 += has1.to(gl.int32)
             pairs += 1
-        mbarrier.arrive(q_empty)  # this WG's scores of the item are done
         # total row sums: l_L + l_R, exchanged (WG 1 waits for l_L before it publishes l_R: neither runs ahead)
         iph = n_items & 1
         if WG == 0:
@@ -375,6 +385,7 @@ def _warpgroup(WG: gl.constexpr, q_smem, kv_smem, p0_smem, m_smem, l_smem, q_ful
             l_sum = l_i + l_smem.index(0).load(row_l)
             l_smem.index(1).store(l_i)
             mbarrier.arrive(xbar.index(5))
+            mbarrier.arrive(q_empty)  # done with this item's q and tiles
         _store_half(acc, l_sum, m_i, kv_scale, partial_row, qo, head_start, WG * HALF, WG == 0,
                     OUT, LSE, O_PART, LSE_PART, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt,
                     o_layout)
@@ -389,7 +400,7 @@ def _mla_decode_seesaw_kernel(
     KV_SCALE,  # fp32 [1] (1.0: bf16)
     qk_scale,  # sm_scale x log2(e)
     num_heads, stride_bt, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt,
-    PAGE_SIZE: gl.constexpr, HEAD_SPLIT: gl.constexpr, LOADER_REGS: gl.constexpr, WG1_REGS: gl.constexpr,
+    PAGE_SIZE: gl.constexpr, HEAD_SPLIT: gl.constexpr,
 ):
     chunk_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_TILE, _CHUNK], gl.bfloat16)
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -403,25 +414,17 @@ def _mla_decode_seesaw_kernel(
     q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_full = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())  # [slot x 3 + group]
-    kv_empty = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
     xbar = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_full, count=1)
-    mbarrier.init(q_empty, count=2)  # both warpgroups' scores of the item are done
+    mbarrier.init(q_empty, count=1)
     for i in gl.static_range(6):
         mbarrier.init(kv_full.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=1)  # each group has one releasing warpgroup
         mbarrier.init(xbar.index(i), count=1)
     fence_async_shared()
-    gl.warp_specialize([
-        (_warpgroup, (0, q_smem, kv_smem, p0_smem, m_smem, l_smem, q_full, q_empty, kv_full, kv_empty, xbar,
-                      WORK_ITEMS, WORKER_INDPTR, OUT, LSE, O_PART, LSE_PART, KV_SCALE, qk_scale,
-                      stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt, HEAD_SPLIT)),
-        (_warpgroup, (1, q_smem, kv_smem, p0_smem, m_smem, l_smem, q_full, q_empty, kv_full, kv_empty, xbar,
-                      WORK_ITEMS, WORKER_INDPTR, OUT, LSE, O_PART, LSE_PART, KV_SCALE, qk_scale,
-                      stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt, HEAD_SPLIT)),
-        (_loader, (q_desc, kv_desc, q_smem, kv_smem, q_full, q_empty, kv_full, kv_empty,
-                   WORK_ITEMS, WORKER_INDPTR, BLOCK_TABLE, stride_bt, num_heads, PAGE_SIZE, HEAD_SPLIT)),
-    ], [4, 1], [WG1_REGS, LOADER_REGS])
+    args = (q_desc, kv_desc, q_smem, kv_smem, p0_smem, m_smem, l_smem, q_full, q_empty, kv_full, xbar, BLOCK_TABLE,
+            WORK_ITEMS, WORKER_INDPTR, OUT, LSE, O_PART, LSE_PART, KV_SCALE, qk_scale, num_heads, stride_bt,
+            stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt, PAGE_SIZE, HEAD_SPLIT)
+    gl.warp_specialize([(_warpgroup, (0,) + args), (_warpgroup, (1,) + args)], [4], [256])
 
 
 def check_batch(batch, head_split: int, max_rows: int) -> None:
@@ -442,10 +445,6 @@ def check_batch(batch, head_split: int, max_rows: int) -> None:
         raise ValueError("kernel='gluon' needs contiguous q and kv_cache (TMA descriptors)")
 
 
-LOADER_REGS, WG1_REGS = 24, 232  # registers per thread of the loader warp and warpgroup 1 (setmaxnreg); warpgroup 0
-# gets the rest (248): 31 spill instructions vs 85 with 40 / 240 (sm_90 SASS, compiled offline)
-
-
 def launch_decode(batch, plan, out, lse, o_part, lse_part, kv_scale, head_split: int):
     """Launch the seesaw decode kernel (one program per worker and head half); the caller launches the reduce."""
     T, H, D = batch.q.shape
@@ -459,5 +458,5 @@ def launch_decode(batch, plan, out, lse, o_part, lse_part, kv_scale, head_split:
         out, lse, o_part, lse_part, kv_scale, float(batch.sm_scale) * LOG2E,
         H, batch.block_table.stride(0), out.stride(0), out.stride(1), lse.stride(0),
         o_part.stride(0), o_part.stride(1), lse_part.stride(0),
-        PAGE_SIZE=kv.shape[1], HEAD_SPLIT=head_split, LOADER_REGS=LOADER_REGS, WG1_REGS=WG1_REGS, num_warps=4,
+        PAGE_SIZE=kv.shape[1], HEAD_SPLIT=head_split, num_warps=4,
     )
