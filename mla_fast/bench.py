@@ -91,8 +91,7 @@ def ours(batch: DecodeBatch, config=None, num_workers: int | None = None):
     """() -> None launching our decode on preallocated buffers, plus the compiled kernel's resource report."""
     from mla_fast import triton_decode as td
 
-    combo = td.dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
-    config = config or td.default_config(combo, batch.num_heads, 1, batch.batch_size)
+    config = config or td.batch_config(batch, 1)
     plan = td.make_plan(batch, config, num_workers)
     T, H, dev = batch.q.shape[0], batch.q.shape[1], batch.q.device
     out = torch.empty(T, H, L, dtype=torch.bfloat16, device=dev)
@@ -256,11 +255,11 @@ FP8_32_ROWS = dict(head_group=32, head_split=1, num_warps=8, num_stages=3, split
 CANDIDATES = {  # (combo, num_heads) -> KernelConfig overrides of default_config timed beside it (--candidates)
     ("fp8kv", 16): [dict(split_l=4, num_stages=3)],  # before eight slices and three tiles buffered
     ("fp8", 16): [_V_RELOAD],  # before the staged path
-    ("bf16", 128): [dict(interleave=False),  # before each slice's score dot followed its load
-                    # the b >= 32 layout, at b = 1 too: 31.4 vs 29.4 us at (1, 8192, 128), the small-batch rule holds
-                    dict(head_group=64, head_split=2, num_warps=8, num_stages=2, split_l=2, unchain=True,
-                         page_chunk=32, interleave=True),
-                    dict(kernel="gluon", head_group=64, head_split=2)],  # the warp-specialized seesaw kernel
+    ("bf16", 128): [  # the Triton 64-row layout (the b >= 32 default before the Gluon kernel; at b = 1 31.4 vs 29.4 us
+                      # for the small-batch rule), and the Gluon seesaw kernel (the b >= 32 default on an H200)
+                    dict(kernel="triton", head_group=64, head_split=2, num_warps=8, num_stages=2, split_l=2,
+                         unchain=True, page_chunk=32, interleave=True),
+                    dict(kernel="gluon", head_group=64, head_split=2)],
     ("fp8kv", 64): [FP8_32_ROWS, dict(interleave=True)],
     ("fp8kv", 128): [FP8_32_ROWS, dict(interleave=True)],
     ("fp8", 128): [FP8_32_ROWS, dict(interleave=True)],
@@ -290,7 +289,7 @@ def time_candidates(batch: DecodeBatch, nbytes: int, copy_gbs: float) -> list:
     from mla_fast import triton_decode as td
 
     combo = td.dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
-    base = td.default_config(combo, batch.num_heads, 1, batch.batch_size)
+    base = td.batch_config(batch, 1)
     out_ref, lse_ref = reference(batch)
     results = []
     for o in [{}] + CANDIDATES.get((combo, batch.num_heads), []):
@@ -325,8 +324,7 @@ def _precompile_one(task):
     t0 = time.time()
     try:
         batch = build_batch(2, 4096, h, combo)
-        base = td.default_config(combo, h, 1)
-        fn, _ = ours(batch, replace(base, **o))
+        fn, _ = ours(batch, replace(td.batch_config(batch, 1), **o))
         torch.cuda.synchronize()
         return f"compiled h={h} {combo} {o} in {time.time() - t0:.1f}s"
     except Exception as e:

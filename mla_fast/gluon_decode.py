@@ -45,6 +45,7 @@ Device only: Gluon kernels need a CUDA driver (sm_90); the interpreter cannot ru
 tests only (tests/test_triton_gpu.py). `mla_fast.triton_decode.launch` calls it for `KernelConfig(kernel="gluon")`.
 """
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -58,6 +59,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.jit import constexpr_function
 
 from mla_fast import planner
+from mla_fast.triton_decode import INTERPRET
 
 ROWS = 64  # packed rows per program: 64 heads of one query row (one wgmma M tile per warpgroup)
 TILE = 64  # KV tokens per tile
@@ -427,22 +429,37 @@ def _mla_decode_seesaw_kernel(
     gl.warp_specialize([(_warpgroup, (0,) + args), (_warpgroup, (1,) + args)], [4], [256])
 
 
-def check_batch(batch, head_split: int, max_rows: int) -> None:
-    """Raise ValueError naming the field when the seesaw kernel cannot take `batch` (the Triton kernel can).
-    max_rows = max q_len x 64 heads (the launcher's rows per program); no host sync (graph capture)."""
+def unsupported(batch, head_split: int, max_rows: int) -> str | None:
+    """Why the seesaw kernel cannot take `batch` with `head_split` programs per worker and `max_rows` rows per
+    program (max q_len x 64), or None. No host sync (graph capture)."""
     if max_rows != ROWS:
-        raise ValueError(f"kernel='gluon' takes q_len 1 (64 rows per program), got {max_rows} rows")
-    if batch.q.dtype != batch.kv_cache.dtype or batch.q.dtype.itemsize != 2 or batch.q.dtype.is_floating_point is False:
-        raise ValueError(f"kernel='gluon' takes bf16 q and cache, got {batch.q.dtype}/{batch.kv_cache.dtype}")
+        return f"kernel='gluon' takes q_len 1 (64 rows per program), got {max_rows} rows"
+    if batch.q.dtype != torch.bfloat16 or batch.kv_cache.dtype != torch.bfloat16:
+        return f"kernel='gluon' takes bf16 q and cache, got {batch.q.dtype}/{batch.kv_cache.dtype}"
     if (batch.kv_lora_rank, batch.q.shape[-1] - batch.kv_lora_rank) != (L_DIM, R_DIM):
-        raise ValueError(f"kernel='gluon' needs kv_lora_rank {L_DIM} and rope_dim {R_DIM}")
+        return f"kernel='gluon' needs kv_lora_rank {L_DIM} and rope_dim {R_DIM}"
     if batch.kv_cache.shape[1] % TILE:
-        raise ValueError(f"kernel='gluon' needs page_size % {TILE} == 0, got {batch.kv_cache.shape[1]}")
+        return f"kernel='gluon' needs page_size % {TILE} == 0, got {batch.kv_cache.shape[1]}"
     if batch.num_heads != ROWS * head_split:
-        raise ValueError(f"kernel='gluon' needs num_heads = 64 x head_split, got {batch.num_heads} heads, "
-                         f"head_split {head_split}")
+        return f"kernel='gluon' needs num_heads = 64 x head_split, got {batch.num_heads} heads, head_split {head_split}"
     if not batch.q.is_contiguous() or not batch.kv_cache.is_contiguous():
-        raise ValueError("kernel='gluon' needs contiguous q and kv_cache (TMA descriptors)")
+        return "kernel='gluon' needs contiguous q and kv_cache (TMA descriptors)"
+    device = batch.q.device
+    if INTERPRET or device.type != "cuda" or torch.version.hip or torch.cuda.get_device_capability(device) != (9, 0):
+        return f"kernel='gluon' runs on CUDA sm_90 outside the interpreter (wgmma, TMA), got {device}"
+    return None
+
+
+def check_batch(batch, head_split: int, max_rows: int) -> None:
+    """Raise ValueError naming the field when the seesaw kernel cannot take `batch` (see `unsupported`)."""
+    reason = unsupported(batch, head_split, max_rows)
+    if reason:
+        raise ValueError(reason)
+
+
+def supported(batch) -> bool:
+    """Whether the seesaw kernel can take `batch` at q_len 1, 64 heads per program (default_config's `seesaw`)."""
+    return batch.num_heads % ROWS == 0 and unsupported(batch, batch.num_heads // ROWS, ROWS) is None
 
 
 def launch_decode(batch, plan, out, lse, o_part, lse_part, kv_scale, head_split: int):

@@ -685,9 +685,15 @@ def dtype_combo(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> str:
 SMALL_BATCH = 4  # batches up to this size (q_len 1) take no 64-row tiles (default_config)
 
 
-def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int | None = None) -> KernelConfig:
+def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int | None = None,
+                   seesaw: bool = False) -> KernelConfig:
     """Launch choice, the fastest correct candidate of mla-bench --candidates on one H200 (the h=16 shapes with b >= 32
     and the h = 128 shapes; see the module docstring).
+
+    seesaw: the Gluon seesaw kernel can run the batch (`gluon_decode.supported`: CUDA sm_90, bf16, L = 512, R = 64,
+    pages of a multiple of 64 tokens, heads a multiple of 64); `batch_config` passes it.
+    - bf16 with 64 heads per program, q_len 1, batch_size > SMALL_BATCH and seesaw: the Gluon kernel
+      (kernel="gluon"), 300 vs 441 us at (128, 4096, 128) and 86 vs 130 us at (32, 4096, 128) on one H200.
 
     head_group: the largest divisor of num_heads with max_q_len x head_group <= 64 rows (MAX_ROWS; 32 for fp8 caches
     at batch_size <= SMALL_BATCH).
@@ -747,6 +753,9 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
         group = max(d for d in range(1, 17) if num_heads % d == 0)  # <= 16 rows; the programs cover every head
         return KernelConfig(block_n=64, num_warps=4, num_stages=3, mma=mma, head_group=group,
                             head_split=num_heads // group, page_chunk=32, split_l=4)
+    if rows > 32 and seesaw and combo == "bf16" and max_q_len == 1 and head_group == MAX_ROWS:
+        return KernelConfig(block_n=64, mma=mma, head_group=head_group, head_split=num_heads // head_group,
+                            kernel="gluon")
     if rows > 32:  # 64-row wgmma tiles
         head_split = 2 if num_heads % (2 * head_group) == 0 else 1
         if fp8_kv:
@@ -759,6 +768,15 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
                             head_group=head_group, fp8_stage=True, split_l=8, page_chunk=32, lazy_l=True)
     return KernelConfig(block_n=64, num_warps=warps, num_stages=3, mma=mma, head_group=head_group, page_chunk=32,
                         split_l=4)
+
+
+def batch_config(batch, max_q_len: int) -> KernelConfig:
+    """default_config for `batch` (its dtypes, heads and size) on its device, up to q_len max_q_len."""
+    from mla_fast import gluon_decode
+
+    combo = dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
+    return default_config(combo, batch.num_heads, max_q_len, batch.batch_size,
+                          seesaw=max_q_len == 1 and gluon_decode.supported(batch))
 
 
 def effective_split_l(config: KernelConfig, kv_lora_rank: int) -> int:
@@ -887,8 +905,6 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
         from mla_fast import gluon_decode
 
         gluon_decode.check_batch(batch, config.head_split, max_rows)
-        if INTERPRET or device.type != "cuda" or torch.version.hip or torch.cuda.get_device_capability(device) != (9, 0):
-            raise ValueError(f"kernel='gluon' runs on CUDA sm_90 outside the interpreter (wgmma, TMA), got {device}")
         compiled = gluon_decode.launch_decode(batch, plan, out, lse, o_part, lse_part, kv_scale, config.head_split)
     else:
         compiled = _launch_triton(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, config, qo_indptr,
@@ -910,13 +926,13 @@ def decode(batch, *, plan=None, out=None, lse=None, config: KernelConfig | None 
     """Triton MLA decode of a `DecodeBatch` -> (out [T, H, L] bf16, lse [T, H] fp32 natural log).
 
     plan: a `WorkPlan` from `make_plan` (computed here when None: one host sync). out / lse: optional preallocated
-    outputs. config: launch choices (default `default_config` for the batch's dtypes, heads and q_len).
+    outputs. config: launch choices (default `batch_config`: `default_config` for the batch's dtypes, heads, size and
+    q_len on its device; on an H200 bf16 batches with 64 heads per program and q_len 1 take the Gluon kernel).
     """
     check_batch(batch)
-    combo = dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
     T, H, L = batch.q.shape[0], batch.num_heads, batch.kv_lora_rank
     max_q_len = int(batch.q_lens.max()) if batch.q_lens.numel() else 1
-    config = config or default_config(combo, H, max(max_q_len, 1), batch.batch_size)
+    config = config or batch_config(batch, max(max_q_len, 1))
     if max(max_q_len, 1) * config.head_group > MAX_ROWS:
         raise ValueError(f"q_len x head_group must be <= {MAX_ROWS}, got {max_q_len} x {config.head_group}")
     plan = plan if plan is not None else make_plan(batch, config, num_workers)
@@ -954,8 +970,7 @@ class TritonMLADecode:
         self.batch = batch
         device = batch.q.device
         H, L, B = batch.num_heads, batch.kv_lora_rank, batch.batch_size
-        combo = dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
-        self.config = config or default_config(combo, H, max_q_len, B)
+        self.config = config or batch_config(batch, max_q_len)
         self.max_rows = max_q_len * self.config.head_group
         self.num_workers = num_workers or max(1, self.config.workers_per_sm * num_sms(device) // self.config.head_split)
         groups = B * triton.cdiv(H, self.config.head_group * self.config.head_split)

@@ -218,7 +218,8 @@ _MEMCHECK_SCRIPT = """
 import torch
 from triton_cases import TritonCase
 from mla_fast.triton_decode import decode
-cases = [  # page 16 with MTP (64-row tiles at q_len 3, per-token gather); page 64 at 128 heads (block-table chunks)
+cases = [  # page 16 with MTP (64-row tiles at q_len 3, per-token gather); page 64 at 128 heads (block-table chunks;
+    # five requests: bf16 takes the Gluon seesaw kernel on an H200, TMA copies of whole tiles past seq_len)
     dict(seq_lens=(0, 1, 65, 700, 1500), q_lens=(1, 2, 1, 3, 1), heads=16, page_size=16),
     dict(seq_lens=(0, 1, 65, 700, 4097), q_lens=(1,) * 5, heads=128, page_size=64),
 ]
