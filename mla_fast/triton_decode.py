@@ -692,8 +692,9 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
 
     seesaw: the Gluon seesaw kernel can run the batch (`gluon_decode.supported`: CUDA sm_90, bf16, L = 512, R = 64,
     pages of a multiple of 64 tokens, heads a multiple of 64); `batch_config` passes it.
-    - bf16 with 64 heads per program, q_len 1, batch_size > SMALL_BATCH and seesaw: the Gluon kernel
-      (kernel="gluon"), 300 vs 441 us at (128, 4096, 128) and 86 vs 130 us at (32, 4096, 128) on one H200.
+    - bf16 with 64 heads per program, q_len 1 and seesaw: the Gluon kernel (kernel="gluon"), one H200, graph
+      replays: 299 vs 447 us at (128, 4096, 128) and 86 vs 130 us at (32, 4096, 128) against the Triton 64-row
+      layout, 27.0 vs 29.8 us at (1, 8192, 128) against the small-batch rule below (sizes 2-4 not measured).
 
     head_group: the largest divisor of num_heads with max_q_len x head_group <= 64 rows (MAX_ROWS; 32 for fp8 caches
     at batch_size <= SMALL_BATCH).
@@ -749,13 +750,13 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
     rows = head_group * max_q_len
     mma = DEFAULT_MMA[combo]
     warps = 4 if rows <= 16 else 8
+    if rows > 32 and seesaw and combo == "bf16" and max_q_len == 1 and head_group == MAX_ROWS:
+        return KernelConfig(block_n=64, mma=mma, head_group=head_group, head_split=num_heads // head_group,
+                            kernel="gluon")
     if rows > 32 and small_batch:  # bf16, few requests
         group = max(d for d in range(1, 17) if num_heads % d == 0)  # <= 16 rows; the programs cover every head
         return KernelConfig(block_n=64, num_warps=4, num_stages=3, mma=mma, head_group=group,
                             head_split=num_heads // group, page_chunk=32, split_l=4)
-    if rows > 32 and seesaw and combo == "bf16" and max_q_len == 1 and head_group == MAX_ROWS:
-        return KernelConfig(block_n=64, mma=mma, head_group=head_group, head_split=num_heads // head_group,
-                            kernel="gluon")
     if rows > 32:  # 64-row wgmma tiles
         head_split = 2 if num_heads % (2 * head_group) == 0 else 1
         if fp8_kv:

@@ -305,16 +305,16 @@ def test_bad_batches_raise_value_error():
 
 
 def test_gluon_kernel_is_chosen_only_where_it_runs():
-    """default_config takes the Gluon seesaw kernel for bf16 with 64 heads per program, q_len 1 and more than
-    SMALL_BATCH requests, and only with seesaw=True, which batch_config sets from gluon_decode.supported (never on
-    this CPU)."""
+    """default_config takes the Gluon seesaw kernel for bf16 with 64 heads per program and q_len 1 (one request
+    too), and only with seesaw=True, which batch_config sets from gluon_decode.supported (never on this CPU)."""
     td = pytest.importorskip("mla_fast.triton_decode")
     gd = pytest.importorskip("mla_fast.gluon_decode")
     config = td.default_config("bf16", 128, 1, batch_size=32, seesaw=True)
     assert (config.kernel, config.head_group, config.head_split) == ("gluon", 64, 2)
     assert td.default_config("bf16", 64, 1, batch_size=32, seesaw=True).head_split == 1
+    assert td.default_config("bf16", 128, 1, batch_size=1, seesaw=True).kernel == "gluon"
     for args in [("bf16", 128, 1, 32, False), ("fp8kv", 128, 1, 32, True), ("bf16", 128, 2, 32, True),
-                 ("bf16", 128, 1, 1, True), ("bf16", 16, 1, 32, True)]:
+                 ("bf16", 128, 1, 1, False), ("bf16", 16, 1, 32, True)]:
         assert td.default_config(*args).kernel == "triton", args
     batch = TritonCase((70,), (1,), heads=64, page_size=64, L=512, R=64).batch()
     assert not gd.supported(batch)
