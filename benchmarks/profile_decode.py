@@ -3,7 +3,7 @@
     ncu --kernel-name regex:_mla_decode_kernel --launch-skip 1 --launch-count 1 --section SpeedOfLight \\
         python benchmarks/profile_decode.py --shape 128,8192,16 --dtype fp8kv
 
-Default config (`default_config`; `--config '{"kernel": "gluon", "head_group": 64, "head_split": 2}'` for
+Default config (`batch_config`; `--config '{"kernel": "gluon", "head_group": 64, "head_split": 2}'` for
 KernelConfig overrides), q_len 1, page 64, the same batch as `mla-bench` (`build_batch`).
 """
 
@@ -26,8 +26,7 @@ def main() -> None:
     args = parser.parse_args()
     b, s, h = (int(x) for x in args.shape.split(","))
     batch = build_batch(b, s, h, args.dtype)
-    combo = td.dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
-    config = replace(td.default_config(combo, h, 1, b), **json.loads(args.config))
+    config = replace(td.batch_config(batch, 1), **json.loads(args.config))
     fn, info = ours(batch, config)
     for _ in range(args.calls):
         fn()
