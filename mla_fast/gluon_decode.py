@@ -142,22 +142,21 @@ def _group_end(g):
 
 @gluon.jit
 def _issue_group(kv_desc, kv_smem, kv_full, slot, row, g: gl.constexpr):
-    """TMA copies of chunk group g of the tile whose first cache row is `row` into tile slot `slot` (one barrier per
-    chunk)."""
+    """TMA copies of chunk group g of the tile whose first cache row is `row` into tile slot `slot` (one barrier)."""
+    mbarrier.expect(kv_full.index(slot * 3 + g), (_group_end(g) - _group_first(g)) * _TILE * _CHUNK * 2)
     for c in gl.static_range(_group_first(g), _group_end(g)):
-        mbarrier.expect(kv_full.index(slot * _N_CHUNKS + c), _TILE * _CHUNK * 2)
-        tma.async_copy_global_to_shared(kv_desc, [row, c * _CHUNK], kv_full.index(slot * _N_CHUNKS + c),
+        tma.async_copy_global_to_shared(kv_desc, [row, c * _CHUNK], kv_full.index(slot * 3 + g),
                                         _chunk(kv_smem, slot, c))
 
 
 @gluon.jit
 def _issue_own(WG: gl.constexpr, kv_desc, kv_smem, kv_full, slot, row):
-    """The chunk groups warpgroup WG loads (and releases): 0 -> E and L, 1 -> R."""
+    """The chunk groups warpgroup WG loads (and releases): 0 -> L and E, 1 -> R."""
     if WG == 0:
-        _issue_group(kv_desc, kv_smem, kv_full, slot, row, _GROUP_E)
-        _issue_group(kv_desc, kv_smem, kv_full, slot, row, _GROUP_L)
+        _issue_group(kv_desc, kv_smem, kv_full, slot, row, 0)
+        _issue_group(kv_desc, kv_smem, kv_full, slot, row, 2)
     else:
-        _issue_group(kv_desc, kv_smem, kv_full, slot, row, _GROUP_R)
+        _issue_group(kv_desc, kv_smem, kv_full, slot, row, 1)
 
 
 @gluon.jit
@@ -168,36 +167,24 @@ def _tile_row(BLOCK_TABLE, b, stride_bt, kv_start, t, n_tiles, PAGE_SIZE: gl.con
     return page * PAGE_SIZE + tok % PAGE_SIZE
 
 
-@constexpr_function
-def _score_chunk(WG, i):
-    """Chunk of the i-th score MMA of warpgroup WG: the chunks released first come first. Slot 0 (warpgroup 0):
-    k_pe (free after the previous pair's scores), V_L (after warpgroup 0's P.V), V_R (after warpgroup 1's, last).
-    Slot 1 (warpgroup 1): V_R (its own P.V), then V_L and k_pe (after warpgroup 0's P.V with p1, last)."""
-    return ((8, 0, 1, 2, 3, 4, 5, 6, 7), (4, 5, 6, 7, 0, 1, 2, 3, 8))[WG][i]
+@gluon.jit
+def _score_group(s, q_smem, kv_smem, kv_full, slot, phase, g: gl.constexpr):
+    """Wait for chunk group g of a tile slot, then issue its score MMAs onto s (asynchronous)."""
+    mbarrier.wait(kv_full.index(slot * 3 + g), phase)
+    for c in gl.static_range(_group_first(g), _group_end(g)):
+        s = warpgroup_mma(_q_chunk(q_smem, c), _chunk(kv_smem, slot, c).permute((1, 0)), s, is_async=True)
+    return s
 
 
 @gluon.jit
-def _score_mma(s, q_smem, kv_smem, kv_full, slot, phase, c: gl.constexpr):
-    """Wait for chunk c of a tile slot, then issue its score MMA onto s (asynchronous)."""
-    mbarrier.wait(kv_full.index(slot * _N_CHUNKS + c), phase)
-    return warpgroup_mma(_q_chunk(q_smem, c), _chunk(kv_smem, slot, c).permute((1, 0)), s, is_async=True)
-
-
-@gluon.jit
-def _scores(WG: gl.constexpr, q_smem, kv_smem, kv_full, slot, phase, s_layout: gl.constexpr):
-    """s = q K^T over the 9 chunks of a tile slot [64, 64] fp32 (one accumulator chain), each chunk's MMA issued as
-    soon as its copy has landed, in the order `_score_chunk`."""
+def _scores(q_smem, kv_smem, kv_full, slot, phase, s_layout: gl.constexpr):
+    """s = q K^T over the 9 chunks of a tile slot [64, 64] fp32 (one accumulator chain), each chunk group's MMAs
+    issued once its copies have landed: L, then E, then R (R is released last by the previous pair)."""
     s = gl.zeros([_ROWS, _TILE], gl.float32, s_layout)
-    for i in gl.static_range(_N_CHUNKS):
-        s = _score_mma(s, q_smem, kv_smem, kv_full, slot, phase, _score_chunk(WG, i))
+    s = _score_group(s, q_smem, kv_smem, kv_full, slot, phase, 0)
+    s = _score_group(s, q_smem, kv_smem, kv_full, slot, phase, 2)
+    s = _score_group(s, q_smem, kv_smem, kv_full, slot, phase, 1)
     return warpgroup_mma_wait(0, deps=(s,))
-
-
-@gluon.jit
-def _wait_chunks(kv_full, slot, first: gl.constexpr, phase):
-    """Wait for the four c_kv chunks first..first+3 of a tile slot (a V half)."""
-    for c in gl.static_range(first, first + 4):
-        mbarrier.wait(kv_full.index(slot * _N_CHUNKS + c), phase)
 
 
 @gluon.jit
@@ -253,7 +240,7 @@ def _store_half(acc, l_sum, m_i, kv_scale, partial_row, qo, head_start, col0: gl
 def _pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end, ph0, xph):
     """Warpgroup 1: o_R += p0' V0_R once warpgroup 0 has published p0' (xbar 2); waits for all its MMAs."""
     mbarrier.wait(xbar.index(2), xph)
-    _wait_chunks(kv_full, 0, 4, ph0)
+    mbarrier.wait(kv_full.index(_GROUP_R), ph0)
     if kv_end - t0 < _TILE:
         _zero_tail(kv_smem, 0, 4, kv_end - t0)
     acc = warpgroup_mma(p0_smem, _v_half(kv_smem, 0, 1), acc, is_async=True)
@@ -317,7 +304,7 @@ def _warpgroup(WG: gl.constexpr, q_desc, kv_desc, q_smem, kv_smem, p0_smem, m_sm
             ph1 = uses1 & 1
             xph = pairs & 1
             if WG == 0:
-                s = _masked(_scores(0, q_smem, kv_smem, kv_full, 0, ph0, s_layout), t0, kv_end, qk_scale, s_layout)
+                s = _masked(_scores(q_smem, kv_smem, kv_full, 0, ph0, s_layout), t0, kv_end, qk_scale, s_layout)
                 if next0:  # slot 0's k_pe chunk is free
                     _issue_group(kv_desc, kv_smem, kv_full, 0, row0, _GROUP_E)
                 m0 = gl.maximum(m_i, gl.max(s, 1))  # [M]
@@ -344,7 +331,7 @@ def _warpgroup(WG: gl.constexpr, q_desc, kv_desc, q_smem, kv_smem, p0_smem, m_sm
                 l_i = l_i * alpha1
                 m_i = m1
                 if has1:
-                    _wait_chunks(kv_full, 1, 0, ph1)
+                    mbarrier.wait(kv_full.index(3 + _GROUP_L), ph1)
                     mbarrier.wait(xbar.index(3), ph1)
                     if kv_end - t0 - _TILE < _TILE:
                         _zero_tail(kv_smem, 1, 0, kv_end - t0 - _TILE)
@@ -355,7 +342,7 @@ def _warpgroup(WG: gl.constexpr, q_desc, kv_desc, q_smem, kv_smem, p0_smem, m_sm
                         _issue_group(kv_desc, kv_smem, kv_full, 1, row1, _GROUP_E)
             else:
                 if has1:
-                    s = _masked(_scores(1, q_smem, kv_smem, kv_full, 1, ph1, s_layout), t0 + _TILE, kv_end, qk_scale,
+                    s = _masked(_scores(q_smem, kv_smem, kv_full, 1, ph1, s_layout), t0 + _TILE, kv_end, qk_scale,
                                 s_layout)
                 else:
                     s = gl.full([_ROWS, _TILE], float("-inf"), gl.float32, s_layout)
@@ -428,13 +415,12 @@ def _mla_decode_seesaw_kernel(
     l_smem = gl.allocate_shared_memory(gl.float32, [2, _ROWS], flat)
     q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    kv_full = gl.allocate_shared_memory(gl.int64, [2 * _N_CHUNKS, 1], mbarrier.MBarrierLayout())  # [slot x 9 + c]
+    kv_full = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())  # [slot x 3 + group]
     xbar = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_full, count=1)
     mbarrier.init(q_empty, count=1)
-    for i in gl.static_range(2 * _N_CHUNKS):
-        mbarrier.init(kv_full.index(i), count=1)
     for i in gl.static_range(6):
+        mbarrier.init(kv_full.index(i), count=1)
         mbarrier.init(xbar.index(i), count=1)
     fence_async_shared()
     args = (q_desc, kv_desc, q_smem, kv_smem, p0_smem, m_smem, l_smem, q_full, q_empty, kv_full, xbar, BLOCK_TABLE,
