@@ -260,6 +260,8 @@ CANDIDATES = {  # (combo, num_heads) -> KernelConfig overrides of default_config
                     dict(kernel="triton", head_group=64, head_split=2, num_warps=8, num_stages=2, split_l=2,
                          unchain=True, page_chunk=32, interleave=True),
                     dict(kernel="gluon", head_group=64, head_split=2)],
+    ("bf16", 64): [dict(kernel="triton", head_group=64, head_split=1, num_warps=8, num_stages=2, split_l=2,
+                        unchain=True, page_chunk=32, interleave=True)],  # the Triton 64-row layout at 64 heads
     ("fp8kv", 64): [FP8_32_ROWS, dict(interleave=True)],
     ("fp8kv", 128): [FP8_32_ROWS, dict(interleave=True)],
     ("fp8", 128): [FP8_32_ROWS, dict(interleave=True)],
