@@ -33,6 +33,12 @@ Rounding points of `_mla_decode_kernel` (per query row, per KV tile of BLOCK_N t
 6. Split merge (reduce kernel): fp32, exact LSE merge in base 2 (numerics.md §3, §5(g): <= 1.1e-5 Σp|v| measured).
 7. Output: bf16, one rounding (the 2^-8 |o| term of §5(f)); lse fp32 natural log.
 
+The Gluon seesaw kernel (mla_fast/gluon_decode.py, bf16 only) has the same rounding points, so
+`KERNEL_NUMERICS["bf16"]` declares it too: bf16 operands, one fp32 chain of L + R products per score (9 chunks of 64
+channels), P rounded to bf16 once (the half that multiplies the other warpgroup's tile rounds p * 2^(m0 - m1) <= 1
+instead of p), fp32 row sums from unrounded P, one 64-token P.V MMA per tile and half, two fp32 rescales of each
+accumulator half per tile on average (four per pair of tiles).
+
 `KERNEL_NUMERICS` is keyed by the dtype combination of `triton_decode.dtype_combo`: "bf16" (bf16 q and cache),
 "fp8kv" (bf16 q, fp8 cache), "fp8" (fp8 q and cache); `DEFAULT_MMA` gives the MMA dtype the launcher uses for each.
 """

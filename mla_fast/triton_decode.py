@@ -41,8 +41,13 @@ Numerics (declared in mla_fast/numerics.py, read by verify.bounds; keep the two 
   Triton pipelines both fp8 loads) and `fp8_stage` (the e4m3fn tile, and an e4m3fn q once per item, converted to
   fp16 and read by both MMAs from shared memory) give the MMAs the same values: no numerical effect.
 
-Performance (one H200, mla-bench, CUDA-graph replays, copy rate 4244-4269 GB/s; peers.md §2 conditions; README
-table): bf16 h=16 takes 288-294 us at (b=128, s=8192), 97-99 % of copy (FlashInfer FA3 291-301 us), 154-157 us at
+On CUDA sm_90, bf16 batches with 64 heads per program and q_len 1 take the Gluon seesaw kernel instead
+(`mla_fast.gluon_decode`, KernelConfig(kernel="gluon"), chosen by `batch_config`): 276 us at (128, 4096, 128) on one
+H200 against this kernel's 443 us below (FlashMLA 245-251 us), 86 vs 131 us at (32, 4096, 128). It executes the same
+WorkPlan and writes the same partials, merged by `_mla_reduce_kernel`.
+
+Performance of this kernel (one H200, mla-bench, CUDA-graph replays, copy rate 4244-4269 GB/s; peers.md §2
+conditions; README table): bf16 h=16 takes 288-294 us at (b=128, s=8192), 97-99 % of copy (FlashInfer FA3 291-301 us), 154-157 us at
 (128, 4096), 91-92 us at (64, 4096), 57-58 us at (32, 4096), 158-161 us at (32, 16384), 17.5-17.7 us at (1, 8192); fp8 KV
 (bf16 or fp8 q) 0.87-1.04x our bf16 time at h=16; h=128 bf16 443 us at (128, 4096) (FlashMLA 239-251 us), fp8 KV 552-559
 us (FlashInfer's fp8 666-671 us). The tile loop is latency-bound, not bandwidth-bound: one score MMA chain over L + R =
