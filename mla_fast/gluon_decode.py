@@ -7,8 +7,9 @@ its reduce kernel merges), written in Gluon, Triton's lower-level language, for 
 cache, 64 heads per program (head_group 64, q_len 1), 64-token tiles that lie inside one page (page_size % 64 == 0),
 L = 512 and R = 64. Triton 3.6 cannot warp-specialize on Hopper; Gluon can, and this kernel needs it.
 
-Each program runs three partitions on its worker's work items (grid = num_workers x head_split, like the Triton
-kernel):
+Each program runs two partitions of 4 warps on its worker's work items (grid = num_workers x head_split, like the
+Triton kernel; at 128 heads the two programs of a worker take 64 heads each and read each tile at the same time,
+once from HBM):
 
 - warpgroup 0 (default partition): the scores of the even tiles of each pair and the left half of the output,
   o_L [64, 256] fp32;
@@ -19,7 +20,7 @@ chunks, in three groups with one mbarrier each: "L" (c_kv channels 0-255), "R" (
 is reloaded with the next tile of its slot by the warpgroup that uses it last, as soon as it is done with it:
 warpgroup 0 owns L and E, warpgroup 1 owns R (the other warpgroup's uses are ordered before by the exchange
 barriers). A separate loader warp was slower: its register budget (setmaxnreg) made ptxas serialize every wgmma
-("insufficient register resources").
+("insufficient register resources"): 366 vs 300 us at (128, 4096, 128) on one H200.
 
 One 64 x 512 fp32 accumulator is all the registers an SM has, so the output is split by columns, and the two
 warpgroups alternate on pairs of tiles (K0, K1) with one running max m shared through shared memory (FlashMLA's
@@ -41,8 +42,14 @@ Safety: TMA copies whole 64-token tiles, so the last tile of an item may hold ca
 0 in shared memory before any P.V MMA reads them (NaN x 0 would be NaN). Rows that see no token give out = 0,
 lse = -inf.
 
+Performance (one H200, mla-bench, CUDA-graph replays; README): 276 us at (128, 4096, 128) (FlashMLA 245, the Triton
+kernel 443), 86 us at (32, 4096, 128) (FlashMLA 75, FlashInfer 81), 27 us at (1, 8192, 128) (FlashInfer 28). ncu:
+the largest stall is warpgroup 1 waiting for the c_kv-left group of its next tile, which warpgroup 0 reloads only
+after its last P.V of the pair; warpgroup 0 spills 34 registers (smem descriptors).
+
 Device only: Gluon kernels need a CUDA driver (sm_90); the interpreter cannot run them, so this kernel has GPU
-tests only (tests/test_triton_gpu.py). `mla_fast.triton_decode.launch` calls it for `KernelConfig(kernel="gluon")`.
+tests only (tests/test_triton_gpu.py). `mla_fast.triton_decode.launch` calls it for `KernelConfig(kernel="gluon")`,
+which `triton_decode.batch_config` chooses where `supported(batch)`.
 """
 
 import torch
@@ -84,7 +91,7 @@ _KV_END = gl.constexpr(planner.KV_END)
 _HEAD_START = gl.constexpr(planner.HEAD_START)
 _HEAD_END = gl.constexpr(planner.HEAD_END)
 
-# chunk groups of a tile slot, each with its own full/empty barrier: (first chunk, chunks)
+# chunk groups of a tile slot, each with its own barrier (kv_full[slot x 3 + group])
 _GROUP_L = gl.constexpr(0)  # chunks 0-3: V_L (warpgroup 0's P.V) and the first score channels
 _GROUP_R = gl.constexpr(1)  # chunks 4-7: V_R (warpgroup 1's P.V)
 _GROUP_E = gl.constexpr(2)  # chunk 8: k_pe; after the scores of an odd tile it holds p1 for warpgroup 0
@@ -125,8 +132,7 @@ def _q_chunk(q_smem, c: gl.constexpr):
 @gluon.jit
 def _v_half(kv_smem, slot, half: gl.constexpr):
     """V half `half` [64 tokens, 256 channels] of tile slot `slot`: the B operand of a P.V MMA (N contiguous)."""
-    ckv, kpe = kv_smem
-    return ckv.index(slot).slice(half * (_L_DIM // 2), _L_DIM // 2, dim=1)
+    return kv_smem[0].index(slot).slice(half * (_L_DIM // 2), _L_DIM // 2, dim=1)
 
 
 @constexpr_function
@@ -137,6 +143,7 @@ def _group_first(g):
 
 @constexpr_function
 def _group_end(g):
+    """One past the last chunk of chunk group g."""
     return (4, 8, 9)[g]
 
 
@@ -153,10 +160,10 @@ def _issue_group(kv_desc, kv_smem, kv_full, slot, row, g: gl.constexpr):
 def _issue_own(WG: gl.constexpr, kv_desc, kv_smem, kv_full, slot, row):
     """The chunk groups warpgroup WG loads (and releases): 0 -> L and E, 1 -> R."""
     if WG == 0:
-        _issue_group(kv_desc, kv_smem, kv_full, slot, row, 0)
-        _issue_group(kv_desc, kv_smem, kv_full, slot, row, 2)
+        _issue_group(kv_desc, kv_smem, kv_full, slot, row, _GROUP_L)
+        _issue_group(kv_desc, kv_smem, kv_full, slot, row, _GROUP_E)
     else:
-        _issue_group(kv_desc, kv_smem, kv_full, slot, row, 1)
+        _issue_group(kv_desc, kv_smem, kv_full, slot, row, _GROUP_R)
 
 
 @gluon.jit
@@ -181,9 +188,9 @@ def _scores(q_smem, kv_smem, kv_full, slot, phase, s_layout: gl.constexpr):
     """s = q K^T over the 9 chunks of a tile slot [64, 64] fp32 (one accumulator chain), each chunk group's MMAs
     issued once its copies have landed: L, then E, then R (R is released last by the previous pair)."""
     s = gl.zeros([_ROWS, _TILE], gl.float32, s_layout)
-    s = _score_group(s, q_smem, kv_smem, kv_full, slot, phase, 0)
-    s = _score_group(s, q_smem, kv_smem, kv_full, slot, phase, 2)
-    s = _score_group(s, q_smem, kv_smem, kv_full, slot, phase, 1)
+    s = _score_group(s, q_smem, kv_smem, kv_full, slot, phase, _GROUP_L)
+    s = _score_group(s, q_smem, kv_smem, kv_full, slot, phase, _GROUP_E)
+    s = _score_group(s, q_smem, kv_smem, kv_full, slot, phase, _GROUP_R)
     return warpgroup_mma_wait(0, deps=(s,))
 
 
@@ -197,7 +204,8 @@ def _masked(s, t0, kv_end, qk_scale, s_layout: gl.constexpr):
 @gluon.jit
 def _zero_tail(kv_smem, slot, first: gl.constexpr, n_valid):
     """Set V rows >= n_valid of chunks first..first+3 of a slot to 0 (cache slots past KV_END may hold NaN), then
-    make the stores visible to the MMAs (async proxy)."""
+    make the stores visible to the MMAs (async proxy). Only the calling warpgroup reads that V half, and the tile's
+    scores are done by then (its own, or the other warpgroup's, published before the exchange barrier it waited)."""
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     keep = (gl.arange(0, _TILE, gl.SliceLayout(1, blk)) < n_valid)[:, None]  # [N, 1]
     for c in gl.static_range(first, first + 4):
