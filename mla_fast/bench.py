@@ -35,8 +35,9 @@ KV_SCALE, Q_SCALE = 0.5, 0.25  # fp8 per-tensor scales: real = fp8 * scale
 
 
 def build_batch(b: int, s: int, h: int, combo: str, page_size: int = 64, seed: int = 0, extra_pages: int = 1,
-                device: str = "cuda") -> DecodeBatch:
-    """Uniform batch of b requests x s tokens, h heads, q_len 1; random page order; NaN in the spare page(s)."""
+                device: str = "cuda", q_len: int = 1) -> DecodeBatch:
+    """Uniform batch of b requests x s tokens, h heads, q_len query rows each (MTP, causal); random page order; NaN
+    in the spare page(s)."""
     g = torch.Generator(device=device).manual_seed(seed)
     pages = math.ceil(s / page_size)
     P = b * pages + extra_pages
@@ -47,7 +48,7 @@ def build_batch(b: int, s: int, h: int, combo: str, page_size: int = 64, seed: i
     block_table = perm[: b * pages].view(b, pages).to(torch.int32)  # [b, pages]
     if tail:
         cache[block_table[:, -1].long(), page_size - tail:] = float("nan")  # unused slots of each last page
-    q = torch.randn(b, h, L + R, generator=g, device=device)  # [T, H, L+R]
+    q = torch.randn(b * q_len, h, L + R, generator=g, device=device)  # [T, H, L+R]
     kw = {}
     if combo == "bf16":
         q, cache = q.to(torch.bfloat16), cache.to(torch.bfloat16)
@@ -60,7 +61,8 @@ def build_batch(b: int, s: int, h: int, combo: str, page_size: int = 64, seed: i
     else:
         raise ValueError(f"combo must be one of {COMBOS}, got {combo!r}")
     seq_lens = torch.full((b,), s, dtype=torch.int32, device=device)
-    return DecodeBatch(q, cache, block_table, seq_lens, sm_scale=SM_SCALE, kv_lora_rank=L, **kw)
+    q_lens = torch.full((b,), q_len, dtype=torch.int32, device=device)
+    return DecodeBatch(q, cache, block_table, seq_lens, q_lens=q_lens, sm_scale=SM_SCALE, kv_lora_rank=L, **kw)
 
 
 def bytes_moved(b: int, s: int, h: int, combo: str) -> int:
@@ -91,7 +93,8 @@ def ours(batch: DecodeBatch, config=None, num_workers: int | None = None):
     """() -> None launching our decode on preallocated buffers, plus the compiled kernel's resource report."""
     from mla_fast import triton_decode as td
 
-    config = config or td.batch_config(batch, 1)
+    q_len = int(batch.q_lens.max())
+    config = config or td.batch_config(batch, q_len)
     plan = td.make_plan(batch, config, num_workers)
     T, H, dev = batch.q.shape[0], batch.q.shape[1], batch.q.device
     out = torch.empty(T, H, L, dtype=torch.bfloat16, device=dev)
@@ -104,7 +107,7 @@ def ours(batch: DecodeBatch, config=None, num_workers: int | None = None):
 
     def fn():
         return td.launch(batch, plan, out, lse, config, workspace=workspace, q_scale=q_scale, kv_scale=kv_scale,
-                         max_rows=config.head_group, qo_indptr=qo_indptr)
+                         max_rows=q_len * config.head_group, qo_indptr=qo_indptr)
 
     fn.outputs = (out, lse)
     kernel = fn()

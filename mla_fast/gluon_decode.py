@@ -86,10 +86,10 @@ _LN2 = gl.constexpr(LN2)
 _BATCH = gl.constexpr(planner.BATCH)
 _PARTIAL_ROW = gl.constexpr(planner.PARTIAL_ROW)
 _QO_START = gl.constexpr(planner.QO_START)
+_QO_END = gl.constexpr(planner.QO_END)
 _KV_START = gl.constexpr(planner.KV_START)
 _KV_END = gl.constexpr(planner.KV_END)
 _HEAD_START = gl.constexpr(planner.HEAD_START)
-_HEAD_END = gl.constexpr(planner.HEAD_END)
 
 # chunk groups of a tile slot, each with its own barrier (kv_full[slot x 3 + group])
 _GROUP_L = gl.constexpr(0)  # chunks 0-3: V_L (warpgroup 0's P.V) and the first score channels
@@ -98,14 +98,18 @@ _GROUP_E = gl.constexpr(2)  # chunk 8: k_pe; after the scores of an odd tile it 
 
 
 @gluon.jit
-def _item(WORK_ITEMS, it, head_part, HEAD_SPLIT: gl.constexpr):
-    """Work item `it` as this program sees it: request, workspace row (-1: unsplit), query row, token range and the
-    first of its 64 heads."""
+def _item(WORK_ITEMS, SEQ_LENS, QO_INDPTR, it, head_part, HEAD_GROUP: gl.constexpr):
+    """Work item `it` as this program sees it: request, workspace row (-1: unsplit), first query row, query rows,
+    token range, first of its HEAD_GROUP heads, and the causal limit of its first query row (row r of a request
+    with q_len n and seq_len s sees tokens < s - n + r + 1)."""
     item = WORK_ITEMS + it * 8
-    head_start = gl.load(item + _HEAD_START)
-    heads = (gl.load(item + _HEAD_END) - head_start) // HEAD_SPLIT
-    return (gl.load(item + _BATCH), gl.load(item + _PARTIAL_ROW), gl.load(item + _QO_START),
-            gl.load(item + _KV_START), gl.load(item + _KV_END), head_start + head_part * heads)
+    b = gl.load(item + _BATCH)
+    qo_start = gl.load(item + _QO_START)
+    req_qo_start = gl.load(QO_INDPTR + b)
+    limit_0 = gl.load(SEQ_LENS + b) - (gl.load(QO_INDPTR + b + 1) - req_qo_start) + (qo_start - req_qo_start) + 1
+    return (b, gl.load(item + _PARTIAL_ROW), qo_start, gl.load(item + _QO_END) - qo_start,
+            gl.load(item + _KV_START), gl.load(item + _KV_END), gl.load(item + _HEAD_START) + head_part * HEAD_GROUP,
+            limit_0)
 
 
 @gluon.jit
@@ -195,10 +199,11 @@ def _scores(q_smem, kv_smem, kv_full, slot, phase, s_layout: gl.constexpr):
 
 
 @gluon.jit
-def _masked(s, t0, kv_end, qk_scale, s_layout: gl.constexpr):
-    """Scores in log2 units; tokens at or past kv_end -> -inf (selected, never multiplied)."""
+def _masked(s, t0, kv_end, limit, qk_scale, s_layout: gl.constexpr):
+    """Scores in log2 units; tokens at or past kv_end or a row's causal limit (-1 for rows past the item's query
+    rows) -> -inf (selected, never multiplied)."""
     tok = t0 + gl.arange(0, _TILE, gl.SliceLayout(0, s_layout))  # [N]
-    return gl.where((tok < kv_end)[None, :], s * qk_scale, float("-inf"))
+    return gl.where((tok < kv_end)[None, :] & (tok[None, :] < limit[:, None]), s * qk_scale, float("-inf"))
 
 
 @gluon.jit
@@ -222,26 +227,34 @@ def _alpha(m_old, m_new):
 
 
 @gluon.jit
-def _store_half(acc, l_sum, m_i, kv_scale, partial_row, qo, head_start, col0: gl.constexpr, write_lse: gl.constexpr,
-                OUT, LSE, O_PART, LSE_PART, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt,
-                o_layout: gl.constexpr):
-    """Normalise one [64, 256] half, unscale, write out (bf16) or the fp32 workspace; lse (natural log) if asked."""
+def _store_half(acc, l_sum, m_i, kv_scale, partial_row, qo_start, n_q, head_start, col0: gl.constexpr,
+                write_lse: gl.constexpr, OUT, LSE, O_PART, LSE_PART, stride_ot, stride_oh, stride_lt, stride_pt,
+                stride_ph, stride_plt, HEAD_GROUP: gl.constexpr, o_layout: gl.constexpr):
+    """Normalise one [64, 256] half, unscale, write out (bf16) or the fp32 workspace; lse (natural log) if asked.
+    Packed row m is query row qo_start + m // HEAD_GROUP, head head_start + m % HEAD_GROUP (rows past the item's
+    n_q query rows are not written)."""
     row_l: gl.constexpr = gl.SliceLayout(1, o_layout)
     has_tok = l_sum > 0.0
     o_scale = kv_scale / gl.where(has_tok, l_sum, 1.0)  # [M]
     o = acc * gl.convert_layout(o_scale, row_l)[:, None]
-    h = head_start + gl.arange(0, _ROWS, row_l)  # [M]
+    m = gl.arange(0, _ROWS, row_l)  # [M]
+    q_row = m // HEAD_GROUP  # [M] query row of the item
+    h = head_start + m % HEAD_GROUP  # [M]
+    ok = q_row < n_q
     cols = col0 + gl.arange(0, _L_DIM // 2, gl.SliceLayout(0, o_layout))  # [256]
-    lse = gl.where(has_tok, (m_i + gl.log2(gl.where(has_tok, l_sum, 1.0))) * _LN2, float("-inf"))
-    lse_h = head_start + gl.arange(0, _ROWS, lse.type.layout)  # [M]
+    lse = gl.convert_layout(gl.where(has_tok, (m_i + gl.log2(gl.where(has_tok, l_sum, 1.0))) * _LN2,
+                                     float("-inf")), row_l)
     if partial_row < 0:
-        gl.store(OUT + qo.to(gl.int64) * stride_ot + h[:, None] * stride_oh + cols[None, :], o.to(gl.bfloat16))
+        t = (qo_start + q_row).to(gl.int64)  # [M]
+        gl.store(OUT + t[:, None] * stride_ot + h[:, None] * stride_oh + cols[None, :], o.to(gl.bfloat16),
+                 mask=ok[:, None])
         if write_lse:
-            gl.store(LSE + qo.to(gl.int64) * stride_lt + lse_h, lse)
+            gl.store(LSE + t * stride_lt + h, lse, mask=ok)
     else:
-        gl.store(O_PART + partial_row.to(gl.int64) * stride_pt + h[:, None] * stride_ph + cols[None, :], o)
+        r = (partial_row + q_row).to(gl.int64)  # [M] workspace rows
+        gl.store(O_PART + r[:, None] * stride_pt + h[:, None] * stride_ph + cols[None, :], o, mask=ok[:, None])
         if write_lse:
-            gl.store(LSE_PART + partial_row.to(gl.int64) * stride_plt + lse_h, lse)
+            gl.store(LSE_PART + r * stride_plt + h, lse, mask=ok)
 
 
 @gluon.jit
@@ -257,9 +270,9 @@ def _pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end, ph0, xph):
 
 @gluon.jit
 def _warpgroup(WG: gl.constexpr, q_desc, kv_desc, q_smem, kv_smem, p0_smem, m_smem, l_smem, q_full, q_empty, kv_full,
-               xbar, BLOCK_TABLE, WORK_ITEMS, WORKER_INDPTR, OUT, LSE, O_PART, LSE_PART, KV_SCALE, qk_scale,
-               num_heads, stride_bt, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt,
-               PAGE_SIZE: gl.constexpr, HEAD_SPLIT: gl.constexpr):
+               xbar, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, WORKER_INDPTR, OUT, LSE, O_PART, LSE_PART,
+               KV_SCALE, qk_scale, num_heads, stride_bt, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph,
+               stride_plt, PAGE_SIZE: gl.constexpr, HEAD_SPLIT: gl.constexpr, HEAD_GROUP: gl.constexpr):
     """Warpgroup WG (0: even tiles, o_L; 1: odd tiles, o_R) of the seesaw schedule (module docstring).
 
     Exchange barriers xbar: 0 = m0 ready (WG 0 -> 1), 1 = m1 ready (1 -> 0), 2 = p0' ready (0 -> 1), 3 = p1 ready
@@ -282,14 +295,17 @@ def _warpgroup(WG: gl.constexpr, q_desc, kv_desc, q_smem, kv_smem, p0_smem, m_sm
     pairs = 0
     n_items = 0
     for it in range(gl.load(WORKER_INDPTR + worker), gl.load(WORKER_INDPTR + worker + 1)):
-        b, partial_row, qo, kv_start, kv_end, head_start = _item(WORK_ITEMS, it, head_part, HEAD_SPLIT)
+        b, partial_row, qo, n_q, kv_start, kv_end, head_start, limit_0 = _item(
+            WORK_ITEMS, SEQ_LENS, QO_INDPTR, it, head_part, HEAD_GROUP)
         n_tiles = gl.cdiv(kv_end - kv_start, _TILE)
-        if WG == 0:  # q, once warpgroup 1 is done with the previous item
+        if WG == 0:  # q, once warpgroup 1 is done with the previous item: 64 // HEAD_GROUP query rows of
+            # HEAD_GROUP heads (rows past the item's n_q are loaded from the next tokens or zero-filled, never used)
             mbarrier.wait(q_empty, (n_items & 1) ^ 1)
             mbarrier.expect(q_full, _N_CHUNKS * _ROWS * _CHUNK * 2)
-            for c in gl.static_range(_N_CHUNKS):
-                tma.async_copy_global_to_shared(q_desc, [qo * num_heads + head_start, c * _CHUNK], q_full,
-                                                _q_chunk(q_smem, c))
+            for j in gl.static_range(_ROWS // HEAD_GROUP):
+                for c in gl.static_range(_N_CHUNKS):
+                    tma.async_copy_global_to_shared(q_desc, [(qo + j) * num_heads + head_start, c * _CHUNK], q_full,
+                                                    _q_chunk(q_smem, c).slice(j * HEAD_GROUP, HEAD_GROUP, dim=0))
         # this warpgroup's groups of the first two tiles (both slots are free: see the module docstring)
         if n_tiles > 0:
             _issue_own(WG, kv_desc, kv_smem, kv_full, 0,
@@ -297,6 +313,8 @@ def _warpgroup(WG: gl.constexpr, q_desc, kv_desc, q_smem, kv_smem, p0_smem, m_sm
         if n_tiles > 1:
             _issue_own(WG, kv_desc, kv_smem, kv_full, 1,
                        _tile_row(BLOCK_TABLE, b, stride_bt, kv_start, 1, n_tiles, PAGE_SIZE))
+        q_row = gl.arange(0, _ROWS, row_l) // HEAD_GROUP  # [M] packed row -> query row of the item
+        limit = gl.where(q_row < n_q, limit_0 + q_row, -1)  # [M] causal limit; -1: no such row
         mbarrier.wait(q_full, n_items & 1)
         m_i = gl.full([_ROWS], float("-inf"), gl.float32, row_l)  # running max (log2 units), same on both WGs
         l_i = gl.zeros([_ROWS], gl.float32, row_l)  # this WG's row sums in the frame of m_i
@@ -312,7 +330,8 @@ def _warpgroup(WG: gl.constexpr, q_desc, kv_desc, q_smem, kv_smem, p0_smem, m_sm
             ph1 = uses1 & 1
             xph = pairs & 1
             if WG == 0:
-                s = _masked(_scores(q_smem, kv_smem, kv_full, 0, ph0, s_layout), t0, kv_end, qk_scale, s_layout)
+                s = _masked(_scores(q_smem, kv_smem, kv_full, 0, ph0, s_layout), t0, kv_end, limit, qk_scale,
+                              s_layout)
                 if next0:  # slot 0's k_pe chunk is free
                     _issue_group(kv_desc, kv_smem, kv_full, 0, row0, _GROUP_E)
                 m0 = gl.maximum(m_i, gl.max(s, 1))  # [M]
@@ -350,8 +369,8 @@ def _warpgroup(WG: gl.constexpr, q_desc, kv_desc, q_smem, kv_smem, p0_smem, m_sm
                         _issue_group(kv_desc, kv_smem, kv_full, 1, row1, _GROUP_E)
             else:
                 if has1:
-                    s = _masked(_scores(q_smem, kv_smem, kv_full, 1, ph1, s_layout), t0 + _TILE, kv_end, qk_scale,
-                                s_layout)
+                    s = _masked(_scores(q_smem, kv_smem, kv_full, 1, ph1, s_layout), t0 + _TILE, kv_end, limit,
+                                qk_scale, s_layout)
                 else:
                     s = gl.full([_ROWS, _TILE], float("-inf"), gl.float32, s_layout)
                 mbarrier.wait(xbar.index(0), xph)
@@ -396,21 +415,22 @@ def _warpgroup(WG: gl.constexpr, q_desc, kv_desc, q_smem, kv_smem, p0_smem, m_sm
             l_smem.index(1).store(l_i)
             mbarrier.arrive(xbar.index(5))
             mbarrier.arrive(q_empty)  # done with this item's q and tiles
-        _store_half(acc, l_sum, m_i, kv_scale, partial_row, qo, head_start, WG * HALF, WG == 0,
+        _store_half(acc, l_sum, m_i, kv_scale, partial_row, qo, n_q, head_start, WG * HALF, WG == 0,
                     OUT, LSE, O_PART, LSE_PART, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt,
-                    o_layout)
+                    HEAD_GROUP, o_layout)
         n_items += 1
 
 
 @gluon.jit
 def _mla_decode_seesaw_kernel(
     q_desc, kv_desc,  # TMA: q as [T x H, 576], the cache as [pages x page_size, 576], [64, 64] boxes
-    BLOCK_TABLE, WORK_ITEMS, WORKER_INDPTR,  # [B, pages] int32, [N, 8] int32, [W+1] int32
+    BLOCK_TABLE, SEQ_LENS, QO_INDPTR,  # [B, pages] int32, [B] int32, [B+1] int32
+    WORK_ITEMS, WORKER_INDPTR,  # [N, 8] int32, [W+1] int32
     OUT, LSE, O_PART, LSE_PART,  # [T, H, L] bf16, [T, H] fp32, [rows, H, L] fp32, [rows, H] fp32
     KV_SCALE,  # fp32 [1] (1.0: bf16)
     qk_scale,  # sm_scale x log2(e)
     num_heads, stride_bt, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt,
-    PAGE_SIZE: gl.constexpr, HEAD_SPLIT: gl.constexpr,
+    PAGE_SIZE: gl.constexpr, HEAD_SPLIT: gl.constexpr, HEAD_GROUP: gl.constexpr,
 ):
     chunk_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_TILE, _CHUNK], gl.bfloat16)
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -431,57 +451,74 @@ def _mla_decode_seesaw_kernel(
         mbarrier.init(kv_full.index(i), count=1)
         mbarrier.init(xbar.index(i), count=1)
     fence_async_shared()
-    args = (q_desc, kv_desc, q_smem, kv_smem, p0_smem, m_smem, l_smem, q_full, q_empty, kv_full, xbar, BLOCK_TABLE,
-            WORK_ITEMS, WORKER_INDPTR, OUT, LSE, O_PART, LSE_PART, KV_SCALE, qk_scale, num_heads, stride_bt,
-            stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt, PAGE_SIZE, HEAD_SPLIT)
-    gl.warp_specialize([(_warpgroup, (0,) + args), (_warpgroup, (1,) + args)], [4], [256])
+    gl.warp_specialize([
+        (_warpgroup, (0, q_desc, kv_desc, q_smem, kv_smem, p0_smem, m_smem, l_smem, q_full, q_empty, kv_full, xbar,
+                      BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, WORKER_INDPTR, OUT, LSE, O_PART, LSE_PART, KV_SCALE,
+                      qk_scale, num_heads, stride_bt, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt,
+                      PAGE_SIZE, HEAD_SPLIT, HEAD_GROUP)),
+        (_warpgroup, (1, q_desc, kv_desc, q_smem, kv_smem, p0_smem, m_smem, l_smem, q_full, q_empty, kv_full, xbar,
+                      BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, WORKER_INDPTR, OUT, LSE, O_PART, LSE_PART, KV_SCALE,
+                      qk_scale, num_heads, stride_bt, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt,
+                      PAGE_SIZE, HEAD_SPLIT, HEAD_GROUP)),
+    ], [4], [256])
 
 
-def unsupported(batch, head_split: int, max_rows: int) -> str | None:
-    """Why the seesaw kernel cannot take `batch` with `head_split` programs per worker and `max_rows` rows per
-    program (max q_len x 64), or None. No host sync (graph capture)."""
-    if max_rows != ROWS:
-        return f"kernel='gluon' takes q_len 1 (64 rows per program), got {max_rows} rows"
+HEAD_GROUPS = (8, 16, 32, 64)  # heads per program: q_len x head_group packed rows <= 64, in TMA boxes of head_group
+
+
+def unsupported(batch, head_group: int | None = None, head_split: int | None = None,
+                max_rows: int | None = None) -> str | None:
+    """Why the seesaw kernel cannot take `batch`, or None. With head_group (heads per program), head_split (programs
+    per worker) and max_rows (max q_len x head_group) it also checks that launch geometry. No host sync (graph
+    capture)."""
     if batch.q.dtype != torch.bfloat16 or batch.kv_cache.dtype != torch.bfloat16:
         return f"kernel='gluon' takes bf16 q and cache, got {batch.q.dtype}/{batch.kv_cache.dtype}"
     if (batch.kv_lora_rank, batch.q.shape[-1] - batch.kv_lora_rank) != (L_DIM, R_DIM):
         return f"kernel='gluon' needs kv_lora_rank {L_DIM} and rope_dim {R_DIM}"
     if batch.kv_cache.shape[1] % TILE:
         return f"kernel='gluon' needs page_size % {TILE} == 0, got {batch.kv_cache.shape[1]}"
-    if batch.num_heads != ROWS * head_split:
-        return f"kernel='gluon' needs num_heads = 64 x head_split, got {batch.num_heads} heads, head_split {head_split}"
     if not batch.q.is_contiguous() or not batch.kv_cache.is_contiguous():
         return "kernel='gluon' needs contiguous q and kv_cache (TMA descriptors)"
+    if head_group is not None:
+        if head_group not in HEAD_GROUPS:
+            return f"kernel='gluon' needs head_group in {HEAD_GROUPS}, got {head_group}"
+        if batch.num_heads != head_group * head_split:
+            return (f"kernel='gluon' needs num_heads = head_group x head_split, got {batch.num_heads} heads, "
+                    f"{head_group} x {head_split}")
+        if max_rows > ROWS:
+            return f"kernel='gluon' packs at most 64 rows (q_len x head_group), got {max_rows}"
     device = batch.q.device
     if INTERPRET or device.type != "cuda" or torch.version.hip or torch.cuda.get_device_capability(device) != (9, 0):
         return f"kernel='gluon' runs on CUDA sm_90 outside the interpreter (wgmma, TMA), got {device}"
     return None
 
 
-def check_batch(batch, head_split: int, max_rows: int) -> None:
-    """Raise ValueError naming the field when the seesaw kernel cannot take `batch` (see `unsupported`)."""
-    reason = unsupported(batch, head_split, max_rows)
+def check_batch(batch, head_group: int, head_split: int, max_rows: int) -> None:
+    """Raise ValueError naming the field when the seesaw kernel cannot take `batch` with this launch geometry."""
+    reason = unsupported(batch, head_group, head_split, max_rows)
     if reason:
         raise ValueError(reason)
 
 
 def supported(batch) -> bool:
-    """Whether the seesaw kernel can take `batch` at q_len 1, 64 heads per program (default_config's `seesaw`)."""
-    return batch.num_heads % ROWS == 0 and unsupported(batch, batch.num_heads // ROWS, ROWS) is None
+    """Whether the seesaw kernel can take `batch` here (dtypes, widths, pages, layout, device; default_config's
+    `seesaw`, which then picks the head geometry)."""
+    return unsupported(batch) is None
 
 
-def launch_decode(batch, plan, out, lse, o_part, lse_part, kv_scale, head_split: int):
-    """Launch the seesaw decode kernel (one program per worker and head half); the caller launches the reduce."""
+def launch_decode(batch, plan, out, lse, o_part, lse_part, kv_scale, head_group: int, head_split: int, qo_indptr):
+    """Launch the seesaw decode kernel (head_split programs per worker, head_group heads each); the caller launches
+    the reduce."""
     T, H, D = batch.q.shape
     kv = batch.kv_cache
     layout = gl.NVMMASharedLayout.get_default_for([TILE, CHUNK], gl.bfloat16)
-    q_desc = TensorDescriptor(batch.q.view(T * H, D), [T * H, D], [D, 1], [ROWS, CHUNK], layout)
+    q_desc = TensorDescriptor(batch.q.view(T * H, D), [T * H, D], [D, 1], [head_group, CHUNK], layout)
     kv_desc = TensorDescriptor(kv.view(-1, D), [kv.shape[0] * kv.shape[1], D], [D, 1], [TILE, CHUNK], layout)
     num_workers = plan.worker_indptr.numel() - 1
     return _mla_decode_seesaw_kernel[(num_workers * head_split,)](
-        q_desc, kv_desc, batch.block_table, plan.work_items, plan.worker_indptr,
+        q_desc, kv_desc, batch.block_table, batch.seq_lens, qo_indptr, plan.work_items, plan.worker_indptr,
         out, lse, o_part, lse_part, kv_scale, float(batch.sm_scale) * LOG2E,
         H, batch.block_table.stride(0), out.stride(0), out.stride(1), lse.stride(0),
         o_part.stride(0), o_part.stride(1), lse_part.stride(0),
-        PAGE_SIZE=kv.shape[1], HEAD_SPLIT=head_split, num_warps=4,
+        PAGE_SIZE=kv.shape[1], HEAD_SPLIT=head_split, HEAD_GROUP=head_group, num_warps=4,
     )

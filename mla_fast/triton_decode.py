@@ -612,8 +612,8 @@ class KernelConfig:
             with split_l > 1 (the same dots and sums); with split_l = 1 the q_nope and q_pe dots become two chains
             summed at the end, as with slices (another fp32 summation order).
         kernel: "triton" (`_mla_decode_kernel`, every input) or "gluon" (`mla_fast.gluon_decode`, the warp-specialized
-            seesaw kernel: CUDA sm_90, bf16, 64 heads per program, q_len 1, page_size % 64 == 0, L = 512, R = 64;
-            of the fields above it reads head_split only). Both write the same partials, merged by the same reduce.
+            seesaw kernel: CUDA sm_90, bf16, head_group 8/16/32/64 with q_len x head_group <= 64 packed rows,
+            page_size % 64 == 0, L = 512, R = 64; of the fields above it reads head_group and head_split only). Both write the same partials, merged by the same reduce.
         interleave: each latent slice's score dot directly after that slice's load (and its fp16 staging with
             fp8_stage) instead of all loads first. Same dots, same pairwise sum: bitwise the same output. On the
             64-row wgmma layout the compiler then starts the score MMAs earlier (bf16 6-10 % faster); at 16 rows
@@ -641,9 +641,9 @@ class KernelConfig:
     def __post_init__(self):
         if self.kernel not in ("triton", "gluon"):
             raise ValueError(f"kernel must be 'triton' or 'gluon', got {self.kernel!r}")
-        if self.kernel == "gluon" and (self.mma, self.head_group, self.block_n) != ("bf16", 64, 64):
-            raise ValueError("kernel='gluon' (mla_fast.gluon_decode) takes mma='bf16', head_group=64, block_n=64, got "
-                             f"{self.mma!r}, {self.head_group}, {self.block_n}")
+        if self.kernel == "gluon" and (self.mma, self.block_n) != ("bf16", 64):
+            raise ValueError("kernel='gluon' (mla_fast.gluon_decode) takes mma='bf16' and block_n=64, got "
+                             f"{self.mma!r}, {self.block_n}")
         if self.page_chunk < 0 or self.page_chunk & (self.page_chunk - 1):
             raise ValueError(f"page_chunk must be 0 or a power of two, got {self.page_chunk}")
         if self.split_l not in (1, 2, 4, 8):
@@ -696,8 +696,9 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
     and the h = 128 shapes; see the module docstring).
 
     seesaw: the Gluon seesaw kernel can run the batch (`gluon_decode.supported`: CUDA sm_90, bf16, L = 512, R = 64,
-    pages of a multiple of 64 tokens, heads a multiple of 64); `batch_config` passes it.
-    - bf16 with 64 heads per program, q_len 1 and seesaw: the Gluon kernel (kernel="gluon"), one H200, graph
+    pages of a multiple of 64 tokens, contiguous q and cache); `batch_config` passes it.
+    - bf16 with more than 32 packed rows (q_len x head_group, head_group 8-64) and seesaw: the Gluon kernel
+      (kernel="gluon"; MTP rows packed as in the Triton kernel). At q_len 1 (64 heads per program), one H200, graph
       replays: 299 vs 447 us at (128, 4096, 128) and 86 vs 130 us at (32, 4096, 128) against the Triton 64-row
       layout, 27.0 vs 29.8 us at (1, 8192, 128) against the small-batch rule below (sizes 2-4 not measured).
 
@@ -755,7 +756,7 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
     rows = head_group * max_q_len
     mma = DEFAULT_MMA[combo]
     warps = 4 if rows <= 16 else 8
-    if rows > 32 and seesaw and combo == "bf16" and max_q_len == 1 and head_group == MAX_ROWS:
+    if rows > 32 and seesaw and combo == "bf16" and head_group in (8, 16, 32, 64):
         return KernelConfig(block_n=64, mma=mma, head_group=head_group, head_split=num_heads // head_group,
                             kernel="gluon")
     if rows > 32 and small_batch:  # bf16, few requests
@@ -781,8 +782,7 @@ def batch_config(batch, max_q_len: int) -> KernelConfig:
     from mla_fast import gluon_decode
 
     combo = dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
-    return default_config(combo, batch.num_heads, max_q_len, batch.batch_size,
-                          seesaw=max_q_len == 1 and gluon_decode.supported(batch))
+    return default_config(combo, batch.num_heads, max_q_len, batch.batch_size, seesaw=gluon_decode.supported(batch))
 
 
 def effective_split_l(config: KernelConfig, kv_lora_rank: int) -> int:
@@ -910,8 +910,9 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
     if config.kernel == "gluon":
         from mla_fast import gluon_decode
 
-        gluon_decode.check_batch(batch, config.head_split, max_rows)
-        compiled = gluon_decode.launch_decode(batch, plan, out, lse, o_part, lse_part, kv_scale, config.head_split)
+        gluon_decode.check_batch(batch, config.head_group, config.head_split, max_rows)
+        compiled = gluon_decode.launch_decode(batch, plan, out, lse, o_part, lse_part, kv_scale, config.head_group,
+                                              config.head_split, batch.qo_indptr if qo_indptr is None else qo_indptr)
     else:
         compiled = _launch_triton(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, config, qo_indptr,
                                   block_m, pdl, num_workers)

@@ -305,16 +305,18 @@ def test_bad_batches_raise_value_error():
 
 
 def test_gluon_kernel_is_chosen_only_where_it_runs():
-    """default_config takes the Gluon seesaw kernel for bf16 with 64 heads per program and q_len 1 (one request
-    too), and only with seesaw=True, which batch_config sets from gluon_decode.supported (never on this CPU)."""
+    """default_config takes the Gluon seesaw kernel for bf16 with more than 32 packed rows (q_len x head_group; one
+    request too), and only with seesaw=True, which batch_config sets from gluon_decode.supported (never on this
+    CPU)."""
     td = pytest.importorskip("mla_fast.triton_decode")
     gd = pytest.importorskip("mla_fast.gluon_decode")
-    config = td.default_config("bf16", 128, 1, batch_size=32, seesaw=True)
-    assert (config.kernel, config.head_group, config.head_split) == ("gluon", 64, 2)
-    assert td.default_config("bf16", 64, 1, batch_size=32, seesaw=True).head_split == 1
-    assert td.default_config("bf16", 128, 1, batch_size=1, seesaw=True).kernel == "gluon"
-    for args in [("bf16", 128, 1, 32, False), ("fp8kv", 128, 1, 32, True), ("bf16", 128, 2, 32, True),
-                 ("bf16", 128, 1, 1, False), ("bf16", 16, 1, 32, True)]:
+    for args, geometry in [(("bf16", 128, 1, 32), (64, 2)), (("bf16", 64, 1, 32), (64, 1)),
+                           (("bf16", 128, 1, 1), (64, 2)), (("bf16", 128, 2, 32), (32, 4)),
+                           (("bf16", 16, 4, 32), (16, 1)), (("bf16", 16, 3, 32), (16, 1))]:
+        config = td.default_config(*args, seesaw=True)
+        assert (config.kernel, config.head_group, config.head_split) == ("gluon", *geometry), args
+    for args in [("bf16", 128, 1, 32, False), ("fp8kv", 128, 1, 32, True), ("bf16", 16, 1, 32, True),
+                 ("bf16", 16, 2, 32, True), ("bf16", 128, 1, 1, False)]:
         assert td.default_config(*args).kernel == "triton", args
     batch = TritonCase((70,), (1,), heads=64, page_size=64, L=512, R=64).batch()
     assert not gd.supported(batch)
@@ -326,24 +328,25 @@ def test_gluon_kernel_rejects_what_it_cannot_take():
     gd = pytest.importorskip("mla_fast.gluon_decode")
     ok = TritonCase((70,), (1,), heads=64, page_size=64, L=512, R=64).batch()  # all it takes, but on a CPU
     q_wide = torch.zeros(ok.q.shape[0], 64, 2 * 576, dtype=ok.q.dtype)[..., :576]  # [T, H, 576], row stride 1152
-    reasons = {  # expected words -> (batch, head_split, rows per program)
-        "sm_90": (ok, 1, 64),
-        "q_len 1": (ok, 1, 128),
-        "num_heads = 64 x head_split": (ok, 2, 64),
-        "page_size % 64": (TritonCase((70,), (1,), heads=64, page_size=16, L=512, R=64).batch(), 1, 64),
-        "kv_lora_rank 512": (TritonCase((70,), (1,), heads=64, page_size=64).batch(), 1, 64),
+    reasons = {  # expected words -> (batch, head_group, head_split, rows per program)
+        "sm_90": (ok, 64, 1, 64),
+        "at most 64 rows": (ok, 64, 1, 128),
+        "num_heads = head_group x head_split": (ok, 64, 2, 64),
+        "head_group in": (ok, 12, 1, 12),
+        "page_size % 64": (TritonCase((70,), (1,), heads=64, page_size=16, L=512, R=64).batch(), 64, 1, 64),
+        "kv_lora_rank 512": (TritonCase((70,), (1,), heads=64, page_size=64).batch(), 64, 1, 64),
         "bf16 q and cache": (TritonCase((70,), (1,), heads=64, page_size=64, L=512, R=64, combo="fp8kv").batch(),
-                             1, 64),
-        "contiguous": (ok.replace(q=q_wide.copy_(ok.q)), 1, 64),
+                             64, 1, 64),
+        "contiguous": (ok.replace(q=q_wide.copy_(ok.q)), 64, 1, 64),
     }
-    for words, (batch, head_split, rows) in reasons.items():
-        assert words in (gd.unsupported(batch, head_split, rows) or ""), words
+    for words, (batch, head_group, head_split, rows) in reasons.items():
+        assert words in (gd.unsupported(batch, head_group, head_split, rows) or ""), words
     with pytest.raises(ValueError, match="sm_90"):
         td.decode(ok, config=td.KernelConfig(kernel="gluon", head_group=64, head_split=1))
     with pytest.raises(ValueError, match="kernel must be"):
         td.KernelConfig(kernel="cuda")
-    with pytest.raises(ValueError, match="head_group=64"):
-        td.KernelConfig(kernel="gluon", head_group=16)
+    with pytest.raises(ValueError, match="mma='bf16'"):
+        td.KernelConfig(kernel="gluon", mma="fp16")
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:

@@ -246,16 +246,26 @@ def test_compute_sanitizer_memcheck_clean_on_nan_padded_varlen():
     assert "ERROR SUMMARY: 0 errors" in proc.stdout + proc.stderr, tail
 
 
-def _gluon(heads: int) -> dict:
-    """KernelConfig overrides of the warp-specialized seesaw kernel (mla_fast.gluon_decode): 64 heads per program."""
-    return dict(kernel="gluon", head_group=64, head_split=heads // 64)
+def _gluon(heads: int, q_len: int = 1) -> dict:
+    """KernelConfig overrides of the warp-specialized seesaw kernel (mla_fast.gluon_decode): default_config's
+    geometry for bf16 with seesaw (q_len x head_group <= 64 packed rows per program)."""
+    from mla_fast.triton_decode import default_config
+
+    config = default_config("bf16", heads, q_len, 32, seesaw=True)
+    assert config.kernel == "gluon", config
+    return dict(kernel="gluon", head_group=config.head_group, head_split=config.head_split)
 
 
-GLUON_CASES = [  # bf16, q_len 1, pages of 64 or 128: zero-length requests, odd tile counts, partial last tiles
+GLUON_CASES = [  # bf16, pages of 64 or 128: zero-length requests, odd tile counts, partial last tiles, MTP
     TritonCase((5, 1500, 0, 4097), (1,) * 4, heads=128, page_size=64, L=512, R=64, seed=40),
     TritonCase((64, 65, 127, 129, 3000, 1), (1,) * 6, heads=128, page_size=128, L=512, R=64, seed=41),
     TritonCase((1, 200, 0, 4096), (1,) * 4, heads=64, page_size=64, L=512, R=64, seed=42),
     TritonCase((65536,), (1,), heads=128, page_size=64, L=512, R=64, seed=43),  # one request split over all SMs
+    # MTP: 2 x 32 heads per program at 128 heads; 4 x 16 at 16 heads; 3 x 16 (48 of 64 rows) at 64 heads; the
+    # requests' q_lens differ (rows past an item's q_len unused), long requests are split (causal limits per row)
+    TritonCase((5, 1500, 0, 4097), (2, 1, 2, 2), heads=128, page_size=64, L=512, R=64, seed=44),
+    TritonCase((700, 3, 20000), (4, 4, 1), heads=16, page_size=64, L=512, R=64, seed=45),
+    TritonCase((1000, 70, 9000), (3, 2, 3), heads=64, page_size=128, L=512, R=64, seed=46),
 ]
 
 
@@ -264,9 +274,9 @@ def _sm90():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon' needs sm_90")
-@pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: f"h{c.heads}_p{c.page_size}_s{c.seed}")
+@pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: f"h{c.heads}_p{c.page_size}_q{max(c.q_lens)}_s{c.seed}")
 def test_gluon_seesaw_within_kernel_bound(case):
-    r = _decode_and_check(case.batch("cuda"), **_gluon(case.heads))
+    r = _decode_and_check(case.batch("cuda"), **_gluon(case.heads, max(case.q_lens)))
     assert r["finite"] and r["empty_ok"] and r["out_ratio"] <= 1.0 and r["lse_ratio"] <= 1.0, r
 
 
