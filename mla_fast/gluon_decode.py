@@ -1,11 +1,14 @@
 """
-Seesaw MLA decode in Gluon (Hopper, bf16, 64 heads per program)
-=================================================================
+Seesaw MLA decode in Gluon (Hopper, bf16, 64 packed rows per program)
+======================================================================
 
 The same absorbed-MLA decode contract and `WorkPlan` as `mla_fast.triton_decode._mla_decode_kernel` (whose partials
 its reduce kernel merges), written in Gluon, Triton's lower-level language, for the compute-bound shapes: bf16 q and
-cache, 64 heads per program (head_group 64, q_len 1), 64-token tiles that lie inside one page (page_size % 64 == 0),
-L = 512 and R = 64. Triton 3.6 cannot warp-specialize on Hopper; Gluon can, and this kernel needs it.
+cache, one 64-row M tile of packed (query row x head) rows per program as in the Triton kernel (head_group 8, 16, 32
+or 64 heads per query row, q_len x head_group <= 64; MTP rows see their causal limits), 64-token tiles that lie
+inside one page (page_size % 64 == 0), L = 512 and R = 64. Triton 3.6 cannot warp-specialize on Hopper; Gluon can,
+and this kernel needs it. q arrives by TMA, one [head_group, 64] box per query row and chunk; packed rows past an
+item's q_len hold the next tokens' q (or zeros past the tensor), their scores are -inf and they are not written.
 
 Each program runs two partitions of 4 warps on its worker's work items (grid = num_workers x head_split, like the
 Triton kernel; at 128 heads the two programs of a worker take 64 heads each and read each tile at the same time,
@@ -43,13 +46,18 @@ Safety: TMA copies whole 64-token tiles, so the last tile of an item may hold ca
 lse = -inf.
 
 Performance (one H200, mla-bench, CUDA-graph replays; README): 276 us at (128, 4096, 128) (FlashMLA 245, the Triton
-kernel 443), 86 us at (32, 4096, 128) (FlashMLA 75, FlashInfer 81), 27 us at (1, 8192, 128) (FlashInfer 28). ncu:
+kernel 443), 86 us at (32, 4096, 128) (FlashMLA 75, FlashInfer 81), 27 us at (1, 8192, 128) (FlashInfer 28); MTP
+(benchmarks/mtp_bench.py) 574 vs 900 us for the Triton kernel at (128, 4096, 128) q_len 2, 102 vs 135 us at
+(64, 4096, 16) q_len 4. ncu:
 the largest stall is warpgroup 1 waiting for the c_kv-left group of its next tile, which warpgroup 0 reloads only
 after its last P.V of the pair; warpgroup 0 spills 34 registers (smem descriptors).
 
 Device only: Gluon kernels need a CUDA driver (sm_90); the interpreter cannot run them, so this kernel has GPU
 tests only (tests/test_triton_gpu.py). `mla_fast.triton_decode.launch` calls it for `KernelConfig(kernel="gluon")`,
-which `triton_decode.batch_config` chooses where `supported(batch)`.
+which `triton_decode.batch_config` chooses where `supported(batch)` and the rows per program exceed 32.
+
+Constexprs reach the warp_specialize partitions only when the argument tuples are written inside the call: a tuple
+built first and reused turned PAGE_SIZE, HEAD_SPLIT and HEAD_GROUP into runtime values (triton 3.6).
 """
 
 import torch

@@ -41,9 +41,10 @@ Numerics (declared in mla_fast/numerics.py, read by verify.bounds; keep the two 
   Triton pipelines both fp8 loads) and `fp8_stage` (the e4m3fn tile, and an e4m3fn q once per item, converted to
   fp16 and read by both MMAs from shared memory) give the MMAs the same values: no numerical effect.
 
-On CUDA sm_90, bf16 batches with 64 heads per program and q_len 1 take the Gluon seesaw kernel instead
+On CUDA sm_90, bf16 batches with more than 32 packed rows per program take the Gluon seesaw kernel instead
 (`mla_fast.gluon_decode`, KernelConfig(kernel="gluon"), chosen by `batch_config`): 276 us at (128, 4096, 128) on one
-H200 against this kernel's 443 us below (FlashMLA 245-251 us), 86 vs 131 us at (32, 4096, 128). It executes the same
+H200 against this kernel's 443 us below (FlashMLA 245-251 us), 86 vs 131 us at (32, 4096, 128), 574 vs 900 us at
+(128, 4096, 128) with q_len 2. It executes the same
 WorkPlan and writes the same partials, merged by `_mla_reduce_kernel`.
 
 Performance of this kernel (one H200, mla-bench, CUDA-graph replays, copy rate 4244-4269 GB/s; peers.md §2
@@ -700,7 +701,10 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
     - bf16 with more than 32 packed rows (q_len x head_group, head_group 8-64) and seesaw: the Gluon kernel
       (kernel="gluon"; MTP rows packed as in the Triton kernel). At q_len 1 (64 heads per program), one H200, graph
       replays: 299 vs 447 us at (128, 4096, 128) and 86 vs 130 us at (32, 4096, 128) against the Triton 64-row
-      layout, 27.0 vs 29.8 us at (1, 8192, 128) against the small-batch rule below (sizes 2-4 not measured).
+      layout, 27.0 vs 29.8 us at (1, 8192, 128) against the small-batch rule below (sizes 2-4 not measured); MTP
+      (benchmarks/mtp_bench.py) 574 vs 900 us at (128, 4096, 128) q_len 2 (32 heads x 2 rows), 142 vs 228 at
+      (32, 4096, 128) q_len 2, 102 vs 135 and 168 vs 236 at (64 / 128, 4096, 16) q_len 4, 270 vs 443 at
+      (64, 4096, 64) q_len 3 (48 of 64 rows).
 
     head_group: the largest divisor of num_heads with max_q_len x head_group <= 64 rows (MAX_ROWS; 32 for fp8 caches
     at batch_size <= SMALL_BATCH).
@@ -934,7 +938,7 @@ def decode(batch, *, plan=None, out=None, lse=None, config: KernelConfig | None 
 
     plan: a `WorkPlan` from `make_plan` (computed here when None: one host sync). out / lse: optional preallocated
     outputs. config: launch choices (default `batch_config`: `default_config` for the batch's dtypes, heads, size and
-    q_len on its device; on an H200 bf16 batches with 64 heads per program and q_len 1 take the Gluon kernel).
+    q_len on its device; on an H200 bf16 batches with more than 32 packed rows per program take the Gluon kernel).
     """
     check_batch(batch)
     T, H, L = batch.q.shape[0], batch.num_heads, batch.kv_lora_rank
