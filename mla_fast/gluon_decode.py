@@ -45,8 +45,9 @@ Safety: TMA copies whole 64-token tiles, so the last tile of an item may hold ca
 0 in shared memory before any P.V MMA reads them (NaN x 0 would be NaN). Rows that see no token give out = 0,
 lse = -inf.
 
-Performance (one H200, mla-bench, CUDA-graph replays; README): 276 us at (128, 4096, 128) (FlashMLA 245, the Triton
-kernel 443), 86 us at (32, 4096, 128) (FlashMLA 75, FlashInfer 81), 27 us at (1, 8192, 128) (FlashInfer 28); MTP
+Performance (one H200, mla-bench, CUDA-graph replays; README): 276-288 us at (128, 4096, 128) (FlashMLA 243-245,
+the Triton kernel 443), 86-87 us at (32, 4096, 128) (FlashMLA 75, FlashInfer 81), 27-27.5 us at (1, 8192, 128)
+(FlashInfer 27.5); MTP
 (benchmarks/mtp_bench.py) 574 vs 900 us for the Triton kernel at (128, 4096, 128) q_len 2, 102 vs 135 us at
 (64, 4096, 16) q_len 4. ncu:
 the largest stall is warpgroup 1 waiting for the c_kv-left group of its next tile, which warpgroup 0 reloads only

@@ -42,8 +42,8 @@ Numerics (declared in mla_fast/numerics.py, read by verify.bounds; keep the two 
   fp16 and read by both MMAs from shared memory) give the MMAs the same values: no numerical effect.
 
 On CUDA sm_90, bf16 batches with more than 32 packed rows per program take the Gluon seesaw kernel instead
-(`mla_fast.gluon_decode`, KernelConfig(kernel="gluon"), chosen by `batch_config`): 276 us at (128, 4096, 128) on one
-H200 against this kernel's 443 us below (FlashMLA 245-251 us), 86 vs 131 us at (32, 4096, 128), 574 vs 900 us at
+(`mla_fast.gluon_decode`, KernelConfig(kernel="gluon"), chosen by `batch_config`): 276-288 us at (128, 4096, 128) on
+one H200 against this kernel's 443 us below (FlashMLA 243-251 us), 86 vs 131 us at (32, 4096, 128), 574 vs 900 us at
 (128, 4096, 128) with q_len 2. It executes the same
 WorkPlan and writes the same partials, merged by `_mla_reduce_kernel`.
 
