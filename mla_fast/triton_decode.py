@@ -44,14 +44,14 @@ Numerics (declared in mla_fast/numerics.py, read by verify.bounds; keep the two 
 On CUDA sm_90, bf16 batches with more than 32 packed rows per program take the Gluon seesaw kernel instead
 (`mla_fast.gluon_decode`, KernelConfig(kernel="gluon"), chosen by `batch_config`): 276-288 us at (128, 4096, 128) on
 one H200 against this kernel's 443 us below (FlashMLA 243-251 us), 86 vs 131 us at (32, 4096, 128), 574 vs 900 us at
-(128, 4096, 128) with q_len 2. It executes the same
-WorkPlan and writes the same partials, merged by `_mla_reduce_kernel`.
+(128, 4096, 128) with q_len 2. It executes the same WorkPlan and writes the same partials, merged by
+`_mla_reduce_kernel`.
 
 Performance of this kernel (one H200, mla-bench, CUDA-graph replays, copy rate 4244-4269 GB/s; peers.md §2
-conditions; README table): bf16 h=16 takes 288-294 us at (b=128, s=8192), 97-99 % of copy (FlashInfer FA3 291-301 us), 154-157 us at
-(128, 4096), 91-92 us at (64, 4096), 57-58 us at (32, 4096), 158-161 us at (32, 16384), 17.5-17.7 us at (1, 8192); fp8 KV
-(bf16 or fp8 q) 0.87-1.04x our bf16 time at h=16; h=128 bf16 443 us at (128, 4096) (FlashMLA 239-251 us), fp8 KV 552-559
-us (FlashInfer's fp8 666-671 us). The tile loop is latency-bound, not bandwidth-bound: one score MMA chain over L + R =
+conditions; README table): bf16 h=16 takes 288-294 us at (b=128, s=8192), 97-99 % of copy (FlashInfer FA3 291-301
+us), 154-157 us at (128, 4096), 91-92 us at (64, 4096), 57-58 us at (32, 4096), 158-161 us at (32, 16384),
+17.2-17.7 us at (1, 8192); fp8 KV (bf16 or fp8 q) 0.87-1.06x our bf16 time at h=16; h=128 bf16 443 us at
+(128, 4096) (FlashMLA 239-251 us), fp8 KV 552-563 us (FlashInfer's fp8 666-675 us). The tile loop is latency-bound, not bandwidth-bound: one score MMA chain over L + R =
 576 channels per warp was the critical path (~3.3k cycles per tile), which split_l (independent chains) and 4 warps
 at 16 rows (twice the columns per warp) cut by 10-15 %. fp8: staging 128-channel slices as fp16 had 8.3-way
 shared-store bank conflicts (ncu); 64-channel slices (split_l = 8) store conflict-free, 10 % faster. At h=128
@@ -614,7 +614,8 @@ class KernelConfig:
             summed at the end, as with slices (another fp32 summation order).
         kernel: "triton" (`_mla_decode_kernel`, every input) or "gluon" (`mla_fast.gluon_decode`, the warp-specialized
             seesaw kernel: CUDA sm_90, bf16, head_group 8/16/32/64 with q_len x head_group <= 64 packed rows,
-            page_size % 64 == 0, L = 512, R = 64; of the fields above it reads head_group and head_split only). Both write the same partials, merged by the same reduce.
+            page_size % 64 == 0, L = 512, R = 64; of the fields above it reads head_group and head_split only).
+            Both write the same partials, merged by the same reduce.
         interleave: each latent slice's score dot directly after that slice's load (and its fp16 staging with
             fp8_stage) instead of all loads first. Same dots, same pairwise sum: bitwise the same output. On the
             64-row wgmma layout the compiler then starts the score MMAs earlier (bf16 6-10 % faster); at 16 rows
