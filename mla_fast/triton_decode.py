@@ -51,8 +51,8 @@ Performance of this kernel (one H200, mla-bench, CUDA-graph replays, copy rate 4
 conditions; README table): bf16 h=16 takes 288-294 us at (b=128, s=8192), 97-99 % of copy (FlashInfer FA3 291-301
 us), 154-157 us at (128, 4096), 91-92 us at (64, 4096), 57-58 us at (32, 4096), 158-161 us at (32, 16384),
 17.2-17.7 us at (1, 8192); fp8 KV (bf16 or fp8 q) 0.87-1.06x our bf16 time at h=16; h=128 bf16 443 us at
-(128, 4096) (FlashMLA 239-251 us), fp8 KV 552-563 us (FlashInfer's fp8 666-675 us). The tile loop is latency-bound, not bandwidth-bound: one score MMA chain over L + R =
-576 channels per warp was the critical path (~3.3k cycles per tile), which split_l (independent chains) and 4 warps
+(128, 4096) (FlashMLA 239-251 us), fp8 KV 552-563 us (FlashInfer's fp8 666-675 us). The tile loop is latency-bound,
+not bandwidth-bound: one score MMA chain over L + R = 576 channels per warp was the critical path (~3.3k cycles per tile), which split_l (independent chains) and 4 warps
 at 16 rows (twice the columns per warp) cut by 10-15 %. fp8: staging 128-channel slices as fp16 had 8.3-way
 shared-store bank conflicts (ncu); 64-channel slices (split_l = 8) store conflict-free, 10 % faster. At h=128
 (64-row wgmma tiles) Triton puts all warps along M for a dot that feeds another dot, so both warpgroups computed the
