@@ -47,21 +47,21 @@ one H200 against this kernel's 443 us below (FlashMLA 243-251 us), 86 vs 131 us 
 (128, 4096, 128) with q_len 2. It executes the same WorkPlan and writes the same partials, merged by
 `_mla_reduce_kernel`.
 
-Performance of this kernel (one H200, mla-bench, CUDA-graph replays, copy rate 4244-4269 GB/s; peers.md §2
-conditions; README table): bf16 h=16 takes 288-294 us at (b=128, s=8192), 97-99 % of copy (FlashInfer FA3 291-301
-us), 154-157 us at (128, 4096), 91-92 us at (64, 4096), 57-58 us at (32, 4096), 158-161 us at (32, 16384),
-17.2-17.7 us at (1, 8192); fp8 KV (bf16 or fp8 q) 0.87-1.06x our bf16 time at h=16; h=128 bf16 443 us at
-(128, 4096) (FlashMLA 239-251 us), fp8 KV 552-563 us (FlashInfer's fp8 666-675 us). The tile loop is latency-bound,
-not bandwidth-bound: one score MMA chain over L + R = 576 channels per warp was the critical path (~3.3k cycles per tile), which split_l (independent chains) and 4 warps
-at 16 rows (twice the columns per warp) cut by 10-15 %. fp8: staging 128-channel slices as fp16 had 8.3-way
-shared-store bank conflicts (ncu); 64-channel slices (split_l = 8) store conflict-free, 10 % faster. At h=128
+Performance of this kernel (one H200, mla-bench, CUDA-graph replays, copy rate 4244-4269 GB/s; peers.md §2 conditions;
+README table): bf16 h=16 takes 288-294 us at (b=128, s=8192), 97-99 % of copy (FlashInfer FA3 291-301 us), 154-157 us
+at (128, 4096), 91-92 us at (64, 4096), 57-58 us at (32, 4096), 158-161 us at (32, 16384), 17.2-17.7 us at (1, 8192);
+fp8 KV (bf16 or fp8 q) 0.87-1.06x our bf16 time at h=16; h=128 bf16 443 us at (128, 4096) (FlashMLA 239-251 us), fp8
+KV 552-563 us (FlashInfer's fp8 666-675 us). The tile loop is latency-bound, not bandwidth-bound: one score MMA chain
+over L + R = 576 channels per warp was the critical path (~3.3k cycles per tile), which split_l (independent chains)
+and 4 warps at 16 rows (twice the columns per warp) cut by 10-15 %. fp8: staging 128-channel slices as fp16 had
+8.3-way shared-store bank conflicts (ncu); 64-channel slices (split_l = 8) store conflict-free, 10 % faster. At h=128
 (64-row wgmma tiles) Triton puts all warps along M for a dot that feeds another dot, so both warpgroups computed the
 same scores (587 us); `_unchain` hides the chain (491 us), two latent slices and block-table chunks 466 us, each
 slice's score dot written after its load (`interleave`) 441 us; the same layout took fp8 caches from 975 to 556 us.
 The 64 x 512 fp32 accumulator (128 registers per thread on two warpgroups) still leaves 4-8 registers spilled, and
 each warpgroup's score wgmma is N = 32 wide. ncu there: a third of the warp stalls wait on the score wgmmas (Triton
-waits right after each) and the CTA barrier before the next tile's copies; at 16 rows fp8 KV keeps the
-shared-memory pipe 72 % busy (the staged tile's round trip), bf16 keeps HBM 71 % busy.
+waits right after each) and the CTA barrier before the next tile's copies; at 16 rows fp8 KV keeps the shared-memory
+pipe 72 % busy (the staged tile's round trip), bf16 keeps HBM 71 % busy.
 
 CPU: under TRITON_INTERPRET=1 the same kernels run in Triton's interpreter. Triton 3.6's interpreter computes a
 bf16 `tl.dot` wrongly (fp16/fp32/fp8 are right), so when interpreting, bf16 MMA operands are upcast to fp32
