@@ -14,8 +14,10 @@ __all__ = sorted([*_EXPORTS, "decode"])
 def decode(batch, *, backend: str = "triton", plan=None, out=None, lse=None):
     """MLA decode of a DecodeBatch -> (out [T, H, L] bf16, lse [T, H] fp32 natural log); see mla_fast.triton_decode.
 
-    backend: "triton" (the persistent split-KV kernel). plan: a WorkPlan from triton_decode.make_plan (None: planned
-    here, one host sync). out / lse: optional preallocated outputs.
+    backend: "triton" (the persistent split-KV kernels, with the batch's default config `triton_decode.batch_config`:
+    on an H100/H200 bf16 batches with more than 32 packed rows per program run the Gluon seesaw kernel,
+    mla_fast.gluon_decode). plan: a WorkPlan from triton_decode.make_plan(batch, batch_config(batch, max q_len))
+    (None: planned here, one host sync). out / lse: optional preallocated outputs.
     """
     if backend != "triton":
         raise ValueError(f"backend must be 'triton', got {backend!r}")
