@@ -39,7 +39,7 @@ def _h128(combo: str, seed: int) -> TritonCase:
 
 
 _STAGED = dict(fp8_stage=True, split_l=8, page_chunk=32, lazy_l=True, v_reload=False)  # the staged fp8 path
-CONFIG_CASES = [  # (case, KernelConfig overrides): non-default configs that mla-bench times
+CONFIG_CASES = [  # (case, KernelConfig overrides): non-default configs, mla-bench candidates now or in earlier sessions
     (VARLEN[0], dict(block_n=32, num_stages=5)),
     (VARLEN[4], dict(page_chunk=32, num_stages=3)),
     (_h128("bf16", 12), dict(head_group=32, head_split=4, page_chunk=32, num_stages=3, block_n=32)),
