@@ -761,7 +761,7 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
     rows = head_group * max_q_len
     mma = DEFAULT_MMA[combo]
     warps = 4 if rows <= 16 else 8
-    if rows > 32 and seesaw and combo == "bf16" and head_group in (8, 16, 32, 64):
+    if rows > 32 and seesaw and combo == "bf16" and head_group in _gluon_head_groups():
         return KernelConfig(block_n=64, mma=mma, head_group=head_group, head_split=num_heads // head_group,
                             kernel="gluon")
     if rows > 32 and small_batch:  # bf16, few requests
@@ -780,6 +780,13 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
                             head_group=head_group, fp8_stage=True, split_l=8, page_chunk=32, lazy_l=True)
     return KernelConfig(block_n=64, num_warps=warps, num_stages=3, mma=mma, head_group=head_group, page_chunk=32,
                         split_l=4)
+
+
+def _gluon_head_groups() -> tuple[int, ...]:
+    """Heads per program the Gluon kernel takes (gluon_decode.HEAD_GROUPS, imported only when asked for)."""
+    from mla_fast.gluon_decode import HEAD_GROUPS
+
+    return HEAD_GROUPS
 
 
 def batch_config(batch, max_q_len: int) -> KernelConfig:
@@ -852,7 +859,7 @@ def make_plan(batch, config: KernelConfig, num_workers: int | None = None):
     )
 
 
-def _launch_triton(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, config, qo_indptr, block_m, pdl,
+def _launch_triton(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, config, qo_indptr, max_rows, pdl,
                    num_workers):
     """Launch `_mla_decode_kernel` (config.kernel == "triton") on preallocated buffers; returns the compiled kernel."""
     L = batch.kv_lora_rank
@@ -860,8 +867,9 @@ def _launch_triton(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, c
     kv = batch.kv_cache
     tile_in_page = kv.shape[1] % config.block_n == 0 and plan.block_n % config.block_n == 0
     split_l = effective_split_l(config, L)
+    block_m = max(16, triton.next_power_of_2(max_rows))  # the M tile over max_rows = q_len x head_group rows
     return _mla_decode_kernel[(num_workers * config.head_split,)](
-        batch.q, kv, batch.block_table, batch.seq_lens, batch.qo_indptr if qo_indptr is None else qo_indptr,
+        batch.q, kv, batch.block_table, batch.seq_lens, qo_indptr,
         plan.work_items, plan.worker_indptr,
         out, lse, o_part, lse_part,
         q_scale, kv_scale,
@@ -903,7 +911,7 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
     q_scale = _scale_tensor(batch.q_scale if q_scale is None else q_scale, device)
     kv_scale = _scale_tensor(batch.kv_scale if kv_scale is None else kv_scale, device)
     max_rows = max_rows or MAX_ROWS  # rows per program (q_len x head_group)
-    block_m = max(16, triton.next_power_of_2(max_rows))
+    qo_indptr = batch.qo_indptr if qo_indptr is None else qo_indptr
     if plan.head_group != config.head_group * config.head_split:
         raise ValueError(f"plan.head_group must be config.head_group x head_split = "
                          f"{config.head_group * config.head_split}, got {plan.head_group}")
@@ -917,10 +925,10 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
 
         gluon_decode.check_batch(batch, config.head_group, config.head_split, max_rows)
         compiled = gluon_decode.launch_decode(batch, plan, out, lse, o_part, lse_part, kv_scale, config.head_group,
-                                              config.head_split, batch.qo_indptr if qo_indptr is None else qo_indptr)
+                                              config.head_split, qo_indptr)
     else:
         compiled = _launch_triton(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, config, qo_indptr,
-                                  block_m, pdl, num_workers)
+                                  max_rows, pdl, num_workers)
     num_tiles = plan.reduce_final.shape[0]
     if num_tiles > 0 and plan.num_partial_rows > 0:  # some tile is split
         block_s, block_l = reduce_blocks(plan.max_pieces, L)
