@@ -186,23 +186,20 @@ def test_programmatic_dependent_reduce_gives_the_serial_bits(case):
         assert torch.equal(lse.view(torch.int32), lse0.view(torch.int32))
 
 
-def test_cuda_graph_replay_equals_eager():
-    """Replays after re-planning equal eager decodes bit for bit (the eager plan takes the step's fixed reduce shape,
-    which sets the merge's summation order)."""
+def _check_graph_replays_equal_eager(step, lens_list):
+    """Capture `step.run()` (already compiled) in a CUDA graph; for each seq_lens in lens_list (shrinking in place,
+    so every page stays valid) re-plan, replay with `out` NaN-poisoned, and compare the bits with an eager decode
+    whose plan takes the step's fixed reduce shape (it sets the merge's summation order)."""
     from dataclasses import replace
 
-    from mla_fast.triton_decode import TritonMLADecode, decode, make_plan
+    from mla_fast.triton_decode import decode, make_plan
 
-    case = TritonCase((100, 0, 3000, 700), (1, 1, 1, 1), heads=16, page_size=64, L=512, R=64, seed=11)
-    batch = case.batch("cuda")
-    step = TritonMLADecode(batch)
-    step.plan()
-    step.run()  # compile outside the capture
+    batch = step.batch
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step.run()
-    for new_lens in ([100, 0, 3000, 700], [50, 0, 2000, 64]):  # shrink in place: every page stays valid
+    for new_lens in lens_list:
         batch.seq_lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
         step.plan()
         step.out.fill_(float("nan"))
@@ -212,6 +209,18 @@ def test_cuda_graph_replay_equals_eager():
         torch.cuda.synchronize()
         assert torch.equal(step.out.view(torch.int16), out.view(torch.int16)), new_lens
         assert torch.equal(step.lse.view(torch.int32), lse.view(torch.int32)), new_lens
+
+
+def test_cuda_graph_replay_equals_eager():
+    """Replays after re-planning equal eager decodes bit for bit (the eager plan takes the step's fixed reduce shape,
+    which sets the merge's summation order)."""
+    from mla_fast.triton_decode import TritonMLADecode
+
+    case = TritonCase((100, 0, 3000, 700), (1, 1, 1, 1), heads=16, page_size=64, L=512, R=64, seed=11)
+    step = TritonMLADecode(case.batch("cuda"))
+    step.plan()
+    step.run()  # compile outside the capture
+    _check_graph_replays_equal_eager(step, ([100, 0, 3000, 700], [50, 0, 2000, 64]))
 
 
 _MEMCHECK_SCRIPT = """
@@ -293,30 +302,14 @@ def test_gluon_seesaw_bench_grid_within_kernel_bound(shape):
 @pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon' needs sm_90")
 def test_gluon_seesaw_deterministic_and_graph_replay_equals_eager():
     """10 eager runs give the same bits, and so do graph replays after re-planning (NaN-poisoned outputs)."""
-    from dataclasses import replace
-
-    from mla_fast.triton_decode import KernelConfig, TritonMLADecode, decode, make_plan
+    from mla_fast.triton_decode import KernelConfig, TritonMLADecode
 
     case = GLUON_CASES[0]
-    batch = case.batch("cuda")
-    step = TritonMLADecode(batch, config=KernelConfig(**_gluon(case.heads)))
+    step = TritonMLADecode(case.batch("cuda"), config=KernelConfig(**_gluon(case.heads)))
     step.plan()
     out0, lse0 = (t.clone() for t in step.run())
     for _ in range(10):
         out, lse = step.run()
         assert torch.equal(out.view(torch.int16), out0.view(torch.int16))
         assert torch.equal(lse.view(torch.int32), lse0.view(torch.int32))
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step.run()
-    for new_lens in ([5, 1500, 0, 4097], [50, 0, 2000, 64]):  # shrink in place: every page stays valid
-        batch.seq_lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
-        step.plan()
-        step.out.fill_(float("nan"))
-        graph.replay()
-        plan = replace(make_plan(batch, step.config, step.num_workers), max_pieces=step.reduce_pieces)
-        out, lse = decode(batch, plan=plan, config=step.config)
-        torch.cuda.synchronize()
-        assert torch.equal(step.out.view(torch.int16), out.view(torch.int16)), new_lens
-        assert torch.equal(step.lse.view(torch.int32), lse.view(torch.int32)), new_lens
+    _check_graph_replays_equal_eager(step, ([5, 1500, 0, 4097], [50, 0, 2000, 64]))
