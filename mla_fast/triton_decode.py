@@ -641,10 +641,13 @@ class KernelConfig:
     kernel: str = "triton"
 
     def __post_init__(self):
-        if self.kernel not in ("triton", "gluon"):
-            raise ValueError(f"kernel must be 'triton' or 'gluon', got {self.kernel!r}")
+        if self.kernel not in ("triton", "gluon", "gluon_fp8"):
+            raise ValueError(f"kernel must be 'triton', 'gluon' or 'gluon_fp8', got {self.kernel!r}")
         if self.kernel == "gluon" and (self.mma, self.block_n) != ("bf16", 64):
             raise ValueError("kernel='gluon' (mla_fast.gluon_decode) takes mma='bf16' and block_n=64, got "
+                             f"{self.mma!r}, {self.block_n}")
+        if self.kernel == "gluon_fp8" and (self.mma, self.block_n) != ("fp16", 64):
+            raise ValueError("kernel='gluon_fp8' (mla_fast.gluon_fp8) takes mma='fp16' and block_n=64, got "
                              f"{self.mma!r}, {self.block_n}")
         if self.page_chunk < 0 or self.page_chunk & (self.page_chunk - 1):
             raise ValueError(f"page_chunk must be 0 or a power of two, got {self.page_chunk}")
@@ -926,6 +929,12 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
         gluon_decode.check_batch(batch, config.head_group, config.head_split, max_rows)
         compiled = gluon_decode.launch_decode(batch, plan, out, lse, o_part, lse_part, kv_scale, config.head_group,
                                               config.head_split, qo_indptr)
+    elif config.kernel == "gluon_fp8":
+        from mla_fast import gluon_fp8
+
+        gluon_fp8.check_batch(batch, config.head_group, config.head_split, max_rows)
+        compiled = gluon_fp8.launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale,
+                                           config.head_split)
     else:
         compiled = _launch_triton(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, config, qo_indptr,
                                   max_rows, pdl, num_workers)

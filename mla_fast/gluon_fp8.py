@@ -1,0 +1,356 @@
+"""
+fp8-cache MLA decode in Gluon (Hopper, 16 rows per program, no staged tile)
+===========================================================================
+
+The same absorbed-MLA decode contract and `WorkPlan` as `mla_fast.triton_decode._mla_decode_kernel` (whose partials
+its reduce kernel merges), for e4m3fn caches with bf16 or e4m3fn q at 16 packed rows per program (16 heads of one
+query row), pages of a multiple of 64 tokens, L = 512, R = 64: the memory-bound DeepSeek shapes at 16 heads.
+
+Why: the Triton kernel converts each fp8 tile to fp16 in shared memory and reads it back with ldmatrix, so fp8 KV
+moves more shared-memory bytes per tile than bf16 (about 369 vs 295 KB per tile and SM) and runs at bf16's speed
+although it reads half the HBM bytes (README, fourth session). This kernel reads each fp8 byte of a tile from shared
+memory once per use (twice in all: scores, then P.V), converts it in registers and feeds register-A wgmmas:
+
+- transposed products, so the 64 tokens of a tile are the wgmma M dimension and the 16 rows are N (no padded rows):
+      s^T [64, 16]  = K [64, 576] . q^T [576, 16]       A = K from registers, B = q (fp16) in shared memory
+      o^T [512, 16] += V^T [512, 64] . p^T [64, 16]      A = V^T from registers, B = p (fp16) in shared memory
+- V^T as the A operand needs pairs of consecutive tokens of one channel in each register, and fp8 rows are
+  channel-contiguous. The output channels are permuted instead: within each half of 256 channels, accumulator row
+  m = 64 a + r holds channel 4 r + a, so each thread loads 4 adjacent channels of a token with one 32-bit load
+  (the 4 values land in 4 accumulator row blocks), and the permutation is undone when the output is stored.
+- KV tiles arrive by TMA (c_kv as four [64, 128] boxes, k_pe as one [64, 64] box) into NUM_STAGES slots, issued
+  NUM_STAGES - 1 tiles ahead; a slot is reissued once every warp has loaded its operands from it.
+
+Numerics: those of `KERNEL_NUMERICS["fp8kv"]` / `["fp8"]` (mma="fp16"): the MMAs see the fp8 codes (exact in fp16)
+and q cast to fp16; scores are one fp32 chain over L + R channels (9 chunks of 64); P is rounded to fp16 once; the
+row sums are fp32 over unrounded P, kept per (token slot, row) and summed once per item (another order of the same
+fp32 sum, as the Triton kernel's lazy_l); one 64-token P.V MMA per tile added into the rescaled fp32 accumulator.
+q_scale x kv_scale x sm_scale x log2(e) multiplies the fp32 scores, kv_scale the normalised output.
+
+Safety: TMA copies whole 64-token tiles, so the last tile of an item may hold cache slots past KV_END (NaN-poisoned
+slots are allowed): their scores are selected to -inf and their V values to 0 in registers before the P.V MMA. Rows
+that see no token give out = 0, lse = -inf.
+
+Device only (CUDA sm_90): the interpreter cannot run Gluon; tests/test_triton_gpu.py checks it against the fp64
+oracle.
+"""
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from mla_fast import planner
+from mla_fast.triton_decode import INTERPRET
+
+ROWS = 16  # packed rows per program: the 16 heads of one query row (wgmma N)
+TILE = 64  # KV tokens per tile (wgmma M)
+L_DIM, R_DIM = 512, 64
+QUARTER = L_DIM // 4  # output channels per P.V accumulator (one [64, 128] c_kv box)
+NUM_STAGES = 5  # tile slots of 36 KB: 4 tiles in flight while one is computed
+LOG2E = 1.4426950408889634
+
+_ROWS = gl.constexpr(ROWS)
+_TILE = gl.constexpr(TILE)
+_L_DIM = gl.constexpr(L_DIM)
+_R_DIM = gl.constexpr(R_DIM)
+_QUARTER = gl.constexpr(QUARTER)
+_STAGES = gl.constexpr(NUM_STAGES)
+_LN2 = gl.constexpr(0.6931471805599453)
+_BATCH = gl.constexpr(planner.BATCH)
+_PARTIAL_ROW = gl.constexpr(planner.PARTIAL_ROW)
+_QO_START = gl.constexpr(planner.QO_START)
+_KV_START = gl.constexpr(planner.KV_START)
+_KV_END = gl.constexpr(planner.KV_END)
+_HEAD_START = gl.constexpr(planner.HEAD_START)
+
+# register layouts (4 warps). MMA: wgmma accumulators, s^T [64, 16] and o^T halves [256, 16]
+_MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16]))
+_A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_MMA.value, k_width=2))
+# the A operand's layout on a [64, 64] K chunk (tokens x channels), for the fp8 bytes (2 adjacent channels / register)
+_K_LOAD = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [8, 0], [0, 8], [0, 16], [0, 32]], lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 64]))
+# a V quarter [64 tokens, 128 channels] as loaded: channel c = 32 w + 4 g + 2 a1 + a0 (w = warp, g = lane // 4) of
+# token k, registers a0, a1 (4 adjacent channels: one 32-bit load) first. Permuted to V^T [128, 64] with row
+# m = 64 a1 + 16 w + 8 a0 + g (_v_operand) it has the A operand's layout, up to the order of each thread's registers.
+_V_LOAD = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [1, 0], [8, 0], [16, 0], [32, 0]],
+    lane_bases=[[2, 0], [4, 0], [0, 4], [0, 8], [0, 16]], warp_bases=[[0, 32], [0, 64]], block_bases=[],
+    shape=[64, 128]))
+# an output quarter [16 rows, 128 channels] in channel order, 4 adjacent channels per thread first (vector stores)
+_O_STORE = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [1, 0], [8, 0]], lane_bases=[[2, 0], [4, 0], [0, 4], [0, 8], [0, 16]],
+    warp_bases=[[0, 32], [0, 64]], block_bases=[], shape=[16, 128]))
+_Q_LOAD = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
+
+
+@gluon.jit
+def _k_operand(chunk):
+    """A operand [64 tokens, 64 channels] fp16 of a score MMA from an fp8 chunk in shared memory."""
+    return gl.convert_layout(chunk.load(_K_LOAD).to(gl.float16), _A_OP, assert_trivial=True)
+
+
+@gluon.jit
+def _v_operand(v_quarter):
+    """A operand V^T [128, 64] fp16 (row m = 64 a1 + 16 w + 8 a0 + g holds channel 32 w + 4 g + 2 a1 + a0) of a V
+    quarter [64 tokens, 128 channels] fp8 in shared memory."""
+    vt = gl.permute(v_quarter.load(_V_LOAD).to(gl.float16), (1, 0))  # [128 channels, 64 tokens]
+    vt = gl.permute(gl.reshape(vt, [4, 8, 2, 2, _TILE]), (2, 0, 3, 1, 4))  # (w, g, a1, a0) -> (a1, w, a0, g)
+    return gl.convert_layout(gl.reshape(vt, [_QUARTER, _TILE]), _A_OP, assert_trivial=True)
+
+
+@gluon.jit
+def _channel_order(acc):
+    """An accumulator quarter [128, 16] (row m = 64 a1 + 16 w + 8 a0 + g: channel 32 w + 4 g + 2 a1 + a0) as
+    [16 rows, 128 channels] in _O_STORE."""
+    x = gl.permute(gl.reshape(acc, [2, 4, 2, 8, _ROWS]), (1, 3, 0, 2, 4))  # (a1, w, a0, g) -> (w, g, a1, a0)
+    return gl.convert_layout(gl.permute(gl.reshape(x, [_QUARTER, _ROWS]), (1, 0)), _O_STORE, assert_trivial=True)
+
+
+@gluon.jit
+def _zero_tail(ckv, n_valid):
+    """Set c_kv rows >= n_valid of a tile slot to 0 (cache slots past KV_END may hold NaN; V x 0 must be 0). The
+    caller orders it after every warp's score loads and before the P.V loads (thread barriers)."""
+    blk: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+    keep = (gl.arange(0, _TILE, gl.SliceLayout(1, blk)) < n_valid)[:, None]  # [64, 1]
+    for c in gl.static_range(4):
+        chunk = ckv.slice(c * _QUARTER, _QUARTER, dim=1)
+        chunk.store(gl.where(keep, chunk.load(blk), gl.zeros([_TILE, _QUARTER], gl.float8e4nv, blk)))
+
+
+@gluon.jit
+def _issue_tile(ckv_desc, kpe_desc, ckv_smem, kpe_smem, ready, slot, row):
+    """TMA copies of the tile whose first cache row is `row` into tile slot `slot` (one barrier)."""
+    bar = ready.index(slot)
+    mbarrier.expect(bar, _TILE * (_L_DIM + _R_DIM))
+    for c in gl.static_range(4):
+        tma.async_copy_global_to_shared(ckv_desc, [row, c * 128], bar, ckv_smem.index(slot).slice(c * 128, 128, dim=1))
+    tma.async_copy_global_to_shared(kpe_desc, [row, _L_DIM], bar, kpe_smem.index(slot))
+
+
+@gluon.jit
+def _tile_row(BLOCK_TABLE, b, stride_bt, kv_start, t, n_tiles, PAGE_SIZE: gl.constexpr):
+    """First cache row (of the [pages x page_size, 576] view) of tile t of an item; 0 past the item's last tile."""
+    tok = kv_start + t * _TILE
+    page = gl.load(BLOCK_TABLE + b * stride_bt + tok // PAGE_SIZE, mask=t < n_tiles, other=0)
+    return page * PAGE_SIZE + tok % PAGE_SIZE
+
+
+@gluon.jit
+def _store_quarter(acc, o_scale, t_or_r, partial: gl.constexpr, h, col0: gl.constexpr, OUT, O_PART, stride_ot,
+                   stride_oh, stride_pt, stride_ph):
+    """Normalise and unscale an accumulator quarter; write it in channel order to out (bf16) or the fp32 workspace
+    (rows h, channels col0..col0+127 of output row / workspace row t_or_r)."""
+    o = _channel_order(acc) * gl.convert_layout(o_scale, gl.SliceLayout(1, _O_STORE))[:, None]  # [16, 128]
+    hh = gl.convert_layout(h, gl.SliceLayout(1, _O_STORE))[:, None]
+    cols = col0 + gl.arange(0, _QUARTER, gl.SliceLayout(0, _O_STORE))[None, :]
+    if partial:
+        gl.store(O_PART + t_or_r * stride_pt + hh * stride_ph + cols, o)
+    else:
+        gl.store(OUT + t_or_r * stride_ot + hh * stride_oh + cols, o.to(gl.bfloat16))
+
+
+@gluon.jit
+def _store_item(accs, o_scale, lse, t_or_r, partial: gl.constexpr, h, OUT, LSE, O_PART, LSE_PART, stride_ot,
+                stride_oh, stride_lt, stride_pt, stride_ph, stride_plt):
+    """Write an item's output (four accumulator quarters) and lse."""
+    a0, a1, a2, a3 = accs
+    _store_quarter(a0, o_scale, t_or_r, partial, h, 0, OUT, O_PART, stride_ot, stride_oh, stride_pt, stride_ph)
+    _store_quarter(a1, o_scale, t_or_r, partial, h, _QUARTER, OUT, O_PART, stride_ot, stride_oh, stride_pt, stride_ph)
+    _store_quarter(a2, o_scale, t_or_r, partial, h, 2 * _QUARTER, OUT, O_PART, stride_ot, stride_oh, stride_pt,
+                   stride_ph)
+    _store_quarter(a3, o_scale, t_or_r, partial, h, 3 * _QUARTER, OUT, O_PART, stride_ot, stride_oh, stride_pt,
+                   stride_ph)
+    if partial:
+        gl.store(LSE_PART + t_or_r * stride_plt + h, lse)
+    else:
+        gl.store(LSE + t_or_r * stride_lt + h, lse)
+
+
+@gluon.jit
+def _mla_decode_fp8_kernel(
+    Q, ckv_desc, kpe_desc,  # q [T, H, 576] (bf16 or e4m3fn); TMA: the cache as [pages x page_size, 576] e4m3fn
+    BLOCK_TABLE, SEQ_LENS,  # [B, pages] int32, [B] int32
+    WORK_ITEMS, WORKER_INDPTR,  # [N, 8] int32, [W+1] int32
+    OUT, LSE, O_PART, LSE_PART,  # [T, H, L] bf16, [T, H] fp32, [rows, H, L] fp32, [rows, H] fp32
+    Q_SCALE, KV_SCALE,  # fp32 [1] each
+    sm_scale_log2,  # sm_scale x log2(e)
+    stride_qt, stride_qh, stride_bt, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt,
+    PAGE_SIZE: gl.constexpr, HEAD_SPLIT: gl.constexpr,
+):
+    ckv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_TILE, 128], gl.float8e4nv)
+    kpe_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_TILE, _R_DIM], gl.float8e4nv)
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_ROWS, 64], gl.float16)
+    ckv_smem = gl.allocate_shared_memory(gl.float8e4nv, [_STAGES, _TILE, _L_DIM], ckv_layout)
+    kpe_smem = gl.allocate_shared_memory(gl.float8e4nv, [_STAGES, _TILE, _R_DIM], kpe_layout)
+    q_nope = gl.allocate_shared_memory(gl.float16, [_ROWS, _L_DIM], q_layout)
+    q_pe = gl.allocate_shared_memory(gl.float16, [_ROWS, _R_DIM], q_layout)
+    p_smem = gl.allocate_shared_memory(gl.float16, [_ROWS, _TILE], q_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    fence_async_shared()
+
+    row_l: gl.constexpr = gl.SliceLayout(0, _MMA)  # [16] per packed row (wgmma N)
+    tok_l: gl.constexpr = gl.SliceLayout(1, _MMA)  # [64] per token of a tile (wgmma M)
+    pid = gl.program_id(0)
+    head_part = pid % HEAD_SPLIT
+    worker = pid // HEAD_SPLIT
+    kv_scale = gl.load(KV_SCALE)
+    qk_scale = sm_scale_log2 * gl.load(Q_SCALE) * kv_scale
+    g = 0  # tiles of this program so far: slot g % STAGES, phase (g // STAGES) & 1
+    for it in range(gl.load(WORKER_INDPTR + worker), gl.load(WORKER_INDPTR + worker + 1)):
+        item = WORK_ITEMS + it * 8
+        b = gl.load(item + _BATCH)
+        partial_row = gl.load(item + _PARTIAL_ROW)
+        qo = gl.load(item + _QO_START)
+        kv_start = gl.load(item + _KV_START)
+        kv_end = gl.load(item + _KV_END)
+        head_start = gl.load(item + _HEAD_START) + head_part * _ROWS
+        n_tiles = gl.cdiv(kv_end - kv_start, _TILE)
+        for i in gl.static_range(_STAGES - 1):  # the first tiles (every slot is free: see the end of the loop)
+            if i < n_tiles:
+                _issue_tile(ckv_desc, kpe_desc, ckv_smem, kpe_smem, ready, (g + i) % _STAGES,
+                            _tile_row(BLOCK_TABLE, b, stride_bt, kv_start, i, n_tiles, PAGE_SIZE))
+        # q of the item's query row, 16 heads, as fp16 (exact for e4m3fn; bf16 as declared in numerics.py)
+        qr = gl.arange(0, _ROWS, gl.SliceLayout(1, _Q_LOAD))
+        q_ptr = Q + qo.to(gl.int64) * stride_qt + (head_start + qr)[:, None] * stride_qh
+        q_nope.store(gl.load(q_ptr + gl.arange(0, _L_DIM, gl.SliceLayout(0, _Q_LOAD))[None, :]).to(gl.float16))
+        q_pe.store(gl.load(q_ptr + _L_DIM + gl.arange(0, _R_DIM, gl.SliceLayout(0, _Q_LOAD))[None, :]).to(gl.float16))
+        fence_async_shared()
+        gl.thread_barrier()
+
+        m_i = gl.full([_ROWS], float("-inf"), gl.float32, row_l)  # running max, log2 units
+        l_t = gl.zeros([_TILE, _ROWS], gl.float32, _MMA)  # row sums per token slot, in the frame of m_i
+        # o^T in four quarters of 128 channels (rows permuted: _v_operand)
+        acc0 = gl.zeros([_QUARTER, _ROWS], gl.float32, _MMA)
+        acc1 = gl.zeros([_QUARTER, _ROWS], gl.float32, _MMA)
+        acc2 = gl.zeros([_QUARTER, _ROWS], gl.float32, _MMA)
+        acc3 = gl.zeros([_QUARTER, _ROWS], gl.float32, _MMA)
+        next_row = _tile_row(BLOCK_TABLE, b, stride_bt, kv_start, _STAGES - 1, n_tiles, PAGE_SIZE)
+        for t in range(n_tiles):
+            slot = g % _STAGES
+            row = next_row  # first cache row of tile t + STAGES - 1, issued at the end of this tile
+            next_row = _tile_row(BLOCK_TABLE, b, stride_bt, kv_start, t + _STAGES, n_tiles, PAGE_SIZE)
+            mbarrier.wait(ready.index(slot), (g // _STAGES) & 1)
+            ckv = ckv_smem.index(slot)
+            # one chain over 9 chunks of 64 channels, two chunks in flight at most (each A operand holds 16
+            # registers until its MMA is done)
+            s = gl.zeros([_TILE, _ROWS], gl.float32, _MMA)
+            for c in gl.static_range(8):
+                s = warpgroup_mma(_k_operand(ckv.slice(c * 64, 64, dim=1)),
+                                  q_nope.slice(c * 64, 64, dim=1).permute((1, 0)), s, is_async=True)
+                if c > 0:
+                    s = warpgroup_mma_wait(1, deps=(s,))
+            s = warpgroup_mma(_k_operand(kpe_smem.index(slot)), q_pe.permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma_wait(0, deps=(s,))
+            t0 = kv_start + t * _TILE
+            tok = t0 + gl.arange(0, _TILE, tok_l)
+            s = gl.where((tok < kv_end)[:, None], s * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 0))  # [16]
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no token yet: no NaN
+            alpha = gl.exp2(m_i - m_use)
+            p = gl.exp2(s - m_use[None, :])  # [64, 16] fp32
+            l_t = l_t * alpha[None, :] + p
+            acc0 = acc0 * alpha[None, :]
+            acc1 = acc1 * alpha[None, :]
+            acc2 = acc2 * alpha[None, :]
+            acc3 = acc3 * alpha[None, :]
+            m_i = m_new
+            if kv_end - t0 < _TILE:  # every warp's score loads are done (the cross-warp max above)
+                _zero_tail(ckv, kv_end - t0)
+            p_smem.store(gl.permute(p.to(gl.float16), (1, 0)))
+            fence_async_shared()
+            gl.thread_barrier()
+            p_op = p_smem.permute((1, 0))  # [64 tokens, 16 rows]
+            # two quarters in flight at most (each A operand holds 32 registers until its MMA is done)
+            acc0 = warpgroup_mma(_v_operand(ckv.slice(0, _QUARTER, dim=1)), p_op, acc0, is_async=True)
+            acc1 = warpgroup_mma(_v_operand(ckv.slice(_QUARTER, _QUARTER, dim=1)), p_op, acc1, is_async=True)
+            acc0 = warpgroup_mma_wait(1, deps=(acc0,))
+            acc2 = warpgroup_mma(_v_operand(ckv.slice(2 * _QUARTER, _QUARTER, dim=1)), p_op, acc2, is_async=True)
+            acc1 = warpgroup_mma_wait(1, deps=(acc1,))
+            acc3 = warpgroup_mma(_v_operand(ckv.slice(3 * _QUARTER, _QUARTER, dim=1)), p_op, acc3, is_async=True)
+            acc2, acc3 = warpgroup_mma_wait(0, deps=(acc2, acc3))
+            gl.thread_barrier()  # every warp is done with the slot and with p_smem
+            if t + _STAGES - 1 < n_tiles:
+                _issue_tile(ckv_desc, kpe_desc, ckv_smem, kpe_smem, ready, (g + _STAGES - 1) % _STAGES, row)
+            g += 1
+
+        l_sum = gl.sum(l_t, 0)  # [16]
+        has_tok = l_sum > 0.0
+        o_scale = kv_scale / gl.where(has_tok, l_sum, 1.0)
+        lse = gl.where(has_tok, (m_i + gl.log2(gl.where(has_tok, l_sum, 1.0))) * _LN2, float("-inf"))
+        h = head_start + gl.arange(0, _ROWS, row_l)
+        if partial_row < 0:
+            _store_item((acc0, acc1, acc2, acc3), o_scale, lse, qo.to(gl.int64), False, h, OUT, LSE, O_PART, LSE_PART,
+                        stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt)
+        else:
+            _store_item((acc0, acc1, acc2, acc3), o_scale, lse, partial_row.to(gl.int64), True, h, OUT, LSE, O_PART,
+                        LSE_PART, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt)
+        gl.thread_barrier()  # q_nope / q_pe are rewritten by the next item
+
+
+def unsupported(batch, head_group: int | None = None, head_split: int | None = None,
+                max_rows: int | None = None) -> str | None:
+    """Why this kernel cannot take `batch`, or None. With head_group (heads per program), head_split (programs per
+    worker) and max_rows (max q_len x head_group) it also checks that launch geometry. No host sync."""
+    if batch.kv_cache.dtype != torch.float8_e4m3fn or batch.q.dtype not in (torch.bfloat16, torch.float8_e4m3fn):
+        return (f"kernel='gluon_fp8' takes an e4m3fn cache with bf16 or e4m3fn q, got "
+                f"{batch.q.dtype}/{batch.kv_cache.dtype}")
+    if (batch.kv_lora_rank, batch.q.shape[-1] - batch.kv_lora_rank) != (L_DIM, R_DIM):
+        return f"kernel='gluon_fp8' needs kv_lora_rank {L_DIM} and rope_dim {R_DIM}"
+    if batch.kv_cache.shape[1] % TILE:
+        return f"kernel='gluon_fp8' needs page_size % {TILE} == 0, got {batch.kv_cache.shape[1]}"
+    if not batch.kv_cache.is_contiguous() or batch.q.stride(-1) != 1:
+        return "kernel='gluon_fp8' needs a contiguous kv_cache (TMA descriptor) and q with unit channel stride"
+    if head_group is not None:
+        if head_group != ROWS or max_rows > ROWS:
+            return (f"kernel='gluon_fp8' takes head_group {ROWS} at q_len 1 ({ROWS} rows), got head_group "
+                    f"{head_group}, {max_rows} rows")
+        if batch.num_heads != head_group * head_split:
+            return (f"kernel='gluon_fp8' needs num_heads = head_group x head_split, got {batch.num_heads} heads, "
+                    f"{head_group} x {head_split}")
+    device = batch.q.device
+    if INTERPRET or device.type != "cuda" or torch.version.hip or torch.cuda.get_device_capability(device) != (9, 0):
+        return f"kernel='gluon_fp8' runs on CUDA sm_90 outside the interpreter (wgmma, TMA), got {device}"
+    return None
+
+
+def supported(batch) -> bool:
+    """Whether this kernel can take `batch` here (dtypes, widths, pages, layout, device)."""
+    return unsupported(batch) is None
+
+
+def check_batch(batch, head_group: int, head_split: int, max_rows: int) -> None:
+    """Raise ValueError naming the field when this kernel cannot take `batch` with this launch geometry."""
+    reason = unsupported(batch, head_group, head_split, max_rows)
+    if reason:
+        raise ValueError(reason)
+
+
+def launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, head_split: int):
+    """Launch the fp8 decode kernel (head_split programs per worker, 16 heads each); the caller launches the
+    reduce."""
+    kv = batch.kv_cache
+    D = kv.shape[-1]
+    flat = kv.view(-1, D)
+    ckv_desc = TensorDescriptor(flat, list(flat.shape), [D, 1], [TILE, 128],
+                                gl.NVMMASharedLayout.get_default_for([TILE, 128], gl.float8e4nv))
+    kpe_desc = TensorDescriptor(flat, list(flat.shape), [D, 1], [TILE, R_DIM],
+                                gl.NVMMASharedLayout.get_default_for([TILE, R_DIM], gl.float8e4nv))
+    num_workers = plan.worker_indptr.numel() - 1
+    return _mla_decode_fp8_kernel[(num_workers * head_split,)](
+        batch.q, ckv_desc, kpe_desc, batch.block_table, batch.seq_lens, plan.work_items, plan.worker_indptr,
+        out, lse, o_part, lse_part, q_scale, kv_scale, float(batch.sm_scale) * LOG2E,
+        batch.q.stride(0), batch.q.stride(1), batch.block_table.stride(0), out.stride(0), out.stride(1),
+        lse.stride(0), o_part.stride(0), o_part.stride(1), lse_part.stride(0),
+        PAGE_SIZE=kv.shape[1], HEAD_SPLIT=head_split, num_warps=4,
+    )
