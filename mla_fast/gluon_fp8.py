@@ -18,8 +18,8 @@ memory once per use (twice in all: scores, then P.V), converts it in registers a
   channel-contiguous. The output channels are permuted instead: within each half of 256 channels, accumulator row
   m = 64 a + r holds channel 4 r + a, so each thread loads 4 adjacent channels of a token with one 32-bit load
   (the 4 values land in 4 accumulator row blocks), and the permutation is undone when the output is stored.
-- KV tiles arrive by TMA (c_kv as four [64, 128] boxes, k_pe as one [64, 64] box) into NUM_STAGES slots, issued
-  NUM_STAGES - 1 tiles ahead; a slot is reissued once every warp has loaded its operands from it.
+- KV tiles arrive by TMA (c_kv as four [64, 128] boxes, k_pe as one [64, 64] box) into STAGES slots (a launch parameter), issued
+  STAGES - 1 tiles ahead; a slot is reissued once every warp has loaded its operands from it.
 
 Numerics: those of `KERNEL_NUMERICS["fp8kv"]` / `["fp8"]` (mma="fp16"): the MMAs see the fp8 codes (exact in fp16)
 and q cast to fp16; scores are one fp32 chain over L + R channels (9 chunks of 64); P is rounded to fp16 once; the
@@ -54,7 +54,6 @@ ROWS = 16  # packed rows per program: the 16 heads of one query row (wgmma N)
 TILE = 64  # KV tokens per tile (wgmma M)
 L_DIM, R_DIM = 512, 64
 QUARTER = L_DIM // 4  # output channels per P.V accumulator (one [64, 128] c_kv box)
-NUM_STAGES = 5  # tile slots of 36 KB: 4 tiles in flight while one is computed
 LOG2E = 1.4426950408889634
 
 _ROWS = gl.constexpr(ROWS)
@@ -62,7 +61,6 @@ _TILE = gl.constexpr(TILE)
 _L_DIM = gl.constexpr(L_DIM)
 _R_DIM = gl.constexpr(R_DIM)
 _QUARTER = gl.constexpr(QUARTER)
-_STAGES = gl.constexpr(NUM_STAGES)
 _LN2 = gl.constexpr(0.6931471805599453)
 _BATCH = gl.constexpr(planner.BATCH)
 _PARTIAL_ROW = gl.constexpr(planner.PARTIAL_ROW)
@@ -74,9 +72,12 @@ _HEAD_START = gl.constexpr(planner.HEAD_START)
 # register layouts (4 warps). MMA: wgmma accumulators, s^T [64, 16] and o^T halves [256, 16]
 _MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16]))
 _A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_MMA.value, k_width=2))
-# the A operand's layout on a [64, 64] K chunk (tokens x channels), for the fp8 bytes (2 adjacent channels / register)
+# a K chunk [64 tokens, 64 channels] as loaded: within each 16-channel block, channel 4 t + 2 h + j (t = lane % 4)
+# of token g (+ 8 by a register), registers j, h (4 adjacent channels: one 32-bit load) first. Permuted to column
+# 8 h + 2 t + j (_k_operand) it has the A operand's layout; q is stored in shared memory with the same column order
+# (_q_columns), so each k16 step sums the products of the same 16 channels as in channel order.
 _K_LOAD = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 1], [8, 0], [0, 8], [0, 16], [0, 32]], lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+    reg_bases=[[0, 1], [0, 2], [8, 0], [0, 16], [0, 32]], lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
     warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 64]))
 # a V quarter [64 tokens, 128 channels] as loaded: channel c = 32 w + 4 g + 2 a1 + a0 (w = warp, g = lane // 4) of
 # token k, registers a0, a1 (4 adjacent channels: one 32-bit load) first. Permuted to V^T [128, 64] with row
@@ -94,8 +95,20 @@ _Q_LOAD = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
 
 @gluon.jit
 def _k_operand(chunk):
-    """A operand [64 tokens, 64 channels] fp16 of a score MMA from an fp8 chunk in shared memory."""
-    return gl.convert_layout(chunk.load(_K_LOAD).to(gl.float16), _A_OP, assert_trivial=True)
+    """A operand [64 tokens, 64 columns] fp16 of a score MMA from an fp8 chunk in shared memory (column
+    16 b + 8 h + 2 t + j holds channel 16 b + 4 t + 2 h + j, as _Q_COLS)."""
+    k = gl.reshape(chunk.load(_K_LOAD).to(gl.float16), [_TILE, 4, 4, 2, 2])  # (token, b, t, h, j)
+    k = gl.reshape(gl.permute(k, (0, 1, 3, 2, 4)), [_TILE, 64])  # (token, b, h, t, j)
+    return gl.convert_layout(k, _A_OP, assert_trivial=True)
+
+
+@gluon.jit
+def _q_columns(q):
+    """q [16, n] (channel order) as fp16 in the K operand's column order (_k_operand): column 16 b + 8 h + 2 t + j
+    holds channel 16 b + 4 t + 2 h + j."""
+    n: gl.constexpr = q.shape[1]
+    q = gl.permute(gl.reshape(q.to(gl.float16), [_ROWS, n // 16, 4, 2, 2]), (0, 1, 3, 2, 4))  # (b, t, h, j) -> (b, h, t, j)
+    return gl.reshape(q, [_ROWS, n])
 
 
 @gluon.jit
@@ -184,18 +197,18 @@ def _mla_decode_fp8_kernel(
     Q_SCALE, KV_SCALE,  # fp32 [1] each
     sm_scale_log2,  # sm_scale x log2(e)
     stride_qt, stride_qh, stride_bt, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt,
-    PAGE_SIZE: gl.constexpr, HEAD_SPLIT: gl.constexpr,
+    PAGE_SIZE: gl.constexpr, HEAD_SPLIT: gl.constexpr, STAGES: gl.constexpr,
 ):
     ckv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_TILE, 128], gl.float8e4nv)
     kpe_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_TILE, _R_DIM], gl.float8e4nv)
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_ROWS, 64], gl.float16)
-    ckv_smem = gl.allocate_shared_memory(gl.float8e4nv, [_STAGES, _TILE, _L_DIM], ckv_layout)
-    kpe_smem = gl.allocate_shared_memory(gl.float8e4nv, [_STAGES, _TILE, _R_DIM], kpe_layout)
+    ckv_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, _TILE, _L_DIM], ckv_layout)
+    kpe_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, _TILE, _R_DIM], kpe_layout)
     q_nope = gl.allocate_shared_memory(gl.float16, [_ROWS, _L_DIM], q_layout)
     q_pe = gl.allocate_shared_memory(gl.float16, [_ROWS, _R_DIM], q_layout)
     p_smem = gl.allocate_shared_memory(gl.float16, [_ROWS, _TILE], q_layout)
-    ready = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(_STAGES):
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
     fence_async_shared()
 
@@ -216,15 +229,16 @@ def _mla_decode_fp8_kernel(
         kv_end = gl.load(item + _KV_END)
         head_start = gl.load(item + _HEAD_START) + head_part * _ROWS
         n_tiles = gl.cdiv(kv_end - kv_start, _TILE)
-        for i in gl.static_range(_STAGES - 1):  # the first tiles (every slot is free: see the end of the loop)
+        for i in gl.static_range(STAGES - 1):  # the first tiles (every slot is free: see the end of the loop)
             if i < n_tiles:
-                _issue_tile(ckv_desc, kpe_desc, ckv_smem, kpe_smem, ready, (g + i) % _STAGES,
+                _issue_tile(ckv_desc, kpe_desc, ckv_smem, kpe_smem, ready, (g + i) % STAGES,
                             _tile_row(BLOCK_TABLE, b, stride_bt, kv_start, i, n_tiles, PAGE_SIZE))
-        # q of the item's query row, 16 heads, as fp16 (exact for e4m3fn; bf16 as declared in numerics.py)
+        # q of the item's query row, 16 heads, as fp16 (exact for e4m3fn; bf16 as declared in numerics.py), in
+        # the K operand's column order
         qr = gl.arange(0, _ROWS, gl.SliceLayout(1, _Q_LOAD))
         q_ptr = Q + qo.to(gl.int64) * stride_qt + (head_start + qr)[:, None] * stride_qh
-        q_nope.store(gl.load(q_ptr + gl.arange(0, _L_DIM, gl.SliceLayout(0, _Q_LOAD))[None, :]).to(gl.float16))
-        q_pe.store(gl.load(q_ptr + _L_DIM + gl.arange(0, _R_DIM, gl.SliceLayout(0, _Q_LOAD))[None, :]).to(gl.float16))
+        q_nope.store(_q_columns(gl.load(q_ptr + gl.arange(0, _L_DIM, gl.SliceLayout(0, _Q_LOAD))[None, :])))
+        q_pe.store(_q_columns(gl.load(q_ptr + _L_DIM + gl.arange(0, _R_DIM, gl.SliceLayout(0, _Q_LOAD))[None, :])))
         fence_async_shared()
         gl.thread_barrier()
 
@@ -235,12 +249,12 @@ def _mla_decode_fp8_kernel(
         acc1 = gl.zeros([_QUARTER, _ROWS], gl.float32, _MMA)
         acc2 = gl.zeros([_QUARTER, _ROWS], gl.float32, _MMA)
         acc3 = gl.zeros([_QUARTER, _ROWS], gl.float32, _MMA)
-        next_row = _tile_row(BLOCK_TABLE, b, stride_bt, kv_start, _STAGES - 1, n_tiles, PAGE_SIZE)
+        next_row = _tile_row(BLOCK_TABLE, b, stride_bt, kv_start, STAGES - 1, n_tiles, PAGE_SIZE)
         for t in range(n_tiles):
-            slot = g % _STAGES
+            slot = g % STAGES
             row = next_row  # first cache row of tile t + STAGES - 1, issued at the end of this tile
-            next_row = _tile_row(BLOCK_TABLE, b, stride_bt, kv_start, t + _STAGES, n_tiles, PAGE_SIZE)
-            mbarrier.wait(ready.index(slot), (g // _STAGES) & 1)
+            next_row = _tile_row(BLOCK_TABLE, b, stride_bt, kv_start, t + STAGES, n_tiles, PAGE_SIZE)
+            mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
             ckv = ckv_smem.index(slot)
             # one chain over 9 chunks of 64 channels, two chunks in flight at most (each A operand holds 16
             # registers until its MMA is done)
@@ -280,8 +294,8 @@ def _mla_decode_fp8_kernel(
             acc3 = warpgroup_mma(_v_operand(ckv.slice(3 * _QUARTER, _QUARTER, dim=1)), p_op, acc3, is_async=True)
             acc2, acc3 = warpgroup_mma_wait(0, deps=(acc2, acc3))
             gl.thread_barrier()  # every warp is done with the slot and with p_smem
-            if t + _STAGES - 1 < n_tiles:
-                _issue_tile(ckv_desc, kpe_desc, ckv_smem, kpe_smem, ready, (g + _STAGES - 1) % _STAGES, row)
+            if t + STAGES - 1 < n_tiles:
+                _issue_tile(ckv_desc, kpe_desc, ckv_smem, kpe_smem, ready, (g + STAGES - 1) % STAGES, row)
             g += 1
 
         l_sum = gl.sum(l_t, 0)  # [16]
@@ -336,7 +350,7 @@ def check_batch(batch, head_group: int, head_split: int, max_rows: int) -> None:
         raise ValueError(reason)
 
 
-def launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, head_split: int):
+def launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, head_split: int, num_stages: int):
     """Launch the fp8 decode kernel (head_split programs per worker, 16 heads each); the caller launches the
     reduce."""
     kv = batch.kv_cache
@@ -352,5 +366,5 @@ def launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, he
         out, lse, o_part, lse_part, q_scale, kv_scale, float(batch.sm_scale) * LOG2E,
         batch.q.stride(0), batch.q.stride(1), batch.block_table.stride(0), out.stride(0), out.stride(1),
         lse.stride(0), o_part.stride(0), o_part.stride(1), lse_part.stride(0),
-        PAGE_SIZE=kv.shape[1], HEAD_SPLIT=head_split, num_warps=4,
+        PAGE_SIZE=kv.shape[1], HEAD_SPLIT=head_split, STAGES=num_stages, num_warps=4,
     )

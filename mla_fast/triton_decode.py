@@ -934,7 +934,7 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
 
         gluon_fp8.check_batch(batch, config.head_group, config.head_split, max_rows)
         compiled = gluon_fp8.launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale,
-                                           config.head_split)
+                                           config.head_split, config.num_stages)
     else:
         compiled = _launch_triton(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, config, qo_indptr,
                                   max_rows, pdl, num_workers)
