@@ -338,6 +338,19 @@ def unsupported(batch, head_group: int | None = None, head_split: int | None = N
     return None
 
 
+SLOT_BYTES = TILE * (L_DIM + R_DIM)  # one tile slot (fp8): 36 KB
+FIXED_BYTES = 21 * 1024  # q (fp16), p and the reduction scratch: 20.3 KB compiled
+SMEM_PER_SM = 227 * 1024  # sm_90
+
+
+def check_stages(num_stages: int, workers_per_sm: int) -> None:
+    """Raise ValueError unless num_stages tile slots fit workers_per_sm programs' shared memory on one SM (and at
+    least one tile is in flight beside the one computed)."""
+    if num_stages < 2 or workers_per_sm * (num_stages * SLOT_BYTES + FIXED_BYTES) > SMEM_PER_SM:
+        raise ValueError(f"kernel='gluon_fp8' needs num_stages >= 2 and workers_per_sm x (num_stages x 36 KB + 21 KB) "
+                         f"<= 227 KB, got num_stages {num_stages}, workers_per_sm {workers_per_sm}")
+
+
 def supported(batch) -> bool:
     """Whether this kernel can take `batch` here (dtypes, widths, pages, layout, device)."""
     return unsupported(batch) is None

@@ -612,10 +612,12 @@ class KernelConfig:
             on both warpgroups (half of the tile's tokens each) instead of computing it twice. No numerical effect
             with split_l > 1 (the same dots and sums); with split_l = 1 the q_nope and q_pe dots become two chains
             summed at the end, as with slices (another fp32 summation order).
-        kernel: "triton" (`_mla_decode_kernel`, every input) or "gluon" (`mla_fast.gluon_decode`, the warp-specialized
+        kernel: "triton" (`_mla_decode_kernel`, every input), "gluon" (`mla_fast.gluon_decode`, the warp-specialized
             seesaw kernel: CUDA sm_90, bf16, head_group 8/16/32/64 with q_len x head_group <= 64 packed rows,
-            page_size % 64 == 0, L = 512, R = 64; of the fields above it reads head_group and head_split only).
-            Both write the same partials, merged by the same reduce.
+            page_size % 64 == 0, L = 512, R = 64; of the fields above it reads head_group and head_split only) or
+            "gluon_fp8" (`mla_fast.gluon_fp8`: CUDA sm_90, e4m3fn cache with bf16 or e4m3fn q, head_group 16 at
+            q_len 1, page_size % 64 == 0, L = 512, R = 64, mma="fp16"; it reads head_group, head_split, num_stages
+            (tile slots of 36 KB) and workers_per_sm). All write the same partials, merged by the same reduce.
         interleave: each latent slice's score dot directly after that slice's load (and its fp16 staging with
             fp8_stage) instead of all loads first. Same dots, same pairwise sum: bitwise the same output. On the
             64-row wgmma layout the compiler then starts the score MMAs earlier (bf16 6-10 % faster); at 16 rows
@@ -696,12 +698,19 @@ SMALL_BATCH = 4  # batches up to this size (q_len 1) take no 64-row tiles (defau
 
 
 def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int | None = None,
-                   seesaw: bool = False) -> KernelConfig:
+                   seesaw: bool = False, fp8_gluon: bool = False) -> KernelConfig:
     """Launch choice, the fastest correct candidate of mla-bench --candidates on one H200 (the h=16 shapes with b >= 32
     and the h = 128 shapes; see the module docstring).
 
     seesaw: the Gluon seesaw kernel can run the batch (`gluon_decode.supported`: CUDA sm_90, bf16, L = 512, R = 64,
     pages of a multiple of 64 tokens, contiguous q and cache); `batch_config` passes it.
+    fp8_gluon: the Gluon fp8 kernel can run the batch (`gluon_fp8.supported`: CUDA sm_90, e4m3fn cache with bf16
+    or e4m3fn q, L = 512, R = 64, pages of a multiple of 64 tokens, contiguous cache); `batch_config` passes it.
+    - fp8 caches with 16 heads per program at q_len 1 and fp8_gluon: the Gluon fp8 kernel (kernel="gluon_fp8"), two
+      programs per SM with two tile slots each. One H200, graph replays, fp8kv, against this module's staged path:
+      222 vs 302 us at (128, 8192, 16), 122 vs 157 at (128, 4096, 16), 122 vs 159 at (32, 16384, 16), 71 vs 87 at
+      (64, 4096, 16), 46.6 vs 50.6 at (32, 4096, 16), 16.4 vs 17.5 at (1, 8192, 16); one program with four slots:
+      249, 132, 135, 77, 46.8, 16.2 us.
     - bf16 with more than 32 packed rows (q_len x head_group, head_group 8-64) and seesaw: the Gluon kernel
       (kernel="gluon"; MTP rows packed as in the Triton kernel). At q_len 1 (64 heads per program), one H200, graph
       replays: 299 vs 447 us at (128, 4096, 128) and 86 vs 130 us at (32, 4096, 128) against the Triton 64-row
@@ -767,6 +776,9 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
     if rows > 32 and seesaw and combo == "bf16" and head_group in _gluon_head_groups():
         return KernelConfig(block_n=64, mma=mma, head_group=head_group, head_split=num_heads // head_group,
                             kernel="gluon")
+    if fp8_kv and fp8_gluon and head_group == 16 and max_q_len == 1:
+        return KernelConfig(block_n=64, mma=mma, head_group=16, head_split=num_heads // 16, num_stages=2,
+                            workers_per_sm=2, kernel="gluon_fp8")
     if rows > 32 and small_batch:  # bf16, few requests
         group = max(d for d in range(1, 17) if num_heads % d == 0)  # <= 16 rows; the programs cover every head
         return KernelConfig(block_n=64, num_warps=4, num_stages=3, mma=mma, head_group=group,
@@ -794,10 +806,11 @@ def _gluon_head_groups() -> tuple[int, ...]:
 
 def batch_config(batch, max_q_len: int) -> KernelConfig:
     """default_config for `batch` (its dtypes, heads and size) on its device, up to q_len max_q_len."""
-    from mla_fast import gluon_decode
+    from mla_fast import gluon_decode, gluon_fp8
 
     combo = dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
-    return default_config(combo, batch.num_heads, max_q_len, batch.batch_size, seesaw=gluon_decode.supported(batch))
+    return default_config(combo, batch.num_heads, max_q_len, batch.batch_size, seesaw=gluon_decode.supported(batch),
+                          fp8_gluon=gluon_fp8.supported(batch))
 
 
 def effective_split_l(config: KernelConfig, kv_lora_rank: int) -> int:
@@ -932,6 +945,7 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
     elif config.kernel == "gluon_fp8":
         from mla_fast import gluon_fp8
 
+        gluon_fp8.check_stages(config.num_stages, config.workers_per_sm)
         gluon_fp8.check_batch(batch, config.head_group, config.head_split, max_rows)
         compiled = gluon_fp8.launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale,
                                            config.head_split, config.num_stages)

@@ -349,5 +349,52 @@ def test_gluon_kernel_rejects_what_it_cannot_take():
         td.KernelConfig(kernel="gluon", mma="fp16")
 
 
+def test_gluon_fp8_kernel_is_chosen_only_where_it_runs():
+    """default_config takes the Gluon fp8 kernel for fp8 caches with 16 heads per program at q_len 1, and only with
+    fp8_gluon=True, which batch_config sets from gluon_fp8.supported (never on this CPU)."""
+    td = pytest.importorskip("mla_fast.triton_decode")
+    g8 = pytest.importorskip("mla_fast.gluon_fp8")
+    for args in [("fp8kv", 16, 1, 128), ("fp8", 16, 1, 32), ("fp8kv", 16, 1, 1)]:
+        config = td.default_config(*args, fp8_gluon=True)
+        assert (config.kernel, config.head_group, config.head_split, config.mma) == ("gluon_fp8", 16, 1, "fp16"), args
+        g8.check_stages(config.num_stages, config.workers_per_sm)  # its shared memory fits
+    for args in [("fp8kv", 16, 1, 128, False, False), ("fp8kv", 16, 2, 128, False, True),
+                 ("fp8kv", 128, 1, 128, False, True), ("fp8kv", 32, 1, 1, False, True), ("bf16", 16, 1, 128, False, True)]:
+        assert td.default_config(*args).kernel == "triton", args
+    batch = TritonCase((70,), (1,), heads=16, page_size=64, L=512, R=64, combo="fp8kv").batch()
+    assert not g8.supported(batch)
+    assert td.batch_config(batch, 1).kernel == "triton"
+
+
+def test_gluon_fp8_kernel_rejects_what_it_cannot_take():
+    td = pytest.importorskip("mla_fast.triton_decode")
+    g8 = pytest.importorskip("mla_fast.gluon_fp8")
+
+    def case(**kw):
+        return TritonCase((70,), (1,), **dict(dict(heads=16, page_size=64, L=512, R=64, combo="fp8kv"), **kw)).batch()
+
+    ok = case()  # all it takes, but on a CPU
+    kv_wide = torch.zeros(*ok.kv_cache.shape[:2], 2 * 576, dtype=ok.kv_cache.dtype)[..., :576]  # row stride 1152
+    reasons = {  # expected words -> (batch, head_group, head_split, rows per program)
+        "sm_90": (ok, 16, 1, 16),
+        "head_group 16 at q_len 1": (ok, 16, 1, 32),
+        "num_heads = head_group x head_split": (ok, 16, 2, 16),
+        "page_size % 64": (case(page_size=16), 16, 1, 16),
+        "kv_lora_rank 512": (case(L=64, R=32), 16, 1, 16),
+        "e4m3fn cache": (case(combo="bf16"), 16, 1, 16),
+        "contiguous kv_cache": (ok.replace(kv_cache=kv_wide.copy_(ok.kv_cache)), 16, 1, 16),
+    }
+    for words, (batch, head_group, head_split, rows) in reasons.items():
+        assert words in (g8.unsupported(batch, head_group, head_split, rows) or ""), words
+    config = td.KernelConfig(kernel="gluon_fp8", mma="fp16", head_group=16, num_stages=2, workers_per_sm=2)
+    with pytest.raises(ValueError, match="sm_90"):
+        td.decode(ok, config=config)
+    for stages, workers in [(1, 1), (3, 2), (6, 1)]:  # no tile in flight; more than 227 KB of shared memory
+        with pytest.raises(ValueError, match="num_stages"):
+            td.decode(ok, config=replace(config, num_stages=stages, workers_per_sm=workers))
+    with pytest.raises(ValueError, match="mma='fp16'"):
+        td.KernelConfig(kernel="gluon_fp8", mma="bf16")
+
+
 if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
     print(json.dumps(_worker()))

@@ -231,6 +231,8 @@ cases = [  # page 16 with MTP (64-row tiles at q_len 3, per-token gather); page 
     # five requests: bf16 takes the Gluon seesaw kernel on an H200, TMA copies of whole tiles past seq_len)
     dict(seq_lens=(0, 1, 65, 700, 1500), q_lens=(1, 2, 1, 3, 1), heads=16, page_size=16),
     dict(seq_lens=(0, 1, 65, 700, 4097), q_lens=(1,) * 5, heads=128, page_size=64),
+    # page 64 at 16 heads: fp8 KV takes the Gluon fp8 kernel on an H200 (whole TMA tiles past seq_len)
+    dict(seq_lens=(0, 1, 65, 700, 4097), q_lens=(1,) * 5, heads=16, page_size=64),
 ]
 for kw in cases:
     for combo in ("bf16", "fp8kv"):
@@ -313,3 +315,58 @@ def test_gluon_seesaw_deterministic_and_graph_replay_equals_eager():
         assert torch.equal(out.view(torch.int16), out0.view(torch.int16))
         assert torch.equal(lse.view(torch.int32), lse0.view(torch.int32))
     _check_graph_replays_equal_eager(step, ([5, 1500, 0, 4097], [50, 0, 2000, 64]))
+
+
+def _gluon_fp8(heads: int) -> dict:
+    """KernelConfig overrides of the Gluon fp8 kernel (mla_fast.gluon_fp8): default_config's choice for an fp8 cache
+    with 16 heads at q_len 1 with fp8_gluon (two programs per SM with two tile slots each), on heads / 16 programs
+    per worker (default_config takes it at 16 heads only)."""
+    from mla_fast.triton_decode import default_config
+
+    config = default_config("fp8kv", 16, 1, 32, fp8_gluon=True)
+    assert config.kernel == "gluon_fp8", config
+    return dict(kernel="gluon_fp8", head_group=16, head_split=heads // 16, mma="fp16",
+                num_stages=config.num_stages, workers_per_sm=config.workers_per_sm)
+
+
+GLUON_FP8_CASES = [  # e4m3fn caches, q_len 1, pages of 64 or 128: zero-length requests, partial last tiles, splits
+    TritonCase((0, 1, 63, 64, 65, 1000, 4097), (1,) * 7, heads=16, page_size=64, combo="fp8kv", L=512, R=64, seed=50),
+    TritonCase((0, 1, 63, 64, 65, 1000, 4097), (1,) * 7, heads=16, page_size=64, combo="fp8", L=512, R=64, seed=51),
+    TritonCase((3, 129, 0, 20000), (1,) * 4, heads=16, page_size=128, combo="fp8", L=512, R=64, seed=52),
+    TritonCase((65536,), (1,), heads=16, page_size=64, combo="fp8kv", L=512, R=64, seed=53),  # split over all SMs
+    TritonCase((5, 1500, 0, 4097), (1,) * 4, heads=32, page_size=64, combo="fp8kv", L=512, R=64, seed=54),  # 2 x 16
+]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon_fp8' needs sm_90")
+@pytest.mark.parametrize("case", GLUON_FP8_CASES, ids=lambda c: f"{c.combo}_h{c.heads}_p{c.page_size}_s{c.seed}")
+def test_gluon_fp8_within_kernel_bound(case):
+    r = _decode_and_check(case.batch("cuda"), **_gluon_fp8(case.heads))
+    assert r["finite"] and r["empty_ok"] and r["out_ratio"] <= 1.0 and r["lse_ratio"] <= 1.0, r
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon_fp8' needs sm_90")
+@pytest.mark.parametrize("combo", ["fp8kv", "fp8"])
+@pytest.mark.parametrize("shape", [s for s in BENCH_SHAPES if s[2] == 16], ids=lambda s: "b{}_s{}_h{}".format(*s))
+def test_gluon_fp8_bench_grid_within_kernel_bound(shape, combo):
+    from mla_fast.bench import build_batch
+
+    b, s, h = shape
+    r = _decode_and_check(build_batch(b, s, h, combo, seed=hash(shape) % 1000), **_gluon_fp8(h))
+    assert r["finite"] and r["out_ratio"] <= 1.0 and r["lse_ratio"] <= 1.0, r
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon_fp8' needs sm_90")
+def test_gluon_fp8_deterministic_and_graph_replay_equals_eager():
+    """10 eager runs give the same bits, and so do graph replays after re-planning (NaN-poisoned outputs)."""
+    from mla_fast.triton_decode import KernelConfig, TritonMLADecode
+
+    case = GLUON_FP8_CASES[0]
+    step = TritonMLADecode(case.batch("cuda"), config=KernelConfig(**_gluon_fp8(case.heads)))
+    step.plan()
+    out0, lse0 = (t.clone() for t in step.run())
+    for _ in range(10):
+        out, lse = step.run()
+        assert torch.equal(out.view(torch.int16), out0.view(torch.int16))
+        assert torch.equal(lse.view(torch.int32), lse0.view(torch.int32))
+    _check_graph_replays_equal_eager(step, ([0, 1, 63, 64, 65, 1000, 4097], [0, 1, 2, 64, 0, 900, 130]))
