@@ -4,32 +4,51 @@ fp8-cache MLA decode in Gluon (Hopper, 16 rows per program, no staged tile)
 
 The same absorbed-MLA decode contract and `WorkPlan` as `mla_fast.triton_decode._mla_decode_kernel` (whose partials
 its reduce kernel merges), for e4m3fn caches with bf16 or e4m3fn q at 16 packed rows per program (16 heads of one
-query row), pages of a multiple of 64 tokens, L = 512, R = 64: the memory-bound DeepSeek shapes at 16 heads.
+query row, q_len 1), pages of a multiple of 64 tokens, L = 512, R = 64: the memory-bound DeepSeek shapes at 16 heads.
 
 Why: the Triton kernel converts each fp8 tile to fp16 in shared memory and reads it back with ldmatrix, so fp8 KV
-moves more shared-memory bytes per tile than bf16 (about 369 vs 295 KB per tile and SM) and runs at bf16's speed
+moves more shared-memory bytes per tile than bf16 (about 369 vs 295 KB per tile and SM) and ran at bf16's speed
 although it reads half the HBM bytes (README, fourth session). This kernel reads each fp8 byte of a tile from shared
 memory once per use (twice in all: scores, then P.V), converts it in registers and feeds register-A wgmmas:
 
 - transposed products, so the 64 tokens of a tile are the wgmma M dimension and the 16 rows are N (no padded rows):
       s^T [64, 16]  = K [64, 576] . q^T [576, 16]       A = K from registers, B = q (fp16) in shared memory
       o^T [512, 16] += V^T [512, 64] . p^T [64, 16]      A = V^T from registers, B = p (fp16) in shared memory
-- V^T as the A operand needs pairs of consecutive tokens of one channel in each register, and fp8 rows are
-  channel-contiguous. The output channels are permuted instead: within each half of 256 channels, accumulator row
-  m = 64 a + r holds channel 4 r + a, so each thread loads 4 adjacent channels of a token with one 32-bit load
-  (the 4 values land in 4 accumulator row blocks), and the permutation is undone when the output is stored.
-- KV tiles arrive by TMA (c_kv as four [64, 128] boxes, k_pe as one [64, 64] box) into STAGES slots (a launch parameter), issued
-  STAGES - 1 tiles ahead; a slot is reissued once every warp has loaded its operands from it.
+- K: each thread loads 4 adjacent channels of a token per register (ldmatrix), which the A operand would hold in
+  two registers 8 columns apart; within each 16-channel block the columns are permuted instead (column
+  8 h + 2 t + j holds channel 4 t + 2 h + j), and q is stored in shared memory in the same column order, so each
+  k16 step multiplies the same 16 channel pairs.
+- V^T as the A operand needs two consecutive tokens of one channel in each register, and fp8 rows are
+  channel-contiguous. The output channels are permuted instead: in each quarter of 128 channels, accumulator row
+  m = 64 a1 + 16 w + 8 a0 + g holds channel 32 w + 4 g + 2 a1 + a0 (w warp, g = lane // 4), so a thread's 32-bit
+  load of 4 adjacent channels feeds 4 of its accumulator rows (after the conversion one PRMT per register pairs
+  the tokens); the permutation is undone when the output is stored (4 adjacent channels per vector store).
+- KV tiles arrive by TMA (c_kv as four [64, 128] boxes, k_pe as one [64, 64] box) into STAGES slots (a launch
+  parameter), issued STAGES - 1 tiles ahead; a slot is reissued once every warp has loaded its operands from it.
+  At most two score MMAs and two P.V MMAs are in flight (each register A operand stays live until its MMA is done).
+- default_config runs two programs per SM (workers_per_sm=2) with two slots each (94 KB of shared memory, 255
+  registers): one program's softmax and loads overlap the other's MMAs.
 
 Numerics: those of `KERNEL_NUMERICS["fp8kv"]` / `["fp8"]` (mma="fp16"): the MMAs see the fp8 codes (exact in fp16)
 and q cast to fp16; scores are one fp32 chain over L + R channels (9 chunks of 64); P is rounded to fp16 once; the
 row sums are fp32 over unrounded P, kept per (token slot, row) and summed once per item (another order of the same
-fp32 sum, as the Triton kernel's lazy_l); one 64-token P.V MMA per tile added into the rescaled fp32 accumulator.
-q_scale x kv_scale x sm_scale x log2(e) multiplies the fp32 scores, kv_scale the normalised output.
+fp32 sum, as the Triton kernel's lazy_l); one 64-token P.V MMA per tile and quarter added into the rescaled fp32
+accumulator. q_scale x kv_scale x sm_scale x log2(e) multiplies the fp32 scores, kv_scale the normalised output.
 
 Safety: TMA copies whole 64-token tiles, so the last tile of an item may hold cache slots past KV_END (NaN-poisoned
-slots are allowed): their scores are selected to -inf and their V values to 0 in registers before the P.V MMA. Rows
-that see no token give out = 0, lse = -inf.
+slots are allowed): their scores are selected to -inf, and their c_kv rows are set to 0 in shared memory before the
+P.V operands are loaded. Rows that see no token give out = 0, lse = -inf.
+
+Performance (one H200, mla-bench, CUDA-graph replays, fp8kv; README): 224 us at (128, 8192, 16) (our bf16 294,
+FlashMLA's fp8 with fp8 q 219, the Triton kernel's fp8kv 302), 123 at (128, 4096, 16), 122 at (32, 16384, 16), 70
+at (64, 4096, 16), 46.5 at (32, 4096, 16), 16.4 at (1, 8192, 16). Measured and dropped: one program per SM with
+4 or 5 slots (249 / 259 us at (128, 8192, 16)); skipping the accumulator rescale when no row max moved (226 vs
+223 us: the extra reduction and branch cost more than the 72 multiplies); three score MMAs in flight (no change);
+an L2 prefetch (cp.async.bulk.prefetch) of the tile 1, 2 or 4 tiles past the last one issued (219, 255, 283 vs
+222 us, and slower at every other shape); pairing V's tokens at the byte level before the conversion (Triton
+emitted byte extracts: 1320 vs 968 instructions per tile, offline). ncu at (128, 8192, 16): 48 % of DRAM peak, stalls
+24 % wait, 21 % long scoreboard (18 % at the tile's mbarrier wait), 15 % short scoreboard (conversions waiting for
+shared-memory loads).
 
 Device only (CUDA sm_90): the interpreter cannot run Gluon; tests/test_triton_gpu.py checks it against the fp64
 oracle.
@@ -69,7 +88,7 @@ _KV_START = gl.constexpr(planner.KV_START)
 _KV_END = gl.constexpr(planner.KV_END)
 _HEAD_START = gl.constexpr(planner.HEAD_START)
 
-# register layouts (4 warps). MMA: wgmma accumulators, s^T [64, 16] and o^T halves [256, 16]
+# register layouts (4 warps). MMA: wgmma accumulators, s^T [64, 16] and o^T quarters [128, 16]
 _MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16]))
 _A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_MMA.value, k_width=2))
 # a K chunk [64 tokens, 64 channels] as loaded: within each 16-channel block, channel 4 t + 2 h + j (t = lane % 4)

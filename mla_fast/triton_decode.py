@@ -45,7 +45,8 @@ On CUDA sm_90, bf16 batches with more than 32 packed rows per program take the G
 (`mla_fast.gluon_decode`, KernelConfig(kernel="gluon"), chosen by `batch_config`): 276-288 us at (128, 4096, 128) on
 one H200 against this kernel's 443 us below (FlashMLA 243-251 us), 86 vs 131 us at (32, 4096, 128), 574 vs 900 us at
 (128, 4096, 128) with q_len 2. It executes the same WorkPlan and writes the same partials, merged by
-`_mla_reduce_kernel`.
+`_mla_reduce_kernel`. Likewise e4m3fn caches at 16 heads per program (q_len 1) take the Gluon fp8 kernel
+(`mla_fast.gluon_fp8`, KernelConfig(kernel="gluon_fp8")): 224 vs 302 us (fp8kv) at (128, 8192, 16).
 
 Performance of this kernel (one H200, mla-bench, CUDA-graph replays, copy rate 4244-4269 GB/s; peers.md §2 conditions;
 README table): bf16 h=16 takes 288-294 us at (b=128, s=8192), 97-99 % of copy (FlashInfer FA3 291-301 us), 154-157 us
