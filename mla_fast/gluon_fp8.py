@@ -150,7 +150,7 @@ def _channel_order(acc):
 @gluon.jit
 def _zero_tail(ckv, n_valid):
     """Set c_kv rows >= n_valid of a tile slot to 0 (cache slots past KV_END may hold NaN; V x 0 must be 0). The
-    caller orders it after every warp's score loads and before the P.V loads (thread barriers)."""
+    caller puts a thread barrier between it and the operand loads."""
     blk: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
     keep = (gl.arange(0, _TILE, gl.SliceLayout(1, blk)) < n_valid)[:, None]  # [64, 1]
     for c in gl.static_range(4):
@@ -275,17 +275,26 @@ def _mla_decode_fp8_kernel(
             next_row = _tile_row(BLOCK_TABLE, b, stride_bt, kv_start, t + STAGES, n_tiles, PAGE_SIZE)
             mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
             ckv = ckv_smem.index(slot)
-            # one chain over 9 chunks of 64 channels, two chunks in flight at most (each A operand holds 16
-            # registers until its MMA is done)
+            t0 = kv_start + t * _TILE
+            if kv_end - t0 < _TILE:  # the last tile: rows past KV_END to 0 before anything reads them (their
+                _zero_tail(ckv, kv_end - t0)  # scores are selected away below whatever they hold)
+                gl.thread_barrier()
+            # one chain over 9 chunks of 64 channels; each chunk's operand is loaded before the previous chunk's
+            # MMA is issued, two MMAs in flight at most (each A operand holds 16 registers until its MMA is done)
             s = gl.zeros([_TILE, _ROWS], gl.float32, _MMA)
+            a = _k_operand(ckv.slice(0, 64, dim=1))
             for c in gl.static_range(8):
-                s = warpgroup_mma(_k_operand(ckv.slice(c * 64, 64, dim=1)),
-                                  q_nope.slice(c * 64, 64, dim=1).permute((1, 0)), s, is_async=True)
+                if c < 7:
+                    a_next = _k_operand(ckv.slice((c + 1) * 64, 64, dim=1))
+                else:
+                    a_next = _k_operand(kpe_smem.index(slot))
+                s = warpgroup_mma(a, q_nope.slice(c * 64, 64, dim=1).permute((1, 0)), s, is_async=True)
                 if c > 0:
                     s = warpgroup_mma_wait(1, deps=(s,))
-            s = warpgroup_mma(_k_operand(kpe_smem.index(slot)), q_pe.permute((1, 0)), s, is_async=True)
+                a = a_next
+            s = warpgroup_mma(a, q_pe.permute((1, 0)), s, is_async=True)
+            v0 = _v_operand(ckv.slice(0, _QUARTER, dim=1))  # loaded while the scores finish and the softmax runs
             s = warpgroup_mma_wait(0, deps=(s,))
-            t0 = kv_start + t * _TILE
             tok = t0 + gl.arange(0, _TILE, tok_l)
             s = gl.where((tok < kv_end)[:, None], s * qk_scale, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, 0))  # [16]
@@ -298,14 +307,12 @@ def _mla_decode_fp8_kernel(
             acc2 = acc2 * alpha[None, :]
             acc3 = acc3 * alpha[None, :]
             m_i = m_new
-            if kv_end - t0 < _TILE:  # every warp's score loads are done (the cross-warp max above)
-                _zero_tail(ckv, kv_end - t0)
             p_smem.store(gl.permute(p.to(gl.float16), (1, 0)))
             fence_async_shared()
             gl.thread_barrier()
             p_op = p_smem.permute((1, 0))  # [64 tokens, 16 rows]
             # two quarters in flight at most (each A operand holds 32 registers until its MMA is done)
-            acc0 = warpgroup_mma(_v_operand(ckv.slice(0, _QUARTER, dim=1)), p_op, acc0, is_async=True)
+            acc0 = warpgroup_mma(v0, p_op, acc0, is_async=True)
             acc1 = warpgroup_mma(_v_operand(ckv.slice(_QUARTER, _QUARTER, dim=1)), p_op, acc1, is_async=True)
             acc0 = warpgroup_mma_wait(1, deps=(acc0,))
             acc2 = warpgroup_mma(_v_operand(ckv.slice(2 * _QUARTER, _QUARTER, dim=1)), p_op, acc2, is_async=True)
