@@ -280,8 +280,8 @@ def _pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end, ph0, xph):
 @gluon.jit
 def _warpgroup(WG: gl.constexpr, q_desc, kv_desc, q_smem, kv_smem, p0_smem, m_smem, l_smem, q_full, q_empty, kv_full,
                xbar, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, WORKER_INDPTR, OUT, LSE, O_PART, LSE_PART,
-               KV_SCALE, qk_scale, num_heads, stride_bt, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph,
-               stride_plt, PAGE_SIZE: gl.constexpr, HEAD_SPLIT: gl.constexpr, HEAD_GROUP: gl.constexpr):
+               Q_SCALE, KV_SCALE, sm_scale_log2, num_heads, stride_bt, stride_ot, stride_oh, stride_lt, stride_pt,
+               stride_ph, stride_plt, PAGE_SIZE: gl.constexpr, HEAD_SPLIT: gl.constexpr, HEAD_GROUP: gl.constexpr):
     """Warpgroup WG (0: even tiles, o_L; 1: odd tiles, o_R) of the seesaw schedule (module docstring).
 
     Exchange barriers xbar: 0 = m0 ready (WG 0 -> 1), 1 = m1 ready (1 -> 0), 2 = p0' ready (0 -> 1), 3 = p1 ready
@@ -299,6 +299,7 @@ def _warpgroup(WG: gl.constexpr, q_desc, kv_desc, q_smem, kv_smem, p0_smem, m_sm
     head_part = pid % HEAD_SPLIT
     worker = pid // HEAD_SPLIT
     kv_scale = gl.load(KV_SCALE)
+    qk_scale = sm_scale_log2 * gl.load(Q_SCALE) * kv_scale  # scores in log2 units, as the Triton kernel
     uses0 = 0  # tiles consumed from slot 0 / slot 1 (barrier phases)
     uses1 = 0
     pairs = 0
@@ -436,8 +437,8 @@ def _mla_decode_seesaw_kernel(
     BLOCK_TABLE, SEQ_LENS, QO_INDPTR,  # [B, pages] int32, [B] int32, [B+1] int32
     WORK_ITEMS, WORKER_INDPTR,  # [N, 8] int32, [W+1] int32
     OUT, LSE, O_PART, LSE_PART,  # [T, H, L] bf16, [T, H] fp32, [rows, H, L] fp32, [rows, H] fp32
-    KV_SCALE,  # fp32 [1] (1.0: bf16)
-    qk_scale,  # sm_scale x log2(e)
+    Q_SCALE, KV_SCALE,  # fp32 [1] each (1.0 for bf16 batches; launch's overrides apply as in the Triton kernel)
+    sm_scale_log2,  # sm_scale x log2(e)
     num_heads, stride_bt, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt,
     PAGE_SIZE: gl.constexpr, HEAD_SPLIT: gl.constexpr, HEAD_GROUP: gl.constexpr,
 ):
@@ -462,13 +463,13 @@ def _mla_decode_seesaw_kernel(
     fence_async_shared()
     gl.warp_specialize([
         (_warpgroup, (0, q_desc, kv_desc, q_smem, kv_smem, p0_smem, m_smem, l_smem, q_full, q_empty, kv_full, xbar,
-                      BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, WORKER_INDPTR, OUT, LSE, O_PART, LSE_PART, KV_SCALE,
-                      qk_scale, num_heads, stride_bt, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt,
-                      PAGE_SIZE, HEAD_SPLIT, HEAD_GROUP)),
+                      BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, WORKER_INDPTR, OUT, LSE, O_PART, LSE_PART, Q_SCALE,
+                      KV_SCALE, sm_scale_log2, num_heads, stride_bt, stride_ot, stride_oh, stride_lt, stride_pt,
+                      stride_ph, stride_plt, PAGE_SIZE, HEAD_SPLIT, HEAD_GROUP)),
         (_warpgroup, (1, q_desc, kv_desc, q_smem, kv_smem, p0_smem, m_smem, l_smem, q_full, q_empty, kv_full, xbar,
-                      BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, WORKER_INDPTR, OUT, LSE, O_PART, LSE_PART, KV_SCALE,
-                      qk_scale, num_heads, stride_bt, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt,
-                      PAGE_SIZE, HEAD_SPLIT, HEAD_GROUP)),
+                      BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, WORKER_INDPTR, OUT, LSE, O_PART, LSE_PART, Q_SCALE,
+                      KV_SCALE, sm_scale_log2, num_heads, stride_bt, stride_ot, stride_oh, stride_lt, stride_pt,
+                      stride_ph, stride_plt, PAGE_SIZE, HEAD_SPLIT, HEAD_GROUP)),
     ], [4], [256])
 
 
@@ -515,7 +516,8 @@ def supported(batch) -> bool:
     return unsupported(batch) is None
 
 
-def launch_decode(batch, plan, out, lse, o_part, lse_part, kv_scale, head_group: int, head_split: int, qo_indptr):
+def launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, head_group: int, head_split: int,
+                  qo_indptr):
     """Launch the seesaw decode kernel (head_split programs per worker, head_group heads each); the caller launches
     the reduce."""
     T, H, D = batch.q.shape
@@ -526,7 +528,7 @@ def launch_decode(batch, plan, out, lse, o_part, lse_part, kv_scale, head_group:
     num_workers = plan.worker_indptr.numel() - 1
     return _mla_decode_seesaw_kernel[(num_workers * head_split,)](
         q_desc, kv_desc, batch.block_table, batch.seq_lens, qo_indptr, plan.work_items, plan.worker_indptr,
-        out, lse, o_part, lse_part, kv_scale, float(batch.sm_scale) * LOG2E,
+        out, lse, o_part, lse_part, q_scale, kv_scale, float(batch.sm_scale) * LOG2E,
         H, batch.block_table.stride(0), out.stride(0), out.stride(1), lse.stride(0),
         o_part.stride(0), o_part.stride(1), lse_part.stride(0),
         PAGE_SIZE=kv.shape[1], HEAD_SPLIT=head_split, HEAD_GROUP=head_group, num_warps=4,

@@ -126,7 +126,8 @@ def _q_columns(q):
     """q [16, n] (channel order) as fp16 in the K operand's column order (_k_operand): column 16 b + 8 h + 2 t + j
     holds channel 16 b + 4 t + 2 h + j."""
     n: gl.constexpr = q.shape[1]
-    q = gl.permute(gl.reshape(q.to(gl.float16), [_ROWS, n // 16, 4, 2, 2]), (0, 1, 3, 2, 4))  # (b, t, h, j) -> (b, h, t, j)
+    q = gl.reshape(q.to(gl.float16), [_ROWS, n // 16, 4, 2, 2])  # (row, b, t, h, j)
+    q = gl.permute(q, (0, 1, 3, 2, 4))  # (row, b, h, t, j)
     return gl.reshape(q, [_ROWS, n])
 
 

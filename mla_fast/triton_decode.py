@@ -941,8 +941,8 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
         from mla_fast import gluon_decode
 
         gluon_decode.check_batch(batch, config.head_group, config.head_split, max_rows)
-        compiled = gluon_decode.launch_decode(batch, plan, out, lse, o_part, lse_part, kv_scale, config.head_group,
-                                              config.head_split, qo_indptr)
+        compiled = gluon_decode.launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale,
+                                              config.head_group, config.head_split, qo_indptr)
     elif config.kernel == "gluon_fp8":
         from mla_fast import gluon_fp8
 

@@ -359,7 +359,8 @@ def test_gluon_fp8_kernel_is_chosen_only_where_it_runs():
         assert (config.kernel, config.head_group, config.head_split, config.mma) == ("gluon_fp8", 16, 1, "fp16"), args
         g8.check_stages(config.num_stages, config.workers_per_sm)  # its shared memory fits
     for args in [("fp8kv", 16, 1, 128, False, False), ("fp8kv", 16, 2, 128, False, True),
-                 ("fp8kv", 128, 1, 128, False, True), ("fp8kv", 32, 1, 1, False, True), ("bf16", 16, 1, 128, False, True)]:
+                 ("fp8kv", 128, 1, 128, False, True), ("fp8kv", 32, 1, 1, False, True),
+                 ("bf16", 16, 1, 128, False, True)]:
         assert td.default_config(*args).kernel == "triton", args
     batch = TritonCase((70,), (1,), heads=16, page_size=64, L=512, R=64, combo="fp8kv").batch()
     assert not g8.supported(batch)
