@@ -39,16 +39,21 @@ Safety: TMA copies whole 64-token tiles, so the last tile of an item may hold ca
 slots are allowed): their scores are selected to -inf, and their c_kv rows are set to 0 in shared memory before the
 P.V operands are loaded. Rows that see no token give out = 0, lse = -inf.
 
-Performance (one H200, mla-bench, CUDA-graph replays, fp8kv; README): 224 us at (128, 8192, 16) (our bf16 294,
-FlashMLA's fp8 with fp8 q 219, the Triton kernel's fp8kv 302), 123 at (128, 4096, 16), 122 at (32, 16384, 16), 70
-at (64, 4096, 16), 46.5 at (32, 4096, 16), 16.4 at (1, 8192, 16). Measured and dropped: one program per SM with
-4 or 5 slots (249 / 259 us at (128, 8192, 16)); skipping the accumulator rescale when no row max moved (226 vs
-223 us: the extra reduction and branch cost more than the 72 multiplies); three score MMAs in flight (no change);
-an L2 prefetch (cp.async.bulk.prefetch) of the tile 1, 2 or 4 tiles past the last one issued (219, 255, 283 vs
-222 us, and slower at every other shape); pairing V's tokens at the byte level before the conversion (Triton
-emitted byte extracts: 1320 vs 968 instructions per tile, offline). ncu at (128, 8192, 16): 48 % of DRAM peak, stalls
-24 % wait, 21 % long scoreboard (18 % at the tile's mbarrier wait), 15 % short scoreboard (conversions waiting for
-shared-memory loads).
+Performance (one H200, mla-bench, CUDA-graph replays; README): fp8kv 213.5 us at (128, 8192, 16) (our bf16 293.8,
+FlashMLA's fp8 with fp8 q 218.0, the Triton kernel's staged path 302), 117.1 at (128, 4096, 16), 116.9 at
+(32, 16384, 16), 67.7 at (64, 4096, 16), 45.2 at (32, 4096, 16), 16.1 at (1, 8192, 16); fp8 q within 1 % of that.
+Loading each score chunk's operand before the previous chunk's MMA is issued and V's first quarter before the softmax
+took 222.8 to 211.8 us at (128, 8192, 16) (same bits). Measured and dropped: one program per SM with 4 or 5 slots
+(249 / 259 us at (128, 8192, 16), before that change); skipping the accumulator rescale when no row max moved (226 vs
+223 us: the extra reduction and branch cost more than the 72 multiplies); three score MMAs in flight (no change); an
+L2 prefetch (cp.async.bulk.prefetch) of the tile 1, 2 or 4 tiles past the last one issued (219, 255, 283 vs 222 us,
+and slower at every other shape); pairing V's tokens at the byte level before the conversion (Triton emitted byte
+extracts: 1320 vs 968 instructions per tile, offline); the bf16 cache through the same loop with both MMA operands
+read from shared memory (no conversions; one program per SM with two 72 KB slots): 358 vs 289 us for the Triton
+kernel at (128, 8192, 16), 60.5 vs 56.3 at (32, 4096, 16) (16.9 vs 18.1 at b = 1). ncu at (128, 8192, 16) (before
+the operand reordering): 48 % of DRAM peak, 36 % of issue slots busy with 1.9 warps per scheduler, the ALU pipe
+(conversions, byte permutes) 40 % busy; stalls 24 % wait, 21 % long scoreboard (18 % at the tile's mbarrier wait),
+15 % short scoreboard (conversions waiting for shared-memory loads): latency-bound, not throughput-bound.
 
 Device only (CUDA sm_90): the interpreter cannot run Gluon; tests/test_triton_gpu.py checks it against the fp64
 oracle.

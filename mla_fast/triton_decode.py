@@ -46,7 +46,7 @@ On CUDA sm_90, bf16 batches with more than 32 packed rows per program take the G
 one H200 against this kernel's 443 us below (FlashMLA 243-251 us), 86 vs 131 us at (32, 4096, 128), 574 vs 900 us at
 (128, 4096, 128) with q_len 2. It executes the same WorkPlan and writes the same partials, merged by
 `_mla_reduce_kernel`. Likewise e4m3fn caches at 16 heads per program (q_len 1) take the Gluon fp8 kernel
-(`mla_fast.gluon_fp8`, KernelConfig(kernel="gluon_fp8")): 224 vs 302 us (fp8kv) at (128, 8192, 16).
+(`mla_fast.gluon_fp8`, KernelConfig(kernel="gluon_fp8")): 213.5 vs 302 us (fp8kv) at (128, 8192, 16).
 
 Performance of this kernel (one H200, mla-bench, CUDA-graph replays, copy rate 4244-4269 GB/s; peers.md §2 conditions;
 README table): bf16 h=16 takes 288-294 us at (b=128, s=8192), 97-99 % of copy (FlashInfer FA3 291-301 us), 154-157 us
@@ -708,10 +708,11 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
     fp8_gluon: the Gluon fp8 kernel can run the batch (`gluon_fp8.supported`: CUDA sm_90, e4m3fn cache with bf16
     or e4m3fn q, L = 512, R = 64, pages of a multiple of 64 tokens, contiguous cache); `batch_config` passes it.
     - fp8 caches with 16 heads per program at q_len 1 and fp8_gluon: the Gluon fp8 kernel (kernel="gluon_fp8"), two
-      programs per SM with two tile slots each. One H200, graph replays, fp8kv, against this module's staged path:
-      222 vs 302 us at (128, 8192, 16), 122 vs 157 at (128, 4096, 16), 122 vs 159 at (32, 16384, 16), 71 vs 87 at
-      (64, 4096, 16), 46.6 vs 50.6 at (32, 4096, 16), 16.4 vs 17.5 at (1, 8192, 16); one program with four slots:
-      249, 132, 135, 77, 46.8, 16.2 us.
+      programs per SM with two tile slots each. One H200, graph replays, fp8kv, against this module's staged path
+      (same session): 213.5 vs 302 us at (128, 8192, 16), 117 vs 157 at (128, 4096, 16), 117 vs 159 at
+      (32, 16384, 16), 68 vs 87 at (64, 4096, 16), 45.2 vs 50.6 at (32, 4096, 16), 16.1 vs 17.5 at (1, 8192, 16);
+      one program with four slots (before the operand reordering, against 222, 122, 122, 71, 46.6, 16.4 for two
+      programs): 249, 132, 135, 77, 46.8, 16.2 us.
     - bf16 with more than 32 packed rows (q_len x head_group, head_group 8-64) and seesaw: the Gluon kernel
       (kernel="gluon"; MTP rows packed as in the Triton kernel). At q_len 1 (64 heads per program), one H200, graph
       replays: 299 vs 447 us at (128, 4096, 128) and 86 vs 130 us at (32, 4096, 128) against the Triton 64-row
