@@ -70,6 +70,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.runtime.jit import constexpr_function
 
 from mla_fast import planner
 from mla_fast.triton_decode import INTERPRET
@@ -92,6 +93,55 @@ _QO_START = gl.constexpr(planner.QO_START)
 _KV_START = gl.constexpr(planner.KV_START)
 _KV_END = gl.constexpr(planner.KV_END)
 _HEAD_START = gl.constexpr(planner.HEAD_START)
+
+# Channel permutations of the MMA operands (reshape to the split, then permute), shared with the CPU tests:
+K_BLOCK = (4, 2, 2)  # 16 channels of K (and q) as (t, h, j): channel 4 t + 2 h + j
+K_BLOCK_ORDER = (1, 0, 2)  # the score operand's column order (h, t, j): column 8 h + 2 t + j
+V_SPLIT = (4, 8, 2, 2)  # a 128-channel V quarter as (w, g, a1, a0): channel 32 w + 4 g + 2 a1 + a0
+V_ORDER = (2, 0, 3, 1)  # the P.V accumulator's row order (a1, w, a0, g): row 64 a1 + 16 w + 8 a0 + g
+
+
+@constexpr_function
+def _k_split(lead0, lead1):
+    """Shape [lead0, lead1, *K_BLOCK]: channel blocks of 16 split as (t, h, j)."""
+    return [lead0, lead1, *K_BLOCK]
+
+
+@constexpr_function
+def _k_order():
+    """(., ., t, h, j) -> (., ., h, t, j): K_BLOCK_ORDER after two leading dims."""
+    return (0, 1, *(2 + i for i in K_BLOCK_ORDER))
+
+
+@constexpr_function
+def _v_split(trail):
+    """Shape [*V_SPLIT, trail]: a 128-channel quarter split as (w, g, a1, a0)."""
+    return [*V_SPLIT, trail]
+
+
+@constexpr_function
+def _v_order():
+    """(w, g, a1, a0, .) -> (a1, w, a0, g, .)."""
+    return (*V_ORDER, len(V_ORDER))
+
+
+@constexpr_function
+def _acc_split(trail):
+    """Shape of an accumulator quarter's rows split as (a1, w, a0, g), then trail."""
+    return [*(V_SPLIT[i] for i in V_ORDER), trail]
+
+
+@constexpr_function
+def _acc_order():
+    """(a1, w, a0, g, .) -> (w, g, a1, a0, .): the inverse of _v_order."""
+    return (*sorted(range(len(V_ORDER)), key=lambda i: V_ORDER[i]), len(V_ORDER))
+
+
+@gluon.jit
+def _permute5(x, order: gl.constexpr):
+    """gl.permute of a 5-d tensor by a constexpr tuple (gl.permute takes a literal tuple)."""
+    return gl.permute(x, (order[0], order[1], order[2], order[3], order[4]))
+
 
 # register layouts (4 warps). MMA: wgmma accumulators, s^T [64, 16] and o^T quarters [128, 16]
 _MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16]))
@@ -120,9 +170,9 @@ _Q_LOAD = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
 @gluon.jit
 def _k_operand(chunk):
     """A operand [64 tokens, 64 columns] fp16 of a score MMA from an fp8 chunk in shared memory (column
-    16 b + 8 h + 2 t + j holds channel 16 b + 4 t + 2 h + j, as _Q_COLS)."""
-    k = gl.reshape(chunk.load(_K_LOAD).to(gl.float16), [_TILE, 4, 4, 2, 2])  # (token, b, t, h, j)
-    k = gl.reshape(gl.permute(k, (0, 1, 3, 2, 4)), [_TILE, 64])  # (token, b, h, t, j)
+    16 b + 8 h + 2 t + j holds channel 16 b + 4 t + 2 h + j, as in _q_columns)."""
+    k = gl.reshape(chunk.load(_K_LOAD).to(gl.float16), _k_split(_TILE, 4))  # (token, b, t, h, j)
+    k = gl.reshape(_permute5(k, _k_order()), [_TILE, 64])  # (token, b, h, t, j)
     return gl.convert_layout(k, _A_OP, assert_trivial=True)
 
 
@@ -131,8 +181,8 @@ def _q_columns(q):
     """q [16, n] (channel order) as fp16 in the K operand's column order (_k_operand): column 16 b + 8 h + 2 t + j
     holds channel 16 b + 4 t + 2 h + j."""
     n: gl.constexpr = q.shape[1]
-    q = gl.reshape(q.to(gl.float16), [_ROWS, n // 16, 4, 2, 2])  # (row, b, t, h, j)
-    q = gl.permute(q, (0, 1, 3, 2, 4))  # (row, b, h, t, j)
+    q = gl.reshape(q.to(gl.float16), _k_split(_ROWS, n // 16))  # (row, b, t, h, j)
+    q = _permute5(q, _k_order())  # (row, b, h, t, j)
     return gl.reshape(q, [_ROWS, n])
 
 
@@ -141,7 +191,7 @@ def _v_operand(v_quarter):
     """A operand V^T [128, 64] fp16 (row m = 64 a1 + 16 w + 8 a0 + g holds channel 32 w + 4 g + 2 a1 + a0) of a V
     quarter [64 tokens, 128 channels] fp8 in shared memory."""
     vt = gl.permute(v_quarter.load(_V_LOAD).to(gl.float16), (1, 0))  # [128 channels, 64 tokens]
-    vt = gl.permute(gl.reshape(vt, [4, 8, 2, 2, _TILE]), (2, 0, 3, 1, 4))  # (w, g, a1, a0) -> (a1, w, a0, g)
+    vt = _permute5(gl.reshape(vt, _v_split(_TILE)), _v_order())  # (w, g, a1, a0) -> (a1, w, a0, g)
     return gl.convert_layout(gl.reshape(vt, [_QUARTER, _TILE]), _A_OP, assert_trivial=True)
 
 
@@ -149,7 +199,8 @@ def _v_operand(v_quarter):
 def _channel_order(acc):
     """An accumulator quarter [128, 16] (row m = 64 a1 + 16 w + 8 a0 + g: channel 32 w + 4 g + 2 a1 + a0) as
     [16 rows, 128 channels] in _O_STORE."""
-    x = gl.permute(gl.reshape(acc, [2, 4, 2, 8, _ROWS]), (1, 3, 0, 2, 4))  # (a1, w, a0, g) -> (w, g, a1, a0)
+    x = gl.reshape(acc, _acc_split(_ROWS))  # (a1, w, a0, g, row)
+    x = _permute5(x, _acc_order())  # (w, g, a1, a0, row)
     return gl.convert_layout(gl.permute(gl.reshape(x, [_QUARTER, _ROWS]), (1, 0)), _O_STORE, assert_trivial=True)
 
 

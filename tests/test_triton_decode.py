@@ -397,5 +397,41 @@ def test_gluon_fp8_kernel_rejects_what_it_cannot_take():
         td.KernelConfig(kernel="gluon_fp8", mma="bf16")
 
 
+def test_gluon_fp8_channel_permutations_agree_with_their_layouts():
+    """The Gluon fp8 kernel's channel permutations (mla_fast.gluon_fp8: K_BLOCK / K_BLOCK_ORDER for the score operand
+    and q, V_SPLIT / V_ORDER for the P.V accumulator rows), replayed with torch on channel indices: the score operand
+    and q agree column by column and keep each k16 step on the same 16 channels; accumulator row m holds the
+    documented channel and the store's reordering undoes it; the register layouts that load and store them have
+    the matching channel bits (so the kernel's layout conversions move no data)."""
+    g8 = pytest.importorskip("mla_fast.gluon_fp8")
+
+    def replay(idx, shape, order):  # the kernel's reshape-then-permute on a tensor of channel indices
+        return idx.reshape(shape).permute(order).reshape(-1)
+
+    k_cols = replay(torch.arange(64), g8._k_split(1, 4), g8._k_order())  # column -> channel, one 64-channel chunk
+    q_cols = replay(torch.arange(512), g8._k_split(1, 32), g8._k_order())  # the same for q_nope
+    assert torch.equal(q_cols, torch.cat([k_cols + 64 * c for c in range(8)]))
+    col = torch.arange(64)  # documented: column 16 b + 8 h + 2 t + j holds channel 16 b + 4 t + 2 h + j
+    assert torch.equal(k_cols, (col & ~15) + 4 * ((col >> 1) & 3) + 2 * ((col >> 3) & 1) + (col & 1))
+    assert torch.equal(k_cols.reshape(4, 16).sort(1).values, torch.arange(64).reshape(4, 16))  # k16 steps
+
+    v_rows = replay(torch.arange(128), g8._v_split(1), g8._v_order())  # accumulator row -> channel, one quarter
+    m = torch.arange(128)  # documented: row 64 a1 + 16 w + 8 a0 + g holds channel 32 w + 4 g + 2 a1 + a0
+    a1, w, a0, g = m >> 6, (m >> 4) & 3, (m >> 3) & 1, m & 7
+    assert torch.equal(v_rows, 32 * w + 4 * g + 2 * a1 + a0)
+    assert torch.equal(replay(v_rows, g8._acc_split(1), g8._acc_order()), torch.arange(128))  # store order
+
+    def channel_bits(layout, dim):  # the channel offset each register / lane / warp bit of a layout selects
+        layout = layout.value
+        return [[b[dim] for b in bases] for bases in (layout.reg_bases, layout.lane_bases, layout.warp_bases)]
+
+    # K chunk [tokens, channels]: registers j, h first (4 adjacent channels), lanes t (4 t), the rest tokens
+    assert channel_bits(g8._K_LOAD, 1) == [[1, 2, 0, 16, 32], [4, 8, 0, 0, 0], [0, 0]]
+    # V quarter [tokens, channels] and output quarter [rows, channels]: a0, a1 in registers first, g in lanes
+    # 2-4, w in the warps, as V_SPLIT = (w, g, a1, a0)
+    assert channel_bits(g8._V_LOAD, 1) == [[1, 2, 0, 0, 0, 0], [0, 0, 4, 8, 16], [32, 64]]
+    assert channel_bits(g8._O_STORE, 1) == [[1, 2, 0, 0], [0, 0, 4, 8, 16], [32, 64]]
+
+
 if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
     print(json.dumps(_worker()))
