@@ -251,13 +251,16 @@ def run_grid(shapes, combos, peers=True, copy_gbs=None, candidates=False, json_p
     return result
 
 
-_V_RELOAD = dict(fp8_stage=False, split_l=1, page_chunk=0, lazy_l=False, num_warps=8, num_stages=5, v_reload=True)
 # fp8 caches on 32-row mma.sync tiles: the h >= 64 default before 64-row tiles (and still at batch <= SMALL_BATCH)
 FP8_32_ROWS = dict(head_group=32, head_split=1, num_warps=8, num_stages=3, split_l=8, page_chunk=32, lazy_l=True,
                    unchain=False)
+# fp8 caches at 16 rows on the Triton kernel's staged path: the default before the Gluon fp8 kernel (and off sm_90)
+TRITON_FP8_16_ROWS = dict(kernel="triton", num_warps=4, num_stages=4, workers_per_sm=1, fp8_stage=True, split_l=8,
+                          page_chunk=32, lazy_l=True)
 CANDIDATES = {  # (combo, num_heads) -> KernelConfig overrides of default_config timed beside it (--candidates)
-    ("fp8kv", 16): [dict(split_l=4, num_stages=3)],  # before eight slices and three tiles buffered
-    ("fp8", 16): [_V_RELOAD],  # before the staged path
+    # the Triton staged path, the Gluon fp8 kernel with one program per SM and four slots (the default: two x two)
+    ("fp8kv", 16): [TRITON_FP8_16_ROWS, dict(num_stages=4, workers_per_sm=1)],
+    ("fp8", 16): [TRITON_FP8_16_ROWS],
     ("bf16", 128): [  # the Triton 64-row layout (the b >= 32 default before the Gluon kernel; at b = 1 31.4 vs 29.4 us
                       # for the small-batch rule), and the Gluon seesaw kernel (the b >= 32 default on an H200)
                     dict(kernel="triton", head_group=64, head_split=2, num_warps=8, num_stages=2, split_l=2,
