@@ -335,6 +335,7 @@ def _mla_decode_fp8_kernel(
             t0 = kv_start + t * _TILE
             if kv_end - t0 < _TILE:  # the last tile: rows past KV_END to 0 before anything reads them (their
                 _zero_tail(ckv, kv_end - t0)  # scores are selected away below whatever they hold)
+                fence_async_shared()  # ordered before the slot's next TMA write (async proxy)
                 gl.thread_barrier()
             # one chain over 9 chunks of 64 channels; each chunk's operand is loaded before the previous chunk's
             # MMA is issued, two MMAs in flight at most (each A operand holds 16 registers until its MMA is done)
