@@ -483,23 +483,44 @@ def unsupported(batch, head_group: int | None = None, head_split: int | None = N
     capture)."""
     if batch.q.dtype != torch.bfloat16 or batch.kv_cache.dtype != torch.bfloat16:
         return f"kernel='gluon' takes bf16 q and cache, got {batch.q.dtype}/{batch.kv_cache.dtype}"
-    if (batch.kv_lora_rank, batch.q.shape[-1] - batch.kv_lora_rank) != (L_DIM, R_DIM):
-        return f"kernel='gluon' needs kv_lora_rank {L_DIM} and rope_dim {R_DIM}"
-    if batch.kv_cache.shape[1] % TILE:
-        return f"kernel='gluon' needs page_size % {TILE} == 0, got {batch.kv_cache.shape[1]}"
+    reason = layout_reason(batch, "gluon")
+    if reason:
+        return reason
     if not batch.q.is_contiguous() or not batch.kv_cache.is_contiguous():
         return "kernel='gluon' needs contiguous q and kv_cache (TMA descriptors)"
     if head_group is not None:
         if head_group not in HEAD_GROUPS:
             return f"kernel='gluon' needs head_group in {HEAD_GROUPS}, got {head_group}"
-        if batch.num_heads != head_group * head_split:
-            return (f"kernel='gluon' needs num_heads = head_group x head_split, got {batch.num_heads} heads, "
-                    f"{head_group} x {head_split}")
+        reason = heads_reason(batch, "gluon", head_group, head_split)
+        if reason:
+            return reason
         if max_rows > ROWS:
             return f"kernel='gluon' packs at most 64 rows (q_len x head_group), got {max_rows}"
+    return device_reason(batch, "gluon")
+
+
+def layout_reason(batch, kernel: str) -> str | None:
+    """The cache layout both Gluon kernels need (L = 512, R = 64, 64-token TMA tiles inside a page), or why not."""
+    if (batch.kv_lora_rank, batch.q.shape[-1] - batch.kv_lora_rank) != (L_DIM, R_DIM):
+        return f"kernel={kernel!r} needs kv_lora_rank {L_DIM} and rope_dim {R_DIM}"
+    if batch.kv_cache.shape[1] % TILE:
+        return f"kernel={kernel!r} needs page_size % {TILE} == 0, got {batch.kv_cache.shape[1]}"
+    return None
+
+
+def heads_reason(batch, kernel: str, head_group: int, head_split: int) -> str | None:
+    """Why head_split programs of head_group heads do not cover the batch's heads, or None."""
+    if batch.num_heads != head_group * head_split:
+        return (f"kernel={kernel!r} needs num_heads = head_group x head_split, got {batch.num_heads} heads, "
+                f"{head_group} x {head_split}")
+    return None
+
+
+def device_reason(batch, kernel: str) -> str | None:
+    """Why a Gluon kernel cannot run on the batch's device (it needs CUDA sm_90 outside the interpreter), or None."""
     device = batch.q.device
     if INTERPRET or device.type != "cuda" or torch.version.hip or torch.cuda.get_device_capability(device) != (9, 0):
-        return f"kernel='gluon' runs on CUDA sm_90 outside the interpreter (wgmma, TMA), got {device}"
+        return f"kernel={kernel!r} runs on CUDA sm_90 outside the interpreter (wgmma, TMA), got {device}"
     return None
 
 

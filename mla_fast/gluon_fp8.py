@@ -72,27 +72,30 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.jit import constexpr_function
 
-from mla_fast import planner
-from mla_fast.triton_decode import INTERPRET
+from mla_fast import gluon_decode
+from mla_fast.gluon_decode import (  # the tile, widths, work-item columns and block-table walk of the seesaw kernel
+    _BATCH,
+    _HEAD_START,
+    _KV_END,
+    _KV_START,
+    _L_DIM,
+    _LN2,
+    _PARTIAL_ROW,
+    _QO_START,
+    _R_DIM,
+    _TILE,
+    L_DIM,
+    LOG2E,
+    R_DIM,
+    TILE,
+    _tile_row,
+)
 
 ROWS = 16  # packed rows per program: the 16 heads of one query row (wgmma N)
-TILE = 64  # KV tokens per tile (wgmma M)
-L_DIM, R_DIM = 512, 64
 QUARTER = L_DIM // 4  # output channels per P.V accumulator (one [64, 128] c_kv box)
-LOG2E = 1.4426950408889634
 
 _ROWS = gl.constexpr(ROWS)
-_TILE = gl.constexpr(TILE)
-_L_DIM = gl.constexpr(L_DIM)
-_R_DIM = gl.constexpr(R_DIM)
 _QUARTER = gl.constexpr(QUARTER)
-_LN2 = gl.constexpr(0.6931471805599453)
-_BATCH = gl.constexpr(planner.BATCH)
-_PARTIAL_ROW = gl.constexpr(planner.PARTIAL_ROW)
-_QO_START = gl.constexpr(planner.QO_START)
-_KV_START = gl.constexpr(planner.KV_START)
-_KV_END = gl.constexpr(planner.KV_END)
-_HEAD_START = gl.constexpr(planner.HEAD_START)
 
 # Channel permutations of the MMA operands (reshape to the split, then permute), shared with the CPU tests:
 K_BLOCK = (4, 2, 2)  # 16 channels of K (and q) as (t, h, j): channel 4 t + 2 h + j
@@ -223,14 +226,6 @@ def _issue_tile(ckv_desc, kpe_desc, ckv_smem, kpe_smem, ready, slot, row):
     for c in gl.static_range(4):
         tma.async_copy_global_to_shared(ckv_desc, [row, c * 128], bar, ckv_smem.index(slot).slice(c * 128, 128, dim=1))
     tma.async_copy_global_to_shared(kpe_desc, [row, _L_DIM], bar, kpe_smem.index(slot))
-
-
-@gluon.jit
-def _tile_row(BLOCK_TABLE, b, stride_bt, kv_start, t, n_tiles, PAGE_SIZE: gl.constexpr):
-    """First cache row (of the [pages x page_size, 576] view) of tile t of an item; 0 past the item's last tile."""
-    tok = kv_start + t * _TILE
-    page = gl.load(BLOCK_TABLE + b * stride_bt + tok // PAGE_SIZE, mask=t < n_tiles, other=0)
-    return page * PAGE_SIZE + tok % PAGE_SIZE
 
 
 @gluon.jit
@@ -403,23 +398,19 @@ def unsupported(batch, head_group: int | None = None, head_split: int | None = N
     if batch.kv_cache.dtype != torch.float8_e4m3fn or batch.q.dtype not in (torch.bfloat16, torch.float8_e4m3fn):
         return (f"kernel='gluon_fp8' takes an e4m3fn cache with bf16 or e4m3fn q, got "
                 f"{batch.q.dtype}/{batch.kv_cache.dtype}")
-    if (batch.kv_lora_rank, batch.q.shape[-1] - batch.kv_lora_rank) != (L_DIM, R_DIM):
-        return f"kernel='gluon_fp8' needs kv_lora_rank {L_DIM} and rope_dim {R_DIM}"
-    if batch.kv_cache.shape[1] % TILE:
-        return f"kernel='gluon_fp8' needs page_size % {TILE} == 0, got {batch.kv_cache.shape[1]}"
+    reason = gluon_decode.layout_reason(batch, "gluon_fp8")
+    if reason:
+        return reason
     if not batch.kv_cache.is_contiguous() or batch.q.stride(-1) != 1:
         return "kernel='gluon_fp8' needs a contiguous kv_cache (TMA descriptor) and q with unit channel stride"
     if head_group is not None:
         if head_group != ROWS or max_rows > ROWS:
             return (f"kernel='gluon_fp8' takes head_group {ROWS} at q_len 1 ({ROWS} rows), got head_group "
                     f"{head_group}, {max_rows} rows")
-        if batch.num_heads != head_group * head_split:
-            return (f"kernel='gluon_fp8' needs num_heads = head_group x head_split, got {batch.num_heads} heads, "
-                    f"{head_group} x {head_split}")
-    device = batch.q.device
-    if INTERPRET or device.type != "cuda" or torch.version.hip or torch.cuda.get_device_capability(device) != (9, 0):
-        return f"kernel='gluon_fp8' runs on CUDA sm_90 outside the interpreter (wgmma, TMA), got {device}"
-    return None
+        reason = gluon_decode.heads_reason(batch, "gluon_fp8", head_group, head_split)
+        if reason:
+            return reason
+    return gluon_decode.device_reason(batch, "gluon_fp8")
 
 
 SLOT_BYTES = TILE * (L_DIM + R_DIM)  # one tile slot (fp8): 36 KB
