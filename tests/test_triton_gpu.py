@@ -301,20 +301,25 @@ def test_gluon_seesaw_bench_grid_within_kernel_bound(shape):
     assert r["finite"] and r["out_ratio"] <= 1.0 and r["lse_ratio"] <= 1.0, r
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon' needs sm_90")
-def test_gluon_seesaw_deterministic_and_graph_replay_equals_eager():
-    """10 eager runs give the same bits, and so do graph replays after re-planning (NaN-poisoned outputs)."""
+def _check_10_runs_and_graph_replays(case, overrides: dict, lens_list):
+    """10 eager runs of a TritonMLADecode step with KernelConfig(**overrides) give the same bits, and so do graph
+    replays after re-planning with each seq_lens of lens_list (NaN-poisoned outputs)."""
     from mla_fast.triton_decode import KernelConfig, TritonMLADecode
 
-    case = GLUON_CASES[0]
-    step = TritonMLADecode(case.batch("cuda"), config=KernelConfig(**_gluon(case.heads)))
+    step = TritonMLADecode(case.batch("cuda"), config=KernelConfig(**overrides))
     step.plan()
     out0, lse0 = (t.clone() for t in step.run())
     for _ in range(10):
         out, lse = step.run()
         assert torch.equal(out.view(torch.int16), out0.view(torch.int16))
         assert torch.equal(lse.view(torch.int32), lse0.view(torch.int32))
-    _check_graph_replays_equal_eager(step, ([5, 1500, 0, 4097], [50, 0, 2000, 64]))
+    _check_graph_replays_equal_eager(step, lens_list)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon' needs sm_90")
+def test_gluon_seesaw_deterministic_and_graph_replay_equals_eager():
+    case = GLUON_CASES[0]
+    _check_10_runs_and_graph_replays(case, _gluon(case.heads), ([5, 1500, 0, 4097], [50, 0, 2000, 64]))
 
 
 def _gluon_fp8(heads: int) -> dict:
@@ -358,15 +363,6 @@ def test_gluon_fp8_bench_grid_within_kernel_bound(shape, combo):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon_fp8' needs sm_90")
 def test_gluon_fp8_deterministic_and_graph_replay_equals_eager():
-    """10 eager runs give the same bits, and so do graph replays after re-planning (NaN-poisoned outputs)."""
-    from mla_fast.triton_decode import KernelConfig, TritonMLADecode
-
     case = GLUON_FP8_CASES[0]
-    step = TritonMLADecode(case.batch("cuda"), config=KernelConfig(**_gluon_fp8(case.heads)))
-    step.plan()
-    out0, lse0 = (t.clone() for t in step.run())
-    for _ in range(10):
-        out, lse = step.run()
-        assert torch.equal(out.view(torch.int16), out0.view(torch.int16))
-        assert torch.equal(lse.view(torch.int32), lse0.view(torch.int32))
-    _check_graph_replays_equal_eager(step, ([0, 1, 63, 64, 65, 1000, 4097], [0, 1, 2, 64, 0, 900, 130]))
+    _check_10_runs_and_graph_replays(case, _gluon_fp8(case.heads),
+                                     ([0, 1, 63, 64, 65, 1000, 4097], [0, 1, 2, 64, 0, 900, 130]))
