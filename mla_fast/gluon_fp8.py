@@ -24,7 +24,8 @@ memory once per use (twice in all: scores, then P.V), converts it in registers a
   load of 4 adjacent channels feeds 4 of its accumulator rows (after the conversion one PRMT per register pairs
   the tokens); the permutation is undone when the output is stored (4 adjacent channels per vector store).
 - KV tiles arrive by TMA (c_kv as four [64, 128] boxes, k_pe as one [64, 64] box) into STAGES slots (a launch
-  parameter), issued STAGES - 1 tiles ahead; a slot is reissued once every warp has loaded its operands from it.
+  parameter): an item's first STAGES tiles are issued at its start, and the slot of tile t is reissued with tile
+  t + STAGES once every warp has loaded its operands from it, so STAGES - 1 tiles are in flight while one is computed.
   At most two score MMAs and two P.V MMAs are in flight (each register A operand stays live until its MMA is done).
 - default_config runs two programs per SM (workers_per_sm=2) with two slots each (94 KB of shared memory, 255
   registers): one program's softmax and loads overlap the other's MMAs.
@@ -300,7 +301,7 @@ def _mla_decode_fp8_kernel(
         kv_end = gl.load(item + _KV_END)
         head_start = gl.load(item + _HEAD_START) + head_part * _ROWS
         n_tiles = gl.cdiv(kv_end - kv_start, _TILE)
-        for i in gl.static_range(STAGES - 1):  # the first tiles (every slot is free: see the end of the loop)
+        for i in gl.static_range(STAGES):  # the first tiles (every slot is free: see the end of the loop)
             if i < n_tiles:
                 _issue_tile(ckv_desc, kpe_desc, ckv_smem, kpe_smem, ready, (g + i) % STAGES,
                             _tile_row(BLOCK_TABLE, b, stride_bt, kv_start, i, n_tiles, PAGE_SIZE))
@@ -320,11 +321,11 @@ def _mla_decode_fp8_kernel(
         acc1 = gl.zeros([_QUARTER, _ROWS], gl.float32, _MMA)
         acc2 = gl.zeros([_QUARTER, _ROWS], gl.float32, _MMA)
         acc3 = gl.zeros([_QUARTER, _ROWS], gl.float32, _MMA)
-        next_row = _tile_row(BLOCK_TABLE, b, stride_bt, kv_start, STAGES - 1, n_tiles, PAGE_SIZE)
+        next_row = _tile_row(BLOCK_TABLE, b, stride_bt, kv_start, STAGES, n_tiles, PAGE_SIZE)
         for t in range(n_tiles):
             slot = g % STAGES
-            row = next_row  # first cache row of tile t + STAGES - 1, issued at the end of this tile
-            next_row = _tile_row(BLOCK_TABLE, b, stride_bt, kv_start, t + STAGES, n_tiles, PAGE_SIZE)
+            row = next_row  # first cache row of tile t + STAGES, issued into this slot at the end of this tile
+            next_row = _tile_row(BLOCK_TABLE, b, stride_bt, kv_start, t + STAGES + 1, n_tiles, PAGE_SIZE)
             mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
             ckv = ckv_smem.index(slot)
             t0 = kv_start + t * _TILE
@@ -373,8 +374,8 @@ def _mla_decode_fp8_kernel(
             acc3 = warpgroup_mma(_v_operand(ckv.slice(3 * _QUARTER, _QUARTER, dim=1)), p_op, acc3, is_async=True)
             acc2, acc3 = warpgroup_mma_wait(0, deps=(acc2, acc3))
             gl.thread_barrier()  # every warp is done with the slot and with p_smem
-            if t + STAGES - 1 < n_tiles:
-                _issue_tile(ckv_desc, kpe_desc, ckv_smem, kpe_smem, ready, (g + STAGES - 1) % STAGES, row)
+            if t + STAGES < n_tiles:
+                _issue_tile(ckv_desc, kpe_desc, ckv_smem, kpe_smem, ready, slot, row)
             g += 1
 
         l_sum = gl.sum(l_t, 0)  # [16]
