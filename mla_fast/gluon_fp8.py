@@ -347,7 +347,9 @@ def _mla_decode_fp8_kernel(
                     s = warpgroup_mma_wait(1, deps=(s,))
                 a = a_next
             s = warpgroup_mma(a, q_pe.permute((1, 0)), s, is_async=True)
-            v0 = _v_operand(ckv.slice(0, _QUARTER, dim=1))  # loaded while the scores finish and the softmax runs
+            # V's first two quarters are loaded while the scores finish and the softmax runs
+            v0 = _v_operand(ckv.slice(0, _QUARTER, dim=1))
+            v1 = _v_operand(ckv.slice(_QUARTER, _QUARTER, dim=1))
             s = warpgroup_mma_wait(0, deps=(s,))
             tok = t0 + gl.arange(0, _TILE, tok_l)
             s = gl.where((tok < kv_end)[:, None], s * qk_scale, float("-inf"))
@@ -367,7 +369,7 @@ def _mla_decode_fp8_kernel(
             p_op = p_smem.permute((1, 0))  # [64 tokens, 16 rows]
             # two quarters in flight at most (each A operand holds 32 registers until its MMA is done)
             acc0 = warpgroup_mma(v0, p_op, acc0, is_async=True)
-            acc1 = warpgroup_mma(_v_operand(ckv.slice(_QUARTER, _QUARTER, dim=1)), p_op, acc1, is_async=True)
+            acc1 = warpgroup_mma(v1, p_op, acc1, is_async=True)
             acc0 = warpgroup_mma_wait(1, deps=(acc0,))
             acc2 = warpgroup_mma(_v_operand(ckv.slice(2 * _QUARTER, _QUARTER, dim=1)), p_op, acc2, is_async=True)
             acc1 = warpgroup_mma_wait(1, deps=(acc1,))
