@@ -45,8 +45,9 @@ On CUDA sm_90, bf16 batches with more than 32 packed rows per program take the G
 (`mla_fast.gluon_decode`, KernelConfig(kernel="gluon"), chosen by `batch_config`): 276-288 us at (128, 4096, 128) on
 one H200 against this kernel's 443 us below (FlashMLA 243-251 us), 86 vs 131 us at (32, 4096, 128), 574 vs 900 us at
 (128, 4096, 128) with q_len 2. It executes the same WorkPlan and writes the same partials, merged by
-`_mla_reduce_kernel`. Likewise e4m3fn caches at 16 heads per program (q_len 1) take the Gluon fp8 kernel
-(`mla_fast.gluon_fp8`, KernelConfig(kernel="gluon_fp8")): 213.5 vs 302 us (fp8kv) at (128, 8192, 16).
+`_mla_reduce_kernel`. Likewise e4m3fn caches at q_len 1 with 16 or 32 heads, or more heads at small batches
+(default_config), take the Gluon fp8 kernel at 16 heads per program (`mla_fast.gluon_fp8`,
+KernelConfig(kernel="gluon_fp8")): 179 vs 302 us (fp8kv) at (128, 8192, 16), 163 vs 249 us at (128, 4096, 32).
 
 Performance of this kernel (one H200, mla-bench, CUDA-graph replays, copy rate 4244-4269 GB/s; peers.md §2 conditions;
 README table): bf16 h=16 takes 288-294 us at (b=128, s=8192), 97-99 % of copy (FlashInfer FA3 291-301 us), 154-157 us
@@ -696,6 +697,7 @@ def dtype_combo(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> str:
 
 
 SMALL_BATCH = 4  # batches up to this size (q_len 1) take no 64-row tiles (default_config)
+GLUON_FP8_MAX_BATCH_X_HEADS = 512  # fp8 caches with more than 32 heads take the Gluon fp8 kernel up to this batch x heads
 
 
 def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int | None = None,
@@ -707,12 +709,20 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
     pages of a multiple of 64 tokens, contiguous q and cache); `batch_config` passes it.
     fp8_gluon: the Gluon fp8 kernel can run the batch (`gluon_fp8.supported`: CUDA sm_90, e4m3fn cache with bf16
     or e4m3fn q, L = 512, R = 64, pages of a multiple of 64 tokens, contiguous cache); `batch_config` passes it.
-    - fp8 caches with 16 heads per program at q_len 1 and fp8_gluon: the Gluon fp8 kernel (kernel="gluon_fp8"), two
-      programs per SM with two tile slots each. One H200, graph replays, fp8kv, against this module's staged path
-      (same session): 213.5 vs 302 us at (128, 8192, 16), 117 vs 157 at (128, 4096, 16), 117 vs 159 at
-      (32, 16384, 16), 68 vs 87 at (64, 4096, 16), 45.2 vs 50.6 at (32, 4096, 16), 16.1 vs 17.5 at (1, 8192, 16);
-      one program with four slots (before the operand reordering, against 222, 122, 122, 71, 46.6, 16.4 for two
-      programs): 249, 132, 135, 77, 46.8, 16.2 us.
+    - fp8 caches at q_len 1 with fp8_gluon and 16 or 32 heads, or 48-128 heads (a multiple of 16) when
+      batch_size x num_heads <= GLUON_FP8_MAX_BATCH_X_HEADS: the Gluon fp8 kernel (kernel="gluon_fp8"), 16 heads per
+      program (head_split num_heads / 16: each KV tile read once from HBM, the rest from L2), two programs per SM
+      with two tile slots each. One H200, graph replays, fp8kv, against this module's staged path (sixth session):
+      213.5 vs 302 us at (128, 8192, 16), 117 vs 157 at (128, 4096, 16), 117 vs 159 at (32, 16384, 16), 68 vs 87
+      at (64, 4096, 16), 45.2 vs 50.6 at (32, 4096, 16), 16.1 vs 17.5 at (1, 8192, 16); one program with four slots
+      (before the operand reordering, against 222, 122, 122, 71, 46.6, 16.4 for two programs): 249, 132, 135, 77,
+      46.8, 16.2 us. More heads (seventh session, after the slot fix): 32 heads 54.3 vs 75.9 us at (32, 4096),
+      93.2 vs 134.6 at (64, 4096), 163.1 vs 249.2 at (128, 4096), 17.3 vs 21.4 at (1, 8192), 35.6 vs 46.6 at
+      (16, 4096); 64 heads 19.9 vs 23.3 at (1, 8192), 35.6 vs 47.8 at (4, 8192), 53.1 vs 57.9 at (8, 8192), 52.4
+      vs 54.8 at (16, 4096), but 89.7 vs 87.4 at (16, 8192), 90.7 vs 85.8 at (32, 4096), 160.9 vs 150.3 at
+      (64, 4096); 128 heads 24.6 vs 31.0 at (1, 8192), 34.8 vs 46.8 at (2, 8192), 52.2 vs 74.5 at (4, 8192), 52.1
+      vs 55.1 at (8, 4096), 89.0 vs 88.5 at (8, 8192), but 90.0 vs 86.8 at (16, 4096), 160.4 vs 156.2 at
+      (32, 4096), 614.8 vs 547.5 at (128, 4096): hence batch x heads <= 512.
     - bf16 with more than 32 packed rows (q_len x head_group, head_group 8-64) and seesaw: the Gluon kernel
       (kernel="gluon"; MTP rows packed as in the Triton kernel). At q_len 1 (64 heads per program), one H200, graph
       replays: 299 vs 447 us at (128, 4096, 128) and 86 vs 130 us at (32, 4096, 128) against the Triton 64-row
@@ -778,7 +788,8 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
     if rows > 32 and seesaw and combo == "bf16" and head_group in _gluon_head_groups():
         return KernelConfig(block_n=64, mma=mma, head_group=head_group, head_split=num_heads // head_group,
                             kernel="gluon")
-    if fp8_kv and fp8_gluon and head_group == 16 and max_q_len == 1:
+    if fp8_kv and fp8_gluon and max_q_len == 1 and num_heads % 16 == 0 and (
+            num_heads <= 32 or (batch_size is not None and batch_size * num_heads <= GLUON_FP8_MAX_BATCH_X_HEADS)):
         return KernelConfig(block_n=64, mma=mma, head_group=16, head_split=num_heads // 16, num_stages=2,
                             workers_per_sm=2, kernel="gluon_fp8")
     if rows > 32 and small_batch:  # bf16, few requests

@@ -350,16 +350,23 @@ def test_gluon_kernel_rejects_what_it_cannot_take():
 
 
 def test_gluon_fp8_kernel_is_chosen_only_where_it_runs():
-    """default_config takes the Gluon fp8 kernel for fp8 caches with 16 heads per program at q_len 1, and only with
-    fp8_gluon=True, which batch_config sets from gluon_fp8.supported (never on this CPU)."""
+    """default_config takes the Gluon fp8 kernel (16 heads per program) for fp8 caches at q_len 1 with 16 or 32 heads,
+    or a multiple of 16 heads when batch x heads <= GLUON_FP8_MAX_BATCH_X_HEADS, and only with fp8_gluon=True, which
+    batch_config sets from gluon_fp8.supported (never on this CPU)."""
     td = pytest.importorskip("mla_fast.triton_decode")
     g8 = pytest.importorskip("mla_fast.gluon_fp8")
-    for args in [("fp8kv", 16, 1, 128), ("fp8", 16, 1, 32), ("fp8kv", 16, 1, 1)]:
+    assert td.GLUON_FP8_MAX_BATCH_X_HEADS == 512  # the rule's threshold, measured (default_config's docstring)
+    for args in [("fp8kv", 16, 1, 128), ("fp8", 16, 1, 32), ("fp8kv", 16, 1, 1), ("fp8kv", 32, 1, 128),
+                 ("fp8", 32, 1, None), ("fp8kv", 48, 1, 10), ("fp8kv", 64, 1, 8), ("fp8", 128, 1, 4),
+                 ("fp8kv", 128, 1, 1)]:
         config = td.default_config(*args, fp8_gluon=True)
-        assert (config.kernel, config.head_group, config.head_split, config.mma) == ("gluon_fp8", 16, 1, "fp16"), args
+        assert (config.kernel, config.head_group, config.head_split, config.mma) == (
+            "gluon_fp8", 16, args[1] // 16, "fp16"), args
         g8.check_stages(config.num_stages, config.workers_per_sm)  # its shared memory fits
     for args in [("fp8kv", 16, 1, 128, False, False), ("fp8kv", 16, 2, 128, False, True),
-                 ("fp8kv", 128, 1, 128, False, True), ("fp8kv", 32, 1, 1, False, True),
+                 ("fp8kv", 128, 1, 128, False, True), ("fp8kv", 128, 1, 5, False, True),
+                 ("fp8kv", 64, 1, 9, False, True), ("fp8kv", 64, 1, None, False, True),
+                 ("fp8kv", 8, 1, 1, False, True), ("fp8kv", 40, 1, 1, False, True),
                  ("bf16", 16, 1, 128, False, True)]:
         assert td.default_config(*args).kernel == "triton", args
     batch = TritonCase((70,), (1,), heads=16, page_size=64, L=512, R=64, combo="fp8kv").batch()

@@ -325,7 +325,7 @@ def test_gluon_seesaw_deterministic_and_graph_replay_equals_eager():
 def _gluon_fp8(heads: int) -> dict:
     """KernelConfig overrides of the Gluon fp8 kernel (mla_fast.gluon_fp8): default_config's choice for an fp8 cache
     with 16 heads at q_len 1 with fp8_gluon (two programs per SM with two tile slots each), on heads / 16 programs
-    per worker (default_config takes it at 16 heads only)."""
+    per worker whatever the batch size (default_config takes it for more than 32 heads at small batches only)."""
     from mla_fast.triton_decode import default_config
 
     config = default_config("fp8kv", 16, 1, 32, fp8_gluon=True)
@@ -340,6 +340,12 @@ GLUON_FP8_CASES = [  # e4m3fn caches, q_len 1, pages of 64 or 128: zero-length r
     TritonCase((3, 129, 0, 20000), (1,) * 4, heads=16, page_size=128, combo="fp8", L=512, R=64, seed=52),
     TritonCase((65536,), (1,), heads=16, page_size=64, combo="fp8kv", L=512, R=64, seed=53),  # split over all SMs
     TritonCase((5, 1500, 0, 4097), (1,) * 4, heads=32, page_size=64, combo="fp8kv", L=512, R=64, seed=54),  # 2 x 16
+    TritonCase((7, 3000, 0, 129), (1,) * 4, heads=128, page_size=64, combo="fp8", L=512, R=64, seed=55),  # 8 x 16
+    TritonCase((2500, 64), (1, 1), heads=64, page_size=128, combo="fp8kv", L=512, R=64, seed=56),  # 4 x 16
+    # 1000 short requests: several items per program (each item's first tiles issued after the last one's tiles),
+    # items shorter than the two tile slots, empty requests
+    TritonCase(tuple((i * 97) % 400 for i in range(1000)), (1,) * 1000, heads=16, page_size=64, combo="fp8kv", L=512,
+               R=64, seed=57),
 ]
 
 
