@@ -55,7 +55,7 @@ after its last P.V of the pair; warpgroup 0 spills 34 registers (smem descriptor
 
 Device only: Gluon kernels need a CUDA driver (sm_90); the interpreter cannot run them, so this kernel has GPU
 tests only (tests/test_triton_gpu.py). `mla_fast.triton_decode.launch` calls it for `KernelConfig(kernel="gluon")`,
-which `triton_decode.batch_config` chooses where `supported(batch)` and the rows per program exceed 32.
+which `triton_decode.batch_config` chooses where `supported(batch)` and the rows per program exceed 16.
 
 Constexprs reach the warp_specialize partitions only when the argument tuples are written inside the call: a tuple
 built first and reused turned PAGE_SIZE, HEAD_SPLIT and HEAD_GROUP into runtime values (triton 3.6).

@@ -41,7 +41,7 @@ Numerics (declared in mla_fast/numerics.py, read by verify.bounds; keep the two 
   Triton pipelines both fp8 loads) and `fp8_stage` (the e4m3fn tile, and an e4m3fn q once per item, converted to
   fp16 and read by both MMAs from shared memory) give the MMAs the same values: no numerical effect.
 
-On CUDA sm_90, bf16 batches with more than 32 packed rows per program take the Gluon seesaw kernel instead
+On CUDA sm_90, bf16 batches with more than 16 packed rows per program take the Gluon seesaw kernel instead
 (`mla_fast.gluon_decode`, KernelConfig(kernel="gluon"), chosen by `batch_config`): 276-288 us at (128, 4096, 128) on
 one H200 against this kernel's 443 us below (FlashMLA 243-251 us), 86 vs 131 us at (32, 4096, 128), 574 vs 900 us at
 (128, 4096, 128) with q_len 2. It executes the same WorkPlan and writes the same partials, merged by
@@ -723,13 +723,18 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
       (64, 4096); 128 heads 24.6 vs 31.0 at (1, 8192), 34.8 vs 46.8 at (2, 8192), 52.2 vs 74.5 at (4, 8192), 52.1
       vs 55.1 at (8, 4096), 89.0 vs 88.5 at (8, 8192), but 90.0 vs 86.8 at (16, 4096), 160.4 vs 156.2 at
       (32, 4096), 614.8 vs 547.5 at (128, 4096): hence batch x heads <= 512.
-    - bf16 with more than 32 packed rows (q_len x head_group, head_group 8-64) and seesaw: the Gluon kernel
+    - bf16 with more than 16 packed rows (q_len x head_group, head_group 8-64) and seesaw: the Gluon kernel
       (kernel="gluon"; MTP rows packed as in the Triton kernel). At q_len 1 (64 heads per program), one H200, graph
       replays: 299 vs 447 us at (128, 4096, 128) and 86 vs 130 us at (32, 4096, 128) against the Triton 64-row
       layout, 27.0 vs 29.8 us at (1, 8192, 128) against the small-batch rule below (sizes 2-4 not measured); MTP
       (benchmarks/mtp_bench.py) 574 vs 900 us at (128, 4096, 128) q_len 2 (32 heads x 2 rows), 142 vs 228 at
       (32, 4096, 128) q_len 2, 102 vs 135 and 168 vs 236 at (64 / 128, 4096, 16) q_len 4, 270 vs 443 at
-      (64, 4096, 64) q_len 3 (48 of 64 rows).
+      (64, 4096, 64) q_len 3 (48 of 64 rows). At 32 rows (half of its 64-row tile used; seventh session) against the
+      Triton 32-row path: 32 heads at q_len 1 167.6 vs 221.2 us at (128, 4096), 320.0 vs 429.8 at (128, 8192), 98.7
+      vs 122.0 at (64, 4096), 61.2 vs 69.7 at (32, 4096), 21.9 vs 23.5 at (1, 8192); 16 heads at q_len 2 167.5 vs
+      221.0, 98.7 vs 122.5, 61.8 vs 71.5, 22.0 vs 23.3 at (128 / 64 / 32, 4096) and (1, 8192). At 16 rows the
+      Triton kernel stays (bandwidth-bound there: 293.8 us at (128, 8192, 16), the seesaw's 64-row tile takes
+      about 320).
 
     head_group: the largest divisor of num_heads with max_q_len x head_group <= 64 rows (MAX_ROWS; 32 for fp8 caches
     at batch_size <= SMALL_BATCH).
@@ -785,7 +790,7 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
     rows = head_group * max_q_len
     mma = DEFAULT_MMA[combo]
     warps = 4 if rows <= 16 else 8
-    if rows > 32 and seesaw and combo == "bf16" and head_group in _gluon_head_groups():
+    if rows > 16 and seesaw and combo == "bf16" and head_group in _gluon_head_groups():
         return KernelConfig(block_n=64, mma=mma, head_group=head_group, head_split=num_heads // head_group,
                             kernel="gluon")
     if fp8_kv and fp8_gluon and max_q_len == 1 and num_heads % 16 == 0 and (
@@ -983,7 +988,7 @@ def decode(batch, *, plan=None, out=None, lse=None, config: KernelConfig | None 
 
     plan: a `WorkPlan` from `make_plan` (computed here when None: one host sync). out / lse: optional preallocated
     outputs. config: launch choices (default `batch_config`: `default_config` for the batch's dtypes, heads, size and
-    q_len on its device; on an H200 bf16 batches with more than 32 packed rows per program take the Gluon kernel).
+    q_len on its device; on an H200 bf16 batches with more than 16 packed rows per program take the Gluon kernel).
     """
     check_batch(batch)
     T, H, L = batch.q.shape[0], batch.num_heads, batch.kv_lora_rank

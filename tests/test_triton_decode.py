@@ -305,18 +305,20 @@ def test_bad_batches_raise_value_error():
 
 
 def test_gluon_kernel_is_chosen_only_where_it_runs():
-    """default_config takes the Gluon seesaw kernel for bf16 with more than 32 packed rows (q_len x head_group; one
+    """default_config takes the Gluon seesaw kernel for bf16 with more than 16 packed rows (q_len x head_group; one
     request too), and only with seesaw=True, which batch_config sets from gluon_decode.supported (never on this
     CPU)."""
     td = pytest.importorskip("mla_fast.triton_decode")
     gd = pytest.importorskip("mla_fast.gluon_decode")
     for args, geometry in [(("bf16", 128, 1, 32), (64, 2)), (("bf16", 64, 1, 32), (64, 1)),
                            (("bf16", 128, 1, 1), (64, 2)), (("bf16", 128, 2, 32), (32, 4)),
-                           (("bf16", 16, 4, 32), (16, 1)), (("bf16", 16, 3, 32), (16, 1))]:
+                           (("bf16", 16, 4, 32), (16, 1)), (("bf16", 16, 3, 32), (16, 1)),
+                           (("bf16", 32, 1, 32), (32, 1)), (("bf16", 32, 1, 1), (32, 1)),
+                           (("bf16", 16, 2, 32), (16, 1)), (("bf16", 8, 4, 32), (8, 1))]:
         config = td.default_config(*args, seesaw=True)
         assert (config.kernel, config.head_group, config.head_split) == ("gluon", *geometry), args
     for args in [("bf16", 128, 1, 32, False), ("fp8kv", 128, 1, 32, True), ("bf16", 16, 1, 32, True),
-                 ("bf16", 16, 2, 32, True), ("bf16", 128, 1, 1, False)]:
+                 ("bf16", 8, 2, 32, True), ("bf16", 32, 1, 32, False), ("bf16", 128, 1, 1, False)]:
         assert td.default_config(*args).kernel == "triton", args
     batch = TritonCase((70,), (1,), heads=64, page_size=64, L=512, R=64).batch()
     assert not gd.supported(batch)

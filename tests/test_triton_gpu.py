@@ -277,6 +277,9 @@ GLUON_CASES = [  # bf16, pages of 64 or 128: zero-length requests, odd tile coun
     TritonCase((5, 1500, 0, 4097), (2, 1, 2, 2), heads=128, page_size=64, L=512, R=64, seed=44),
     TritonCase((700, 3, 20000), (4, 4, 1), heads=16, page_size=64, L=512, R=64, seed=45),
     TritonCase((1000, 70, 9000), (3, 2, 3), heads=64, page_size=128, L=512, R=64, seed=46),
+    # 32 rows (half the tile): 32 heads at q_len 1, 16 heads at q_len 2
+    TritonCase((5, 1500, 0, 4097), (1,) * 4, heads=32, page_size=64, L=512, R=64, seed=47),
+    TritonCase((700, 3, 20000, 0), (2, 2, 1, 2), heads=16, page_size=128, L=512, R=64, seed=48),
 ]
 
 
