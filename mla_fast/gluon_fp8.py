@@ -4,7 +4,8 @@ fp8-cache MLA decode in Gluon (Hopper, 16 rows per program, no staged tile)
 
 The same absorbed-MLA decode contract and `WorkPlan` as `mla_fast.triton_decode._mla_decode_kernel` (whose partials
 its reduce kernel merges), for e4m3fn caches with bf16 or e4m3fn q at 16 packed rows per program (16 heads of one
-query row, q_len 1), pages of a multiple of 64 tokens, L = 512, R = 64: the memory-bound DeepSeek shapes at 16 heads.
+query row, q_len 1; more heads as several programs of 16 per worker), pages of a multiple of 64 tokens, L = 512,
+R = 64: the memory-bound DeepSeek shapes at 16 heads.
 
 Why: the Triton kernel converts each fp8 tile to fp16 in shared memory and reads it back with ldmatrix, so fp8 KV
 moves more shared-memory bytes per tile than bf16 (about 369 vs 295 KB per tile and SM) and ran at bf16's speed
@@ -40,21 +41,33 @@ Safety: TMA copies whole 64-token tiles, so the last tile of an item may hold ca
 slots are allowed): their scores are selected to -inf, and their c_kv rows are set to 0 in shared memory before the
 P.V operands are loaded. Rows that see no token give out = 0, lse = -inf.
 
-Performance (one H200, mla-bench, CUDA-graph replays; README): fp8kv 213.5 us at (128, 8192, 16) (our bf16 293.8,
-FlashMLA's fp8 with fp8 q 218.0, the Triton kernel's staged path 302), 117.1 at (128, 4096, 16), 116.9 at
-(32, 16384, 16), 67.7 at (64, 4096, 16), 45.2 at (32, 4096, 16), 16.1 at (1, 8192, 16); fp8 q within 1 % of that.
-Loading each score chunk's operand before the previous chunk's MMA is issued and V's first quarter before the softmax
-took 222.8 to 211.8 us at (128, 8192, 16) (same bits). Measured and dropped: one program per SM with 4 or 5 slots
-(249 / 259 us at (128, 8192, 16), before that change); skipping the accumulator rescale when no row max moved (226 vs
-223 us: the extra reduction and branch cost more than the 72 multiplies); three score MMAs in flight (no change); an
-L2 prefetch (cp.async.bulk.prefetch) of the tile 1, 2 or 4 tiles past the last one issued (219, 255, 283 vs 222 us,
-and slower at every other shape); pairing V's tokens at the byte level before the conversion (Triton emitted byte
-extracts: 1320 vs 968 instructions per tile, offline); the bf16 cache through the same loop with both MMA operands
-read from shared memory (no conversions; one program per SM with two 72 KB slots): 358 vs 289 us for the Triton
-kernel at (128, 8192, 16), 60.5 vs 56.3 at (32, 4096, 16) (16.9 vs 18.1 at b = 1). ncu at (128, 8192, 16) (before
-the operand reordering): 48 % of DRAM peak, 36 % of issue slots busy with 1.9 warps per scheduler, the ALU pipe
-(conversions, byte permutes) 40 % busy; stalls 24 % wait, 21 % long scoreboard (18 % at the tile's mbarrier wait),
-15 % short scoreboard (conversions waiting for shared-memory loads): latency-bound, not throughput-bound.
+Performance (one H200, mla-bench, CUDA-graph replays, seventh session; README): fp8 q 179.5 us and fp8kv 183.5 at
+(128, 8192, 16) (our bf16 293.9, FlashMLA's fp8 219.2, the Triton kernel's staged path 302), 101.6 / 103.4 at
+(128, 4096, 16), 101.2 / 102.8 at (32, 16384, 16), 61.2 / 61.5 at (64, 4096, 16), 41.6 / 42.2 at (32, 4096, 16),
+16.2 / 16.1 at (1, 8192, 16). More heads run as head_split programs of 16 (default_config: 32 heads, or up to
+batch x heads = 512): 164.3 us at (128, 4096, 32), 24.4 at (1, 8192, 128).
+History (fp8kv at (128, 8192, 16), each step against the one before in the same device call): first version (one
+program, five slots) 260 us against the staged path's 302; two programs per SM with two slots 222; each score chunk's
+operand loaded before the previous chunk's MMA is issued, V's first quarter before the softmax 211.8; every slot kept
+busy (the end-of-tile issue had gone to the slot freed a tile earlier, so with two slots no tile was in flight while
+one was computed) 180.3 vs 211.6 (116.2 -> 103.4 at (128, 4096), 45.2 -> 43.3 at (32, 4096)); V's second quarter
+before the softmax too 179.0 vs 181.0 (8 instead of 48 bytes of spill stack).
+Measured and dropped: one program per SM with 4 slots (227.9 vs 180.3 us, with every slot busy; 249 before);
+skipping the accumulator rescale when no row max moved (226 vs 223 us: the extra reduction and branch cost more than
+the 72 multiplies); three score MMAs in flight (no change); an L2 prefetch (cp.async.bulk.prefetch) of the tile 1, 2
+or 4 tiles past the last one issued (219, 255, 283 vs 222 us, and slower at every other shape); pairing V's tokens at
+the byte level before the conversion (Triton emitted byte extracts: 1320 vs 968 instructions per tile, offline); the
+bf16 cache through the same loop with both MMA operands read from shared memory (one program per SM with two 72 KB
+slots): 358 vs 289 us for the Triton kernel at (128, 8192, 16) with the idle slot, 291.6 vs 293.7 once every slot was
+busy (58.2 vs 57.2 at (32, 4096, 16), 16.9 vs 18.1 at b = 1: no gain); the next item's first tiles issued before the
+current item's store (182.0 vs 181.0 us, 62.9 vs 63.5 at (64, 4096)); a slot reissued right after its last operand
+load instead of after the last P.V MMA (one more barrier; 0.2-0.5 us, within the noise); 32 heads per program (N = 32,
+115 KB of shared memory, 52 spilled registers): 194.8 vs 163.6 us for two 16-head programs at (128, 4096, 32), 73.2
+vs 54.5 at (32, 4096, 32); 64 heads per program on two warpgroups that both computed the scores and each multiplied
+half the output channels (1352 bytes of spills): 1015 vs 552 us for the Triton staged path at (128, 4096, 128).
+ncu at (128, 8192, 16) (sixth session, with the idle slot): 48 % of DRAM peak, 36 % of issue slots busy with 1.9 warps
+per scheduler, the ALU pipe (conversions, byte permutes) 40 % busy; stalls 24 % wait, 21 % long scoreboard (18 % at
+the tile's mbarrier wait), 15 % short scoreboard: latency-bound, not throughput-bound.
 
 Device only (CUDA sm_90): the interpreter cannot run Gluon; tests/test_triton_gpu.py checks it against the fp64
 oracle.
