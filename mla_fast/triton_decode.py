@@ -726,7 +726,8 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
     - bf16 with more than 16 packed rows (q_len x head_group, head_group 8-64) and seesaw: the Gluon kernel
       (kernel="gluon"; MTP rows packed as in the Triton kernel). At q_len 1 (64 heads per program), one H200, graph
       replays: 299 vs 447 us at (128, 4096, 128) and 86 vs 130 us at (32, 4096, 128) against the Triton 64-row
-      layout, 27.0 vs 29.8 us at (1, 8192, 128) against the small-batch rule below (sizes 2-4 not measured); MTP
+      layout, 27.0 vs 29.8 us at (1, 8192, 128) against the small-batch rule below (seventh session: 32.6 vs 44.9,
+      43.7 vs 76.1, 57.0 vs 141.0 us at b = 2 / 4 / 8, s = 8192, and 55.3 vs 138.5 at (16, 4096, 128)); MTP
       (benchmarks/mtp_bench.py) 574 vs 900 us at (128, 4096, 128) q_len 2 (32 heads x 2 rows), 142 vs 228 at
       (32, 4096, 128) q_len 2, 102 vs 135 and 168 vs 236 at (64 / 128, 4096, 16) q_len 4, 270 vs 443 at
       (64, 4096, 64) q_len 3 (48 of 64 rows). At 32 rows (half of its 64-row tile used; seventh session) against the
