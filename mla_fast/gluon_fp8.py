@@ -65,9 +65,11 @@ load instead of after the last P.V MMA (one more barrier; 0.2-0.5 us, within the
 115 KB of shared memory, 52 spilled registers): 194.8 vs 163.6 us for two 16-head programs at (128, 4096, 32), 73.2
 vs 54.5 at (32, 4096, 32); 64 heads per program on two warpgroups that both computed the scores and each multiplied
 half the output channels (1352 bytes of spills): 1015 vs 552 us for the Triton staged path at (128, 4096, 128).
-ncu at (128, 8192, 16) (sixth session, with the idle slot): 48 % of DRAM peak, 36 % of issue slots busy with 1.9 warps
-per scheduler, the ALU pipe (conversions, byte permutes) 40 % busy; stalls 24 % wait, 21 % long scoreboard (18 % at
-the tile's mbarrier wait), 15 % short scoreboard: latency-bound, not throughput-bound.
+ncu at (128, 8192, 16), fp8kv (clocks locked: 218.7 us): 58 % of DRAM peak, L2 70 %, 44 % of issue slots busy with
+1.86 active and 0.58 eligible warps per scheduler, occupancy 2 programs per SM (registers and shared memory both
+limit it to 2): still latency-bound, not throughput-bound. Sixth session, with the idle slot: 48 % of DRAM peak, 36 %
+of issue slots; the ALU pipe (conversions, byte permutes) 40 % busy; stalls 24 % wait, 21 % long scoreboard (18 % at
+the tile's mbarrier wait), 15 % short scoreboard.
 
 Device only (CUDA sm_90): the interpreter cannot run Gluon; tests/test_triton_gpu.py checks it against the fp64
 oracle.
