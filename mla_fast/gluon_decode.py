@@ -524,13 +524,6 @@ def device_reason(batch, kernel: str) -> str | None:
     return None
 
 
-def check_batch(batch, head_group: int, head_split: int, max_rows: int) -> None:
-    """Raise ValueError naming the field when the seesaw kernel cannot take `batch` with this launch geometry."""
-    reason = unsupported(batch, head_group, head_split, max_rows)
-    if reason:
-        raise ValueError(reason)
-
-
 def supported(batch) -> bool:
     """Whether the seesaw kernel can take `batch` here (dtypes, widths, pages, layout, device; default_config's
     `seesaw`, which then picks the head geometry)."""

@@ -449,13 +449,6 @@ def supported(batch) -> bool:
     return unsupported(batch) is None
 
 
-def check_batch(batch, head_group: int, head_split: int, max_rows: int) -> None:
-    """Raise ValueError naming the field when this kernel cannot take `batch` with this launch geometry."""
-    reason = unsupported(batch, head_group, head_split, max_rows)
-    if reason:
-        raise ValueError(reason)
-
-
 def launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, head_split: int, num_stages: int):
     """Launch the fp8 decode kernel (head_split programs per worker, 16 heads each); the caller launches the
     reduce."""

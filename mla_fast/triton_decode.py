@@ -840,6 +840,12 @@ def effective_split_l(config: KernelConfig, kv_lora_rank: int) -> int:
     return split_l
 
 
+def _raise_reason(reason: str | None) -> None:
+    """Raise ValueError(reason) when a Gluon kernel's `unsupported` named one (it names the field and expectation)."""
+    if reason:
+        raise ValueError(reason)
+
+
 def pdl_supported(device: torch.device) -> bool:
     """Programmatic dependent launch (griddepcontrol): CUDA sm_90 and newer, not ROCm, not the interpreter."""
     return (not INTERPRET and device.type == "cuda" and torch.version.hip is None
@@ -958,14 +964,14 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
     if config.kernel == "gluon":
         from mla_fast import gluon_decode
 
-        gluon_decode.check_batch(batch, config.head_group, config.head_split, max_rows)
+        _raise_reason(gluon_decode.unsupported(batch, config.head_group, config.head_split, max_rows))
         compiled = gluon_decode.launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale,
                                               config.head_group, config.head_split, qo_indptr)
     elif config.kernel == "gluon_fp8":
         from mla_fast import gluon_fp8
 
         gluon_fp8.check_stages(config.num_stages, config.workers_per_sm)
-        gluon_fp8.check_batch(batch, config.head_group, config.head_split, max_rows)
+        _raise_reason(gluon_fp8.unsupported(batch, config.head_group, config.head_split, max_rows))
         compiled = gluon_fp8.launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale,
                                            config.head_split, config.num_stages)
     else:
