@@ -225,13 +225,15 @@ def _channel_order(acc):
 
 @gluon.jit
 def _zero_tail(ckv, n_valid):
-    """Set c_kv rows >= n_valid of a tile slot to 0 (cache slots past KV_END may hold NaN; V x 0 must be 0). The
-    caller puts a thread barrier between it and the operand loads."""
+    """Set c_kv rows >= n_valid of a tile slot to 0 (cache slots past KV_END may hold NaN; V x 0 must be 0), then order
+    the stores before the slot's next TMA write (async proxy) and every warp's operand loads (as gluon_decode's)."""
     blk: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
     keep = (gl.arange(0, _TILE, gl.SliceLayout(1, blk)) < n_valid)[:, None]  # [64, 1]
     for c in gl.static_range(4):
         chunk = ckv.slice(c * _QUARTER, _QUARTER, dim=1)
         chunk.store(gl.where(keep, chunk.load(blk), gl.zeros([_TILE, _QUARTER], gl.float8e4nv, blk)))
+    fence_async_shared()
+    gl.thread_barrier()
 
 
 @gluon.jit
@@ -346,8 +348,6 @@ def _mla_decode_fp8_kernel(
             t0 = kv_start + t * _TILE
             if kv_end - t0 < _TILE:  # the last tile: rows past KV_END to 0 before anything reads them (their
                 _zero_tail(ckv, kv_end - t0)  # scores are selected away below whatever they hold)
-                fence_async_shared()  # ordered before the slot's next TMA write (async proxy)
-                gl.thread_barrier()
             # one chain over 9 chunks of 64 channels; each chunk's operand is loaded before the previous chunk's
             # MMA is issued, two MMAs in flight at most (each A operand holds 16 registers until its MMA is done)
             s = gl.zeros([_TILE, _ROWS], gl.float32, _MMA)
