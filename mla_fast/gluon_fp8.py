@@ -280,7 +280,7 @@ def _store_item(accs, o_scale, lse, t_or_r, partial: gl.constexpr, h, OUT, LSE, 
 @gluon.jit
 def _mla_decode_fp8_kernel(
     Q, ckv_desc, kpe_desc,  # q [T, H, 576] (bf16 or e4m3fn); TMA: the cache as [pages x page_size, 576] e4m3fn
-    BLOCK_TABLE, SEQ_LENS,  # [B, pages] int32, [B] int32
+    BLOCK_TABLE,  # [B, pages] int32
     WORK_ITEMS, WORKER_INDPTR,  # [N, 8] int32, [W+1] int32
     OUT, LSE, O_PART, LSE_PART,  # [T, H, L] bf16, [T, H] fp32, [rows, H, L] fp32, [rows, H] fp32
     Q_SCALE, KV_SCALE,  # fp32 [1] each
@@ -461,7 +461,7 @@ def launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, he
                                 gl.NVMMASharedLayout.get_default_for([TILE, R_DIM], gl.float8e4nv))
     num_workers = plan.worker_indptr.numel() - 1
     return _mla_decode_fp8_kernel[(num_workers * head_split,)](
-        batch.q, ckv_desc, kpe_desc, batch.block_table, batch.seq_lens, plan.work_items, plan.worker_indptr,
+        batch.q, ckv_desc, kpe_desc, batch.block_table, plan.work_items, plan.worker_indptr,
         out, lse, o_part, lse_part, q_scale, kv_scale, float(batch.sm_scale) * LOG2E,
         batch.q.stride(0), batch.q.stride(1), batch.block_table.stride(0), out.stride(0), out.stride(1),
         lse.stride(0), o_part.stride(0), o_part.stride(1), lse_part.stride(0),
