@@ -3,9 +3,11 @@ fp8-cache MLA decode in Gluon (Hopper, 16 rows per program, no staged tile)
 ===========================================================================
 
 The same absorbed-MLA decode contract and `WorkPlan` as `mla_fast.triton_decode._mla_decode_kernel` (whose partials
-its reduce kernel merges), for e4m3fn caches with bf16 or e4m3fn q at 16 packed rows per program (16 heads of one
-query row, q_len 1; more heads as several programs of 16 per worker), pages of a multiple of 64 tokens, L = 512,
-R = 64: the memory-bound DeepSeek shapes at 16 heads.
+its reduce kernel merges), for e4m3fn caches with bf16 or e4m3fn q at 16 packed rows per program, pages of a
+multiple of 64 tokens, L = 512, R = 64: the memory-bound DeepSeek shapes at 16 heads. The rows are q_len x head_group
+(query row m // head_group, head m % head_group, as in the other kernels): 16 heads of one query row at q_len 1, 8
+heads of 2 rows at q_len 2, 4 heads of 3-4 rows at q_len 3-4 (MTP: each row masked at its causal limit, rows past
+an item's query rows are read as 0 and not written); more heads as several programs per worker.
 
 Why: the Triton kernel converts each fp8 tile to fp16 in shared memory and reads it back with ldmatrix, so fp8 KV
 moves more shared-memory bytes per tile than bf16 (about 369 vs 295 KB per tile and SM) and ran at bf16's speed
@@ -90,24 +92,20 @@ from triton.runtime.jit import constexpr_function
 
 from mla_fast import gluon_decode
 from mla_fast.gluon_decode import (  # the tile, widths, work-item columns and block-table walk of the seesaw kernel
-    _BATCH,
-    _HEAD_START,
-    _KV_END,
-    _KV_START,
     _L_DIM,
     _LN2,
-    _PARTIAL_ROW,
-    _QO_START,
     _R_DIM,
     _TILE,
     L_DIM,
     LOG2E,
     R_DIM,
     TILE,
+    _item,
     _tile_row,
 )
 
-ROWS = 16  # packed rows per program: the 16 heads of one query row (wgmma N)
+ROWS = 16  # packed (query row x head) rows per program (wgmma N): q_len x head_group <= 16
+HEAD_GROUPS = (16, 8, 4)  # heads per program: q_len 1, <= 2, <= 4 query rows of head_group heads
 QUARTER = L_DIM // 4  # output channels per P.V accumulator (one [64, 128] c_kv box)
 
 _ROWS = gl.constexpr(ROWS)
@@ -247,47 +245,47 @@ def _issue_tile(ckv_desc, kpe_desc, ckv_smem, kpe_smem, ready, slot, row):
 
 
 @gluon.jit
-def _store_quarter(acc, o_scale, t_or_r, partial: gl.constexpr, h, col0: gl.constexpr, OUT, O_PART, stride_ot,
-                   stride_oh, stride_pt, stride_ph):
-    """Normalise and unscale an accumulator quarter; write it in channel order to out (bf16) or the fp32 workspace
-    (rows h, channels col0..col0+127 of output row / workspace row t_or_r)."""
+def _store_quarter(acc, o_scale, row_ptr, ok, col0: gl.constexpr, MASKED: gl.constexpr):
+    """Normalise and unscale an accumulator quarter; write it in channel order (channels col0..col0+127) from each
+    row's pointer (row_ptr [16]: out, bf16, or the fp32 workspace), rows with ok only when MASKED."""
     o = _channel_order(acc) * gl.convert_layout(o_scale, gl.SliceLayout(1, _O_STORE))[:, None]  # [16, 128]
-    hh = gl.convert_layout(h, gl.SliceLayout(1, _O_STORE))[:, None]
     cols = col0 + gl.arange(0, _QUARTER, gl.SliceLayout(0, _O_STORE))[None, :]
-    if partial:
-        gl.store(O_PART + t_or_r * stride_pt + hh * stride_ph + cols, o)
+    ptr = gl.convert_layout(row_ptr, gl.SliceLayout(1, _O_STORE))[:, None] + cols
+    o = o.to(row_ptr.dtype.element_ty)
+    if MASKED:
+        gl.store(ptr, o, mask=gl.convert_layout(ok, gl.SliceLayout(1, _O_STORE))[:, None])
     else:
-        gl.store(OUT + t_or_r * stride_ot + hh * stride_oh + cols, o.to(gl.bfloat16))
+        gl.store(ptr, o)
 
 
 @gluon.jit
-def _store_item(accs, o_scale, lse, t_or_r, partial: gl.constexpr, h, OUT, LSE, O_PART, LSE_PART, stride_ot,
-                stride_oh, stride_lt, stride_pt, stride_ph, stride_plt):
-    """Write an item's output (four accumulator quarters) and lse."""
+def _store_item(accs, o_scale, lse, row_ptr, lse_ptr, ok, MASKED: gl.constexpr):
+    """Write an item's output (four accumulator quarters, from each row's pointer row_ptr [16]) and lse (lse_ptr
+    [16]); rows with ok only when MASKED."""
     a0, a1, a2, a3 = accs
-    _store_quarter(a0, o_scale, t_or_r, partial, h, 0, OUT, O_PART, stride_ot, stride_oh, stride_pt, stride_ph)
-    _store_quarter(a1, o_scale, t_or_r, partial, h, _QUARTER, OUT, O_PART, stride_ot, stride_oh, stride_pt, stride_ph)
-    _store_quarter(a2, o_scale, t_or_r, partial, h, 2 * _QUARTER, OUT, O_PART, stride_ot, stride_oh, stride_pt,
-                   stride_ph)
-    _store_quarter(a3, o_scale, t_or_r, partial, h, 3 * _QUARTER, OUT, O_PART, stride_ot, stride_oh, stride_pt,
-                   stride_ph)
-    if partial:
-        gl.store(LSE_PART + t_or_r * stride_plt + h, lse)
+    _store_quarter(a0, o_scale, row_ptr, ok, 0, MASKED)
+    _store_quarter(a1, o_scale, row_ptr, ok, _QUARTER, MASKED)
+    _store_quarter(a2, o_scale, row_ptr, ok, 2 * _QUARTER, MASKED)
+    _store_quarter(a3, o_scale, row_ptr, ok, 3 * _QUARTER, MASKED)
+    if MASKED:
+        gl.store(lse_ptr, lse, mask=ok)
     else:
-        gl.store(LSE + t_or_r * stride_lt + h, lse)
+        gl.store(lse_ptr, lse)
 
 
 @gluon.jit
 def _mla_decode_fp8_kernel(
     Q, ckv_desc, kpe_desc,  # q [T, H, 576] (bf16 or e4m3fn); TMA: the cache as [pages x page_size, 576] e4m3fn
-    BLOCK_TABLE,  # [B, pages] int32
+    BLOCK_TABLE, SEQ_LENS, QO_INDPTR,  # [B, pages] int32, [B] int32, [B+1] int32
     WORK_ITEMS, WORKER_INDPTR,  # [N, 8] int32, [W+1] int32
     OUT, LSE, O_PART, LSE_PART,  # [T, H, L] bf16, [T, H] fp32, [rows, H, L] fp32, [rows, H] fp32
     Q_SCALE, KV_SCALE,  # fp32 [1] each
     sm_scale_log2,  # sm_scale x log2(e)
     stride_qt, stride_qh, stride_bt, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt,
-    PAGE_SIZE: gl.constexpr, HEAD_SPLIT: gl.constexpr, STAGES: gl.constexpr,
+    PAGE_SIZE: gl.constexpr, HEAD_GROUP: gl.constexpr, HEAD_SPLIT: gl.constexpr, STAGES: gl.constexpr,
 ):
+    Q_ROWS: gl.constexpr = _ROWS // HEAD_GROUP  # query rows per item: packed row m is query row m // HEAD_GROUP,
+    # head m % HEAD_GROUP (MTP: causal limits per row; rows past the item's query rows are neither read nor written)
     ckv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_TILE, 128], gl.float8e4nv)
     kpe_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_TILE, _R_DIM], gl.float8e4nv)
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_ROWS, 64], gl.float16)
@@ -309,25 +307,32 @@ def _mla_decode_fp8_kernel(
     kv_scale = gl.load(KV_SCALE)
     qk_scale = sm_scale_log2 * gl.load(Q_SCALE) * kv_scale
     g = 0  # tiles of this program so far: slot g % STAGES, phase (g // STAGES) & 1
+    m = gl.arange(0, _ROWS, row_l)  # packed rows
     for it in range(gl.load(WORKER_INDPTR + worker), gl.load(WORKER_INDPTR + worker + 1)):
-        item = WORK_ITEMS + it * 8
-        b = gl.load(item + _BATCH)
-        partial_row = gl.load(item + _PARTIAL_ROW)
-        qo = gl.load(item + _QO_START)
-        kv_start = gl.load(item + _KV_START)
-        kv_end = gl.load(item + _KV_END)
-        head_start = gl.load(item + _HEAD_START) + head_part * _ROWS
+        b, partial_row, qo, n_q, kv_start, kv_end, head_start, limit_0 = _item(
+            WORK_ITEMS, SEQ_LENS, QO_INDPTR, it, head_part, HEAD_GROUP)  # (n_q, limit_0: unused at q_len 1)
         n_tiles = gl.cdiv(kv_end - kv_start, _TILE)
         for i in gl.static_range(STAGES):  # the first tiles (every slot is free: see the end of the loop)
             if i < n_tiles:
                 _issue_tile(ckv_desc, kpe_desc, ckv_smem, kpe_smem, ready, (g + i) % STAGES,
                             _tile_row(BLOCK_TABLE, b, stride_bt, kv_start, i, n_tiles, PAGE_SIZE))
-        # q of the item's query row, 16 heads, as fp16 (exact for e4m3fn; bf16 as declared in numerics.py), in
-        # the K operand's column order
+        # q of the item's packed rows as fp16 (exact for e4m3fn; bf16 as declared in numerics.py), in the K
+        # operand's column order; rows past the item's query rows as 0
         qr = gl.arange(0, _ROWS, gl.SliceLayout(1, _Q_LOAD))
-        q_ptr = Q + qo.to(gl.int64) * stride_qt + (head_start + qr)[:, None] * stride_qh
-        q_nope.store(_q_columns(gl.load(q_ptr + gl.arange(0, _L_DIM, gl.SliceLayout(0, _Q_LOAD))[None, :])))
-        q_pe.store(_q_columns(gl.load(q_ptr + _L_DIM + gl.arange(0, _R_DIM, gl.SliceLayout(0, _Q_LOAD))[None, :])))
+        q_cols = gl.arange(0, _L_DIM, gl.SliceLayout(0, _Q_LOAD))[None, :]
+        pe_cols = _L_DIM + gl.arange(0, _R_DIM, gl.SliceLayout(0, _Q_LOAD))[None, :]
+        if Q_ROWS == 1:
+            q_ptr = Q + qo.to(gl.int64) * stride_qt + (head_start + qr)[:, None] * stride_qh
+            q_nope.store(_q_columns(gl.load(q_ptr + q_cols)))
+            q_pe.store(_q_columns(gl.load(q_ptr + pe_cols)))
+        else:
+            q_ptr = Q + ((qo + qr // HEAD_GROUP).to(gl.int64) * stride_qt + (head_start + qr % HEAD_GROUP) *
+                         stride_qh)[:, None]
+            q_ok = (qr // HEAD_GROUP < n_q)[:, None]
+            q_nope.store(_q_columns(gl.load(q_ptr + q_cols, mask=q_ok, other=0.0)))
+            q_pe.store(_q_columns(gl.load(q_ptr + pe_cols, mask=q_ok, other=0.0)))
+        q_row = m // HEAD_GROUP  # [16] query row of the item
+        limit = gl.where(q_row < n_q, limit_0 + q_row, -1)  # [16] causal limit; -1: no such row (MTP only)
         fence_async_shared()
         gl.thread_barrier()
 
@@ -367,7 +372,10 @@ def _mla_decode_fp8_kernel(
             v1 = _v_operand(ckv.slice(_QUARTER, _QUARTER, dim=1))
             s = warpgroup_mma_wait(0, deps=(s,))
             tok = t0 + gl.arange(0, _TILE, tok_l)
-            s = gl.where((tok < kv_end)[:, None], s * qk_scale, float("-inf"))
+            keep = (tok < kv_end)[:, None]  # [64, 1]
+            if Q_ROWS > 1:
+                keep = keep & (tok[:, None] < limit[None, :])  # [64, 16]
+            s = gl.where(keep, s * qk_scale, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, 0))  # [16]
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no token yet: no NaN
             alpha = gl.exp2(m_i - m_use)
@@ -399,13 +407,17 @@ def _mla_decode_fp8_kernel(
         has_tok = l_sum > 0.0
         o_scale = kv_scale / gl.where(has_tok, l_sum, 1.0)
         lse = gl.where(has_tok, (m_i + gl.log2(gl.where(has_tok, l_sum, 1.0))) * _LN2, float("-inf"))
-        h = head_start + gl.arange(0, _ROWS, row_l)
+        h = head_start + m % HEAD_GROUP  # [16]
+        accs = (acc0, acc1, acc2, acc3)
         if partial_row < 0:
-            _store_item((acc0, acc1, acc2, acc3), o_scale, lse, qo.to(gl.int64), False, h, OUT, LSE, O_PART, LSE_PART,
-                        stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt)
+            o_row = (qo + q_row).to(gl.int64)  # [16] output rows
+            _store_item(accs, o_scale, lse, OUT + o_row * stride_ot + h * stride_oh, LSE + o_row * stride_lt + h,
+                        q_row < n_q, Q_ROWS > 1)
         else:
-            _store_item((acc0, acc1, acc2, acc3), o_scale, lse, partial_row.to(gl.int64), True, h, OUT, LSE, O_PART,
-                        LSE_PART, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt)
+            p_row = (partial_row + q_row).to(gl.int64)  # [16] workspace rows
+            _store_item(accs, o_scale, lse, O_PART + p_row * stride_pt + h * stride_ph,
+                        LSE_PART + p_row * stride_plt + h,
+                        q_row < n_q, Q_ROWS > 1)
         gl.thread_barrier()  # q_nope / q_pe are rewritten by the next item
 
 
@@ -422,9 +434,9 @@ def unsupported(batch, head_group: int | None = None, head_split: int | None = N
     if not batch.kv_cache.is_contiguous() or batch.q.stride(-1) != 1:
         return "kernel='gluon_fp8' needs a contiguous kv_cache (TMA descriptor) and q with unit channel stride"
     if head_group is not None:
-        if head_group != ROWS or max_rows > ROWS:
-            return (f"kernel='gluon_fp8' takes head_group {ROWS} at q_len 1 ({ROWS} rows), got head_group "
-                    f"{head_group}, {max_rows} rows")
+        if head_group not in HEAD_GROUPS or max_rows > ROWS:
+            return (f"kernel='gluon_fp8' takes head_group in {HEAD_GROUPS} with q_len x head_group <= {ROWS} rows, "
+                    f"got head_group {head_group}, {max_rows} rows")
         reason = gluon_decode.heads_reason(batch, "gluon_fp8", head_group, head_split)
         if reason:
             return reason
@@ -449,8 +461,9 @@ def supported(batch) -> bool:
     return unsupported(batch) is None
 
 
-def launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, head_split: int, num_stages: int):
-    """Launch the fp8 decode kernel (head_split programs per worker, 16 heads each); the caller launches the
+def launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, head_group: int, head_split: int,
+                  num_stages: int, qo_indptr):
+    """Launch the fp8 decode kernel (head_split programs per worker, head_group heads each); the caller launches the
     reduce."""
     kv = batch.kv_cache
     D = kv.shape[-1]
@@ -461,9 +474,10 @@ def launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, he
                                 gl.NVMMASharedLayout.get_default_for([TILE, R_DIM], gl.float8e4nv))
     num_workers = plan.worker_indptr.numel() - 1
     return _mla_decode_fp8_kernel[(num_workers * head_split,)](
-        batch.q, ckv_desc, kpe_desc, batch.block_table, plan.work_items, plan.worker_indptr,
+        batch.q, ckv_desc, kpe_desc, batch.block_table, batch.seq_lens, qo_indptr, plan.work_items,
+        plan.worker_indptr,
         out, lse, o_part, lse_part, q_scale, kv_scale, float(batch.sm_scale) * LOG2E,
         batch.q.stride(0), batch.q.stride(1), batch.block_table.stride(0), out.stride(0), out.stride(1),
         lse.stride(0), o_part.stride(0), o_part.stride(1), lse_part.stride(0),
-        PAGE_SIZE=kv.shape[1], HEAD_SPLIT=head_split, STAGES=num_stages, num_warps=4,
+        PAGE_SIZE=kv.shape[1], HEAD_GROUP=head_group, HEAD_SPLIT=head_split, STAGES=num_stages, num_warps=4,
     )

@@ -617,8 +617,8 @@ class KernelConfig:
         kernel: "triton" (`_mla_decode_kernel`, every input), "gluon" (`mla_fast.gluon_decode`, the warp-specialized
             seesaw kernel: CUDA sm_90, bf16, head_group 8/16/32/64 with q_len x head_group <= 64 packed rows,
             page_size % 64 == 0, L = 512, R = 64; of the fields above it reads head_group and head_split only) or
-            "gluon_fp8" (`mla_fast.gluon_fp8`: CUDA sm_90, e4m3fn cache with bf16 or e4m3fn q, head_group 16 at
-            q_len 1, page_size % 64 == 0, L = 512, R = 64, mma="fp16"; it reads head_group, head_split, num_stages
+            "gluon_fp8" (`mla_fast.gluon_fp8`: CUDA sm_90, e4m3fn cache with bf16 or e4m3fn q, head_group 16, 8 or 4
+            with q_len x head_group <= 16 packed rows, page_size % 64 == 0, L = 512, R = 64, mma="fp16"; it reads head_group, head_split, num_stages
             (tile slots of 36 KB) and workers_per_sm). All write the same partials, merged by the same reduce.
         interleave: each latent slice's score dot directly after that slice's load (and its fp16 staging with
             fp8_stage) instead of all loads first. Same dots, same pairwise sum: bitwise the same output. On the
@@ -697,7 +697,8 @@ def dtype_combo(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> str:
 
 
 SMALL_BATCH = 4  # batches up to this size (q_len 1) take no 64-row tiles (default_config)
-GLUON_FP8_MAX_BATCH_X_HEADS = 512  # fp8 caches with more than 32 heads take the Gluon fp8 kernel up to this batch x heads
+GLUON_FP8_MAX_BATCH_X_ROWS = 512  # fp8 caches with more than two Gluon fp8 programs per worker take that kernel up
+# to this batch x programs x 16 packed rows (batch x heads at q_len 1)
 
 
 def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int | None = None,
@@ -709,10 +710,11 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
     pages of a multiple of 64 tokens, contiguous q and cache); `batch_config` passes it.
     fp8_gluon: the Gluon fp8 kernel can run the batch (`gluon_fp8.supported`: CUDA sm_90, e4m3fn cache with bf16
     or e4m3fn q, L = 512, R = 64, pages of a multiple of 64 tokens, contiguous cache); `batch_config` passes it.
-    - fp8 caches at q_len 1 with fp8_gluon and 16 or 32 heads, or 48-128 heads (a multiple of 16) when
-      batch_size x num_heads <= GLUON_FP8_MAX_BATCH_X_HEADS: the Gluon fp8 kernel (kernel="gluon_fp8"), 16 heads per
-      program (head_split num_heads / 16: each KV tile read once from HBM, the rest from L2), two programs per SM
-      with two tile slots each. One H200, graph replays, fp8kv, against this module's staged path (sixth session):
+    - fp8 caches with fp8_gluon at q_len <= 4: the Gluon fp8 kernel (kernel="gluon_fp8"), 16 packed rows per
+      program: head_group 16 at q_len 1, 8 at q_len 2, 4 at q_len 3-4 (MTP), head_split = num_heads / head_group
+      programs per worker (each KV tile read once from HBM, the rest from L2), two programs per SM with two tile
+      slots each; taken when head_split <= 2 (16 or 32 heads at q_len 1, 16 at q_len 2) or batch_size x head_split x
+      16 <= GLUON_FP8_MAX_BATCH_X_ROWS (batch x heads at q_len 1). One H200, graph replays, fp8kv, against this module's staged path (sixth session):
       213.5 vs 302 us at (128, 8192, 16), 117 vs 157 at (128, 4096, 16), 117 vs 159 at (32, 16384, 16), 68 vs 87
       at (64, 4096, 16), 45.2 vs 50.6 at (32, 4096, 16), 16.1 vs 17.5 at (1, 8192, 16); one program with four slots
       (before the operand reordering, against 222, 122, 122, 71, 46.6, 16.4 for two programs): 249, 132, 135, 77,
@@ -794,10 +796,12 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
     if rows > 16 and seesaw and combo == "bf16" and head_group in _gluon_head_groups():
         return KernelConfig(block_n=64, mma=mma, head_group=head_group, head_split=num_heads // head_group,
                             kernel="gluon")
-    if fp8_kv and fp8_gluon and max_q_len == 1 and num_heads % 16 == 0 and (
-            num_heads <= 32 or (batch_size is not None and batch_size * num_heads <= GLUON_FP8_MAX_BATCH_X_HEADS)):
-        return KernelConfig(block_n=64, mma=mma, head_group=16, head_split=num_heads // 16, num_stages=2,
-                            workers_per_sm=2, kernel="gluon_fp8")
+    fp8_group = _gluon_fp8_head_group(max_q_len) if fp8_kv and fp8_gluon else None
+    if fp8_group and num_heads % fp8_group == 0:
+        programs = num_heads // fp8_group  # per worker
+        if programs <= 2 or (batch_size is not None and batch_size * programs * 16 <= GLUON_FP8_MAX_BATCH_X_ROWS):
+            return KernelConfig(block_n=64, mma=mma, head_group=fp8_group, head_split=programs, num_stages=2,
+                                workers_per_sm=2, kernel="gluon_fp8")
     if rows > 32 and small_batch:  # bf16, few requests
         group = max(d for d in range(1, 17) if num_heads % d == 0)  # <= 16 rows; the programs cover every head
         return KernelConfig(block_n=64, num_warps=4, num_stages=3, mma=mma, head_group=group,
@@ -814,6 +818,14 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
                             head_group=head_group, fp8_stage=True, split_l=8, page_chunk=32, lazy_l=True)
     return KernelConfig(block_n=64, num_warps=warps, num_stages=3, mma=mma, head_group=head_group, page_chunk=32,
                         split_l=4)
+
+
+def _gluon_fp8_head_group(max_q_len: int) -> int | None:
+    """Heads per program of the Gluon fp8 kernel at q_len max_q_len (q_len x head_group <= its 16 packed rows), or
+    None past q_len 4 (imported only when asked for)."""
+    from mla_fast.gluon_fp8 import HEAD_GROUPS, ROWS
+
+    return max((g for g in HEAD_GROUPS if g * max_q_len <= ROWS), default=None)
 
 
 def _gluon_head_groups() -> tuple[int, ...]:
@@ -973,7 +985,7 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
         gluon_fp8.check_stages(config.num_stages, config.workers_per_sm)
         _raise_reason(gluon_fp8.unsupported(batch, config.head_group, config.head_split, max_rows))
         compiled = gluon_fp8.launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale,
-                                           config.head_split, config.num_stages)
+                                           config.head_group, config.head_split, config.num_stages, qo_indptr)
     else:
         compiled = _launch_triton(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, config, qo_indptr,
                                   max_rows, pdl, num_workers)

@@ -352,23 +352,30 @@ def test_gluon_kernel_rejects_what_it_cannot_take():
 
 
 def test_gluon_fp8_kernel_is_chosen_only_where_it_runs():
-    """default_config takes the Gluon fp8 kernel (16 heads per program) for fp8 caches at q_len 1 with 16 or 32 heads,
-    or a multiple of 16 heads when batch x heads <= GLUON_FP8_MAX_BATCH_X_HEADS, and only with fp8_gluon=True, which
-    batch_config sets from gluon_fp8.supported (never on this CPU)."""
+    """default_config takes the Gluon fp8 kernel (16 packed rows per program: head_group 16 / 8 / 4 at q_len 1 / 2 /
+    3-4) for fp8 caches when at most two programs per worker cover the heads, or batch x programs x 16 <=
+    GLUON_FP8_MAX_BATCH_X_ROWS, and only with fp8_gluon=True, which batch_config sets from gluon_fp8.supported (never
+    on this CPU)."""
     td = pytest.importorskip("mla_fast.triton_decode")
     g8 = pytest.importorskip("mla_fast.gluon_fp8")
-    assert td.GLUON_FP8_MAX_BATCH_X_HEADS == 512  # the rule's threshold, measured (default_config's docstring)
-    for args in [("fp8kv", 16, 1, 128), ("fp8", 16, 1, 32), ("fp8kv", 16, 1, 1), ("fp8kv", 32, 1, 128),
-                 ("fp8", 32, 1, None), ("fp8kv", 48, 1, 10), ("fp8kv", 64, 1, 8), ("fp8", 128, 1, 4),
-                 ("fp8kv", 128, 1, 1)]:
+    assert td.GLUON_FP8_MAX_BATCH_X_ROWS == 512  # the rule's threshold, measured (default_config's docstring)
+    for args, head_group in [
+            (("fp8kv", 16, 1, 128), 16), (("fp8", 16, 1, 32), 16), (("fp8kv", 16, 1, 1), 16),
+            (("fp8kv", 32, 1, 128), 16), (("fp8", 32, 1, None), 16), (("fp8kv", 48, 1, 10), 16),
+            (("fp8kv", 64, 1, 8), 16), (("fp8", 128, 1, 4), 16), (("fp8kv", 128, 1, 1), 16),
+            (("fp8kv", 16, 2, 128), 8), (("fp8", 16, 2, None), 8), (("fp8kv", 8, 2, 128), 8),  # MTP
+            (("fp8kv", 16, 3, 8), 4), (("fp8", 16, 4, 8), 4), (("fp8kv", 8, 4, 512), 4), (("fp8kv", 32, 2, 8), 8)]:
         config = td.default_config(*args, fp8_gluon=True)
         assert (config.kernel, config.head_group, config.head_split, config.mma) == (
-            "gluon_fp8", 16, args[1] // 16, "fp16"), args
+            "gluon_fp8", head_group, args[1] // head_group, "fp16"), args
+        assert args[2] * config.head_group <= g8.ROWS
         g8.check_stages(config.num_stages, config.workers_per_sm)  # its shared memory fits
-    for args in [("fp8kv", 16, 1, 128, False, False), ("fp8kv", 16, 2, 128, False, True),
+    for args in [("fp8kv", 16, 1, 128, False, False), ("fp8kv", 16, 2, 128, False, False),
                  ("fp8kv", 128, 1, 128, False, True), ("fp8kv", 128, 1, 5, False, True),
                  ("fp8kv", 64, 1, 9, False, True), ("fp8kv", 64, 1, None, False, True),
                  ("fp8kv", 8, 1, 1, False, True), ("fp8kv", 40, 1, 1, False, True),
+                 ("fp8kv", 16, 4, 9, False, True), ("fp8kv", 16, 3, None, False, True),
+                 ("fp8kv", 16, 5, 1, False, True), ("fp8kv", 6, 2, 1, False, True),
                  ("bf16", 16, 1, 128, False, True)]:
         assert td.default_config(*args).kernel == "triton", args
     batch = TritonCase((70,), (1,), heads=16, page_size=64, L=512, R=64, combo="fp8kv").batch()
@@ -387,7 +394,8 @@ def test_gluon_fp8_kernel_rejects_what_it_cannot_take():
     kv_wide = torch.zeros(*ok.kv_cache.shape[:2], 2 * 576, dtype=ok.kv_cache.dtype)[..., :576]  # row stride 1152
     reasons = {  # expected words -> (batch, head_group, head_split, rows per program)
         "sm_90": (ok, 16, 1, 16),
-        "head_group 16 at q_len 1": (ok, 16, 1, 32),
+        "q_len x head_group <= 16 rows": (ok, 16, 1, 32),
+        "head_group in (16, 8, 4)": (ok, 2, 8, 2),
         "num_heads = head_group x head_split": (ok, 16, 2, 16),
         "page_size % 64": (case(page_size=16), 16, 1, 16),
         "kv_lora_rank 512": (case(L=64, R=32), 16, 1, 16),

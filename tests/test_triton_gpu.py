@@ -309,7 +309,7 @@ def _check_10_runs_and_graph_replays(case, overrides: dict, lens_list):
     replays after re-planning with each seq_lens of lens_list (NaN-poisoned outputs)."""
     from mla_fast.triton_decode import KernelConfig, TritonMLADecode
 
-    step = TritonMLADecode(case.batch("cuda"), config=KernelConfig(**overrides))
+    step = TritonMLADecode(case.batch("cuda"), max_q_len=max(case.q_lens), config=KernelConfig(**overrides))
     step.plan()
     out0, lse0 = (t.clone() for t in step.run())
     for _ in range(10):
@@ -325,19 +325,20 @@ def test_gluon_seesaw_deterministic_and_graph_replay_equals_eager():
     _check_10_runs_and_graph_replays(case, _gluon(case.heads), ([5, 1500, 0, 4097], [50, 0, 2000, 64]))
 
 
-def _gluon_fp8(heads: int) -> dict:
+def _gluon_fp8(heads: int, q_len: int = 1) -> dict:
     """KernelConfig overrides of the Gluon fp8 kernel (mla_fast.gluon_fp8): default_config's choice for an fp8 cache
-    with 16 heads at q_len 1 with fp8_gluon (two programs per SM with two tile slots each), on heads / 16 programs
-    per worker whatever the batch size (default_config takes it for more than 32 heads at small batches only)."""
+    with 16 heads at q_len q_len and batch 1 with fp8_gluon (16 packed rows of q_len x head_group, two programs per SM
+    with two tile slots each), on heads / head_group programs per worker whatever the batch size (default_config
+    takes more than two programs per worker at small batches only)."""
     from mla_fast.triton_decode import default_config
 
-    config = default_config("fp8kv", 16, 1, 32, fp8_gluon=True)
+    config = default_config("fp8kv", 16, q_len, 1, fp8_gluon=True)
     assert config.kernel == "gluon_fp8", config
-    return dict(kernel="gluon_fp8", head_group=16, head_split=heads // 16, mma="fp16",
+    return dict(kernel="gluon_fp8", head_group=config.head_group, head_split=heads // config.head_group, mma="fp16",
                 num_stages=config.num_stages, workers_per_sm=config.workers_per_sm)
 
 
-GLUON_FP8_CASES = [  # e4m3fn caches, q_len 1, pages of 64 or 128: zero-length requests, partial last tiles, splits
+GLUON_FP8_CASES = [  # e4m3fn caches, q_len 1-4, pages of 64 or 128: zero-length requests, partial last tiles, splits
     TritonCase((0, 1, 63, 64, 65, 1000, 4097), (1,) * 7, heads=16, page_size=64, combo="fp8kv", L=512, R=64, seed=50),
     TritonCase((0, 1, 63, 64, 65, 1000, 4097), (1,) * 7, heads=16, page_size=64, combo="fp8", L=512, R=64, seed=51),
     TritonCase((3, 129, 0, 20000), (1,) * 4, heads=16, page_size=128, combo="fp8", L=512, R=64, seed=52),
@@ -349,13 +350,20 @@ GLUON_FP8_CASES = [  # e4m3fn caches, q_len 1, pages of 64 or 128: zero-length r
     # items shorter than the two tile slots, empty requests
     TritonCase(tuple((i * 97) % 400 for i in range(1000)), (1,) * 1000, heads=16, page_size=64, combo="fp8kv", L=512,
                R=64, seed=57),
+    # MTP (causal rows; seq_len < q_len: rows that see no token; mixed q_lens: rows past an item's query rows)
+    TritonCase((0, 1, 2, 63, 64, 65, 1000, 4097), (2,) * 8, heads=16, page_size=64, combo="fp8kv", L=512, R=64,
+               seed=58),  # 2 x (2 rows x 8 heads)
+    TritonCase((5, 1500, 0, 129, 4097), (1, 2, 2, 1, 2), heads=16, page_size=128, combo="fp8", L=512, R=64, seed=59),
+    TritonCase((3, 700, 64, 2000), (3, 3, 3, 3), heads=16, page_size=64, combo="fp8kv", L=512, R=64, seed=60),
+    TritonCase((2, 65, 3000, 0), (4, 1, 4, 2), heads=32, page_size=64, combo="fp8", L=512, R=64, seed=61),  # 8 x 4
+    TritonCase((40000,), (2,), heads=16, page_size=64, combo="fp8kv", L=512, R=64, seed=62),  # split over all SMs
 ]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon_fp8' needs sm_90")
 @pytest.mark.parametrize("case", GLUON_FP8_CASES, ids=lambda c: f"{c.combo}_h{c.heads}_p{c.page_size}_s{c.seed}")
 def test_gluon_fp8_within_kernel_bound(case):
-    r = _decode_and_check(case.batch("cuda"), **_gluon_fp8(case.heads))
+    r = _decode_and_check(case.batch("cuda"), **_gluon_fp8(case.heads, max(case.q_lens)))
     assert r["finite"] and r["empty_ok"] and r["out_ratio"] <= 1.0 and r["lse_ratio"] <= 1.0, r
 
 
@@ -371,7 +379,10 @@ def test_gluon_fp8_bench_grid_within_kernel_bound(shape, combo):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon_fp8' needs sm_90")
-def test_gluon_fp8_deterministic_and_graph_replay_equals_eager():
-    case = GLUON_FP8_CASES[0]
-    _check_10_runs_and_graph_replays(case, _gluon_fp8(case.heads),
-                                     ([0, 1, 63, 64, 65, 1000, 4097], [0, 1, 2, 64, 0, 900, 130]))
+@pytest.mark.parametrize("index, lens_list", [
+    (0, ([0, 1, 63, 64, 65, 1000, 4097], [0, 1, 2, 64, 0, 900, 130])),
+    (8, ([0, 1, 2, 63, 64, 65, 1000, 4097], [0, 1, 1, 60, 2, 0, 900, 130])),  # MTP, q_len 2
+])
+def test_gluon_fp8_deterministic_and_graph_replay_equals_eager(index, lens_list):
+    case = GLUON_FP8_CASES[index]
+    _check_10_runs_and_graph_replays(case, _gluon_fp8(case.heads, max(case.q_lens)), lens_list)
