@@ -52,6 +52,11 @@ the Triton kernel 443), 86-87 us at (32, 4096, 128) (FlashMLA 75, FlashInfer 81)
 (64, 4096, 16) q_len 4. ncu:
 the largest stall is warpgroup 1 waiting for the c_kv-left group of its next tile, which warpgroup 0 reloads only
 after its last P.V of the pair; warpgroup 0 spills 34 registers (smem descriptors).
+With PDL (launch's default on sm_90) the kernel calls gdc_launch_dependents at its start, so the reduce programs
+are scheduled on SMs whose decode programs have finished and wait there (gdc_wait) for the rest: same bits, 0.4-0.8
+us faster in graph replays (eighth session, two pairs each: 86.5 vs 87.3 us at (32, 4096, 128), 61.1 vs 61.5 at
+(32, 4096, 16) q_len 2, 97.7 vs 98.4 at (64, 4096, 16) q_len 2; 27.4 vs 27.45 at (1, 8192, 128)). The Gluon fp8
+kernel does not call it: no gain there (42.4 vs 42.4 us at (32, 4096, 16), 16.7 vs 16.1 at (1, 8192, 16)).
 
 Device only: Gluon kernels need a CUDA driver (sm_90); the interpreter cannot run them, so this kernel has GPU
 tests only (tests/test_triton_gpu.py). `mla_fast.triton_decode.launch` calls it for `KernelConfig(kernel="gluon")`,
@@ -440,8 +445,11 @@ def _mla_decode_seesaw_kernel(
     Q_SCALE, KV_SCALE,  # fp32 [1] each (1.0 for bf16 batches; launch's overrides apply as in the Triton kernel)
     sm_scale_log2,  # sm_scale x log2(e)
     num_heads, stride_bt, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt,
-    PAGE_SIZE: gl.constexpr, HEAD_SPLIT: gl.constexpr, HEAD_GROUP: gl.constexpr,
+    PAGE_SIZE: gl.constexpr, HEAD_SPLIT: gl.constexpr, HEAD_GROUP: gl.constexpr, PDL: gl.constexpr,
 ):
+    if PDL:  # the reduce kernel may start now; its programs wait (gdc_wait) until this grid has finished
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
     chunk_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_TILE, _CHUNK], gl.bfloat16)
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     q_smem = (gl.allocate_shared_memory(gl.bfloat16, [_ROWS, _L_DIM], chunk_layout),  # q_nope, q_pe: 72 KB
@@ -531,7 +539,7 @@ def supported(batch) -> bool:
 
 
 def launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, head_group: int, head_split: int,
-                  qo_indptr):
+                  qo_indptr, pdl: bool):
     """Launch the seesaw decode kernel (head_split programs per worker, head_group heads each); the caller launches
     the reduce."""
     T, H, D = batch.q.shape
@@ -545,5 +553,5 @@ def launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, he
         out, lse, o_part, lse_part, q_scale, kv_scale, float(batch.sm_scale) * LOG2E,
         H, batch.block_table.stride(0), out.stride(0), out.stride(1), lse.stride(0),
         o_part.stride(0), o_part.stride(1), lse_part.stride(0),
-        PAGE_SIZE=kv.shape[1], HEAD_SPLIT=head_split, HEAD_GROUP=head_group, num_warps=4,
+        PAGE_SIZE=kv.shape[1], HEAD_SPLIT=head_split, HEAD_GROUP=head_group, PDL=pdl, num_warps=4,
     )

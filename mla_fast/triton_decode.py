@@ -978,7 +978,7 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
 
         _raise_reason(gluon_decode.unsupported(batch, config.head_group, config.head_split, max_rows))
         compiled = gluon_decode.launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale,
-                                              config.head_group, config.head_split, qo_indptr)
+                                              config.head_group, config.head_split, qo_indptr, pdl)
     elif config.kernel == "gluon_fp8":
         from mla_fast import gluon_fp8
 
