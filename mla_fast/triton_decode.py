@@ -618,8 +618,9 @@ class KernelConfig:
             seesaw kernel: CUDA sm_90, bf16, head_group 8/16/32/64 with q_len x head_group <= 64 packed rows,
             page_size % 64 == 0, L = 512, R = 64; of the fields above it reads head_group and head_split only) or
             "gluon_fp8" (`mla_fast.gluon_fp8`: CUDA sm_90, e4m3fn cache with bf16 or e4m3fn q, head_group 16, 8 or 4
-            with q_len x head_group <= 16 packed rows, page_size % 64 == 0, L = 512, R = 64, mma="fp16"; it reads head_group, head_split, num_stages
-            (tile slots of 36 KB) and workers_per_sm). All write the same partials, merged by the same reduce.
+            with q_len x head_group <= 16 packed rows, page_size % 64 == 0, L = 512, R = 64, mma="fp16"; it reads
+            head_group, head_split, num_stages (tile slots of 36 KB) and workers_per_sm). All write the same
+            partials, merged by the same reduce.
         interleave: each latent slice's score dot directly after that slice's load (and its fp16 staging with
             fp8_stage) instead of all loads first. Same dots, same pairwise sum: bitwise the same output. On the
             64-row wgmma layout the compiler then starts the score MMAs earlier (bf16 6-10 % faster); at 16 rows
@@ -714,7 +715,8 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
       program: head_group 16 at q_len 1, 8 at q_len 2, 4 at q_len 3-4 (MTP), head_split = num_heads / head_group
       programs per worker (each KV tile read once from HBM, the rest from L2), two programs per SM with two tile
       slots each; taken when head_split <= 2 (16 or 32 heads at q_len 1, 16 at q_len 2) or batch_size x head_split x
-      16 <= GLUON_FP8_MAX_BATCH_X_ROWS (batch x heads at q_len 1). One H200, graph replays, fp8kv, against this module's staged path (sixth session):
+      16 <= GLUON_FP8_MAX_BATCH_X_ROWS (batch x heads at q_len 1). One H200, graph replays, fp8kv, against this
+      module's staged path (sixth session):
       213.5 vs 302 us at (128, 8192, 16), 117 vs 157 at (128, 4096, 16), 117 vs 159 at (32, 16384, 16), 68 vs 87
       at (64, 4096, 16), 45.2 vs 50.6 at (32, 4096, 16), 16.1 vs 17.5 at (1, 8192, 16); one program with four slots
       (before the operand reordering, against 222, 122, 122, 71, 46.6, 16.4 for two programs): 249, 132, 135, 77,
@@ -724,7 +726,12 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
       vs 54.8 at (16, 4096), but 89.7 vs 87.4 at (16, 8192), 90.7 vs 85.8 at (32, 4096), 160.9 vs 150.3 at
       (64, 4096); 128 heads 24.6 vs 31.0 at (1, 8192), 34.8 vs 46.8 at (2, 8192), 52.2 vs 74.5 at (4, 8192), 52.1
       vs 55.1 at (8, 4096), 89.0 vs 88.5 at (8, 8192), but 90.0 vs 86.8 at (16, 4096), 160.4 vs 156.2 at
-      (32, 4096), 614.8 vs 547.5 at (128, 4096): hence batch x heads <= 512.
+      (32, 4096), 614.8 vs 547.5 at (128, 4096): hence batch x heads <= 512. MTP at 16 heads (eighth session,
+      benchmarks/mtp_bench.py): q_len 2 (two programs of 8 heads x 2 rows) 18.8 vs 22.4 us at (1, 8192), 55.1 vs
+      76.2 at (32, 4096), 95.3 vs 135.6 at (64, 4096), 167.8 vs 249.6 at (128, 4096), 320.2 vs 485.0 at
+      (128, 8192); q_len 3-4 (four programs of 4 heads x 4 rows) 35.0 vs 37.8 at (4, 8192) q_len 3, 54.6 vs 58.8
+      at (8, 8192) q_len 4, 54.0 vs 55.5 at (16, 4096), but 165.7 vs 150.9 at (64, 4096) against the 64-row
+      tile: the threshold holds there too.
     - bf16 with more than 16 packed rows (q_len x head_group, head_group 8-64) and seesaw: the Gluon kernel
       (kernel="gluon"; MTP rows packed as in the Triton kernel). At q_len 1 (64 heads per program), one H200, graph
       replays: 299 vs 447 us at (128, 4096, 128) and 86 vs 130 us at (32, 4096, 128) against the Triton 64-row
