@@ -664,7 +664,9 @@ class KernelConfig:
 
 MAX_ROWS = 64  # packed (query row x head) rows per work item: one M tile
 MAX_ROWS_SMALL_FP8 = 32  # fp8 caches, batch <= SMALL_BATCH: 32-row mma.sync tiles (as fast as 64 rows at b = 1)
-REDUCE_TILE = 2048  # fp32 partial values per reduce step and program (16 per thread of 4 warps)
+REDUCE_TILE = 2048  # fp32 partial values per reduce step and program (32 per thread of REDUCE_WARPS)
+REDUCE_WARPS = 2  # per reduce program; same bits as 4, graph replays on one H200 (eighth session, bf16, h = 16):
+# 17.4 vs 18.1 us at (1, 8192), 57.0 vs 57.1 at (32, 4096), within 0.2 us elsewhere (1 warp: the same as 2)
 REDUCE_MAX_S = 64  # most split partials merged per step of the reduce kernel
 
 
@@ -1003,7 +1005,7 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
             o_part, lse_part, plan.reduce_final, out, lse,
             o_part.stride(0), o_part.stride(1), lse_part.stride(0),
             out.stride(0), out.stride(1), lse.stride(0),
-            BLOCK_L=block_l, BLOCK_S=block_s, INTERPRET=INTERPRET, PDL=pdl, num_warps=4,
+            BLOCK_L=block_l, BLOCK_S=block_s, INTERPRET=INTERPRET, PDL=pdl, num_warps=REDUCE_WARPS,
             **({"launch_pdl": True} if pdl else {}),
         )
     return compiled
