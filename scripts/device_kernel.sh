@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue #5's measurements in one device call (carry .whl): mla-bench with the peers (bf16, fp8 KV, fp8 q + KV; the
-# issue's grid, then other head counts), the verifier on our kernel (2000 fp8 cases, MPS), then the GPU tests of the
-# Triton and Gluon kernels (shape grid, varlen, every candidate config, determinism, graph replay, compute-sanitizer
-# memcheck). Writes bench.json, bench_heads.json, v_triton_fp8.json, log.txt to $OUT.
+# issue's grid, then other head counts), MTP (benchmarks/mtp_bench.py), the verifier on our kernel (2000 fp8 cases,
+# MPS), then the GPU tests of the Triton and Gluon kernels (shape grid, varlen, every candidate config, determinism,
+# graph replay, compute-sanitizer memcheck). Writes bench.json, bench_heads.json, mtp.json, v_triton_fp8.json,
+# log.txt to $OUT.
 source "$(dirname "$0")/device_env.sh" /tmp/mla_kernel_out
 
 step "mla-bench with peers"
@@ -11,6 +12,9 @@ timeout 240 python3 -m mla_fast.bench --dtypes bf16,fp8kv,fp8 --json "$OUT/bench
 step "mla-bench at 32, 64 and 128 heads beside the grid (default dispatch; no MTP)"
 timeout 150 python3 -m mla_fast.bench --shapes "1,8192,32;32,4096,32;128,4096,32;128,8192,32;1,8192,64;4,8192,128" \
   --dtypes bf16,fp8kv --json "$OUT/bench_heads.json" 2>&1 | tail -24 | tee -a "$log"
+
+step "MTP: default vs the Triton kernel (and the Gluon fp8 kernel forced)"
+timeout 120 python3 benchmarks/mtp_bench.py --json "$OUT/mtp.json" 2>&1 | tail -60 | tee -a "$log"
 
 step "mla-verify --backend triton --dtype fp8 --cases 2000 (MPS)"
 mps_start
