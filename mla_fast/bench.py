@@ -321,29 +321,34 @@ def time_candidates(batch: DecodeBatch, nbytes: int, copy_gbs: float) -> list:
     return results
 
 
+PRECOMPILE_TOKENS = 1024  # per request: 16 pages of 64 (a block-table stride divisible by 16, as in the grid)
+
+
 def _precompile_one(task):
-    """Worker process: compile one (h, combo, override) config by launching it on a small batch (same
-    specialisation as the bench shapes), so the bench finds it in Triton's on-disk cache."""
+    """Worker process: compile one (b, h, combo, override) config by launching it on a short batch of b requests (the
+    default config depends on the batch size; the Triton specialisation on the block-table stride, kept by
+    PRECOMPILE_TOKENS), so the bench finds it in Triton's on-disk cache."""
     from dataclasses import replace
 
     from mla_fast import triton_decode as td
 
-    h, combo, o = task
+    b, h, combo, o = task
     t0 = time.time()
     try:
-        batch = build_batch(2, 4096, h, combo)
+        batch = build_batch(b, PRECOMPILE_TOKENS, h, combo)
         fn, _ = ours(batch, replace(td.batch_config(batch, 1), **o))
         torch.cuda.synchronize()
-        return f"compiled h={h} {combo} {o} in {time.time() - t0:.1f}s"
+        return f"compiled b={b} h={h} {combo} {o} in {time.time() - t0:.1f}s"
     except Exception as e:
-        return f"FAILED h={h} {combo} {o}: {type(e).__name__}: {str(e)[:200]}"
+        return f"FAILED b={b} h={h} {combo} {o}: {type(e).__name__}: {str(e)[:200]}"
 
 
-def precompile(heads, combos, processes: int) -> None:
-    """Compile every candidate config of the grid in `processes` spawned processes (Triton compiles on one core)."""
+def precompile(sizes, combos, processes: int) -> None:
+    """Compile every candidate config of the grid (sizes: its (batch, heads) pairs) in `processes` spawned processes
+    (Triton compiles on one core)."""
     import multiprocessing as mp
 
-    tasks = [(h, c, o) for h in heads for c in combos for o in [{}] + CANDIDATES.get((c, h), [])]
+    tasks = [(b, h, c, o) for b, h in sizes for c in combos for o in [{}] + CANDIDATES.get((c, h), [])]
     from mla_fast import bench  # pickled by module name, also when this file runs as __main__
 
     with mp.get_context("spawn").Pool(processes) as pool:
@@ -396,7 +401,7 @@ def main(argv=None) -> None:
         raise SystemExit("mla-bench needs a CUDA GPU")
     t0 = time.time()
     if args.candidates and args.precompile:
-        precompile(sorted({h for _, _, h in args.shapes}), args.dtypes.split(","), args.precompile)
+        precompile(sorted({(b, h) for b, _, h in args.shapes}), args.dtypes.split(","), args.precompile)
         print(f"precompiled in {time.time() - t0:.1f}s", flush=True)
     result = run_grid(args.shapes, args.dtypes.split(","), peers=not args.no_peers, candidates=args.candidates,
                       json_path=args.json)
