@@ -416,8 +416,7 @@ def _mla_decode_fp8_kernel(
         else:
             p_row = (partial_row + q_row).to(gl.int64)  # [16] workspace rows
             _store_item(accs, o_scale, lse, O_PART + p_row * stride_pt + h * stride_ph,
-                        LSE_PART + p_row * stride_plt + h,
-                        q_row < n_q, Q_ROWS > 1)
+                        LSE_PART + p_row * stride_plt + h, q_row < n_q, Q_ROWS > 1)
         gl.thread_barrier()  # q_nope / q_pe are rewritten by the next item
 
 
