@@ -251,9 +251,21 @@ def run_grid(shapes, combos, peers=True, copy_gbs=None, candidates=False, json_p
     return result
 
 
-# fp8 caches on 32-row mma.sync tiles: the h >= 64 default before 64-row tiles (and still at batch <= SMALL_BATCH)
-FP8_32_ROWS = dict(head_group=32, head_split=1, num_warps=8, num_stages=3, split_l=8, page_chunk=32, lazy_l=True,
-                   unchain=False)
+# fp8 caches on the Triton kernel's 32-row mma.sync tiles: the h >= 64 default before 64-row tiles (and still at
+# batch <= SMALL_BATCH off sm_90)
+FP8_32_ROWS = dict(kernel="triton", workers_per_sm=1, fp8_stage=True, head_group=32, head_split=1, num_warps=8,
+                   num_stages=3, split_l=8, page_chunk=32, lazy_l=True, unchain=False)
+
+
+def triton_fp8_64_rows(num_heads: int, **changes) -> dict:
+    """fp8 caches on the Triton kernel's 64-row wgmma tiles (default_config's choice at b >= 32 and 64 or 128 heads),
+    with changes: a whole config, so that it means the same over any default (the Gluon fp8 kernel's at small
+    batches included)."""
+    return dict(kernel="triton", workers_per_sm=1, fp8_stage=True, head_group=64,
+                head_split=2 if num_heads % 128 == 0 else 1, num_warps=8, num_stages=3, split_l=2, unchain=True,
+                page_chunk=32, lazy_l=False, **changes)
+
+
 # fp8 caches at 16 rows on the Triton kernel's staged path: the default before the Gluon fp8 kernel (and off sm_90)
 TRITON_FP8_16_ROWS = dict(kernel="triton", num_warps=4, num_stages=4, workers_per_sm=1, fp8_stage=True, split_l=8,
                           page_chunk=32, lazy_l=True)
@@ -268,9 +280,9 @@ CANDIDATES = {  # (combo, num_heads) -> KernelConfig overrides of default_config
                     dict(kernel="gluon", head_group=64, head_split=2)],
     ("bf16", 64): [dict(kernel="triton", head_group=64, head_split=1, num_warps=8, num_stages=2, split_l=2,
                         unchain=True, page_chunk=32, interleave=True)],  # the Triton 64-row layout at 64 heads
-    ("fp8kv", 64): [FP8_32_ROWS, dict(interleave=True)],
-    ("fp8kv", 128): [FP8_32_ROWS, dict(interleave=True)],
-    ("fp8", 128): [FP8_32_ROWS, dict(interleave=True)],
+    ("fp8kv", 64): [FP8_32_ROWS, triton_fp8_64_rows(64, interleave=True)],
+    ("fp8kv", 128): [FP8_32_ROWS, triton_fp8_64_rows(128, interleave=True)],
+    ("fp8", 128): [FP8_32_ROWS, triton_fp8_64_rows(128, interleave=True)],
 }
 
 

@@ -416,22 +416,28 @@ def test_gluon_fp8_kernel_rejects_what_it_cannot_take():
 
 def test_bench_candidates_are_launchable_configs_over_each_default():
     """Every `mla-bench --candidates` override, applied to the default an H200 takes (Gluon kernels on) and the one
-    elsewhere, gives a KernelConfig the launcher accepts (head geometry, shared memory of the Gluon fp8 kernel); the
-    Triton staged candidate at 16 heads is exactly the default off sm_90."""
+    elsewhere, at one request and at 32, gives a KernelConfig the launcher accepts (head geometry, shared memory of
+    the Gluon fp8 kernel); the Triton staged candidate at 16 heads is exactly the default off sm_90, and the fp8
+    64-row candidate with interleave off is the b >= 32 default there."""
     td = pytest.importorskip("mla_fast.triton_decode")
     g8 = pytest.importorskip("mla_fast.gluon_fp8")
     bench = pytest.importorskip("mla_fast.bench")
     for (combo, heads), overrides in bench.CANDIDATES.items():
         for gluon in (True, False):
-            base = td.default_config(combo, heads, 1, 32, seesaw=gluon, fp8_gluon=gluon)
-            for o in overrides:
-                config = replace(base, **o)  # KernelConfig validates its fields
-                assert heads % (config.head_group * config.head_split) == 0, (combo, heads, o)
-                if config.kernel == "gluon_fp8":
-                    g8.check_stages(config.num_stages, config.workers_per_sm)
+            for batch_size in (1, 32):
+                base = td.default_config(combo, heads, 1, batch_size, seesaw=gluon, fp8_gluon=gluon)
+                for o in overrides:
+                    config = replace(base, **o)  # KernelConfig validates its fields
+                    assert heads % (config.head_group * config.head_split) == 0, (combo, heads, o)
+                    if config.kernel == "gluon_fp8":
+                        g8.check_stages(config.num_stages, config.workers_per_sm)
     for combo in ("fp8kv", "fp8"):
         h200 = td.default_config(combo, 16, 1, 32, fp8_gluon=True)
         assert replace(h200, **bench.TRITON_FP8_16_ROWS) == td.default_config(combo, 16, 1, 32)
+        for heads in (64, 128):
+            small = td.default_config(combo, heads, 1, 1, fp8_gluon=True)  # the Gluon fp8 kernel
+            assert small.kernel == "gluon_fp8"
+            assert replace(small, **bench.triton_fp8_64_rows(heads)) == td.default_config(combo, heads, 1, 32)
 
 
 def test_gluon_fp8_channel_permutations_agree_with_their_layouts():
