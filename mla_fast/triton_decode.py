@@ -956,8 +956,11 @@ def _launch_triton(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, c
 
 def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=None, kv_scale=None,
            max_rows: int | None = None, qo_indptr: torch.Tensor | None = None, pdl: bool | None = None):
-    """Launch decode (+ reduce when the plan splits) into preallocated `out`/`lse`; no host sync, graph-safe.
+    """Launch decode (+ reduce when the plan splits) into preallocated `out`/`lse`; no host sync, graph-safe, when
+    max_rows is given.
 
+    max_rows: packed rows per program, max q_len x config.head_group (the kernels' M tile); None: read from
+        batch.q_lens (one host sync, so not inside a graph capture).
     pdl: launch the reduce as a programmatic dependent of decode (None: where `pdl_supported`; True elsewhere raises).
 
     Returns the compiled decode kernel (its n_regs / n_spills are reported by mla-bench).
@@ -972,7 +975,8 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
     o_part, lse_part = workspace
     q_scale = _scale_tensor(batch.q_scale if q_scale is None else q_scale, device)
     kv_scale = _scale_tensor(batch.kv_scale if kv_scale is None else kv_scale, device)
-    max_rows = max_rows or MAX_ROWS  # rows per program (q_len x head_group)
+    if max_rows is None:  # rows per program (q_len x head_group)
+        max_rows = max(int(batch.q_lens.max()) if batch.q_lens.numel() else 1, 1) * config.head_group
     qo_indptr = batch.qo_indptr if qo_indptr is None else qo_indptr
     if plan.head_group != config.head_group * config.head_split:
         raise ValueError(f"plan.head_group must be config.head_group x head_split = "

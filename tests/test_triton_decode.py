@@ -270,6 +270,26 @@ def test_importing_mla_fast_does_not_import_triton(report):
     assert report["triton_imported_by_mla_fast"] is False
 
 
+def test_launch_without_max_rows_takes_the_batch_rows(monkeypatch):
+    """launch() without max_rows sizes the M tile from the batch (max q_len x head_group), not the 64-row maximum: a
+    16-row config launched with 64 rows needed 288 KB of shared memory on the H200 (OutOfResources)."""
+    td = pytest.importorskip("mla_fast.triton_decode")
+    seen = []
+
+    def record(*args):
+        seen.append(args[10])  # _launch_triton's max_rows
+        return None
+
+    monkeypatch.setattr(td, "_launch_triton", record)
+    for q_lens, head_group in [((1, 1), 16), ((2, 1), 8), ((3, 4), 16)]:
+        batch = TritonCase((70, 5), q_lens, heads=16).batch()
+        config = td.KernelConfig(head_group=head_group, head_split=16 // head_group)
+        plan = td.make_plan(batch, config, num_workers=2)
+        T, H, L = batch.q.shape[0], batch.num_heads, batch.kv_lora_rank
+        td.launch(batch, plan, torch.empty(T, H, L, dtype=torch.bfloat16), torch.empty(T, H), config)
+        assert seen[-1] == max(q_lens) * head_group, (q_lens, head_group, seen)
+
+
 @pytest.mark.parametrize("heads", [40, 48, 64, 128])
 def test_small_batch_default_covers_every_head(heads):
     """head_group x head_split programs of a worker must cover the heads exactly (the planner's head group divides
