@@ -144,20 +144,27 @@ def test_interleave_gives_the_same_bits(combo):
     assert torch.equal(lse0.view(torch.int32), lse1.view(torch.int32))
 
 
-@pytest.mark.parametrize("case", [TritonCase((65536,), (1,), heads=16, page_size=64, L=512, R=64, seed=12),
-                                  VARLEN[1]], ids=["b1_128_pieces", "varlen_mtp"])
-def test_programmatic_dependent_reduce_gives_the_serial_bits(case):
+@pytest.mark.parametrize("case, kernel", [
+    (TritonCase((65536,), (1,), heads=16, page_size=64, L=512, R=64, seed=12), "triton"),
+    (VARLEN[1], "triton"),
+    (TritonCase((65536,), (1,), heads=128, page_size=64, L=512, R=64, seed=13), "gluon"),  # calls launch_dependents
+    (TritonCase((65536,), (1,), heads=16, page_size=64, combo="fp8kv", L=512, R=64, seed=14), "gluon_fp8"),
+], ids=["b1_128_pieces", "varlen_mtp", "seesaw_h128", "gluon_fp8"])
+def test_programmatic_dependent_reduce_gives_the_serial_bits(case, kernel):
     """The reduce kernel launched with programmatic dependent launch (it may start while decode runs and waits in
-    gdc_wait) gives the bits of the serialised launch. The launches replay from a CUDA graph (no host gap between
-    the two kernels) and the workspace is NaN-poisoned before every replay, so a reduce that read a partial before
-    decode wrote it would show as NaN or other bits."""
-    from mla_fast.triton_decode import default_config, dtype_combo, launch, make_plan, pdl_supported
+    gdc_wait) gives the bits of the serialised launch, after each decode kernel (the default dispatch here: the
+    Triton kernel, the seesaw kernel, which calls gdc_launch_dependents too, and the Gluon fp8 kernel, which does
+    not). The launches replay from a CUDA graph (no host gap between the two kernels) and the workspace is
+    NaN-poisoned before every replay, so a reduce that read a partial before decode wrote it would show as NaN or
+    other bits."""
+    from mla_fast.triton_decode import batch_config, launch, make_plan, pdl_supported
 
     batch = case.batch("cuda")
     if not pdl_supported(batch.q.device):
         pytest.skip("programmatic dependent launch needs sm_90+")
-    config = default_config(dtype_combo(batch.q.dtype, batch.kv_cache.dtype), case.heads, max(case.q_lens),
-                            batch.batch_size)
+    config = batch_config(batch, max(case.q_lens))
+    if config.kernel != kernel:
+        pytest.skip(f"the default dispatch here takes kernel={config.kernel!r}, not {kernel!r} (Gluon: sm_90 only)")
     plan = make_plan(batch, config)
     assert plan.num_partial_rows > 0  # the reduce runs
     T, H, L = batch.q.shape[0], case.heads, batch.kv_lora_rank
