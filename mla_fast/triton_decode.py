@@ -861,6 +861,11 @@ def effective_split_l(config: KernelConfig, kv_lora_rank: int) -> int:
     return split_l
 
 
+def _max_q_len(batch) -> int:
+    """The batch's largest q_len, at least 1 (one host sync)."""
+    return max(int(batch.q_lens.max()) if batch.q_lens.numel() else 1, 1)
+
+
 def _raise_reason(reason: str | None) -> None:
     """Raise ValueError(reason) when a Gluon kernel's `unsupported` named one (it names the field and expectation)."""
     if reason:
@@ -976,7 +981,7 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
     q_scale = _scale_tensor(batch.q_scale if q_scale is None else q_scale, device)
     kv_scale = _scale_tensor(batch.kv_scale if kv_scale is None else kv_scale, device)
     if max_rows is None:  # rows per program (q_len x head_group)
-        max_rows = max(int(batch.q_lens.max()) if batch.q_lens.numel() else 1, 1) * config.head_group
+        max_rows = _max_q_len(batch) * config.head_group
     qo_indptr = batch.qo_indptr if qo_indptr is None else qo_indptr
     if plan.head_group != config.head_group * config.head_split:
         raise ValueError(f"plan.head_group must be config.head_group x head_split = "
@@ -1024,16 +1029,16 @@ def decode(batch, *, plan=None, out=None, lse=None, config: KernelConfig | None 
     """
     check_batch(batch)
     T, H, L = batch.q.shape[0], batch.num_heads, batch.kv_lora_rank
-    max_q_len = int(batch.q_lens.max()) if batch.q_lens.numel() else 1
-    config = config or batch_config(batch, max(max_q_len, 1))
-    if max(max_q_len, 1) * config.head_group > MAX_ROWS:
+    max_q_len = _max_q_len(batch)
+    config = config or batch_config(batch, max_q_len)
+    if max_q_len * config.head_group > MAX_ROWS:
         raise ValueError(f"q_len x head_group must be <= {MAX_ROWS}, got {max_q_len} x {config.head_group}")
     plan = plan if plan is not None else make_plan(batch, config, num_workers)
     device = batch.q.device
     out = out if out is not None else torch.empty(T, H, L, dtype=torch.bfloat16, device=device)
     lse = lse if lse is not None else torch.empty(T, H, dtype=torch.float32, device=device)
     if T > 0:
-        launch(batch, plan, out, lse, config, max_rows=max(max_q_len, 1) * config.head_group)
+        launch(batch, plan, out, lse, config, max_rows=max_q_len * config.head_group)
     return out, lse
 
 
