@@ -39,7 +39,7 @@ channels), P rounded to bf16 once (the half that multiplies the other warpgroup'
 instead of p), fp32 row sums from unrounded P, one 64-token P.V MMA per tile and half, two fp32 rescales of each
 accumulator half per tile on average (four per pair of tiles).
 
-The Gluon fp8 kernel (mla_fast/gluon_fp8.py, e4m3fn caches at 16 heads per program) has the rounding points of
+The Gluon fp8 kernel (mla_fast/gluon_fp8.py, e4m3fn caches at 16 packed rows per program) has the rounding points of
 `KERNEL_NUMERICS["fp8kv"]` / `["fp8"]` (mma="fp16"): fp8 codes and q cast to fp16, one fp32 chain of L + R products
 per score (9 chunks of 64 channels, each k16 step over the same 16 channels in another column order), P rounded to
 fp16 once, fp32 row sums from unrounded P (per token slot, summed once per item, as lazy_l), one 64-token P.V MMA per

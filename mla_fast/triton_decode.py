@@ -45,8 +45,8 @@ On CUDA sm_90, bf16 batches with more than 16 packed rows per program take the G
 (`mla_fast.gluon_decode`, KernelConfig(kernel="gluon"), chosen by `batch_config`): 276-288 us at (128, 4096, 128) on
 one H200 against this kernel's 443 us below (FlashMLA 243-251 us), 86 vs 131 us at (32, 4096, 128), 574 vs 900 us at
 (128, 4096, 128) with q_len 2. It executes the same WorkPlan and writes the same partials, merged by
-`_mla_reduce_kernel`. Likewise e4m3fn caches at q_len 1 with 16 or 32 heads, or more heads at small batches
-(default_config), take the Gluon fp8 kernel at 16 heads per program (`mla_fast.gluon_fp8`,
+`_mla_reduce_kernel`. Likewise e4m3fn caches at q_len <= 4 with 16 heads (32 at q_len 1), or more heads at small
+batches (default_config), take the Gluon fp8 kernel at 16 packed rows per program (`mla_fast.gluon_fp8`,
 KernelConfig(kernel="gluon_fp8")): 180-184 vs 302 us (fp8kv) at (128, 8192, 16), 163 vs 249 us at (128, 4096, 32).
 
 Performance of this kernel (one H200, mla-bench, CUDA-graph replays, copy rate 4244-4269 GB/s; peers.md §2 conditions;
