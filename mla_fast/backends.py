@@ -10,7 +10,8 @@ a `KernelNumerics` read by verify's kernel bound, numerics.md §5(f)).
 | emulated   | `plan_decode` + `run_plan_reference` in fp32, bf16 out  | nothing                                  |
 | triton     | mla_fast's persistent split-KV Triton kernel (Gluon     | a GPU, or TRITON_INTERPRET=1 (CPU, slow) |
 |            | seesaw kernel for bf16 above 16 rows on sm_90, Gluon    |                                          |
-|            | fp8 kernel for fp8 caches at 16 heads (32 at q_len 1))  |                                          |
+|            | fp8 kernel for fp8 caches at 16 heads (32 at q_len 1),  |                                          |
+|            | seesaw kernel for other fp8 caches at 64 rows)          |                                          |
 | aiter      | ROCm/aiter persistent MLA (`mla_fast.aiter_backend`)    | ROCm, amd-aiter, gfx942/gfx950           |
 | flashinfer | FlashInfer `BatchMLAPagedAttentionWrapper`, FA3         | CUDA sm_90, flashinfer-python            |
 | flashmla   | FlashMLA dense decode (sgl-flash-mla legacy SM90)       | CUDA sm_90, sgl-flash-mla                |

@@ -1,14 +1,15 @@
 """
-Seesaw MLA decode in Gluon (Hopper, bf16, 64 packed rows per program)
-======================================================================
+Seesaw MLA decode in Gluon (Hopper, bf16 or fp8 cache, 64 packed rows per program)
+==================================================================================
 
 The same absorbed-MLA decode contract and `WorkPlan` as `mla_fast.triton_decode._mla_decode_kernel` (whose partials
 its reduce kernel merges), written in Gluon, Triton's lower-level language, for the compute-bound shapes: bf16 q and
-cache, one 64-row M tile of packed (query row x head) rows per program as in the Triton kernel (head_group 8, 16, 32
-or 64 heads per query row, q_len x head_group <= 64; MTP rows see their causal limits), 64-token tiles that lie
-inside one page (page_size % 64 == 0), L = 512 and R = 64. Triton 3.6 cannot warp-specialize on Hopper; Gluon can,
-and this kernel needs it. q arrives by TMA, one [head_group, 64] box per query row and chunk; packed rows past an
-item's q_len hold the next tokens' q (or zeros past the tensor), their scores are -inf and they are not written.
+cache (or an e4m3fn cache: see "fp8 caches" below), one 64-row M tile of packed (query row x head) rows per program
+as in the Triton kernel (head_group 8, 16, 32 or 64 heads per query row, q_len x head_group <= 64; MTP rows see
+their causal limits), 64-token tiles that lie inside one page (page_size % 64 == 0), L = 512 and R = 64. Triton 3.6
+cannot warp-specialize on Hopper; Gluon can, and this kernel needs it. q arrives by TMA, one [head_group, 64] box
+per query row and chunk; packed rows past an item's q_len hold the next tokens' q (or zeros past the tensor), their
+scores are -inf and they are not written.
 
 Each program runs two partitions of 4 warps on its worker's work items (grid = num_workers x head_split, like the
 Triton kernel; at 128 heads the two programs of a worker take 64 heads each and read each tile at the same time,
@@ -58,9 +59,31 @@ us faster in graph replays (eighth session, two pairs each: 86.5 vs 87.3 us at (
 (32, 4096, 16) q_len 2, 97.7 vs 98.4 at (64, 4096, 16) q_len 2; 27.4 vs 27.45 at (1, 8192, 128)). The Gluon fp8
 kernel does not call it: no gain there (42.4 vs 42.4 us at (32, 4096, 16), 16.7 vs 16.1 at (1, 8192, 16)).
 
+fp8 caches (KV_FP8; e4m3fn cache with bf16 or e4m3fn q): the same schedule on fp16 operands, with the shared memory
+of the bf16 kernel (q 72 KB + two 72 KB tile slots + 8 KB: no room for a separate fp8 staging area). Each chunk
+group's fp8 bytes arrive by TMA ([64, 64] boxes, 64-byte swizzle) in the upper half of the group's fp16 bytes
+(`_staged_box`), and the warpgroup that computes the tile's scores expands them to fp16 in place (`_score_group`),
+two chunks at a time, each pair's score MMAs issued before the next pair is expanded; on an item's last tile the V
+rows past KV_END become 0 in the same pass. q (bf16 or fp8) is loaded by warpgroup 0 with plain loads and stored as
+fp16. Numerics: those of `KERNEL_NUMERICS["fp8kv"]` / `["fp8"]` (mma="fp16"): the MMAs see the fp8 codes (exact in
+fp16) and q cast to fp16, one fp32 chain of L + R products per score, P rounded to fp16 once, fp32 row sums from
+unrounded P, one 64-token P.V MMA per tile and half, scales folded into the scores and the output. Performance (one
+H200, graph replays, ninth session, fp8kv; the Triton staged path in brackets): 438.7 us at (128, 4096, 128) [557.3]
+(bf16: 296.2), 128.8 at (32, 4096, 128) [153.1] (bf16: 84.8). The expansion is what costs: with it left out (wrong
+values, timing only) the kernel took 264.5 and 81.5 us, faster than bf16 (half the bytes). Measured and dropped: a
+third partition (4 warps, 40 registers; the warpgroups at 232) that expanded every group as soon as it landed, so
+that the warpgroups only waited for a ready barrier: 464.3 vs 451.5 us for the expansion in the warpgroups (whole
+groups, before the per-pair MMAs); without the async-proxy fences (racy, timing only): 454.0 vs 454.6, and without
+the in-place barrier 475.2 vs 475.5, so neither the fences nor the barriers are the cost; the conversion as inline
+PTX (cvt.rn.f16x2.e4m3x2 on each half of a 32-bit register, fewer byte shuffles on masked tiles): 475.5 us in one
+call, 451.5-456.8 for the plain cast in three others. Per tile the expansion reads 36 KB and writes 72 KB of shared
+memory and converts 36864 values beside the MMAs' own shared-memory reads; an fp8 P.V (FlashMLA's fp8 kernel takes
+224.8 us at (128, 4096, 128) in the same session) would need V transposed, not done here.
+
 Device only: Gluon kernels need a CUDA driver (sm_90); the interpreter cannot run them, so this kernel has GPU
 tests only (tests/test_triton_gpu.py). `mla_fast.triton_decode.launch` calls it for `KernelConfig(kernel="gluon")`,
-which `triton_decode.batch_config` chooses where `supported(batch)` and the rows per program exceed 16.
+which `triton_decode.batch_config` chooses where `supported(batch)` and the rows per program exceed 16 (bf16) or 32
+(fp8 caches, where the Gluon fp8 kernel's rule does not take the batch).
 
 Constexprs reach the warp_specialize partitions only when the argument tuples are written inside the call: a tuple
 built first and reused turned PAGE_SIZE, HEAD_SPLIT and HEAD_GROUP into runtime values (triton 3.6).
@@ -109,6 +132,9 @@ _HEAD_START = gl.constexpr(planner.HEAD_START)
 _GROUP_L = gl.constexpr(0)  # chunks 0-3: V_L (warpgroup 0's P.V) and the first score channels
 _GROUP_R = gl.constexpr(1)  # chunks 4-7: V_R (warpgroup 1's P.V)
 _GROUP_E = gl.constexpr(2)  # chunk 8: k_pe; after the scores of an odd tile it holds p1 for warpgroup 0
+# an fp8 box [64 tokens, 64 channels] in registers: 16 adjacent bytes of a token per thread (fp8 caches)
+_E4M3_BOX = gl.constexpr(gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0]))
+_Q_BLOCK = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))  # q rows as loaded (fp8 caches)
 
 
 @gluon.jit
@@ -166,22 +192,58 @@ def _group_end(g):
 
 
 @gluon.jit
-def _issue_group(kv_desc, kv_smem, kv_full, slot, row, g: gl.constexpr):
-    """TMA copies of chunk group g of the tile whose first cache row is `row` into tile slot `slot` (one barrier)."""
-    mbarrier.expect(kv_full.index(slot * 3 + g), (_group_end(g) - _group_first(g)) * _TILE * _CHUNK * 2)
-    for c in gl.static_range(_group_first(g), _group_end(g)):
-        tma.async_copy_global_to_shared(kv_desc, [row, c * _CHUNK], kv_full.index(slot * 3 + g),
-                                        _chunk(kv_smem, slot, c))
+def _fp8_box(kv8, slot, h: gl.constexpr):
+    """The h-th 4 KB of tile slot `slot` (h = 2 c + half of fp16 chunk c, h < 18) as an fp8 box [64 tokens, 64
+    channels] (64-byte swizzle): kv8 = the fp8 views (c_kv [2 x 16, 64, 64], k_pe [2 x 2, 64, 64]) of kv_smem."""
+    ckv8, kpe8 = kv8
+    if h < 16:
+        return ckv8.index(slot * 16 + h)
+    else:
+        return kpe8.index(slot * 2 + h - 16)
+
+
+@constexpr_function
+def _staged_box(g, j):
+    """Where fp8 box j of chunk group g lands: the upper half of the group's fp16 bytes (h of `_fp8_box`), so that
+    the expansion to fp16 (`_score_group`) can run in place."""
+    first, n = (0, 4, 8)[g], (4, 4, 1)[g]
+    return 2 * first + n + j
 
 
 @gluon.jit
-def _issue_own(WG: gl.constexpr, kv_desc, kv_smem, kv_full, slot, row):
+def _issue_group(kv_desc, kv_smem, kv8, kv_full, slot, row, g: gl.constexpr, KV_FP8: gl.constexpr):
+    """TMA copies of chunk group g of the tile whose first cache row is `row` into tile slot `slot` (one barrier):
+    the chunks themselves, or with KV_FP8 their fp8 boxes into the group's upper half (`_staged_box`)."""
+    n: gl.constexpr = _group_end(g) - _group_first(g)
+    if KV_FP8:
+        mbarrier.expect(kv_full.index(slot * 3 + g), n * _TILE * _CHUNK)
+        for j in gl.static_range(n):
+            tma.async_copy_global_to_shared(kv_desc, [row, (_group_first(g) + j) * _CHUNK],
+                                            kv_full.index(slot * 3 + g), _fp8_box(kv8, slot, _staged_box(g, j)))
+    else:
+        mbarrier.expect(kv_full.index(slot * 3 + g), n * _TILE * _CHUNK * 2)
+        for c in gl.static_range(_group_first(g), _group_end(g)):
+            tma.async_copy_global_to_shared(kv_desc, [row, c * _CHUNK], kv_full.index(slot * 3 + g),
+                                            _chunk(kv_smem, slot, c))
+
+
+@gluon.jit
+def _issue_own(WG: gl.constexpr, kv_desc, kv_smem, kv8, kv_full, slot, row, KV_FP8: gl.constexpr):
     """The chunk groups warpgroup WG loads (and releases): 0 -> L and E, 1 -> R."""
     if WG == 0:
-        _issue_group(kv_desc, kv_smem, kv_full, slot, row, _GROUP_L)
-        _issue_group(kv_desc, kv_smem, kv_full, slot, row, _GROUP_E)
+        _issue_group(kv_desc, kv_smem, kv8, kv_full, slot, row, _GROUP_L, KV_FP8)
+        _issue_group(kv_desc, kv_smem, kv8, kv_full, slot, row, _GROUP_E, KV_FP8)
     else:
-        _issue_group(kv_desc, kv_smem, kv_full, slot, row, _GROUP_R)
+        _issue_group(kv_desc, kv_smem, kv8, kv_full, slot, row, _GROUP_R, KV_FP8)
+
+
+@gluon.jit
+def _expanded(kv_smem, slot, c: gl.constexpr, box, n_valid, MASKED: gl.constexpr):
+    """Store an fp8 box (registers, _E4M3_BOX) as fp16 chunk c of a slot; with MASKED tokens >= n_valid as 0."""
+    x = box.to(gl.float16)
+    if MASKED:
+        x = gl.where((gl.arange(0, _TILE, gl.SliceLayout(1, _E4M3_BOX)) < n_valid)[:, None], x, 0.0)
+    _chunk(kv_smem, slot, c).store(x)
 
 
 @gluon.jit
@@ -193,23 +255,90 @@ def _tile_row(BLOCK_TABLE, b, stride_bt, kv_start, t, n_tiles, PAGE_SIZE: gl.con
 
 
 @gluon.jit
-def _score_group(s, q_smem, kv_smem, kv_full, slot, phase, g: gl.constexpr):
-    """Wait for chunk group g of a tile slot, then issue its score MMAs onto s (asynchronous)."""
-    mbarrier.wait(kv_full.index(slot * 3 + g), phase)
-    for c in gl.static_range(_group_first(g), _group_end(g)):
+def _score_mmas(s, q_smem, kv_smem, slot, c0: gl.constexpr, c1: gl.constexpr):
+    """Issue the score MMAs of chunks c0 .. c1 - 1 of a tile slot onto s (asynchronous)."""
+    for c in gl.static_range(c0, c1):
         s = warpgroup_mma(_q_chunk(q_smem, c), _chunk(kv_smem, slot, c).permute((1, 0)), s, is_async=True)
     return s
 
 
 @gluon.jit
-def _scores(q_smem, kv_smem, kv_full, slot, phase, s_layout: gl.constexpr):
+def _expanded_pair(kv_smem, slot, c: gl.constexpr, x0, x1, n_valid):
+    """Store two fp8 boxes (registers) as fp16 chunks c and c + 1 of a slot, tokens >= n_valid as 0 on an item's last
+    tile (cache slots past KV_END may hold NaN; only V rows need it, the scores are selected), then order the stores
+    before the async proxy (this warpgroup's MMAs; a thread barrier must follow)."""
+    if n_valid < _TILE:
+        _expanded(kv_smem, slot, c, x0, n_valid, True)
+        _expanded(kv_smem, slot, c + 1, x1, n_valid, True)
+    else:
+        _expanded(kv_smem, slot, c, x0, n_valid, False)
+        _expanded(kv_smem, slot, c + 1, x1, n_valid, False)
+    fence_async_shared()
+
+
+@gluon.jit
+def _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, g: gl.constexpr, KV_FP8: gl.constexpr):
+    """Wait for chunk group g of a tile slot, then issue its score MMAs onto s (asynchronous). With KV_FP8 the group
+    is expanded from its fp8 boxes (upper half of its bytes, `_staged_box`) to fp16 chunks in place first, two
+    chunks at a time, each pair's MMAs issued once it is stored: box j becomes chunk first + j, so chunks first and
+    first + 1 lie below the boxes, and chunks first + 2 and first + 3 overwrite all four boxes (read by every thread
+    before: the barrier)."""
+    mbarrier.wait(kv_full.index(slot * 3 + g), phase)
+    f: gl.constexpr = _group_first(g)
+    if not KV_FP8:
+        s = _score_mmas(s, q_smem, kv_smem, slot, f, _group_end(g))
+    elif g == _GROUP_E:
+        x = _fp8_box(kv8, slot, _staged_box(g, 0)).load(_E4M3_BOX)
+        gl.thread_barrier()  # the box is read before chunk 8 overwrites it
+        _expanded(kv_smem, slot, f, x, n_valid, False)
+        fence_async_shared()
+        gl.thread_barrier()
+        s = _score_mmas(s, q_smem, kv_smem, slot, f, f + 1)
+    else:
+        x0 = _fp8_box(kv8, slot, _staged_box(g, 0)).load(_E4M3_BOX)
+        x1 = _fp8_box(kv8, slot, _staged_box(g, 1)).load(_E4M3_BOX)
+        _expanded_pair(kv_smem, slot, f, x0, x1, n_valid)
+        x2 = _fp8_box(kv8, slot, _staged_box(g, 2)).load(_E4M3_BOX)
+        x3 = _fp8_box(kv8, slot, _staged_box(g, 3)).load(_E4M3_BOX)
+        gl.thread_barrier()
+        s = _score_mmas(s, q_smem, kv_smem, slot, f, f + 2)
+        _expanded_pair(kv_smem, slot, f + 2, x2, x3, n_valid)
+        gl.thread_barrier()
+        s = _score_mmas(s, q_smem, kv_smem, slot, f + 2, f + 4)
+    return s
+
+
+@gluon.jit
+def _scores(q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, s_layout: gl.constexpr, KV_FP8: gl.constexpr):
     """s = q K^T over the 9 chunks of a tile slot [64, 64] fp32 (one accumulator chain), each chunk group's MMAs
-    issued once its copies have landed: L, then E, then R (R is released last by the previous pair)."""
+    issued once its copies have landed (and with KV_FP8 been expanded): L, then E, then R (R is released last by
+    the previous pair)."""
     s = gl.zeros([_ROWS, _TILE], gl.float32, s_layout)
-    s = _score_group(s, q_smem, kv_smem, kv_full, slot, phase, _GROUP_L)
-    s = _score_group(s, q_smem, kv_smem, kv_full, slot, phase, _GROUP_E)
-    s = _score_group(s, q_smem, kv_smem, kv_full, slot, phase, _GROUP_R)
+    s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_L, KV_FP8)
+    s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_E, KV_FP8)
+    s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_R, KV_FP8)
     return warpgroup_mma_wait(0, deps=(s,))
+
+
+@gluon.jit
+def _load_q(Q, q_smem, q_full, q_empty, n_items, qo, n_q, head_start, stride_qt, stride_qh, HEAD_GROUP: gl.constexpr):
+    """Warpgroup 0 with an fp8 cache: an item's q [64 packed rows, 576] (bf16 or e4m3fn, rows past its n_q query
+    rows as 0) from Q into q_smem as fp16, stored once warpgroup 1 is done with the previous item's (q_empty); then
+    q_full. The loads are issued before that wait."""
+    m = gl.arange(0, _ROWS, gl.SliceLayout(1, _Q_BLOCK))  # [M] packed rows
+    q_row = m // HEAD_GROUP
+    row_ptr = Q + (qo + q_row).to(gl.int64) * stride_qt + (head_start + m % HEAD_GROUP) * stride_qh  # [M]
+    ok = (q_row < n_q)[:, None]  # [M, 1]
+    q_nope = gl.load(row_ptr[:, None] + gl.arange(0, _L_DIM, gl.SliceLayout(0, _Q_BLOCK))[None, :], mask=ok,
+                     other=0.0)  # [M, L]
+    q_pe = gl.load(row_ptr[:, None] + _L_DIM + gl.arange(0, _R_DIM, gl.SliceLayout(0, _Q_BLOCK))[None, :], mask=ok,
+                   other=0.0)  # [M, R]
+    mbarrier.wait(q_empty, (n_items & 1) ^ 1)
+    q_smem[0].store(q_nope.to(gl.float16))
+    q_smem[1].store(q_pe.to(gl.float16))
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(q_full)
 
 
 @gluon.jit
@@ -272,26 +401,29 @@ def _store_half(acc, l_sum, m_i, kv_scale, partial_row, qo_start, n_q, head_star
 
 
 @gluon.jit
-def _pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end, ph0, xph):
+def _pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end, ph0, xph, KV_FP8: gl.constexpr):
     """Warpgroup 1: o_R += p0' V0_R once warpgroup 0 has published p0' (xbar 2); waits for all its MMAs."""
     mbarrier.wait(xbar.index(2), xph)
     mbarrier.wait(kv_full.index(_GROUP_R), ph0)
-    if kv_end - t0 < _TILE:
+    if not KV_FP8 and kv_end - t0 < _TILE:  # (fp8: zeroed by the expansion)
         _zero_tail(kv_smem, 0, 4, kv_end - t0)
     acc = warpgroup_mma(p0_smem, _v_half(kv_smem, 0, 1), acc, is_async=True)
     return warpgroup_mma_wait(0, deps=(acc,))
 
 
 @gluon.jit
-def _warpgroup(WG: gl.constexpr, q_desc, kv_desc, q_smem, kv_smem, p0_smem, m_smem, l_smem, q_full, q_empty, kv_full,
-               xbar, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, WORKER_INDPTR, OUT, LSE, O_PART, LSE_PART,
-               Q_SCALE, KV_SCALE, sm_scale_log2, num_heads, stride_bt, stride_ot, stride_oh, stride_lt, stride_pt,
-               stride_ph, stride_plt, PAGE_SIZE: gl.constexpr, HEAD_SPLIT: gl.constexpr, HEAD_GROUP: gl.constexpr):
+def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, q_smem, kv_smem, kv8, p0_smem, m_smem, l_smem, q_full, q_empty,
+               kv_full, xbar, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, WORKER_INDPTR, OUT, LSE, O_PART, LSE_PART,
+               Q_SCALE, KV_SCALE, sm_scale_log2, num_heads, stride_qt, stride_qh, stride_bt, stride_ot, stride_oh,
+               stride_lt, stride_pt, stride_ph, stride_plt, PAGE_SIZE: gl.constexpr, HEAD_SPLIT: gl.constexpr,
+               HEAD_GROUP: gl.constexpr, KV_FP8: gl.constexpr):
     """Warpgroup WG (0: even tiles, o_L; 1: odd tiles, o_R) of the seesaw schedule (module docstring).
 
     Exchange barriers xbar: 0 = m0 ready (WG 0 -> 1), 1 = m1 ready (1 -> 0), 2 = p0' ready (0 -> 1), 3 = p1 ready
     (1 -> 0), 4 = l_L ready (0 -> 1), 5 = l_R ready (1 -> 0). m_smem holds m0 and m1 [2, 64], l_smem l_L and l_R.
-    q_empty: warpgroup 1 is done with an item (warpgroup 0 then loads the next item's q).
+    q_empty: warpgroup 1 is done with an item (warpgroup 0 then loads the next item's q). With KV_FP8 the operands
+    are fp16 (P too), q is loaded from Q and converted by warpgroup 0, and each warpgroup expands the fp8 groups of
+    the tile it scores (`_score_group`).
     """
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -300,6 +432,7 @@ def _warpgroup(WG: gl.constexpr, q_desc, kv_desc, q_smem, kv_smem, p0_smem, m_sm
     row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
     orow_l: gl.constexpr = gl.SliceLayout(1, o_layout)
     HALF: gl.constexpr = _L_DIM // 2
+    op: gl.constexpr = p0_smem.dtype  # MMA operand dtype: bf16, or fp16 for fp8 caches
     pid = gl.program_id(0)
     head_part = pid % HEAD_SPLIT
     worker = pid // HEAD_SPLIT
@@ -313,7 +446,7 @@ def _warpgroup(WG: gl.constexpr, q_desc, kv_desc, q_smem, kv_smem, p0_smem, m_sm
         b, partial_row, qo, n_q, kv_start, kv_end, head_start, limit_0 = _item(
             WORK_ITEMS, SEQ_LENS, QO_INDPTR, it, head_part, HEAD_GROUP)
         n_tiles = gl.cdiv(kv_end - kv_start, _TILE)
-        if WG == 0:  # q, once warpgroup 1 is done with the previous item: 64 // HEAD_GROUP query rows of
+        if WG == 0 and not KV_FP8:  # q, once warpgroup 1 is done with the previous item: 64 // HEAD_GROUP query rows of
             # HEAD_GROUP heads (rows past the item's n_q are loaded from the next tokens or zero-filled, never used)
             mbarrier.wait(q_empty, (n_items & 1) ^ 1)
             mbarrier.expect(q_full, _N_CHUNKS * _ROWS * _CHUNK * 2)
@@ -323,11 +456,13 @@ def _warpgroup(WG: gl.constexpr, q_desc, kv_desc, q_smem, kv_smem, p0_smem, m_sm
                                                     _q_chunk(q_smem, c).slice(j * HEAD_GROUP, HEAD_GROUP, dim=0))
         # this warpgroup's groups of the first two tiles (both slots are free: see the module docstring)
         if n_tiles > 0:
-            _issue_own(WG, kv_desc, kv_smem, kv_full, 0,
-                       _tile_row(BLOCK_TABLE, b, stride_bt, kv_start, 0, n_tiles, PAGE_SIZE))
+            _issue_own(WG, kv_desc, kv_smem, kv8, kv_full, 0,
+                       _tile_row(BLOCK_TABLE, b, stride_bt, kv_start, 0, n_tiles, PAGE_SIZE), KV_FP8)
         if n_tiles > 1:
-            _issue_own(WG, kv_desc, kv_smem, kv_full, 1,
-                       _tile_row(BLOCK_TABLE, b, stride_bt, kv_start, 1, n_tiles, PAGE_SIZE))
+            _issue_own(WG, kv_desc, kv_smem, kv8, kv_full, 1,
+                       _tile_row(BLOCK_TABLE, b, stride_bt, kv_start, 1, n_tiles, PAGE_SIZE), KV_FP8)
+        if WG == 0 and KV_FP8:  # q (bf16 or fp8) as fp16, stored once warpgroup 1 is done with the previous item
+            _load_q(Q, q_smem, q_full, q_empty, n_items, qo, n_q, head_start, stride_qt, stride_qh, HEAD_GROUP)
         q_row = gl.arange(0, _ROWS, row_l) // HEAD_GROUP  # [M] packed row -> query row of the item
         limit = gl.where(q_row < n_q, limit_0 + q_row, -1)  # [M] causal limit; -1: no such row
         mbarrier.wait(q_full, n_items & 1)
@@ -345,10 +480,10 @@ def _warpgroup(WG: gl.constexpr, q_desc, kv_desc, q_smem, kv_smem, p0_smem, m_sm
             ph1 = uses1 & 1
             xph = pairs & 1
             if WG == 0:
-                s = _masked(_scores(q_smem, kv_smem, kv_full, 0, ph0, s_layout), t0, kv_end, limit, qk_scale,
-                              s_layout)
+                s = _masked(_scores(q_smem, kv_smem, kv8, kv_full, 0, ph0, kv_end - t0, s_layout, KV_FP8), t0,
+                            kv_end, limit, qk_scale, s_layout)
                 if next0:  # slot 0's k_pe chunk is free
-                    _issue_group(kv_desc, kv_smem, kv_full, 0, row0, _GROUP_E)
+                    _issue_group(kv_desc, kv_smem, kv8, kv_full, 0, row0, _GROUP_E, KV_FP8)
                 m0 = gl.maximum(m_i, gl.max(s, 1))  # [M]
                 alpha0 = _alpha(m_i, m0)
                 p = gl.exp2(s - gl.where(m0 == float("-inf"), 0.0, m0)[:, None])  # [M, N] fp32
@@ -356,36 +491,36 @@ def _warpgroup(WG: gl.constexpr, q_desc, kv_desc, q_smem, kv_smem, p0_smem, m_sm
                 m_smem.index(0).store(m0)
                 mbarrier.arrive(xbar.index(0))
                 acc = acc * gl.convert_layout(alpha0, orow_l)[:, None]
-                if kv_end - t0 < _TILE:
+                if not KV_FP8 and kv_end - t0 < _TILE:  # (fp8: zeroed by the expansion)
                     _zero_tail(kv_smem, 0, 0, kv_end - t0)
-                p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+                p_op = gl.convert_layout(p.to(op), p_layout)
                 acc = warpgroup_mma(p_op, _v_half(kv_smem, 0, 0), acc, is_async=True)
                 mbarrier.wait(xbar.index(1), xph)
                 m1 = m_smem.index(1).load(row_l)
                 alpha1 = _alpha(m0, m1)
-                p0_smem.store((p * alpha1[:, None]).to(gl.bfloat16))
+                p0_smem.store((p * alpha1[:, None]).to(op))
                 fence_async_shared()
                 mbarrier.arrive(xbar.index(2))
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 if next0:  # slot 0's V_L is free
-                    _issue_group(kv_desc, kv_smem, kv_full, 0, row0, _GROUP_L)
+                    _issue_group(kv_desc, kv_smem, kv8, kv_full, 0, row0, _GROUP_L, KV_FP8)
                 acc = acc * gl.convert_layout(alpha1, orow_l)[:, None]
                 l_i = l_i * alpha1
                 m_i = m1
                 if has1:
                     mbarrier.wait(kv_full.index(3 + _GROUP_L), ph1)
                     mbarrier.wait(xbar.index(3), ph1)
-                    if kv_end - t0 - _TILE < _TILE:
+                    if not KV_FP8 and kv_end - t0 - _TILE < _TILE:
                         _zero_tail(kv_smem, 1, 0, kv_end - t0 - _TILE)
                     acc = warpgroup_mma(_chunk(kv_smem, 1, 8), _v_half(kv_smem, 1, 0), acc, is_async=True)
                     acc = warpgroup_mma_wait(0, deps=(acc,))
                     if next1:  # slot 1's V_L and p1 (over its k_pe chunk) are free
-                        _issue_group(kv_desc, kv_smem, kv_full, 1, row1, _GROUP_L)
-                        _issue_group(kv_desc, kv_smem, kv_full, 1, row1, _GROUP_E)
+                        _issue_group(kv_desc, kv_smem, kv8, kv_full, 1, row1, _GROUP_L, KV_FP8)
+                        _issue_group(kv_desc, kv_smem, kv8, kv_full, 1, row1, _GROUP_E, KV_FP8)
             else:
                 if has1:
-                    s = _masked(_scores(q_smem, kv_smem, kv_full, 1, ph1, s_layout), t0 + _TILE, kv_end, limit,
-                                qk_scale, s_layout)
+                    s = _masked(_scores(q_smem, kv_smem, kv8, kv_full, 1, ph1, kv_end - t0 - _TILE, s_layout,
+                                        KV_FP8), t0 + _TILE, kv_end, limit, qk_scale, s_layout)
                 else:
                     s = gl.full([_ROWS, _TILE], float("-inf"), gl.float32, s_layout)
                 mbarrier.wait(xbar.index(0), xph)
@@ -398,21 +533,21 @@ def _warpgroup(WG: gl.constexpr, q_desc, kv_desc, q_smem, kv_smem, p0_smem, m_sm
                 l_i = l_i * alpha + gl.sum(p, 1)
                 acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
                 if has1:
-                    p_bf = p.to(gl.bfloat16)
+                    p_bf = p.to(op)
                     _chunk(kv_smem, 1, 8).store(p_bf)  # p1 for warpgroup 0, over slot 1's k_pe chunk
                     fence_async_shared()
                     mbarrier.arrive(xbar.index(3))
-                    if kv_end - t0 - _TILE < _TILE:
+                    if not KV_FP8 and kv_end - t0 - _TILE < _TILE:
                         _zero_tail(kv_smem, 1, 4, kv_end - t0 - _TILE)
                     acc = warpgroup_mma(gl.convert_layout(p_bf, p_layout), _v_half(kv_smem, 1, 1), acc,
                                         is_async=True)
-                    acc = _pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end, ph0, xph)
+                    acc = _pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end, ph0, xph, KV_FP8)
                 else:
-                    acc = _pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end, ph0, xph)
+                    acc = _pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end, ph0, xph, KV_FP8)
                 if next0:  # slot 0's V_R is free (warpgroup 0's scores of it are done: it published p0')
-                    _issue_group(kv_desc, kv_smem, kv_full, 0, row0, _GROUP_R)
+                    _issue_group(kv_desc, kv_smem, kv8, kv_full, 0, row0, _GROUP_R, KV_FP8)
                 if next1:
-                    _issue_group(kv_desc, kv_smem, kv_full, 1, row1, _GROUP_R)
+                    _issue_group(kv_desc, kv_smem, kv8, kv_full, 1, row1, _GROUP_R, KV_FP8)
                 m_i = m1
             uses0 += 1
             uses1 += has1.to(gl.int32)
@@ -438,25 +573,31 @@ def _warpgroup(WG: gl.constexpr, q_desc, kv_desc, q_smem, kv_smem, p0_smem, m_sm
 
 @gluon.jit
 def _mla_decode_seesaw_kernel(
-    q_desc, kv_desc,  # TMA: q as [T x H, 576], the cache as [pages x page_size, 576], [64, 64] boxes
+    Q, q_desc, kv_desc,  # q [T, H, 576]; TMA: q as [T x H, 576] (bf16 caches), the cache as [pages x page_size, 576]
     BLOCK_TABLE, SEQ_LENS, QO_INDPTR,  # [B, pages] int32, [B] int32, [B+1] int32
     WORK_ITEMS, WORKER_INDPTR,  # [N, 8] int32, [W+1] int32
     OUT, LSE, O_PART, LSE_PART,  # [T, H, L] bf16, [T, H] fp32, [rows, H, L] fp32, [rows, H] fp32
     Q_SCALE, KV_SCALE,  # fp32 [1] each (1.0 for bf16 batches; launch's overrides apply as in the Triton kernel)
     sm_scale_log2,  # sm_scale x log2(e)
-    num_heads, stride_bt, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt,
+    num_heads, stride_qt, stride_qh, stride_bt, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt,
     PAGE_SIZE: gl.constexpr, HEAD_SPLIT: gl.constexpr, HEAD_GROUP: gl.constexpr, PDL: gl.constexpr,
+    KV_FP8: gl.constexpr,  # e4m3fn cache ([64, 64] boxes), bf16 or e4m3fn q: fp16 operands, expanded in place
 ):
     if PDL:  # the reduce kernel may start now; its programs wait (gdc_wait) until this grid has finished
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
-    chunk_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_TILE, _CHUNK], gl.bfloat16)
+    op: gl.constexpr = gl.float16 if KV_FP8 else gl.bfloat16  # MMA operands (and P)
+    chunk_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_TILE, _CHUNK], op)
+    box_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_TILE, _CHUNK], gl.float8e4nv)
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    q_smem = (gl.allocate_shared_memory(gl.bfloat16, [_ROWS, _L_DIM], chunk_layout),  # q_nope, q_pe: 72 KB
-              gl.allocate_shared_memory(gl.bfloat16, [_ROWS, _R_DIM], chunk_layout))
-    kv_smem = (gl.allocate_shared_memory(gl.bfloat16, [2, _TILE, _L_DIM], chunk_layout),  # two tile slots: 144 KB
-               gl.allocate_shared_memory(gl.bfloat16, [2, _TILE, _R_DIM], chunk_layout))
-    p0_smem = gl.allocate_shared_memory(gl.bfloat16, [_ROWS, _TILE], chunk_layout)  # 8 KB: p0' for warpgroup 1
+    q_smem = (gl.allocate_shared_memory(op, [_ROWS, _L_DIM], chunk_layout),  # q_nope, q_pe: 72 KB
+              gl.allocate_shared_memory(op, [_ROWS, _R_DIM], chunk_layout))
+    kv_smem = (gl.allocate_shared_memory(op, [2, _TILE, _L_DIM], chunk_layout),  # two tile slots: 144 KB
+               gl.allocate_shared_memory(op, [2, _TILE, _R_DIM], chunk_layout))
+    # the same bytes as fp8 boxes of 4 KB (fp8 caches: _fp8_box, _staged_box)
+    kv8 = (kv_smem[0]._reinterpret(gl.float8e4nv, [2 * 16, _TILE, _CHUNK], box_layout),
+           kv_smem[1]._reinterpret(gl.float8e4nv, [2 * 2, _TILE, _CHUNK], box_layout))
+    p0_smem = gl.allocate_shared_memory(op, [_ROWS, _TILE], chunk_layout)  # 8 KB: p0' for warpgroup 1
     m_smem = gl.allocate_shared_memory(gl.float32, [2, _ROWS], flat)
     l_smem = gl.allocate_shared_memory(gl.float32, [2, _ROWS], flat)
     q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -470,27 +611,36 @@ def _mla_decode_seesaw_kernel(
         mbarrier.init(xbar.index(i), count=1)
     fence_async_shared()
     gl.warp_specialize([
-        (_warpgroup, (0, q_desc, kv_desc, q_smem, kv_smem, p0_smem, m_smem, l_smem, q_full, q_empty, kv_full, xbar,
-                      BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, WORKER_INDPTR, OUT, LSE, O_PART, LSE_PART, Q_SCALE,
-                      KV_SCALE, sm_scale_log2, num_heads, stride_bt, stride_ot, stride_oh, stride_lt, stride_pt,
-                      stride_ph, stride_plt, PAGE_SIZE, HEAD_SPLIT, HEAD_GROUP)),
-        (_warpgroup, (1, q_desc, kv_desc, q_smem, kv_smem, p0_smem, m_smem, l_smem, q_full, q_empty, kv_full, xbar,
-                      BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, WORKER_INDPTR, OUT, LSE, O_PART, LSE_PART, Q_SCALE,
-                      KV_SCALE, sm_scale_log2, num_heads, stride_bt, stride_ot, stride_oh, stride_lt, stride_pt,
-                      stride_ph, stride_plt, PAGE_SIZE, HEAD_SPLIT, HEAD_GROUP)),
+        (_warpgroup, (0, Q, q_desc, kv_desc, q_smem, kv_smem, kv8, p0_smem, m_smem, l_smem, q_full, q_empty, kv_full,
+                      xbar, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, WORKER_INDPTR, OUT, LSE, O_PART, LSE_PART,
+                      Q_SCALE, KV_SCALE, sm_scale_log2, num_heads, stride_qt, stride_qh, stride_bt, stride_ot,
+                      stride_oh, stride_lt, stride_pt, stride_ph, stride_plt, PAGE_SIZE, HEAD_SPLIT, HEAD_GROUP,
+                      KV_FP8)),
+        (_warpgroup, (1, Q, q_desc, kv_desc, q_smem, kv_smem, kv8, p0_smem, m_smem, l_smem, q_full, q_empty, kv_full,
+                      xbar, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, WORKER_INDPTR, OUT, LSE, O_PART, LSE_PART,
+                      Q_SCALE, KV_SCALE, sm_scale_log2, num_heads, stride_qt, stride_qh, stride_bt, stride_ot,
+                      stride_oh, stride_lt, stride_pt, stride_ph, stride_plt, PAGE_SIZE, HEAD_SPLIT, HEAD_GROUP,
+                      KV_FP8)),
     ], [4], [256])
 
 
 HEAD_GROUPS = (8, 16, 32, 64)  # heads per program: q_len x head_group packed rows <= 64, in TMA boxes of head_group
+_DTYPES = ((torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float8_e4m3fn),
+           (torch.float8_e4m3fn, torch.float8_e4m3fn))  # (q, cache)
+_GL_DTYPE = {torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}
 
 
 def unsupported(batch, head_group: int | None = None, head_split: int | None = None,
-                max_rows: int | None = None) -> str | None:
+                max_rows: int | None = None, mma: str | None = None) -> str | None:
     """Why the seesaw kernel cannot take `batch`, or None. With head_group (heads per program), head_split (programs
-    per worker) and max_rows (max q_len x head_group) it also checks that launch geometry. No host sync (graph
-    capture)."""
-    if batch.q.dtype != torch.bfloat16 or batch.kv_cache.dtype != torch.bfloat16:
-        return f"kernel='gluon' takes bf16 q and cache, got {batch.q.dtype}/{batch.kv_cache.dtype}"
+    per worker) and max_rows (max q_len x head_group) it also checks that launch geometry, with mma the operand
+    dtype of the config (bf16 for a bf16 cache, fp16 for an fp8 one). No host sync (graph capture)."""
+    if (batch.q.dtype, batch.kv_cache.dtype) not in _DTYPES:
+        return (f"kernel='gluon' takes bf16 q and cache, or an e4m3fn cache with bf16 or e4m3fn q, got "
+                f"{batch.q.dtype}/{batch.kv_cache.dtype}")
+    operand = "bf16" if batch.kv_cache.dtype == torch.bfloat16 else "fp16"
+    if mma is not None and mma != operand:
+        return f"kernel='gluon' runs a {batch.kv_cache.dtype} cache with mma={operand!r}, got mma={mma!r}"
     reason = layout_reason(batch, "gluon")
     if reason:
         return reason
@@ -544,14 +694,16 @@ def launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, he
     the reduce."""
     T, H, D = batch.q.shape
     kv = batch.kv_cache
-    layout = gl.NVMMASharedLayout.get_default_for([TILE, CHUNK], gl.bfloat16)
-    q_desc = TensorDescriptor(batch.q.view(T * H, D), [T * H, D], [D, 1], [head_group, CHUNK], layout)
-    kv_desc = TensorDescriptor(kv.view(-1, D), [kv.shape[0] * kv.shape[1], D], [D, 1], [TILE, CHUNK], layout)
+    q_desc = TensorDescriptor(batch.q.view(T * H, D), [T * H, D], [D, 1], [head_group, CHUNK],
+                              gl.NVMMASharedLayout.get_default_for([TILE, CHUNK], _GL_DTYPE[batch.q.dtype]))
+    kv_desc = TensorDescriptor(kv.view(-1, D), [kv.shape[0] * kv.shape[1], D], [D, 1], [TILE, CHUNK],
+                               gl.NVMMASharedLayout.get_default_for([TILE, CHUNK], _GL_DTYPE[kv.dtype]))
     num_workers = plan.worker_indptr.numel() - 1
     return _mla_decode_seesaw_kernel[(num_workers * head_split,)](
-        q_desc, kv_desc, batch.block_table, batch.seq_lens, qo_indptr, plan.work_items, plan.worker_indptr,
+        batch.q, q_desc, kv_desc, batch.block_table, batch.seq_lens, qo_indptr, plan.work_items, plan.worker_indptr,
         out, lse, o_part, lse_part, q_scale, kv_scale, float(batch.sm_scale) * LOG2E,
-        H, batch.block_table.stride(0), out.stride(0), out.stride(1), lse.stride(0),
-        o_part.stride(0), o_part.stride(1), lse_part.stride(0),
-        PAGE_SIZE=kv.shape[1], HEAD_SPLIT=head_split, HEAD_GROUP=head_group, PDL=pdl, num_warps=4,
+        H, batch.q.stride(0), batch.q.stride(1), batch.block_table.stride(0), out.stride(0), out.stride(1),
+        lse.stride(0), o_part.stride(0), o_part.stride(1), lse_part.stride(0),
+        PAGE_SIZE=kv.shape[1], HEAD_SPLIT=head_split, HEAD_GROUP=head_group, PDL=pdl,
+        KV_FP8=kv.dtype == torch.float8_e4m3fn, num_warps=4,
     )

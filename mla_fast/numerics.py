@@ -33,11 +33,15 @@ Rounding points of `_mla_decode_kernel` (per query row, per KV tile of BLOCK_N t
 6. Split merge (reduce kernel): fp32, exact LSE merge in base 2 (numerics.md §3, §5(g): <= 1.1e-5 Σp|v| measured).
 7. Output: bf16, one rounding (the 2^-8 |o| term of §5(f)); lse fp32 natural log.
 
-The Gluon seesaw kernel (mla_fast/gluon_decode.py, bf16 only) has the same rounding points, so
+The Gluon seesaw kernel (mla_fast/gluon_decode.py) on bf16 has the same rounding points, so
 `KERNEL_NUMERICS["bf16"]` declares it too: bf16 operands, one fp32 chain of L + R products per score (9 chunks of 64
 channels), P rounded to bf16 once (the half that multiplies the other warpgroup's tile rounds p * 2^(m0 - m1) <= 1
 instead of p), fp32 row sums from unrounded P, one 64-token P.V MMA per tile and half, two fp32 rescales of each
 accumulator half per tile on average (four per pair of tiles).
+
+On e4m3fn caches the seesaw kernel (KV_FP8) has the rounding points of `KERNEL_NUMERICS["fp8kv"]` / `["fp8"]`
+(mma="fp16"): each fp8 tile expanded to fp16 in shared memory (exact), q cast to fp16, the same chains, P rounded to
+fp16 once (p0' as above), scales folded as in point 1.
 
 The Gluon fp8 kernel (mla_fast/gluon_fp8.py, e4m3fn caches at 16 packed rows per program) has the rounding points of
 `KERNEL_NUMERICS["fp8kv"]` / `["fp8"]` (mma="fp16"): fp8 codes and q cast to fp16, one fp32 chain of L + R products

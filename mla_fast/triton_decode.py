@@ -48,6 +48,8 @@ one H200 against this kernel's 443 us below (FlashMLA 243-251 us), 86 vs 131 us 
 `_mla_reduce_kernel`. Likewise e4m3fn caches at q_len <= 4 with 16 heads (32 at q_len 1), or more heads at small
 batches (default_config), take the Gluon fp8 kernel at 16 packed rows per program (`mla_fast.gluon_fp8`,
 KernelConfig(kernel="gluon_fp8")): 180-184 vs 302 us (fp8kv) at (128, 8192, 16), 163 vs 249 us at (128, 4096, 32).
+Other e4m3fn caches with 64 packed rows per program take the seesaw kernel on fp16 operands (KernelConfig(
+kernel="gluon", mma="fp16"), each fp8 tile expanded in place): 438.7 vs 557.3 us (fp8kv) at (128, 4096, 128).
 
 Performance of this kernel (one H200, mla-bench, CUDA-graph replays, copy rate 4244-4269 GB/s; peers.md §2 conditions;
 README table): bf16 h=16 takes 288-294 us at (b=128, s=8192), 97-99 % of copy (FlashInfer FA3 291-301 us), 154-157 us
@@ -615,7 +617,8 @@ class KernelConfig:
             with split_l > 1 (the same dots and sums); with split_l = 1 the q_nope and q_pe dots become two chains
             summed at the end, as with slices (another fp32 summation order).
         kernel: "triton" (`_mla_decode_kernel`, every input), "gluon" (`mla_fast.gluon_decode`, the warp-specialized
-            seesaw kernel: CUDA sm_90, bf16, head_group 8/16/32/64 with q_len x head_group <= 64 packed rows,
+            seesaw kernel: CUDA sm_90, bf16 with mma="bf16" or an e4m3fn cache with bf16 or e4m3fn q and
+            mma="fp16", head_group 8/16/32/64 with q_len x head_group <= 64 packed rows,
             page_size % 64 == 0, L = 512, R = 64; of the fields above it reads head_group and head_split only) or
             "gluon_fp8" (`mla_fast.gluon_fp8`: CUDA sm_90, e4m3fn cache with bf16 or e4m3fn q, head_group 16, 8 or 4
             with q_len x head_group <= 16 packed rows, page_size % 64 == 0, L = 512, R = 64, mma="fp16"; it reads
@@ -648,9 +651,9 @@ class KernelConfig:
     def __post_init__(self):
         if self.kernel not in ("triton", "gluon", "gluon_fp8"):
             raise ValueError(f"kernel must be 'triton', 'gluon' or 'gluon_fp8', got {self.kernel!r}")
-        if self.kernel == "gluon" and (self.mma, self.block_n) != ("bf16", 64):
-            raise ValueError("kernel='gluon' (mla_fast.gluon_decode) takes mma='bf16' and block_n=64, got "
-                             f"{self.mma!r}, {self.block_n}")
+        if self.kernel == "gluon" and (self.mma not in ("bf16", "fp16") or self.block_n != 64):
+            raise ValueError("kernel='gluon' (mla_fast.gluon_decode) takes mma='bf16' (bf16 cache) or 'fp16' (fp8 "
+                             f"cache) and block_n=64, got {self.mma!r}, {self.block_n}")
         if self.kernel == "gluon_fp8" and (self.mma, self.block_n) != ("fp16", 64):
             raise ValueError("kernel='gluon_fp8' (mla_fast.gluon_fp8) takes mma='fp16' and block_n=64, got "
                              f"{self.mma!r}, {self.block_n}")
@@ -709,8 +712,9 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
     """Launch choice, the fastest correct candidate of mla-bench --candidates on one H200 (the h=16 shapes with b >= 32
     and the h = 128 shapes; see the module docstring).
 
-    seesaw: the Gluon seesaw kernel can run the batch (`gluon_decode.supported`: CUDA sm_90, bf16, L = 512, R = 64,
-    pages of a multiple of 64 tokens, contiguous q and cache); `batch_config` passes it.
+    seesaw: the Gluon seesaw kernel can run the batch (`gluon_decode.supported`: CUDA sm_90, bf16, or an e4m3fn
+    cache with bf16 or e4m3fn q, L = 512, R = 64, pages of a multiple of 64 tokens, contiguous q and cache);
+    `batch_config` passes it.
     fp8_gluon: the Gluon fp8 kernel can run the batch (`gluon_fp8.supported`: CUDA sm_90, e4m3fn cache with bf16
     or e4m3fn q, L = 512, R = 64, pages of a multiple of 64 tokens, contiguous cache); `batch_config` passes it.
     - fp8 caches with fp8_gluon at q_len <= 4: the Gluon fp8 kernel (kernel="gluon_fp8"), 16 packed rows per
@@ -734,6 +738,15 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
       (128, 8192); q_len 3-4 (four programs of 4 heads x 4 rows) 35.0 vs 37.8 at (4, 8192) q_len 3, 54.6 vs 58.8
       at (8, 8192) q_len 4, 54.0 vs 55.5 at (16, 4096), but 165.7 vs 150.9 at (64, 4096) against the 64-row
       tile: the threshold holds there too.
+    - fp8 caches with 64 packed rows (33-64) and seesaw, where the Gluon fp8 kernel is not taken: the Gluon seesaw
+      kernel on fp16 operands (kernel="gluon", mma="fp16"; each fp8 tile expanded in place). One H200, graph replays
+      (ninth session), fp8kv against the Triton staged path (the default before): 456.8 vs 557.3 us at
+      (128, 4096, 128), 131.5 vs 153.1 at (32, 4096, 128), 78.1 vs 86.7 at (16, 4096, 128), 77.9 vs 86.4 at
+      (8, 8192, 128), 254.1 vs 274.9 at (128, 4096, 64), 84.5 vs 85.1 at (32, 4096, 64), but 55.5 vs 53.2 at
+      (16, 4096, 64) (fp8 q: 75.2 vs 85.5, 52.6 vs 52.2 there); expanding each group two chunks at a time, their
+      MMAs issued before the next two are expanded, took 438.7 vs 454.6 us at (128, 4096, 128) and 128.8 vs 131.0
+      at (32, 4096, 128) (the kernel now). The Gluon fp8 kernel stays faster where its rule takes it: 51.8 vs 52.4
+      us at (4, 8192, 128), 34.5 vs 41.4 at (4, 8192, 64), 52.8 vs 56.2 at (8, 8192, 64).
     - bf16 with more than 16 packed rows (q_len x head_group, head_group 8-64) and seesaw: the Gluon kernel
       (kernel="gluon"; MTP rows packed as in the Triton kernel). At q_len 1 (64 heads per program), one H200, graph
       replays: 299 vs 447 us at (128, 4096, 128) and 86 vs 130 us at (32, 4096, 128) against the Triton 64-row
@@ -766,8 +779,8 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
       (128, 4096, 128), 132 vs 139 at (32, 4096, 128), 235 vs 262 and 81 vs 85 at (128 / 32, 4096, 64). For fp8
       caches interleave measured -2.5 to +1.3 % (153 vs 157, 543 vs 546 us at h = 128; 87 vs 86, 276 vs 273 at
       h = 64): left off.
-    - fp8 caches with 64 rows: the staged fp16 tile (fp8_stage) on the same layout, three stages with block-table
-      chunks (two tiles buffered, 216 KB of shared memory): 552 vs 975 us at (128, 4096, 128) and 155 vs 247 us at
+    - fp8 caches with 64 rows without seesaw: the staged fp16 tile (fp8_stage) on the same layout, three stages with
+      block-table chunks (two tiles buffered, 216 KB of shared memory): 552 vs 975 us at (128, 4096, 128) and 155 vs 247 us at
       (32, 4096, 128) against 32-row mma.sync tiles (602 / 172 us with two stages and per-tile block-table loads);
       at 64 heads (one program per worker) 272 vs 489 us at (128, 4096, 64), 87 vs 135 us at (32, 4096, 64).
     - bf16 or fp8 q + e4m3fn cache, rows <= 16: each tile converted to fp16 once (fp8_stage; 6-9 % faster than the
@@ -811,6 +824,9 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
         if programs <= 2 or (batch_size is not None and batch_size * programs * 16 <= GLUON_FP8_MAX_BATCH_X_ROWS):
             return KernelConfig(block_n=64, mma=mma, head_group=fp8_group, head_split=programs, num_stages=2,
                                 workers_per_sm=2, kernel="gluon_fp8")
+    if rows > 32 and fp8_kv and seesaw and head_group in _gluon_head_groups():  # 64-row tiles, fp8 cache
+        return KernelConfig(block_n=64, mma=mma, head_group=head_group, head_split=num_heads // head_group,
+                            kernel="gluon")
     if rows > 32 and small_batch:  # bf16, few requests
         group = max(d for d in range(1, 17) if num_heads % d == 0)  # <= 16 rows; the programs cover every head
         return KernelConfig(block_n=64, num_warps=4, num_stages=3, mma=mma, head_group=group,
@@ -994,7 +1010,7 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
     if config.kernel == "gluon":
         from mla_fast import gluon_decode
 
-        _raise_reason(gluon_decode.unsupported(batch, config.head_group, config.head_split, max_rows))
+        _raise_reason(gluon_decode.unsupported(batch, config.head_group, config.head_split, max_rows, config.mma))
         compiled = gluon_decode.launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale,
                                               config.head_group, config.head_split, qo_indptr, pdl)
     elif config.kernel == "gluon_fp8":

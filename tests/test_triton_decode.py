@@ -336,8 +336,20 @@ def test_gluon_kernel_is_chosen_only_where_it_runs():
                            (("bf16", 32, 1, 32), (32, 1)), (("bf16", 32, 1, 1), (32, 1)),
                            (("bf16", 16, 2, 32), (16, 1)), (("bf16", 8, 4, 32), (8, 1))]:
         config = td.default_config(*args, seesaw=True)
-        assert (config.kernel, config.head_group, config.head_split) == ("gluon", *geometry), args
-    for args in [("bf16", 128, 1, 32, False), ("fp8kv", 128, 1, 32, True), ("bf16", 16, 1, 32, True),
+        assert (config.kernel, config.head_group, config.head_split, config.mma) == ("gluon", *geometry, "bf16"), args
+    # fp8 caches: 64 packed rows on fp16 operands, where the Gluon fp8 kernel's rule does not take the batch
+    for args, geometry in [(("fp8kv", 128, 1, 32), (64, 2)), (("fp8", 128, 1, 5), (64, 2)),
+                           (("fp8kv", 64, 1, 9), (64, 1)), (("fp8kv", 128, 2, 32), (32, 4)),
+                           (("fp8", 16, 4, 32), (16, 1)), (("fp8kv", 32, 2, 128), (32, 1))]:
+        config = td.default_config(*args, seesaw=True, fp8_gluon=True)
+        assert (config.kernel, config.head_group, config.head_split, config.mma) == ("gluon", *geometry, "fp16"), args
+    for args, kernel in [(("fp8kv", 128, 1, 4), "gluon_fp8"), (("fp8kv", 64, 1, 8), "gluon_fp8"),
+                         (("fp8kv", 32, 1, 128), "gluon_fp8"), (("fp8kv", 128, 1, 1), "gluon_fp8"),
+                         (("fp8kv", 8, 1, 128), "triton"),  # 8 rows: neither Gluon kernel
+                         (("fp8kv", 128, 1, 2), "gluon_fp8")]:
+        assert td.default_config(*args, seesaw=True, fp8_gluon=True).kernel == kernel, args
+    assert td.default_config("fp8kv", 128, 1, 32, seesaw=True).kernel == "gluon"  # without fp8_gluon too
+    for args in [("bf16", 128, 1, 32, False), ("fp8kv", 128, 1, 32, False), ("bf16", 16, 1, 32, True),
                  ("bf16", 8, 2, 32, True), ("bf16", 32, 1, 32, False), ("bf16", 128, 1, 1, False)]:
         assert td.default_config(*args).kernel == "triton", args
     batch = TritonCase((70,), (1,), heads=64, page_size=64, L=512, R=64).batch()
@@ -349,6 +361,7 @@ def test_gluon_kernel_rejects_what_it_cannot_take():
     td = pytest.importorskip("mla_fast.triton_decode")
     gd = pytest.importorskip("mla_fast.gluon_decode")
     ok = TritonCase((70,), (1,), heads=64, page_size=64, L=512, R=64).batch()  # all it takes, but on a CPU
+    fp8kv = TritonCase((70,), (1,), heads=64, page_size=64, L=512, R=64, combo="fp8kv").batch()
     q_wide = torch.zeros(ok.q.shape[0], 64, 2 * 576, dtype=ok.q.dtype)[..., :576]  # [T, H, 576], row stride 1152
     reasons = {  # expected words -> (batch, head_group, head_split, rows per program)
         "sm_90": (ok, 64, 1, 64),
@@ -357,18 +370,24 @@ def test_gluon_kernel_rejects_what_it_cannot_take():
         "head_group in": (ok, 12, 1, 12),
         "page_size % 64": (TritonCase((70,), (1,), heads=64, page_size=16, L=512, R=64).batch(), 64, 1, 64),
         "kv_lora_rank 512": (TritonCase((70,), (1,), heads=64, page_size=64).batch(), 64, 1, 64),
-        "bf16 q and cache": (TritonCase((70,), (1,), heads=64, page_size=64, L=512, R=64, combo="fp8kv").batch(),
-                             64, 1, 64),
+        "e4m3fn cache with bf16 or e4m3fn q": (fp8kv.replace(kv_cache=fp8kv.kv_cache.to(torch.float8_e4m3fnuz)),
+                                               64, 1, 64),
         "contiguous": (ok.replace(q=q_wide.copy_(ok.q)), 64, 1, 64),
     }
     for words, (batch, head_group, head_split, rows) in reasons.items():
         assert words in (gd.unsupported(batch, head_group, head_split, rows) or ""), words
+    # the config's operand dtype must be the cache's: bf16 for bf16, fp16 for e4m3fn
+    assert "mma='fp16', got mma='bf16'" in gd.unsupported(fp8kv, 64, 1, 64, "bf16")
+    assert "mma='bf16', got mma='fp16'" in gd.unsupported(ok, 64, 1, 64, "fp16")
+    assert "sm_90" in gd.unsupported(fp8kv, 64, 1, 64, "fp16")  # an e4m3fn cache is taken (on sm_90)
     with pytest.raises(ValueError, match="sm_90"):
         td.decode(ok, config=td.KernelConfig(kernel="gluon", head_group=64, head_split=1))
     with pytest.raises(ValueError, match="kernel must be"):
         td.KernelConfig(kernel="cuda")
-    with pytest.raises(ValueError, match="mma='bf16'"):
-        td.KernelConfig(kernel="gluon", mma="fp16")
+    with pytest.raises(ValueError, match="mma='bf16' .bf16 cache. or 'fp16'"):
+        td.KernelConfig(kernel="gluon", mma="fp32")
+    with pytest.raises(ValueError, match="block_n=64"):
+        td.KernelConfig(kernel="gluon", block_n=32)
 
 
 def test_gluon_fp8_kernel_is_chosen_only_where_it_runs():

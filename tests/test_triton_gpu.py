@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -264,14 +265,15 @@ def test_compute_sanitizer_memcheck_clean_on_nan_padded_varlen():
     assert "ERROR SUMMARY: 0 errors" in proc.stdout + proc.stderr, tail
 
 
-def _gluon(heads: int, q_len: int = 1) -> dict:
+def _gluon(heads: int, q_len: int = 1, combo: str = "bf16") -> dict:
     """KernelConfig overrides of the warp-specialized seesaw kernel (mla_fast.gluon_decode): default_config's
-    geometry for bf16 with seesaw (q_len x head_group <= 64 packed rows per program)."""
+    geometry for bf16 with seesaw (q_len x head_group <= 64 packed rows per program), fp16 MMAs for fp8 caches."""
+    from mla_fast.numerics import DEFAULT_MMA
     from mla_fast.triton_decode import default_config
 
     config = default_config("bf16", heads, q_len, 32, seesaw=True)
     assert config.kernel == "gluon", config
-    return dict(kernel="gluon", head_group=config.head_group, head_split=config.head_split)
+    return dict(kernel="gluon", head_group=config.head_group, head_split=config.head_split, mma=DEFAULT_MMA[combo])
 
 
 GLUON_CASES = [  # bf16, pages of 64 or 128: zero-length requests, odd tile counts, partial last tiles, MTP
@@ -290,6 +292,12 @@ GLUON_CASES = [  # bf16, pages of 64 or 128: zero-length requests, odd tile coun
 ]
 
 
+# the same batches with e4m3fn caches, bf16 and e4m3fn q in turn: the seesaw kernel expands each fp8 tile in place
+# (one dtype per batch: each geometry and dtype is another compile, about 15 s on the device)
+SEESAW_FP8_CASES = [replace(case, combo=("fp8kv", "fp8")[i % 2], seed=case.seed + 100)
+                    for i, case in enumerate(GLUON_CASES)]
+
+
 def _sm90():
     return torch.cuda.get_device_capability() == (9, 0)
 
@@ -302,12 +310,21 @@ def test_gluon_seesaw_within_kernel_bound(case):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon' needs sm_90")
+@pytest.mark.parametrize("case", SEESAW_FP8_CASES,
+                         ids=lambda c: f"{c.combo}_h{c.heads}_p{c.page_size}_q{max(c.q_lens)}_s{c.seed}")
+def test_gluon_seesaw_fp8_within_kernel_bound(case):
+    r = _decode_and_check(case.batch("cuda"), **_gluon(case.heads, max(case.q_lens), case.combo))
+    assert r["finite"] and r["empty_ok"] and r["out_ratio"] <= 1.0 and r["lse_ratio"] <= 1.0, r
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon' needs sm_90")
+@pytest.mark.parametrize("combo", ["bf16", "fp8kv", "fp8"])
 @pytest.mark.parametrize("shape", [s for s in BENCH_SHAPES if s[2] == 128], ids=lambda s: "b{}_s{}_h{}".format(*s))
-def test_gluon_seesaw_bench_grid_within_kernel_bound(shape):
+def test_gluon_seesaw_bench_grid_within_kernel_bound(shape, combo):
     from mla_fast.bench import build_batch
 
     b, s, h = shape
-    r = _decode_and_check(build_batch(b, s, h, "bf16", seed=hash(shape) % 1000), **_gluon(h))
+    r = _decode_and_check(build_batch(b, s, h, combo, seed=hash(shape) % 1000), **_gluon(h, 1, combo))
     assert r["finite"] and r["out_ratio"] <= 1.0 and r["lse_ratio"] <= 1.0, r
 
 
@@ -327,9 +344,10 @@ def _check_10_runs_and_graph_replays(case, overrides: dict, lens_list):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon' needs sm_90")
-def test_gluon_seesaw_deterministic_and_graph_replay_equals_eager():
-    case = GLUON_CASES[0]
-    _check_10_runs_and_graph_replays(case, _gluon(case.heads), ([5, 1500, 0, 4097], [50, 0, 2000, 64]))
+@pytest.mark.parametrize("case", [GLUON_CASES[0], SEESAW_FP8_CASES[4]], ids=lambda c: f"{c.combo}_q{max(c.q_lens)}")
+def test_gluon_seesaw_deterministic_and_graph_replay_equals_eager(case):
+    _check_10_runs_and_graph_replays(case, _gluon(case.heads, max(case.q_lens), case.combo),
+                                     ([5, 1500, 0, 4097], [50, 0, 2000, 64]))
 
 
 def _gluon_fp8(heads: int, q_len: int = 1) -> dict:
