@@ -68,17 +68,22 @@ rows past KV_END become 0 in the same pass. q (bf16 or fp8) is loaded by warpgro
 fp16. Numerics: those of `KERNEL_NUMERICS["fp8kv"]` / `["fp8"]` (mma="fp16"): the MMAs see the fp8 codes (exact in
 fp16) and q cast to fp16, one fp32 chain of L + R products per score, P rounded to fp16 once, fp32 row sums from
 unrounded P, one 64-token P.V MMA per tile and half, scales folded into the scores and the output. Performance (one
-H200, graph replays, ninth session, fp8kv; the Triton staged path in brackets): 438.7 us at (128, 4096, 128) [557.3]
-(bf16: 296.2), 128.8 at (32, 4096, 128) [153.1] (bf16: 84.8). The expansion is what costs: with it left out (wrong
-values, timing only) the kernel took 264.5 and 81.5 us, faster than bf16 (half the bytes). Measured and dropped: a
-third partition (4 warps, 40 registers; the warpgroups at 232) that expanded every group as soon as it landed, so
-that the warpgroups only waited for a ready barrier: 464.3 vs 451.5 us for the expansion in the warpgroups (whole
-groups, before the per-pair MMAs); without the async-proxy fences (racy, timing only): 454.0 vs 454.6, and without
-the in-place barrier 475.2 vs 475.5, so neither the fences nor the barriers are the cost; the conversion as inline
-PTX (cvt.rn.f16x2.e4m3x2 on each half of a 32-bit register, fewer byte shuffles on masked tiles): 475.5 us in one
-call, 451.5-456.8 for the plain cast in three others. Per tile the expansion reads 36 KB and writes 72 KB of shared
-memory and converts 36864 values beside the MMAs' own shared-memory reads; an fp8 P.V (FlashMLA's fp8 kernel takes
-224.8 us at (128, 4096, 128) in the same session) would need V transposed, not done here.
+H200, graph replays, ninth session, mla-bench, fp8kv; the Triton staged path in brackets): 377.3 us at (128, 4096,
+128) [557.3] (bf16: 279.1), 113.2 at (32, 4096, 128) [153.1] (bf16: 84.3), 210.3 at (128, 4096, 64) [274.9], 67.8 at
+(8, 8192, 128) [86.4]. The expansion is what costs: with it left out (wrong values, timing only) the kernel took
+264.5 and 81.5 us, faster than bf16 (half the bytes). Its register layout mattered most: with 16 bytes per thread on
+2 threads per token, ncu counted 10.1-way bank conflicts on the shared stores (38.5 % of their wavefronts) and
+11.7-way on the loads (30.6 %) at (32, 4096, 128); 8 bytes per thread on 8 threads per token (_E4M3_BOX now) took
+368.1 vs 434.9 us at (128, 4096, 128) and 111.0 vs 128.4 at (32, 4096, 128). Expanding two chunks at a time, each
+pair's MMAs issued before the next pair is expanded, took 438.7 vs 454.6 and 128.8 vs 131.0 (whole groups first).
+Measured and dropped (with the 16-byte layout): a third partition (4 warps, 40 registers; the warpgroups at 232)
+that expanded every group as soon as it landed, so that the warpgroups only waited for a ready barrier: 464.3 vs
+451.5 us for the expansion in the warpgroups (whole groups); without the async-proxy fences (racy, timing only):
+454.0 vs 454.6, and without the in-place barrier 475.2 vs 475.5, so neither the fences nor the barriers are the
+cost; the conversion as inline PTX (cvt.rn.f16x2.e4m3x2 on each half of a 32-bit register, fewer byte shuffles on
+masked tiles): 475.5 us in one call, 451.5-456.8 for the plain cast in three others. Per tile the expansion reads 36
+KB and writes 72 KB of shared memory and converts 36864 values beside the MMAs' own shared-memory reads; an fp8 P.V
+(FlashMLA's fp8 kernel takes 225.0 us at (128, 4096, 128) in the same call) would need V transposed, not done here.
 
 Device only: Gluon kernels need a CUDA driver (sm_90); the interpreter cannot run them, so this kernel has GPU
 tests only (tests/test_triton_gpu.py). `mla_fast.triton_decode.launch` calls it for `KernelConfig(kernel="gluon")`,
@@ -132,8 +137,10 @@ _HEAD_START = gl.constexpr(planner.HEAD_START)
 _GROUP_L = gl.constexpr(0)  # chunks 0-3: V_L (warpgroup 0's P.V) and the first score channels
 _GROUP_R = gl.constexpr(1)  # chunks 4-7: V_R (warpgroup 1's P.V)
 _GROUP_E = gl.constexpr(2)  # chunk 8: k_pe; after the scores of an odd tile it holds p1 for warpgroup 0
-# an fp8 box [64 tokens, 64 channels] in registers: 16 adjacent bytes of a token per thread (fp8 caches)
-_E4M3_BOX = gl.constexpr(gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0]))
+# an fp8 box [64 tokens, 64 channels] in registers (fp8 caches): 8 adjacent bytes of a token per thread, 8 threads per
+# token, so that the box's loads (64-byte swizzle) and its fp16 chunk's stores (128-byte swizzle) are free of bank
+# conflicts; 16 bytes per thread on 2 threads per token ([1, 16], [16, 2]) had 10-way store and 12-way load conflicts
+_E4M3_BOX = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 _Q_BLOCK = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))  # q rows as loaded (fp8 caches)
 
 

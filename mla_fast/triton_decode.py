@@ -49,7 +49,7 @@ one H200 against this kernel's 443 us below (FlashMLA 243-251 us), 86 vs 131 us 
 batches (default_config), take the Gluon fp8 kernel at 16 packed rows per program (`mla_fast.gluon_fp8`,
 KernelConfig(kernel="gluon_fp8")): 180-184 vs 302 us (fp8kv) at (128, 8192, 16), 163 vs 249 us at (128, 4096, 32).
 Other e4m3fn caches with 64 packed rows per program take the seesaw kernel on fp16 operands (KernelConfig(
-kernel="gluon", mma="fp16"), each fp8 tile expanded in place): 438.7 vs 557.3 us (fp8kv) at (128, 4096, 128).
+kernel="gluon", mma="fp16"), each fp8 tile expanded in place): 377.3 vs 557.3 us (fp8kv) at (128, 4096, 128).
 
 Performance of this kernel (one H200, mla-bench, CUDA-graph replays, copy rate 4244-4269 GB/s; peers.md §2 conditions;
 README table): bf16 h=16 takes 288-294 us at (b=128, s=8192), 97-99 % of copy (FlashInfer FA3 291-301 us), 154-157 us
@@ -740,13 +740,15 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
       tile: the threshold holds there too.
     - fp8 caches with 64 packed rows (33-64) and seesaw, where the Gluon fp8 kernel is not taken: the Gluon seesaw
       kernel on fp16 operands (kernel="gluon", mma="fp16"; each fp8 tile expanded in place). One H200, graph replays
-      (ninth session), fp8kv against the Triton staged path (the default before): 456.8 vs 557.3 us at
-      (128, 4096, 128), 131.5 vs 153.1 at (32, 4096, 128), 78.1 vs 86.7 at (16, 4096, 128), 77.9 vs 86.4 at
-      (8, 8192, 128), 254.1 vs 274.9 at (128, 4096, 64), 84.5 vs 85.1 at (32, 4096, 64), but 55.5 vs 53.2 at
-      (16, 4096, 64) (fp8 q: 75.2 vs 85.5, 52.6 vs 52.2 there); expanding each group two chunks at a time, their
-      MMAs issued before the next two are expanded, took 438.7 vs 454.6 us at (128, 4096, 128) and 128.8 vs 131.0
-      at (32, 4096, 128) (the kernel now). The Gluon fp8 kernel stays faster where its rule takes it: 51.8 vs 52.4
-      us at (4, 8192, 128), 34.5 vs 41.4 at (4, 8192, 64), 52.8 vs 56.2 at (8, 8192, 64).
+      (ninth session), fp8kv, the final kernel (mla-bench) against the Triton staged path (the default before):
+      377.3 vs 557.3 us at (128, 4096, 128), 113.2 vs 153.1 at (32, 4096, 128), 67.8 vs 86.4 at (8, 8192, 128),
+      210.3 vs 274.9 at (128, 4096, 64); MTP 121.3 vs 149.7 at (64, 4096, 16) q_len 4 and 49.9 vs 53.2 at
+      (16, 4096, 16) q_len 4. The boundary with the Gluon fp8 kernel was measured on the first version (16-byte
+      expansion layout, whole groups; 456.8 vs 557.3 us at (128, 4096, 128)): the Gluon fp8 kernel was faster where
+      its rule takes the batch (51.8 vs 52.4 us at (4, 8192, 128), 34.5 vs 41.4 at (4, 8192, 64), 52.8 vs 56.2 at
+      (8, 8192, 64)), and at (16, 4096, 64), which the rule gives the seesaw, the staged path was too (53.2 vs
+      55.5); the final kernel is 15-19 % faster at h = 128, so the seesaw may now win at smaller batches: not
+      re-measured.
     - bf16 with more than 16 packed rows (q_len x head_group, head_group 8-64) and seesaw: the Gluon kernel
       (kernel="gluon"; MTP rows packed as in the Triton kernel). At q_len 1 (64 heads per program), one H200, graph
       replays: 299 vs 447 us at (128, 4096, 128) and 86 vs 130 us at (32, 4096, 128) against the Triton 64-row
