@@ -540,13 +540,13 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, q_smem, kv_smem, kv8, p0_sm
                 l_i = l_i * alpha + gl.sum(p, 1)
                 acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
                 if has1:
-                    p_bf = p.to(op)
-                    _chunk(kv_smem, 1, 8).store(p_bf)  # p1 for warpgroup 0, over slot 1's k_pe chunk
+                    p1 = p.to(op)
+                    _chunk(kv_smem, 1, 8).store(p1)  # p1 for warpgroup 0, over slot 1's k_pe chunk
                     fence_async_shared()
                     mbarrier.arrive(xbar.index(3))
                     if not KV_FP8 and kv_end - t0 - _TILE < _TILE:
                         _zero_tail(kv_smem, 1, 4, kv_end - t0 - _TILE)
-                    acc = warpgroup_mma(gl.convert_layout(p_bf, p_layout), _v_half(kv_smem, 1, 1), acc,
+                    acc = warpgroup_mma(gl.convert_layout(p1, p_layout), _v_half(kv_smem, 1, 1), acc,
                                         is_async=True)
                     acc = _pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end, ph0, xph, KV_FP8)
                 else:
@@ -701,6 +701,7 @@ def launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, he
     the reduce."""
     T, H, D = batch.q.shape
     kv = batch.kv_cache
+    # q's descriptor is read with a bf16 cache only (with an fp8 cache warpgroup 0 loads q from batch.q)
     q_desc = TensorDescriptor(batch.q.view(T * H, D), [T * H, D], [D, 1], [head_group, CHUNK],
                               gl.NVMMASharedLayout.get_default_for([TILE, CHUNK], _GL_DTYPE[batch.q.dtype]))
     kv_desc = TensorDescriptor(kv.view(-1, D), [kv.shape[0] * kv.shape[1], D], [D, 1], [TILE, CHUNK],
