@@ -293,7 +293,7 @@ GLUON_CASES = [  # bf16, pages of 64 or 128: zero-length requests, odd tile coun
 
 
 # the same batches with e4m3fn caches, bf16 and e4m3fn q in turn: the seesaw kernel expands each fp8 tile in place
-# (one dtype per batch: each geometry and dtype is another compile, about 15 s on the device)
+# (one dtype per batch: each geometry and dtype is another Gluon compile on the device)
 SEESAW_FP8_CASES = [replace(case, combo=("fp8kv", "fp8")[i % 2], seed=case.seed + 100)
                     for i, case in enumerate(GLUON_CASES)]
 
