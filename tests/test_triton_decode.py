@@ -357,6 +357,29 @@ def test_gluon_kernel_is_chosen_only_where_it_runs():
     assert td.batch_config(batch, 1).kernel == "triton"
 
 
+def test_seesaw_fp8_boxes_land_where_the_in_place_expansion_is_safe():
+    """With an fp8 cache each chunk group's fp8 boxes land in the upper half of the group's fp16 bytes
+    (`_staged_box`, in 4 KB halves: fp16 chunk c = halves 2c, 2c + 1), so that `_score_group` can expand in place:
+    the first two chunks of a 4-chunk group are stored before the barrier and must not cover any box; chunk
+    first + j covers boxes 2j - n, 2j - n + 1 (all loaded before the barrier); the k_pe box lies in chunk 8's second
+    half. Boxes of different groups never share bytes."""
+    gd = pytest.importorskip("mla_fast.gluon_decode")
+    taken = set()
+    for g in range(3):
+        first, end = gd._group_first(g), gd._group_end(g)
+        n = end - first
+        halves = [gd._staged_box(g, j) for j in range(n)]
+        assert halves == list(range(2 * first + n, 2 * end)), (g, halves)  # the group's upper half, in order
+        assert not taken & set(halves)
+        taken |= set(halves)
+        for j in range(n):  # fp16 chunk first + j covers these boxes
+            covered = [k for k, h in enumerate(halves) if h in (2 * (first + j), 2 * (first + j) + 1)]
+            assert covered == [k for k in (2 * j - n, 2 * j - n + 1) if 0 <= k < n], (g, j, covered)
+            if n == 4 and j < 2:
+                assert covered == []  # stored before the barrier
+    assert max(taken) < 2 * gd.N_CHUNKS
+
+
 def test_gluon_kernel_rejects_what_it_cannot_take():
     td = pytest.importorskip("mla_fast.triton_decode")
     gd = pytest.importorskip("mla_fast.gluon_decode")
