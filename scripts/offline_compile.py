@@ -1,0 +1,139 @@
+"""Compile one of mla_fast's Gluon decode kernels for an H100/H200 (sm_90a) on a machine without a GPU, and report
+what ptxas says: registers, spill bytes, shared memory and the SASS instruction counts.
+
+    python scripts/offline_compile.py seesaw --combo fp8kv --heads 128
+    python scripts/offline_compile.py gluon_fp8 --combo fp8 --heads 16 --q-len 2 --sass /tmp/gluon_fp8.sass
+
+A stand-in CUDA driver (sm_90, never asked to launch) lets Triton compile, and the launch is made a warm-up, so
+nothing runs. Gluon kernels cannot run in the interpreter, so this is where CI sees their compile errors
+(tests/test_offline_compile.py) before a device call does. The pointer arguments are CPU tensors: Triton's
+alignment specialisation can differ from a GPU run's, so instruction counts may differ a little between compiles of
+the same source. Exit status 1 with the traceback when the kernel does not compile.
+"""
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # before mla_fast reads it: compile for the device, not the interpreter
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.driver import CudaDriver  # noqa: E402
+from triton.runtime import driver as triton_driver  # noqa: E402
+
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"  # ptxas and cuobjdump of the triton wheel
+NUM_WORKERS = 132  # an H200's SM count (the plan's workers; it does not change the compiled code)
+
+
+class Sm90Driver(CudaDriver):
+    """Triton's CUDA driver answering for one sm_90 device without touching CUDA (compile only)."""
+
+    def __init__(self):
+        self.launcher_cls = None
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_device_capability(self, device=0):
+        return (9, 0)
+
+    @staticmethod
+    def is_active():
+        return True
+
+
+def compile_kernel(kernel: str, combo: str, heads: int, q_len: int):
+    """The CompiledKernel of `kernel` ("seesaw" or "gluon_fp8") for a small CPU batch of `combo` with `heads`
+    heads at q_len, in the geometry default_config gives it (the most heads per program that fit its rows)."""
+    from mla_fast import gluon_decode, gluon_fp8
+    from mla_fast import triton_decode as td
+    from mla_fast.bench import build_batch
+    from mla_fast.numerics import DEFAULT_MMA
+
+    triton_driver.set_active(Sm90Driver())
+    batch = build_batch(2, 300, heads, combo, device="cpu", q_len=q_len)
+    if kernel == "seesaw":
+        module, jit = gluon_decode, gluon_decode._mla_decode_seesaw_kernel
+        head_group = max(g for g in gluon_decode.HEAD_GROUPS if heads % g == 0 and g * q_len <= gluon_decode.ROWS)
+        config = td.KernelConfig(kernel="gluon", mma=DEFAULT_MMA[combo], head_group=head_group,
+                                 head_split=heads // head_group)
+    else:
+        module, jit = gluon_fp8, gluon_fp8._mla_decode_fp8_kernel
+        head_group = td._gluon_fp8_head_group(q_len)
+        config = td.KernelConfig(kernel="gluon_fp8", mma="fp16", head_group=head_group, head_split=heads // head_group,
+                                 num_stages=2, workers_per_sm=2)
+    plan = td.make_plan(batch, config, NUM_WORKERS)
+    T, H, L = batch.q.shape[0], heads, batch.kv_lora_rank
+    out, lse = torch.empty(T, H, L, dtype=torch.bfloat16), torch.empty(T, H)
+    o_part, lse_part = torch.empty(64, H, L), torch.empty(64, H)
+    one = torch.ones(1)
+    compiled = []
+    run = type(jit).run
+
+    def warm_up(*args, grid, warmup, **kwargs):  # compile, never launch
+        compiled.append(run(jit, *args, grid=grid, warmup=True, **kwargs))
+
+    jit.run = warm_up
+    if kernel == "seesaw":
+        module.launch_decode(batch, plan, out, lse, o_part, lse_part, one, one, config.head_group, config.head_split,
+                             batch.qo_indptr, pdl=True)
+    else:
+        module.launch_decode(batch, plan, out, lse, o_part, lse_part, one, one, config.head_group, config.head_split,
+                             config.num_stages, batch.qo_indptr)
+    return compiled[0]
+
+
+def ptxas_report(ptx: str, sass_path: str | None) -> dict:
+    """ptxas -v on the kernel's PTX (sm_90a): registers, spill bytes and warnings; the SASS opcode counts."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx_file, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
+        ptx_file.write_text(ptx)
+        proc = subprocess.run([str(BIN / "ptxas"), "-arch=sm_90a", "-v", str(ptx_file), "-o", str(cubin)],
+                              capture_output=True, text=True, check=True)
+        sass = subprocess.run([str(BIN / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True,
+                              check=True).stdout
+    if sass_path:
+        Path(sass_path).write_text(sass)
+    info = proc.stderr
+    opcodes = Counter(m.group(1) for m in re.finditer(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)",
+                                                      sass, re.M))
+    return {
+        "registers": int(re.search(r"Used (\d+) registers", info).group(1)),
+        "spill_stores": int(re.search(r"(\d+) bytes spill stores", info).group(1)),
+        "spill_loads": int(re.search(r"(\d+) bytes spill loads", info).group(1)),
+        "warnings": [line.strip() for line in info.splitlines() if "warning" in line.lower()],
+        "instructions": sum(opcodes.values()),
+        "opcodes": dict(opcodes.most_common(12)),
+    }
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("kernel", choices=["seesaw", "gluon_fp8"])
+    parser.add_argument("--combo", default="bf16", choices=["bf16", "fp8kv", "fp8"])
+    parser.add_argument("--heads", type=int, default=128)
+    parser.add_argument("--q-len", type=int, default=1)
+    parser.add_argument("--sass", help="write the SASS here")
+    args = parser.parse_args(argv)
+    compiled = compile_kernel(args.kernel, args.combo, args.heads, args.q_len)
+    report = ptxas_report(compiled.asm["ptx"], args.sass)
+    print({"kernel": args.kernel, "combo": args.combo, "heads": args.heads, "q_len": args.q_len,
+           "shared_bytes": compiled.metadata.shared, **report})
+
+
+if __name__ == "__main__":
+    main()
