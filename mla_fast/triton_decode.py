@@ -817,16 +817,13 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
     rows = head_group * max_q_len
     mma = DEFAULT_MMA[combo]
     warps = 4 if rows <= 16 else 8
-    if rows > 16 and seesaw and combo == "bf16" and head_group in _gluon_head_groups():
-        return KernelConfig(block_n=64, mma=mma, head_group=head_group, head_split=num_heads // head_group,
-                            kernel="gluon")
     fp8_group = _gluon_fp8_head_group(max_q_len) if fp8_kv and fp8_gluon else None
     if fp8_group and num_heads % fp8_group == 0:
         programs = num_heads // fp8_group  # per worker
         if programs <= 2 or (batch_size is not None and batch_size * programs * 16 <= GLUON_FP8_MAX_BATCH_X_ROWS):
             return KernelConfig(block_n=64, mma=mma, head_group=fp8_group, head_split=programs, num_stages=2,
                                 workers_per_sm=2, kernel="gluon_fp8")
-    if rows > 32 and fp8_kv and seesaw and head_group in _gluon_head_groups():  # 64-row tiles, fp8 cache
+    if seesaw and head_group in _gluon_head_groups() and rows > (32 if fp8_kv else 16):  # fp8: 64-row tiles
         return KernelConfig(block_n=64, mma=mma, head_group=head_group, head_split=num_heads // head_group,
                             kernel="gluon")
     if rows > 32 and small_batch:  # bf16, few requests
