@@ -303,16 +303,9 @@ def _sm90():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon' needs sm_90")
-@pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: f"h{c.heads}_p{c.page_size}_q{max(c.q_lens)}_s{c.seed}")
-def test_gluon_seesaw_within_kernel_bound(case):
-    r = _decode_and_check(case.batch("cuda"), **_gluon(case.heads, max(case.q_lens)))
-    assert r["finite"] and r["empty_ok"] and r["out_ratio"] <= 1.0 and r["lse_ratio"] <= 1.0, r
-
-
-@pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon' needs sm_90")
-@pytest.mark.parametrize("case", SEESAW_FP8_CASES,
+@pytest.mark.parametrize("case", GLUON_CASES + SEESAW_FP8_CASES,
                          ids=lambda c: f"{c.combo}_h{c.heads}_p{c.page_size}_q{max(c.q_lens)}_s{c.seed}")
-def test_gluon_seesaw_fp8_within_kernel_bound(case):
+def test_gluon_seesaw_within_kernel_bound(case):
     r = _decode_and_check(case.batch("cuda"), **_gluon(case.heads, max(case.q_lens), case.combo))
     assert r["finite"] and r["empty_ok"] and r["out_ratio"] <= 1.0 and r["lse_ratio"] <= 1.0, r
 
