@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # before mla_fast reads it: compile for the device, not the interpreter
@@ -58,7 +59,8 @@ class Sm90Driver(CudaDriver):
 
 def compile_kernel(kernel: str, combo: str, heads: int, q_len: int):
     """The CompiledKernel of `kernel` ("seesaw" or "gluon_fp8") for a small CPU batch of `combo` with `heads`
-    heads at q_len, in the geometry default_config gives it (the most heads per program that fit its rows)."""
+    heads at q_len, in the geometry default_config gives it (the seesaw's bf16 rule, the Gluon fp8 kernel's head
+    group), whatever the batch size."""
     from mla_fast import gluon_decode, gluon_fp8
     from mla_fast import triton_decode as td
     from mla_fast.bench import build_batch
@@ -68,9 +70,10 @@ def compile_kernel(kernel: str, combo: str, heads: int, q_len: int):
     batch = build_batch(2, 300, heads, combo, device="cpu", q_len=q_len)
     if kernel == "seesaw":
         module, jit = gluon_decode, gluon_decode._mla_decode_seesaw_kernel
-        head_group = max(g for g in gluon_decode.HEAD_GROUPS if heads % g == 0 and g * q_len <= gluon_decode.ROWS)
-        config = td.KernelConfig(kernel="gluon", mma=DEFAULT_MMA[combo], head_group=head_group,
-                                 head_split=heads // head_group)
+        config = replace(td.default_config("bf16", heads, q_len, 32, seesaw=True), mma=DEFAULT_MMA[combo])
+        if config.kernel != "gluon":
+            raise ValueError(f"default_config takes no seesaw geometry for {heads} heads at q_len {q_len} (16 rows "
+                             f"or fewer)")
     else:
         module, jit = gluon_fp8, gluon_fp8._mla_decode_fp8_kernel
         head_group = td._gluon_fp8_head_group(q_len)
