@@ -24,7 +24,10 @@ chunks, in three groups with one mbarrier each: "L" (c_kv channels 0-255), "R" (
 is reloaded with the next tile of its slot by the warpgroup that uses it last, as soon as it is done with it:
 warpgroup 0 owns L and E, warpgroup 1 owns R (the other warpgroup's uses are ordered before by the exchange
 barriers). A separate loader warp was slower: its register budget (setmaxnreg) made ptxas serialize every wgmma
-("insufficient register resources"): 366 vs 300 us at (128, 4096, 128) on one H200.
+("insufficient register resources"): 366 vs 300 us at (128, 4096, 128) on one H200. So was one barrier per chunk
+(each chunk's score MMA issued once that chunk has landed, FlashMLA's fine-grained TMA-GEMM pipelining): 295.4 vs
+276.7 us at (128, 4096, 128), 88.0 vs 84.2 at (32, 4096, 128) (tenth session; every wait comes with a warpgroup
+BAR.SYNC in the SASS).
 
 One 64 x 512 fp32 accumulator is all the registers an SM has, so the output is split by columns, and the two
 warpgroups alternate on pairs of tiles (K0, K1) with one running max m shared through shared memory (FlashMLA's
