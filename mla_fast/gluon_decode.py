@@ -85,8 +85,11 @@ that expanded every group as soon as it landed, so that the warpgroups only wait
 454.0 vs 454.6, and without the in-place barrier 475.2 vs 475.5, so neither the fences nor the barriers are the
 cost; the conversion as inline PTX (cvt.rn.f16x2.e4m3x2 on each half of a 32-bit register, fewer byte shuffles on
 masked tiles): 475.5 us in one call, 451.5-456.8 for the plain cast in three others. Per tile the expansion reads 36
-KB and writes 72 KB of shared memory and converts 36864 values beside the MMAs' own shared-memory reads; an fp8 P.V
-(FlashMLA's fp8 kernel takes 225.0 us at (128, 4096, 128) in the same call) would need V transposed, not done here.
+KB and writes 72 KB of shared memory and converts 36864 values beside the MMAs' own shared-memory reads. fp8 MMAs
+instead (FlashMLA's route; its fp8 kernel takes 225.0 us at (128, 4096, 128)) need V transposed in shared memory: a
+prototype (tenth session, README; not landed) with fp8 score MMAs on the raw boxes, each warpgroup transposing its V
+half into separate buffers and P x 256 rounded to e4m3 took 193.4 us with the transposes left out, but 354-379 us
+with them (register layouts; 440 us on the tensor cores), no faster than this path and with e4m3 P.
 
 Device only: Gluon kernels need a CUDA driver (sm_90); the interpreter cannot run them, so this kernel has GPU
 tests only (tests/test_triton_gpu.py). `mla_fast.triton_decode.launch` calls it for `KernelConfig(kernel="gluon")`,
