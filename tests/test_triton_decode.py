@@ -357,6 +357,30 @@ def test_gluon_kernel_is_chosen_only_where_it_runs():
     assert td.batch_config(batch, 1).kernel == "triton"
 
 
+def test_boundary_bench_times_both_kernels_on_both_sides_of_the_rule():
+    """benchmarks/boundary_bench.py (the README's tenth-session boundary table) forces the Gluon fp8 kernel and the
+    fp8 seesaw in default_config's geometry, and its grid has shapes on both sides of the rule at every head count,
+    where default_config picks one of the two forced configs."""
+    td = pytest.importorskip("mla_fast.triton_decode")
+    sys.path.insert(0, str(HERE.parent / "benchmarks"))
+    try:
+        import boundary_bench as bb
+    finally:
+        sys.path.pop(0)
+    forced = bb.forced_configs("fp8kv", 128, 1)
+    assert [(c.kernel, c.head_group, c.head_split, c.mma) for c in forced.values()] == [
+        ("gluon_fp8", 16, 8, "fp16"), ("gluon", 64, 2, "fp16")]
+    assert set(bb.forced_configs("fp8", 16, 1)) == {"gluon_fp8"}  # 16 rows: the seesaw takes fp8 caches at > 32
+    picks = {}
+    for b, _, h, q_len in bb.SHAPES:
+        forced = bb.forced_configs("fp8kv", h, q_len)
+        default = td.default_config("fp8kv", h, q_len, b, seesaw=True, fp8_gluon=True)
+        chosen = [name for name, config in forced.items() if config == default]
+        assert len(chosen) == 1, (b, h, q_len, default)
+        picks.setdefault((h, q_len > 1), set()).add(chosen[0])
+    assert all(p == {"gluon_fp8", "seesaw"} for p in picks.values()), picks
+
+
 def test_seesaw_fp8_boxes_land_where_the_in_place_expansion_is_safe():
     """With an fp8 cache each chunk group's fp8 boxes land in the upper half of the group's fp16 bytes
     (`_staged_box`, in 4 KB halves: fp16 chunk c = halves 2c, 2c + 1), so that `_score_group` can expand in place:

@@ -1,0 +1,73 @@
+"""Time the two Gluon kernels that take e4m3fn caches at more than 16 packed rows per worker against each other: the
+Gluon fp8 kernel (16 rows per program, head_split programs per worker) and the seesaw kernel on fp16 operands (64
+rows), each forced whatever the batch size, beside the default config (`batch_config`) and our bf16 default, CUDA-graph
+replays as in `mla-bench`. This is the measurement behind `default_config`'s boundary between the two
+(batch x programs x 16 <= GLUON_FP8_MAX_BATCH_X_ROWS; README, tenth session).
+
+    python benchmarks/boundary_bench.py --json boundary.json
+
+Prints one line per shape with µs per kernel and the largest |out| difference of each forced kernel to the default
+(each is checked against the fp64 oracle within its bound by tests/test_triton_gpu.py).
+"""
+
+import argparse
+import json
+from dataclasses import replace
+
+import torch
+
+from mla_fast import triton_decode as td
+from mla_fast.bench import build_batch, bytes_moved, copy_bandwidth_gbs, measure, ours
+
+SHAPES = [  # (b, s_k, heads, q_len): both sides of the boundary at 128, 64, 32 (q_len 2) and 16 heads (q_len 3-4)
+    (1, 8192, 128, 1), (2, 8192, 128, 1), (4, 4096, 128, 1), (4, 8192, 128, 1), (8, 4096, 128, 1), (8, 8192, 128, 1),
+    (16, 4096, 128, 1), (1, 8192, 64, 1), (2, 8192, 64, 1), (4, 8192, 64, 1), (8, 4096, 64, 1), (8, 8192, 64, 1),
+    (16, 4096, 64, 1), (16, 8192, 64, 1), (32, 4096, 64, 1), (4, 8192, 16, 3), (8, 8192, 16, 3), (4, 8192, 16, 4),
+    (8, 8192, 16, 4), (16, 4096, 16, 4), (8, 8192, 32, 2), (16, 4096, 32, 2), (32, 4096, 32, 2), (64, 4096, 32, 2),
+]
+
+
+def forced_configs(combo: str, heads: int, q_len: int) -> dict:
+    """{"gluon_fp8": ..., "seesaw": ...}: each kernel in default_config's geometry, whatever the batch size; a kernel
+    that cannot take the rows (the seesaw at 32 rows or fewer) is left out."""
+    out = {}
+    g8 = td.default_config(combo, heads, q_len, 1, fp8_gluon=True)  # batch 1: the Gluon fp8 kernel where it runs
+    if g8.kernel == "gluon_fp8":
+        out["gluon_fp8"] = replace(g8, head_split=heads // g8.head_group)
+    seesaw = td.default_config(combo, heads, q_len, None, seesaw=True)  # the Gluon fp8 kernel not offered
+    if seesaw.kernel == "gluon":
+        out["seesaw"] = seesaw
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--combo", default="fp8kv", choices=["fp8kv", "fp8"])
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    copy_gbs = copy_bandwidth_gbs()
+    rows = []
+    for b, s, h, q_len in SHAPES:
+        batch = build_batch(b, s, h, args.combo, q_len=q_len)
+        default = td.batch_config(batch, q_len)
+        line, outs = f"({b}, {s}, {h}) q_len {q_len}:", {}
+        for name, config in {"default": default, **forced_configs(args.combo, h, q_len)}.items():
+            fn, info = ours(batch, config)
+            m = measure(fn, bytes_moved(b, s, h, args.combo), copy_gbs)
+            outs[name] = fn.outputs[0].float().clone()
+            rows.append({"b": b, "s": s, "h": h, "q_len": q_len, "combo": args.combo, "config": name,
+                         "kernel": config.kernel, "head_group": config.head_group, "head_split": config.head_split,
+                         **m, **info})
+            line += f" {name} ({config.kernel}) {m.get('us', float('nan')):.1f}"
+        fn, _ = ours(build_batch(b, s, h, "bf16", q_len=q_len))
+        m = measure(fn, bytes_moved(b, s, h, "bf16"), copy_gbs)
+        rows.append({"b": b, "s": s, "h": h, "q_len": q_len, "combo": "bf16", "config": "default", **m})
+        diffs = {k: float((o - outs["default"]).abs().max()) for k, o in outs.items() if k != "default"}
+        print(f"{line} | bf16 {m.get('us', float('nan')):.1f} | max |out - out default|: {diffs}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
