@@ -88,8 +88,9 @@ masked tiles): 475.5 us in one call, 451.5-456.8 for the plain cast in three oth
 KB and writes 72 KB of shared memory and converts 36864 values beside the MMAs' own shared-memory reads. fp8 MMAs
 instead (FlashMLA's route; its fp8 kernel takes 225.0 us at (128, 4096, 128)) need V transposed in shared memory: a
 prototype (tenth session, README; not landed) with fp8 score MMAs on the raw boxes, each warpgroup transposing its V
-half into separate buffers and P x 256 rounded to e4m3 took 193.4 us with the transposes left out, but 354-379 us
-with them (register layouts; 440 us on the tensor cores), no faster than this path and with e4m3 P.
+half into separate buffers and P x 256 rounded to e4m3 took 193.4 us with the transposes left out, but 354 us at
+best with them (354-486 us over four register layouts, 440 on the tensor cores), no faster than this path (372-378
+us in the same calls) and with e4m3 P.
 
 Device only: Gluon kernels need a CUDA driver (sm_90); the interpreter cannot run them, so this kernel has GPU
 tests only (tests/test_triton_gpu.py). `mla_fast.triton_decode.launch` calls it for `KernelConfig(kernel="gluon")`,
