@@ -12,12 +12,11 @@ Prints one line per shape with µs per kernel and the largest |out| difference o
 
 import argparse
 import json
-from dataclasses import replace
 
 import torch
 
 from mla_fast import triton_decode as td
-from mla_fast.bench import build_batch, bytes_moved, copy_bandwidth_gbs, measure, ours
+from mla_fast.bench import build_batch, bytes_moved, copy_bandwidth_gbs, forced_fp8_kernels, measure, ours
 
 SHAPES = [  # (b, s_k, heads, q_len): both sides of the boundary at 128, 64, 32 (q_len 2) and 16 heads (q_len 3-4)
     (1, 8192, 128, 1), (2, 8192, 128, 1), (4, 4096, 128, 1), (4, 8192, 128, 1), (8, 4096, 128, 1), (8, 8192, 128, 1),
@@ -25,19 +24,6 @@ SHAPES = [  # (b, s_k, heads, q_len): both sides of the boundary at 128, 64, 32 
     (16, 4096, 64, 1), (16, 8192, 64, 1), (32, 4096, 64, 1), (4, 8192, 16, 3), (8, 8192, 16, 3), (4, 8192, 16, 4),
     (8, 8192, 16, 4), (16, 4096, 16, 4), (8, 8192, 32, 2), (16, 4096, 32, 2), (32, 4096, 32, 2), (64, 4096, 32, 2),
 ]
-
-
-def forced_configs(combo: str, heads: int, q_len: int) -> dict:
-    """{"gluon_fp8": ..., "seesaw": ...}: each kernel in default_config's geometry, whatever the batch size; a kernel
-    that cannot take the rows (the seesaw at 32 rows or fewer) is left out."""
-    out = {}
-    g8 = td.default_config(combo, heads, q_len, 1, fp8_gluon=True)  # batch 1: the Gluon fp8 kernel where it runs
-    if g8.kernel == "gluon_fp8":
-        out["gluon_fp8"] = replace(g8, head_split=heads // g8.head_group)
-    seesaw = td.default_config(combo, heads, q_len, None, seesaw=True)  # the Gluon fp8 kernel not offered
-    if seesaw.kernel == "gluon":
-        out["seesaw"] = seesaw
-    return out
 
 
 def main() -> None:
@@ -51,7 +37,7 @@ def main() -> None:
         batch = build_batch(b, s, h, args.combo, q_len=q_len)
         default = td.batch_config(batch, q_len)
         line, outs = f"({b}, {s}, {h}) q_len {q_len}:", {}
-        for name, config in {"default": default, **forced_configs(args.combo, h, q_len)}.items():
+        for name, config in {"default": default, **forced_fp8_kernels(args.combo, h, q_len)}.items():
             fn, info = ours(batch, config)
             m = measure(fn, bytes_moved(b, s, h, args.combo), copy_gbs)
             outs[name] = fn.outputs[0].float().clone()

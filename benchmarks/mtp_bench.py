@@ -11,12 +11,11 @@ against the fp64 oracle within its bound by tests/test_triton_gpu.py).
 
 import argparse
 import json
-from dataclasses import replace
 
 import torch
 
 from mla_fast import triton_decode as td
-from mla_fast.bench import build_batch, bytes_moved, copy_bandwidth_gbs, measure, ours
+from mla_fast.bench import build_batch, bytes_moved, copy_bandwidth_gbs, forced_fp8_kernels, measure, ours
 
 SHAPES = [  # (b, s_k, heads, q_len, combo)
     (64, 4096, 16, 4, "bf16"), (128, 4096, 16, 4, "bf16"), (32, 4096, 128, 2, "bf16"), (128, 4096, 128, 2, "bf16"),
@@ -32,9 +31,9 @@ def configs(batch, b: int, h: int, q_len: int, combo: str) -> dict:
     out = {"default": td.batch_config(batch, q_len),
            "triton": td.default_config(combo, h, q_len, b, seesaw=False, fp8_gluon=False)}
     if combo != "bf16":
-        g8 = td.default_config(combo, h, q_len, 1, fp8_gluon=True)  # batch 1: the Gluon fp8 kernel where it runs
-        if g8.kernel == "gluon_fp8":
-            out["gluon_fp8"] = replace(g8, head_split=h // g8.head_group)
+        forced = forced_fp8_kernels(combo, h, q_len)
+        if "gluon_fp8" in forced:
+            out["gluon_fp8"] = forced["gluon_fp8"]
     return out
 
 

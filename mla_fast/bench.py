@@ -266,6 +266,24 @@ def triton_fp8_64_rows(num_heads: int, **changes) -> dict:
                 page_chunk=32, lazy_l=False, **changes)
 
 
+def forced_fp8_kernels(combo: str, num_heads: int, q_len: int) -> dict:
+    """The two Gluon kernels that take e4m3fn caches, each in default_config's geometry whatever the batch size:
+    {"gluon_fp8": the Gluon fp8 kernel on num_heads / head_group programs per worker, "seesaw": the seesaw kernel on
+    fp16 operands}; a kernel that cannot take the rows (the seesaw at 32 or fewer) is left out (benchmarks/)."""
+    from dataclasses import replace
+
+    from mla_fast import triton_decode as td
+
+    out = {}
+    g8 = td.default_config(combo, num_heads, q_len, 1, fp8_gluon=True)  # batch 1: the Gluon fp8 kernel where it runs
+    if g8.kernel == "gluon_fp8":
+        out["gluon_fp8"] = replace(g8, head_split=num_heads // g8.head_group)
+    seesaw = td.default_config(combo, num_heads, q_len, None, seesaw=True)  # the Gluon fp8 kernel not offered
+    if seesaw.kernel == "gluon":
+        out["seesaw"] = seesaw
+    return out
+
+
 # fp8 caches at 16 rows on the Triton kernel's staged path: the default before the Gluon fp8 kernel (and off sm_90)
 TRITON_FP8_16_ROWS = dict(kernel="triton", num_warps=4, num_stages=4, workers_per_sm=1, fp8_stage=True, split_l=8,
                           page_chunk=32, lazy_l=True)

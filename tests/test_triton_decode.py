@@ -359,21 +359,23 @@ def test_gluon_kernel_is_chosen_only_where_it_runs():
 
 def test_boundary_bench_times_both_kernels_on_both_sides_of_the_rule():
     """benchmarks/boundary_bench.py (the README's tenth-session boundary table) forces the Gluon fp8 kernel and the
-    fp8 seesaw in default_config's geometry, and its grid has shapes on both sides of the rule at every head count,
-    where default_config picks one of the two forced configs."""
+    fp8 seesaw in default_config's geometry (mla_fast.bench.forced_fp8_kernels), and its grid has shapes on both
+    sides of the rule at every head count, where default_config picks one of the two forced configs."""
     td = pytest.importorskip("mla_fast.triton_decode")
+    from mla_fast.bench import forced_fp8_kernels
+
     sys.path.insert(0, str(HERE.parent / "benchmarks"))
     try:
         import boundary_bench as bb
     finally:
         sys.path.pop(0)
-    forced = bb.forced_configs("fp8kv", 128, 1)
+    forced = forced_fp8_kernels("fp8kv", 128, 1)
     assert [(c.kernel, c.head_group, c.head_split, c.mma) for c in forced.values()] == [
         ("gluon_fp8", 16, 8, "fp16"), ("gluon", 64, 2, "fp16")]
-    assert set(bb.forced_configs("fp8", 16, 1)) == {"gluon_fp8"}  # 16 rows: the seesaw takes fp8 caches at > 32
+    assert set(forced_fp8_kernels("fp8", 16, 1)) == {"gluon_fp8"}  # 16 rows: the seesaw takes fp8 caches at > 32
     picks = {}
     for b, _, h, q_len in bb.SHAPES:
-        forced = bb.forced_configs("fp8kv", h, q_len)
+        forced = forced_fp8_kernels("fp8kv", h, q_len)
         default = td.default_config("fp8kv", h, q_len, b, seesaw=True, fp8_gluon=True)
         chosen = [name for name, config in forced.items() if config == default]
         assert len(chosen) == 1, (b, h, q_len, default)
