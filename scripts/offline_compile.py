@@ -63,7 +63,7 @@ def compile_kernel(kernel: str, combo: str, heads: int, q_len: int):
     group), whatever the batch size."""
     from mla_fast import gluon_decode, gluon_fp8
     from mla_fast import triton_decode as td
-    from mla_fast.bench import build_batch
+    from mla_fast.bench import build_batch, forced_fp8_kernels
     from mla_fast.numerics import DEFAULT_MMA
 
     triton_driver.set_active(Sm90Driver())
@@ -76,9 +76,9 @@ def compile_kernel(kernel: str, combo: str, heads: int, q_len: int):
                              f"or fewer)")
     else:
         module, jit = gluon_fp8, gluon_fp8._mla_decode_fp8_kernel
-        head_group = td._gluon_fp8_head_group(q_len)
-        config = td.KernelConfig(kernel="gluon_fp8", mma="fp16", head_group=head_group, head_split=heads // head_group,
-                                 num_stages=2, workers_per_sm=2)
+        config = forced_fp8_kernels(combo, heads, q_len).get("gluon_fp8")
+        if config is None:
+            raise ValueError(f"default_config takes no Gluon fp8 geometry for {combo} at {heads} heads, q_len {q_len}")
     plan = td.make_plan(batch, config, NUM_WORKERS)
     T, H, L = batch.q.shape[0], heads, batch.kv_lora_rank
     out, lse = torch.empty(T, H, L, dtype=torch.bfloat16), torch.empty(T, H)
