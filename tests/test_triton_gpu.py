@@ -344,15 +344,15 @@ def test_gluon_seesaw_deterministic_and_graph_replay_equals_eager(case):
 
 
 def _gluon_fp8(heads: int, q_len: int = 1) -> dict:
-    """KernelConfig overrides of the Gluon fp8 kernel (mla_fast.gluon_fp8): default_config's choice for an fp8 cache
-    with 16 heads at q_len q_len and batch 1 with fp8_gluon (16 packed rows of q_len x head_group, two programs per SM
-    with two tile slots each), on heads / head_group programs per worker whatever the batch size (default_config
-    takes more than two programs per worker at small batches only)."""
-    from mla_fast.triton_decode import default_config
+    """KernelConfig overrides of the Gluon fp8 kernel (mla_fast.gluon_fp8) in default_config's geometry at q_len
+    (mla_fast.bench.forced_fp8_kernels: 16 packed rows of q_len x head_group, two programs per SM with two tile slots
+    each), on heads / head_group programs per worker whatever the batch size (default_config takes more than two
+    programs per worker at small batches only)."""
+    from mla_fast.bench import forced_fp8_kernels
 
-    config = default_config("fp8kv", 16, q_len, 1, fp8_gluon=True)
-    assert config.kernel == "gluon_fp8", config
-    return dict(kernel="gluon_fp8", head_group=config.head_group, head_split=heads // config.head_group, mma="fp16",
+    config = forced_fp8_kernels("fp8kv", heads, q_len).get("gluon_fp8")
+    assert config is not None, (heads, q_len)
+    return dict(kernel="gluon_fp8", head_group=config.head_group, head_split=config.head_split, mma=config.mma,
                 num_stages=config.num_stages, workers_per_sm=config.workers_per_sm)
 
 
