@@ -20,14 +20,20 @@ once from HBM):
 - warpgroup 1 (a worker partition): the scores of the odd tiles and the right half o_R.
 
 KV tiles arrive by TMA in two tile slots (even tiles of an item in slot 0, odd tiles in slot 1) of 9 [64, 64]
-chunks, in three groups with one mbarrier each: "L" (c_kv channels 0-255), "R" (256-511) and "E" (k_pe). A group
-is reloaded with the next tile of its slot by the warpgroup that uses it last, as soon as it is done with it:
-warpgroup 0 owns L and E, warpgroup 1 owns R (the other warpgroup's uses are ordered before by the exchange
-barriers). A separate loader warp was slower: its register budget (setmaxnreg) made ptxas serialize every wgmma
-("insufficient register resources"): 366 vs 300 us at (128, 4096, 128) on one H200. So was one barrier per chunk
-(each chunk's score MMA issued once that chunk has landed, FlashMLA's fine-grained TMA-GEMM pipelining): 295.4 vs
-276.7 us at (128, 4096, 128), 88.0 vs 84.2 at (32, 4096, 128) (tenth session; every wait comes with a warpgroup
-BAR.SYNC in the SASS).
+chunks, in three groups with one mbarrier each: "L" (c_kv channels 0-255), "R" (256-511) and "E" (k_pe). A group is
+reloaded with the next tile of its slot by the warpgroup that uses it last, as soon as it is done with it: warpgroup
+0 owns L and E, warpgroup 1 owns R (the other warpgroup's uses are ordered before by the exchange barriers). Each
+tile's score MMAs take the groups in the order they are released (as FlashMLA does): L, E, R in slot 0 (warpgroup 1
+frees R after its p0' V0_R) and R, E, L in slot 1 (warpgroup 1 frees R as soon as its p1 V1_R has retired; L and E,
+which holds p1, are freed by warpgroup 0's p1 V1_L, the pair's last MMA). Against L, E, R in both slots with slot
+1's R freed after p0' V0_R (eleventh session, one H200, alternating runs): fp8 caches 376.2 / 376.8 -> 367.2 / 367.4
+us at (128, 4096, 128), 113.4 -> 110.1 at (32, 4096, 128), 208.1 -> 203.8 at (128, 4096, 64); bf16 unchanged at 128
+heads (289.2 / 295.1 vs 290.0 / 295.5, 84.0 / 84.8 vs 84.5 / 84.4), 53.5 -> 52.8 at (8, 8192, 128), 99.4 -> 98.0 at
+(64, 4096, 16) q_len 2. A separate loader warp was slower: its register budget (setmaxnreg) made ptxas serialize
+every wgmma ("insufficient register resources"): 366 vs 300 us at (128, 4096, 128) on one H200. So was one barrier
+per chunk (each chunk's score MMA issued once that chunk has landed, FlashMLA's fine-grained TMA-GEMM pipelining):
+295.4 vs 276.7 us at (128, 4096, 128), 88.0 vs 84.2 at (32, 4096, 128) (tenth session; every wait comes with a
+warpgroup BAR.SYNC in the SASS).
 
 One 64 x 512 fp32 accumulator is all the registers an SM has, so the output is split by columns, and the two
 warpgroups alternate on pairs of tiles (K0, K1) with one running max m shared through shared memory (FlashMLA's
@@ -325,12 +331,17 @@ def _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, g: gl.c
 @gluon.jit
 def _scores(q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, s_layout: gl.constexpr, KV_FP8: gl.constexpr):
     """s = q K^T over the 9 chunks of a tile slot [64, 64] fp32 (one accumulator chain), each chunk group's MMAs
-    issued once its copies have landed (and with KV_FP8 been expanded): L, then E, then R (R is released last by
-    the previous pair)."""
+    issued once its copies have landed (and with KV_FP8 been expanded), in the order the previous pair released the
+    groups: slot 0 L, E, R (R last: warpgroup 1's p0' V0_R), slot 1 R, E, L (L and E last: warpgroup 0's p1 V1_L)."""
     s = gl.zeros([_ROWS, _TILE], gl.float32, s_layout)
-    s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_L, KV_FP8)
-    s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_E, KV_FP8)
-    s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_R, KV_FP8)
+    if slot == 0:
+        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_L, KV_FP8)
+        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_E, KV_FP8)
+        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_R, KV_FP8)
+    else:
+        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_R, KV_FP8)
+        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_E, KV_FP8)
+        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_L, KV_FP8)
     return warpgroup_mma_wait(0, deps=(s,))
 
 
@@ -416,13 +427,12 @@ def _store_half(acc, l_sum, m_i, kv_scale, partial_row, qo_start, n_q, head_star
 
 @gluon.jit
 def _pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end, ph0, xph, KV_FP8: gl.constexpr):
-    """Warpgroup 1: o_R += p0' V0_R once warpgroup 0 has published p0' (xbar 2); waits for all its MMAs."""
+    """Warpgroup 1: o_R += p0' V0_R (asynchronous) once warpgroup 0 has published p0' (xbar 2)."""
     mbarrier.wait(xbar.index(2), xph)
     mbarrier.wait(kv_full.index(_GROUP_R), ph0)
     if not KV_FP8 and kv_end - t0 < _TILE:  # (fp8: zeroed by the expansion)
         _zero_tail(kv_smem, 0, 4, kv_end - t0)
-    acc = warpgroup_mma(p0_smem, _v_half(kv_smem, 0, 1), acc, is_async=True)
-    return warpgroup_mma_wait(0, deps=(acc,))
+    return warpgroup_mma(p0_smem, _v_half(kv_smem, 0, 1), acc, is_async=True)
 
 
 @gluon.jit
@@ -556,12 +566,15 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, q_smem, kv_smem, kv8, p0_sm
                     acc = warpgroup_mma(gl.convert_layout(p1, p_layout), _v_half(kv_smem, 1, 1), acc,
                                         is_async=True)
                     acc = _pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end, ph0, xph, KV_FP8)
+                    acc = warpgroup_mma_wait(1, deps=(acc,))  # p1 V1_R has retired
+                    if next1:  # slot 1's V_R is free: reload it while p0' V0_R runs
+                        _issue_group(kv_desc, kv_smem, kv8, kv_full, 1, row1, _GROUP_R, KV_FP8)
+                    acc = warpgroup_mma_wait(0, deps=(acc,))
                 else:
-                    acc = _pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end, ph0, xph, KV_FP8)
+                    acc = warpgroup_mma_wait(0, deps=(_pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end, ph0,
+                                                             xph, KV_FP8),))
                 if next0:  # slot 0's V_R is free (warpgroup 0's scores of it are done: it published p0')
                     _issue_group(kv_desc, kv_smem, kv8, kv_full, 0, row0, _GROUP_R, KV_FP8)
-                if next1:
-                    _issue_group(kv_desc, kv_smem, kv8, kv_full, 1, row1, _GROUP_R, KV_FP8)
                 m_i = m1
             uses0 += 1
             uses1 += has1.to(gl.int32)
