@@ -29,13 +29,17 @@ which holds p1, are freed by warpgroup 0's p1 V1_L, the pair's last MMA). Agains
 1's R freed after p0' V0_R (eleventh session, one H200, alternating runs): fp8 caches 376.2 / 376.8 -> 367.2 / 367.4
 us at (128, 4096, 128), 113.4 -> 110.1 at (32, 4096, 128), 208.1 -> 203.8 at (128, 4096, 64); bf16 unchanged at 128
 heads (289.2 / 295.1 vs 290.0 / 295.5, 84.0 / 84.8 vs 84.5 / 84.4), 53.5 -> 52.8 at (8, 8192, 128), 99.4 -> 98.0 at
-(64, 4096, 16) q_len 2. Measured and dropped, also FlashMLA's: warpgroup 0 issuing the next even tile's L-group
-score MMAs behind its p1 V1_L (scores carried across the loop; same bits) spilled 656 vs 168 bytes and took 340.7 /
-348.6 vs 282.6 / 295.7 us at (128, 4096, 128), 102.6 vs 84.2 at (32, 4096, 128), 413 vs 368 fp8kv. A separate loader
-warp was slower: its register budget (setmaxnreg) made ptxas serialize every wgmma ("insufficient register
-resources"): 366 vs 300 us at (128, 4096, 128) on one H200. So was one barrier per chunk (each chunk's score MMA
-issued once that chunk has landed, FlashMLA's fine-grained TMA-GEMM pipelining): 295.4 vs 276.7 us at (128, 4096,
-128), 88.0 vs 84.2 at (32, 4096, 128) (tenth session; every wait comes with a warpgroup BAR.SYNC in the SASS).
+(64, 4096, 16) q_len 2. Where warpgroup 1 reloads slot 1's R differs by cache type, each measured both ways: with an
+fp8 cache as soon as p1 V1_R retires, before it waits for p0' (371.8 -> 364.7 us at (128, 4096, 128), 111.2 -> 108.4
+at (32, 4096, 128)); with bf16 after queueing p0' V0_R behind p1 V1_R (that reload point was 1-4 % slower for bf16:
+283.2 / 285.1 vs 286.3 / 288.0, 84.2 / 84.9 vs 86.0 / 86.4, 53.0 vs 55.0 at (8, 8192, 128)). Measured and dropped,
+also FlashMLA's: warpgroup 0 issuing the next even tile's L-group score MMAs behind its p1 V1_L (scores carried
+across the loop; same bits) spilled 656 vs 168 bytes and took 340.7 / 348.6 vs 282.6 / 295.7 us at (128, 4096, 128),
+102.6 vs 84.2 at (32, 4096, 128), 413 vs 368 fp8kv. A separate loader warp was slower: its register budget
+(setmaxnreg) made ptxas serialize every wgmma ("insufficient register resources"): 366 vs 300 us at (128, 4096, 128)
+on one H200. So was one barrier per chunk (each chunk's score MMA issued once that chunk has landed, FlashMLA's
+fine-grained TMA-GEMM pipelining): 295.4 vs 276.7 us at (128, 4096, 128), 88.0 vs 84.2 at (32, 4096, 128) (tenth
+session; every wait comes with a warpgroup BAR.SYNC in the SASS).
 
 One 64 x 512 fp32 accumulator is all the registers an SM has, so the output is split by columns, and the two
 warpgroups alternate on pairs of tiles (K0, K1) with one running max m shared through shared memory (FlashMLA's
@@ -567,11 +571,18 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, q_smem, kv_smem, kv8, p0_sm
                         _zero_tail(kv_smem, 1, 4, kv_end - t0 - _TILE)
                     acc = warpgroup_mma(gl.convert_layout(p1, p_layout), _v_half(kv_smem, 1, 1), acc,
                                         is_async=True)
-                    acc = _pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end, ph0, xph, KV_FP8)
-                    acc = warpgroup_mma_wait(1, deps=(acc,))  # p1 V1_R has retired
-                    if next1:  # slot 1's V_R is free: reload it while p0' V0_R runs
-                        _issue_group(kv_desc, kv_smem, kv8, kv_full, 1, row1, _GROUP_R, KV_FP8)
-                    acc = warpgroup_mma_wait(0, deps=(acc,))
+                    if KV_FP8:  # slot 1's V_R is free once p1 V1_R retires: reload it before waiting for p0'
+                        acc = warpgroup_mma_wait(0, deps=(acc,))
+                        if next1:
+                            _issue_group(kv_desc, kv_smem, kv8, kv_full, 1, row1, _GROUP_R, KV_FP8)
+                        acc = warpgroup_mma_wait(0, deps=(_pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end,
+                                                                 ph0, xph, KV_FP8),))
+                    else:  # bf16: p0' V0_R queued behind p1 V1_R first, then the reload
+                        acc = _pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end, ph0, xph, KV_FP8)
+                        acc = warpgroup_mma_wait(1, deps=(acc,))  # p1 V1_R has retired
+                        if next1:
+                            _issue_group(kv_desc, kv_smem, kv8, kv_full, 1, row1, _GROUP_R, KV_FP8)
+                        acc = warpgroup_mma_wait(0, deps=(acc,))
                 else:
                     acc = warpgroup_mma_wait(0, deps=(_pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end, ph0,
                                                              xph, KV_FP8),))
