@@ -2,7 +2,7 @@
 Gluon fp8 kernel (16 rows per program, head_split programs per worker) and the seesaw kernel on fp16 operands (64
 rows), each forced whatever the batch size, beside the default config (`batch_config`) and our bf16 default, CUDA-graph
 replays as in `mla-bench`. This is the measurement behind `default_config`'s boundary between the two
-(batch x programs x 16 <= GLUON_FP8_MAX_BATCH_X_ROWS; README, tenth session).
+(programs per worker x the batch's cache tokens <= GLUON_FP8_MAX_PROGRAM_TOKENS; README, eleventh session).
 
     python benchmarks/boundary_bench.py --json boundary.json
 
@@ -16,13 +16,16 @@ import json
 import torch
 
 from mla_fast import triton_decode as td
-from mla_fast.bench import build_batch, bytes_moved, copy_bandwidth_gbs, forced_fp8_kernels, measure, ours
+from mla_fast.bench import build_batch, bytes_moved, copy_bandwidth_gbs, forced_fp8_kernels, measure, ours, parse_shapes
 
-SHAPES = [  # (b, s_k, heads, q_len): both sides of the boundary at 128, 64, 32 (q_len 2) and 16 heads (q_len 3-4)
+SHAPES = [  # (b, s_k, heads, q_len): both sides of the rule at 128, 64, 32 (q_len 2) and 16 heads (q_len 3-4)
     (1, 8192, 128, 1), (2, 8192, 128, 1), (4, 4096, 128, 1), (4, 8192, 128, 1), (8, 4096, 128, 1), (8, 8192, 128, 1),
     (16, 4096, 128, 1), (1, 8192, 64, 1), (2, 8192, 64, 1), (4, 8192, 64, 1), (8, 4096, 64, 1), (8, 8192, 64, 1),
     (16, 4096, 64, 1), (16, 8192, 64, 1), (32, 4096, 64, 1), (4, 8192, 16, 3), (8, 8192, 16, 3), (4, 8192, 16, 4),
     (8, 8192, 16, 4), (16, 4096, 16, 4), (8, 8192, 32, 2), (16, 4096, 32, 2), (32, 4096, 32, 2), (64, 4096, 32, 2),
+    # eleventh session: where the batch-size rule and the token rule disagree, and (4, 8192, 32, 2) for 32 heads
+    (2, 16384, 128, 1), (1, 32768, 128, 1), (16, 1024, 128, 1), (32, 512, 128, 1), (8, 2048, 128, 1),
+    (4, 16384, 64, 1), (32, 1024, 64, 1), (1, 16384, 128, 1), (16, 2048, 16, 4), (4, 8192, 32, 2),
 ]
 
 
@@ -30,10 +33,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--combo", default="fp8kv", choices=["fp8kv", "fp8"])
     parser.add_argument("--json", default=None)
+    parser.add_argument("--shapes", type=parse_shapes, default=SHAPES, help='"b,s,h,q_len;..." (default: SHAPES)')
     args = parser.parse_args()
     copy_gbs = copy_bandwidth_gbs()
     rows = []
-    for b, s, h, q_len in SHAPES:
+    for b, s, h, q_len in args.shapes:
         batch = build_batch(b, s, h, args.combo, q_len=q_len)
         default = td.batch_config(batch, q_len)
         line, outs = f"({b}, {s}, {h}) q_len {q_len}:", {}

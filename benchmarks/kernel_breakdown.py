@@ -14,7 +14,7 @@ from collections import defaultdict
 
 import torch
 
-from mla_fast.bench import PEERS, _parse_shapes, build_batch, ours
+from mla_fast.bench import PEERS, build_batch, ours, parse_shapes
 
 
 def kernel_times(fn, calls: int) -> dict[str, float]:
@@ -38,7 +38,7 @@ def kernel_times(fn, calls: int) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", type=_parse_shapes, default=[(32, 4096, 16), (64, 4096, 16)])
+    parser.add_argument("--shapes", type=parse_shapes, default=[(32, 4096, 16), (64, 4096, 16)])
     parser.add_argument("--dtype", default="bf16", help="bf16, fp8kv or fp8")
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--json")

@@ -275,7 +275,8 @@ def forced_fp8_kernels(combo: str, num_heads: int, q_len: int) -> dict:
     from mla_fast import triton_decode as td
 
     out = {}
-    g8 = td.default_config(combo, num_heads, q_len, 1, fp8_gluon=True)  # batch 1: the Gluon fp8 kernel where it runs
+    g8 = td.default_config(combo, num_heads, q_len, 1, fp8_gluon=True, kv_tokens=1)  # the Gluon fp8 kernel where it
+    # runs (one token passes its rule)
     if g8.kernel == "gluon_fp8":
         out["gluon_fp8"] = replace(g8, head_split=num_heads // g8.head_group)
     seesaw = td.default_config(combo, num_heads, q_len, None, seesaw=True)  # the Gluon fp8 kernel not offered
@@ -412,13 +413,14 @@ def print_table(result: dict) -> None:
     Console(width=160).print(table)
 
 
-def _parse_shapes(text: str):
+def parse_shapes(text: str):
+    """Parse --shapes: "b,s,h;b,s,h" (tuples of any length) -> [(b, s, h), ...]."""
     return [tuple(int(x) for x in item.split(",")) for item in text.split(";") if item]
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="mla-bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", type=_parse_shapes, default=SHAPES, help='"b,s,h;b,s,h" (default: issue grid)')
+    parser.add_argument("--shapes", type=parse_shapes, default=SHAPES, help='"b,s,h;b,s,h" (default: issue grid)')
     parser.add_argument("--dtypes", default="bf16,fp8kv", help=f"comma list of {COMBOS}")
     parser.add_argument("--no-peers", action="store_true", help="time only mla_fast")
     parser.add_argument("--json", help="write all numbers to this file")

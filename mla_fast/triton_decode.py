@@ -703,12 +703,12 @@ def dtype_combo(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> str:
 
 
 SMALL_BATCH = 4  # batches up to this size (q_len 1) take no 64-row tiles (default_config)
-GLUON_FP8_MAX_BATCH_X_ROWS = 512  # fp8 caches with more than two Gluon fp8 programs per worker take that kernel up
-# to this batch x programs x 16 packed rows (batch x heads at q_len 1)
+GLUON_FP8_MAX_PROGRAM_TOKENS = 32 * 4096  # fp8 caches with more than two Gluon fp8 programs per worker take that
+# kernel up to this many programs per worker x cache tokens of the batch (KV tile reads by 16-row programs)
 
 
 def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int | None = None,
-                   seesaw: bool = False, fp8_gluon: bool = False) -> KernelConfig:
+                   seesaw: bool = False, fp8_gluon: bool = False, kv_tokens: int | None = None) -> KernelConfig:
     """Launch choice, the fastest correct candidate of mla-bench --candidates on one H200 (the h=16 shapes with b >= 32
     and the h = 128 shapes; see the module docstring).
 
@@ -717,12 +717,18 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
     `batch_config` passes it.
     fp8_gluon: the Gluon fp8 kernel can run the batch (`gluon_fp8.supported`: CUDA sm_90, e4m3fn cache with bf16
     or e4m3fn q, L = 512, R = 64, pages of a multiple of 64 tokens, contiguous cache); `batch_config` passes it.
+    kv_tokens: the batch's cache tokens (sum of seq_lens), for the Gluon fp8 kernel's rule; `batch_config` passes it.
     - fp8 caches with fp8_gluon at q_len <= 4: the Gluon fp8 kernel (kernel="gluon_fp8"), 16 packed rows per
       program: head_group 16 at q_len 1, 8 at q_len 2, 4 at q_len 3-4 (MTP), head_split = num_heads / head_group
       programs per worker (each KV tile read once from HBM, the rest from L2), two programs per SM with two tile
-      slots each; taken when head_split <= 2 (16 or 32 heads at q_len 1, 16 at q_len 2) or batch_size x head_split x
-      16 <= GLUON_FP8_MAX_BATCH_X_ROWS (batch x heads at q_len 1). One H200, graph replays, fp8kv, against this
-      module's staged path (sixth session):
+      slots each; taken when head_split <= 2 (16 or 32 heads at q_len 1, 16 at q_len 2) or head_split x kv_tokens
+      <= GLUON_FP8_MAX_PROGRAM_TOKENS (32 x 4096: at s_k = 4096 the batch x heads <= 512 rule it replaced, eleventh
+      session). That rule ignored s_k; with the seesaw 2-3 % faster on fp8 caches it picked the slower kernel at 4
+      of 24 shapes on its boundary at s_k = 8192 (by 4-8 %: 51.7 vs 48.2 us at (4, 8192, 128)), and at 8 of 9 shapes
+      off that grid (by 5.5-19 %: 52.0 vs 46.8 at (2, 16384, 128), 35.5 vs 29.8 at (32, 512, 128), 39.0 vs 34.5 at
+      (32, 1024, 64), 37.2 vs 33.9 at (16, 2048, 16) q_len 4); the token rule picks the faster kernel at all 33
+      (README, benchmarks/boundary_bench.py). One H200, graph replays, fp8kv, against this module's staged path
+      (sixth session):
       213.5 vs 302 us at (128, 8192, 16), 117 vs 157 at (128, 4096, 16), 117 vs 159 at (32, 16384, 16), 68 vs 87
       at (64, 4096, 16), 45.2 vs 50.6 at (32, 4096, 16), 16.1 vs 17.5 at (1, 8192, 16); one program with four slots
       (before the operand reordering, against 222, 122, 122, 71, 46.6, 16.4 for two programs): 249, 132, 135, 77,
@@ -732,7 +738,7 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
       vs 54.8 at (16, 4096), but 89.7 vs 87.4 at (16, 8192), 90.7 vs 85.8 at (32, 4096), 160.9 vs 150.3 at
       (64, 4096); 128 heads 24.6 vs 31.0 at (1, 8192), 34.8 vs 46.8 at (2, 8192), 52.2 vs 74.5 at (4, 8192), 52.1
       vs 55.1 at (8, 4096), 89.0 vs 88.5 at (8, 8192), but 90.0 vs 86.8 at (16, 4096), 160.4 vs 156.2 at
-      (32, 4096), 614.8 vs 547.5 at (128, 4096): hence batch x heads <= 512. MTP at 16 heads (eighth session,
+      (32, 4096), 614.8 vs 547.5 at (128, 4096): hence that rule (seventh session). MTP at 16 heads (eighth session,
       benchmarks/mtp_bench.py): q_len 2 (two programs of 8 heads x 2 rows) 18.8 vs 22.4 us at (1, 8192), 55.1 vs
       76.2 at (32, 4096), 95.3 vs 135.6 at (64, 4096), 167.8 vs 249.6 at (128, 4096), 320.2 vs 485.0 at
       (128, 8192); q_len 3-4 (four programs of 4 heads x 4 rows) 35.0 vs 37.8 at (4, 8192) q_len 3, 54.6 vs 58.8
@@ -799,7 +805,10 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
     - fp8 caches with 17-32 rows (8 warps): the same staged path with two tiles buffered: 989 vs 1204 us at
       (128, 4096, 128), 250 vs 308 us at (32, 4096, 128) against fp16 MMAs on the fp8 tile gathered from shared
       memory with V loaded again (v_reload). At (1, 8192, 128) (batch <= SMALL_BATCH) 31.3 us, as fast as 64 rows
-      (31.1).
+      (31.1), so fp8 caches at batch <= SMALL_BATCH keep 32-row tiles, except with seesaw: where the Gluon fp8
+      kernel's rule does not take such a batch (long sequences), the seesaw's 64-row tiles do (eleventh session:
+      48.2 vs 51.7 us for the Gluon fp8 kernel at (4, 8192, 128), 46.8 vs 52.0 at (2, 16384, 128), 47.7 vs 52.2 at
+      (1, 32768, 128), 50.6 vs 53.4 at (4, 16384, 64); the Triton 32-row path was not timed there).
     - bf16 with 64-row tiles, q_len 1 and batch_size <= SMALL_BATCH: 16-row tiles as at h = 16, all num_heads / 16 head
       groups of a worker reading each KV tile together (head_split; each KV tile read once from HBM, the rest from
       L2): 31.5 vs 35.1 µs at (1, 8192, 128) (FlashInfer 27.4); 29.4 vs 31.4 µs against the unchained 64-row layout
@@ -815,7 +824,7 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
 
     fp8_kv = combo in ("fp8kv", "fp8")
     small_batch = max_q_len == 1 and batch_size is not None and batch_size <= SMALL_BATCH
-    max_rows = MAX_ROWS_SMALL_FP8 if fp8_kv and small_batch else MAX_ROWS
+    max_rows = MAX_ROWS_SMALL_FP8 if fp8_kv and small_batch and not seesaw else MAX_ROWS
     head_group = max(d for d in range(1, num_heads + 1) if num_heads % d == 0 and d * max_q_len <= max_rows)
     rows = head_group * max_q_len
     mma = DEFAULT_MMA[combo]
@@ -823,7 +832,7 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
     fp8_group = _gluon_fp8_head_group(max_q_len) if fp8_kv and fp8_gluon else None
     if fp8_group and num_heads % fp8_group == 0:
         programs = num_heads // fp8_group  # per worker
-        if programs <= 2 or (batch_size is not None and batch_size * programs * 16 <= GLUON_FP8_MAX_BATCH_X_ROWS):
+        if programs <= 2 or (kv_tokens is not None and programs * kv_tokens <= GLUON_FP8_MAX_PROGRAM_TOKENS):
             return KernelConfig(block_n=64, mma=mma, head_group=fp8_group, head_split=programs, num_stages=2,
                                 workers_per_sm=2, kernel="gluon_fp8")
     if seesaw and head_group in _gluon_head_groups() and rows > (32 if fp8_kv else 16):  # fp8: 64-row tiles
@@ -863,12 +872,13 @@ def _gluon_head_groups() -> tuple[int, ...]:
 
 
 def batch_config(batch, max_q_len: int) -> KernelConfig:
-    """default_config for `batch` (its dtypes, heads and size) on its device, up to q_len max_q_len."""
+    """default_config for `batch` (its dtypes, heads, size and cache tokens: one host sync) on its device, up to
+    q_len max_q_len."""
     from mla_fast import gluon_decode, gluon_fp8
 
     combo = dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
     return default_config(combo, batch.num_heads, max_q_len, batch.batch_size, seesaw=gluon_decode.supported(batch),
-                          fp8_gluon=gluon_fp8.supported(batch))
+                          fp8_gluon=gluon_fp8.supported(batch), kv_tokens=int(batch.seq_lens.sum()))
 
 
 def effective_split_l(config: KernelConfig, kv_lora_rank: int) -> int:
@@ -1070,6 +1080,9 @@ class TritonMLADecode:
         batch: a DecodeBatch whose tensors (q, kv_cache, block_table, seq_lens, q_lens) are the static buffers the
             graph reads; refill them in place between replays, then call `plan(batch)` again.
         max_q_len: largest q_len any later step uses.
+        config: launch choices, fixed for every step; default `batch_config` of the batch given here (its size and
+            cache tokens then: the Gluon fp8 kernel's rule counts tokens, so build it with representative lengths
+            or pass a config).
         max_items, max_partial_rows: capacities of the plan buffers (defaults sized for one item per (request, head
             group) per worker plus splits). The kernels read the plan's work items, worker ranges and reduce_final
             rows only, so only those are kept.

@@ -337,18 +337,24 @@ def test_gluon_kernel_is_chosen_only_where_it_runs():
                            (("bf16", 16, 2, 32), (16, 1)), (("bf16", 8, 4, 32), (8, 1))]:
         config = td.default_config(*args, seesaw=True)
         assert (config.kernel, config.head_group, config.head_split, config.mma) == ("gluon", *geometry, "bf16"), args
-    # fp8 caches: 64 packed rows on fp16 operands, where the Gluon fp8 kernel's rule does not take the batch
+    # fp8 caches: 64 packed rows on fp16 operands, where the Gluon fp8 kernel's rule does not take the batch (s_k 4096)
     for args, geometry in [(("fp8kv", 128, 1, 32), (64, 2)), (("fp8", 128, 1, 5), (64, 2)),
                            (("fp8kv", 64, 1, 9), (64, 1)), (("fp8kv", 128, 2, 32), (32, 4)),
                            (("fp8", 16, 4, 32), (16, 1)), (("fp8kv", 32, 2, 128), (32, 1))]:
-        config = td.default_config(*args, seesaw=True, fp8_gluon=True)
+        config = td.default_config(*args, seesaw=True, fp8_gluon=True, kv_tokens=args[3] * 4096)
         assert (config.kernel, config.head_group, config.head_split, config.mma) == ("gluon", *geometry, "fp16"), args
     for args, kernel in [(("fp8kv", 128, 1, 4), "gluon_fp8"), (("fp8kv", 64, 1, 8), "gluon_fp8"),
                          (("fp8kv", 32, 1, 128), "gluon_fp8"), (("fp8kv", 128, 1, 1), "gluon_fp8"),
                          (("fp8kv", 8, 1, 128), "triton"),  # 8 rows: neither Gluon kernel
                          (("fp8kv", 128, 1, 2), "gluon_fp8")]:
-        assert td.default_config(*args, seesaw=True, fp8_gluon=True).kernel == kernel, args
+        assert td.default_config(*args, seesaw=True, fp8_gluon=True, kv_tokens=args[3] * 4096).kernel == kernel, args
     assert td.default_config("fp8kv", 128, 1, 32, seesaw=True).kernel == "gluon"  # without fp8_gluon too
+    # small batches of long sequences past the Gluon fp8 kernel's rule: the seesaw's 64 rows, not 32-row tiles
+    for b, s, h, geometry in [(4, 8192, 128, (64, 2)), (1, 32768, 128, (64, 2)), (4, 16384, 64, (64, 1))]:
+        config = td.default_config("fp8kv", h, 1, b, seesaw=True, fp8_gluon=True, kv_tokens=b * s)
+        assert (config.kernel, config.head_group, config.head_split) == ("gluon", *geometry), (b, s, h)
+        off_sm90 = td.default_config("fp8kv", h, 1, b, kv_tokens=b * s)
+        assert (off_sm90.kernel, off_sm90.head_group) == ("triton", td.MAX_ROWS_SMALL_FP8), (b, s, h)
     for args in [("bf16", 128, 1, 32, False), ("fp8kv", 128, 1, 32, False), ("bf16", 16, 1, 32, True),
                  ("bf16", 8, 2, 32, True), ("bf16", 32, 1, 32, False), ("bf16", 128, 1, 1, False)]:
         assert td.default_config(*args).kernel == "triton", args
@@ -374,9 +380,9 @@ def test_boundary_bench_times_both_kernels_on_both_sides_of_the_rule():
         ("gluon_fp8", 16, 8, "fp16"), ("gluon", 64, 2, "fp16")]
     assert set(forced_fp8_kernels("fp8", 16, 1)) == {"gluon_fp8"}  # 16 rows: the seesaw takes fp8 caches at > 32
     picks = {}
-    for b, _, h, q_len in bb.SHAPES:
+    for b, s, h, q_len in bb.SHAPES:
         forced = forced_fp8_kernels("fp8kv", h, q_len)
-        default = td.default_config("fp8kv", h, q_len, b, seesaw=True, fp8_gluon=True)
+        default = td.default_config("fp8kv", h, q_len, b, seesaw=True, fp8_gluon=True, kv_tokens=b * s)
         chosen = [name for name, config in forced.items() if config == default]
         assert len(chosen) == 1, (b, h, q_len, default)
         picks.setdefault((h, q_len > 1), set()).add(chosen[0])
@@ -441,31 +447,35 @@ def test_gluon_kernel_rejects_what_it_cannot_take():
 
 def test_gluon_fp8_kernel_is_chosen_only_where_it_runs():
     """default_config takes the Gluon fp8 kernel (16 packed rows per program: head_group 16 / 8 / 4 at q_len 1 / 2 /
-    3-4) for fp8 caches when at most two programs per worker cover the heads, or batch x programs x 16 <=
-    GLUON_FP8_MAX_BATCH_X_ROWS, and only with fp8_gluon=True, which batch_config sets from gluon_fp8.supported (never
-    on this CPU)."""
+    3-4) for fp8 caches when at most two programs per worker cover the heads, or programs x the batch's cache tokens
+    <= GLUON_FP8_MAX_PROGRAM_TOKENS, and only with fp8_gluon=True, which batch_config sets from gluon_fp8.supported
+    (never on this CPU)."""
     td = pytest.importorskip("mla_fast.triton_decode")
     g8 = pytest.importorskip("mla_fast.gluon_fp8")
-    assert td.GLUON_FP8_MAX_BATCH_X_ROWS == 512  # the rule's threshold, measured (default_config's docstring)
-    for args, head_group in [
-            (("fp8kv", 16, 1, 128), 16), (("fp8", 16, 1, 32), 16), (("fp8kv", 16, 1, 1), 16),
-            (("fp8kv", 32, 1, 128), 16), (("fp8", 32, 1, None), 16), (("fp8kv", 48, 1, 10), 16),
-            (("fp8kv", 64, 1, 8), 16), (("fp8", 128, 1, 4), 16), (("fp8kv", 128, 1, 1), 16),
-            (("fp8kv", 16, 2, 128), 8), (("fp8", 16, 2, None), 8), (("fp8kv", 8, 2, 128), 8),  # MTP
-            (("fp8kv", 16, 3, 8), 4), (("fp8", 16, 4, 8), 4), (("fp8kv", 8, 4, 512), 4), (("fp8kv", 32, 2, 8), 8)]:
-        config = td.default_config(*args, fp8_gluon=True)
+    limit = td.GLUON_FP8_MAX_PROGRAM_TOKENS
+    assert limit == 32 * 4096  # the rule's threshold, measured (default_config's docstring)
+    s = 4096
+    for (combo, heads, q_len, kv_tokens), head_group in [  # kv_tokens None: the rule needs none (<= 2 programs)
+            (("fp8kv", 16, 1, None), 16), (("fp8", 16, 1, 1), 16), (("fp8kv", 32, 1, 10**9), 16),
+            (("fp8", 32, 1, None), 16), (("fp8kv", 48, 1, 10 * s), 16), (("fp8kv", 64, 1, 8 * s), 16),
+            (("fp8", 128, 1, 4 * s), 16), (("fp8kv", 128, 1, limit // 8), 16), (("fp8kv", 128, 1, 1), 16),
+            (("fp8kv", 16, 2, None), 8), (("fp8", 16, 2, 10**9), 8), (("fp8kv", 8, 2, None), 8),  # MTP
+            (("fp8kv", 16, 3, 8 * s), 4), (("fp8", 16, 4, limit // 4), 4), (("fp8kv", 8, 4, None), 4),
+            (("fp8kv", 32, 2, 8 * s), 8)]:
+        config = td.default_config(combo, heads, q_len, 1, fp8_gluon=True, kv_tokens=kv_tokens)
         assert (config.kernel, config.head_group, config.head_split, config.mma) == (
-            "gluon_fp8", head_group, args[1] // head_group, "fp16"), args
-        assert args[2] * config.head_group <= g8.ROWS
+            "gluon_fp8", head_group, heads // head_group, "fp16"), (combo, heads, q_len, kv_tokens)
+        assert q_len * config.head_group <= g8.ROWS
         g8.check_stages(config.num_stages, config.workers_per_sm)  # its shared memory fits
-    for args in [("fp8kv", 16, 1, 128, False, False), ("fp8kv", 16, 2, 128, False, False),
-                 ("fp8kv", 128, 1, 128, False, True), ("fp8kv", 128, 1, 5, False, True),
-                 ("fp8kv", 64, 1, 9, False, True), ("fp8kv", 64, 1, None, False, True),
-                 ("fp8kv", 8, 1, 1, False, True), ("fp8kv", 40, 1, 1, False, True),
-                 ("fp8kv", 16, 4, 9, False, True), ("fp8kv", 16, 3, None, False, True),
-                 ("fp8kv", 16, 5, 1, False, True), ("fp8kv", 6, 2, 1, False, True),
-                 ("bf16", 16, 1, 128, False, True)]:
-        assert td.default_config(*args).kernel == "triton", args
+    for combo, heads, q_len, kv_tokens, fp8_gluon in [
+            ("fp8kv", 16, 1, 1, False), ("fp8kv", 16, 2, 1, False),  # not offered
+            ("fp8kv", 128, 1, limit // 8 + 1, True), ("fp8kv", 128, 1, None, True),  # past the rule / no tokens
+            ("fp8kv", 64, 1, 9 * s, True), ("fp8kv", 64, 1, None, True), ("fp8", 16, 4, limit // 4 + 1, True),
+            ("fp8kv", 16, 3, None, True), ("fp8kv", 48, 1, limit // 3 + 1, True),
+            ("fp8kv", 8, 1, 1, True), ("fp8kv", 40, 1, 1, True), ("fp8kv", 16, 5, 1, True),  # no head group
+            ("fp8kv", 6, 2, 1, True), ("bf16", 16, 1, 1, True)]:
+        config = td.default_config(combo, heads, q_len, 1, fp8_gluon=fp8_gluon, kv_tokens=kv_tokens)
+        assert config.kernel == "triton", (combo, heads, q_len, kv_tokens, fp8_gluon)
     batch = TritonCase((70,), (1,), heads=16, page_size=64, L=512, R=64, combo="fp8kv").batch()
     assert not g8.supported(batch)
     assert td.batch_config(batch, 1).kernel == "triton"
@@ -513,7 +523,8 @@ def test_bench_candidates_are_launchable_configs_over_each_default():
     for (combo, heads), overrides in bench.CANDIDATES.items():
         for gluon in (True, False):
             for batch_size in (1, 32):
-                base = td.default_config(combo, heads, 1, batch_size, seesaw=gluon, fp8_gluon=gluon)
+                base = td.default_config(combo, heads, 1, batch_size, seesaw=gluon, fp8_gluon=gluon,
+                                         kv_tokens=batch_size * 8192)
                 for o in overrides:
                     config = replace(base, **o)  # KernelConfig validates its fields
                     assert heads % (config.head_group * config.head_split) == 0, (combo, heads, o)
@@ -523,7 +534,7 @@ def test_bench_candidates_are_launchable_configs_over_each_default():
         h200 = td.default_config(combo, 16, 1, 32, fp8_gluon=True)
         assert replace(h200, **bench.TRITON_FP8_16_ROWS) == td.default_config(combo, 16, 1, 32)
         for heads in (64, 128):
-            small = td.default_config(combo, heads, 1, 1, fp8_gluon=True)  # the Gluon fp8 kernel
+            small = td.default_config(combo, heads, 1, 1, fp8_gluon=True, kv_tokens=8192)  # the Gluon fp8 kernel
             assert small.kernel == "gluon_fp8"
             assert replace(small, **bench.triton_fp8_64_rows(heads)) == td.default_config(combo, heads, 1, 32)
 
