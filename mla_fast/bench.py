@@ -275,8 +275,8 @@ def forced_fp8_kernels(combo: str, num_heads: int, q_len: int) -> dict:
     from mla_fast import triton_decode as td
 
     out = {}
-    g8 = td.default_config(combo, num_heads, q_len, 1, fp8_gluon=True, kv_tokens=1)  # the Gluon fp8 kernel where it
-    # runs (one token passes its rule)
+    # one request of one token passes the Gluon fp8 kernel's rule: that kernel wherever it can take the heads
+    g8 = td.default_config(combo, num_heads, q_len, 1, fp8_gluon=True, kv_tokens=1)
     if g8.kernel == "gluon_fp8":
         out["gluon_fp8"] = replace(g8, head_split=num_heads // g8.head_group)
     seesaw = td.default_config(combo, num_heads, q_len, None, seesaw=True)  # the Gluon fp8 kernel not offered

@@ -723,10 +723,10 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
       programs per worker (each KV tile read once from HBM, the rest from L2), two programs per SM with two tile
       slots each; taken when head_split <= 2 (16 or 32 heads at q_len 1, 16 at q_len 2) or head_split x kv_tokens
       <= GLUON_FP8_MAX_PROGRAM_TOKENS (32 x 4096: at s_k = 4096 the batch x heads <= 512 rule it replaced, eleventh
-      session). That rule ignored s_k; with the seesaw 2-3 % faster on fp8 caches it picked the slower kernel at 4
+      session). That rule ignored s_k; with the seesaw 2-3 % faster on fp8 caches it picked the slower kernel at 5
       of 24 shapes on its boundary at s_k = 8192 (by 4-8 %: 51.7 vs 48.2 us at (4, 8192, 128)), and at 8 of 9 shapes
       off that grid (by 5.5-19 %: 52.0 vs 46.8 at (2, 16384, 128), 35.5 vs 29.8 at (32, 512, 128), 39.0 vs 34.5 at
-      (32, 1024, 64), 37.2 vs 33.9 at (16, 2048, 16) q_len 4); the token rule picks the faster kernel at all 33
+      (32, 1024, 64), 37.2 vs 33.9 at (16, 2048, 16) q_len 4); the token rule picks the faster kernel at all 34
       (README, benchmarks/boundary_bench.py). One H200, graph replays, fp8kv, against this module's staged path
       (sixth session):
       213.5 vs 302 us at (128, 8192, 16), 117 vs 157 at (128, 4096, 16), 117 vs 159 at (32, 16384, 16), 68 vs 87
@@ -805,8 +805,8 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
     - fp8 caches with 17-32 rows (8 warps): the same staged path with two tiles buffered: 989 vs 1204 us at
       (128, 4096, 128), 250 vs 308 us at (32, 4096, 128) against fp16 MMAs on the fp8 tile gathered from shared
       memory with V loaded again (v_reload). At (1, 8192, 128) (batch <= SMALL_BATCH) 31.3 us, as fast as 64 rows
-      (31.1), so fp8 caches at batch <= SMALL_BATCH keep 32-row tiles, except with seesaw: where the Gluon fp8
-      kernel's rule does not take such a batch (long sequences), the seesaw's 64-row tiles do (eleventh session:
+      (31.1), so fp8 caches at batch <= SMALL_BATCH keep 32-row tiles, except with seesaw and fp8_gluon: where the
+      Gluon fp8 kernel's rule does not take such a batch (long sequences), the seesaw's 64-row tiles do (eleventh session:
       48.2 vs 51.7 us for the Gluon fp8 kernel at (4, 8192, 128), 46.8 vs 52.0 at (2, 16384, 128), 47.7 vs 52.2 at
       (1, 32768, 128), 50.6 vs 53.4 at (4, 16384, 64); the Triton 32-row path was not timed there).
     - bf16 with 64-row tiles, q_len 1 and batch_size <= SMALL_BATCH: 16-row tiles as at h = 16, all num_heads / 16 head
@@ -824,8 +824,8 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
 
     fp8_kv = combo in ("fp8kv", "fp8")
     small_batch = max_q_len == 1 and batch_size is not None and batch_size <= SMALL_BATCH
-    max_rows = MAX_ROWS_SMALL_FP8 if fp8_kv and small_batch and not seesaw else MAX_ROWS
-    head_group = max(d for d in range(1, num_heads + 1) if num_heads % d == 0 and d * max_q_len <= max_rows)
+    max_rows = MAX_ROWS_SMALL_FP8 if fp8_kv and small_batch else MAX_ROWS
+    head_group = _largest_head_group(num_heads, max_q_len, max_rows)
     rows = head_group * max_q_len
     mma = DEFAULT_MMA[combo]
     warps = 4 if rows <= 16 else 8
@@ -835,8 +835,11 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
         if programs <= 2 or (kv_tokens is not None and programs * kv_tokens <= GLUON_FP8_MAX_PROGRAM_TOKENS):
             return KernelConfig(block_n=64, mma=mma, head_group=fp8_group, head_split=programs, num_stages=2,
                                 workers_per_sm=2, kernel="gluon_fp8")
-    if seesaw and head_group in _gluon_head_groups() and rows > (32 if fp8_kv else 16):  # fp8: 64-row tiles
-        return KernelConfig(block_n=64, mma=mma, head_group=head_group, head_split=num_heads // head_group,
+    # the seesaw on its 64-row tiles (fp8 caches: more than 32 rows; where the Gluon fp8 kernel's rule did not take
+    # the batch, small batches too, whose 32-row tiles are otherwise the Triton kernel's)
+    seesaw_group = _largest_head_group(num_heads, max_q_len, MAX_ROWS) if fp8_kv and fp8_gluon else head_group
+    if seesaw and seesaw_group in _gluon_head_groups() and seesaw_group * max_q_len > (32 if fp8_kv else 16):
+        return KernelConfig(block_n=64, mma=mma, head_group=seesaw_group, head_split=num_heads // seesaw_group,
                             kernel="gluon")
     if rows > 32 and small_batch:  # bf16, few requests
         group = max(d for d in range(1, 17) if num_heads % d == 0)  # <= 16 rows; the programs cover every head
@@ -854,6 +857,11 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
                             head_group=head_group, fp8_stage=True, split_l=8, page_chunk=32, lazy_l=True)
     return KernelConfig(block_n=64, num_warps=warps, num_stages=3, mma=mma, head_group=head_group, page_chunk=32,
                         split_l=4)
+
+
+def _largest_head_group(num_heads: int, max_q_len: int, max_rows: int) -> int:
+    """The largest divisor of num_heads with max_q_len x it <= max_rows packed rows."""
+    return max(d for d in range(1, num_heads + 1) if num_heads % d == 0 and d * max_q_len <= max_rows)
 
 
 def _gluon_fp8_head_group(max_q_len: int) -> int | None:

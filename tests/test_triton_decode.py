@@ -8,6 +8,7 @@ Tolerance: verify.bounds.kernel_bound (numerics.md §5(f)) with the kernel's dec
 merge_bound (§5(g)) for the plan's split count (tests/triton_cases.py); every case must have err / bound <= 1.
 """
 
+import itertools
 import json
 import os
 import subprocess
@@ -353,8 +354,9 @@ def test_gluon_kernel_is_chosen_only_where_it_runs():
     for b, s, h, geometry in [(4, 8192, 128, (64, 2)), (1, 32768, 128, (64, 2)), (4, 16384, 64, (64, 1))]:
         config = td.default_config("fp8kv", h, 1, b, seesaw=True, fp8_gluon=True, kv_tokens=b * s)
         assert (config.kernel, config.head_group, config.head_split) == ("gluon", *geometry), (b, s, h)
-        off_sm90 = td.default_config("fp8kv", h, 1, b, kv_tokens=b * s)
-        assert (off_sm90.kernel, off_sm90.head_group) == ("triton", td.MAX_ROWS_SMALL_FP8), (b, s, h)
+        for kwargs in ({}, dict(seesaw=True)):  # no Gluon fp8 kernel offered: the Triton kernel's 32-row tiles
+            config = td.default_config("fp8kv", h, 1, b, kv_tokens=b * s, **kwargs)
+            assert (config.kernel, config.head_group) == ("triton", td.MAX_ROWS_SMALL_FP8), (b, s, h, kwargs)
     for args in [("bf16", 128, 1, 32, False), ("fp8kv", 128, 1, 32, False), ("bf16", 16, 1, 32, True),
                  ("bf16", 8, 2, 32, True), ("bf16", 32, 1, 32, False), ("bf16", 128, 1, 1, False)]:
         assert td.default_config(*args).kernel == "triton", args
@@ -467,6 +469,11 @@ def test_gluon_fp8_kernel_is_chosen_only_where_it_runs():
             "gluon_fp8", head_group, heads // head_group, "fp16"), (combo, heads, q_len, kv_tokens)
         assert q_len * config.head_group <= g8.ROWS
         g8.check_stages(config.num_stages, config.workers_per_sm)  # its shared memory fits
+    for heads, q_len, b in itertools.product((16, 32, 48, 64, 96, 128), (1, 2, 3, 4), (1, 2, 4, 8, 16, 32)):
+        # at s_k = 4096 the token rule is the batch x programs x 16 <= 512 rule it replaced
+        programs = heads // {1: 16, 2: 8}.get(q_len, 4)
+        config = td.default_config("fp8kv", heads, q_len, b, fp8_gluon=True, kv_tokens=b * 4096)
+        assert (config.kernel == "gluon_fp8") == (programs <= 2 or b * programs * 16 <= 512), (heads, q_len, b)
     for combo, heads, q_len, kv_tokens, fp8_gluon in [
             ("fp8kv", 16, 1, 1, False), ("fp8kv", 16, 2, 1, False),  # not offered
             ("fp8kv", 128, 1, limit // 8 + 1, True), ("fp8kv", 128, 1, None, True),  # past the rule / no tokens
