@@ -102,6 +102,29 @@ def test_bench_grid_within_kernel_bound(shape, combo):
     assert r["finite"] and r["out_ratio"] <= 1.0 and r["lse_ratio"] <= 1.0, r
 
 
+@pytest.mark.parametrize("shape", [(2, 16384, 128), (4, 16384, 64)], ids=lambda s: "b{}_s{}_h{}".format(*s))
+def test_small_fp8_batches_of_long_sequences_take_the_seesaw(shape):
+    """batch_config sends a small fp8-cache batch past the Gluon fp8 kernel's token rule (programs x cache tokens >
+    GLUON_FP8_MAX_PROGRAM_TOKENS) to the seesaw's 64-row tiles, not the Triton 32-row path, within the kernel
+    bound."""
+    from mla_fast import gluon_decode
+    from mla_fast import triton_decode as td
+    from mla_fast.bench import build_batch
+    from mla_fast.numerics import triton_numerics
+
+    b, s, h = shape
+    batch = build_batch(b, s, h, "fp8kv", seed=b + h)
+    if not gluon_decode.supported(batch):
+        pytest.skip("the seesaw kernel needs sm_90")
+    config = td.batch_config(batch, 1)
+    assert (h // 16) * b * s > td.GLUON_FP8_MAX_PROGRAM_TOKENS
+    assert (config.kernel, config.head_group) == ("gluon", 64), config
+    plan = td.make_plan(batch, config)
+    out, lse = td.decode(batch, plan=plan, config=config)
+    r = check(out, lse, batch, triton_numerics(config.mma, config.block_n), plan.stats()["pieces_per_tile"]["max"])
+    assert r["finite"] and r["out_ratio"] <= 1.0 and r["lse_ratio"] <= 1.0, r
+
+
 @pytest.mark.parametrize("case", VARLEN, ids=lambda c: f"{c.combo}_h{c.heads}_p{c.page_size}_s{c.seed}")
 def test_varlen_within_kernel_bound(case):
     r = _decode_and_check(case.batch("cuda"))
