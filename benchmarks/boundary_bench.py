@@ -7,7 +7,8 @@ replays as in `mla-bench`. This is the measurement behind `default_config`'s bou
     python benchmarks/boundary_bench.py --json boundary.json
 
 Prints one line per shape with µs per kernel and the largest |out| difference of each forced kernel to the default
-(each is checked against the fp64 oracle within its bound by tests/test_triton_gpu.py).
+(each is checked against the fp64 oracle within its bound by tests/test_triton_gpu.py). The eleventh session's run
+of SHAPES is benchmarks/boundary_h200.csv, against which tests/test_triton_decode.py checks default_config's rule.
 """
 
 import argparse

@@ -8,6 +8,7 @@ Tolerance: verify.bounds.kernel_bound (numerics.md §5(f)) with the kernel's dec
 merge_bound (§5(g)) for the plan's split count (tests/triton_cases.py); every case must have err / bound <= 1.
 """
 
+import csv
 import itertools
 import json
 import os
@@ -389,6 +390,24 @@ def test_boundary_bench_times_both_kernels_on_both_sides_of_the_rule():
         assert len(chosen) == 1, (b, h, q_len, default)
         picks.setdefault((h, q_len > 1), set()).add(chosen[0])
     assert all(p == {"gluon_fp8", "seesaw"} for p in picks.values()), picks
+
+
+def test_boundary_rule_picks_the_faster_kernel_on_every_measured_shape():
+    """default_config's choice between the Gluon fp8 kernel and the fp8 seesaw (batch_config on an H200: both
+    offered) is the faster of the two at every shape of benchmarks/boundary_h200.csv (the eleventh session's
+    boundary_bench call), so a change to the rule shows which measured shapes it would get wrong."""
+    td = pytest.importorskip("mla_fast.triton_decode")
+    lines = [ln for ln in (HERE.parent / "benchmarks" / "boundary_h200.csv").read_text().splitlines()
+             if not ln.startswith("#")]
+    rows = list(csv.DictReader(lines))
+    assert len(rows) == 34
+    us = {"gluon_fp8": "gluon_fp8_us", "gluon": "seesaw_us"}  # kernel -> its column
+    for row in rows:
+        b, s, h, q_len = (int(row[k]) for k in ("b", "s_k", "heads", "q_len"))
+        config = td.default_config("fp8kv", h, q_len, b, seesaw=True, fp8_gluon=True, kv_tokens=b * s)
+        assert config.kernel in us, (row, config)
+        other = "gluon" if config.kernel == "gluon_fp8" else "gluon_fp8"
+        assert float(row[us[config.kernel]]) <= float(row[us[other]]), (row, config.kernel)
 
 
 def test_seesaw_fp8_boxes_land_where_the_in_place_expansion_is_safe():
