@@ -756,8 +756,8 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
       55.5). Re-measured with the final kernel (tenth session, one call, Gluon fp8 vs seesaw): the rule errs by
       0.6-5.2 % only on its boundary (batch x programs x 16 = 512) at s = 8192 (51.9 vs 49.5 us at (4, 8192, 128),
       52.9 vs 51.7 at (8, 8192, 64), 52.4 vs 50.1 at (8, 8192, 16) q_len 3), where at s = 4096 the Gluon fp8
-      kernel is 15-18 % faster (33.1 vs 39.1 at (4, 4096, 128), 33.6 vs 39.6 at (8, 4096, 64)): kept (README;
-      benchmarks/boundary_bench.py).
+      kernel is 15-18 % faster (33.1 vs 39.1 at (4, 4096, 128), 33.6 vs 39.6 at (8, 4096, 64)): kept then, and
+      replaced by the token rule in the eleventh session (above; README; benchmarks/boundary_bench.py).
     - bf16 with more than 16 packed rows (q_len x head_group, head_group 8-64) and seesaw: the Gluon kernel
       (kernel="gluon"; MTP rows packed as in the Triton kernel). At q_len 1 (64 heads per program), one H200, graph
       replays: 299 vs 447 us at (128, 4096, 128) and 86 vs 130 us at (32, 4096, 128) against the Triton 64-row
