@@ -842,7 +842,7 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
         return KernelConfig(block_n=64, mma=mma, head_group=seesaw_group, head_split=num_heads // seesaw_group,
                             kernel="gluon")
     if rows > 32 and small_batch:  # bf16, few requests
-        group = max(d for d in range(1, 17) if num_heads % d == 0)  # <= 16 rows; the programs cover every head
+        group = _largest_head_group(num_heads, max_q_len, 16)  # <= 16 rows (q_len 1); the programs cover every head
         return KernelConfig(block_n=64, num_warps=4, num_stages=3, mma=mma, head_group=group,
                             head_split=num_heads // group, page_chunk=32, split_l=4)
     if rows > 32:  # 64-row wgmma tiles

@@ -366,6 +366,16 @@ def test_gluon_kernel_is_chosen_only_where_it_runs():
     assert td.batch_config(batch, 1).kernel == "triton"
 
 
+def _boundary_bench():
+    """benchmarks/boundary_bench.py as a module (benchmarks/ is not a package)."""
+    sys.path.insert(0, str(HERE.parent / "benchmarks"))
+    try:
+        import boundary_bench
+    finally:
+        sys.path.pop(0)
+    return boundary_bench
+
+
 def test_boundary_bench_times_both_kernels_on_both_sides_of_the_rule():
     """benchmarks/boundary_bench.py (the README's tenth-session boundary table) forces the Gluon fp8 kernel and the
     fp8 seesaw in default_config's geometry (mla_fast.bench.forced_fp8_kernels), and its grid has shapes on both
@@ -373,11 +383,7 @@ def test_boundary_bench_times_both_kernels_on_both_sides_of_the_rule():
     td = pytest.importorskip("mla_fast.triton_decode")
     from mla_fast.bench import forced_fp8_kernels
 
-    sys.path.insert(0, str(HERE.parent / "benchmarks"))
-    try:
-        import boundary_bench as bb
-    finally:
-        sys.path.pop(0)
+    bb = _boundary_bench()
     forced = forced_fp8_kernels("fp8kv", 128, 1)
     assert [(c.kernel, c.head_group, c.head_split, c.mma) for c in forced.values()] == [
         ("gluon_fp8", 16, 8, "fp16"), ("gluon", 64, 2, "fp16")]
@@ -400,11 +406,7 @@ def test_boundary_rule_picks_the_faster_kernel_on_every_measured_shape():
     lines = [ln for ln in (HERE.parent / "benchmarks" / "boundary_h200.csv").read_text().splitlines()
              if not ln.startswith("#")]
     rows = list(csv.DictReader(lines))
-    sys.path.insert(0, str(HERE.parent / "benchmarks"))
-    try:
-        import boundary_bench as bb
-    finally:
-        sys.path.pop(0)
+    bb = _boundary_bench()
     assert [tuple(int(r[k]) for k in ("b", "s_k", "heads", "q_len")) for r in rows] == bb.SHAPES  # its run
     us = {"gluon_fp8": "gluon_fp8_us", "gluon": "seesaw_us"}  # kernel -> its column
     for row in rows:

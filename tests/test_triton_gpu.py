@@ -76,16 +76,15 @@ CONFIG_CASES = [  # (case, KernelConfig overrides): non-default configs, mla-ben
 ]
 
 
-def _decode_and_check(batch, **overrides):
-    """Default-config decode of `batch` (with `overrides`), checked against the fp64 oracle within the kernel +
-    merge bound."""
-    from dataclasses import replace
-
+def _decode_and_check(batch, config=None, **overrides):
+    """Decode of `batch` with `config` (default: default_config without a device's Gluon kernels) and `overrides`,
+    checked against the fp64 oracle within the kernel + merge bound."""
     from mla_fast import triton_decode as td
     from mla_fast.numerics import triton_numerics
 
-    combo = td.dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
-    config = td.default_config(combo, batch.num_heads, int(batch.q_lens.max()))
+    if config is None:
+        config = td.default_config(td.dtype_combo(batch.q.dtype, batch.kv_cache.dtype), batch.num_heads,
+                                   int(batch.q_lens.max()))
     config = replace(config, **overrides)
     plan = td.make_plan(batch, config)
     out, lse = td.decode(batch, plan=plan, config=config)
@@ -110,7 +109,6 @@ def test_small_fp8_batches_of_long_sequences_take_the_seesaw(shape):
     from mla_fast import gluon_decode
     from mla_fast import triton_decode as td
     from mla_fast.bench import build_batch
-    from mla_fast.numerics import triton_numerics
 
     b, s, h = shape
     batch = build_batch(b, s, h, "fp8kv", seed=b + h)
@@ -119,9 +117,7 @@ def test_small_fp8_batches_of_long_sequences_take_the_seesaw(shape):
     config = td.batch_config(batch, 1)
     assert (h // 16) * b * s > td.GLUON_FP8_MAX_PROGRAM_TOKENS
     assert (config.kernel, config.head_group) == ("gluon", 64), config
-    plan = td.make_plan(batch, config)
-    out, lse = td.decode(batch, plan=plan, config=config)
-    r = check(out, lse, batch, triton_numerics(config.mma, config.block_n), plan.stats()["pieces_per_tile"]["max"])
+    r = _decode_and_check(batch, config)
     assert r["finite"] and r["out_ratio"] <= 1.0 and r["lse_ratio"] <= 1.0, r
 
 
@@ -370,7 +366,7 @@ def _gluon_fp8(heads: int, q_len: int = 1) -> dict:
     """KernelConfig overrides of the Gluon fp8 kernel (mla_fast.gluon_fp8) in default_config's geometry at q_len
     (mla_fast.bench.forced_fp8_kernels: 16 packed rows of q_len x head_group, two programs per SM with two tile slots
     each), on heads / head_group programs per worker whatever the batch size (default_config takes more than two
-    programs per worker at small batches only)."""
+    programs per worker only within its token rule, GLUON_FP8_MAX_PROGRAM_TOKENS)."""
     from mla_fast.bench import forced_fp8_kernels
 
     config = forced_fp8_kernels("fp8kv", heads, q_len).get("gluon_fp8")
