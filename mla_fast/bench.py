@@ -270,19 +270,10 @@ def forced_fp8_kernels(combo: str, num_heads: int, q_len: int) -> dict:
     """The two Gluon kernels that take e4m3fn caches, each in default_config's geometry whatever the batch size:
     {"gluon_fp8": the Gluon fp8 kernel on num_heads / head_group programs per worker, "seesaw": the seesaw kernel on
     fp16 operands}; a kernel that cannot take the rows (the seesaw at 32 or fewer) is left out (benchmarks/)."""
-    from dataclasses import replace
-
     from mla_fast import triton_decode as td
 
-    out = {}
-    # one request of one token passes the Gluon fp8 kernel's rule: that kernel wherever it can take the heads
-    g8 = td.default_config(combo, num_heads, q_len, 1, fp8_gluon=True, kv_tokens=1)
-    if g8.kernel == "gluon_fp8":
-        out["gluon_fp8"] = replace(g8, head_split=num_heads // g8.head_group)
-    seesaw = td.default_config(combo, num_heads, q_len, None, seesaw=True)  # the Gluon fp8 kernel not offered
-    if seesaw.kernel == "gluon":
-        out["seesaw"] = seesaw
-    return out
+    forced = {name: td.forced_config(combo, num_heads, q_len, name) for name in ("gluon_fp8", "seesaw")}
+    return {name: config for name, config in forced.items() if config is not None}
 
 
 # fp8 caches at 16 rows on the Triton kernel's staged path: the default before the Gluon fp8 kernel (and off sm_90)

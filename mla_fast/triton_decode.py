@@ -75,7 +75,7 @@ interpreter cannot take loaded bounds in `range()`, so loops over loaded bounds 
 """
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -857,6 +857,34 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
                             head_group=head_group, fp8_stage=True, split_l=8, page_chunk=32, lazy_l=True)
     return KernelConfig(block_n=64, num_warps=warps, num_stages=3, mma=mma, head_group=head_group, page_chunk=32,
                         split_l=4)
+
+
+FORCED_KERNELS = ("seesaw", "gluon_fp8")  # the Gluon kernels `forced_config` can pin
+
+
+def forced_config(combo: str, num_heads: int, max_q_len: int, kernel: str) -> KernelConfig | None:
+    """default_config's geometry for one Gluon kernel, whatever the batch's size and cache tokens, or None where that
+    kernel takes no such rows:
+
+    - "seesaw": the Gluon seesaw kernel (kernel="gluon") as default_config lays it out when the Gluon fp8 kernel is
+      not offered: bf16 above 16 packed rows, fp8 caches above 32 (64-row tiles, head_split programs per worker);
+    - "gluon_fp8": the Gluon fp8 kernel on num_heads / head_group programs of 16 packed rows per worker (fp8 caches,
+      q_len <= 4, head_group dividing num_heads).
+
+    For tests, benchmarks and the verifier's "seesaw" and "gluon_fp8" backends, which pin a kernel that
+    default_config gives only some batches (the verifier's small batches mostly take the Triton kernel or the
+    Gluon fp8 kernel). Whether the kernel runs on a given batch (dtypes, pages, device) is `gluon_decode.unsupported`
+    / `gluon_fp8.unsupported`."""
+    if kernel == "seesaw":
+        config = default_config(combo, num_heads, max_q_len, None, seesaw=True)
+        return config if config.kernel == "gluon" else None
+    if kernel == "gluon_fp8":
+        # one request of one token passes the Gluon fp8 kernel's rule: that kernel wherever it can take the heads
+        config = default_config(combo, num_heads, max_q_len, 1, fp8_gluon=True, kv_tokens=1)
+        if config.kernel != "gluon_fp8":
+            return None
+        return replace(config, head_split=num_heads // config.head_group)
+    raise ValueError(f"kernel must be one of {FORCED_KERNELS}, got {kernel!r}")
 
 
 def _largest_head_group(num_heads: int, max_q_len: int, max_rows: int) -> int:
