@@ -12,9 +12,17 @@ a `KernelNumerics` read by verify's kernel bound, numerics.md §5(f)).
 |            | seesaw kernel for bf16 above 16 rows on sm_90, Gluon    |                                          |
 |            | fp8 kernel for fp8 caches at 16 heads (32 at q_len 1),  |                                          |
 |            | seesaw kernel for other fp8 caches at 64 rows)          |                                          |
+| seesaw     | `triton` with the Gluon seesaw kernel pinned (bf16 >16  | CUDA sm_90 (no interpreter)              |
+|            | rows, fp8 caches >32 rows; else Unsupported)            |                                          |
+| gluon_fp8  | `triton` with the Gluon fp8 kernel pinned (fp8 caches,  | CUDA sm_90 (no interpreter)              |
+|            | q_len <= 4; else Unsupported)                           |                                          |
 | aiter      | ROCm/aiter persistent MLA (`mla_fast.aiter_backend`)    | ROCm, amd-aiter, gfx942/gfx950           |
 | flashinfer | FlashInfer `BatchMLAPagedAttentionWrapper`, FA3         | CUDA sm_90, flashinfer-python            |
 | flashmla   | FlashMLA dense decode (sgl-flash-mla legacy SM90)       | CUDA sm_90, sgl-flash-mla                |
+
+`triton` dispatches by `default_config`, so the verifier's small batches mostly run the Triton kernel (or the Gluon
+fp8 kernel); `seesaw` and `gluon_fp8` pin one Gluon kernel in `default_config`'s geometry for it
+(`triton_decode.forced_config`), so that campaigns reach it on every batch it can take.
 
 `available()` says for each whether it can run here and, if not, why; `get_backend("auto")` picks the first runnable
 of `AUTO_ORDER`. Peer packages are imported only when a backend runs, never when this module is imported.
@@ -157,6 +165,30 @@ def _run_triton(batch: DecodeBatch):
     return decode(batch)
 
 
+def _run_forced(kernel: str) -> Callable[[DecodeBatch], tuple[torch.Tensor, torch.Tensor]]:
+    """Runner of our decode with one Gluon kernel pinned (`triton_decode.forced_config`); Unsupported where that
+    kernel takes no such rows or cannot run the batch (reasons without the case's values)."""
+
+    def run(batch: DecodeBatch):
+        from mla_fast import gluon_decode, gluon_fp8
+        from mla_fast import triton_decode as td
+
+        q_len = td._max_q_len(batch)
+        config = td.forced_config(td.dtype_combo(batch.q.dtype, batch.kv_cache.dtype), batch.num_heads, q_len, kernel)
+        if config is None:
+            raise Unsupported(f"default_config has no {kernel} geometry for these dtypes, heads and q_len")
+        rows = q_len * config.head_group
+        if kernel == "seesaw":
+            reason = gluon_decode.unsupported(batch, config.head_group, config.head_split, rows, config.mma)
+        else:
+            reason = gluon_fp8.unsupported(batch, config.head_group, config.head_split, rows)
+        if reason:
+            raise Unsupported(reason.split(", got")[0])
+        return td.decode(batch, config=config)
+
+    return run
+
+
 def _run_aiter(batch: DecodeBatch):
     from mla_fast.aiter_backend import aiter_decode
 
@@ -209,6 +241,14 @@ def _probe_triton() -> tuple[bool, str]:
     return False, "no GPU; the Triton kernel runs on CPU only under TRITON_INTERPRET=1 (interpreter, slow)"
 
 
+def _probe_gluon(what: str) -> tuple[bool, str]:
+    if not _has_module("triton"):
+        return False, "triton is not installed (pip install 'mla-verify[triton]')"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return False, f"{what} is Gluon (wgmma, TMA): Triton's interpreter cannot run it (TRITON_INTERPRET=1)"
+    return _cuda_sm90(what) or (True, f"GPU: {torch.cuda.get_device_name()}")
+
+
 def _probe_flashinfer() -> tuple[bool, str]:
     if not _has_module("flashinfer"):
         return False, "flashinfer-python is not installed (pip install 'mla-verify[cuda-peers]')"
@@ -245,6 +285,10 @@ BACKENDS: dict[str, Backend] = {
         Backend("ref", "fp64 oracle (mla_decode_ref)", _run_ref, _always, _ref_numerics),
         Backend("emulated", "WorkPlan emulated with torch fp32, bf16 out", _run_emulated, _always, _emulated_numerics),
         Backend("triton", "mla_fast persistent split-KV Triton kernel", _run_triton, _probe_triton, _triton_numerics),
+        Backend("seesaw", "mla_fast with the Gluon seesaw kernel pinned", _run_forced("seesaw"),
+                lambda: _probe_gluon("the seesaw kernel"), _triton_numerics),
+        Backend("gluon_fp8", "mla_fast with the Gluon fp8 kernel pinned", _run_forced("gluon_fp8"),
+                lambda: _probe_gluon("the Gluon fp8 kernel"), _triton_numerics),
         Backend("aiter", "ROCm/aiter persistent MLA decode", _run_aiter, _probe_aiter, _aiter_numerics),
         Backend("flashinfer", "FlashInfer MLA paged, FA3", _run_flashinfer, _probe_flashinfer, _flashinfer_numerics),
         Backend("flashmla", "FlashMLA dense decode (legacy SM90)", _run_flashmla, _probe_flashmla, _flashmla_numerics),

@@ -21,13 +21,13 @@ from mla_fast.flashmla_backend import flashmla_inputs, padded_rows
 from mla_ref import fp8
 from mla_ref.decode import make_decode_batch, mla_decode_ref
 
-NAMES = {"ref", "emulated", "triton", "aiter", "flashinfer", "flashmla"}
+NAMES = {"ref", "emulated", "triton", "seesaw", "gluon_fp8", "aiter", "flashinfer", "flashmla"}
 
 
-def _batch(dtype="bf16", seed=0, seq_lens=(0, 70, 130), q_lens=(1, 1, 1), kv_dtype=None):
+def _batch(dtype="bf16", seed=0, seq_lens=(0, 70, 130), q_lens=(1, 1, 1), kv_dtype=None, heads=16, page_size=16):
     """bf16, or fp8 q and KV (kv_dtype="bf16": fp8 q with a bf16 cache; dtype="fp8kv": bf16 q with an fp8 cache)."""
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(sum(q_lens), 16, 576, generator=g)
+    q = torch.randn(sum(q_lens), heads, 576, generator=g)
     kv = torch.randn(sum(seq_lens), 576, generator=g)
     scales = {}
     if dtype in ("fp8", "fp8kv") and kv_dtype != "bf16":
@@ -41,7 +41,7 @@ def _batch(dtype="bf16", seed=0, seq_lens=(0, 70, 130), q_lens=(1, 1, 1), kv_dty
     else:
         q = q.bfloat16()
     kvs = list(torch.split(kv, list(seq_lens)))
-    return make_decode_batch(q, kvs, sm_scale=0.1352338, kv_lora_rank=512, page_size=16, generator=g,
+    return make_decode_batch(q, kvs, sm_scale=0.1352338, kv_lora_rank=512, page_size=page_size, generator=g,
                              q_lens=list(q_lens), **scales)
 
 
@@ -66,9 +66,13 @@ def test_reasons_without_gpu(gpu_free, monkeypatch):
     assert "TRITON_INTERPRET=1" in status["triton"][1] and not status["triton"][0]
     assert "needs a CUDA GPU" in status["flashinfer"][1] and "needs a CUDA GPU" in status["flashmla"][1]
     assert "needs ROCm" in status["aiter"][1]
+    assert "needs a CUDA GPU" in status["seesaw"][1] and "needs a CUDA GPU" in status["gluon_fp8"][1]
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert backends.available()["triton"] == (True, backends._probe_triton()[1])
     assert "interpreter" in backends.available()["triton"][1]
+    for name in ("seesaw", "gluon_fp8"):  # Gluon kernels never run in the interpreter
+        ok, reason = backends.available()[name]
+        assert not ok and "interpreter cannot run it" in reason, (name, reason)
     assert backends.get_backend("auto").name == "emulated"  # interpreter-only triton is not "best"
 
 
@@ -78,6 +82,7 @@ def test_reasons_for_missing_packages(gpu_free, monkeypatch):
     assert "flashinfer-python is not installed" in status["flashinfer"][1]
     assert "sgl-flash-mla is not installed" in status["flashmla"][1]
     assert "triton is not installed" in status["triton"][1]
+    assert "triton is not installed" in status["seesaw"][1] and "triton is not installed" in status["gluon_fp8"][1]
 
 
 def test_reasons_for_wrong_gpu(monkeypatch):
@@ -147,6 +152,28 @@ def test_declared_numerics_per_backend_and_dtype():
     assert get["flashmla"](bf16).p_fmt == "bf16" and get["flashmla"](fp8_batch).p_fmt == "e4m3fn"
     assert get["aiter"](bf16).p_fmt == "bf16" and get["aiter"](fnuz).p_fmt == "e4m3fnuz"
     assert get["triton"](fp8_batch).qk_operand == torch.float16  # the Triton kernel's fp8 MMAs run in fp16
+    for pinned in ("seesaw", "gluon_fp8"):  # the same declared numerics as every kernel behind "triton"
+        assert get[pinned](bf16) == get["triton"](bf16) and get[pinned](fp8_batch) == get["triton"](fp8_batch)
+
+
+@pytest.mark.parametrize("name,dtype,heads,page_size,reason", [
+    ("seesaw", "bf16", 16, 64, "no seesaw geometry"),  # 16 rows: the Triton kernel's
+    ("seesaw", "fp8kv", 32, 64, "no seesaw geometry"),  # fp8 caches: above 32 rows only
+    ("gluon_fp8", "bf16", 16, 64, "no gluon_fp8 geometry"),  # bf16 caches: never
+    ("seesaw", "bf16", 128, 16, "needs page_size % 64 == 0"),
+    ("gluon_fp8", "fp8", 16, 16, "needs page_size % 64 == 0"),
+    ("seesaw", "fp8kv", 128, 64, "runs on CUDA sm_90 outside the interpreter"),  # right geometry, CPU tensors
+    ("gluon_fp8", "fp8kv", 64, 64, "runs on CUDA sm_90 outside the interpreter"),
+])
+def test_pinned_gluon_backends_say_why_they_cannot_take_a_batch(name, dtype, heads, page_size, reason):
+    """The seesaw / gluon_fp8 backends raise Unsupported (counted by mla-verify, neither passed nor failed) where
+    their kernel takes no such rows or cannot run the batch, with a reason free of the case's values (mla-verify
+    groups cases by it)."""
+    pytest.importorskip("triton")
+    batch = _batch(dtype, heads=heads, page_size=page_size)
+    with pytest.raises(backends.Unsupported) as info:
+        backends.BACKENDS[name](batch)
+    assert reason in str(info.value) and ", got" not in str(info.value), str(info.value)
 
 
 # ---- FlashMLA adapter (CPU parts) ---------------------------------------------------------------------------------

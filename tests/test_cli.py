@@ -96,6 +96,15 @@ def test_unavailable_backend_exits_5_with_reason(capsys, tmp_path):
     assert report["cases"] == 0 and "sgl-flash-mla" in report["nothing_ran"]
 
 
+@pytest.mark.parametrize("backend", ["seesaw", "gluon_fp8"])
+def test_pinned_gluon_backends_are_cli_choices(capsys, backend):
+    """--backend seesaw / gluon_fp8 are accepted; without a CUDA sm_90 GPU they exit 5 with the probe's reason."""
+    if torch.cuda.is_available():
+        pytest.skip("the Gluon kernels may run on this GPU machine")
+    code, _, err = run(capsys, "--backend", backend, "--cases", "1")
+    assert code == 5 and backend in err and "cannot run here" in err, err
+
+
 def test_replay_of_repro_line(capsys, tmp_path):
     path = tmp_path / "r.json"
     argv = shlex.split(SMALL.repro("--backend emulated"))[1:]  # the repro line, as a shell splits it

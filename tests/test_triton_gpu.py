@@ -121,6 +121,36 @@ def test_small_fp8_batches_of_long_sequences_take_the_seesaw(shape):
     assert r["finite"] and r["out_ratio"] <= 1.0 and r["lse_ratio"] <= 1.0, r
 
 
+PINNED = [  # (backend, case): varlen batches with zeros and MTP, page 64, that default_config gives other kernels
+    ("seesaw", TritonCase((0, 63, 300, 2000), (2, 1, 3, 1), heads=128, page_size=64, L=512, R=64, seed=40)),  # bf16:
+    # the default's kernel too
+    ("seesaw", TritonCase((5, 129, 0, 2000), (1,) * 4, heads=64, page_size=64, combo="fp8kv", L=512, R=64,
+                          seed=41)),  # default: the Gluon fp8 kernel (few cache tokens)
+    ("gluon_fp8", TritonCase((3, 0, 17000), (2, 4, 2), heads=32, page_size=64, combo="fp8", L=512, R=64,
+                             seed=42)),  # default: the seesaw (programs x tokens past the token rule)
+]
+
+
+@pytest.mark.parametrize("name,case", PINNED, ids=lambda x: x if isinstance(x, str) else f"{x.combo}_h{x.heads}")
+def test_pinned_gluon_backends_run_their_kernel_within_kernel_bound(name, case):
+    """The verifier's seesaw / gluon_fp8 backends run their kernel in forced_config's geometry (bitwise the output of
+    decode with that config), also on fp8 batches the default dispatch gives the other Gluon kernel, within the
+    kernel bound."""
+    from mla_fast import backends
+    from mla_fast import triton_decode as td
+
+    batch = case.batch("cuda")
+    if not backends.BACKENDS[name].probe()[0]:
+        pytest.skip(backends.BACKENDS[name].probe()[1])
+    q_len = max(case.q_lens)
+    config = td.forced_config(case.combo, case.heads, q_len, name)
+    out, lse = backends.get_backend(name)(batch)
+    ref_out, ref_lse = td.decode(batch, config=config)
+    assert torch.equal(out.view(torch.int16), ref_out.view(torch.int16)) and torch.equal(lse, ref_lse)
+    r = _decode_and_check(batch, config)
+    assert r["finite"] and r["empty_ok"] and r["out_ratio"] <= 1.0 and r["lse_ratio"] <= 1.0, r
+
+
 @pytest.mark.parametrize("case", VARLEN, ids=lambda c: f"{c.combo}_h{c.heads}_p{c.page_size}_s{c.seed}")
 def test_varlen_within_kernel_bound(case):
     r = _decode_and_check(case.batch("cuda"))
