@@ -2,10 +2,11 @@
 # Issue #5's measurements in one device call (carry .whl): mla-bench with the peers (bf16, fp8 KV, fp8 q + KV; the
 # issue's grid, then other head counts), MTP (benchmarks/mtp_bench.py), the verifier on our kernel (2000 fp8 cases,
 # then 500 on the pinned seesaw kernel at 128 heads; MPS), then the GPU tests of the Triton and Gluon kernels (shape
-# grid, varlen, every candidate config, determinism, graph replay, compute-sanitizer memcheck). Writes bench.json, bench_heads.json, mtp.json,
-# v_triton_fp8.json, v_triton_fp8_h128.json, log.txt to $OUT. With SKIP_TESTS=1 the script stops before the GPU tests
-# (234 s on one H200 in the ninth session, most of it compiling Gluon specializations), so that they can run in a
-# call of their own if both do not fit. The 128-head campaign: 500 cases, 0 failed, 42.4 s (tenth session).
+# grid, varlen, every candidate config, determinism, graph replay, compute-sanitizer memcheck). Writes bench.json,
+# bench_heads.json, mtp.json, v_triton_fp8.json, v_triton_fp8_h128.json, log.txt to $OUT. With SKIP_TESTS=1 the
+# script stops before the GPU tests (234 s on one H200 in the ninth session, most of it compiling Gluon
+# specializations), so that they can run in a call of their own if both do not fit. The 128-head campaign (then on
+# the default dispatch): 500 cases, 0 failed, 42.4 s (tenth session).
 source "$(dirname "$0")/device_env.sh" /tmp/mla_kernel_out
 
 step "mla-bench with peers"

@@ -121,9 +121,9 @@ def test_small_fp8_batches_of_long_sequences_take_the_seesaw(shape):
     assert r["finite"] and r["out_ratio"] <= 1.0 and r["lse_ratio"] <= 1.0, r
 
 
-PINNED = [  # (backend, case): varlen batches with zeros and MTP, page 64, that default_config gives other kernels
-    ("seesaw", TritonCase((0, 63, 300, 2000), (2, 1, 3, 1), heads=128, page_size=64, L=512, R=64, seed=40)),  # bf16:
-    # the default's kernel too
+PINNED = [  # (backend, case): varlen batches with zeros and MTP on pages of 64; bf16 (where the seesaw is also the
+    # default's kernel), then fp8 ones that the default dispatch gives the other Gluon kernel
+    ("seesaw", TritonCase((0, 63, 300, 2000), (2, 1, 3, 1), heads=128, page_size=64, L=512, R=64, seed=40)),
     ("seesaw", TritonCase((5, 129, 0, 2000), (1,) * 4, heads=64, page_size=64, combo="fp8kv", L=512, R=64,
                           seed=41)),  # default: the Gluon fp8 kernel (few cache tokens)
     ("gluon_fp8", TritonCase((3, 0, 17000), (2, 4, 2), heads=32, page_size=64, combo="fp8", L=512, R=64,
