@@ -15,7 +15,7 @@ import json
 import torch
 
 from mla_fast import triton_decode as td
-from mla_fast.bench import build_batch, bytes_moved, copy_bandwidth_gbs, forced_fp8_kernels, measure, ours
+from mla_fast.bench import build_batch, bytes_moved, copy_bandwidth_gbs, measure, ours
 
 SHAPES = [  # (b, s_k, heads, q_len, combo)
     (64, 4096, 16, 4, "bf16"), (128, 4096, 16, 4, "bf16"), (32, 4096, 128, 2, "bf16"), (128, 4096, 128, 2, "bf16"),
@@ -30,10 +30,9 @@ def configs(batch, b: int, h: int, q_len: int, combo: str) -> dict:
     """The default config, the Triton kernel's default and (fp8 caches) the Gluon fp8 kernel forced."""
     out = {"default": td.batch_config(batch, q_len),
            "triton": td.default_config(combo, h, q_len, b, seesaw=False, fp8_gluon=False)}
-    if combo != "bf16":
-        forced = forced_fp8_kernels(combo, h, q_len)
-        if "gluon_fp8" in forced:
-            out["gluon_fp8"] = forced["gluon_fp8"]
+    gluon_fp8 = td.forced_config(combo, h, q_len, "gluon_fp8")  # None for bf16 and where it takes no such rows
+    if gluon_fp8 is not None:
+        out["gluon_fp8"] = gluon_fp8
     return out
 
 

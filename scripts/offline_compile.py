@@ -63,7 +63,7 @@ def compile_kernel(kernel: str, combo: str, heads: int, q_len: int):
     group), whatever the batch size."""
     from mla_fast import gluon_decode, gluon_fp8
     from mla_fast import triton_decode as td
-    from mla_fast.bench import build_batch, forced_fp8_kernels
+    from mla_fast.bench import build_batch
     from mla_fast.numerics import DEFAULT_MMA
 
     triton_driver.set_active(Sm90Driver())
@@ -76,7 +76,7 @@ def compile_kernel(kernel: str, combo: str, heads: int, q_len: int):
                              f"or fewer)")
     else:
         module, jit = gluon_fp8, gluon_fp8._mla_decode_fp8_kernel
-        config = forced_fp8_kernels(combo, heads, q_len).get("gluon_fp8")
+        config = td.forced_config(combo, heads, q_len, "gluon_fp8")
         if config is None:
             raise ValueError(f"default_config takes no Gluon fp8 geometry for {combo} at {heads} heads, q_len {q_len}")
     plan = td.make_plan(batch, config, NUM_WORKERS)

@@ -394,12 +394,12 @@ def test_gluon_seesaw_deterministic_and_graph_replay_equals_eager(case):
 
 def _gluon_fp8(heads: int, q_len: int = 1) -> dict:
     """KernelConfig overrides of the Gluon fp8 kernel (mla_fast.gluon_fp8) in default_config's geometry at q_len
-    (mla_fast.bench.forced_fp8_kernels: 16 packed rows of q_len x head_group, two programs per SM with two tile slots
+    (triton_decode.forced_config: 16 packed rows of q_len x head_group, two programs per SM with two tile slots
     each), on heads / head_group programs per worker whatever the batch size (default_config takes more than two
     programs per worker only within its token rule, GLUON_FP8_MAX_PROGRAM_TOKENS)."""
-    from mla_fast.bench import forced_fp8_kernels
+    from mla_fast.triton_decode import forced_config
 
-    config = forced_fp8_kernels("fp8kv", heads, q_len).get("gluon_fp8")
+    config = forced_config("fp8kv", heads, q_len, "gluon_fp8")
     assert config is not None, (heads, q_len)
     return dict(kernel="gluon_fp8", head_group=config.head_group, head_split=config.head_split, mma=config.mma,
                 num_stages=config.num_stages, workers_per_sm=config.workers_per_sm)
