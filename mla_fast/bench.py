@@ -12,7 +12,10 @@ call, timing CUDA-graph replays of each callable so that Python launch overhead 
 calls), effective GB/s = (cache bytes read + q bytes + out bytes) / time, and % of the device-to-device copy
 bandwidth measured in the same run (a ~2 GB copy, bytes read + written). Ours is timed as one `launch` (decode +
 reduce), with the plan made beforehand; FlashInfer as `run()` after `plan()`; FlashMLA as the whole call,
-schedule cached after the first call (peers.md §2). Missing peers are reported as "not installed".
+schedule cached after the first call (peers.md §2); vLLM's Triton MLA decode as its `decode_attention_fwd` called
+the way vLLM calls it (`mla_fast/vllm_peer.py`: from an installed vLLM or a copy of its file named by
+$MLA_BENCH_VLLM_SRC), with the largest |out - our out| recorded beside its time. Missing peers are reported as "not
+installed". "ours / best peer" is ours over the better of FlashInfer and FlashMLA.
 
 Output: a rich table on stdout and, with --json, every number in a JSON file.
 """
@@ -24,6 +27,7 @@ import time
 
 import torch
 
+from mla_fast.vllm_peer import vllm_fn
 from mla_ref.decode import DecodeBatch
 
 SHAPES = [(1, 8192, 16), (32, 4096, 16), (64, 4096, 16), (128, 4096, 16), (128, 8192, 16), (32, 16384, 16),
@@ -171,7 +175,8 @@ def flashmla_fn(batch: DecodeBatch):
     return fn
 
 
-PEERS = {"flashinfer": flashinfer_fn, "flashmla": flashmla_fn}
+PEERS = {"flashinfer": flashinfer_fn, "flashmla": flashmla_fn, "vllm": vllm_fn}
+BEST_PEERS = ("flashinfer", "flashmla")  # "ours / best peer": the issue's peers; vLLM has its own column
 
 
 GRAPHS = True  # time CUDA-graph replays (--eager: plain calls)
@@ -227,13 +232,18 @@ def run_grid(shapes, combos, peers=True, copy_gbs=None, candidates=False, json_p
                 row["candidates"] = time_candidates(batch, nbytes, copy_gbs)
                 ok = [c for c in row["candidates"] if c.get("status") == "ok" and c.get("correct")]
                 row["ours"] = min(ok, key=lambda c: c["us"]) if ok else row["candidates"][0]
+                ours_out = None
             else:
                 fn, info = ours(batch)
                 row["ours"] = {**measure(fn, nbytes, copy_gbs), **info}
+                ours_out = fn.outputs[0].float()  # [T, H, L] after the timed replays
             for name, make in PEERS.items():
                 if peers:
                     try:
-                        row[name] = measure(make(batch), nbytes, copy_gbs)
+                        fn = make(batch)
+                        row[name] = measure(fn, nbytes, copy_gbs)
+                        if hasattr(fn, "outputs") and ours_out is not None:  # a peer that hands out its out
+                            row[name]["max_abs_diff_vs_ours"] = float((fn.outputs[0].float() - ours_out).abs().max())
                     except Exception as e:
                         row[name] = {"status": f"error: {type(e).__name__}: {str(e)[:120]}"}
                 else:
@@ -386,7 +396,7 @@ def print_table(result: dict) -> None:
 
     table = Table(title=f"MLA decode, q_len 1, page 64 — {result['device']}, copy {result['copy_gbs']:.0f} GB/s")
     for col in ("b", "s_k", "h", "dtype", "ours µs (20–80%)", "GB/s", "% copy", "flashinfer µs", "flashmla µs",
-                "ours / best peer", "default µs", "best override"):
+                "ours / best peer", "vllm µs", "vllm / ours", "default µs", "best override"):
         table.add_column(col, justify="right")
     for r in result["rows"]:
         o = r["ours"]
@@ -394,14 +404,16 @@ def print_table(result: dict) -> None:
         def cell(m):
             return f"{m['us']:.1f}" if m.get("status") == "ok" else m.get("status", "")
 
-        peers = [r[p]["us"] for p in PEERS if r[p].get("status") == "ok"]
+        peers = [r[p]["us"] for p in BEST_PEERS if r[p].get("status") == "ok"]
         ratio = f"{o['us'] / min(peers):.2f}" if peers and o.get("status") == "ok" else "—"
+        vllm = r["vllm"]["us"] / o["us"] if r["vllm"].get("status") == "ok" and o.get("status") == "ok" else None
         ours_cell = f"{o['us']:.1f} ({o['us_p20']:.1f}–{o['us_p80']:.1f})" if o.get("status") == "ok" else o["status"]
         table.add_row(str(r["b"]), str(r["s"]), str(r["h"]), r["combo"], ours_cell,
                       f"{o.get('gbs', 0):.0f}", f"{o.get('pct_copy', 0):.0f}", cell(r["flashinfer"]),
-                      cell(r["flashmla"]), ratio, cell(r["candidates"][0]) if "candidates" in r else "",
+                      cell(r["flashmla"]), ratio, cell(r["vllm"]), "—" if vllm is None else f"{vllm:.2f}",
+                      cell(r["candidates"][0]) if "candidates" in r else "",
                       str(o.get("override", "")))
-    Console(width=160).print(table)
+    Console(width=190).print(table)
 
 
 def parse_shapes(text: str):

@@ -127,6 +127,41 @@ def test_peer_within_kernel_bound(case):
     assert r["out_ratio"] <= 1.0 and r["lse_ratio"] <= 1.0, r
 
 
+VLLM_CASES = [  # vLLM's Triton MLA decode (mla-bench's vLLM column): q_len 1 and no empty request (it gives NaN)
+    PeerCase("vllm", VARLEN[1:], heads, page, dtype, seed=20 + i)
+    for i, (heads, page, dtype) in enumerate(
+        ((16, 64, "bf16"), (128, 16, "bf16"), (16, 1, "fp8kv"), (128, 64, "fp8kv")))
+]
+
+
+@pytest.mark.parametrize("case", VLLM_CASES, ids=_case_id)
+def test_vllm_triton_decode_within_kernel_bound(case):
+    """The decode mla-bench times as vLLM's: out within the §5(f) kernel bound for FlashInfer's rounding points (bf16
+    operands, fp8 codes times the scale rounded to bf16, P rounded to bf16, fp32 accumulation) on 32-token tiles, plus
+    merge_bound for its split count; lse also carries its rounding to bf16 (vLLM returns lse in q's dtype)."""
+    import dataclasses
+
+    from mla_fast import backends, vllm_peer
+    from verify.bounds import kernel_bound, merge_bound
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    batch = case.batch("cuda")
+    fn = vllm_peer.vllm_fn(batch)
+    if isinstance(fn, str):
+        pytest.skip(f"vLLM's Triton MLA decode: {fn}")
+    out, lse = (t.double().cpu() for t in fn.outputs)
+    cpu = batch.to("cpu")
+    ref_out, ref_lse = mla_decode_ref(cpu)
+    numerics = dataclasses.replace(backends.get_backend("flashinfer").numerics(cpu),
+                                   gamma_pv=(32 + 2**18 // 32 + 4) * 2**-23)  # per-tile MMA + rescales + epilogue
+    bound = kernel_bound(cpu, numerics, ref=(ref_out, ref_lse)) + merge_bound(cpu, fn.num_kv_splits)
+    lse_bound = bound.lse + ref_lse.abs() * 2**-8  # bf16 lse: one rounding, unit roundoff 2^-8
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert ((out - ref_out).abs() <= bound.out).all(), ((out - ref_out).abs() / bound.out).max()
+    assert ((lse - ref_lse).abs() <= lse_bound).all(), ((lse - ref_lse).abs() / lse_bound).max()
+
+
 if __name__ == "__main__":  # python tests/test_peers_gpu.py [--only BACKEND:DTYPE] [--json PATH]
     only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
     rows = []

@@ -1,0 +1,89 @@
+"""mla_fast.vllm_peer on the CPU: where vLLM's decode comes from, its split rule, its refusals, and mla-bench's vLLM
+columns. vLLM's kernel itself runs only on a GPU (tests/test_peers_gpu.py): Triton 3.6's interpreter cannot run its
+`tl.range` over tensor bounds."""
+
+import sys
+
+import pytest
+import torch
+
+from mla_fast import bench, vllm_peer
+from mla_ref.decode import make_decode_batch
+
+FAKE = '''
+from vllm.platforms import current_platform
+from vllm.triton_utils import tl, triton
+
+IS_HIP = current_platform.is_rocm()
+
+
+def decode_attention_fwd():
+    return IS_HIP, tl, triton
+'''
+
+
+def test_loader_gives_a_copied_file_the_two_vllm_names_and_leaves_no_vllm_module(tmp_path, monkeypatch):
+    import triton
+    import triton.language as tl
+
+    path = tmp_path / "triton_decode_attention.py"
+    path.write_text(FAKE)
+    monkeypatch.setattr(vllm_peer, "MODULE", "no_such_package.triton_decode_attention")  # as if vLLM were absent
+    monkeypatch.setenv(vllm_peer.ENV_SRC, str(path))
+    fwd = vllm_peer.load_decode_attention_fwd()
+    assert fwd() == (torch.version.hip is not None, tl, triton)
+    assert not [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]
+
+
+def test_loader_without_vllm_or_a_file_says_not_installed(monkeypatch):
+    monkeypatch.setattr(vllm_peer, "MODULE", "no_such_package.triton_decode_attention")
+    monkeypatch.delenv(vllm_peer.ENV_SRC, raising=False)
+    reason = vllm_peer.load_decode_attention_fwd()
+    assert isinstance(reason, str) and reason.startswith("not installed") and vllm_peer.ENV_SRC in reason
+
+
+def test_loader_names_the_variable_when_its_file_is_missing(tmp_path, monkeypatch):
+    monkeypatch.setattr(vllm_peer, "MODULE", "no_such_package.triton_decode_attention")
+    monkeypatch.setenv(vllm_peer.ENV_SRC, str(tmp_path / "missing.py"))
+    with pytest.raises(ValueError, match=r"MLA_BENCH_VLLM_SRC must name .*missing\.py"):
+        vllm_peer.load_decode_attention_fwd()
+
+
+@pytest.mark.parametrize("seq_len, sms, splits", [
+    (100, 132, 1),  # fewer than 512 tokens: one split
+    (4096, 132, 8),  # 4096 // 512 = 8
+    (5000, 132, 16),  # 9 rounded up to a power of two
+    (16384, 132, 32),
+    (2**20, 132, 264),  # 2048 capped at two programs per SM
+])
+def test_split_count_follows_vllm_rule(seq_len, sms, splits):
+    assert vllm_peer.num_kv_splits(seq_len, sms) == splits
+
+
+def _batch(q_dtype, q_len=1):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2 * q_len, 16, 576, generator=g)  # [T, H, 576]
+    kvs = [torch.randn(s, 576, generator=g).bfloat16() for s in (5, 9)]
+    q = q.to(torch.float8_e4m3fn) if q_dtype == "fp8" else q.bfloat16()
+    scales = {"q_scale": 1.0} if q_dtype == "fp8" else {}
+    return make_decode_batch(q, kvs, sm_scale=0.1, kv_lora_rank=512, page_size=4, generator=g,
+                             q_lens=[q_len, q_len], **scales)
+
+
+def test_fp8_q_is_not_a_vllm_input():
+    assert vllm_peer.vllm_fn(_batch("fp8")) == "n/a (bf16 q only)"
+
+
+def test_vllm_inputs_refuse_mtp_batches():
+    with pytest.raises(ValueError, match="q_len 1"):
+        vllm_peer.vllm_inputs(_batch("bf16", q_len=2))
+
+
+def test_bench_table_shows_vllm_over_ours(capsys):
+    ok = {"status": "ok", "us": 10.0, "us_p20": 9.0, "us_p80": 11.0, "gbs": 1.0, "pct_copy": 1.0}
+    row = {"b": 1, "s": 64, "h": 16, "combo": "bf16", "ours": ok, "flashinfer": {**ok, "us": 20.0},
+           "flashmla": {"status": "not installed"}, "vllm": {**ok, "us": 17.0}}
+    bench.print_table({"device": "test", "copy_gbs": 1.0, "rows": [row]})
+    line = next(t for t in capsys.readouterr().out.splitlines() if "bf16" in t)
+    cells = [c.strip() for c in line.split("│")]
+    assert "17.0" in cells and "1.70" in cells and "0.50" in cells  # vLLM µs, vLLM / ours, ours / best peer
