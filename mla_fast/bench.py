@@ -218,8 +218,12 @@ def measure(fn_or_reason, nbytes: int, copy_gbs: float) -> dict:
             "timing": timing}
 
 
-def run_grid(shapes, combos, peers=True, copy_gbs=None, candidates=False, json_path=None) -> dict:
-    """Time every (shape, combo); with json_path, the JSON is rewritten after each row (partial runs keep rows)."""
+def run_grid(shapes, combos, peers=tuple(PEERS), copy_gbs=None, candidates=False, json_path=None) -> dict:
+    """Time every (shape, combo) for ours and the named peers; with json_path, the JSON is rewritten after each row
+    (partial runs keep rows)."""
+    unknown = sorted(set(peers) - set(PEERS))
+    if unknown:
+        raise ValueError(f"peers must be among {sorted(PEERS)}, got {unknown}")
     copy_gbs = copy_gbs or copy_bandwidth_gbs()
     rows = []
     result = {"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "rows": rows}
@@ -238,7 +242,7 @@ def run_grid(shapes, combos, peers=True, copy_gbs=None, candidates=False, json_p
                 row["ours"] = {**measure(fn, nbytes, copy_gbs), **info}
                 ours_out = fn.outputs[0].float()  # [T, H, L] after the timed replays
             for name, make in PEERS.items():
-                if peers:
+                if name in peers:
                     try:
                         fn = make(batch)
                         row[name] = measure(fn, nbytes, copy_gbs)
@@ -426,6 +430,8 @@ def main(argv=None) -> None:
     parser.add_argument("--shapes", type=parse_shapes, default=SHAPES, help='"b,s,h;b,s,h" (default: issue grid)')
     parser.add_argument("--dtypes", default="bf16,fp8kv", help=f"comma list of {COMBOS}")
     parser.add_argument("--no-peers", action="store_true", help="time only mla_fast")
+    parser.add_argument("--peers", default=",".join(PEERS),
+                        help=f"comma list of peers to time (default: all, {list(PEERS)})")
     parser.add_argument("--json", help="write all numbers to this file")
     parser.add_argument("--candidates", action="store_true", help="also time CANDIDATES configs; report the best")
     parser.add_argument("--precompile", type=int, default=0, metavar="N",
@@ -434,13 +440,16 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     global GRAPHS
     GRAPHS = not args.eager
+    peers = [] if args.no_peers else args.peers.split(",")
+    if set(peers) - set(PEERS):
+        parser.error(f"--peers must be a comma list of {list(PEERS)}, got {args.peers!r}")
     if not torch.cuda.is_available():
         raise SystemExit("mla-bench needs a CUDA GPU")
     t0 = time.time()
     if args.candidates and args.precompile:
         precompile(sorted({(b, h) for b, _, h in args.shapes}), args.dtypes.split(","), args.precompile)
         print(f"precompiled in {time.time() - t0:.1f}s", flush=True)
-    result = run_grid(args.shapes, args.dtypes.split(","), peers=not args.no_peers, candidates=args.candidates,
+    result = run_grid(args.shapes, args.dtypes.split(","), peers=peers, candidates=args.candidates,
                       json_path=args.json)
     result["wall_s"] = time.time() - t0
     print_table(result)

@@ -8,18 +8,24 @@ Where the code comes from (it is Apache-2.0 third-party code that this project d
    `vllm.platforms.current_platform` (for `is_rocm()`) and `vllm.triton_utils` (`tl`, `triton`); the loader gives the
    module those two while it imports, and nothing else of vLLM.
 
-How it is called: as vLLM 0.33's `TritonMLAImpl.forward_mqa` calls it for a decode batch of q_len 1: q [B, H, 576]
-in bf16, the cache viewed as [pages, page_size, 1, 576] with V its first 512 columns, `is_mla=True`, the block table
-as `req_to_token`, k_scale = v_scale = the cache's per-tensor scale (1.0 for bf16), and its split count
-`min(next_pow2(max(1, max_seq_len // 512)), 2 * SMs)` (`_compute_num_kv_splits`) with fp32 split logits
-[B, H, splits, 513]. o [B, H, 512] in q's dtype and lse [B, H] (also in q's dtype, natural log) are preallocated:
-vLLM zero-fills both per call, which is not timed here. fp8 q is not a vLLM Triton input ("n/a").
+How it is called: as vLLM's `TritonMLAImpl.forward_mqa` calls it for a decode batch of q_len 1: q [B, H, 576] in
+bf16, the cache viewed as [pages, page_size, 1, 576] with V its first 512 columns, the block table as
+`req_to_token`, fp32 split logits [B, H, splits, 513]; o [B, H, 512] in q's dtype and lse [B, H] (also in q's dtype,
+natural log) preallocated (vLLM zero-fills both per call, which is not timed here). Which vLLM is read off the
+function's parameters:
+- with `is_mla` (vLLM 0.33: V read as the transposed K tile): `is_mla=True`, k_scale = v_scale = the cache's
+  per-tensor scale (1.0 for bf16), and its split count `min(next_pow2(max(1, max_seq_len // 512)), 2 * SMs)`
+  (`_compute_num_kv_splits`, from vllm-project/vllm#33529);
+- without (vLLM 0.15 and before: K and V loaded separately): 4 splits, its fixed count before #33529; an fp8 cache
+  only where the function takes `k_scale` (0.15's Triton MLA has no fp8 cache: "n/a").
+fp8 q is not a vLLM Triton input ("n/a").
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
 import types
@@ -33,6 +39,7 @@ ENV_SRC = "MLA_BENCH_VLLM_SRC"
 MODULE = "vllm.v1.attention.ops.triton_decode_attention"
 MIN_WORK_PER_SPLIT = 512  # vLLM 0.33 triton_mla.py _MIN_WORK_PER_SPLIT
 SPLIT_OCCUPANCY = 2  # vLLM 0.33 triton_mla.py _SPLIT_OCCUPANCY_MULTIPLIER
+LEGACY_SPLITS = 4  # vLLM 0.15 triton_mla.py: num_kv_splits = 4 (before vllm-project/vllm#33529)
 
 
 def num_kv_splits(max_seq_len: int, sm_count: int) -> int:
@@ -82,32 +89,39 @@ def load_decode_attention_fwd():
     return _load_file(path).decode_attention_fwd
 
 
-def vllm_inputs(batch: DecodeBatch) -> dict:
-    """decode_attention_fwd's arguments for a q_len-1 batch (see module docstring), outputs preallocated."""
+def vllm_inputs(batch: DecodeBatch, params=("is_mla", "k_scale", "v_scale")) -> dict:
+    """decode_attention_fwd's arguments for a q_len-1 batch, outputs preallocated; `params`: the names the function
+    takes among is_mla / k_scale / v_scale, which say how this vLLM calls it (see module docstring)."""
     if int(batch.q_lens.max()) != 1 or batch.q.shape[0] != batch.batch_size:
         raise ValueError("vllm_inputs needs q_len 1 for every request (mla-bench's batches)")
-    B, H = batch.batch_size, batch.num_heads
+    B, H, L, dev = batch.batch_size, batch.num_heads, batch.kv_lora_rank, batch.device
     cache = batch.kv_cache.unsqueeze(2)  # [P, ps, 1, 576]
-    scale = 1.0 if batch.kv_scale is None else float(batch.kv_scale)
-    splits = num_kv_splits(int(batch.seq_lens.max()), num_sms(batch.device))
-    return {"q": batch.q, "k_buffer": cache, "v_buffer": cache[..., : batch.kv_lora_rank],
-            "o": torch.empty(B, H, batch.kv_lora_rank, dtype=batch.q.dtype, device=batch.device),
-            "lse": torch.empty(B, H, dtype=batch.q.dtype, device=batch.device),
+    mla = "is_mla" in params
+    splits = num_kv_splits(int(batch.seq_lens.max()), num_sms(dev)) if mla else LEGACY_SPLITS
+    args = {"q": batch.q, "k_buffer": cache, "v_buffer": cache[..., :L],  # V: [P, ps, 1, 512]
+            "o": torch.empty(B, H, L, dtype=batch.q.dtype, device=dev),  # [B, H, 512]
+            "lse": torch.empty(B, H, dtype=batch.q.dtype, device=dev),  # [B, H]
             "req_to_token": batch.block_table, "b_seq_len": batch.seq_lens,
-            "attn_logits": torch.empty(B, H, splits, batch.kv_lora_rank + 1, dtype=torch.float32, device=batch.device),
-            "num_kv_splits": splits, "sm_scale": batch.sm_scale, "page_size": batch.page_size,
-            "k_scale": torch.tensor(scale, dtype=torch.float32, device=batch.device),
-            "v_scale": torch.tensor(scale, dtype=torch.float32, device=batch.device), "is_mla": True}
+            "attn_logits": torch.empty(B, H, splits, L + 1, dtype=torch.float32, device=dev),  # [B, H, S, 513]
+            "num_kv_splits": splits, "sm_scale": batch.sm_scale, "page_size": batch.page_size}
+    scale = torch.tensor(1.0 if batch.kv_scale is None else float(batch.kv_scale), dtype=torch.float32, device=dev)
+    args.update({name: scale for name in ("k_scale", "v_scale") if name in params})
+    if mla:
+        args["is_mla"] = True
+    return args
 
 
 def vllm_fn(batch: DecodeBatch):
-    """() -> vLLM's decode on preallocated buffers (fn.outputs = (o, lse)), or a reason string."""
+    """() -> vLLM's decode on preallocated buffers (fn.outputs = (o, lse), fn.num_kv_splits), or a reason string."""
     if batch.q.dtype not in (torch.bfloat16, torch.float16):
         return "n/a (bf16 q only)"
     decode_attention_fwd = load_decode_attention_fwd()
     if isinstance(decode_attention_fwd, str):
         return decode_attention_fwd
-    args = vllm_inputs(batch)
+    params = tuple(inspect.signature(decode_attention_fwd).parameters)
+    if batch.kv_cache.element_size() == 1 and "k_scale" not in params:
+        return "n/a (this vLLM's Triton MLA has no fp8 cache)"
+    args = vllm_inputs(batch, params)
 
     def fn():
         decode_attention_fwd(**args)

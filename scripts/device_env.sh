@@ -1,6 +1,6 @@
 # Sourced by the scripts/device_*.sh measurement scripts (device tool call, carry .whl): from the repository root,
 # $OUT created (default: the first argument), the carried peer wheels installed into /tmp/site (exit status in
-# $wheels_rc), PYTHONPATH set, `step` logging a headed line to $OUT/log.txt, and `mps_start` / `mps_stop` for
+# $wheels_rc), PYTHONPATH set, $MLA_BENCH_VLLM_SRC set when .whl/vllm/triton_decode_attention.py was carried, `step` logging a headed line to $OUT/log.txt, and `mps_start` / `mps_stop` for
 # campaigns in worker processes (without an MPS daemon their kernels time-slice the GPU: 1560 vs 4166 cases/min on
 # one H200).
 set -uo pipefail
@@ -10,6 +10,8 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 wheels_rc=$?  # scripts that need the peers stop on a failed install; the others report them as not installed
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+# vLLM's Triton MLA decode for mla-bench and tests/test_peers_gpu.py, when its file was carried (mla_fast/vllm_peer.py)
+[ -f .whl/vllm/triton_decode_attention.py ] && export MLA_BENCH_VLLM_SRC=$PWD/.whl/vllm/triton_decode_attention.py
 log="$OUT/log.txt"
 step() { echo "=== $* ($(date +%T))" | tee -a "$log"; }
 mps_start() { [ -e "${CUDA_MPS_PIPE_DIRECTORY:-/tmp/nvidia-mps}/control" ] || nvidia-cuda-mps-control -d || echo "no MPS daemon"; }

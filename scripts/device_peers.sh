@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Peer adapters (FlashInfer FA3, FlashMLA) on one H200, against the fp64 oracle within the §5(f) kernel bound.
+# Peer adapters (FlashInfer FA3, FlashMLA) on one H200, against the fp64 oracle within the §5(f) kernel bound, and
+# vLLM's Triton MLA decode (mla-bench's vLLM column) when its file is in .whl/vllm/ (the pytest run below).
 #
 # Needs the wheels in .whl/ (git-ignored): flashinfer-python 0.6.14, apache-tvm-ffi 0.1.x (cp312), sgl-flash-mla
-# 1.0.0. Device tool call (carry .whl):  bash scripts/device_peers.sh
+# 1.0.0; for vLLM, .whl/vllm/triton_decode_attention.py unzipped from a vLLM wheel (README, "Backends and peers").
+# Device tool call (carry .whl):  bash scripts/device_peers.sh
 # Writes $OUT/peers.json (one row per case: err/bound ratios, max errors, empty-row convention) and logs.
 source "$(dirname "$0")/device_env.sh" /tmp/mla_peers_out
 [ "$wheels_rc" = 0 ] || exit 1

@@ -60,14 +60,66 @@ def test_split_count_follows_vllm_rule(seq_len, sms, splits):
     assert vllm_peer.num_kv_splits(seq_len, sms) == splits
 
 
-def _batch(q_dtype, q_len=1):
+def _batch(q_dtype, q_len=1, cache="bf16"):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2 * q_len, 16, 576, generator=g)  # [T, H, 576]
-    kvs = [torch.randn(s, 576, generator=g).bfloat16() for s in (5, 9)]
+    kv_dtype = torch.float8_e4m3fn if cache == "fp8" else torch.bfloat16
+    kvs = [torch.randn(s, 576, generator=g).to(kv_dtype) for s in (5, 9)]
     q = q.to(torch.float8_e4m3fn) if q_dtype == "fp8" else q.bfloat16()
     scales = {"q_scale": 1.0} if q_dtype == "fp8" else {}
+    if cache == "fp8":
+        scales["kv_scale"] = 0.5
     return make_decode_batch(q, kvs, sm_scale=0.1, kv_lora_rank=512, page_size=4, generator=g,
                              q_lens=[q_len, q_len], **scales)
+
+
+CALLS = '''
+CALLS = []
+
+
+def decode_attention_fwd({params}):
+    CALLS.append(dict(locals()))
+'''
+NEW = "q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_logits, num_kv_splits, sm_scale, page_size=1, " \
+      "logit_cap=0.0, k_scale=None, v_scale=None, is_mla=False"  # vLLM 0.33
+OLD = "q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_logits, num_kv_splits, sm_scale, page_size=1, " \
+      "logit_cap=0.0"  # vLLM 0.15
+
+
+def _fake_vllm(tmp_path, monkeypatch, params):
+    path = tmp_path / "triton_decode_attention.py"
+    path.write_text(CALLS.format(params=params))
+    monkeypatch.setattr(vllm_peer, "MODULE", "no_such_package.triton_decode_attention")
+    monkeypatch.setenv(vllm_peer.ENV_SRC, str(path))
+    calls = []
+    monkeypatch.setattr(vllm_peer, "_load_file", lambda p, load=vllm_peer._load_file: _recording(load(p), calls))
+    return calls
+
+
+def _recording(module, calls):
+    module.CALLS = calls
+    return module
+
+
+@pytest.mark.parametrize("cache", ["bf16", "fp8"])
+def test_vllm_033_is_called_with_its_split_rule_scales_and_is_mla(tmp_path, monkeypatch, cache):
+    calls = _fake_vllm(tmp_path, monkeypatch, NEW)
+    batch = _batch("bf16", cache=cache)  # 9 tokens at most: one split; kv_scale 0.5 for the fp8 cache
+    fn = vllm_peer.vllm_fn(batch)
+    (a,) = calls
+    assert a["is_mla"] is True and a["num_kv_splits"] == fn.num_kv_splits == 1
+    assert float(a["k_scale"]) == float(a["v_scale"]) == (0.5 if cache == "fp8" else 1.0)
+    assert a["attn_logits"].shape == (2, 16, 1, 513) and a["v_buffer"].shape[-2:] == (1, 512)
+    assert a["req_to_token"] is batch.block_table and a["page_size"] == 4 and a["sm_scale"] == batch.sm_scale
+
+
+def test_vllm_015_gets_its_four_splits_and_no_fp8_cache(tmp_path, monkeypatch):
+    calls = _fake_vllm(tmp_path, monkeypatch, OLD)
+    fn = vllm_peer.vllm_fn(_batch("bf16"))
+    (a,) = calls
+    assert a["num_kv_splits"] == fn.num_kv_splits == 4 and a["attn_logits"].shape == (2, 16, 4, 513)
+    assert vllm_peer.vllm_fn(_batch("bf16", cache="fp8")) == "n/a (this vLLM's Triton MLA has no fp8 cache)"
+    assert len(calls) == 1
 
 
 def test_fp8_q_is_not_a_vllm_input():
