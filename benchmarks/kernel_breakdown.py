@@ -1,4 +1,4 @@
-"""GPU time per kernel of one decode call (ours, FlashInfer, FlashMLA) on mla-bench shapes, from torch.profiler.
+"""GPU time per kernel of one decode call (ours and mla-bench's peers) on mla-bench shapes, from torch.profiler.
 
     python benchmarks/kernel_breakdown.py --shapes "32,4096,16;64,4096,16" --dtype bf16 --json out.json
 

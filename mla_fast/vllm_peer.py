@@ -13,12 +13,13 @@ bf16, the cache viewed as [pages, page_size, 1, 576] with V its first 512 column
 `req_to_token`, fp32 split logits [B, H, splits, 513]; o [B, H, 512] in q's dtype and lse [B, H] (also in q's dtype,
 natural log) preallocated (vLLM zero-fills both per call, which is not timed here). Which vLLM is read off the
 function's parameters:
-- with `is_mla` (vLLM 0.33: V read as the transposed K tile): `is_mla=True`, k_scale = v_scale = the cache's
-  per-tensor scale (1.0 for bf16), and its split count `min(next_pow2(max(1, max_seq_len // 512)), 2 * SMs)`
-  (`_compute_num_kv_splits`, from vllm-project/vllm#33529);
-- without (vLLM 0.15 and before: K and V loaded separately): 4 splits, its fixed count before #33529; an fp8 cache
-  only where the function takes `k_scale` (0.15's Triton MLA has no fp8 cache: "n/a").
-fp8 q is not a vLLM Triton input ("n/a").
+- with `is_mla` (vLLM 0.20 and later, e.g. 0.33: V read as the transposed K tile): `is_mla=True`, k_scale =
+  v_scale = the cache's per-tensor scale (1.0 for bf16), and the split rule
+  `min(next_pow2(max(1, max_seq_len // 512)), 2 * SMs)` (`_compute_num_kv_splits`, from vllm-project/vllm#33529);
+- without (vLLM 0.19 and before, e.g. 0.15: K and V loaded separately): 4 splits, the fixed count before #33529; an
+  fp8 cache only where the function takes `k_scale` (0.15's Triton MLA has no fp8 cache: "n/a").
+$MLA_BENCH_VLLM_SPLITS overrides the split count: "rule" (the rule above, e.g. with 0.15's kernel, which reproduces
+issue #5's vLLM numbers) or a positive integer. fp8 q is not a vLLM Triton input ("n/a").
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from mla_fast.triton_decode import num_sms
 from mla_ref.decode import DecodeBatch
 
 ENV_SRC = "MLA_BENCH_VLLM_SRC"
+ENV_SPLITS = "MLA_BENCH_VLLM_SPLITS"
 MODULE = "vllm.v1.attention.ops.triton_decode_attention"
 MIN_WORK_PER_SPLIT = 512  # vLLM 0.33 triton_mla.py _MIN_WORK_PER_SPLIT
 SPLIT_OCCUPANCY = 2  # vLLM 0.33 triton_mla.py _SPLIT_OCCUPANCY_MULTIPLIER
@@ -89,6 +91,18 @@ def load_decode_attention_fwd():
     return _load_file(path).decode_attention_fwd
 
 
+def _split_count(max_seq_len: int, sm_count: int, mla: bool) -> int:
+    """The split count this vLLM would use (the rule with is_mla, else 4), or $MLA_BENCH_VLLM_SPLITS's."""
+    override = os.environ.get(ENV_SPLITS, "")
+    if override == "rule" or (not override and mla):
+        return num_kv_splits(max_seq_len, sm_count)
+    if not override:
+        return LEGACY_SPLITS
+    if not override.isdigit() or int(override) < 1:
+        raise ValueError(f"${ENV_SPLITS} must be 'rule' or a positive integer, got {override!r}")
+    return int(override)
+
+
 def vllm_inputs(batch: DecodeBatch, params=("is_mla", "k_scale", "v_scale")) -> dict:
     """decode_attention_fwd's arguments for a q_len-1 batch, outputs preallocated; `params`: the names the function
     takes among is_mla / k_scale / v_scale, which say how this vLLM calls it (see module docstring)."""
@@ -97,7 +111,7 @@ def vllm_inputs(batch: DecodeBatch, params=("is_mla", "k_scale", "v_scale")) -> 
     B, H, L, dev = batch.batch_size, batch.num_heads, batch.kv_lora_rank, batch.device
     cache = batch.kv_cache.unsqueeze(2)  # [P, ps, 1, 576]
     mla = "is_mla" in params
-    splits = num_kv_splits(int(batch.seq_lens.max()), num_sms(dev)) if mla else LEGACY_SPLITS
+    splits = _split_count(int(batch.seq_lens.max()), num_sms(dev), mla)
     args = {"q": batch.q, "k_buffer": cache, "v_buffer": cache[..., :L],  # V: [P, ps, 1, 512]
             "o": torch.empty(B, H, L, dtype=batch.q.dtype, device=dev),  # [B, H, 512]
             "lse": torch.empty(B, H, dtype=batch.q.dtype, device=dev),  # [B, H]

@@ -91,6 +91,7 @@ def _fake_vllm(tmp_path, monkeypatch, params):
     path.write_text(CALLS.format(params=params))
     monkeypatch.setattr(vllm_peer, "MODULE", "no_such_package.triton_decode_attention")
     monkeypatch.setenv(vllm_peer.ENV_SRC, str(path))
+    monkeypatch.delenv(vllm_peer.ENV_SPLITS, raising=False)
     calls = []
     monkeypatch.setattr(vllm_peer, "_load_file", lambda p, load=vllm_peer._load_file: _recording(load(p), calls))
     return calls
@@ -120,6 +121,26 @@ def test_vllm_015_gets_its_four_splits_and_no_fp8_cache(tmp_path, monkeypatch):
     assert a["num_kv_splits"] == fn.num_kv_splits == 4 and a["attn_logits"].shape == (2, 16, 4, 513)
     assert vllm_peer.vllm_fn(_batch("bf16", cache="fp8")) == "n/a (this vLLM's Triton MLA has no fp8 cache)"
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("signature, value, splits", [
+    (OLD, "rule", 1),  # 9 tokens: the rule gives one split
+    (NEW, "3", 3),
+    (OLD, "", 4),  # empty: as unset
+])
+def test_split_count_override(tmp_path, monkeypatch, signature, value, splits):
+    calls = _fake_vllm(tmp_path, monkeypatch, signature)
+    monkeypatch.setenv(vllm_peer.ENV_SPLITS, value)
+    vllm_peer.vllm_fn(_batch("bf16"))
+    assert calls[0]["num_kv_splits"] == splits and calls[0]["attn_logits"].shape[2] == splits
+
+
+@pytest.mark.parametrize("value", ["0", "four", "-2"])
+def test_bad_split_override_names_the_variable(tmp_path, monkeypatch, value):
+    _fake_vllm(tmp_path, monkeypatch, NEW)
+    monkeypatch.setenv(vllm_peer.ENV_SPLITS, value)
+    with pytest.raises(ValueError, match=f"MLA_BENCH_VLLM_SPLITS must be 'rule' or a positive integer, got '{value}'"):
+        vllm_peer.vllm_fn(_batch("bf16"))
 
 
 def test_fp8_q_is_not_a_vllm_input():
