@@ -77,8 +77,9 @@ def _load_file(path: str) -> types.ModuleType:
 
 
 def load_decode_attention_fwd():
-    """vLLM's `decode_attention_fwd`, or a string saying why not (no vLLM and no $MLA_BENCH_VLLM_SRC, or a file that
-    does not import)."""
+    """vLLM's `decode_attention_fwd`: from vLLM if it imports, else from $MLA_BENCH_VLLM_SRC's file; a string saying
+    why not when neither is there. ValueError when the variable names no file; a file that fails to import raises
+    its own error."""
     try:
         return importlib.import_module(MODULE).decode_attention_fwd
     except Exception as e:  # vLLM absent, or present without what it needs on this machine

@@ -1,8 +1,8 @@
 # Sourced by the scripts/device_*.sh measurement scripts (device tool call, carry .whl): from the repository root,
 # $OUT created (default: the first argument), the carried peer wheels installed into /tmp/site (exit status in
-# $wheels_rc), PYTHONPATH set, $MLA_BENCH_VLLM_SRC set when .whl/vllm/triton_decode_attention.py was carried, `step` logging a headed line to $OUT/log.txt, and `mps_start` / `mps_stop` for
-# campaigns in worker processes (without an MPS daemon their kernels time-slice the GPU: 1560 vs 4166 cases/min on
-# one H200).
+# $wheels_rc), PYTHONPATH set, $MLA_BENCH_VLLM_SRC set when .whl/vllm/triton_decode_attention.py was carried, `step`
+# logging a headed line to $OUT/log.txt, and `mps_start` / `mps_stop` for campaigns in worker processes (without an
+# MPS daemon their kernels time-slice the GPU: 1560 vs 4166 cases/min on one H200).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-$1}
