@@ -23,12 +23,13 @@ import time
 import traceback
 from importlib import metadata
 
+from mla_fast.backends import BACKENDS as REGISTRY
 from verify.cases import FP8_FORMATS, Case
 from verify.checks import CaseResult, CheckResult, is_device_fault, json_number
 
 SCHEMA_VERSION = 1
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOTHING_RAN = 0, 1, 2, 5
-BACKENDS = ("auto", "ref", "emulated", "triton", "seesaw", "gluon_fp8", "aiter", "flashinfer", "flashmla")
+BACKENDS = ("auto", *REGISTRY)  # --backend choices: the registry's names, "auto" first
 DEFAULT_CASES = {"ci": 200, "dev": 200, "search": 2000}
 
 EPILOG = """\
