@@ -34,7 +34,7 @@ import types
 import torch
 
 from mla_fast.triton_decode import num_sms
-from mla_ref.decode import DecodeBatch
+from mla_ref.decode import DecodeBatch, is_fp8
 
 ENV_SRC = "MLA_BENCH_VLLM_SRC"
 ENV_SPLITS = "MLA_BENCH_VLLM_SPLITS"
@@ -134,7 +134,7 @@ def vllm_fn(batch: DecodeBatch):
     if isinstance(decode_attention_fwd, str):
         return decode_attention_fwd
     params = tuple(inspect.signature(decode_attention_fwd).parameters)
-    if batch.kv_cache.element_size() == 1 and "k_scale" not in params:
+    if is_fp8(batch.kv_cache.dtype) and "k_scale" not in params:
         return "n/a (this vLLM's Triton MLA has no fp8 cache)"
     args = vllm_inputs(batch, params)
 
