@@ -17,6 +17,12 @@ the way vLLM calls it (`mla_fast/vllm_peer.py`: from an installed vLLM or a copy
 $MLA_BENCH_VLLM_SRC), with the largest |out - our out| recorded beside its time. Missing peers are reported as "not
 installed". "ours / best peer" is ours over the better of FlashInfer and FlashMLA.
 
+Beside them, the **read floor** (`mla_fast/read_floor.py`, `--no-floor` skips it): a kernel that only streams the
+row's cache bytes, timed the same way. It counts what the copy rate does not (the replay's fixed cost, the flush's
+dirty lines), so "ours / floor" is what is left to win for any kernel that reads the cache once. `--shared-pages`
+builds batches whose requests all read one request's pages: after the first touch the cache comes from the L2, and
+the times show each kernel's SM-side rate (MMAs, shared memory, softmax, per-item overheads) instead of HBM's.
+
 Output: a rich table on stdout and, with --json, every number in a JSON file.
 """
 
@@ -27,6 +33,7 @@ import time
 
 import torch
 
+from mla_fast.read_floor import read_floor_fn
 from mla_fast.vllm_peer import vllm_fn
 from mla_ref.decode import DecodeBatch
 
@@ -39,17 +46,19 @@ KV_SCALE, Q_SCALE = 0.5, 0.25  # fp8 per-tensor scales: real = fp8 * scale
 
 
 def build_batch(b: int, s: int, h: int, combo: str, page_size: int = 64, seed: int = 0, extra_pages: int = 1,
-                device: str = "cuda", q_len: int = 1) -> DecodeBatch:
+                device: str = "cuda", q_len: int = 1, shared_pages: bool = False) -> DecodeBatch:
     """Uniform batch of b requests x s tokens, h heads, q_len query rows each (MTP, causal); random page order; NaN
-    in the spare page(s)."""
+    in the spare page(s). shared_pages: every request reads the same s tokens (one request's pages, each block-table
+    row the same), so that after the first touch a decode reads its cache from the L2 (`--shared-pages`)."""
     g = torch.Generator(device=device).manual_seed(seed)
     pages = math.ceil(s / page_size)
-    P = b * pages + extra_pages
+    owners = 1 if shared_pages else b  # requests with pages of their own
+    P = owners * pages + extra_pages
     cache = torch.randn(P, page_size, L + R, generator=g, device=device)  # [P, ps, L+R] fp32
     perm = torch.randperm(P, generator=g, device=device)  # physical page of each logical page, then spare pages
-    cache[perm[b * pages:]] = float("nan")  # pages nobody owns
+    cache[perm[owners * pages:]] = float("nan")  # pages nobody owns
     tail = pages * page_size - s
-    block_table = perm[: b * pages].view(b, pages).to(torch.int32)  # [b, pages]
+    block_table = perm[: owners * pages].view(owners, pages).expand(b, pages).to(torch.int32).contiguous()  # [b, pages]
     if tail:
         cache[block_table[:, -1].long(), page_size - tail:] = float("nan")  # unused slots of each last page
     q = torch.randn(b * q_len, h, L + R, generator=g, device=device)  # [T, H, L+R]
@@ -218,20 +227,38 @@ def measure(fn_or_reason, nbytes: int, copy_gbs: float) -> dict:
             "timing": timing}
 
 
-def run_grid(shapes, combos, peers=tuple(PEERS), copy_gbs=None, candidates=False, json_path=None) -> dict:
+def cache_bytes(b: int, s: int, combo: str) -> int:
+    """Bytes of the KV cache a decode of b requests x s tokens reads (2 B/elem bf16, 1 B/elem fp8)."""
+    return b * s * (L + R) * (1 if combo in ("fp8kv", "fp8") else 2)
+
+
+def run_grid(shapes, combos, peers=tuple(PEERS), copy_gbs=None, candidates=False, json_path=None, floor=True,
+             shared_pages=False) -> dict:
     """Time every (shape, combo) for ours and the named peers; with json_path, the JSON is rewritten after each row
-    (partial runs keep rows)."""
+    (partial runs keep rows). floor: also time the read floor of each row's cache bytes (`mla_fast.read_floor`, once
+    per cache size). shared_pages: batches whose requests all read one request's pages (`build_batch`); the floor is
+    then not timed (the cache comes from the L2)."""
     unknown = sorted(set(peers) - set(PEERS))
     if unknown:
         raise ValueError(f"peers must be among {sorted(PEERS)}, got {unknown}")
     copy_gbs = copy_gbs or copy_bandwidth_gbs()
     rows = []
-    result = {"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "rows": rows}
+    result = {"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "shared_pages": shared_pages,
+              "rows": rows}
+    floors = {}  # cache bytes -> read floor measurement
     for b, s, h in shapes:
         for combo in combos:
-            batch = build_batch(b, s, h, combo)
+            batch = build_batch(b, s, h, combo, shared_pages=shared_pages)
             nbytes = bytes_moved(b, s, h, combo)
             row = {"b": b, "s": s, "h": h, "combo": combo, "bytes": nbytes}
+            if not floor or shared_pages:
+                row["read_floor"] = {"status": "n/a (shared pages)" if shared_pages else "skipped"}
+            else:
+                kv_bytes = cache_bytes(b, s, combo)
+                if kv_bytes not in floors:
+                    floors[kv_bytes] = {**measure(read_floor_fn(kv_bytes), kv_bytes, copy_gbs), "bytes": kv_bytes}
+                    torch.cuda.empty_cache()
+                row["read_floor"] = floors[kv_bytes]
             if candidates:
                 row["candidates"] = time_candidates(batch, nbytes, copy_gbs)
                 ok = [c for c in row["candidates"] if c.get("status") == "ok" and c.get("correct")]
@@ -398,9 +425,11 @@ def print_table(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"MLA decode, q_len 1, page 64 — {result['device']}, copy {result['copy_gbs']:.0f} GB/s")
-    for col in ("b", "s_k", "h", "dtype", "ours µs (20–80%)", "GB/s", "% copy", "flashinfer µs", "flashmla µs",
-                "ours / best peer", "vllm µs", "vllm / ours", "default µs", "best override"):
+    title = f"MLA decode, q_len 1, page 64 — {result['device']}, copy {result['copy_gbs']:.0f} GB/s"
+    table = Table(title=title + (", shared pages (the cache from the L2)" if result.get("shared_pages") else ""))
+    for col in ("b", "s_k", "h", "dtype", "ours µs (20–80%)", "GB/s", "% copy", "read floor µs", "ours / floor",
+                "flashinfer µs", "flashmla µs", "ours / best peer", "vllm µs", "vllm / ours", "default µs",
+                "best override"):
         table.add_column(col, justify="right")
     for r in result["rows"]:
         o = r["ours"]
@@ -411,13 +440,16 @@ def print_table(result: dict) -> None:
         peers = [r[p]["us"] for p in BEST_PEERS if r[p].get("status") == "ok"]
         ratio = f"{o['us'] / min(peers):.2f}" if peers and o.get("status") == "ok" else "—"
         vllm = r["vllm"]["us"] / o["us"] if r["vllm"].get("status") == "ok" and o.get("status") == "ok" else None
+        floor = r.get("read_floor", {"status": "—"})
+        over_floor = o["us"] / floor["us"] if floor.get("status") == "ok" and o.get("status") == "ok" else None
         ours_cell = f"{o['us']:.1f} ({o['us_p20']:.1f}–{o['us_p80']:.1f})" if o.get("status") == "ok" else o["status"]
         table.add_row(str(r["b"]), str(r["s"]), str(r["h"]), r["combo"], ours_cell,
-                      f"{o.get('gbs', 0):.0f}", f"{o.get('pct_copy', 0):.0f}", cell(r["flashinfer"]),
+                      f"{o.get('gbs', 0):.0f}", f"{o.get('pct_copy', 0):.0f}", cell(floor),
+                      "—" if over_floor is None else f"{over_floor:.2f}", cell(r["flashinfer"]),
                       cell(r["flashmla"]), ratio, cell(r["vllm"]), "—" if vllm is None else f"{vllm:.2f}",
                       cell(r["candidates"][0]) if "candidates" in r else "",
                       str(o.get("override", "")))
-    Console(width=190).print(table)
+    Console(width=220).print(table)
 
 
 def parse_shapes(text: str):
@@ -437,6 +469,10 @@ def main(argv=None) -> None:
     parser.add_argument("--precompile", type=int, default=0, metavar="N",
                         help="with --candidates: compile all configs first in N processes")
     parser.add_argument("--eager", action="store_true", help="time plain calls instead of CUDA-graph replays")
+    parser.add_argument("--no-floor", action="store_true", help="skip the read floor (mla_fast.read_floor)")
+    parser.add_argument("--shared-pages", action="store_true",
+                        help="every request reads one request's pages: the cache comes from the L2, so the times "
+                             "show each kernel's SM-side rate instead of HBM's (no read floor)")
     args = parser.parse_args(argv)
     global GRAPHS
     GRAPHS = not args.eager
@@ -450,7 +486,7 @@ def main(argv=None) -> None:
         precompile(sorted({(b, h) for b, _, h in args.shapes}), args.dtypes.split(","), args.precompile)
         print(f"precompiled in {time.time() - t0:.1f}s", flush=True)
     result = run_grid(args.shapes, args.dtypes.split(","), peers=peers, candidates=args.candidates,
-                      json_path=args.json)
+                      json_path=args.json, floor=not args.no_floor, shared_pages=args.shared_pages)
     result["wall_s"] = time.time() - t0
     print_table(result)
     if args.json:

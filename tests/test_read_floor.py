@@ -1,0 +1,98 @@
+"""mla_fast.read_floor on the CPU (the streaming-read kernel under Triton's interpreter, in a subprocess: the
+interpreter is chosen when triton is imported) and mla-bench's floor and shared-pages plumbing."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from mla_fast import bench, read_floor
+
+ROOT = Path(__file__).resolve().parent.parent
+
+WORKER = textwrap.dedent("""
+    import json, torch
+    from mla_fast import read_floor as rf
+    g = torch.Generator().manual_seed(0)
+    n = 3 * 4 * rf.BLOCK - 17  # three blocks per program on 4 programs, the last one short
+    x = torch.randint(0, 1000, (n,), generator=g, dtype=torch.int32)
+    out = torch.full((4,), -1, dtype=torch.int32)
+    rf.stream_read(x, out)
+    padded = torch.cat([x.long(), torch.zeros(3 * 4 * rf.BLOCK - n, dtype=torch.long)])
+    expected = padded.view(3, 4, rf.BLOCK).sum(dim=(0, 2))  # program p sums blocks p, p + 4, p + 8
+    fn = rf.read_floor_fn(10, "cpu")
+    fn()
+    words, programs = fn.buffers
+    print(json.dumps({"out": out.tolist(), "expected": expected.tolist(), "words": words.numel(),
+                      "programs": programs.numel(), "floor_out": programs.tolist()}))
+""")
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", WORKER], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_each_program_reads_its_blocks_once(interpreted):
+    # exact integer sums: a skipped, repeated or out-of-range block changes some program's sum
+    assert interpreted["out"] == interpreted["expected"]
+
+
+def test_read_floor_fn_rounds_up_to_words_and_runs_a_program_grid(interpreted):
+    assert interpreted["words"] == 3  # 10 bytes -> 3 int32 words
+    assert interpreted["programs"] == read_floor.PROGRAMS_PER_SM * 2  # two "SMs" on the CPU
+    assert interpreted["floor_out"] == [0] * interpreted["programs"]  # the buffer is zeros
+
+
+@pytest.mark.parametrize("x, out, match", [
+    (torch.zeros(8), torch.zeros(2, dtype=torch.int32), "x must be a contiguous int32 tensor"),
+    (torch.zeros(8, 2, dtype=torch.int32).t(), torch.zeros(2, dtype=torch.int32), "x must be a contiguous int32"),
+    (torch.zeros(8, dtype=torch.int32), torch.zeros(2, 1, dtype=torch.int32), "out must be a 1-d int32 tensor"),
+    (torch.zeros(8, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), "out must be a 1-d int32 tensor"),
+])
+def test_stream_read_refuses_bad_buffers(x, out, match):
+    with pytest.raises(ValueError, match=match):
+        read_floor.stream_read(x, out)
+
+
+def test_read_floor_fn_refuses_no_bytes():
+    with pytest.raises(ValueError, match="nbytes must be >= 1, got 0"):
+        read_floor.read_floor_fn(0, "cpu")
+
+
+def test_cache_bytes_counts_the_cache_elements():
+    assert bench.cache_bytes(2, 100, "bf16") == 2 * 100 * 576 * 2
+    assert bench.cache_bytes(2, 100, "fp8kv") == bench.cache_bytes(2, 100, "fp8") == 2 * 100 * 576
+
+
+def test_shared_pages_batch_gives_every_request_the_same_pages():
+    b, s, page = 3, 100, 64  # two pages per request, the second one 28 slots short
+    batch = bench.build_batch(b, s, 16, "bf16", page_size=page, device="cpu", shared_pages=True)
+    assert batch.kv_cache.shape[0] == 2 + 1  # one request's pages and a spare
+    assert (batch.block_table == batch.block_table[:1]).all()
+    spare = sorted(set(range(3)) - set(batch.block_table[0].tolist()))
+    assert torch.isnan(batch.kv_cache[spare].float()).all()
+    assert torch.isnan(batch.kv_cache[batch.block_table[0, -1], s - page:].float()).all()  # unused slots poisoned
+    out, lse = bench.reference(batch)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()  # no poisoned slot reaches the output
+    plain = bench.build_batch(b, s, 16, "bf16", page_size=page, device="cpu")
+    assert plain.kv_cache.shape[0] == b * 2 + 1 and plain.block_table.unique().numel() == b * 2
+
+
+def test_bench_table_shows_ours_over_the_read_floor(capsys):
+    ok = {"status": "ok", "us": 10.0, "us_p20": 9.0, "us_p80": 11.0, "gbs": 1.0, "pct_copy": 1.0}
+    row = {"b": 1, "s": 64, "h": 16, "combo": "bf16", "ours": ok, "read_floor": {**ok, "us": 8.0},
+           "flashinfer": {"status": "not installed"}, "flashmla": {"status": "not installed"},
+           "vllm": {"status": "skipped"}}
+    bench.print_table({"device": "test", "copy_gbs": 1.0, "shared_pages": False, "rows": [row]})
+    line = next(t for t in capsys.readouterr().out.splitlines() if "bf16" in t)
+    cells = [c.strip() for c in line.split("│")]
+    assert "8.0" in cells and "1.25" in cells  # read floor µs, ours / floor
