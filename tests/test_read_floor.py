@@ -96,3 +96,19 @@ def test_bench_table_shows_ours_over_the_read_floor(capsys):
     line = next(t for t in capsys.readouterr().out.splitlines() if "bf16" in t)
     cells = [c.strip() for c in line.split("│")]
     assert "8.0" in cells and "1.25" in cells  # read floor µs, ours / floor
+
+
+@pytest.mark.gpu
+def test_read_floor_kernel_on_the_gpu_reads_every_block_once():
+    # the compiled kernel (pipelined loads, 2 programs per SM): exact per-program sums over a ragged buffer
+    fn = read_floor.read_floor_fn(4 * (5 * read_floor.BLOCK * 7 + 123), "cuda")
+    x, out = fn.buffers
+    programs = out.numel()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x.copy_(torch.randint(0, 1000, x.shape, generator=g, device="cuda", dtype=torch.int32))
+    fn()
+    iters = -(-x.numel() // (programs * read_floor.BLOCK))
+    padded = torch.zeros(iters * programs * read_floor.BLOCK, dtype=torch.long, device="cuda")
+    padded[: x.numel()] = x.long()
+    expected = padded.view(iters, programs, read_floor.BLOCK).sum(dim=(0, 2))  # program p: blocks p, p + P, ...
+    assert torch.equal(out.long(), expected)
