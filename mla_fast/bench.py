@@ -267,14 +267,15 @@ def run_grid(shapes, combos, peers=tuple(PEERS), copy_gbs=None, candidates=False
             else:
                 fn, info = ours(batch)
                 row["ours"] = {**measure(fn, nbytes, copy_gbs), **info}
-                ours_out = fn.outputs[0].float()  # [T, H, L] after the timed replays
+                ours_out = fn.outputs[0]  # [T, H, L] bf16 after the timed replays (no peer writes it)
             for name, make in PEERS.items():
                 if name in peers:
                     try:
                         fn = make(batch)
                         row[name] = measure(fn, nbytes, copy_gbs)
                         if hasattr(fn, "outputs") and ours_out is not None:  # a peer that hands out its out
-                            row[name]["max_abs_diff_vs_ours"] = float((fn.outputs[0].float() - ours_out).abs().max())
+                            diff = fn.outputs[0].float() - ours_out.float()  # [T, H, L]
+                            row[name]["max_abs_diff_vs_ours"] = float(diff.abs().max())
                     except Exception as e:
                         row[name] = {"status": f"error: {type(e).__name__}: {str(e)[:120]}"}
                 else:
