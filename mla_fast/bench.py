@@ -232,6 +232,18 @@ def cache_bytes(b: int, s: int, combo: str) -> int:
     return b * s * (L + R) * (1 if combo in ("fp8kv", "fp8") else 2)
 
 
+def check_shared_pages(shapes, combos, l2_bytes: int) -> None:
+    """Raise ValueError unless one request's cache fits in half the L2 at every (shape, combo): with shared pages the
+    times mean the SM-side rate only if the cache stays in the L2 (an H100/H200 L2 is two halves, and data that every
+    SM reads may sit in both)."""
+    for s in sorted({shape[1] for shape in shapes}):  # (b, s_k, h)
+        for combo in combos:
+            need = cache_bytes(1, s, combo)
+            if 2 * need > l2_bytes:
+                raise ValueError(f"--shared-pages needs one request's cache ({need / 1e6:.1f} MB at s_k={s}, {combo}) "
+                                 f"to fit in half the L2 ({l2_bytes / 2e6:.1f} MB); use a shorter s_k")
+
+
 def run_grid(shapes, combos, peers=tuple(PEERS), copy_gbs=None, candidates=False, json_path=None, floor=True,
              shared_pages=False) -> dict:
     """Time every (shape, combo) for ours and the named peers; with json_path, the JSON is rewritten after each row
@@ -241,6 +253,8 @@ def run_grid(shapes, combos, peers=tuple(PEERS), copy_gbs=None, candidates=False
     unknown = sorted(set(peers) - set(PEERS))
     if unknown:
         raise ValueError(f"peers must be among {sorted(PEERS)}, got {unknown}")
+    if shared_pages:
+        check_shared_pages(shapes, combos, torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size)
     copy_gbs = copy_gbs or copy_bandwidth_gbs()
     rows = []
     result = {"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "shared_pages": shared_pages,

@@ -112,3 +112,10 @@ def test_read_floor_kernel_on_the_gpu_reads_every_block_once():
     padded[: x.numel()] = x.long()
     expected = padded.view(iters, programs, read_floor.BLOCK).sum(dim=(0, 2))  # program p: blocks p, p + P, ...
     assert torch.equal(out.long(), expected)
+
+
+def test_shared_pages_refuses_a_request_cache_beyond_half_the_l2():
+    l2 = 50 * 2**20  # an H200's L2
+    bench.check_shared_pages([(32, 16384, 16)], ["bf16"], l2)  # 18.9 MB of one request: fits
+    with pytest.raises(ValueError, match=r"--shared-pages needs one request's cache \(37.7 MB at s_k=32768, bf16\)"):
+        bench.check_shared_pages([(1, 32768, 16)], ["fp8kv", "bf16"], l2)
