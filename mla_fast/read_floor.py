@@ -32,7 +32,7 @@ def _stream_read(X, OUT, n_words, ITERS: tl.constexpr, BLOCK: tl.constexpr, STAG
     programs = tl.num_programs(0)
     acc = tl.zeros([BLOCK], tl.int32)
     for i in tl.range(0, ITERS, num_stages=STAGES):  # a constexpr count: the interpreter takes no runtime bound
-        offs = (i * programs + pid) * BLOCK + tl.arange(0, BLOCK)  # block i * P + pid
+        offs = (i * programs + pid).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # block i * P + pid; int64: > 8 GB
         acc += tl.load(X + offs, mask=offs < n_words, other=0)
     tl.store(OUT + pid, tl.sum(acc, axis=0))
 
