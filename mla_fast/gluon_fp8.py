@@ -103,6 +103,7 @@ from mla_fast.gluon_decode import (  # the tile, widths, work-item columns and b
     TILE,
     _item,
     _tile_row,
+    _worker_items,
 )
 
 ROWS = 16  # packed (query row x head) rows per program (wgmma N): q_len x head_group <= 16
@@ -278,12 +279,13 @@ def _store_item(accs, o_scale, lse, row_ptr, lse_ptr, ok, MASKED: gl.constexpr):
 def _mla_decode_fp8_kernel(
     Q, ckv_desc, kpe_desc,  # q [T, H, 576] (bf16 or e4m3fn); TMA: the cache as [pages x page_size, 576] e4m3fn
     BLOCK_TABLE, SEQ_LENS, QO_INDPTR,  # [B, pages] int32, [B] int32, [B+1] int32
-    WORK_ITEMS, WORKER_INDPTR,  # [N, 8] int32, [W+1] int32
+    WORK_ITEMS, WORKER_INDPTR, num_items,  # [N, 8] int32, [W+1] int32, N
     OUT, LSE, O_PART, LSE_PART,  # [T, H, L] bf16, [T, H] fp32, [rows, H, L] fp32, [rows, H] fp32
     Q_SCALE, KV_SCALE,  # fp32 [1] each
     sm_scale_log2,  # sm_scale x log2(e)
     stride_qt, stride_qh, stride_bt, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt,
     PAGE_SIZE: gl.constexpr, HEAD_GROUP: gl.constexpr, HEAD_SPLIT: gl.constexpr, STAGES: gl.constexpr,
+    ONE_ITEM: gl.constexpr,  # WorkPlan.one_item_per_worker
 ):
     Q_ROWS: gl.constexpr = _ROWS // HEAD_GROUP  # query rows per item: packed row m is query row m // HEAD_GROUP,
     # head m % HEAD_GROUP (MTP: causal limits per row; rows past the item's query rows are neither read nor written)
@@ -309,7 +311,8 @@ def _mla_decode_fp8_kernel(
     qk_scale = sm_scale_log2 * gl.load(Q_SCALE) * kv_scale
     g = 0  # tiles of this program so far: slot g % STAGES, phase (g // STAGES) & 1
     m = gl.arange(0, _ROWS, row_l)  # packed rows
-    for it in range(gl.load(WORKER_INDPTR + worker), gl.load(WORKER_INDPTR + worker + 1)):
+    item_begin, item_end = _worker_items(WORKER_INDPTR, worker, num_items, ONE_ITEM)
+    for it in range(item_begin, item_end):
         b, partial_row, qo, n_q, kv_start, kv_end, head_start, limit_0 = _item(
             WORK_ITEMS, SEQ_LENS, QO_INDPTR, it, head_part, HEAD_GROUP)  # (n_q, limit_0: unused at q_len 1)
         n_tiles = gl.cdiv(kv_end - kv_start, _TILE)
@@ -475,9 +478,10 @@ def launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, he
     num_workers = plan.worker_indptr.numel() - 1
     return _mla_decode_fp8_kernel[(num_workers * head_split,)](
         batch.q, ckv_desc, kpe_desc, batch.block_table, batch.seq_lens, qo_indptr, plan.work_items,
-        plan.worker_indptr,
+        plan.worker_indptr, plan.work_items.shape[0],
         out, lse, o_part, lse_part, q_scale, kv_scale, float(batch.sm_scale) * LOG2E,
         batch.q.stride(0), batch.q.stride(1), batch.block_table.stride(0), out.stride(0), out.stride(1),
         lse.stride(0), o_part.stride(0), o_part.stride(1), lse_part.stride(0),
-        PAGE_SIZE=kv.shape[1], HEAD_GROUP=head_group, HEAD_SPLIT=head_split, STAGES=num_stages, num_warps=4,
+        PAGE_SIZE=kv.shape[1], HEAD_GROUP=head_group, HEAD_SPLIT=head_split, STAGES=num_stages,
+        ONE_ITEM=plan.one_item_per_worker, num_warps=4,
     )

@@ -140,6 +140,9 @@ class WorkPlan:
         num_workers, num_partial_rows, block_n, fixed_overhead (blocks), num_heads, head_group: ints.
         max_pieces: int, the most pieces of any split tile (0 when no tile is split); sizes the reduce's tiles.
         seq_lens, q_lens: int32 [B], the planner's inputs.
+        one_item_per_worker: worker w runs exactly work item w for w < N and idle workers come last
+            (worker_indptr = min(w, N)): the even plan, and the unsplit plan of at most num_workers tiles. A kernel
+            can then find its item without reading worker_indptr (one dependent load fewer before its first KV tile).
     """
 
     work_items: torch.Tensor
@@ -156,6 +159,7 @@ class WorkPlan:
     max_pieces: int
     seq_lens: torch.Tensor
     q_lens: torch.Tensor
+    one_item_per_worker: bool = False
 
     @property
     def num_items(self) -> int:
@@ -473,4 +477,5 @@ def _plan_from_cuts(line: _Line, cut: torch.Tensor, split: bool) -> WorkPlan:
         max_pieces=int(torch.where(is_split, pieces, 0).max()) if B * G else 0,
         seq_lens=out(seq),
         q_lens=out(qlen),
+        one_item_per_worker=torch.equal(worker_indptr, torch.arange(num_workers + 1).clamp(max=item_tile.numel())),
     )

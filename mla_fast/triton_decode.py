@@ -331,10 +331,10 @@ def _store_rows(ptrs, acc, o_scale, row_ok, LS: tl.constexpr, SPLIT_L: tl.conste
         tl.store(ptrs + i * LS, _to_out(acc[i] * o_scale, ptrs.dtype.element_ty, INTERPRET), mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_items"])
 def _mla_decode_kernel(
     Q, KV, BLOCK_TABLE, SEQ_LENS, QO_INDPTR,  # q [T, H, L+R], kv [P, page, L+R], bt [B, pages], [B], [B+1]
-    WORK_ITEMS, WORKER_INDPTR,  # [N, 8] int32, [W+1] int32
+    WORK_ITEMS, WORKER_INDPTR, num_items,  # [N, 8] int32, [W+1] int32, N
     OUT, LSE, O_PART, LSE_PART,  # [T, H, L] bf16, [T, H] fp32, [rows, H, L] fp32, [rows, H] fp32
     Q_SCALE, KV_SCALE,  # fp32 [1] each (1.0 when unquantized)
     sm_scale,
@@ -350,7 +350,7 @@ def _mla_decode_kernel(
     MMA: tl.constexpr, INTERPRET: tl.constexpr, UPCAST_BF16: tl.constexpr,
     TILE_IN_PAGE: tl.constexpr, PAGE_CHUNK: tl.constexpr, V_RELOAD: tl.constexpr, FP8_STAGE: tl.constexpr,
     HEAD_SPLIT: tl.constexpr, SPLIT_L: tl.constexpr, LAZY_L: tl.constexpr, UNCHAIN: tl.constexpr,
-    INTERLEAVE: tl.constexpr, PDL: tl.constexpr,
+    INTERLEAVE: tl.constexpr, PDL: tl.constexpr, ONE_ITEM: tl.constexpr,
 ):
     if PDL:  # the reduce kernel may start now; its programs wait (gdc_wait) until this grid has finished
         tl.extra.cuda.gdc_launch_dependents()
@@ -359,8 +359,12 @@ def _mla_decode_kernel(
     pid = tl.program_id(0)
     worker = pid // HEAD_SPLIT
     head_part = pid % HEAD_SPLIT
-    item_begin = tl.load(WORKER_INDPTR + worker)
-    item_end = tl.load(WORKER_INDPTR + worker + 1)
+    if ONE_ITEM:  # WorkPlan.one_item_per_worker: item `worker`, if any; its loads wait for no worker range
+        item_begin = worker
+        item_end = tl.where(worker < num_items, worker + 1, worker)
+    else:
+        item_begin = tl.load(WORKER_INDPTR + worker)
+        item_end = tl.load(WORKER_INDPTR + worker + 1)
     # fp8 per-tensor scales: real = fp8 * scale; folded into the base-2 score scale and the output
     kv_scale = tl.load(KV_SCALE)
     qk_scale = sm_scale * tl.load(Q_SCALE) * kv_scale * LOG2E  # scores in log2 units
@@ -1001,7 +1005,7 @@ def _launch_triton(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, c
     block_m = max(16, triton.next_power_of_2(max_rows))  # the M tile over max_rows = q_len x head_group rows
     return _mla_decode_kernel[(num_workers * config.head_split,)](
         batch.q, kv, batch.block_table, batch.seq_lens, qo_indptr,
-        plan.work_items, plan.worker_indptr,
+        plan.work_items, plan.worker_indptr, plan.work_items.shape[0],
         out, lse, o_part, lse_part,
         q_scale, kv_scale,
         float(batch.sm_scale),
@@ -1018,7 +1022,7 @@ def _launch_triton(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, c
         PAGE_CHUNK=config.page_chunk, V_RELOAD=config.v_reload,
         FP8_STAGE=config.fp8_stage and not INTERPRET and config.mma == "fp16" and kv.dtype == torch.float8_e4m3fn,
         HEAD_SPLIT=config.head_split, SPLIT_L=split_l, LAZY_L=config.lazy_l, UNCHAIN=config.unchain,
-        INTERLEAVE=config.interleave, PDL=pdl,
+        INTERLEAVE=config.interleave, PDL=pdl, ONE_ITEM=plan.one_item_per_worker,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
@@ -1191,6 +1195,7 @@ class _StaticPlan:
     block_n: int
     head_group: int
     max_pieces: int
+    one_item_per_worker: bool
 
     def __init__(self, step: "TritonMLADecode"):
         self.work_items, self.worker_indptr, self.reduce_final = step.work_items, step.worker_indptr, step.reduce_final
@@ -1198,6 +1203,7 @@ class _StaticPlan:
         self.block_n = step.config.plan_block_n
         self.head_group = step.config.head_group * step.config.head_split
         self.max_pieces = step.reduce_pieces  # the step's fixed reduce shape, not the last plan's
+        self.one_item_per_worker = False  # a captured graph must take any later plan: read worker_indptr
 
 
 __all__ = ["decode", "make_plan", "launch", "KernelConfig", "default_config", "TritonMLADecode", "INTERPRET"]

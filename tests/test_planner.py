@@ -238,6 +238,9 @@ def test_plan_invariants(case: PlanCase):
     for name in ("work_items", "worker_indptr", "reduce_indptr", "reduce_final", "reduce_partial_map"):
         assert torch.equal(getattr(plan, name), getattr(again, name))
     assert plan.num_partial_rows == again.num_partial_rows
+    # the flag the kernels trust instead of reading worker_indptr: worker w runs exactly item w
+    one_each = torch.arange(plan.num_workers + 1).clamp(max=plan.num_items).to(torch.int32)
+    assert plan.one_item_per_worker == torch.equal(plan.worker_indptr.cpu(), one_each)
 
 
 @given(plan_cases(), st.sampled_from([1, 2, 16, 64]))
@@ -316,6 +319,7 @@ def test_worked_example_from_docstring():
     assert plan.worker_indptr.tolist() == [0, 1, 2, 3, 4]
     assert plan.work_items[:, PARTIAL_ROW].tolist() == [0, 1, -1, -1]
     assert plan.worker_costs().tolist() == [13, 13, 7, 5]
+    assert plan.one_item_per_worker and not line.one_item_per_worker
 
 
 @pytest.mark.parametrize("batch, seq_len, split", [(128, 4096, False), (128, 8192, False), (64, 4096, True),
@@ -331,6 +335,8 @@ def test_splits_only_when_the_busiest_worker_gains(batch: int, seq_len: int, spl
     if not split:
         assert int(plan.worker_costs().max()) == -(-seq_len // 64) + 5 < int(cut.worker_costs().max())
         assert cut.num_partial_rows > 0  # the line alone would have split
+    # the split shapes get the even plan (one item per worker); the unsplit line plan leaves idle workers between
+    assert plan.one_item_per_worker == split
 
 
 def test_summary_reports_balance():

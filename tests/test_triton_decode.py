@@ -134,6 +134,29 @@ def _worker() -> dict:
         result["rows"] = config.head_group * max(case.q_lens)
         result["reduce_blocks"] = td.reduce_blocks(plan.max_pieces, case.L)  # (BLOCK_S, BLOCK_L) of the reduce
         report[name] = result
+    # ONE_ITEM (plan.one_item_per_worker: item w without reading worker_indptr) gives the general path's bits
+    report["one_item_bitwise"] = {}
+    for name, case in CASES.items():
+        batch = case.batch()
+        config = replace(td.default_config(case.combo, case.heads, max(case.q_lens)), block_n=BLOCK_N,
+                         plan_block_n=PLAN_BLOCK_N, fixed_overhead=1, **CONFIG_OVERRIDES.get(name, {}))
+        plan = td.make_plan(batch, config, case.num_workers)
+        if plan.one_item_per_worker:
+            runs = [td.decode(batch, plan=replace(plan, one_item_per_worker=flag), config=config)
+                    for flag in (True, False)]
+            report["one_item_bitwise"][name] = bool(torch.equal(runs[0][0], runs[1][0])
+                                                    and torch.equal(runs[0][1], runs[1][1]))
+    # and the flag reaches the kernel: forced on a plan whose one worker runs two items, the second is skipped
+    case = CASES["bf16_p16_w1"]
+    batch = case.batch()
+    config = replace(td.default_config(case.combo, case.heads, 1), block_n=BLOCK_N, plan_block_n=PLAN_BLOCK_N,
+                     fixed_overhead=1)
+    plan = td.make_plan(batch, config, 1)
+    T, H, L = batch.num_tokens, batch.num_heads, batch.kv_lora_rank
+    forced, _ = td.decode(batch, plan=replace(plan, one_item_per_worker=True), config=config,
+                          out=torch.full((T, H, L), float("nan"), dtype=torch.bfloat16))
+    report["one_item_forced"] = {"items": plan.num_items, "flag": plan.one_item_per_worker,
+                                 "nan_rows": int(torch.isnan(forced.float()).any(-1).any(-1).sum())}
     # the interpreter workaround is what makes bf16 right: without it, bf16 tl.dot in the interpreter is wrong
     case = CASES["bf16_p16_w1"]
     batch = case.batch()
@@ -237,6 +260,14 @@ def test_cases_cover_splits_and_empty_rows(report):
     assert report["bf16_all_empty"]["empty_rows"] == 3 * 16
     assert report["bf16_p16_manysplits_w40"]["reduce_blocks"] == [64, 32]  # two channel programs per row
     assert report["bf16_p16_w3_empty"]["reduce_blocks"][1] == 64  # few pieces: one program per row
+
+
+def test_one_item_per_worker_path_gives_the_general_bits(report):
+    taken = report["one_item_bitwise"]
+    assert len(taken) >= 5, f"too few cases with one item per worker: {sorted(taken)}"
+    assert all(taken.values()), taken
+    forced = report["one_item_forced"]  # a plan with two items on its one worker, run as if it had one each
+    assert forced["items"] == 2 and not forced["flag"] and forced["nan_rows"] > 0, forced
 
 
 def test_graph_step_equals_decode(report):

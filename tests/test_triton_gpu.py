@@ -243,6 +243,35 @@ def test_programmatic_dependent_reduce_gives_the_serial_bits(case, kernel):
         assert torch.equal(lse.view(torch.int32), lse0.view(torch.int32))
 
 
+@pytest.mark.parametrize("case, kernel", [
+    (TritonCase((4096,) * 32, (1,) * 32, heads=16, page_size=64, L=512, R=64, seed=20), "triton"),
+    (TritonCase((4096,) * 32, (1,) * 32, heads=16, page_size=64, combo="fp8kv", L=512, R=64, seed=21), "gluon_fp8"),
+    (TritonCase((1000, 3000, 0, 700) * 8, (1,) * 32, heads=128, page_size=64, L=512, R=64, seed=22), "gluon"),
+], ids=["triton", "gluon_fp8", "seesaw"])
+def test_one_item_per_worker_gives_the_worker_range_bits(case, kernel):
+    """Plans with one item per worker (WorkPlan.one_item_per_worker, the even plan) let each kernel take item w
+    without reading worker_indptr; same bits as reading it. The out buffer is NaN-poisoned before each run."""
+    from mla_fast.numerics import triton_numerics
+    from mla_fast.triton_decode import batch_config, decode, make_plan
+
+    batch = case.batch("cuda")
+    config = batch_config(batch, 1)
+    if config.kernel != kernel:
+        pytest.skip(f"the default dispatch here takes kernel={config.kernel!r}, not {kernel!r} (Gluon: sm_90 only)")
+    plan = make_plan(batch, config)
+    assert plan.one_item_per_worker
+    T, H, L = batch.q.shape[0], case.heads, batch.kv_lora_rank
+    runs = []
+    for flag in (True, False):
+        out = torch.full((T, H, L), float("nan"), dtype=torch.bfloat16, device="cuda")
+        runs.append(decode(batch, plan=replace(plan, one_item_per_worker=flag), config=config, out=out))
+    assert not runs[0][0].isnan().any()
+    assert torch.equal(runs[0][0].view(torch.int16), runs[1][0].view(torch.int16))
+    assert torch.equal(runs[0][1].view(torch.int32), runs[1][1].view(torch.int32))
+    result = check(*runs[0], batch, triton_numerics(config.mma, config.block_n), plan.stats()["pieces_per_tile"]["max"])
+    assert result["out_ratio"] <= 1.0 and result["lse_ratio"] <= 1.0, result
+
+
 def _check_graph_replays_equal_eager(step, lens_list):
     """Capture `step.run()` (already compiled) in a CUDA graph; for each seq_lens in lens_list (shrinking in place,
     so every page stays valid) re-plan, replay with `out` NaN-poisoned, and compare the bits with an eager decode
