@@ -625,7 +625,7 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, q_smem, kv_smem, kv8, p0_sm
         n_items += 1
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["num_items"])  # as the Triton kernel: no recompile per item count
 def _mla_decode_seesaw_kernel(
     Q, q_desc, kv_desc,  # q [T, H, 576]; TMA: q as [T x H, 576] (bf16 caches), the cache as [pages x page_size, 576]
     BLOCK_TABLE, SEQ_LENS, QO_INDPTR,  # [B, pages] int32, [B] int32, [B+1] int32

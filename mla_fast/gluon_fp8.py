@@ -275,7 +275,7 @@ def _store_item(accs, o_scale, lse, row_ptr, lse_ptr, ok, MASKED: gl.constexpr):
         gl.store(lse_ptr, lse)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["num_items"])  # as the Triton kernel: no recompile per item count
 def _mla_decode_fp8_kernel(
     Q, ckv_desc, kpe_desc,  # q [T, H, 576] (bf16 or e4m3fn); TMA: the cache as [pages x page_size, 576] e4m3fn
     BLOCK_TABLE, SEQ_LENS, QO_INDPTR,  # [B, pages] int32, [B] int32, [B+1] int32
