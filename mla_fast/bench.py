@@ -78,11 +78,15 @@ def build_batch(b: int, s: int, h: int, combo: str, page_size: int = 64, seed: i
     return DecodeBatch(q, cache, block_table, seq_lens, q_lens=q_lens, sm_scale=SM_SCALE, kv_lora_rank=L, **kw)
 
 
+def cache_bytes(b: int, s: int, combo: str) -> int:
+    """Bytes of the KV cache a decode of b requests x s tokens reads (2 B/elem bf16, 1 B/elem fp8)."""
+    return b * s * (L + R) * (1 if combo in ("fp8kv", "fp8") else 2)
+
+
 def bytes_moved(b: int, s: int, h: int, combo: str) -> int:
     """Cache bytes read + q bytes read + bf16 out bytes written (peers.md §2 effective GB/s)."""
-    kv_bytes = 1 if combo in ("fp8kv", "fp8") else 2
     q_bytes = 1 if combo == "fp8" else 2
-    return b * s * (L + R) * kv_bytes + b * h * (L + R) * q_bytes + b * h * L * 2
+    return cache_bytes(b, s, combo) + b * h * (L + R) * q_bytes + b * h * L * 2
 
 
 def time_us(fn, warmup_ms: int = 25, rep_ms: int = 100) -> tuple[float, float, float]:
@@ -225,11 +229,6 @@ def measure(fn_or_reason, nbytes: int, copy_gbs: float) -> dict:
     gbs = nbytes / (med * 1e-6) / 1e9
     return {"status": "ok", "us": med, "us_p20": p20, "us_p80": p80, "gbs": gbs, "pct_copy": 100 * gbs / copy_gbs,
             "timing": timing}
-
-
-def cache_bytes(b: int, s: int, combo: str) -> int:
-    """Bytes of the KV cache a decode of b requests x s tokens reads (2 B/elem bf16, 1 B/elem fp8)."""
-    return b * s * (L + R) * (1 if combo in ("fp8kv", "fp8") else 2)
 
 
 def check_shared_pages(shapes, combos, l2_bytes: int) -> None:
