@@ -248,3 +248,15 @@ def test_search_prints_pasteable_examples(capsys):
     for line in lines:
         expr = line.removeprefix("@example(case=").split("  # ")[0][:-1]  # Case(...)
         assert isinstance(eval(expr, {"Case": Case}), Case)
+
+
+def test_search_runs_in_one_process(capsys, tmp_path):
+    """--profile search draws each case from the results before it, so it runs in this process: the report says
+    jobs 1 (not the usable cores), and --jobs > 1 with it is a usage error instead of being ignored."""
+    path = tmp_path / "r.json"
+    code, _, err = run(capsys, "--profile", "search", "--cases", "3", "--max-seq-len", "64", "--seed", "1",
+                       "--json", str(path))
+    assert code == 0, err
+    assert json.loads(path.read_text())["jobs"] == 1
+    code, _, err = run(capsys, "--profile", "search", "--cases", "3", "--jobs", "2")
+    assert code == cli.EXIT_USAGE and "--jobs" in err and "got 2" in err

@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="torch device for the cases (default cuda if available, else cpu)")
     p.add_argument("--jobs", type=_positive_int, metavar="N",
                    help="worker processes (default: the usable cores on a CPU, min(14, cores) spawned processes "
-                        "sharing one GPU; 1 with --profile search)")
+                        "sharing one GPU; --profile search and --case run in one process)")
     p.add_argument("--json", metavar="PATH", help="write the JSON report to PATH ('-' = stdout)")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of err/bound per case and check (needs matplotlib)")
     p.add_argument("--case", metavar="JSON", help="replay one case (the JSON of a repro line) and show every check")
@@ -448,6 +448,9 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"mla-verify: error: {msg}", markup=False, highlight=False)
         return EXIT_USAGE
 
+    if args.profile == "search" and args.jobs not in (None, 1):
+        return usage(f"--jobs: --profile search runs its cases in one process (Hypothesis's target phase draws each "
+                     f"case from the results before it), got {args.jobs}")
     replay = None
     if args.case is not None:
         try:
@@ -501,7 +504,10 @@ def main(argv: list[str] | None = None) -> int:
         seed = 0 if args.profile == "ci" else int.from_bytes(os.urandom(4), "little")
     n = 1 if replay else (args.cases or DEFAULT_CASES[args.profile])
     cores = _usable_cores()
-    jobs = args.jobs or (cores if device.type == "cpu" else min(GPU_JOBS, cores))
+    if replay or args.profile == "search":  # one case, or Hypothesis's target phase steering each case from the last
+        jobs = 1
+    else:
+        jobs = args.jobs or (cores if device.type == "cpu" else min(GPU_JOBS, cores))
     kernel_spec = ("impl", args.impl) if args.impl else ("backend", kernel.name)
     report.update(seed=seed, jobs=jobs)
     what = f"replaying {replay.describe()}" if replay else f"profile {args.profile}, seed {seed}, {n} cases"
