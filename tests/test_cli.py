@@ -260,3 +260,13 @@ def test_search_runs_in_one_process(capsys, tmp_path):
     assert json.loads(path.read_text())["jobs"] == 1
     code, _, err = run(capsys, "--profile", "search", "--cases", "3", "--jobs", "2")
     assert code == cli.EXIT_USAGE and "--jobs" in err and "got 2" in err
+
+
+def test_plot_without_matplotlib_is_a_usage_error(capsys, monkeypatch, tmp_path):
+    """--plot without matplotlib stops before any case runs (exit 2, one line naming the extra), instead of running
+    the campaign and then skipping the plot."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import raises ImportError
+    png = tmp_path / "p.png"
+    code, _, err = run(capsys, "--backend", "ref", "--cases", "2", "--plot", str(png))
+    assert code == cli.EXIT_USAGE and "--plot needs matplotlib" in err and "cases:" not in err
+    assert not png.exists()

@@ -448,6 +448,11 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"mla-verify: error: {msg}", markup=False, highlight=False)
         return EXIT_USAGE
 
+    if args.plot:  # before the campaign, not after it
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            return usage("--plot needs matplotlib (pip install 'mla-verify[plot]')")
     if args.profile == "search" and args.jobs not in (None, 1):
         return usage(f"--jobs: --profile search runs its cases in one process (Hypothesis's target phase draws each "
                      f"case from the results before it), got {args.jobs}")
@@ -599,10 +604,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         _write_json(args.json, report)
     if args.plot and results:
-        try:
-            _plot(args.plot, results, f"{kernel.name}, {args.dtype}, {len(results)} cases")
-        except ImportError:
-            console.print("mla-verify: --plot needs matplotlib (pip install 'mla-verify[plot]')")
+        _plot(args.plot, results, f"{kernel.name}, {args.dtype}, {len(results)} cases")
     if not results:
         return EXIT_NOTHING_RAN
     if failed:
