@@ -198,7 +198,12 @@ GRAPHS = True  # time CUDA-graph replays (--eager: plain calls)
 def graphed(fn):
     """fn captured in a CUDA graph -> its replay. Every callable here launches on preallocated buffers after its
     plan, so a replay does the same GPU work without the Python launch path, which at b = 1 (a ~20 µs kernel) would
-    otherwise be timed too: do_bench measures between events around each call, CPU gaps included."""
+    otherwise be timed too: do_bench measures between events around each call, CPU gaps included.
+
+    The replay keeps fn alive (through the graph), so the buffers that fn's closure holds (plan, workspace, outputs)
+    live as long as the replay: a graph whose buffers were freed and reused replays on garbage work items, whose
+    wild addresses failed on one H200 with cudaErrorInvalidAddressSpace (fifteenth session, a script that kept only
+    the replays of five configs)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up outside the capture (allocator, lazy init)
@@ -208,6 +213,7 @@ def graphed(fn):
     with torch.cuda.graph(graph):
         fn()
     torch.cuda.synchronize()
+    graph.captured_fn = fn  # what the graph reads and writes lives as long as the graph (and so its replay)
     return graph.replay
 
 

@@ -119,3 +119,32 @@ def test_shared_pages_refuses_a_request_cache_beyond_half_the_l2():
     bench.check_shared_pages([(32, 16384, 16)], ["bf16"], l2)  # 18.9 MB of one request: fits
     with pytest.raises(ValueError, match=r"--shared-pages needs one request's cache \(37.7 MB at s_k=32768, bf16\)"):
         bench.check_shared_pages([(1, 32768, 16)], ["fp8kv", "bf16"], l2)
+
+
+@pytest.mark.gpu
+def test_graphed_replay_keeps_the_captured_callable_alive():
+    """bench.graphed: the replay holds the callable, so the buffers of its closure outlive the caller's reference
+    (a replay on freed, reused buffers reads garbage plans: cudaErrorInvalidAddressSpace on an H200)."""
+    import gc
+    import weakref
+
+    src = torch.arange(4096, dtype=torch.float32, device="cuda")  # [4096]
+
+    def make():
+        dst = torch.zeros_like(src)  # [4096], held only by the closure
+
+        def fn():
+            dst.copy_(src * 2)
+
+        return fn, weakref.ref(dst)
+
+    fn, dst_ref = make()
+    fn_ref = weakref.ref(fn)
+    replay = bench.graphed(fn)
+    del fn
+    gc.collect()
+    assert fn_ref() is not None and dst_ref() is not None
+    dst_ref().zero_()
+    replay()
+    torch.cuda.synchronize()
+    assert torch.equal(dst_ref(), src * 2)
