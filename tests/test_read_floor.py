@@ -1,5 +1,5 @@
 """mla_fast.read_floor on the CPU (the streaming-read kernel under Triton's interpreter, in a subprocess: the
-interpreter is chosen when triton is imported) and mla-bench's floor and shared-pages plumbing."""
+interpreter is chosen when triton is imported) and mla-bench's floor, shared-pages and graph-replay plumbing."""
 
 import json
 import os
