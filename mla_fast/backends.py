@@ -170,18 +170,13 @@ def _run_forced(kernel: str) -> Callable[[DecodeBatch], tuple[torch.Tensor, torc
     kernel takes no such rows or cannot run the batch (reasons without the case's values)."""
 
     def run(batch: DecodeBatch):
-        from mla_fast import gluon_decode, gluon_fp8
         from mla_fast import triton_decode as td
 
         q_len = td._max_q_len(batch)
         config = td.forced_config(td.dtype_combo(batch.q.dtype, batch.kv_cache.dtype), batch.num_heads, q_len, kernel)
         if config is None:
             raise Unsupported(f"default_config has no {kernel} geometry for these dtypes, heads and q_len")
-        rows = q_len * config.head_group
-        if kernel == "seesaw":
-            reason = gluon_decode.unsupported(batch, config.head_group, config.head_split, rows, config.mma)
-        else:
-            reason = gluon_fp8.unsupported(batch, config.head_group, config.head_split, rows)
+        reason = td.gluon_unsupported(batch, config, q_len * config.head_group)  # launch's check, as Unsupported
         if reason:
             raise Unsupported(reason.split(", got")[0])
         return td.decode(batch, config=config)

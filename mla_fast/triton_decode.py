@@ -877,8 +877,7 @@ def forced_config(combo: str, num_heads: int, max_q_len: int, kernel: str) -> Ke
 
     For tests, benchmarks and the verifier's "seesaw" and "gluon_fp8" backends, which pin a kernel that
     default_config gives only some batches (the verifier's small batches mostly take the Triton kernel or the
-    Gluon fp8 kernel). Whether the kernel runs on a given batch (dtypes, pages, device) is `gluon_decode.unsupported`
-    / `gluon_fp8.unsupported`."""
+    Gluon fp8 kernel). Whether the kernel runs on a given batch (dtypes, pages, device) is `gluon_unsupported`."""
     if kernel == "seesaw":
         config = default_config(combo, num_heads, max_q_len, None, seesaw=True)
         return config if config.kernel == "gluon" else None
@@ -934,10 +933,19 @@ def _max_q_len(batch) -> int:
     return max(int(batch.q_lens.max()) if batch.q_lens.numel() else 1, 1)
 
 
-def _raise_reason(reason: str | None) -> None:
-    """Raise ValueError(reason) when a Gluon kernel's `unsupported` named one (it names the field and expectation)."""
-    if reason:
-        raise ValueError(reason)
+def gluon_unsupported(batch, config: KernelConfig, max_rows: int) -> str | None:
+    """Why config's Gluon kernel (kernel "gluon" or "gluon_fp8") cannot take `batch` in config's geometry at max_rows
+    packed rows per program (the reason names the field and expectation), or None; None for the Triton kernel, whose
+    checks are check_batch's. No host sync."""
+    if config.kernel == "gluon":
+        from mla_fast import gluon_decode
+
+        return gluon_decode.unsupported(batch, config.head_group, config.head_split, max_rows, config.mma)
+    if config.kernel == "gluon_fp8":
+        from mla_fast import gluon_fp8
+
+        return gluon_fp8.unsupported(batch, config.head_group, config.head_split, max_rows)
+    return None
 
 
 def pdl_supported(device: torch.device) -> bool:
@@ -1059,17 +1067,19 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
         raise ValueError(f"pdl=True needs CUDA sm_90+ outside the interpreter (griddepcontrol), got {device}")
     pdl = supported if pdl is None else pdl
     num_workers = plan.worker_indptr.numel() - 1
-    if config.kernel == "gluon":
-        from mla_fast import gluon_decode
-
-        _raise_reason(gluon_decode.unsupported(batch, config.head_group, config.head_split, max_rows, config.mma))
-        compiled = gluon_decode.launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale,
-                                              config.head_group, config.head_split, qo_indptr, pdl)
-    elif config.kernel == "gluon_fp8":
+    if config.kernel == "gluon_fp8":
         from mla_fast import gluon_fp8
 
         gluon_fp8.check_stages(config.num_stages, config.workers_per_sm)
-        _raise_reason(gluon_fp8.unsupported(batch, config.head_group, config.head_split, max_rows))
+    reason = gluon_unsupported(batch, config, max_rows)
+    if reason:
+        raise ValueError(reason)
+    if config.kernel == "gluon":
+        from mla_fast import gluon_decode
+
+        compiled = gluon_decode.launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale,
+                                              config.head_group, config.head_split, qo_indptr, pdl)
+    elif config.kernel == "gluon_fp8":
         compiled = gluon_fp8.launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale,
                                            config.head_group, config.head_split, config.num_stages, qo_indptr)
     else:
