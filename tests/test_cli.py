@@ -4,6 +4,7 @@ repro line, the JSON report (schema, allow_nan=False, atomic), broken plug-ins a
 
 import json
 import shlex
+import socket
 import sys
 import types
 
@@ -220,11 +221,18 @@ def test_spawned_workers_match_one_process(capsys, tmp_path, monkeypatch):
     assert [r["err_over_bound"] for r in reports[0]["results"]] == [r["err_over_bound"] for r in reports[1]["results"]]
 
 
-def test_mps_detection_follows_the_pipe_directory(tmp_path, monkeypatch):
+def test_mps_detection_needs_a_daemon_behind_the_control_socket(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
-    assert not cli.mps_running()
-    (tmp_path / "control").touch()  # the daemon's control pipe
+    assert not cli.mps_running()  # no control socket
+    daemon = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # stands in for nvidia-cuda-mps-control -d
+    daemon.bind(str(tmp_path / "control"))
+    daemon.listen()
     assert cli.mps_running()
+    daemon.close()  # the daemon quit: its socket file stays behind
+    assert (tmp_path / "control").exists() and not cli.mps_running()
+    (tmp_path / "control").unlink()
+    (tmp_path / "control").touch()  # a plain file of that name
+    assert not cli.mps_running()
 
 
 def test_model_subcommand_dispatch(capsys, monkeypatch):

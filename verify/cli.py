@@ -17,6 +17,7 @@ import json
 import multiprocessing
 import os
 import platform
+import socket
 import statistics
 import sys
 import time
@@ -214,10 +215,19 @@ class _Stop(Exception):
 
 
 def mps_running() -> bool:
-    """An NVIDIA MPS control daemon is listening (its pipe directory: $CUDA_MPS_PIPE_DIRECTORY, default
-    /tmp/nvidia-mps). Without one, CUDA contexts of different processes time-slice the GPU."""
+    """An NVIDIA MPS control daemon is listening: its control socket (`control` in $CUDA_MPS_PIPE_DIRECTORY, default
+    /tmp/nvidia-mps; a Unix seqpacket socket) accepts a connection. Without one, CUDA contexts of different processes
+    time-slice the GPU. The socket file outlives the daemon (`echo quit | nvidia-cuda-mps-control` leaves it), so its
+    existence alone is no answer: a stale one refuses the connection (checked on an H200: accepted while the daemon
+    ran, ECONNREFUSED after quit; the daemon served the next CUDA process after such connections)."""
     pipe_dir = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
-    return os.path.exists(os.path.join(pipe_dir, "control"))
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as control:
+        control.settimeout(1.0)
+        try:
+            control.connect(os.path.join(pipe_dir, "control"))
+        except OSError:  # no file, not a socket, or no daemon behind it
+            return False
+    return True
 
 
 def _usable_cores() -> int:
