@@ -451,22 +451,25 @@ def print_table(result: dict) -> None:
                 "flashinfer µs", "flashmla µs", "ours / best peer", "vllm µs", "vllm / ours", "default µs",
                 "best override"):
         table.add_column(col, justify="right")
+
+    def us(m):  # µs of a measurement, None unless it ran
+        return m["us"] if m.get("status") == "ok" else None
+
+    def cell(m):
+        return f"{m['us']:.1f}" if us(m) is not None else m.get("status", "")
+
+    def ratio(num, den):
+        return "—" if num is None or den is None else f"{num / den:.2f}"
+
     for r in result["rows"]:
         o = r["ours"]
-
-        def cell(m):
-            return f"{m['us']:.1f}" if m.get("status") == "ok" else m.get("status", "")
-
-        peers = [r[p]["us"] for p in BEST_PEERS if r[p].get("status") == "ok"]
-        ratio = f"{o['us'] / min(peers):.2f}" if peers and o.get("status") == "ok" else "—"
-        vllm = r["vllm"]["us"] / o["us"] if r["vllm"].get("status") == "ok" and o.get("status") == "ok" else None
+        peers = [us(r[p]) for p in BEST_PEERS if us(r[p]) is not None]
         floor = r.get("read_floor", {"status": "—"})
-        over_floor = o["us"] / floor["us"] if floor.get("status") == "ok" and o.get("status") == "ok" else None
-        ours_cell = f"{o['us']:.1f} ({o['us_p20']:.1f}–{o['us_p80']:.1f})" if o.get("status") == "ok" else o["status"]
+        ours_cell = f"{o['us']:.1f} ({o['us_p20']:.1f}–{o['us_p80']:.1f})" if us(o) is not None else o["status"]
         table.add_row(str(r["b"]), str(r["s"]), str(r["h"]), r["combo"], ours_cell,
                       f"{o.get('gbs', 0):.0f}", f"{o.get('pct_copy', 0):.0f}", cell(floor),
-                      "—" if over_floor is None else f"{over_floor:.2f}", cell(r["flashinfer"]),
-                      cell(r["flashmla"]), ratio, cell(r["vllm"]), "—" if vllm is None else f"{vllm:.2f}",
+                      ratio(us(o), us(floor)), cell(r["flashinfer"]), cell(r["flashmla"]),
+                      ratio(us(o), min(peers, default=None)), cell(r["vllm"]), ratio(us(r["vllm"]), us(o)),
                       cell(r["candidates"][0]) if "candidates" in r else "",
                       str(o.get("override", "")))
     Console(width=220).print(table)

@@ -98,6 +98,20 @@ def test_bench_table_shows_ours_over_the_read_floor(capsys):
     assert "8.0" in cells and "1.25" in cells  # read floor µs, ours / floor
 
 
+def test_bench_table_ratios_take_the_faster_peer_and_dash_what_did_not_run(capsys):
+    ok = {"status": "ok", "us": 10.0, "us_p20": 9.0, "us_p80": 11.0, "gbs": 1.0, "pct_copy": 1.0}
+    row = {"b": 1, "s": 64, "h": 16, "combo": "bf16", "ours": ok, "read_floor": {"status": "skipped"},
+           "flashinfer": {**ok, "us": 40.0}, "flashmla": {**ok, "us": 25.0}, "vllm": {"status": "n/a"}}
+    failed = {**row, "combo": "fp8kv", "ours": {"status": "error: boom"}}
+    bench.print_table({"device": "test", "copy_gbs": 1.0, "rows": [row, failed]})
+    lines = capsys.readouterr().out.splitlines()
+    cells = [c.strip() for c in next(t for t in lines if "bf16" in t).split("│")]
+    assert "0.40" in cells and "0.25" not in cells  # ours / the faster peer (25 µs), not the slower
+    assert cells.count("—") == 2  # ours / floor and vLLM / ours: the floor and vLLM did not run
+    cells = [c.strip() for c in next(t for t in lines if "fp8kv" in t).split("│")]
+    assert cells.count("—") == 3 and "error: boom" in cells  # no ratio without our time
+
+
 @pytest.mark.gpu
 def test_read_floor_kernel_on_the_gpu_reads_every_block_once():
     # the compiled kernel (pipelined loads, 2 programs per SM): exact per-program sums over a ragged buffer
