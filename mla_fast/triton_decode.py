@@ -1080,6 +1080,8 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
         compiled = gluon_decode.launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale,
                                               config.head_group, config.head_split, qo_indptr, pdl)
     elif config.kernel == "gluon_fp8":
+        from mla_fast import gluon_fp8
+
         compiled = gluon_fp8.launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale,
                                            config.head_group, config.head_split, config.num_stages, qo_indptr)
     else:
