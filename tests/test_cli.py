@@ -235,6 +235,14 @@ def test_mps_detection_needs_a_daemon_behind_the_control_socket(tmp_path, monkey
     assert not cli.mps_running()
 
 
+def test_mps_detection_without_unix_seqpacket_sockets_says_no(monkeypatch):
+    def no_socket(*args):
+        raise OSError("address family not supported")  # as on an OS without them, where MPS does not exist
+
+    monkeypatch.setattr(cli.socket, "socket", no_socket)
+    assert cli.mps_running() is False
+
+
 def test_model_subcommand_dispatch(capsys, monkeypatch):
     fake = types.ModuleType("verify.model_check")
     fake.main = lambda argv: 7 if argv == ["--size", "ci"] else 0

@@ -221,7 +221,11 @@ def mps_running() -> bool:
     existence alone is no answer: a stale one refuses the connection (checked on an H200: accepted while the daemon
     ran, ECONNREFUSED after quit; the daemon served the next CUDA process after such connections)."""
     pipe_dir = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
-    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as control:
+    try:
+        control = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    except (AttributeError, OSError):  # no Unix seqpacket sockets on this OS (MPS is Linux-only)
+        return False
+    with control:
         control.settimeout(1.0)
         try:
             control.connect(os.path.join(pipe_dir, "control"))
