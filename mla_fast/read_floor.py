@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mla_fast.triton_decode import num_sms
+
 PROGRAMS_PER_SM = 2
 BLOCK = 4096  # int32 words per load: 16 KB
 STAGES = 4
@@ -52,13 +54,12 @@ def stream_read(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 def read_floor_fn(nbytes: int, device: torch.device | str = "cuda"):
     """() -> None reading `nbytes` (rounded up to whole int32 words) of a buffer of its own, on a grid of
-    PROGRAMS_PER_SM programs per SM (4 programs on the CPU, for the interpreter)."""
+    PROGRAMS_PER_SM programs per SM (`num_sms`: the decode's persistent grid; its CPU count for the interpreter)."""
     if nbytes < 1:
         raise ValueError(f"nbytes must be >= 1, got {nbytes}")
     device = torch.device(device)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
     x = torch.zeros(triton.cdiv(nbytes, 4), dtype=torch.int32, device=device)  # [words]
-    out = torch.empty(PROGRAMS_PER_SM * sms, dtype=torch.int32, device=device)  # [programs]
+    out = torch.empty(PROGRAMS_PER_SM * num_sms(device), dtype=torch.int32, device=device)  # [programs]
 
     def fn():
         stream_read(x, out)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from mla_fast import bench, read_floor
+from mla_fast.triton_decode import num_sms
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -48,7 +49,7 @@ def test_each_program_reads_its_blocks_once(interpreted):
 
 def test_read_floor_fn_rounds_up_to_words_and_runs_a_program_grid(interpreted):
     assert interpreted["words"] == 3  # 10 bytes -> 3 int32 words
-    assert interpreted["programs"] == read_floor.PROGRAMS_PER_SM * 2  # two "SMs" on the CPU
+    assert interpreted["programs"] == read_floor.PROGRAMS_PER_SM * num_sms(torch.device("cpu"))  # the decode's grid
     assert interpreted["floor_out"] == [0] * interpreted["programs"]  # the buffer is zeros
 
 
