@@ -14,5 +14,8 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 [ -f .whl/vllm/triton_decode_attention.py ] && export MLA_BENCH_VLLM_SRC=$PWD/.whl/vllm/triton_decode_attention.py
 log="$OUT/log.txt"
 step() { echo "=== $* ($(date +%T))" | tee -a "$log"; }
-mps_start() { [ -e "${CUDA_MPS_PIPE_DIRECTORY:-/tmp/nvidia-mps}/control" ] || nvidia-cuda-mps-control -d || echo "no MPS daemon"; }
+# a daemon is running when its control socket accepts a connection (verify.cli.mps_running: after `quit` the socket
+# file stays, so its existence alone would skip starting a new daemon)
+mps_start() { python3 -c "import sys; from verify.cli import mps_running; sys.exit(not mps_running())" \
+  || nvidia-cuda-mps-control -d || echo "no MPS daemon"; }
 mps_stop() { echo quit | nvidia-cuda-mps-control 2>/dev/null; }
