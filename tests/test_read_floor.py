@@ -88,29 +88,32 @@ def test_shared_pages_batch_gives_every_request_the_same_pages():
     assert plain.kv_cache.shape[0] == b * 2 + 1 and plain.block_table.unique().numel() == b * 2
 
 
+OK = {"status": "ok", "us": 10.0, "us_p20": 9.0, "us_p80": 11.0, "gbs": 1.0, "pct_copy": 1.0}  # a timed row cell
+
+
+def _table_cells(capsys, rows) -> dict:
+    """mla-bench's printed table of `rows` -> {dtype: the cells of its line}."""
+    bench.print_table({"device": "test", "copy_gbs": 1.0, "shared_pages": False, "rows": rows})
+    lines = capsys.readouterr().out.splitlines()
+    return {r["combo"]: [c.strip() for c in next(t for t in lines if r["combo"] in t).split("│")] for r in rows}
+
+
 def test_bench_table_shows_ours_over_the_read_floor(capsys):
-    ok = {"status": "ok", "us": 10.0, "us_p20": 9.0, "us_p80": 11.0, "gbs": 1.0, "pct_copy": 1.0}
-    row = {"b": 1, "s": 64, "h": 16, "combo": "bf16", "ours": ok, "read_floor": {**ok, "us": 8.0},
+    row = {"b": 1, "s": 64, "h": 16, "combo": "bf16", "ours": OK, "read_floor": {**OK, "us": 8.0},
            "flashinfer": {"status": "not installed"}, "flashmla": {"status": "not installed"},
            "vllm": {"status": "skipped"}}
-    bench.print_table({"device": "test", "copy_gbs": 1.0, "shared_pages": False, "rows": [row]})
-    line = next(t for t in capsys.readouterr().out.splitlines() if "bf16" in t)
-    cells = [c.strip() for c in line.split("│")]
+    cells = _table_cells(capsys, [row])["bf16"]
     assert "8.0" in cells and "1.25" in cells  # read floor µs, ours / floor
 
 
 def test_bench_table_ratios_take_the_faster_peer_and_dash_what_did_not_run(capsys):
-    ok = {"status": "ok", "us": 10.0, "us_p20": 9.0, "us_p80": 11.0, "gbs": 1.0, "pct_copy": 1.0}
-    row = {"b": 1, "s": 64, "h": 16, "combo": "bf16", "ours": ok, "read_floor": {"status": "skipped"},
-           "flashinfer": {**ok, "us": 40.0}, "flashmla": {**ok, "us": 25.0}, "vllm": {"status": "n/a"}}
+    row = {"b": 1, "s": 64, "h": 16, "combo": "bf16", "ours": OK, "read_floor": {"status": "skipped"},
+           "flashinfer": {**OK, "us": 40.0}, "flashmla": {**OK, "us": 25.0}, "vllm": {"status": "n/a"}}
     failed = {**row, "combo": "fp8kv", "ours": {"status": "error: boom"}}
-    bench.print_table({"device": "test", "copy_gbs": 1.0, "rows": [row, failed]})
-    lines = capsys.readouterr().out.splitlines()
-    cells = [c.strip() for c in next(t for t in lines if "bf16" in t).split("│")]
-    assert "0.40" in cells and "0.25" not in cells  # ours / the faster peer (25 µs), not the slower
-    assert cells.count("—") == 2  # ours / floor and vLLM / ours: the floor and vLLM did not run
-    cells = [c.strip() for c in next(t for t in lines if "fp8kv" in t).split("│")]
-    assert cells.count("—") == 3 and "error: boom" in cells  # no ratio without our time
+    cells = _table_cells(capsys, [row, failed])
+    assert "0.40" in cells["bf16"] and "0.25" not in cells["bf16"]  # ours / the faster peer (25 µs), not the slower
+    assert cells["bf16"].count("—") == 2  # ours / floor and vLLM / ours: the floor and vLLM did not run
+    assert cells["fp8kv"].count("—") == 3 and "error: boom" in cells["fp8kv"]  # no ratio without our time
 
 
 @pytest.mark.gpu
