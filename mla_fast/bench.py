@@ -9,13 +9,14 @@ cast with scales 0.5 / 0.25, peers.md §2 conditions), and each dtype combinatio
 
 it reports µs per call (median and 20/80 % quantiles of `triton.testing.do_bench`, which flushes the L2 before every
 call, timing CUDA-graph replays of each callable so that Python launch overhead is not timed; `--eager`: plain
-calls), effective GB/s = (cache bytes read + q bytes + out bytes) / time, and % of the device-to-device copy
-bandwidth measured in the same run (a ~2 GB copy, bytes read + written). Ours is timed as one `launch` (decode +
-reduce), with the plan made beforehand; FlashInfer as `run()` after `plan()`; FlashMLA as the whole call,
-schedule cached after the first call (peers.md §2); vLLM's Triton MLA decode as its `decode_attention_fwd` called
-the way vLLM calls it (`mla_fast/vllm_peer.py`: from an installed vLLM or a copy of its file named by
-$MLA_BENCH_VLLM_SRC), with the largest |out - our out| recorded beside its time. Missing peers are reported as "not
-installed". "ours / best peer" is ours over the better of FlashInfer and FlashMLA.
+calls; `--flush read`: the L2 flushed by reading do_bench's 256 MB buffer instead of zeroing it, so that no call
+pays for writing back the flush's dirty lines), effective GB/s = (cache bytes read + q bytes + out bytes) / time,
+and % of the device-to-device copy bandwidth measured in the same run (a ~2 GB copy, bytes read + written). Ours is
+timed as one `launch` (decode + reduce), with the plan made beforehand; FlashInfer as `run()` after `plan()`;
+FlashMLA as the whole call, schedule cached after the first call (peers.md §2); vLLM's Triton MLA decode as its
+`decode_attention_fwd` called the way vLLM calls it (`mla_fast/vllm_peer.py`: from an installed vLLM or a copy of
+its file named by $MLA_BENCH_VLLM_SRC), with the largest |out - our out| recorded beside its time. Missing peers are
+reported as "not installed". "ours / best peer" is ours over the better of FlashInfer and FlashMLA.
 
 Beside them, the **read floor** (`mla_fast/read_floor.py`, `--no-floor` skips it): a kernel that only streams the
 row's cache bytes, timed the same way. It counts what the copy rate does not (the replay's fixed cost, the flush's
@@ -27,6 +28,7 @@ Output: a rich table on stdout and, with --json, every number in a JSON file.
 """
 
 import argparse
+import contextlib
 import json
 import math
 import time
@@ -89,11 +91,41 @@ def bytes_moved(b: int, s: int, h: int, combo: str) -> int:
     return cache_bytes(b, s, combo) + b * h * (L + R) * q_bytes + b * h * L * 2
 
 
-def time_us(fn, warmup_ms: int = 25, rep_ms: int = 100) -> tuple[float, float, float]:
-    """(median, 20 %, 80 %) µs of fn() by triton.testing.do_bench (L2 flushed before each call)."""
+FLUSHES = ("zero", "read")  # how the L2 is flushed before each timed call (--flush)
+FLUSH = "zero"
+
+
+@contextlib.contextmanager
+def read_flush():
+    """Inside: triton.testing.do_bench flushes the L2 by *reading* its 256 MB buffer (a sum) instead of zeroing it.
+
+    do_bench's own flush (`cache.zero_()`) leaves the L2 full of dirty lines, which the timed call's loads then
+    write back to HBM; a read leaves clean lines, so the call pays only for its own traffic. Everything else is
+    do_bench's loop (estimate, warm-up, repeats, events): only the driver's `clear_cache` is swapped, and restored on
+    exit."""
     import triton
 
-    ms = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
+    drv = triton.runtime.driver.active
+    if "clear_cache" in vars(drv):
+        raise RuntimeError("read_flush: the driver's clear_cache is already replaced (nested read_flush?)")
+    drv.clear_cache = lambda cache: cache.sum(dtype=torch.int64)  # reads every line; the 8-byte sum is dropped
+    try:
+        yield
+    finally:
+        del drv.clear_cache  # the class's method again
+
+
+def time_us(fn, warmup_ms: int = 25, rep_ms: int = 100, flush: str | None = None) -> tuple[float, float, float]:
+    """(median, 20 %, 80 %) µs of fn() by triton.testing.do_bench (L2 flushed before each call). flush: "zero"
+    (do_bench's own: a 256 MB memset, which leaves dirty lines) or "read" (`read_flush`); None: the module's FLUSH
+    (mla-bench --flush)."""
+    import triton
+
+    flush = FLUSH if flush is None else flush
+    if flush not in FLUSHES:
+        raise ValueError(f"flush must be one of {FLUSHES}, got {flush!r}")
+    with read_flush() if flush == "read" else contextlib.nullcontext():
+        ms = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
     return tuple(1e3 * t for t in ms)
 
 
@@ -263,7 +295,7 @@ def run_grid(shapes, combos, peers=tuple(PEERS), copy_gbs=None, candidates=False
     copy_gbs = copy_gbs or copy_bandwidth_gbs()
     rows = []
     result = {"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "shared_pages": shared_pages,
-              "rows": rows}
+              "flush": FLUSH, "rows": rows}
     floors = {}  # cache bytes -> read floor measurement
     for b, s, h in shapes:
         for combo in combos:
@@ -446,7 +478,9 @@ def print_table(result: dict) -> None:
     from rich.table import Table
 
     title = f"MLA decode, q_len 1, page 64 — {result['device']}, copy {result['copy_gbs']:.0f} GB/s"
-    table = Table(title=title + (", shared pages (the cache from the L2)" if result.get("shared_pages") else ""))
+    title += ", shared pages (the cache from the L2)" if result.get("shared_pages") else ""
+    title += ", L2 flushed by a read (--flush read)" if result.get("flush") == "read" else ""
+    table = Table(title=title)
     for col in ("b", "s_k", "h", "dtype", "ours µs (20–80%)", "GB/s", "% copy", "read floor µs", "ours / floor",
                 "flashinfer µs", "flashmla µs", "ours / best peer", "vllm µs", "vllm / ours", "default µs",
                 "best override"):
@@ -496,9 +530,14 @@ def main(argv=None) -> None:
     parser.add_argument("--shared-pages", action="store_true",
                         help="every request reads one request's pages: the cache comes from the L2, so the times "
                              "show each kernel's SM-side rate instead of HBM's (no read floor)")
+    parser.add_argument("--flush", choices=FLUSHES, default="zero",
+                        help="how the L2 is flushed before each call: zero (do_bench's 256 MB memset, the default; "
+                             "it leaves dirty lines that the call writes back) or read (a sum over the same buffer: "
+                             "clean lines)")
     args = parser.parse_args(argv)
-    global GRAPHS
+    global GRAPHS, FLUSH
     GRAPHS = not args.eager
+    FLUSH = args.flush
     peers = [] if args.no_peers else args.peers.split(",")
     if set(peers) - set(PEERS):
         parser.error(f"--peers must be a comma list of {list(PEERS)}, got {args.peers!r}")

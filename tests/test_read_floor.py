@@ -166,3 +166,58 @@ def test_graphed_replay_keeps_the_captured_callable_alive():
     replay()
     torch.cuda.synchronize()
     assert torch.equal(dst_ref(), src * 2)
+
+
+class _ZeroingDriver:
+    """Stands in for Triton's active driver: its clear_cache zeroes the buffer, as the CUDA driver's does."""
+
+    def clear_cache(self, cache):
+        cache.zero_()
+
+
+def test_read_flush_reads_the_buffer_and_restores_the_zeroing_flush(monkeypatch):
+    import triton
+
+    drv = _ZeroingDriver()
+    monkeypatch.setattr(triton.runtime.driver, "_active", drv)
+    cache = torch.full((64,), 7, dtype=torch.int32)  # [64]
+    with bench.read_flush():
+        assert int(drv.clear_cache(cache)) == 7 * 64  # the sum over every word: the buffer was read
+        assert torch.equal(cache, torch.full_like(cache, 7))  # and not written
+        with pytest.raises(RuntimeError, match="already replaced"), bench.read_flush():
+            pass
+    assert "clear_cache" not in vars(drv)  # the class's method again
+    drv.clear_cache(cache)
+    assert not cache.any()
+
+
+def test_time_us_and_mla_bench_refuse_an_unknown_flush():
+    with pytest.raises(ValueError, match=r"flush must be one of \('zero', 'read'\), got 'dirty'"):
+        bench.time_us(lambda: None, flush="dirty")
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--flush", "dirty"])
+    assert exit_info.value.code == 2  # argparse's usage error, before any CUDA work
+
+
+def test_bench_table_title_names_a_read_flush(capsys):
+    row = {"b": 1, "s": 64, "h": 16, "combo": "bf16", "ours": OK, "read_floor": {"status": "skipped"},
+           "flashinfer": {"status": "skipped"}, "flashmla": {"status": "skipped"}, "vllm": {"status": "skipped"}}
+    for flush in bench.FLUSHES:
+        bench.print_table({"device": "test", "copy_gbs": 1.0, "shared_pages": False, "flush": flush, "rows": [row]})
+        assert ("L2 flushed by a read" in capsys.readouterr().out) == (flush == "read")
+
+
+@pytest.mark.gpu
+def test_read_flush_on_the_gpu_leaves_do_benchs_buffer_unwritten():
+    import triton
+
+    drv = triton.runtime.driver.active
+    cache = drv.get_empty_cache_for_benchmark().fill_(3)  # do_bench's 256 MB buffer
+    with bench.read_flush():
+        drv.clear_cache(cache)
+        torch.cuda.synchronize()
+        assert int(cache.min()) == 3 and int(cache.max()) == 3
+        us = bench.time_us(lambda: None, warmup_ms=1, rep_ms=2)  # do_bench's loop runs with the read flush
+    assert all(t > 0 for t in us)
+    drv.clear_cache(cache)
+    assert not cache.any()  # do_bench's own flush again
