@@ -2,7 +2,8 @@
 Gluon fp8 kernel (16 rows per program, head_split programs per worker) and the seesaw kernel on fp16 operands (64
 rows), each forced whatever the batch size, beside the default config (`batch_config`) and our bf16 default, CUDA-graph
 replays as in `mla-bench`. This is the measurement behind `default_config`'s boundary between the two
-(programs per worker x the batch's cache tokens <= GLUON_FP8_MAX_PROGRAM_TOKENS; README, eleventh session).
+(programs per worker x the batch's cache tokens <= GLUON_FP8_MAX_PROGRAM_TOKENS; docs/perf_history.md, eleventh
+session).
 
     python benchmarks/boundary_bench.py --json boundary.json
 

@@ -61,11 +61,10 @@ Safety: TMA copies whole 64-token tiles, so the last tile of an item may hold ca
 0 in shared memory before any P.V MMA reads them (NaN x 0 would be NaN). Rows that see no token give out = 0,
 lse = -inf.
 
-Performance (one H200, mla-bench, CUDA-graph replays; README): 276-288 us at (128, 4096, 128) (FlashMLA 243-245,
-the Triton kernel 443), 86-87 us at (32, 4096, 128) (FlashMLA 75, FlashInfer 81), 27-27.5 us at (1, 8192, 128)
-(FlashInfer 27.5); MTP
-(benchmarks/mtp_bench.py) 574 vs 900 us for the Triton kernel at (128, 4096, 128) q_len 2, 102 vs 135 us at
-(64, 4096, 16) q_len 4. ncu:
+Performance (one H200, mla-bench, CUDA-graph replays; docs/perf_history.md): 276-288 us at (128, 4096, 128) (FlashMLA
+243-245, the Triton kernel 443), 86-87 us at (32, 4096, 128) (FlashMLA 75, FlashInfer 81), 27-27.5 us at (1, 8192, 128)
+(FlashInfer 27.5); MTP (benchmarks/mtp_bench.py) 574 vs 900 us for the Triton kernel at (128, 4096, 128) q_len 2, 102 vs
+135 us at (64, 4096, 16) q_len 4. ncu:
 the largest stall is warpgroup 1 waiting for the c_kv-left group of its next tile, which warpgroup 0 reloads only
 after its last P.V of the pair; warpgroup 0 spills 34 registers (smem descriptors).
 With PDL (launch's default on sm_90) the kernel calls gdc_launch_dependents at its start, so the reduce programs
@@ -99,10 +98,10 @@ cost; the conversion as inline PTX (cvt.rn.f16x2.e4m3x2 on each half of a 32-bit
 masked tiles): 475.5 us in one call, 451.5-456.8 for the plain cast in three others. Per tile the expansion reads 36
 KB and writes 72 KB of shared memory and converts 36864 values beside the MMAs' own shared-memory reads. fp8 MMAs
 instead (FlashMLA's route; its fp8 kernel takes 225.0 us at (128, 4096, 128)) need V transposed in shared memory: a
-prototype (tenth session, README; not landed) with fp8 score MMAs on the raw boxes, each warpgroup transposing its V
-half into separate buffers and P x 256 rounded to e4m3 took 193.4 us with the transposes left out, but 354 us at
-best with them (354-486 us over four register layouts, 440 on the tensor cores), no faster than this path (372-378
-us in the same calls) and with e4m3 P.
+prototype (tenth session, docs/perf_history.md; not landed) with fp8 score MMAs on the raw boxes, each warpgroup
+transposing its V half into separate buffers and P x 256 rounded to e4m3 took 193.4 us with the transposes left out, but
+354 us at best with them (354-486 us over four register layouts, 440 on the tensor cores), no faster than this path
+(372-378 us in the same calls) and with e4m3 P.
 
 Device only: Gluon kernels need a CUDA driver (sm_90); the interpreter cannot run them, so this kernel has GPU
 tests only (tests/test_triton_gpu.py). `mla_fast.triton_decode.launch` calls it for `KernelConfig(kernel="gluon")`,

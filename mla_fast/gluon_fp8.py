@@ -9,9 +9,9 @@ multiple of 64 tokens, L = 512, R = 64: the memory-bound DeepSeek shapes at 16 h
 heads of 2 rows at q_len 2, 4 heads of 3-4 rows at q_len 3-4 (MTP: each row masked at its causal limit, rows past
 an item's query rows are read as 0 and not written); more heads as several programs per worker.
 
-Why: the Triton kernel converts each fp8 tile to fp16 in shared memory and reads it back with ldmatrix, so fp8 KV
-moves more shared-memory bytes per tile than bf16 (about 369 vs 295 KB per tile and SM) and ran at bf16's speed
-although it reads half the HBM bytes (README, fourth session). This kernel reads each fp8 byte of a tile from shared
+Why: the Triton kernel converts each fp8 tile to fp16 in shared memory and reads it back with ldmatrix, so fp8 KV moves
+more shared-memory bytes per tile than bf16 (about 369 vs 295 KB per tile and SM) and ran at bf16's speed although it
+reads half the HBM bytes (docs/perf_history.md, fourth session). This kernel reads each fp8 byte of a tile from shared
 memory once per use (twice in all: scores, then P.V), converts it in registers and feeds register-A wgmmas:
 
 - transposed products, so the 64 tokens of a tile are the wgmma M dimension and the 16 rows are N (no padded rows):
@@ -43,12 +43,11 @@ Safety: TMA copies whole 64-token tiles, so the last tile of an item may hold ca
 slots are allowed): their scores are selected to -inf, and their c_kv rows are set to 0 in shared memory before the
 P.V operands are loaded. Rows that see no token give out = 0, lse = -inf.
 
-Performance (one H200, mla-bench, CUDA-graph replays, seventh session; README): fp8 q 179.5 us and fp8kv 183.5 at
-(128, 8192, 16) (our bf16 293.9, FlashMLA's fp8 219.2, the Triton kernel's staged path 302), 101.6 / 103.4 at
-(128, 4096, 16), 101.2 / 102.8 at (32, 16384, 16), 61.2 / 61.5 at (64, 4096, 16), 41.6 / 42.2 at (32, 4096, 16),
-16.2 / 16.1 at (1, 8192, 16). More heads run as head_split programs of 16 (default_config: 32 heads, or up to
-programs x cache tokens = 32 x 4096, GLUON_FP8_MAX_PROGRAM_TOKENS): 164.3 us at (128, 4096, 32), 24.4 at
-(1, 8192, 128).
+Performance (one H200, mla-bench, CUDA-graph replays, seventh session; docs/perf_history.md): fp8 q 179.5 us and fp8kv
+183.5 at (128, 8192, 16) (our bf16 293.9, FlashMLA's fp8 219.2, the Triton kernel's staged path 302), 101.6 / 103.4 at
+(128, 4096, 16), 101.2 / 102.8 at (32, 16384, 16), 61.2 / 61.5 at (64, 4096, 16), 41.6 / 42.2 at (32, 4096, 16), 16.2 /
+16.1 at (1, 8192, 16). More heads run as head_split programs of 16 (default_config: 32 heads, or up to programs x cache
+tokens = 32 x 4096, GLUON_FP8_MAX_PROGRAM_TOKENS): 164.3 us at (128, 4096, 32), 24.4 at (1, 8192, 128).
 History (fp8kv at (128, 8192, 16), each step against the one before in the same device call): first version (one
 program, five slots) 260 us against the staged path's 302; two programs per SM with two slots 222; each score chunk's
 operand loaded before the previous chunk's MMA is issued, V's first quarter before the softmax 211.8; every slot kept

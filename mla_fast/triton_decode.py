@@ -24,7 +24,7 @@ Two kernels, beside their launcher (like Triton's fused-attention tutorial):
   On sm_90+ CUDA it is launched with programmatic dependent launch: the decode kernel lets it start at once
   (gdc_launch_dependents), and its programs load their tile metadata, then wait (gdc_wait) until decode has
   finished and its partials are visible. Same bits; on one H200 0.3-0.9 us less per call at most split shapes,
-  0.4 us more at (1, 8192, 16) fp8 KV (README).
+  0.4 us more at (1, 8192, 16) fp8 KV (docs/perf_history.md).
 
 Safety: cache slots at or past a request's `seq_len` may hold NaN. Loads are masked by the item's KV_END (never read)
 and scores past a row's causal limit are removed with `tl.where` (never multiplied by 0). A row that sees no token
@@ -52,7 +52,7 @@ Other e4m3fn caches with 64 packed rows per program take the seesaw kernel on fp
 kernel="gluon", mma="fp16"), each fp8 tile expanded in place): 377.3 vs 557.3 us (fp8kv) at (128, 4096, 128).
 
 Performance of this kernel (one H200, mla-bench, CUDA-graph replays, copy rate 4244-4269 GB/s; peers.md §2 conditions;
-README table): bf16 h=16 takes 288-294 us at (b=128, s=8192), 97-99 % of copy (FlashInfer FA3 291-301 us), 154-157 us
+docs/perf_history.md tables): bf16 h=16 takes 288-294 us at (b=128, s=8192), 97-99 % of copy (FlashInfer FA3 291-301 us), 154-157 us
 at (128, 4096), 91-92 us at (64, 4096), 57-58 us at (32, 4096), 158-161 us at (32, 16384), 17.2-17.7 us at (1, 8192);
 fp8 KV (bf16 or fp8 q) 0.87-1.06x our bf16 time at h=16; h=128 bf16 443 us at (128, 4096) (FlashMLA 239-251 us), fp8
 KV 552-563 us (FlashInfer's fp8 666-675 us). The tile loop is latency-bound, not bandwidth-bound: one score MMA chain
@@ -731,7 +731,7 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
       of 24 shapes on its boundary at s_k = 8192 (by 4-8 %: 51.7 vs 48.2 us at (4, 8192, 128)), and at 8 of 9 shapes
       off that grid (by 5.5-19 %: 52.0 vs 46.8 at (2, 16384, 128), 35.5 vs 29.8 at (32, 512, 128), 39.0 vs 34.5 at
       (32, 1024, 64), 37.2 vs 33.9 at (16, 2048, 16) q_len 4); the token rule picks the faster kernel at all 34
-      (README, benchmarks/boundary_bench.py). One H200, graph replays, fp8kv, against this module's staged path
+      (docs/perf_history.md, benchmarks/boundary_bench.py). One H200, graph replays, fp8kv, against this module's staged path
       (sixth session):
       213.5 vs 302 us at (128, 8192, 16), 117 vs 157 at (128, 4096, 16), 117 vs 159 at (32, 16384, 16), 68 vs 87
       at (64, 4096, 16), 45.2 vs 50.6 at (32, 4096, 16), 16.1 vs 17.5 at (1, 8192, 16); one program with four slots
@@ -761,7 +761,7 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
       0.6-5.2 % only on its boundary (batch x programs x 16 = 512) at s = 8192 (51.9 vs 49.5 us at (4, 8192, 128),
       52.9 vs 51.7 at (8, 8192, 64), 52.4 vs 50.1 at (8, 8192, 16) q_len 3), where at s = 4096 the Gluon fp8
       kernel is 15-18 % faster (33.1 vs 39.1 at (4, 4096, 128), 33.6 vs 39.6 at (8, 4096, 64)): kept then, and
-      replaced by the token rule in the eleventh session (above; README; benchmarks/boundary_bench.py).
+      replaced by the token rule in the eleventh session (above; docs/perf_history.md; benchmarks/boundary_bench.py).
     - bf16 with more than 16 packed rows (q_len x head_group, head_group 8-64) and seesaw: the Gluon kernel
       (kernel="gluon"; MTP rows packed as in the Triton kernel). At q_len 1 (64 heads per program), one H200, graph
       replays: 299 vs 447 us at (128, 4096, 128) and 86 vs 130 us at (32, 4096, 128) against the Triton 64-row

@@ -400,9 +400,9 @@ def _boundary_bench():
 
 
 def test_boundary_bench_times_both_kernels_on_both_sides_of_the_rule():
-    """benchmarks/boundary_bench.py (the README's tenth-session boundary table) forces the Gluon fp8 kernel and the
-    fp8 seesaw in default_config's geometry (mla_fast.bench.forced_fp8_kernels), and its grid has shapes on both
-    sides of the rule at every head count, where default_config picks one of the two forced configs."""
+    """benchmarks/boundary_bench.py (the tenth-session boundary table in docs/perf_history.md) forces the Gluon fp8
+    kernel and the fp8 seesaw in default_config's geometry (mla_fast.bench.forced_fp8_kernels), and its grid has shapes
+    on both sides of the rule at every head count, where default_config picks one of the two forced configs."""
     td = pytest.importorskip("mla_fast.triton_decode")
     from mla_fast.bench import forced_fp8_kernels
 
