@@ -143,6 +143,9 @@ class WorkPlan:
         one_item_per_worker: worker w runs exactly work item w for w < N and idle workers come last
             (worker_indptr = min(w, N)): the even plan, and the unsplit plan of at most num_workers tiles. A kernel
             can then find its item without reading worker_indptr (one dependent load fewer before its first KV tile).
+        paired_splits: every tile is split into exactly two pieces, and tile t's pieces are items 2t and 2t + 1 (KV
+            order). With one_item_per_worker they run on workers 2t and 2t + 1, which a 2-CTA cluster can merge
+            without the reduce kernel (mla_fast.dsmem).
     """
 
     work_items: torch.Tensor
@@ -160,6 +163,7 @@ class WorkPlan:
     seq_lens: torch.Tensor
     q_lens: torch.Tensor
     one_item_per_worker: bool = False
+    paired_splits: bool = False
 
     @property
     def num_items(self) -> int:
@@ -478,4 +482,6 @@ def _plan_from_cuts(line: _Line, cut: torch.Tensor, split: bool) -> WorkPlan:
         seq_lens=out(seq),
         q_lens=out(qlen),
         one_item_per_worker=torch.equal(worker_indptr, torch.arange(num_workers + 1).clamp(max=item_tile.numel())),
+        paired_splits=bool(pieces.numel() > 0 and (pieces == 2).all()
+                           and torch.equal(item_tile, torch.arange(item_tile.numel()) // 2)),
     )

@@ -241,6 +241,31 @@ def test_plan_invariants(case: PlanCase):
     # the flag the kernels trust instead of reading worker_indptr: worker w runs exactly item w
     one_each = torch.arange(plan.num_workers + 1).clamp(max=plan.num_items).to(torch.int32)
     assert plan.one_item_per_worker == torch.equal(plan.worker_indptr.cpu(), one_each)
+    check_paired_splits(plan)
+
+
+def check_paired_splits(plan: WorkPlan) -> None:
+    """The flag a 2-CTA cluster merge trusts (mla_fast.dsmem): items 2t and 2t + 1 are the two pieces of tile t,
+    in KV order, and no tile is unsplit or split in more pieces."""
+    pieces = torch.diff(plan.reduce_indptr.cpu())  # [T], 0 = unsplit
+    items = plan.work_items.cpu()  # [N, 8]
+    pairs = plan.num_tiles > 0 and bool((pieces == 2).all()) and plan.num_items == 2 * plan.num_tiles
+    if pairs:  # then the items must pair up by tile: same request and heads, adjacent token ranges
+        first, second = items[0::2], items[1::2]
+        pairs = (torch.equal(first[:, BATCH], second[:, BATCH])
+                 and torch.equal(first[:, HEAD_START], second[:, HEAD_START])
+                 and torch.equal(first[:, KV_END], second[:, KV_START])
+                 and torch.equal(plan.reduce_partial_map.cpu()[0::2], first[:, PARTIAL_ROW]))
+    assert plan.paired_splits == pairs
+
+
+@pytest.mark.parametrize("batch, paired", [(64, True), (32, False), (128, False), (1, False)])
+def test_paired_splits_marks_the_two_piece_even_plan(batch: int, paired: bool):
+    """4096-token requests on 132 workers: 64 requests split in two (paired; the even plan), 32 in four (the even
+    plan), 128 unsplit, 1 in many pieces (the line plan)."""
+    plan = plan_decode(torch.full((batch,), 4096), torch.ones(batch, dtype=torch.long), 16, 132)
+    check_paired_splits(plan)
+    assert plan.paired_splits == paired and plan.one_item_per_worker == (batch in (32, 64))
 
 
 @given(plan_cases(), st.sampled_from([1, 2, 16, 64]))
