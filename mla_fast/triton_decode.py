@@ -81,7 +81,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mla_fast import planner
+from mla_fast import dsmem, planner
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once at import, like triton itself
 UPCAST_BF16 = INTERPRET  # Triton 3.6's interpreter computes bf16 tl.dot wrongly: feed it fp32 (exact for bf16)
@@ -350,7 +350,7 @@ def _mla_decode_kernel(
     MMA: tl.constexpr, INTERPRET: tl.constexpr, UPCAST_BF16: tl.constexpr,
     TILE_IN_PAGE: tl.constexpr, PAGE_CHUNK: tl.constexpr, V_RELOAD: tl.constexpr, FP8_STAGE: tl.constexpr,
     HEAD_SPLIT: tl.constexpr, SPLIT_L: tl.constexpr, LAZY_L: tl.constexpr, UNCHAIN: tl.constexpr,
-    INTERLEAVE: tl.constexpr, PDL: tl.constexpr, ONE_ITEM: tl.constexpr,
+    INTERLEAVE: tl.constexpr, PDL: tl.constexpr, ONE_ITEM: tl.constexpr, PAIR_MERGE: tl.constexpr,
 ):
     if PDL:  # the reduce kernel may start now; its programs wait (gdc_wait) until this grid has finished
         tl.extra.cuda.gdc_launch_dependents()
@@ -376,7 +376,7 @@ def _mla_decode_kernel(
             kv_scale, qk_scale, stride_qt, stride_qh, stride_kvp, stride_kvs, stride_bt, stride_ot, stride_oh,
             stride_lt, stride_pt, stride_ph, stride_plt, PAGE_SIZE, L, R, BLOCK_M, BLOCK_N, MMA, INTERPRET,
             UPCAST_BF16, TILE_IN_PAGE, PAGE_CHUNK, V_RELOAD, FP8_STAGE, HEAD_SPLIT, SPLIT_L, LAZY_L, UNCHAIN,
-            INTERLEAVE)
+            INTERLEAVE, PAIR_MERGE)
         it += 1
 
 
@@ -389,9 +389,10 @@ def _attend_item(
     MMA: tl.constexpr, INTERPRET: tl.constexpr, UPCAST_BF16: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
     PAGE_CHUNK: tl.constexpr, V_RELOAD: tl.constexpr, FP8_STAGE: tl.constexpr, HEAD_SPLIT: tl.constexpr,
     SPLIT_L: tl.constexpr, LAZY_L: tl.constexpr, UNCHAIN: tl.constexpr,
-    INTERLEAVE: tl.constexpr,
+    INTERLEAVE: tl.constexpr, PAIR_MERGE: tl.constexpr,
 ):
-    """Work item `it`: its rows over its token range, then its output (or workspace) rows."""
+    """Work item `it`: its rows over its token range, then its output (or workspace) rows; with PAIR_MERGE (item
+    `it` is piece it % 2 of a two-piece tile, on CTA it % 2 of a 2-CTA cluster) the merged output of the pair."""
     LS: tl.constexpr = L // SPLIT_L
     b, partial_row, qo_start, n_rows, kv_start, kv_end, head_start, num_h, limit_0 = _item_scalars(
         WORK_ITEMS, SEQ_LENS, QO_INDPTR, it, head_part, HEAD_SPLIT)
@@ -422,9 +423,13 @@ def _attend_item(
             q, q_pe, m_i, l_i, acc, kv_start, kv_end, kv_end, limit, kv_start, 0, b, KV, BLOCK_TABLE, qk_scale,
             stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R, BLOCK_N, MMA, INTERPRET, UPCAST_BF16, TILE_IN_PAGE, 0,
             V_RELOAD, FP8_STAGE, SPLIT_L, LAZY_L, UNCHAIN, INTERLEAVE)
-    _store_item(m_i, l_i, acc, kv_scale, partial_row, qo, qo_start, h, row_ok, OUT, LSE,
-                O_PART, LSE_PART, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt, LS, SPLIT_L,
-                LAZY_L, INTERPRET)
+    if PAIR_MERGE:
+        _store_pair(m_i, l_i, acc, kv_scale, it % 2, qo, h, row_ok, OUT, LSE, stride_ot, stride_oh, stride_lt,
+                    BLOCK_M, L, LS, SPLIT_L, LAZY_L, INTERPRET)
+    else:
+        _store_item(m_i, l_i, acc, kv_scale, partial_row, qo, qo_start, h, row_ok, OUT, LSE,
+                    O_PART, LSE_PART, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt, LS, SPLIT_L,
+                    LAZY_L, INTERPRET)
 
 
 @triton.jit
@@ -513,6 +518,64 @@ def _store_item(m_i, l_i, acc, kv_scale, partial_row, qo, qo_start, h, row_ok, O
         part_ptr = O_PART + prow[:, None] * stride_pt + h[:, None] * stride_ph + offs_s[None, :]  # [M, LS]
         _store_rows(part_ptr, acc, o_scale, row_ok, LS, SPLIT_L, INTERPRET)
         tl.store(LSE_PART + prow * stride_plt + h, lse, mask=row_ok)
+
+
+@triton.jit
+def _store_pair(m_i, l_i, acc, kv_scale, rank, qo, h, row_ok, OUT, LSE, stride_ot, stride_oh, stride_lt,
+                BLOCK_M: tl.constexpr, L: tl.constexpr, LS: tl.constexpr, SPLIT_L: tl.constexpr,
+                LAZY_L: tl.constexpr, INTERPRET: tl.constexpr):
+    """Epilogue of piece `rank` (0: the tile's first tokens) of a two-piece tile, on CTA `rank` of a 2-CTA cluster
+    (mla_fast.dsmem): exchange halves with the partner, merge the latent slices [rank x HALF, (rank + 1) x HALF)
+    as `_mla_reduce_kernel` merges two pieces (base 2, piece 0 first, same fp32 operations), write them; rank 0
+    writes the LSE. Shared memory from byte 0 (free once the KV loop has drained): the partner's half and LSE,
+    the mbarrier, this piece's outgoing half and LSE (dsmem.stage_bytes)."""
+    HALF: tl.constexpr = SPLIT_L // 2  # latent slices each piece merges
+    RECV: tl.constexpr = BLOCK_M * HALF * LS * 4 + BLOCK_M * 4  # bytes: the partner's half [M, L / 2] + its LSE
+    MBAR: tl.constexpr = RECV  # 16-byte aligned
+    STAGE: tl.constexpr = RECV + 64
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_s = tl.arange(0, LS)
+    if LAZY_L:
+        l_i = tl.sum(l_i, 1)  # [M]
+    has_tok = l_i > 0.0
+    o_scale = (kv_scale / tl.where(has_tok, l_i, 1.0))[:, None]  # [M, 1]
+    lse = tl.where(has_tok, (m_i + tl.log2(tl.where(has_tok, l_i, 1.0))) * LN2, float("-inf"))  # [M] natural
+    first = rank == 0
+    dep = dsmem.mbarrier_init(MBAR, RECV)
+    for j in tl.static_range(HALF):  # the partner's slices, [M, LS] each, row-major in [M, L / 2]
+        o_out = tl.where(first, acc[HALF + j], acc[j]) * o_scale  # [M, LS]
+        dsmem.store_shared(STAGE + (offs_m[:, None] * (HALF * LS) + j * LS + offs_s[None, :]) * 4 + dep, o_out)
+    dsmem.store_shared(STAGE + BLOCK_M * HALF * LS * 4 + offs_m * 4 + dep, lse)
+    dep = dsmem.fence_proxy_async(dep)
+    dep = dsmem.cluster_barrier(dep)  # both KV loops are over and both mbarriers exist
+    dsmem.bulk_copy_to_rank(STAGE + dep, 0, MBAR, RECV, 1 - rank)
+    dep = dsmem.mbarrier_wait(MBAR + dep)  # the partner's half has landed here
+    lse_p = dsmem.load_shared(BLOCK_M * HALF * LS * 4 + offs_m * 4 + dep)  # [M]
+    lse_0 = tl.where(first, lse, lse_p) * LOG2E  # [M] piece 0, log2 units
+    lse_1 = tl.where(first, lse_p, lse) * LOG2E
+    m = tl.maximum(lse_0, lse_1)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    w_0 = tl.exp2(lse_0 - m_use)  # [M], 0 for an empty piece
+    w_1 = tl.exp2(lse_1 - m_use)
+    w_sum = w_0 + w_1
+    has = w_sum > 0.0
+    lse_out = tl.where(has, (m_use + tl.log2(tl.where(has, w_sum, 1.0))) * LN2, float("-inf"))
+    merged = ()
+    for j in tl.static_range(HALF):  # this piece's slices rank x HALF + j
+        own = tl.where(first, acc[j], acc[HALF + j]) * o_scale  # [M, LS]
+        recv = dsmem.load_shared((offs_m[:, None] * (HALF * LS) + j * LS + offs_s[None, :]) * 4 + dep)  # [M, LS]
+        o_0 = tl.where(first, own, recv)
+        o_1 = tl.where(first, recv, own)
+        merged = merged + (tl.where((w_0 > 0.0)[:, None], o_0, 0.0) * w_0[:, None]
+                           + tl.where((w_1 > 0.0)[:, None], o_1, 0.0) * w_1[:, None],)
+    tl.debug_barrier()  # every warp has read the partner's half before Triton reuses the shared memory
+    den = tl.where(has, w_sum, 1.0)[:, None]
+    out_ptr = OUT + qo.to(tl.int64)[:, None] * stride_ot + h[:, None] * stride_oh + offs_s[None, :]  # [M, LS]
+    for j in tl.static_range(HALF):
+        tl.store(out_ptr + (rank * HALF + j) * LS, _to_out(merged[j] / den, OUT.dtype.element_ty, INTERPRET),
+                 mask=row_ok[:, None])
+    if first:
+        tl.store(LSE + qo.to(tl.int64) * stride_lt + h, lse_out, mask=row_ok)
 
 
 @triton.jit
@@ -632,6 +695,10 @@ class KernelConfig:
             fp8_stage) instead of all loads first. Same dots, same pairwise sum: bitwise the same output. On the
             64-row wgmma layout the compiler then starts the score MMAs earlier (bf16 6-10 % faster); at 16 rows
             with fp8 staging it spills (5-7 % slower).
+        pair_merge: where the plan pairs its splits (`WorkPlan.paired_splits` with `one_item_per_worker`: every tile
+            in two pieces, on workers 2t and 2t + 1), the Triton kernel on CUDA sm_90+ with head_split 1 launches as
+            2-CTA clusters and merges each pair in the kernel (`mla_fast.dsmem`), with no partials and no reduce
+            kernel. Same bits. False: such plans too write partials for the reduce kernel.
     """
 
     block_n: int = 64
@@ -651,6 +718,7 @@ class KernelConfig:
     unchain: bool = False
     interleave: bool = False
     kernel: str = "triton"
+    pair_merge: bool = True
 
     def __post_init__(self):
         if self.kernel not in ("triton", "gluon", "gluon_fp8"):
@@ -948,6 +1016,16 @@ def gluon_unsupported(batch, config: KernelConfig, max_rows: int) -> str | None:
     return None
 
 
+def pair_merge_applies(plan, config: KernelConfig, device: torch.device, kv_lora_rank: int) -> bool:
+    """Whether `launch` merges the plan's split tiles inside the Triton kernel, in pairs on 2-CTA clusters
+    (KernelConfig.pair_merge, mla_fast.dsmem), instead of launching the reduce kernel: the plan runs one item per
+    worker with every tile in two pieces (an even number of workers), the config has head_split 1 and an even
+    number of latent slices, and the device takes clusters (CUDA sm_90+, not the interpreter)."""
+    return (config.pair_merge and config.kernel == "triton" and config.head_split == 1
+            and plan.one_item_per_worker and plan.paired_splits and (plan.worker_indptr.numel() - 1) % 2 == 0
+            and effective_split_l(config, kv_lora_rank) % 2 == 0 and dsmem.supported(device, INTERPRET))
+
+
 def pdl_supported(device: torch.device) -> bool:
     """Programmatic dependent launch (griddepcontrol): CUDA sm_90 and newer, not ROCm, not the interpreter."""
     return (not INTERPRET and device.type == "cuda" and torch.version.hip is None
@@ -1003,15 +1081,16 @@ def make_plan(batch, config: KernelConfig, num_workers: int | None = None):
 
 
 def _launch_triton(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, config, qo_indptr, max_rows, pdl,
-                   num_workers):
-    """Launch `_mla_decode_kernel` (config.kernel == "triton") on preallocated buffers; returns the compiled kernel."""
+                   num_workers, pair_merge=False):
+    """Launch `_mla_decode_kernel` (config.kernel == "triton") on preallocated buffers; returns the compiled kernel.
+    pair_merge: as 2-CTA clusters that merge each two-piece tile (`pair_merge_applies`; no reduce follows)."""
     L = batch.kv_lora_rank
     R = batch.q.shape[-1] - L
     kv = batch.kv_cache
     tile_in_page = kv.shape[1] % config.block_n == 0 and plan.block_n % config.block_n == 0
     split_l = effective_split_l(config, L)
     block_m = max(16, triton.next_power_of_2(max_rows))  # the M tile over max_rows = q_len x head_group rows
-    return _mla_decode_kernel[(num_workers * config.head_split,)](
+    args = (
         batch.q, kv, batch.block_table, batch.seq_lens, qo_indptr,
         plan.work_items, plan.worker_indptr, plan.work_items.shape[0],
         out, lse, o_part, lse_part,
@@ -1024,15 +1103,21 @@ def _launch_triton(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, c
         lse.stride(0),
         o_part.stride(0), o_part.stride(1),
         lse_part.stride(0),
+    )
+    kwargs = dict(
         PAGE_SIZE=kv.shape[1], L=L, R=R, BLOCK_M=block_m, BLOCK_N=config.block_n,
         MMA=config.mma, INTERPRET=INTERPRET, UPCAST_BF16=UPCAST_BF16,
         TILE_IN_PAGE=tile_in_page,
         PAGE_CHUNK=config.page_chunk, V_RELOAD=config.v_reload,
         FP8_STAGE=config.fp8_stage and not INTERPRET and config.mma == "fp16" and kv.dtype == torch.float8_e4m3fn,
         HEAD_SPLIT=config.head_split, SPLIT_L=split_l, LAZY_L=config.lazy_l, UNCHAIN=config.unchain,
-        INTERLEAVE=config.interleave, PDL=pdl, ONE_ITEM=plan.one_item_per_worker,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        INTERLEAVE=config.interleave, PDL=pdl and not pair_merge, ONE_ITEM=plan.one_item_per_worker,
+        PAIR_MERGE=pair_merge, num_warps=config.num_warps, num_stages=config.num_stages,
     )
+    grid_ctas = num_workers * config.head_split
+    if pair_merge:
+        return dsmem.launch_in_pairs(_mla_decode_kernel, grid_ctas, args, kwargs)
+    return _mla_decode_kernel[(grid_ctas,)](*args, **kwargs)
 
 
 def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=None, kv_scale=None,
@@ -1085,8 +1170,11 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
         compiled = gluon_fp8.launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale,
                                            config.head_group, config.head_split, config.num_stages, qo_indptr)
     else:
+        pair_merge = pair_merge_applies(plan, config, device, L)
         compiled = _launch_triton(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, config, qo_indptr,
-                                  max_rows, pdl, num_workers)
+                                  max_rows, pdl, num_workers, pair_merge)
+        if pair_merge:  # every split tile merged in the kernel
+            return compiled
     num_tiles = plan.reduce_final.shape[0]
     if num_tiles > 0 and plan.num_partial_rows > 0:  # some tile is split
         block_s, block_l = reduce_blocks(plan.max_pieces, L)
@@ -1208,6 +1296,7 @@ class _StaticPlan:
     head_group: int
     max_pieces: int
     one_item_per_worker: bool
+    paired_splits: bool
 
     def __init__(self, step: "TritonMLADecode"):
         self.work_items, self.worker_indptr, self.reduce_final = step.work_items, step.worker_indptr, step.reduce_final
@@ -1216,6 +1305,7 @@ class _StaticPlan:
         self.head_group = step.config.head_group * step.config.head_split
         self.max_pieces = step.reduce_pieces  # the step's fixed reduce shape, not the last plan's
         self.one_item_per_worker = False  # a captured graph must take any later plan: read worker_indptr
+        self.paired_splits = False  # and merge any later plan's splits with the reduce kernel
 
 
 __all__ = ["decode", "make_plan", "launch", "KernelConfig", "default_config", "TritonMLADecode", "INTERPRET"]

@@ -272,6 +272,73 @@ def test_one_item_per_worker_gives_the_worker_range_bits(case, kernel):
     assert result["out_ratio"] <= 1.0 and result["lse_ratio"] <= 1.0, result
 
 
+PAIR_CASES = [  # (case, num_workers): plans whose tiles all split in two (WorkPlan.paired_splits), default configs
+    (TritonCase((4096,) * 64, (1,) * 64, heads=16, page_size=64, L=512, R=64, seed=40), None),  # mla-bench's shape
+    (TritonCase((777,) * 6, (1,) * 6, heads=16, page_size=16, L=512, R=64, seed=41), 12),  # ragged last tile, page 16
+    (TritonCase((4096,) * 3, (2,) * 3, heads=16, page_size=3, L=512, R=64, seed=42), 6),  # MTP: 32 rows, 8 warps
+    (TritonCase((1000,) * 8, (1,) * 8, heads=32, page_size=64, L=512, R=64, seed=43), 16),  # 32 heads in one group
+    (TritonCase((1000,) * 8, (1,) * 8, heads=16, page_size=64, combo="fp8kv", L=512, R=64, seed=44), 16),  # staged
+    (TritonCase((1000,) * 8, (1,) * 8, heads=16, page_size=64, combo="fp8", L=512, R=64, seed=45), 16),  # fp8: lazy_l
+]
+
+
+def _pair_id(x) -> str:
+    return f"{x.combo}_h{x.heads}_q{max(x.q_lens)}_p{x.page_size}" if isinstance(x, TritonCase) else f"w{x}"
+
+
+@pytest.mark.parametrize("case, num_workers", PAIR_CASES, ids=_pair_id)
+def test_pair_merge_gives_the_reduce_bits(case, num_workers):
+    """Plans whose tiles all split in two merge each pair in the kernel, on 2-CTA clusters (mla_fast.dsmem): the bits
+    of decode + reduce (pair_merge=False), every output row written (out, lse and the workspace NaN-poisoned: the
+    pair path writes no partials), 10 runs and a CUDA graph replay bitwise equal, within the kernel bound."""
+    from mla_fast import dsmem
+    from mla_fast.numerics import triton_numerics
+    from mla_fast.triton_decode import default_config, dtype_combo, launch, make_plan, pair_merge_applies
+
+    batch = case.batch("cuda")
+    if not dsmem.supported(batch.q.device, False):
+        pytest.skip("the pair merge needs CUDA sm_90+ and Triton 3.6")
+    q_len = max(case.q_lens)
+    config = default_config(dtype_combo(batch.q.dtype, batch.kv_cache.dtype), case.heads, q_len, len(case.seq_lens))
+    plan = make_plan(batch, config, num_workers)
+    assert plan.paired_splits and pair_merge_applies(plan, config, batch.q.device, batch.kv_lora_rank)
+    T, H, L = batch.q.shape[0], case.heads, batch.kv_lora_rank
+    out, lse = torch.empty(T, H, L, dtype=torch.bfloat16, device="cuda"), torch.empty(T, H, device="cuda")
+    workspace = (torch.empty(plan.num_partial_rows, H, L, device="cuda"),
+                 torch.empty(plan.num_partial_rows, H, device="cuda"))
+
+    def run(pair: bool):
+        for t in (out, lse, *workspace):
+            t.fill_(float("nan"))
+        compiled = launch(batch, plan, out, lse, replace(config, pair_merge=pair), workspace=workspace,
+                          max_rows=q_len * config.head_group)
+        torch.cuda.synchronize()
+        return compiled, out.clone(), lse.clone()
+
+    _, out0, lse0 = run(False)
+    compiled, out1, lse1 = run(True)
+    assert compiled.packed_metadata[1] == 2  # launched as 2-CTA clusters
+    assert workspace[0].isnan().all() and workspace[1].isnan().all()  # no partials written
+    assert not out1.isnan().any() and not lse1.isnan().any()
+    assert torch.equal(out1.view(torch.int16), out0.view(torch.int16))
+    assert torch.equal(lse1.view(torch.int32), lse0.view(torch.int32))
+    for _ in range(10):
+        _, out2, lse2 = run(True)
+        assert torch.equal(out2.view(torch.int16), out1.view(torch.int16))
+        assert torch.equal(lse2.view(torch.int32), lse1.view(torch.int32))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch(batch, plan, out, lse, config, workspace=workspace, max_rows=q_len * config.head_group)
+    out.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.view(torch.int16), out1.view(torch.int16))
+    assert torch.equal(lse.view(torch.int32), lse1.view(torch.int32))
+    result = check(out1, lse1, batch, triton_numerics(config.mma, config.block_n), 2)
+    assert result["finite"] and result["out_ratio"] <= 1.0 and result["lse_ratio"] <= 1.0, result
+
+
 def _check_graph_replays_equal_eager(step, lens_list):
     """Capture `step.run()` (already compiled) in a CUDA graph; for each seq_lens in lens_list (shrinking in place,
     so every page stays valid) re-plan, replay with `out` NaN-poisoned, and compare the bits with an eager decode
@@ -319,12 +386,14 @@ cases = [  # page 16 with MTP (64-row tiles at q_len 3, per-token gather); page 
     dict(seq_lens=(0, 1, 65, 700, 4097), q_lens=(1,) * 5, heads=128, page_size=64),
     # page 64 at 16 heads: fp8 KV takes the Gluon fp8 kernel on an H200 (whole TMA tiles past seq_len)
     dict(seq_lens=(0, 1, 65, 700, 4097), q_lens=(1,) * 5, heads=16, page_size=64),
+    # six requests split in two on 12 workers: bf16 merges each pair in the kernel on sm_90 (mla_fast.dsmem)
+    dict(seq_lens=(777,) * 6, q_lens=(1,) * 6, heads=16, page_size=16, num_workers=12),
 ]
 for kw in cases:
     for combo in ("bf16", "fp8kv"):
         case = TritonCase(kw["seq_lens"], kw["q_lens"], heads=kw["heads"], page_size=kw["page_size"], combo=combo,
                           L=512, R=64)
-        out, lse = decode(case.batch("cuda"))
+        out, lse = decode(case.batch("cuda"), num_workers=kw.get("num_workers"))
         torch.cuda.synchronize()
         assert not out.isnan().any()
 print("memcheck-done")

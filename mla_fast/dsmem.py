@@ -1,0 +1,141 @@
+"""
+Pair merge: two split pieces of a tile merged inside the decode kernel, through a 2-CTA cluster (NVIDIA sm_90+)
+=============================================================================================================
+
+When a plan splits every tile into exactly two pieces and runs tile t's pieces on workers 2t and 2t + 1
+(`WorkPlan.paired_splits` with `one_item_per_worker`, as the even plan does at (64, 4096, 16) on 132 SMs), the
+Triton decode kernel can merge each pair itself instead of writing fp32 partials for `_mla_reduce_kernel`. The two
+programs of a pair run as one thread-block cluster of 2 CTAs, so each can write into the other's shared memory
+(distributed shared memory). After its last KV tile, each program (rank r = worker % 2):
+
+1. initialises an mbarrier in its own shared memory, expecting the partner's bytes;
+2. stages, in its own shared memory, the normalised fp32 output columns that the partner merges (half of the L
+   latent channels, [M, L / 2]) and its LSE [M];
+3. waits at a cluster barrier (both loops are over, so both pipeline buffers are free, and both mbarriers exist);
+4. copies the staged bytes into the partner's shared memory with one bulk copy (`cp.async.bulk`, completing on the
+   partner's mbarrier), and waits until its own mbarrier has received the partner's copy;
+5. merges its half of the channels exactly as the reduce kernel merges two pieces (fp32, base 2, piece 0 = rank 0
+   first) and writes them to `out`; rank 0 also writes the LSE.
+
+Same bits as decode + reduce (GPU tests), without the reduce kernel's launch and its round trip through the L2:
+on one H200 at (64, 4096, 16), bf16, graph replays, 89.0-89.1 vs 90.6-90.7 us (README).
+
+Triton 3.6 has no cluster launch for a kernel compiled with num_ctas = 1 (num_ctas = 2 turns on its multi-CTA
+layouts, and this kernel does not compile that way). Its CUDA launcher does launch clusters: it reads
+(num_warps, num_ctas, shared memory) from the compiled kernel's `packed_metadata` and, for num_ctas > 1, launches
+grid[0] x num_ctas CTAs in clusters of num_ctas. `launch_in_pairs` compiles the kernel (warm-up), sets num_ctas to 2
+there, and launches half the grid: the code is the num_ctas = 1 code, with `%ctaid.x` still numbering all CTAs.
+
+The helpers below are inline PTX on scalars or elementwise on tiles (`tl.inline_asm_elementwise`, impure so they keep
+their order). They address shared memory as byte offsets from Triton's `global_smem` symbol, which is free once the
+KV loop has drained its copies; each returns a dummy 0 that callers add into the next address to keep the order.
+Under TRITON_INTERPRET=1 and on ROCm the kernel never takes this path (`supported`).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+CLUSTER_CTAS = 2  # CTAs per cluster: the two pieces of a tile
+
+
+def supported(device: torch.device, interpret: bool) -> bool:
+    """Clusters, distributed shared memory and bulk copies: CUDA sm_90+ outside the interpreter, with Triton 3.6's
+    launcher (whose launch metadata `launch_in_pairs` sets)."""
+    return (not interpret and device.type == "cuda" and torch.version.hip is None
+            and torch.cuda.get_device_capability(device)[0] >= 9 and triton.__version__.startswith("3.6"))
+
+
+def stage_bytes(block_m: int, kv_lora_rank: int) -> int:
+    """Shared memory the pair merge uses from offset 0: the partner's half [M, L / 2] fp32 + its LSE [M] (received),
+    the mbarrier (padded to 64 bytes), and this program's half + LSE (staged)."""
+    recv = block_m * kv_lora_rank * 2 + block_m * 4
+    return 2 * recv + 64
+
+
+def launch_in_pairs(kernel, grid_ctas: int, args, kwargs):
+    """Launch `kernel` (a Triton JITFunction) on grid_ctas CTAs in clusters of 2; returns the compiled kernel.
+
+    Raises ValueError when grid_ctas is odd, RuntimeError when the compiled kernel's launch metadata is not Triton
+    3.6's (num_warps, num_ctas, shared) or the kernel was compiled for more than one CTA."""
+    if grid_ctas % CLUSTER_CTAS:
+        raise ValueError(f"a paired launch needs an even number of programs, got {grid_ctas}")
+    grid = (grid_ctas // CLUSTER_CTAS,)
+    compiled = kernel.warmup(*args, grid=grid, **kwargs)
+    meta, md = compiled.packed_metadata, compiled.metadata
+    if md.num_ctas != 1 or tuple(meta) not in ((md.num_warps, 1, md.shared), (md.num_warps, CLUSTER_CTAS, md.shared)):
+        raise RuntimeError(f"a paired launch needs Triton 3.6's launch metadata (num_warps, num_ctas = 1, shared), "
+                           f"got {meta!r} for num_ctas {md.num_ctas}")
+    need = stage_bytes(kwargs["BLOCK_M"], kwargs["L"])
+    if md.shared < need:
+        raise RuntimeError(f"the pair merge needs {need} bytes of shared memory, the kernel has {md.shared}")
+    compiled.packed_metadata = (md.num_warps, CLUSTER_CTAS, md.shared)  # the launcher's cluster size
+    kernel[grid](*args, **kwargs)
+    return compiled
+
+
+@triton.jit
+def cluster_barrier(dep):
+    """All threads of both CTAs: arrive (release) and wait (acquire) at the cluster barrier."""
+    return tl.inline_asm_elementwise(
+        "barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;\n\tmov.u32 $0, 0;",
+        "=r,r", [dep], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def mbarrier_init(offset, tx_bytes):
+    """Thread 0: an mbarrier at byte `offset` of this CTA's shared memory, its one arrival made now with tx_bytes
+    expected; the init fenced for the cluster (the cluster barrier that follows publishes it)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .u32 a, t; .reg .b64 st; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+        "mov.u32 a, global_smem; add.u32 a, a, $1; "
+        "@p mbarrier.init.shared::cta.b64 [a], 1; "
+        "@p mbarrier.arrive.expect_tx.shared::cta.b64 st, [a], $2; "
+        "fence.mbarrier_init.release.cluster; mov.u32 $0, 0; }",
+        "=r,r,r", [offset, tx_bytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def store_shared(offset, value):
+    """Each element of fp32 `value` to byte `offset` (same shape) of this CTA's shared memory."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $1; st.shared.f32 [a], $2; mov.u32 $0, 0; }",
+        "=r,r,f", [offset, value], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def load_shared(offset):
+    """fp32 elements at byte `offset` of this CTA's shared memory."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $1; ld.shared.f32 $0, [a]; }",
+        "=f,r", [offset], dtype=tl.float32, is_pure=False, pack=1)
+
+
+@triton.jit
+def fence_proxy_async(dep):
+    """Make this thread's shared-memory stores visible to the bulk-copy (async) proxy."""
+    return tl.inline_asm_elementwise("fence.proxy.async.shared::cta;\n\tmov.u32 $0, 0;", "=r,r", [dep],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def bulk_copy_to_rank(src, dst, mbarrier, nbytes, rank):
+    """Thread 0: copy nbytes (a multiple of 16, 16-byte aligned offsets) from byte `src` of this CTA's shared memory
+    to byte `dst` of cluster CTA `rank`'s, completing on that CTA's mbarrier at byte `mbarrier`; returns once the
+    source has been read (so this CTA may reuse or release it)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .u32 t, b, s, d, m; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+        "mov.u32 b, global_smem; add.u32 s, b, $1; add.u32 d, b, $2; add.u32 m, b, $3; "
+        "mapa.shared::cluster.u32 d, d, $5; mapa.shared::cluster.u32 m, m, $5; "
+        "@p cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [d], [s], $4, [m]; "
+        "@p cp.async.bulk.commit_group; @p cp.async.bulk.wait_group.read 0; mov.u32 $0, 0; }",
+        "=r,r,r,r,r,r", [src, dst, mbarrier, nbytes, rank], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def mbarrier_wait(offset):
+    """All threads: wait until the mbarrier at byte `offset` of this CTA's shared memory completes phase 0."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $1; "
+        "WAIT${:uid}: mbarrier.try_wait.parity.shared::cta.b64 p, [a], 0; @!p bra WAIT${:uid}; mov.u32 $0, 0; }",
+        "=r,r", [offset], dtype=tl.int32, is_pure=False, pack=1)
