@@ -1,12 +1,15 @@
-"""Compile one of mla_fast's Gluon decode kernels for an H100/H200 (sm_90a) on a machine without a GPU, and report
-what ptxas says: registers, spill bytes, shared memory and the SASS instruction counts.
+"""Compile one of mla_fast's Gluon decode kernels, or the Triton kernel with its pair merge, for an H100/H200
+(sm_90a) on a machine without a GPU, and report what ptxas says: registers, spill bytes, shared memory and the SASS
+instruction counts.
 
     python scripts/offline_compile.py seesaw --combo fp8kv --heads 128
     python scripts/offline_compile.py gluon_fp8 --combo fp8 --heads 16 --q-len 2 --sass /tmp/gluon_fp8.sass
+    python scripts/offline_compile.py triton_pair --combo bf16 --heads 16
 
 A stand-in CUDA driver (sm_90, never asked to launch) lets Triton compile, and the launch is made a warm-up, so
-nothing runs. Gluon kernels cannot run in the interpreter, so this is where CI sees their compile errors
-(tests/test_offline_compile.py) before a device call does. The pointer arguments are CPU tensors: Triton's
+nothing runs. Gluon kernels cannot run in the interpreter, and neither can the Triton kernel's pair merge (2-CTA
+clusters, mla_fast.dsmem), so this is where CI sees their compile errors (tests/test_offline_compile.py) before a
+device call does. The pointer arguments are CPU tensors: Triton's
 alignment specialisation can differ from a GPU run's, so instruction counts may differ a little between compiles of
 the same source. Exit status 1 with the traceback when the kernel does not compile.
 """
@@ -58,9 +61,10 @@ class Sm90Driver(CudaDriver):
 
 
 def compile_kernel(kernel: str, combo: str, heads: int, q_len: int):
-    """The CompiledKernel of `kernel` ("seesaw" or "gluon_fp8") for a small CPU batch of `combo` with `heads`
-    heads at q_len, in the geometry default_config gives it (the seesaw's bf16 rule, the Gluon fp8 kernel's head
-    group), whatever the batch size."""
+    """The CompiledKernel of `kernel` ("seesaw", "gluon_fp8" or "triton_pair") for a small CPU batch of `combo` with
+    `heads` heads at q_len, in the geometry default_config gives it (the seesaw's bf16 rule, the Gluon fp8 kernel's
+    head group, the Triton kernel's rule without Gluon kernels, compiled with PAIR_MERGE), whatever the batch
+    size."""
     from mla_fast import gluon_decode, gluon_fp8
     from mla_fast import triton_decode as td
     from mla_fast.bench import build_batch
@@ -68,7 +72,10 @@ def compile_kernel(kernel: str, combo: str, heads: int, q_len: int):
 
     triton_driver.set_active(Sm90Driver())
     batch = build_batch(2, 300, heads, combo, device="cpu", q_len=q_len)
-    if kernel == "seesaw":
+    if kernel == "triton_pair":
+        module, jit = td, td._mla_decode_kernel
+        config = td.default_config(combo, heads, q_len, 32)
+    elif kernel == "seesaw":
         module, jit = gluon_decode, gluon_decode._mla_decode_seesaw_kernel
         config = replace(td.default_config("bf16", heads, q_len, 32, seesaw=True), mma=DEFAULT_MMA[combo])
         if config.kernel != "gluon":
@@ -89,9 +96,13 @@ def compile_kernel(kernel: str, combo: str, heads: int, q_len: int):
 
     def warm_up(*args, grid, warmup, **kwargs):  # compile, never launch
         compiled.append(run(jit, *args, grid=grid, warmup=True, **kwargs))
+        return compiled[-1]
 
     jit.run = warm_up
-    if kernel == "seesaw":
+    if kernel == "triton_pair":  # the plan's pairing is not checked: compiled, never run
+        module._launch_triton(batch, plan, out, lse, o_part, lse_part, one, one, config, batch.qo_indptr,
+                              q_len * config.head_group, False, NUM_WORKERS, pair_merge=True)
+    elif kernel == "seesaw":
         module.launch_decode(batch, plan, out, lse, o_part, lse_part, one, one, config.head_group, config.head_split,
                              batch.qo_indptr, pdl=True)
     else:
@@ -126,7 +137,7 @@ def ptxas_report(ptx: str, sass_path: str | None) -> dict:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("kernel", choices=["seesaw", "gluon_fp8"])
+    parser.add_argument("kernel", choices=["seesaw", "gluon_fp8", "triton_pair"])
     parser.add_argument("--combo", default="bf16", choices=["bf16", "fp8kv", "fp8"])
     parser.add_argument("--heads", type=int, default=128)
     parser.add_argument("--q-len", type=int, default=1)

@@ -1,6 +1,7 @@
-"""The Gluon kernels compile for sm_90a on this CPU (scripts/offline_compile.py: a stand-in driver, ptxas from the
-triton wheel). The interpreter cannot run Gluon, so without this CI would not see their compile errors: the GPU tests
-skip here. One process per compile (the stand-in driver replaces Triton's active driver)."""
+"""The Gluon kernels, and the Triton kernel's pair merge, compile for sm_90a on this CPU (scripts/offline_compile.py:
+a stand-in driver, ptxas from the triton wheel). The interpreter runs neither, so without this CI would not see their
+compile errors: the GPU tests skip here. One process per compile (the stand-in driver replaces Triton's active
+driver)."""
 
 import ast
 import subprocess
@@ -30,3 +31,19 @@ def test_gluon_kernel_compiles_for_sm90(kernel, combo, heads, q_len):
     assert (report["kernel"], report["combo"]) == (kernel, combo)
     assert 0 < report["registers"] <= MAX_REGISTERS, report
     assert report["opcodes"] and report["instructions"] > 1000, report  # a real kernel, not an empty stub
+
+
+@pytest.mark.skipif(not PTXAS.exists(), reason="this triton wheel ships no ptxas")
+@pytest.mark.parametrize("combo", ["bf16", "fp8kv"])
+def test_triton_pair_merge_compiles_for_sm90_with_its_cluster_instructions(combo, tmp_path):
+    """The Triton kernel with PAIR_MERGE (mla_fast.dsmem): ptxas takes its inline PTX, and the SASS has the cluster
+    barrier, the distributed-shared-memory bulk copy and the mbarrier's transaction wait."""
+    sass = tmp_path / "pair.sass"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "offline_compile.py"), "triton_pair", "--combo",
+                           combo, "--heads", "16", "--sass", str(sass)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+    assert 0 < report["registers"] <= MAX_REGISTERS and report["spill_stores"] == 0, report
+    text = sass.read_text()
+    for opcode in ("UCGABAR_ARV", "UCGABAR_WAIT", "UBLKCP.S.S", "SYNCS.PHASECHK.TRANS"):
+        assert opcode in text, opcode
