@@ -161,7 +161,8 @@ def ours(batch: DecodeBatch, config=None, num_workers: int | None = None):
     fn.outputs = (out, lse)
     kernel = fn()
     info = {"n_regs": getattr(kernel, "n_regs", None), "n_spills": getattr(kernel, "n_spills", None),
-            "num_items": plan.num_items, "split_tiles": plan.stats()["split_tiles"]}
+            "num_items": plan.num_items, "split_tiles": plan.stats()["split_tiles"],
+            "pair_merge": td.pair_merge_applies(plan, config, dev, batch.kv_lora_rank)}
     return fn, info
 
 
