@@ -545,6 +545,8 @@ def _store_pair(m_i, l_i, acc, kv_scale, rank, qo, h, row_ok, OUT, LSE, stride_o
     o_scale = (kv_scale / tl.where(has_tok, l_i, 1.0))[:, None]  # [M, 1]
     lse = tl.where(has_tok, (m_i + tl.log2(tl.where(has_tok, l_i, 1.0))) * LN2, float("-inf"))  # [M] natural
     first = rank == 0
+    tl.debug_barrier()  # every warp has read its last KV tile: the PTX below writes over the pipeline's buffers, and
+    # Triton's barrier analysis does not see it
     dep = dsmem.mbarrier_init(MBAR, RECV)
     for j in tl.static_range(HALF):  # the partner's slices, [M, LS] each, row-major in [M, L / 2]
         o_out = tl.where(first, acc[HALF + j], acc[j]) * o_scale  # [M, LS]
