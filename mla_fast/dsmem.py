@@ -6,7 +6,9 @@ When a plan splits every tile into exactly two pieces and runs tile t's pieces o
 (`WorkPlan.paired_splits` with `one_item_per_worker`, as the even plan does at (64, 4096, 16) on 132 SMs), the
 Triton decode kernel can merge each pair itself instead of writing fp32 partials for `_mla_reduce_kernel`. The two
 programs of a pair run as one thread-block cluster of 2 CTAs, so each can write into the other's shared memory
-(distributed shared memory). After its last KV tile, each program (rank r = worker % 2):
+(distributed shared memory). After its last KV tile, each program (rank r = worker % 2), once all its warps have
+read that tile (a CTA barrier: the steps below write over the pipeline's buffers with PTX that Triton's barrier
+analysis does not see):
 
 1. initialises an mbarrier in its own shared memory, expecting the partner's bytes;
 2. stages, in its own shared memory, the normalised fp32 output columns that the partner merges (half of the L
@@ -18,7 +20,7 @@ programs of a pair run as one thread-block cluster of 2 CTAs, so each can write 
    first) and writes them to `out`; rank 0 also writes the LSE.
 
 Same bits as decode + reduce (GPU tests), without the reduce kernel's launch and its round trip through the L2:
-on one H200 at (64, 4096, 16), bf16, graph replays, 89.0-89.1 vs 90.6-90.7 us (README).
+on one H200 at (64, 4096, 16), bf16, graph replays, 88.96-89.02 vs 90.43-90.46 us (README).
 
 Triton 3.6 has no cluster launch for a kernel compiled with num_ctas = 1 (num_ctas = 2 turns on its multi-CTA
 layouts, and this kernel does not compile that way). Its CUDA launcher does launch clusters: it reads

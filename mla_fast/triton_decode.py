@@ -23,7 +23,7 @@ Two kernels, beside their launcher (like Triton's fused-attention tutorial):
   two pieces on workers 2t and 2t + 1 (`WorkPlan.paired_splits`, the even plan at (64, 4096, 16)), on CUDA sm_90+
   the kernel runs as 2-CTA clusters and the two programs of a tile exchange halves of their normalised output
   through distributed shared memory, merge them as the reduce kernel does and write `out` / `lse`: no partials and
-  no reduce kernel, same bits, 1.7 us less at (64, 4096, 16) on one H200 (88.8 vs 90.5 us).
+  no reduce kernel, same bits, 1.4-1.5 us less at (64, 4096, 16) on one H200 (89.0 vs 90.4-90.5 us).
 - `_mla_reduce_kernel`: merges the partials of each split (request, head group) tile, in KV order (numerics.md §3).
   On sm_90+ CUDA it is launched with programmatic dependent launch: the decode kernel lets it start at once
   (gdc_launch_dependents), and its programs load their tile metadata, then wait (gdc_wait) until decode has
@@ -57,7 +57,7 @@ kernel="gluon", mma="fp16"), each fp8 tile expanded in place): 377.3 vs 557.3 us
 
 Performance of this kernel (one H200, mla-bench, CUDA-graph replays, copy rate 4244-4269 GB/s; peers.md §2 conditions;
 docs/perf_history.md tables): bf16 h=16 takes 288-294 us at (b=128, s=8192), 97-99 % of copy (FlashInfer FA3 291-301 us), 154-157 us
-at (128, 4096), 91-92 us at (64, 4096) (88.8-88.9 with the pair merge), 57-58 us at (32, 4096), 158-161 us at (32, 16384), 17.2-17.7 us at (1, 8192);
+at (128, 4096), 91-92 us at (64, 4096) (89.0 with the pair merge), 57-58 us at (32, 4096), 158-161 us at (32, 16384), 17.2-17.7 us at (1, 8192);
 fp8 KV (bf16 or fp8 q) 0.87-1.06x our bf16 time at h=16; h=128 bf16 443 us at (128, 4096) (FlashMLA 239-251 us), fp8
 KV 552-563 us (FlashInfer's fp8 666-675 us). The tile loop is latency-bound, not bandwidth-bound: one score MMA chain
 over L + R = 576 channels per warp was the critical path (~3.3k cycles per tile), which split_l (independent chains)
