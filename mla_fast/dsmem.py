@@ -16,8 +16,9 @@ analysis does not see):
 3. waits at a cluster barrier (both loops are over, so both pipeline buffers are free, and both mbarriers exist);
 4. copies the staged bytes into the partner's shared memory with one bulk copy (`cp.async.bulk`, completing on the
    partner's mbarrier), and waits until its own mbarrier has received the partner's copy;
-5. merges its half of the channels exactly as the reduce kernel merges two pieces (fp32, base 2, piece 0 = rank 0
-   first) and writes them to `out`; rank 0 also writes the LSE.
+5. invalidates its mbarrier once all its threads have seen it complete, then merges its half of the channels
+   exactly as the reduce kernel merges two pieces (fp32, base 2, piece 0 = rank 0 first) and writes them to `out`;
+   rank 0 also writes the LSE.
 
 Same bits as decode + reduce (GPU tests), without the reduce kernel's launch and its round trip through the L2:
 on one H200 at (64, 4096, 16), bf16, graph replays, 88.96-89.02 vs 90.43-90.46 us (README).
@@ -132,6 +133,16 @@ def bulk_copy_to_rank(src, dst, mbarrier, nbytes, rank):
         "@p cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [d], [s], $4, [m]; "
         "@p cp.async.bulk.commit_group; @p cp.async.bulk.wait_group.read 0; mov.u32 $0, 0; }",
         "=r,r,r,r,r,r", [src, dst, mbarrier, nbytes, rank], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def mbarrier_inval(offset):
+    """Thread 0: invalidate the mbarrier at byte `offset` (PTX requires it before the memory is used otherwise); call
+    it once every thread has passed its wait, and put a CTA barrier between it and any reuse of that memory."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .u32 a, t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; mov.u32 a, global_smem; "
+        "add.u32 a, a, $1; @p mbarrier.inval.shared::cta.b64 [a]; mov.u32 $0, 0; }",
+        "=r,r", [offset], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

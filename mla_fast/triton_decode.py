@@ -556,6 +556,8 @@ def _store_pair(m_i, l_i, acc, kv_scale, rank, qo, h, row_ok, OUT, LSE, stride_o
     dep = dsmem.cluster_barrier(dep)  # both KV loops are over and both mbarriers exist
     dsmem.bulk_copy_to_rank(STAGE + dep, 0, MBAR, RECV, 1 - rank)
     dep = dsmem.mbarrier_wait(MBAR + dep)  # the partner's half has landed here
+    tl.debug_barrier()  # every thread has seen the mbarrier complete: thread 0 may invalidate it (the memory is
+    dep = dsmem.mbarrier_inval(MBAR + dep)  # Triton's again after the barrier below)
     lse_p = dsmem.load_shared(BLOCK_M * HALF * LS * 4 + offs_m * 4 + dep)  # [M]
     lse_0 = tl.where(first, lse, lse_p) * LOG2E  # [M] piece 0, log2 units
     lse_1 = tl.where(first, lse_p, lse) * LOG2E
