@@ -502,17 +502,25 @@ def _load_pages(BLOCK_TABLE, b, stride_bt, first_page, kv_end, PAGE_SIZE: tl.con
 
 
 @triton.jit
+def _normaliser(m_i, l_i, kv_scale, LAZY_L: tl.constexpr):
+    """(o_scale [M, 1], lse [M]) of an item's online-softmax state: acc x o_scale is the normalised output with V
+    unscaled, lse the natural-log LSE; a row that saw no token gets lse = -inf (and acc = 0)."""
+    if LAZY_L:
+        l_i = tl.sum(l_i, 1)  # [M]
+    has_tok = l_i > 0.0
+    o_scale = (kv_scale / tl.where(has_tok, l_i, 1.0))[:, None]  # [M, 1]
+    lse = tl.where(has_tok, (m_i + tl.log2(tl.where(has_tok, l_i, 1.0))) * LN2, float("-inf"))  # [M]
+    return o_scale, lse
+
+
+@triton.jit
 def _store_item(m_i, l_i, acc, kv_scale, partial_row, qo, qo_start, h, row_ok, OUT, LSE, O_PART, LSE_PART,
                 stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt,
                 LS: tl.constexpr, SPLIT_L: tl.constexpr, LAZY_L: tl.constexpr, INTERPRET: tl.constexpr):
     """Epilogue of a work item: normalise, unscale V, natural-log LSE; empty rows give out = 0, lse = -inf. Unsplit
     items (partial_row < 0) write out (bf16) and lse; split items their fp32 workspace rows."""
     offs_s = tl.arange(0, LS)
-    if LAZY_L:
-        l_i = tl.sum(l_i, 1)  # [M]
-    has_tok = l_i > 0.0
-    o_scale = (kv_scale / tl.where(has_tok, l_i, 1.0))[:, None]  # [M, 1]
-    lse = tl.where(has_tok, (m_i + tl.log2(tl.where(has_tok, l_i, 1.0))) * LN2, float("-inf"))
+    o_scale, lse = _normaliser(m_i, l_i, kv_scale, LAZY_L)
     if partial_row < 0:
         out_ptr = OUT + qo.to(tl.int64)[:, None] * stride_ot + h[:, None] * stride_oh + offs_s[None, :]  # [M, LS]
         _store_rows(out_ptr, acc, o_scale, row_ok, LS, SPLIT_L, INTERPRET)
@@ -539,11 +547,7 @@ def _store_pair(m_i, l_i, acc, kv_scale, rank, qo, h, row_ok, OUT, LSE, stride_o
     STAGE: tl.constexpr = RECV + 64
     offs_m = tl.arange(0, BLOCK_M)
     offs_s = tl.arange(0, LS)
-    if LAZY_L:
-        l_i = tl.sum(l_i, 1)  # [M]
-    has_tok = l_i > 0.0
-    o_scale = (kv_scale / tl.where(has_tok, l_i, 1.0))[:, None]  # [M, 1]
-    lse = tl.where(has_tok, (m_i + tl.log2(tl.where(has_tok, l_i, 1.0))) * LN2, float("-inf"))  # [M] natural
+    o_scale, lse = _normaliser(m_i, l_i, kv_scale, LAZY_L)
     first = rank == 0
     tl.debug_barrier()  # every warp has read its last KV tile: the PTX below writes over the pipeline's buffers, and
     # Triton's barrier analysis does not see it
