@@ -27,7 +27,8 @@ Triton 3.6 has no cluster launch for a kernel compiled with num_ctas = 1 (num_ct
 layouts, and this kernel does not compile that way). Its CUDA launcher does launch clusters: it reads
 (num_warps, num_ctas, shared memory) from the compiled kernel's `packed_metadata` and, for num_ctas > 1, launches
 grid[0] x num_ctas CTAs in clusters of num_ctas. `launch_in_pairs` compiles the kernel (warm-up), sets num_ctas to 2
-there, and launches half the grid: the code is the num_ctas = 1 code, with `%ctaid.x` still numbering all CTAs.
+there, and launches that compiled kernel on half the grid: the code is the num_ctas = 1 code, with `%ctaid.x` still
+numbering all CTAs.
 
 The helpers below are inline PTX on scalars or elementwise on tiles (`tl.inline_asm_elementwise`, impure so they keep
 their order). They address shared memory as byte offsets from Triton's `global_smem` symbol, which is free once the
@@ -59,6 +60,8 @@ def stage_bytes(block_m: int, kv_lora_rank: int) -> int:
 def launch_in_pairs(kernel, grid_ctas: int, args, kwargs):
     """Launch `kernel` (a Triton JITFunction) on grid_ctas CTAs in clusters of 2; returns the compiled kernel.
 
+    One dispatch: `warmup` specializes the arguments and compiles (or finds the cached kernel), and the compiled kernel
+    is launched directly with every parameter in signature order (`call_args`), as Triton's own launch passes them.
     Raises ValueError when grid_ctas is odd, RuntimeError when the compiled kernel's launch metadata is not Triton
     3.6's (num_warps, num_ctas, shared) or the kernel was compiled for more than one CTA."""
     if grid_ctas % CLUSTER_CTAS:
@@ -73,8 +76,19 @@ def launch_in_pairs(kernel, grid_ctas: int, args, kwargs):
     if md.shared < need:
         raise RuntimeError(f"the pair merge needs {need} bytes of shared memory, the kernel has {md.shared}")
     compiled.packed_metadata = (md.num_warps, CLUSTER_CTAS, md.shared)  # the launcher's cluster size
-    kernel[grid](*args, **kwargs)
+    compiled[(grid[0], 1, 1)](*call_args(kernel.arg_names, args, kwargs))
     return compiled
+
+
+def call_args(arg_names, args, kwargs) -> list:
+    """Every kernel parameter's value in signature order: the positional `args`, then each later parameter from
+    `kwargs` (constexprs included; the launcher skips them). Launch options in kwargs (num_warps, ...) are not
+    parameters and are left out. Raises ValueError naming a parameter given neither way."""
+    missing = [name for name in arg_names[len(args):] if name not in kwargs]
+    if len(args) > len(arg_names) or missing:
+        raise ValueError(f"a paired launch needs every one of the {len(arg_names)} kernel parameters, got "
+                         f"{len(args)} positional and none for {missing}")
+    return [*args, *(kwargs[name] for name in arg_names[len(args):])]
 
 
 @triton.jit

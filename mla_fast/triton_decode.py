@@ -1146,8 +1146,9 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
     L = batch.kv_lora_rank
     H = batch.num_heads
     device = batch.q.device
-    if workspace is None:
-        rows = max(int(plan.num_partial_rows), 1)
+    pair_merge = pair_merge_applies(plan, config, device, L)
+    if workspace is None:  # the pair merge writes no partials: one row stands in for the kernel's pointers
+        rows = 1 if pair_merge else max(int(plan.num_partial_rows), 1)
         workspace = (torch.empty(rows, H, L, dtype=torch.float32, device=device),
                      torch.empty(rows, H, dtype=torch.float32, device=device))
     o_part, lse_part = workspace
@@ -1182,7 +1183,6 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
         compiled = gluon_fp8.launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale,
                                            config.head_group, config.head_split, config.num_stages, qo_indptr)
     else:
-        pair_merge = pair_merge_applies(plan, config, device, L)
         compiled = _launch_triton(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, config, qo_indptr,
                                   max_rows, pdl, num_workers, pair_merge)
         if pair_merge:  # every split tile merged in the kernel

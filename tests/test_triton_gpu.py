@@ -293,7 +293,7 @@ def test_pair_merge_gives_the_reduce_bits(case, num_workers):
     pair path writes no partials), 10 runs and a CUDA graph replay bitwise equal, within the kernel bound."""
     from mla_fast import dsmem
     from mla_fast.numerics import triton_numerics
-    from mla_fast.triton_decode import default_config, dtype_combo, launch, make_plan, pair_merge_applies
+    from mla_fast.triton_decode import decode, default_config, dtype_combo, launch, make_plan, pair_merge_applies
 
     batch = case.batch("cuda")
     if not dsmem.supported(batch.q.device, False):
@@ -335,6 +335,9 @@ def test_pair_merge_gives_the_reduce_bits(case, num_workers):
     torch.cuda.synchronize()
     assert torch.equal(out.view(torch.int16), out1.view(torch.int16))
     assert torch.equal(lse.view(torch.int32), lse1.view(torch.int32))
+    out3, lse3 = decode(batch, plan=plan, config=config)  # no workspace given: launch allocates a one-row stand-in
+    assert torch.equal(out3.view(torch.int16), out1.view(torch.int16))
+    assert torch.equal(lse3.view(torch.int32), lse1.view(torch.int32))
     result = check(out1, lse1, batch, triton_numerics(config.mma, config.block_n), 2)
     assert result["finite"] and result["out_ratio"] <= 1.0 and result["lse_ratio"] <= 1.0, result
 
