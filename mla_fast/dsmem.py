@@ -62,6 +62,8 @@ def launch_in_pairs(kernel, grid_ctas: int, args, kwargs):
 
     One dispatch: `warmup` specializes the arguments and compiles (or finds the cached kernel), and the compiled kernel
     is launched directly with every parameter in signature order (`call_args`), as Triton's own launch passes them.
+    The cluster size stays set on the cached compiled kernel, so a specialization launched here (the decode kernel's
+    PAIR_MERGE=True) must never be launched through the JITFunction: Triton's launcher would then run grid x 2 CTAs.
     Raises ValueError when grid_ctas is odd, RuntimeError when the compiled kernel's launch metadata is not Triton
     3.6's (num_warps, num_ctas, shared) or the kernel was compiled for more than one CTA."""
     if grid_ctas % CLUSTER_CTAS:
