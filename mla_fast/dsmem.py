@@ -12,7 +12,8 @@ analysis does not see):
 
 1. initialises an mbarrier in its own shared memory, expecting the partner's bytes;
 2. stages, in its own shared memory, the normalised fp32 output columns that the partner merges (half of the L
-   latent channels, [M, L / 2]) and its LSE [M];
+   latent channels, [M, L / 2], rows padded by ROW_PAD floats and written two adjacent columns per 8-byte store,
+   so that a warp's stores do not pile onto 4 banks) and its LSE [M];
 3. waits at a cluster barrier (both loops are over, so both pipeline buffers are free, and both mbarriers exist);
 4. copies the staged bytes into the partner's shared memory with one bulk copy (`cp.async.bulk`, completing on the
    partner's mbarrier), and waits until its own mbarrier has received the partner's copy;
@@ -21,7 +22,8 @@ analysis does not see):
    rank 0 also writes the LSE.
 
 Same bits as decode + reduce (GPU tests), without the reduce kernel's launch and its round trip through the L2:
-on one H200 at (64, 4096, 16), bf16, graph replays, 88.96-89.02 vs 90.43-90.46 us (README).
+on one H200 at (64, 4096, 16), bf16, graph replays, 87.39-87.65 vs 89.50-89.66 us (README; the padded 8-byte
+staging took 0.7-0.9 us off the unpadded scalar one, 88.24-88.45 in the same call).
 
 Triton 3.6 has no cluster launch for a kernel compiled with num_ctas = 1 (num_ctas = 2 turns on its multi-CTA
 layouts, and this kernel does not compile that way). Its CUDA launcher does launch clusters: it reads
@@ -41,6 +43,10 @@ import triton
 import triton.language as tl
 
 CLUSTER_CTAS = 2  # CTAs per cluster: the two pieces of a tile
+# fp32 of padding after each staged row [L / 2]: a warp's 8-byte accesses to its accumulator fragment (rows r..r+7,
+# column pairs 2c, c < 4, of an 8-column MMA tile) then fill all 32 banks with rows r..r+3 and again with r+4..r+7,
+# two wavefronts per 256 bytes; unpadded rows (a multiple of 32 banks apart) put those 8 rows on the same 4 banks
+ROW_PAD = tl.constexpr(8)
 
 
 def supported(device: torch.device, interpret: bool) -> bool:
@@ -51,9 +57,9 @@ def supported(device: torch.device, interpret: bool) -> bool:
 
 
 def stage_bytes(block_m: int, kv_lora_rank: int) -> int:
-    """Shared memory the pair merge uses from offset 0: the partner's half [M, L / 2] fp32 + its LSE [M] (received),
-    the mbarrier (padded to 64 bytes), and this program's half + LSE (staged)."""
-    recv = block_m * kv_lora_rank * 2 + block_m * 4
+    """Shared memory the pair merge uses from offset 0: the partner's half [M, L / 2 + ROW_PAD] fp32 + its LSE [M]
+    (received), the mbarrier (padded to 64 bytes), and this program's half + LSE (staged)."""
+    recv = block_m * (kv_lora_rank // 2 + ROW_PAD.value) * 4 + block_m * 4
     return 2 * recv + 64
 
 
@@ -120,6 +126,25 @@ def store_shared(offset, value):
     return tl.inline_asm_elementwise(
         "{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $1; st.shared.f32 [a], $2; mov.u32 $0, 0; }",
         "=r,r,f", [offset, value], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def store_shared_v2(offset, value):
+    """Each two adjacent fp32 elements of `value` (a column pair of the MMA accumulator layout) to byte `offset` of
+    the first (8-byte aligned) of this CTA's shared memory, one 8-byte store per pair."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $2; st.shared.v2.f32 [a], {$4, $5}; "
+        "mov.u32 $0, 0; mov.u32 $1, 0; }",
+        "=r,=r,r,r,f,f", [offset, value], dtype=tl.int32, is_pure=False, pack=2)
+
+
+@triton.jit
+def load_shared_v2(offset):
+    """fp32 elements at byte `offset` of this CTA's shared memory, two adjacent ones per 8-byte load (the layout
+    that `store_shared_v2` writes)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $2; ld.shared.v2.f32 {$0, $1}, [a]; }",
+        "=f,=f,r,r", [offset], dtype=tl.float32, is_pure=False, pack=2)
 
 
 @triton.jit

@@ -542,7 +542,8 @@ def _store_pair(m_i, l_i, acc, kv_scale, rank, qo, h, row_ok, OUT, LSE, stride_o
     writes the LSE. Shared memory from byte 0 (free once the KV loop has drained): the partner's half and LSE,
     the mbarrier, this piece's outgoing half and LSE (dsmem.stage_bytes)."""
     HALF: tl.constexpr = SPLIT_L // 2  # latent slices each piece merges
-    RECV: tl.constexpr = BLOCK_M * HALF * LS * 4 + BLOCK_M * 4  # bytes: the partner's half [M, L / 2] + its LSE
+    ROW: tl.constexpr = HALF * LS + dsmem.ROW_PAD  # fp32 per staged row (padded: no bank conflicts)
+    RECV: tl.constexpr = BLOCK_M * ROW * 4 + BLOCK_M * 4  # bytes: the partner's half [M, L / 2] + its LSE
     MBAR: tl.constexpr = RECV  # 16-byte aligned
     STAGE: tl.constexpr = RECV + 64
     offs_m = tl.arange(0, BLOCK_M)
@@ -552,17 +553,17 @@ def _store_pair(m_i, l_i, acc, kv_scale, rank, qo, h, row_ok, OUT, LSE, stride_o
     tl.debug_barrier()  # every warp has read its last KV tile: the PTX below writes over the pipeline's buffers, and
     # Triton's barrier analysis does not see it
     dep = dsmem.mbarrier_init(MBAR, RECV)
-    for j in tl.static_range(HALF):  # the partner's slices, [M, LS] each, row-major in [M, L / 2]
+    for j in tl.static_range(HALF):  # the partner's slices, [M, LS] each, row-major in [M, L / 2] (rows padded)
         o_out = tl.where(first, acc[HALF + j], acc[j]) * o_scale  # [M, LS]
-        dsmem.store_shared(STAGE + (offs_m[:, None] * (HALF * LS) + j * LS + offs_s[None, :]) * 4 + dep, o_out)
-    dsmem.store_shared(STAGE + BLOCK_M * HALF * LS * 4 + offs_m * 4 + dep, lse)
+        dsmem.store_shared_v2(STAGE + (offs_m[:, None] * ROW + j * LS + offs_s[None, :]) * 4 + dep, o_out)
+    dsmem.store_shared(STAGE + BLOCK_M * ROW * 4 + offs_m * 4 + dep, lse)
     dep = dsmem.fence_proxy_async(dep)
     dep = dsmem.cluster_barrier(dep)  # both KV loops are over and both mbarriers exist
     dsmem.bulk_copy_to_rank(STAGE + dep, 0, MBAR, RECV, 1 - rank)
     dep = dsmem.mbarrier_wait(MBAR + dep)  # the partner's half has landed here
     tl.debug_barrier()  # every thread has seen the mbarrier complete: thread 0 may invalidate it (the memory is
     dep = dsmem.mbarrier_inval(MBAR + dep)  # Triton's again after the barrier below)
-    lse_p = dsmem.load_shared(BLOCK_M * HALF * LS * 4 + offs_m * 4 + dep)  # [M]
+    lse_p = dsmem.load_shared(BLOCK_M * ROW * 4 + offs_m * 4 + dep)  # [M]
     lse_0 = tl.where(first, lse, lse_p) * LOG2E  # [M] piece 0, log2 units
     lse_1 = tl.where(first, lse_p, lse) * LOG2E
     m = tl.maximum(lse_0, lse_1)
@@ -575,7 +576,7 @@ def _store_pair(m_i, l_i, acc, kv_scale, rank, qo, h, row_ok, OUT, LSE, stride_o
     merged = ()
     for j in tl.static_range(HALF):  # this piece's slices rank x HALF + j
         own = tl.where(first, acc[j], acc[HALF + j]) * o_scale  # [M, LS]
-        recv = dsmem.load_shared((offs_m[:, None] * (HALF * LS) + j * LS + offs_s[None, :]) * 4 + dep)  # [M, LS]
+        recv = dsmem.load_shared_v2((offs_m[:, None] * ROW + j * LS + offs_s[None, :]) * 4 + dep)  # [M, LS]
         o_0 = tl.where(first, own, recv)
         o_1 = tl.where(first, recv, own)
         merged = merged + (tl.where((w_0 > 0.0)[:, None], o_0, 0.0) * w_0[:, None]

@@ -4,6 +4,7 @@ compile errors: the GPU tests skip here. One process per compile (the stand-in d
 driver)."""
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,7 +38,8 @@ def test_gluon_kernel_compiles_for_sm90(kernel, combo, heads, q_len):
 @pytest.mark.parametrize("combo", ["bf16", "fp8kv"])
 def test_triton_pair_merge_compiles_for_sm90_with_its_cluster_instructions(combo, tmp_path):
     """The Triton kernel with PAIR_MERGE (mla_fast.dsmem): ptxas takes its inline PTX, and the SASS has the cluster
-    barrier, the distributed-shared-memory bulk copy and the mbarrier's transaction wait."""
+    barrier, the distributed-shared-memory bulk copy and the mbarrier's transaction wait; the staged halves are
+    written and read with 8-byte accesses (dsmem.ROW_PAD), 16 of each per thread at 16 heads (2 slices x 16 fp32)."""
     sass = tmp_path / "pair.sass"
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "offline_compile.py"), "triton_pair", "--combo",
                            combo, "--heads", "16", "--sass", str(sass)], capture_output=True, text=True, timeout=600)
@@ -47,3 +49,4 @@ def test_triton_pair_merge_compiles_for_sm90_with_its_cluster_instructions(combo
     text = sass.read_text()
     for opcode in ("UCGABAR_ARV", "UCGABAR_WAIT", "UBLKCP.S.S", "SYNCS.PHASECHK.TRANS"):
         assert opcode in text, opcode
+    assert len(re.findall(r"\bSTS\.64\b", text)) == 16 and len(re.findall(r"\bLDS\.64\b", text)) == 16
