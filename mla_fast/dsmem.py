@@ -131,7 +131,10 @@ def store_shared(offset, value):
 @triton.jit
 def store_shared_v2(offset, value):
     """Each two adjacent fp32 elements of `value` (a column pair of the MMA accumulator layout) to byte `offset` of
-    the first (8-byte aligned) of this CTA's shared memory, one 8-byte store per pair."""
+    the first (8-byte aligned) of this CTA's shared memory, one 8-byte store per pair. pack=2 hands each call two
+    consecutive elements of a thread, which in Triton 3.6's MMA (v2) accumulator layout are adjacent columns, so the
+    second address is the first + 4; the pair-merge GPU tests check the bits against the reduce kernel for every
+    geometry the pair merge takes (16 and 32 rows, bf16 and fp8 caches)."""
     return tl.inline_asm_elementwise(
         "{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $2; st.shared.v2.f32 [a], {$4, $5}; "
         "mov.u32 $0, 0; mov.u32 $1, 0; }",
