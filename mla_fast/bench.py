@@ -148,8 +148,8 @@ def ours(batch: DecodeBatch, config=None, num_workers: int | None = None):
     T, H, dev = batch.q.shape[0], batch.q.shape[1], batch.q.device
     out = torch.empty(T, H, L, dtype=torch.bfloat16, device=dev)
     lse = torch.empty(T, H, dtype=torch.float32, device=dev)
-    rows = max(int(plan.num_partial_rows), 1)
-    workspace = (torch.empty(rows, H, L, device=dev), torch.empty(rows, H, device=dev))
+    pair_merge = td.pair_merge_applies(plan, config, dev, batch.kv_lora_rank)  # launch decides the same way
+    workspace = td.alloc_workspace(plan, H, L, dev, pair_merge)
     q_scale = td._scale_tensor(batch.q_scale, batch.q.device)
     kv_scale = td._scale_tensor(batch.kv_scale, batch.q.device)
     qo_indptr = batch.qo_indptr
@@ -162,7 +162,7 @@ def ours(batch: DecodeBatch, config=None, num_workers: int | None = None):
     kernel = fn()
     info = {"n_regs": getattr(kernel, "n_regs", None), "n_spills": getattr(kernel, "n_spills", None),
             "num_items": plan.num_items, "split_tiles": plan.stats()["split_tiles"],
-            "pair_merge": td.pair_merge_applies(plan, config, dev, batch.kv_lora_rank)}
+            "pair_merge": pair_merge}
     return fn, info
 
 

@@ -1039,6 +1039,14 @@ def pair_merge_applies(plan, config: KernelConfig, device: torch.device, kv_lora
             and effective_split_l(config, kv_lora_rank) % 2 == 0 and dsmem.supported(device, INTERPRET))
 
 
+def alloc_workspace(plan, num_heads: int, kv_lora_rank: int, device: torch.device, pair_merge: bool):
+    """(o_part [rows, H, L], lse_part [rows, H]) fp32 for the plan's partial rows; the pair merge writes no partials,
+    so one row then stands in for the kernel's pointers (as it does for a plan that splits nothing)."""
+    rows = 1 if pair_merge else max(int(plan.num_partial_rows), 1)
+    return (torch.empty(rows, num_heads, kv_lora_rank, dtype=torch.float32, device=device),
+            torch.empty(rows, num_heads, dtype=torch.float32, device=device))
+
+
 def pdl_supported(device: torch.device) -> bool:
     """Programmatic dependent launch (griddepcontrol): CUDA sm_90 and newer, not ROCm, not the interpreter."""
     return (not INTERPRET and device.type == "cuda" and torch.version.hip is None
@@ -1148,11 +1156,7 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
     H = batch.num_heads
     device = batch.q.device
     pair_merge = pair_merge_applies(plan, config, device, L)
-    if workspace is None:  # the pair merge writes no partials: one row stands in for the kernel's pointers
-        rows = 1 if pair_merge else max(int(plan.num_partial_rows), 1)
-        workspace = (torch.empty(rows, H, L, dtype=torch.float32, device=device),
-                     torch.empty(rows, H, dtype=torch.float32, device=device))
-    o_part, lse_part = workspace
+    o_part, lse_part = workspace if workspace is not None else alloc_workspace(plan, H, L, device, pair_merge)
     q_scale = _scale_tensor(batch.q_scale if q_scale is None else q_scale, device)
     kv_scale = _scale_tensor(batch.kv_scale if kv_scale is None else kv_scale, device)
     if max_rows is None:  # rows per program (q_len x head_group)
