@@ -74,14 +74,16 @@ Partial workspace. Piece ``i`` of a split tile of request ``b`` uses the rows ``
 (``r < q_len_b``) of ``o [num_partial_rows, H, L] fp32`` and ``lse [num_partial_rows, H] fp32``, heads of its group
 only; the head groups of one request share rows (they write disjoint heads), so every (row, head) is written once.
 
-The plan is computed on the CPU (a few dozen small torch ops, no Python loop over requests) and the result moved
-to the device of ``seq_lens``; the same lengths give bit-identical plans on any device.
+The plan is computed on the CPU in numpy (a few dozen array ops per candidate, no Python loop over requests:
+numpy's per-call cost is a fraction of torch's on arrays this small) and the result moved to the device of
+``seq_lens`` as torch int32 tensors; the same lengths give bit-identical plans on any device.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
+import numpy as np
 import torch
 
 # columns of WorkPlan.work_items and WorkPlan.reduce_final (docs/architecture.md)
@@ -92,18 +94,18 @@ DEFAULT_OVERHEAD_TOKENS = 320  # FlashMLA: 5 blocks of 64 tokens per piece (aite
 
 
 def _ceil_div(a, b):
-    """ceil(a / b) for non-negative ints or integer tensors."""
+    """ceil(a / b) for non-negative ints or integer tensors / arrays."""
     return -(-a // b)
 
 
-def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
+def _exclusive_cumsum(x: np.ndarray) -> np.ndarray:
     """[n] -> [n]: out[i] = x[0] + ... + x[i - 1]."""
-    return torch.cumsum(x, 0) - x
+    return np.cumsum(x) - x
 
 
-def _indptr(counts: torch.Tensor) -> torch.Tensor:
+def _indptr(counts: np.ndarray) -> np.ndarray:
     """[n] -> [n + 1]: 0 followed by the running sum of counts."""
-    return torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
+    return np.concatenate([np.zeros(1, np.int64), np.cumsum(counts)])
 
 
 def _as_lengths(x, name: str) -> torch.Tensor:
@@ -294,15 +296,14 @@ def plan_decode(
         partial rows (less reduce work), then to that order.
     """
     line = _line(seq_lens, q_lens, num_heads, num_workers, block_n, fixed_overhead, max_splits, head_group)
-    plans = [_plan_from_cuts(line, _line_cuts(line, max_splits), split=max_splits != 1)]
-    if max_splits != 1 and plans[0].num_partial_rows > 0:
-        plans.append(_plan_from_cuts(line, _line_cuts(line, 1), split=False))
-    # (busiest worker's cost, partial rows) of each candidate, computed once; min keeps the first of equal keys
-    key, best = min((((int(p.worker_costs().max()), p.num_partial_rows), p) for p in plans), key=lambda kp: kp[0])
+    candidates = [_cut(line, _line_cuts(line, max_splits), split=max_splits != 1)]
+    if max_splits != 1 and candidates[0].partial_rows > 0:
+        candidates.append(_cut(line, _line_cuts(line, 1), split=False))
+    best = min(candidates, key=lambda c: c.key)  # min keeps the first of equal keys
     even = _even_cuts(line, max_splits)
-    if even is not None and even[1:] < key:
-        best = _plan_from_cuts(line, even[0], split=True)  # built only when it wins (its cost is known)
-    return _on_device(best, line.device)
+    if even is not None and even[1:] < best.key:
+        best = _cut(line, even[0], split=True)  # cut only when it wins (its cost is known)
+    return _on_device(_build(line, best), line.device)
 
 
 def _on_device(plan: WorkPlan, device: torch.device) -> WorkPlan:
@@ -316,14 +317,14 @@ def _on_device(plan: WorkPlan, device: torch.device) -> WorkPlan:
 
 @dataclass(frozen=True)
 class _Line:
-    """Validated planner inputs and the tiles laid end to end (module docstring); int64 CPU tensors."""
+    """Validated planner inputs and the tiles laid end to end (module docstring); int64 numpy arrays."""
 
-    seq: torch.Tensor  # [B] KV tokens per request
-    qlen: torch.Tensor  # [B] q rows per request
-    tile_req: torch.Tensor  # [T] request of each tile, request-major
-    tile_grp: torch.Tensor  # [T] head group of each tile
-    blocks: torch.Tensor  # [T] KV blocks per tile
-    start: torch.Tensor  # [T] line position of each tile (its overhead first, then its blocks)
+    seq: np.ndarray  # [B] KV tokens per request
+    qlen: np.ndarray  # [B] q rows per request
+    tile_req: np.ndarray  # [T] request of each tile, request-major
+    tile_grp: np.ndarray  # [T] head group of each tile
+    blocks: np.ndarray  # [T] KV blocks per tile
+    start: np.ndarray  # [T] line position of each tile (its overhead first, then its blocks)
     total: int  # C, the line's length in units
     ovh: int  # fixed overhead per item, in blocks
     num_heads: int
@@ -341,8 +342,8 @@ def _line(seq_lens, q_lens, num_heads, num_workers, block_n, fixed_overhead, max
         raise ValueError(f"q_lens must have the shape of seq_lens {tuple(seq_lens.shape)}, got {tuple(q_lens.shape)}")
     if q_lens.device != seq_lens.device:
         raise ValueError(f"q_lens must be on the device of seq_lens ({seq_lens.device}), got {q_lens.device}")
-    seq = seq_lens.cpu().long()  # [B]
-    qlen = q_lens.cpu().long()  # [B]
+    seq = seq_lens.cpu().long().numpy()  # [B]
+    qlen = q_lens.cpu().long().numpy()  # [B]
     if bool((seq < 0).any()):
         raise ValueError("seq_lens must be >= 0")
     if bool((qlen < 1).any()):
@@ -359,25 +360,25 @@ def _line(seq_lens, q_lens, num_heads, num_workers, block_n, fixed_overhead, max
     if num_heads % head_group:
         raise ValueError(f"head_group must divide num_heads ({num_heads}), got {head_group}")
 
-    B, G = seq.numel(), num_heads // head_group
-    tile_req = torch.arange(B).repeat_interleave(G)  # [T]
+    B, G = seq.size, num_heads // head_group
+    tile_req = np.repeat(np.arange(B), G)  # [T]
     blocks = _ceil_div(seq, block_n)[tile_req]  # [T]
     length = blocks + ovh  # [T] line units: overhead first, then blocks
-    return _Line(seq=seq, qlen=qlen, tile_req=tile_req, tile_grp=torch.arange(G).repeat(B), blocks=blocks,
+    return _Line(seq=seq, qlen=qlen, tile_req=tile_req, tile_grp=np.tile(np.arange(G), B), blocks=blocks,
                  start=_exclusive_cumsum(length), total=int(length.sum()), ovh=ovh, num_heads=num_heads,
                  head_group=head_group, num_workers=num_workers, block_n=block_n, device=seq_lens.device)
 
 
-def _line_cuts(line: _Line, max_splits: int | None) -> torch.Tensor:
+def _line_cuts(line: _Line, max_splits: int | None) -> np.ndarray:
     """[W - 1] cuts of the line plan: cut w at w x Q, Q = ceil(C / W) raised so that no tile exceeds max_splits
     pieces (max_splits 1: the caller keeps every tile whole)."""
     stride = max(1, _ceil_div(line.total, line.num_workers))
     if max_splits is not None and max_splits >= 2:
         stride = max(stride, _ceil_div(int(line.blocks.max()) - 1, max_splits - 1))
-    return (torch.arange(1, line.num_workers) * stride).clamp(max=line.total)  # [W-1]
+    return np.minimum(np.arange(1, line.num_workers) * stride, line.total)  # [W-1]
 
 
-def _even_cuts(line: _Line, max_splits: int | None) -> tuple[torch.Tensor, int, int] | None:
+def _even_cuts(line: _Line, max_splits: int | None) -> tuple[np.ndarray, int, int] | None:
     """(cuts [W - 1], busiest worker's cost, partial rows) of the even plan, or None when there are more tiles than
     workers.
 
@@ -386,85 +387,115 @@ def _even_cuts(line: _Line, max_splits: int | None) -> tuple[torch.Tensor, int, 
     worker costs max_t ceil(blocks_t / k_t) + OVH. Cut w sits where item w starts; the cuts past the last item sit
     at C (idle workers).
     """
-    T, W = line.blocks.numel(), line.num_workers
+    T, W = line.blocks.size, line.num_workers
     if T > W:
         return None
     cap = max_splits or int(line.blocks.max()) or 1
 
-    def pieces(P: int) -> torch.Tensor:
-        return _ceil_div(line.blocks, P).clamp(min=1, max=cap)  # [T]
+    def pieces(P: int) -> np.ndarray:
+        return np.minimum(np.maximum(_ceil_div(line.blocks, P), 1), cap)  # [T] (np.clip costs more per call)
 
     lo, hi = 1, max(1, int(line.blocks.max()))  # sum(pieces(hi)) = T <= W; find the least feasible P
     while lo < hi:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if int(pieces(mid).sum()) <= W else (mid + 1, hi)
     k = pieces(lo)  # [T]
-    item_tile = torch.arange(T).repeat_interleave(k)  # [N]
-    j = torch.arange(item_tile.numel()) - _exclusive_cumsum(k)[item_tile]  # [N] piece index inside its tile
+    item_tile = np.repeat(np.arange(T), k)  # [N]
+    j = np.arange(item_tile.size) - _exclusive_cumsum(k)[item_tile]  # [N] piece index inside its tile
     first_block = j * line.blocks[item_tile] // k[item_tile]  # [N]
-    item_pos = line.start[item_tile] + torch.where(j == 0, 0, line.ovh + first_block)  # [N] line position
-    cuts = torch.cat([item_pos[1:], torch.full((W - item_pos.numel(),), line.total)])  # [W-1]
+    item_pos = line.start[item_tile] + np.where(j == 0, 0, line.ovh + first_block)  # [N] line position
+    cuts = np.concatenate([item_pos[1:], np.full(W - item_pos.size, line.total)])  # [W-1]
     cost = int(_ceil_div(line.blocks, k).max()) + line.ovh
     G = line.num_heads // line.head_group  # the head groups of a request share its partial rows
-    rows = int((torch.where(k > 1, k, 0) * line.qlen[line.tile_req]).sum()) // G
+    rows = int((np.where(k > 1, k, 0) * line.qlen[line.tile_req]).sum()) // G
     return cuts, cost, rows
 
 
-def _plan_from_cuts(line: _Line, cut: torch.Tensor, split: bool) -> WorkPlan:
-    """WorkPlan of the line cut at `cut` ([W - 1] non-decreasing positions; cut w opens worker w): a cut inside a
+@dataclass(frozen=True)
+class _Cut:
+    """The items of the line cut at given positions (int64 numpy arrays, in line order), and the candidate's key."""
+
+    pieces: np.ndarray  # [T] items of each tile
+    first: np.ndarray  # [T] index of each tile's first item
+    item_tile: np.ndarray  # [N]
+    blk_start: np.ndarray  # [N] first KV block of each item
+    blk_end: np.ndarray  # [N] one past its last block
+    worker_indptr: np.ndarray  # [W + 1]
+    req_pieces: np.ndarray  # [B] pieces of the request's split tiles (0: none split)
+    partial_rows: int
+    key: tuple[int, int]  # (busiest worker's cost, partial rows): plan_decode keeps the least
+
+
+def _cut(line: _Line, cut: np.ndarray, split: bool) -> _Cut:
+    """The items of the line cut at `cut` ([W - 1] non-decreasing positions; cut w opens worker w): a cut inside a
     tile's blocks splits it there (unless not `split`), any other moves back to its tile's start."""
-    seq, qlen, blocks, start, ovh, total = line.seq, line.qlen, line.blocks, line.start, line.ovh, line.total
-    B, G = seq.numel(), line.num_heads // line.head_group
-    tile_req, block_n, num_workers = line.tile_req, line.block_n, line.num_workers
-    cut_tile = torch.searchsorted(start, cut, right=True) - 1  # [W-1] last tile starting at or before the cut
+    blocks, start, ovh, total = line.blocks, line.start, line.ovh, line.total
+    B, G = line.seq.size, line.num_heads // line.head_group
+    cut_tile = np.searchsorted(start, cut, side="right") - 1  # [W-1] last tile starting at or before the cut
     cut_block = cut - start[cut_tile] - ovh  # [W-1] blocks of that tile before the cut
     splits = (cut_block > 0) & (cut_block < blocks[cut_tile]) & split  # [W-1]
-    cut = torch.where(splits, cut, torch.where(cut < total, start[cut_tile], cut))  # [W-1] non-decreasing
+    cut = np.where(splits, cut, np.where(cut < total, start[cut_tile], cut))  # [W-1] non-decreasing
 
     # items: every tile's first piece plus one piece per splitting cut, in line order
-    pieces = 1 + torch.bincount(cut_tile[splits], minlength=B * G)  # [T]
+    pieces = 1 + np.bincount(cut_tile[splits], minlength=B * G)  # [T]
     first = _exclusive_cumsum(pieces)  # [T] index of each tile's first item
-    item_tile = torch.arange(B * G).repeat_interleave(pieces)  # [N]
-    is_first = torch.zeros(item_tile.numel(), dtype=torch.bool)  # [N]
+    item_tile = np.repeat(np.arange(B * G), pieces)  # [N]
+    is_first = np.zeros(item_tile.size, dtype=bool)  # [N]
     is_first[first] = True
-    blk_start = torch.zeros(item_tile.numel(), dtype=torch.long)  # [N] first block of each item
+    blk_start = np.zeros(item_tile.size, dtype=np.int64)  # [N] first block of each item
     blk_start[~is_first] = cut_block[splits]
-    blk_end = torch.roll(blk_start, -1)  # [N] next item's start within the same tile ...
+    blk_end = np.concatenate([blk_start[1:], blk_start[:1]])  # [N] next item's start within the same tile ...
     blk_end[first + pieces - 1] = blocks  # ... or the tile's end
-    item_pos = start[item_tile] + torch.where(is_first, 0, ovh + blk_start)  # [N] line position of the item
-    worker = torch.searchsorted(cut, item_pos, right=True)  # [N] non-decreasing
-    worker_indptr = _indptr(torch.bincount(worker, minlength=num_workers))  # [W + 1]
+    item_pos = start[item_tile] + np.where(is_first, 0, ovh + blk_start)  # [N] line position of the item
+    worker = np.searchsorted(cut, item_pos, side="right")  # [N] non-decreasing
+    worker_indptr = _indptr(np.bincount(worker, minlength=line.num_workers))  # [W + 1]
+    # the cost model (WorkPlan.worker_costs): an item costs its blocks + OVH; items are in worker order, so a
+    # worker's cost is a difference of the running sum at its range's ends
+    running = _indptr(blk_end - blk_start + ovh)  # [N + 1]
+    busiest = int((running[worker_indptr[1:]] - running[worker_indptr[:-1]]).max())
+    req_pieces = np.where(pieces > 1, pieces, 0).reshape(B, G).max(1)  # [B]
+    partial_rows = int((req_pieces * line.qlen).sum())
+    return _Cut(pieces=pieces, first=first, item_tile=item_tile, blk_start=blk_start, blk_end=blk_end,
+                worker_indptr=worker_indptr, req_pieces=req_pieces, partial_rows=partial_rows,
+                key=(busiest, partial_rows))
+
+
+def _build(line: _Line, c: _Cut) -> WorkPlan:
+    """The WorkPlan (CPU int32 tensors) of a cut line."""
+    seq, qlen, tile_req, block_n, num_workers = line.seq, line.qlen, line.tile_req, line.block_n, line.num_workers
+    B, G = seq.size, line.num_heads // line.head_group
+    pieces, first, item_tile, blk_start, blk_end, worker_indptr, req_pieces = (
+        c.pieces, c.first, c.item_tile, c.blk_start, c.blk_end, c.worker_indptr, c.req_pieces)
 
     # partial rows: piece i of a split tile of request b -> base_b + i * q_len_b; head groups share rows
     item_req = tile_req[item_tile]  # [N]
     is_split = pieces > 1  # [T]
-    req_pieces = torch.where(is_split, pieces, 0).view(B, G).amax(1)  # [B]
     req_base = _exclusive_cumsum(req_pieces * qlen)  # [B]
-    piece_idx = torch.arange(item_tile.numel()) - first[item_tile]  # [N]
-    partial_row = torch.where(is_split[item_tile], req_base[item_req] + piece_idx * qlen[item_req], FINAL)  # [N]
+    piece_idx = np.arange(item_tile.size) - first[item_tile]  # [N]
+    partial_row = np.where(is_split[item_tile], req_base[item_req] + piece_idx * qlen[item_req], FINAL)  # [N]
 
     qo_indptr = _indptr(qlen)  # [B + 1]
     head_start = line.tile_grp * line.head_group  # [T]
-    work_items = torch.stack([
+    work_items = np.stack([
         item_req,
         partial_row,
         qo_indptr[item_req],
         qo_indptr[item_req + 1],
         blk_start * block_n,
-        torch.minimum(blk_end * block_n, seq[item_req]),
+        np.minimum(blk_end * block_n, seq[item_req]),
         head_start[item_tile],
         head_start[item_tile] + line.head_group,
-    ], dim=1)  # [N, 8]
-    reduce_indptr = _indptr(torch.where(is_split, pieces, 0))  # [T + 1]
+    ], axis=1)  # [N, 8]
+    reduce_indptr = _indptr(np.where(is_split, pieces, 0))  # [T + 1]
     reduce_partial_map = partial_row[is_split[item_tile]]  # [M], items are in KV order within a tile
-    partial_base = torch.where(is_split, req_base[tile_req], FINAL)  # [T] piece i: rows base + i * q_len
-    reduce_final = torch.stack(
+    partial_base = np.where(is_split, req_base[tile_req], FINAL)  # [T] piece i: rows base + i * q_len
+    reduce_final = np.stack(
         [qo_indptr[tile_req], qo_indptr[tile_req + 1], head_start, head_start + line.head_group,
-         reduce_indptr[:-1], reduce_indptr[1:], partial_base, torch.zeros_like(partial_base)], dim=1
+         reduce_indptr[:-1], reduce_indptr[1:], partial_base, np.zeros_like(partial_base)], axis=1
     )  # [T, 8]
 
-    def out(x: torch.Tensor) -> torch.Tensor:
-        return x.to(dtype=torch.int32)  # on the CPU; plan_decode moves the plan it returns
+    def out(x: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(x.astype(np.int32))  # on the CPU; plan_decode moves the plan it returns
 
     return WorkPlan(
         work_items=out(work_items),
@@ -473,15 +504,15 @@ def _plan_from_cuts(line: _Line, cut: torch.Tensor, split: bool) -> WorkPlan:
         reduce_final=out(reduce_final),
         reduce_partial_map=out(reduce_partial_map),
         num_workers=num_workers,
-        num_partial_rows=int((req_pieces * qlen).sum()),
+        num_partial_rows=c.partial_rows,
         block_n=block_n,
-        fixed_overhead=ovh,
+        fixed_overhead=line.ovh,
         num_heads=line.num_heads,
         head_group=line.head_group,
-        max_pieces=int(torch.where(is_split, pieces, 0).max()) if B * G else 0,
+        max_pieces=int(np.where(is_split, pieces, 0).max()) if B * G else 0,
         seq_lens=out(seq),
         q_lens=out(qlen),
-        one_item_per_worker=torch.equal(worker_indptr, torch.arange(num_workers + 1).clamp(max=item_tile.numel())),
-        paired_splits=bool(pieces.numel() > 0 and (pieces == 2).all()
-                           and torch.equal(item_tile, torch.arange(item_tile.numel()) // 2)),
+        one_item_per_worker=bool(np.array_equal(worker_indptr, np.minimum(np.arange(num_workers + 1), item_tile.size))),
+        paired_splits=bool(pieces.size > 0 and (pieces == 2).all()
+                           and np.array_equal(item_tile, np.arange(item_tile.size) // 2)),
     )

@@ -19,10 +19,11 @@ from mla_fast.planner import (
     QO_END,
     QO_START,
     WorkPlan,
+    _build,
+    _cut,
     _even_cuts,
     _line,
     _line_cuts,
-    _plan_from_cuts,
     plan_decode,
 )
 
@@ -293,12 +294,15 @@ def candidates(case: PlanCase) -> dict[str, WorkPlan]:
     """The planner's candidate plans of a case (module docstring): line, unsplit, and even when tiles <= workers."""
     line = _line(torch.tensor(case.seq_lens), torch.tensor(case.q_lens), case.num_heads, case.num_workers,
                  case.block_n, case.fixed_overhead, case.max_splits, case.head_group)
-    plans = {"line": _plan_from_cuts(line, _line_cuts(line, case.max_splits), split=case.max_splits != 1),
-             "unsplit": _plan_from_cuts(line, _line_cuts(line, 1), split=False)}
+    cuts = {"line": _cut(line, _line_cuts(line, case.max_splits), split=case.max_splits != 1),
+            "unsplit": _cut(line, _line_cuts(line, 1), split=False)}
     even = _even_cuts(line, case.max_splits)
     if even is not None:
-        plans["even"] = _plan_from_cuts(line, even[0], split=True)
-        assert even[1:] == (int(plans["even"].worker_costs().max()), plans["even"].num_partial_rows)  # closed forms
+        cuts["even"] = _cut(line, even[0], split=True)
+        assert even[1:] == cuts["even"].key  # the even plan's closed forms
+    plans = {name: _build(line, cut) for name, cut in cuts.items()}
+    for name, plan in plans.items():  # the key plan_decode compares candidates by, before building them
+        assert cuts[name].key == (int(plan.worker_costs().max()), plan.num_partial_rows), name
     return plans
 
 
