@@ -599,6 +599,7 @@ def _mla_reduce_kernel(
     stride_pt, stride_ph, stride_plt,
     stride_ot, stride_oh, stride_lt,
     BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    IDLE_EXIT: tl.constexpr,
 ):
     """One program per (reduce tile, packed row, BLOCK_L output channels): merges that row's split partials, BLOCK_S
     splits at a time ([BLOCK_S, BLOCK_L] fp32 per step; the launcher sizes both from the plan's max_pieces). The
@@ -620,9 +621,17 @@ def _mla_reduce_kernel(
     split_begin = tl.load(final + _SPLIT_BEGIN)
     split_end = tl.load(final + _SPLIT_END)
     base = tl.load(final + _PARTIAL_BASE)
-    if PDL:  # launched while the decode kernel ran: wait for it to finish (its partials are then visible)
-        tl.extra.cuda.gdc_wait()
-    if (split_end > split_begin) & (r < q_len * num_h):
+    # a split tile's row has work; REDUCE_FINAL is the plan's (written before the launch), not the decode's output
+    work = (split_end > split_begin) & (r < q_len * num_h)
+    if PDL:  # launched while the decode ran: wait for it to finish (its partials are then visible)
+        if IDLE_EXIT:  # only programs with work wait, and program (0, 0, 0), so that this grid never completes
+            # before the decode does; the others exit at once. The wait then needs the metadata loads' results
+            # (it comes after them instead of beside them): for grids with many idle programs (TritonMLADecode's)
+            if work | ((tile == 0) & (r == 0) & (cols == 0)):
+                tl.extra.cuda.gdc_wait()
+        else:
+            tl.extra.cuda.gdc_wait()
+    if work:
         dq = r // num_h  # query row inside the tile
         h = head_start + r % num_h
         offs_s = tl.arange(0, BLOCK_S)
@@ -1199,7 +1208,9 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
             o_part, lse_part, plan.reduce_final, out, lse,
             o_part.stride(0), o_part.stride(1), lse_part.stride(0),
             out.stride(0), out.stride(1), lse.stride(0),
-            BLOCK_L=block_l, BLOCK_S=block_s, INTERPRET=INTERPRET, PDL=pdl, num_warps=REDUCE_WARPS,
+            BLOCK_L=block_l, BLOCK_S=block_s, INTERPRET=INTERPRET, PDL=pdl,
+            IDLE_EXIT=isinstance(plan, _StaticPlan),  # a step's reduce spans its capacity, mostly idle programs
+            num_warps=REDUCE_WARPS,
             **({"launch_pdl": True} if pdl else {}),
         )
     return compiled
@@ -1231,7 +1242,9 @@ class TritonMLADecode:
     """CUDA-graph-capturable decode step: `plan(batch)` eagerly (host sync), then `run()` only launches.
 
     A captured step must take any later plan, so it reads worker_indptr and always merges splits with the reduce
-    kernel (no ONE_ITEM, no pair merge).
+    kernel (no ONE_ITEM, no pair merge), whose grid spans the step's capacity of tiles: its programs without work
+    (unsplit tiles) exit at once instead of waiting for the decode (`_mla_reduce_kernel`'s IDLE_EXIT). Graph replays
+    on one H200 against mla-bench's launch of the same batch's own plan: README, "The graph-capturable step".
 
     All buffers (plan, workspace, scales) are allocated once for the maximum sizes given here; `plan()` copies a new
     WorkPlan into them in place, so a graph captured around `run()` stays valid when seq_lens change.

@@ -315,6 +315,33 @@ def test_launch_without_max_rows_takes_the_batch_rows(monkeypatch):
         assert seen[-1] == max(q_lens) * head_group, (q_lens, head_group, seen)
 
 
+def test_only_the_graph_steps_reduce_lets_idle_programs_exit(monkeypatch):
+    """The reduce's programs without work (unsplit tiles, rows past a tile's) skip the wait for the decode only in
+    TritonMLADecode's launch, whose reduce grid spans the step's capacity: -2.5 to -20 us per replay on unsplit plans
+    (twentieth session, one H200). A plan's own reduce keeps the wait beside the metadata loads: its programs mostly
+    have work, and there the early exit cost up to 0.5 us."""
+    td = pytest.importorskip("mla_fast.triton_decode")
+    seen = []
+
+    class Reduce:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append((grid, kwargs["IDLE_EXIT"]))
+
+    monkeypatch.setattr(td, "_launch_triton", lambda *args, **kwargs: None)  # the decode: not run here
+    monkeypatch.setattr(td, "_mla_reduce_kernel", Reduce())
+    batch = TritonCase((300, 5), (1, 1), heads=16).batch()
+    config = td.KernelConfig(head_group=16, head_split=1)
+    plan = td.make_plan(batch, config, num_workers=4)
+    assert plan.num_partial_rows > 0  # the 300-token request is split: a reduce follows the decode
+    T, H, L = batch.q.shape[0], batch.num_heads, batch.kv_lora_rank
+    td.launch(batch, plan, torch.empty(T, H, L, dtype=torch.bfloat16), torch.empty(T, H), config)
+    step = td.TritonMLADecode(batch, num_workers=4, config=config)
+    step.plan()
+    step.run()
+    assert [flag for _, flag in seen] == [False, True]
+    assert seen[1][0][0] == step.reduce_final.shape[0]  # the step's grid: every tile of its capacity
+
+
 @pytest.mark.parametrize("heads", [40, 48, 64, 128])
 def test_small_batch_default_covers_every_head(heads):
     """head_group x head_split programs of a worker must cover the heads exactly (the planner's head group divides
