@@ -776,7 +776,18 @@ def reduce_blocks(max_pieces: int, kv_lora_rank: int) -> tuple[int, int]:
     return block_s, min(kv_lora_rank, max(32, REDUCE_TILE // block_s))
 
 
-STEP_REDUCE_PIECES = 8  # TritonMLADecode's fixed reduce shape: [8, 256] steps
+STEP_REDUCE_PIECES = 8  # TritonMLADecode's smallest reduce shape: [8, 256] steps (step_reduce_pieces)
+
+
+def step_reduce_pieces(num_workers: int, tiles: int) -> int:
+    """TritonMLADecode's default reduce_pieces: the pieces per tile of an even plan over long sequences, workers //
+    tiles, rounded up to a power of two within [STEP_REDUCE_PIECES, REDUCE_MAX_S]. The step's reduce grid spans
+    all its tiles, and a larger step shape has narrower channel blocks, so more programs: one H200, graph replays
+    (us), reduce_pieces 8 / 16 / 32 / 64: (1, 8192, 16) bf16 31.1 / 28.4 / 23.3 / 17.5 (128 pieces per tile),
+    (4, 8192, 16) 29.0 / 28.4 / 27.0 / 26.3, (1, 8192, 128) 37.1 / 35.4 / 28.6 / 26.6; (32, 4096, 16) 58.1 / 59.7 /
+    61.3 / 66.3, (64, 4096, 16) 92.4 / 95.8 / 100.4 / 110.4, (32, 4096, 128) 90.9 / 102.7 / 122.4 / 160.2, fp8kv
+    (32, 4096, 16) 41.7 / 43.2 / 45.2 / 50.0 (twentieth session)."""
+    return min(max(triton.next_power_of_2(max(num_workers // max(tiles, 1), 1)), STEP_REDUCE_PIECES), REDUCE_MAX_S)
 
 
 def _is_fp8(dtype: torch.dtype) -> bool:
@@ -1261,14 +1272,17 @@ class TritonMLADecode:
             rows only, so only those are kept.
         reduce_pieces: split pieces per tile that the reduce kernel's steps are sized for (`reduce_blocks`), fixed
             for the step so that eager runs and graph replays give the same bits whatever the plan (the step shape
-            sets the merge's summation order). Tiles with more pieces are merged in more steps.
+            sets the merge's summation order). Tiles with more pieces are merged in more steps. Default
+            `step_reduce_pieces(num_workers, tiles)`, from the batch size, not its lengths (on 132 workers with
+            one tile per request: 64 for 1-4 requests, 32 for 5-7, 16 for 8-14, 8 from 15).
     """
 
     def __init__(self, batch, *, max_q_len: int = 1, num_workers: int | None = None, config: KernelConfig | None = None,
                  max_items: int | None = None, max_partial_rows: int | None = None,
-                 reduce_pieces: int = STEP_REDUCE_PIECES):
+                 reduce_pieces: int | None = None):
         check_batch(batch)
-        planner._check_int(reduce_pieces, "reduce_pieces", 1)
+        if reduce_pieces is not None:
+            planner._check_int(reduce_pieces, "reduce_pieces", 1)
         self.batch = batch
         device = batch.q.device
         H, L, B = batch.num_heads, batch.kv_lora_rank, batch.batch_size
@@ -1289,7 +1303,7 @@ class TritonMLADecode:
         self.qo_indptr = batch.qo_indptr.clone()  # [B+1]
         self.out = torch.empty(batch.q.shape[0], H, L, dtype=torch.bfloat16, device=device)
         self.lse = torch.empty(batch.q.shape[0], H, dtype=torch.float32, device=device)
-        self.reduce_pieces = reduce_pieces
+        self.reduce_pieces = reduce_pieces or step_reduce_pieces(self.num_workers, groups)
 
     def plan(self, batch=None) -> None:
         """Plan on the current seq_lens/q_lens and copy into the static buffers (eager; never inside a capture)."""

@@ -315,6 +315,21 @@ def test_launch_without_max_rows_takes_the_batch_rows(monkeypatch):
         assert seen[-1] == max(q_lens) * head_group, (q_lens, head_group, seen)
 
 
+def test_graph_step_sizes_its_reduce_from_the_batch_size():
+    """The step's default reduce shape follows the batch size (step_reduce_pieces: 64 pieces per step for one
+    request, whose long plans cut each tile in up to num_workers pieces; 8 from 15 requests on 132 workers); an
+    explicit reduce_pieces is kept."""
+    td = pytest.importorskip("mla_fast.triton_decode")
+    assert [td.step_reduce_pieces(132, t) for t in (1, 4, 5, 8, 14, 15, 128)] == [64, 64, 32, 16, 16, 8, 8]
+    assert td.step_reduce_pieces(66, 32) == td.STEP_REDUCE_PIECES  # 128 heads, b = 32: two workers per request
+    config = td.KernelConfig(head_group=16, head_split=1)
+    one = TritonCase((300,), (1,), heads=16).batch()
+    many = TritonCase((300,) * 20, (1,) * 20, heads=16).batch()
+    assert td.TritonMLADecode(one, num_workers=132, config=config).reduce_pieces == 64
+    assert td.TritonMLADecode(many, num_workers=132, config=config).reduce_pieces == 8
+    assert td.TritonMLADecode(one, num_workers=132, config=config, reduce_pieces=16).reduce_pieces == 16
+
+
 def test_only_the_graph_steps_reduce_lets_idle_programs_exit(monkeypatch):
     """The reduce's programs without work (unsplit tiles, rows past a tile's) skip the wait for the decode only in
     TritonMLADecode's launch, whose reduce grid spans the step's capacity: -2.5 to -20 us per replay on unsplit plans
