@@ -1107,12 +1107,14 @@ def check_batch(batch) -> None:
         raise ValueError(f"q and kv_cache must be on one device, got {batch.q.device} and {batch.kv_cache.device}")
 
 
-def make_plan(batch, config: KernelConfig, num_workers: int | None = None):
-    """WorkPlan for `batch` with this kernel's granularity (host sync: the planner reads seq_lens)."""
+def make_plan(batch, config: KernelConfig, num_workers: int | None = None, seq_lens=None, q_lens=None):
+    """WorkPlan for `batch` with this kernel's granularity (host sync: the planner reads seq_lens). seq_lens, q_lens:
+    the batch's lengths already on the host (CPU int tensors [B]), read instead (no sync; the plan is then on the
+    CPU)."""
     device = batch.q.device
     return planner.plan_decode(
-        batch.seq_lens,
-        batch.q_lens,
+        batch.seq_lens if seq_lens is None else seq_lens,
+        batch.q_lens if q_lens is None else q_lens,
         batch.num_heads,
         num_workers or max(1, config.workers_per_sm * num_sms(device) // config.head_split),
         block_n=config.plan_block_n,
@@ -1292,33 +1294,68 @@ class TritonMLADecode:
         groups = B * triton.cdiv(H, self.config.head_group * self.config.head_split)
         max_items = max_items or groups + 2 * self.num_workers
         max_partial_rows = max_partial_rows or max_q_len * (max_items + self.num_workers)
-        i32 = dict(dtype=torch.int32, device=device)
-        self.work_items = torch.zeros(max_items, 8, **i32)
-        self.worker_indptr = torch.zeros(self.num_workers + 1, **i32)
-        self.reduce_final = torch.zeros(groups, 8, **i32)
+        # the plan's buffers: views of one int32 buffer, filled by one copy from a host staging buffer of the same
+        # layout (pinned, two of them used in turn, each reused once its last copy has completed)
+        self._sizes = (max_items * 8, self.num_workers + 1, groups * 8, B + 1)
+        self._meta = torch.zeros(sum(self._sizes), dtype=torch.int32, device=device)
+        self.work_items, self.worker_indptr, self.reduce_final, self.qo_indptr = self._views(self._meta)
+        pinned = device.type == "cuda"
+        self._staging = [torch.zeros(sum(self._sizes), dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
+        self._copied = [torch.cuda.Event() if pinned else None for _ in range(2)]
+        self._turn = 0
         self.workspace = (torch.empty(max_partial_rows, H, L, dtype=torch.float32, device=device),
                           torch.empty(max_partial_rows, H, dtype=torch.float32, device=device))
         self.q_scale = _scale_tensor(batch.q_scale, device)
         self.kv_scale = _scale_tensor(batch.kv_scale, device)
-        self.qo_indptr = batch.qo_indptr.clone()  # [B+1]
+        self.qo_indptr.copy_(batch.qo_indptr)  # [B+1]
         self.out = torch.empty(batch.q.shape[0], H, L, dtype=torch.bfloat16, device=device)
         self.lse = torch.empty(batch.q.shape[0], H, dtype=torch.float32, device=device)
         self.reduce_pieces = reduce_pieces or step_reduce_pieces(self.num_workers, groups)
 
-    def plan(self, batch=None) -> None:
-        """Plan on the current seq_lens/q_lens and copy into the static buffers (eager; never inside a capture)."""
+    def _views(self, buf: torch.Tensor):
+        """(work_items [max_items, 8], worker_indptr [W + 1], reduce_final [tiles, 8], qo_indptr [B + 1]) of a
+        buffer laid out as the step's plan buffers."""
+        parts = torch.split(buf, self._sizes)
+        return parts[0].view(-1, 8), parts[1], parts[2].view(-1, 8), parts[3]
+
+    def plan(self, batch=None, *, seq_lens=None, q_lens=None) -> None:
+        """Plan on the current lengths and copy the plan into the static buffers (eager; never inside a capture).
+
+        seq_lens, q_lens: host copies (CPU int tensors [B]) of the lengths that the kernels will read from the
+        batch. Given, plan() reads nothing from the device and does not wait for queued work: the plan goes to the
+        static buffers by one asynchronous copy, ordered on the current stream before the next run(). None: they
+        are read from the batch (one host sync, which waits for the work queued before).
+        """
         batch = batch or self.batch
-        p = make_plan(batch, self.config, self.num_workers)
+        if (seq_lens is None) != (q_lens is None):
+            raise ValueError("plan: give both seq_lens and q_lens (host copies), or neither")
+        if seq_lens is None:
+            seq_lens, q_lens = torch.stack([batch.seq_lens, batch.q_lens]).cpu()  # [2, B]: one sync
+        for name, x in (("seq_lens", seq_lens), ("q_lens", q_lens)):
+            if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or tuple(x.shape) != (batch.batch_size,):
+                raise ValueError(f"plan: {name} must be a CPU tensor of shape ({batch.batch_size},) (the host copy "
+                                 f"of batch.{name}), got {x if not isinstance(x, torch.Tensor) else x.shape}")
+        p = make_plan(batch, self.config, self.num_workers, seq_lens=seq_lens, q_lens=q_lens)  # on the CPU
         n, t = p.work_items.shape[0], p.reduce_final.shape[0]
         if n > self.work_items.shape[0] or t > self.reduce_final.shape[0]:
             raise ValueError(f"plan needs {n} items / {t} tiles, above this step's capacities")
         if p.num_partial_rows > self.workspace[0].shape[0]:
             raise ValueError(f"plan needs {p.num_partial_rows} partial rows, capacity {self.workspace[0].shape[0]}")
-        self.qo_indptr.copy_(batch.qo_indptr)
-        self.work_items[:n].copy_(p.work_items)
-        self.worker_indptr.copy_(p.worker_indptr)
-        self.reduce_final[:t].copy_(p.reduce_final)
-        self.reduce_final[t:].zero_()  # padded tiles: empty split ranges
+        staging, copied = self._staging[self._turn], self._copied[self._turn]
+        if copied is not None:
+            copied.synchronize()  # this staging buffer's last copy has completed: it may be refilled
+        work_items, worker_indptr, reduce_final, qo_indptr = self._views(staging)
+        work_items[:n] = p.work_items
+        work_items[n:] = 0
+        worker_indptr.copy_(p.worker_indptr)
+        reduce_final[:t] = p.reduce_final
+        reduce_final[t:] = 0  # padded tiles: empty split ranges
+        qo_indptr[0] = 0
+        qo_indptr[1:] = torch.cumsum(p.q_lens, 0)
+        self._meta.copy_(staging, non_blocking=copied is not None)
+        if copied is not None:
+            copied.record()
+        self._turn ^= 1
         if batch.q_scale is not None:
             self.q_scale.copy_(_scale_tensor(batch.q_scale, self.q_scale.device))
         if batch.kv_scale is not None:

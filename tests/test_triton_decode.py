@@ -330,6 +330,30 @@ def test_graph_step_sizes_its_reduce_from_the_batch_size():
     assert td.TritonMLADecode(one, num_workers=132, config=config, reduce_pieces=16).reduce_pieces == 16
 
 
+def test_graph_step_plans_from_host_lengths():
+    """plan(seq_lens=, q_lens=) with host copies fills the static buffers as plan() reading the batch does, in both
+    staging buffers (used in turn), after the lengths change too; bad host lengths raise ValueError."""
+    td = pytest.importorskip("mla_fast.triton_decode")
+    batch = TritonCase((300, 5, 0), (1, 2, 1), heads=16).batch()
+    config = td.KernelConfig(head_group=16, head_split=1)
+    steps = [td.TritonMLADecode(batch, max_q_len=2, num_workers=4, config=config) for _ in range(2)]
+    for lens in ((300, 5, 0), (64, 129, 7), (0, 0, 0)):
+        batch.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        steps[0].plan()
+        steps[1].plan(seq_lens=batch.seq_lens.clone(), q_lens=batch.q_lens.clone())
+        plan = td.make_plan(batch, config, 4)
+        for step in steps:
+            n, t = plan.num_items, plan.num_tiles
+            assert torch.equal(step.work_items[:n], plan.work_items) and not step.work_items[n:].any()
+            assert torch.equal(step.worker_indptr, plan.worker_indptr)
+            assert torch.equal(step.reduce_final[:t], plan.reduce_final) and not step.reduce_final[t:].any()
+            assert torch.equal(step.qo_indptr, batch.qo_indptr)
+    with pytest.raises(ValueError, match="both seq_lens and q_lens"):
+        steps[1].plan(seq_lens=batch.seq_lens.clone())
+    with pytest.raises(ValueError, match="q_lens must be a CPU tensor of shape"):
+        steps[1].plan(seq_lens=batch.seq_lens.clone(), q_lens=torch.ones(2, dtype=torch.int32))
+
+
 def test_only_the_graph_steps_reduce_lets_idle_programs_exit(monkeypatch):
     """The reduce's programs without work (unsplit tiles, rows past a tile's) skip the wait for the decode only in
     TritonMLADecode's launch, whose reduce grid spans the step's capacity: -2.5 to -20 us per replay on unsplit plans

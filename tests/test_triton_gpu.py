@@ -344,8 +344,9 @@ def test_pair_merge_gives_the_reduce_bits(case, num_workers):
 
 def _check_graph_replays_equal_eager(step, lens_list):
     """Capture `step.run()` (already compiled) in a CUDA graph; for each seq_lens in lens_list (shrinking in place,
-    so every page stays valid) re-plan, replay with `out` NaN-poisoned, and compare the bits with an eager decode
-    whose plan takes the step's fixed reduce shape (it sets the merge's summation order)."""
+    so every page stays valid) re-plan (every other time from host copies of the lengths), replay with `out`
+    NaN-poisoned, and compare the bits with an eager decode whose plan takes the step's fixed reduce shape (it sets
+    the merge's summation order)."""
     from dataclasses import replace
 
     from mla_fast.triton_decode import decode, make_plan
@@ -355,9 +356,14 @@ def _check_graph_replays_equal_eager(step, lens_list):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step.run()
-    for new_lens in lens_list:
-        batch.seq_lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
-        step.plan()
+    q_lens = batch.q_lens.cpu()
+    for i, new_lens in enumerate(lens_list):
+        lens = torch.tensor(new_lens, dtype=torch.int32)
+        batch.seq_lens.copy_(lens)
+        if i % 2:  # from host copies of the lengths: no sync, the plan's copy to the device is asynchronous
+            step.plan(seq_lens=lens, q_lens=q_lens)
+        else:
+            step.plan()
         step.out.fill_(float("nan"))
         graph.replay()
         plan = replace(make_plan(batch, step.config, step.num_workers), max_pieces=step.reduce_pieces)
