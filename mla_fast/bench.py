@@ -166,6 +166,21 @@ def ours(batch: DecodeBatch, config=None, num_workers: int | None = None):
     return fn, info
 
 
+def step_fn(batch: DecodeBatch):
+    """() -> run() of the graph-capturable step (`TritonMLADecode` with its defaults, planned once): what a serving
+    loop captures, against `ours`, a launch of the batch's own plan; plus the step's reduce shape."""
+    from mla_fast.triton_decode import TritonMLADecode
+
+    step = TritonMLADecode(batch, max_q_len=int(batch.q_lens.max()))
+    step.plan()
+
+    def fn():
+        return step.run()
+
+    fn.outputs = (step.out, step.lse)
+    return fn, {"reduce_pieces": step.reduce_pieces}
+
+
 def flashinfer_fn(batch: DecodeBatch):
     """() -> run() of FlashInfer's FA3 MLA wrapper after plan() (peers.md §1), or a reason string."""
     try:
@@ -283,11 +298,11 @@ def check_shared_pages(shapes, combos, l2_bytes: int) -> None:
 
 
 def run_grid(shapes, combos, peers=tuple(PEERS), copy_gbs=None, candidates=False, json_path=None, floor=True,
-             shared_pages=False) -> dict:
+             shared_pages=False, step=False) -> dict:
     """Time every (shape, combo) for ours and the named peers; with json_path, the JSON is rewritten after each row
     (partial runs keep rows). floor: also time the read floor of each row's cache bytes (`mla_fast.read_floor`, once
     per cache size). shared_pages: batches whose requests all read one request's pages (`build_batch`); the floor is
-    then not timed (the cache comes from the L2)."""
+    then not timed (the cache comes from the L2). step: also time the graph-capturable step (`step_fn`)."""
     unknown = sorted(set(peers) - set(PEERS))
     if unknown:
         raise ValueError(f"peers must be among {sorted(PEERS)}, got {unknown}")
@@ -320,6 +335,12 @@ def run_grid(shapes, combos, peers=tuple(PEERS), copy_gbs=None, candidates=False
                 fn, info = ours(batch)
                 row["ours"] = {**measure(fn, nbytes, copy_gbs), **info}
                 ours_out = fn.outputs[0]  # [T, H, L] bf16 after the timed replays (no peer writes it)
+            if step:
+                fn, info = step_fn(batch)
+                row["step"] = {**measure(fn, nbytes, copy_gbs), **info}
+                if ours_out is not None:
+                    row["step"]["max_abs_diff_vs_ours"] = float((fn.outputs[0].float() - ours_out.float()).abs().max())
+                del fn
             for name, make in PEERS.items():
                 if name in peers:
                     try:
@@ -483,8 +504,8 @@ def print_table(result: dict) -> None:
     title += ", L2 flushed by a read (--flush read)" if result.get("flush") == "read" else ""
     table = Table(title=title)
     for col in ("b", "s_k", "h", "dtype", "ours µs (20–80%)", "GB/s", "% copy", "read floor µs", "ours / floor",
-                "flashinfer µs", "flashmla µs", "ours / best peer", "vllm µs", "vllm / ours", "default µs",
-                "best override"):
+                "flashinfer µs", "flashmla µs", "ours / best peer", "vllm µs", "vllm / ours", "step µs",
+                "default µs", "best override"):
         table.add_column(col, justify="right")
 
     def us(m):  # µs of a measurement, None unless it ran
@@ -505,7 +526,7 @@ def print_table(result: dict) -> None:
                       f"{o.get('gbs', 0):.0f}", f"{o.get('pct_copy', 0):.0f}", cell(floor),
                       ratio(us(o), us(floor)), cell(r["flashinfer"]), cell(r["flashmla"]),
                       ratio(us(o), min(peers, default=None)), cell(r["vllm"]), ratio(us(r["vllm"]), us(o)),
-                      cell(r["candidates"][0]) if "candidates" in r else "",
+                      cell(r.get("step", {"status": ""})), cell(r["candidates"][0]) if "candidates" in r else "",
                       str(o.get("override", "")))
     Console(width=220).print(table)
 
@@ -531,6 +552,9 @@ def main(argv=None) -> None:
     parser.add_argument("--shared-pages", action="store_true",
                         help="every request reads one request's pages: the cache comes from the L2, so the times "
                              "show each kernel's SM-side rate instead of HBM's (no read floor)")
+    parser.add_argument("--step", action="store_true",
+                        help="also time the graph-capturable step (TritonMLADecode: any later plan, a fixed reduce "
+                             "shape), what a serving loop captures")
     parser.add_argument("--flush", choices=FLUSHES, default="zero",
                         help="how the L2 is flushed before each call: zero (do_bench's 256 MB memset, the default; "
                              "it leaves dirty lines that the call writes back) or read (a sum over the same buffer: "
@@ -549,7 +573,7 @@ def main(argv=None) -> None:
         precompile(sorted({(b, h) for b, _, h in args.shapes}), args.dtypes.split(","), args.precompile)
         print(f"precompiled in {time.time() - t0:.1f}s", flush=True)
     result = run_grid(args.shapes, args.dtypes.split(","), peers=peers, candidates=args.candidates,
-                      json_path=args.json, floor=not args.no_floor, shared_pages=args.shared_pages)
+                      json_path=args.json, floor=not args.no_floor, shared_pages=args.shared_pages, step=args.step)
     result["wall_s"] = time.time() - t0
     print_table(result)
     if args.json:

@@ -116,6 +116,16 @@ def test_bench_table_ratios_take_the_faster_peer_and_dash_what_did_not_run(capsy
     assert cells["fp8kv"].count("—") == 3 and "error: boom" in cells["fp8kv"]  # no ratio without our time
 
 
+def test_bench_table_shows_the_graph_step_when_timed(capsys):
+    row = {"b": 1, "s": 64, "h": 16, "combo": "bf16", "ours": OK, "read_floor": {"status": "skipped"},
+           "flashinfer": {"status": "skipped"}, "flashmla": {"status": "skipped"}, "vllm": {"status": "skipped"},
+           "step": {**OK, "us": 17.5, "reduce_pieces": 64}}
+    untimed = {**row, "combo": "fp8kv"}
+    del untimed["step"]
+    cells = _table_cells(capsys, [row, untimed])
+    assert "17.5" in cells["bf16"] and "17.5" not in cells["fp8kv"]  # step µs; no column value without --step
+
+
 @pytest.mark.gpu
 def test_read_floor_kernel_on_the_gpu_reads_every_block_once():
     # the compiled kernel (pipelined loads, 2 programs per SM): exact per-program sums over a ragged buffer
