@@ -1252,7 +1252,8 @@ def decode(batch, *, plan=None, out=None, lse=None, config: KernelConfig | None 
 
 
 class TritonMLADecode:
-    """CUDA-graph-capturable decode step: `plan(batch)` eagerly (host sync), then `run()` only launches.
+    """CUDA-graph-capturable decode step: `plan(batch)` eagerly (a host sync, unless given host copies of the lengths),
+    then `run()` only launches.
 
     A captured step must take any later plan, so it reads worker_indptr and always merges splits with the reduce
     kernel (no ONE_ITEM, no pair merge), whose grid spans the step's capacity of tiles: its programs without work
@@ -1333,8 +1334,10 @@ class TritonMLADecode:
             seq_lens, q_lens = torch.stack([batch.seq_lens, batch.q_lens]).cpu()  # [2, B]: one sync
         for name, x in (("seq_lens", seq_lens), ("q_lens", q_lens)):
             if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or tuple(x.shape) != (batch.batch_size,):
+                got = (f"a {x.device} tensor of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor)
+                       else type(x).__name__)
                 raise ValueError(f"plan: {name} must be a CPU tensor of shape ({batch.batch_size},) (the host copy "
-                                 f"of batch.{name}), got {x if not isinstance(x, torch.Tensor) else x.shape}")
+                                 f"of batch.{name}), got {got}")
         p = make_plan(batch, self.config, self.num_workers, seq_lens=seq_lens, q_lens=q_lens)  # on the CPU
         n, t = p.work_items.shape[0], p.reduce_final.shape[0]
         if n > self.work_items.shape[0] or t > self.reduce_final.shape[0]:
