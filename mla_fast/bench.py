@@ -297,6 +297,14 @@ def check_shared_pages(shapes, combos, l2_bytes: int) -> None:
                                  f"to fit in half the L2 ({l2_bytes / 2e6:.1f} MB); use a shorter s_k")
 
 
+def diff_vs_ours(fn, ours_out) -> dict:
+    """{"max_abs_diff_vs_ours": max |out - our out|} for a timed callable that hands out its outputs (`fn.outputs`,
+    read after its timed calls), else {} (no outputs, or ours not timed as one callable)."""
+    if not hasattr(fn, "outputs") or ours_out is None:
+        return {}
+    return {"max_abs_diff_vs_ours": float((fn.outputs[0].float() - ours_out.float()).abs().max())}  # over [T, H, L]
+
+
 def run_grid(shapes, combos, peers=tuple(PEERS), copy_gbs=None, candidates=False, json_path=None, floor=True,
              shared_pages=False, step=False) -> dict:
     """Time every (shape, combo) for ours and the named peers; with json_path, the JSON is rewritten after each row
@@ -337,18 +345,13 @@ def run_grid(shapes, combos, peers=tuple(PEERS), copy_gbs=None, candidates=False
                 ours_out = fn.outputs[0]  # [T, H, L] bf16 after the timed replays (no peer writes it)
             if step:
                 fn, info = step_fn(batch)
-                row["step"] = {**measure(fn, nbytes, copy_gbs), **info}
-                if ours_out is not None:
-                    row["step"]["max_abs_diff_vs_ours"] = float((fn.outputs[0].float() - ours_out.float()).abs().max())
+                row["step"] = {**measure(fn, nbytes, copy_gbs), **info, **diff_vs_ours(fn, ours_out)}
                 del fn
             for name, make in PEERS.items():
                 if name in peers:
                     try:
                         fn = make(batch)
-                        row[name] = measure(fn, nbytes, copy_gbs)
-                        if hasattr(fn, "outputs") and ours_out is not None:  # a peer that hands out its out
-                            diff = fn.outputs[0].float() - ours_out.float()  # [T, H, L]
-                            row[name]["max_abs_diff_vs_ours"] = float(diff.abs().max())
+                        row[name] = {**measure(fn, nbytes, copy_gbs), **diff_vs_ours(fn, ours_out)}
                     except Exception as e:
                         row[name] = {"status": f"error: {type(e).__name__}: {str(e)[:120]}"}
                 else:

@@ -116,6 +116,18 @@ def test_bench_table_ratios_take_the_faster_peer_and_dash_what_did_not_run(capsy
     assert cells["fp8kv"].count("—") == 3 and "error: boom" in cells["fp8kv"]  # no ratio without our time
 
 
+def test_bench_diff_vs_ours_only_for_callables_that_hand_out_their_output():
+    ours_out = torch.zeros(2, 3, 4, dtype=torch.bfloat16)
+
+    def fn():
+        return None
+
+    assert bench.diff_vs_ours(fn, ours_out) == {}  # a peer without outputs
+    fn.outputs = (torch.full((2, 3, 4), 0.5, dtype=torch.bfloat16),)
+    assert bench.diff_vs_ours(fn, ours_out) == {"max_abs_diff_vs_ours": 0.5}
+    assert bench.diff_vs_ours(fn, None) == {}  # ours timed as --candidates: no single output
+
+
 def test_bench_table_shows_the_graph_step_when_timed(capsys):
     row = {"b": 1, "s": 64, "h": 16, "combo": "bf16", "ours": OK, "read_floor": {"status": "skipped"},
            "flashinfer": {"status": "skipped"}, "flashmla": {"status": "skipped"}, "vllm": {"status": "skipped"},
