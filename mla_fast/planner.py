@@ -140,7 +140,9 @@ class WorkPlan:
             0: everything a reduce program needs in one 32-byte row.
         reduce_partial_map: int32 [M], first partial row of each piece, in KV order.
         num_workers, num_partial_rows, block_n, fixed_overhead (blocks), num_heads, head_group: ints.
-        max_pieces: int, the most pieces of any split tile (0 when no tile is split); sizes the reduce's tiles.
+        split_final: int32 [split_tiles, 8], the reduce_final rows of the split tiles (more than one piece), in
+            tile order: the Triton reduce kernel's grid, which then has no program for an unsplit tile.
+        max_pieces: int, the most pieces of any split tile (0 when no tile is split).
         seq_lens, q_lens: int32 [B], the planner's inputs.
         one_item_per_worker: worker w runs exactly work item w for w < N and idle workers come last
             (worker_indptr = min(w, N)): the even plan, and the unsplit plan of at most num_workers tiles. A kernel
@@ -155,6 +157,7 @@ class WorkPlan:
     reduce_indptr: torch.Tensor
     reduce_final: torch.Tensor
     reduce_partial_map: torch.Tensor
+    split_final: torch.Tensor
     num_workers: int
     num_partial_rows: int
     block_n: int
@@ -170,6 +173,11 @@ class WorkPlan:
     @property
     def num_items(self) -> int:
         return self.work_items.shape[0]
+
+    @property
+    def split_tiles(self) -> int:
+        """Tiles with more than one piece (host int: split_final's rows)."""
+        return self.split_final.shape[0]
 
     @property
     def num_tiles(self) -> int:
@@ -503,6 +511,7 @@ def _build(line: _Line, c: _Cut) -> WorkPlan:
         reduce_indptr=out(reduce_indptr),
         reduce_final=out(reduce_final),
         reduce_partial_map=out(reduce_partial_map),
+        split_final=out(reduce_final[is_split]),
         num_workers=num_workers,
         num_partial_rows=c.partial_rows,
         block_n=block_n,

@@ -602,7 +602,7 @@ def _mla_reduce_kernel(
     IDLE_EXIT: tl.constexpr,
 ):
     """One program per (reduce tile, packed row, BLOCK_L output channels): merges that row's split partials, BLOCK_S
-    splits at a time ([BLOCK_S, BLOCK_L] fp32 per step; the launcher sizes both from the plan's max_pieces). The
+    splits at a time ([BLOCK_S, BLOCK_L] fp32 per step; the launcher sizes both, `plan_reduce_pieces`). The
     program of the first channels also writes the row's LSE. A tile's row of REDUCE_FINAL holds all its metadata
     (one load), and piece i of a split tile has workspace rows PARTIAL_BASE + i x q_len (the planner's layout), so
     the partials are loaded one round trip after the kernel starts.
@@ -765,18 +765,41 @@ REDUCE_TILE = 2048  # fp32 partial values per reduce step and program (32 per th
 REDUCE_WARPS = 2  # per reduce program; same bits as 4, graph replays on one H200 (eighth session, bf16, h = 16):
 # 17.4 vs 18.1 us at (1, 8192), 57.0 vs 57.1 at (32, 4096), within 0.2 us elsewhere (1 warp: the same as 2)
 REDUCE_MAX_S = 64  # most split partials merged per step of the reduce kernel
+REDUCE_WAVE = 16  # reduce programs per SM that plan_reduce_pieces sizes a WorkPlan's grid for (about one wave of
+# 2-warp programs): one H200, graph replays, bf16 h = 16, 64 requests of 1024 tokens but one of 32768 (37 pieces,
+# the others 2, 2048 programs at 8 pieces per step): 54.6 us at 8 pieces per step, 57.7 at 16, 69.7 at 64; 16
+# requests, one of 65536 tokens (94 pieces): 54.3 us at 8, 48.5 at 64 (the wave rule takes 32); fp8kv, 64
+# requests, one of 32768 (74 pieces): 44.4 at 8, 55.0 at 64 (twenty-first session)
+STEP_REDUCE_PIECES = 8  # TritonMLADecode's smallest reduce shape: [8, 256] steps (step_reduce_pieces)
 
 
-def reduce_blocks(max_pieces: int, kv_lora_rank: int) -> tuple[int, int]:
-    """(BLOCK_S, BLOCK_L) of the reduce kernel for a plan whose split tiles have at most max_pieces pieces: all
-    pieces in one step up to REDUCE_MAX_S, on BLOCK_L = REDUCE_TILE / BLOCK_S output channels (at least 32, at most
-    kv_lora_rank). Small steps keep the programs small (b = 64, 2 pieces: 1024 programs of [2, 512] in one wave on
-    an H200), many pieces take few serial steps over more programs (b = 1, 128 pieces: 256 programs of [64, 32])."""
-    block_s = min(triton.next_power_of_2(max(max_pieces, 1)), REDUCE_MAX_S)
+def reduce_blocks(pieces: int, kv_lora_rank: int) -> tuple[int, int]:
+    """(BLOCK_S, BLOCK_L) of the reduce kernel merging `pieces` split pieces per step (`plan_reduce_pieces`): BLOCK_S
+    = pieces rounded up to a power of two, at most REDUCE_MAX_S, on BLOCK_L = REDUCE_TILE / BLOCK_S output channels
+    (at least 32, at most kv_lora_rank). Small steps keep the programs small (b = 64, 2 pieces: 1024 programs of [2,
+    512] in one wave on an H200), many pieces take few serial steps over more programs (b = 1, 128 pieces: 256
+    programs of [64, 32])."""
+    block_s = min(triton.next_power_of_2(max(pieces, 1)), REDUCE_MAX_S)
     return block_s, min(kv_lora_rank, max(32, REDUCE_TILE // block_s))
 
 
-STEP_REDUCE_PIECES = 8  # TritonMLADecode's smallest reduce shape: [8, 256] steps (step_reduce_pieces)
+def plan_reduce_pieces(plan, rows: int, kv_lora_rank: int, sms: int) -> int:
+    """Split pieces merged per step of the reduce kernel for a WorkPlan (host ints only: no device read): as many as
+    the largest split tile has (max_pieces, rounded up to a power of two, at most REDUCE_MAX_S), halved while the
+    grid over the plan's split tiles (split_tiles x rows x kv_lora_rank / BLOCK_L programs) exceeds REDUCE_WAVE
+    programs per SM and halving still narrows it. A wider step narrows the channel blocks, so every split tile runs
+    more programs, while a narrower one adds a serial step (a round trip) to each tile with more pieces: where one
+    long request's tile has many more pieces than the other split tiles, it takes several steps. rows: reduce
+    programs per tile along the packed rows (max_rows x head_split); sms: the device's SM count."""
+    if plan.split_tiles == 0:
+        return plan.max_pieces
+    pieces = min(triton.next_power_of_2(plan.max_pieces), REDUCE_MAX_S)
+    while pieces > 1:
+        blocks = kv_lora_rank // reduce_blocks(pieces, kv_lora_rank)[1]  # channel blocks per row
+        if plan.split_tiles * rows * blocks <= REDUCE_WAVE * sms or blocks == 1:
+            break
+        pieces //= 2
+    return pieces
 
 
 def step_reduce_pieces(num_workers: int, tiles: int) -> int:
@@ -786,7 +809,12 @@ def step_reduce_pieces(num_workers: int, tiles: int) -> int:
     (us), reduce_pieces 8 / 16 / 32 / 64: (1, 8192, 16) bf16 31.1 / 28.4 / 23.3 / 17.5 (128 pieces per tile),
     (4, 8192, 16) 29.0 / 28.4 / 27.0 / 26.3, (1, 8192, 128) 37.1 / 35.4 / 28.6 / 26.6; (32, 4096, 16) 58.1 / 59.7 /
     61.3 / 66.3, (64, 4096, 16) 92.4 / 95.8 / 100.4 / 110.4, (32, 4096, 128) 90.9 / 102.7 / 122.4 / 160.2, fp8kv
-    (32, 4096, 16) 41.7 / 43.2 / 45.2 / 50.0 (twentieth session)."""
+    (32, 4096, 16) 41.7 / 43.2 / 45.2 / 50.0 (twentieth session). Fewer than 8 pieces per step would suit uniform
+    batches of long sequences but not one long request among short ones, which a step cannot rule out: reduce_pieces
+    2 / 4 / 8 at (32, 4096, 128) bf16 84.2 / 84.8 / 90.6 us (66 workers: 2 pieces per tile; at 8 the [8, 256] steps
+    double the reduce's programs) and 106.8 / 107.3 / 113.2 with fp8kv, at (32, 4096, 16) 57.4 / 56.9 / 57.7, but 4 / 8
+    with one request of 32768 tokens among short ones (64 of 1024, h = 16) 56.4 / 55.1 and (32, h = 128) 65.6 / 61.7
+    (twenty-first session, two calls); pass reduce_pieces for a batch known to be uniform."""
     return min(max(triton.next_power_of_2(max(num_workers // max(tiles, 1), 1)), STEP_REDUCE_PIECES), REDUCE_MAX_S)
 
 
@@ -1164,19 +1192,24 @@ def _launch_triton(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, c
 
 
 def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=None, kv_scale=None,
-           max_rows: int | None = None, qo_indptr: torch.Tensor | None = None, pdl: bool | None = None):
+           max_rows: int | None = None, qo_indptr: torch.Tensor | None = None, pdl: bool | None = None,
+           reduce_pieces: int | None = None):
     """Launch decode (+ reduce when the plan splits) into preallocated `out`/`lse`; no host sync, graph-safe, when
     max_rows is given.
 
     max_rows: packed rows per program, max q_len x config.head_group (the kernels' M tile); None: read from
         batch.q_lens (one host sync, so not inside a graph capture).
     pdl: launch the reduce as a programmatic dependent of decode (None: where `pdl_supported`; True elsewhere raises).
+    reduce_pieces: split pieces the reduce merges per step (`reduce_blocks`; it sets the merge's summation order);
+        None: `plan_reduce_pieces` for a WorkPlan.
 
     Returns the compiled decode kernel (its n_regs / n_spills are reported by mla-bench).
     """
     L = batch.kv_lora_rank
     H = batch.num_heads
     device = batch.q.device
+    if reduce_pieces is not None:
+        planner._check_int(reduce_pieces, "reduce_pieces", 1)
     pair_merge = pair_merge_applies(plan, config, device, L)
     o_part, lse_part = workspace if workspace is not None else alloc_workspace(plan, H, L, device, pair_merge)
     q_scale = _scale_tensor(batch.q_scale if q_scale is None else q_scale, device)
@@ -1214,27 +1247,34 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
                                   max_rows, pdl, num_workers, pair_merge)
         if pair_merge:  # every split tile merged in the kernel
             return compiled
-    num_tiles = plan.reduce_final.shape[0]
-    if num_tiles > 0 and plan.num_partial_rows > 0:  # some tile is split
-        block_s, block_l = reduce_blocks(plan.max_pieces, L)
-        _mla_reduce_kernel[(num_tiles, max_rows * config.head_split, L // block_l)](
-            o_part, lse_part, plan.reduce_final, out, lse,
+    step = isinstance(plan, _StaticPlan)  # a step's reduce spans its capacity of tiles, mostly idle programs
+    final = plan.reduce_final if step else plan.split_final  # [tiles, 8]: a WorkPlan's split tiles only
+    rows = max_rows * config.head_split  # reduce programs per tile along the packed rows
+    if final.shape[0] > 0 and plan.num_partial_rows > 0:  # some tile is split
+        if reduce_pieces is None:
+            reduce_pieces = plan_reduce_pieces(plan, rows, L, num_sms(device))
+        block_s, block_l = reduce_blocks(reduce_pieces, L)
+        _mla_reduce_kernel[(final.shape[0], rows, L // block_l)](
+            o_part, lse_part, final, out, lse,
             o_part.stride(0), o_part.stride(1), lse_part.stride(0),
             out.stride(0), out.stride(1), lse.stride(0),
             BLOCK_L=block_l, BLOCK_S=block_s, INTERPRET=INTERPRET, PDL=pdl,
-            IDLE_EXIT=isinstance(plan, _StaticPlan),  # a step's reduce spans its capacity, mostly idle programs
+            IDLE_EXIT=step,
             num_warps=REDUCE_WARPS,
             **({"launch_pdl": True} if pdl else {}),
         )
     return compiled
 
 
-def decode(batch, *, plan=None, out=None, lse=None, config: KernelConfig | None = None, num_workers: int | None = None):
+def decode(batch, *, plan=None, out=None, lse=None, config: KernelConfig | None = None, num_workers: int | None = None,
+           reduce_pieces: int | None = None):
     """Triton MLA decode of a `DecodeBatch` -> (out [T, H, L] bf16, lse [T, H] fp32 natural log).
 
     plan: a `WorkPlan` from `make_plan` (computed here when None: one host sync). out / lse: optional preallocated
     outputs. config: launch choices (default `batch_config`: `default_config` for the batch's dtypes, heads, size and
     q_len on its device; on an H200 bf16 batches with more than 16 packed rows per program take the Gluon kernel).
+    reduce_pieces: split pieces merged per step of the reduce (None: `plan_reduce_pieces`; a `TritonMLADecode`'s
+    reduce_pieces gives its bits).
     """
     check_batch(batch)
     T, H, L = batch.q.shape[0], batch.num_heads, batch.kv_lora_rank
@@ -1247,7 +1287,7 @@ def decode(batch, *, plan=None, out=None, lse=None, config: KernelConfig | None 
     out = out if out is not None else torch.empty(T, H, L, dtype=torch.bfloat16, device=device)
     lse = lse if lse is not None else torch.empty(T, H, dtype=torch.float32, device=device)
     if T > 0:
-        launch(batch, plan, out, lse, config, max_rows=max_q_len * config.head_group)
+        launch(batch, plan, out, lse, config, max_rows=max_q_len * config.head_group, reduce_pieces=reduce_pieces)
     return out, lse
 
 
@@ -1367,7 +1407,8 @@ class TritonMLADecode:
     def run(self):
         """Launch decode + reduce on the static buffers -> (out, lse) (the same tensors every call)."""
         launch(self.batch, _StaticPlan(self), self.out, self.lse, self.config, workspace=self.workspace,
-               q_scale=self.q_scale, kv_scale=self.kv_scale, max_rows=self.max_rows, qo_indptr=self.qo_indptr)
+               q_scale=self.q_scale, kv_scale=self.kv_scale, max_rows=self.max_rows, qo_indptr=self.qo_indptr,
+               reduce_pieces=self.reduce_pieces)
         return self.out, self.lse
 
 
@@ -1381,7 +1422,6 @@ class _StaticPlan:
     num_partial_rows: int
     block_n: int
     head_group: int
-    max_pieces: int
     one_item_per_worker: bool
     paired_splits: bool
 
@@ -1390,7 +1430,6 @@ class _StaticPlan:
         self.num_partial_rows = step.workspace[0].shape[0]  # capacity: the step always launches the reduce
         self.block_n = step.config.plan_block_n
         self.head_group = step.config.head_group * step.config.head_split
-        self.max_pieces = step.reduce_pieces  # the step's fixed reduce shape, not the last plan's
         self.one_item_per_worker = False  # a captured graph must take any later plan: read worker_indptr
         self.paired_splits = False  # and merge any later plan's splits with the reduce kernel
 

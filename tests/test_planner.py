@@ -189,6 +189,8 @@ def check_final_map(case: PlanCase, plan: WorkPlan) -> None:
     tile = torch.arange(B * G).repeat_interleave(n)  # [M] tile of each map entry
     i = torch.arange(pmap.numel()) - indptr[tile]  # [M] piece index inside its tile
     assert torch.equal(pmap, final[tile, 6] + i * (qo[b + 1] - qo[b])[tile])
+    # the Triton reduce's grid: the split tiles' rows, in tile order
+    assert torch.equal(plan.split_final.long(), final[n > 1]) and plan.split_tiles == int((n > 1).sum())
 
 
 def check_aiter(case: PlanCase, plan: WorkPlan, page_size: int) -> None:
@@ -236,7 +238,7 @@ def test_plan_invariants(case: PlanCase):
     plan = case.plan()
     check_all(case, plan)
     again = case.plan()  # determinism: the same input gives the same plan
-    for name in ("work_items", "worker_indptr", "reduce_indptr", "reduce_final", "reduce_partial_map"):
+    for name in ("work_items", "worker_indptr", "reduce_indptr", "reduce_final", "reduce_partial_map", "split_final"):
         assert torch.equal(getattr(plan, name), getattr(again, name))
     assert plan.num_partial_rows == again.num_partial_rows
     # the flag the kernels trust instead of reading worker_indptr: worker w runs exactly item w
@@ -426,6 +428,6 @@ def test_bad_input_names_the_field(kwargs, field):
 @given(plan_cases())
 def test_gpu_plan_equals_cpu_plan(case: PlanCase):
     cpu, gpu = case.plan("cpu"), case.plan("cuda")
-    for name in ("work_items", "worker_indptr", "reduce_indptr", "reduce_final", "reduce_partial_map"):
+    for name in ("work_items", "worker_indptr", "reduce_indptr", "reduce_final", "reduce_partial_map", "split_final"):
         assert getattr(gpu, name).is_cuda
         assert torch.equal(getattr(cpu, name), getattr(gpu, name).cpu())

@@ -73,7 +73,11 @@ CASES = {
                                             seed=42),
     # 38 pieces of one request: the reduce merges 64 partial slots per step on 32 of the 64 channels per program
     "bf16_p16_manysplits_w40": TritonCase((600, 3), (1, 1), page_size=16, num_workers=40, seed=38),
+    # one long request among short split ones, decoded with reduce_pieces=4 (REDUCE_PIECES): its tile's 15 pieces
+    # are merged in four steps, the short ones' in one
+    "bf16_p16_longtail_w32": TritonCase((700,) + (64,) * 6, (1,) * 7, page_size=16, num_workers=32, seed=43),
 }
+REDUCE_PIECES = {"bf16_p16_longtail_w32": 4}  # decode's reduce_pieces (else plan_reduce_pieces)
 CONFIG_OVERRIDES = {  # KernelConfig fields beside the default_config of the case
     "bf16_p32_chunk2_w2": dict(page_chunk=2),
     "fp8kv_p32_chunk2_split2_w2": dict(page_chunk=2, head_group=8, head_split=2),
@@ -95,7 +99,7 @@ SPLIT_CASES = {  # the plan must cut at least one (request, head group)
     "fp8_p1_w5", "bf16_p32_chunk2_w2", "fp8kv_p32_chunk2_split2_w2", "bf16_splitl4_p16_w3_empty",
     "fp8kv_splitl4_p3_mtp2_w8", "fp8_splitl4_p16_mtp2_w3", "bf16_lazyl_p3_mtp2_w3", "fp8kv_lazyl_splitl1_p16_w3",
     "bf16_h64_unchain_p16_w3", "fp8kv_splitl8_p16_w3", "bf16_splitl8_p3_mtp2_w3", "fp8_vreload_p16_mtp2_w3",
-    "bf16_p16_manysplits_w40", "bf16_h64_splitl2_p16_w3", "bf16_h64_splitl1_unchain_p16_w3",
+    "bf16_p16_manysplits_w40", "bf16_p16_longtail_w32", "bf16_h64_splitl2_p16_w3", "bf16_h64_splitl1_unchain_p16_w3",
     "fp8kv_h64_rows64_p16_w3", "fp8_h32_mtp2_rows64_p3_w3",
 }
 PLAN_BLOCK_N, BLOCK_N = 16, 16  # tokens per planner block / kernel tile in the interpreter; item overhead 1 block
@@ -121,7 +125,7 @@ def _worker() -> dict:
         config = replace(config, block_n=BLOCK_N, plan_block_n=PLAN_BLOCK_N, fixed_overhead=1,
                          **CONFIG_OVERRIDES.get(name, {}))
         plan = td.make_plan(batch, config, case.num_workers)
-        out, lse = td.decode(batch, plan=plan, config=config)
+        out, lse = td.decode(batch, plan=plan, config=config, reduce_pieces=REDUCE_PIECES.get(name))
         stats = plan.stats()
         result = check(out, lse, batch, triton_numerics(config.mma, config.block_n), stats["pieces_per_tile"]["max"])
         result["split_tiles"] = stats["split_tiles"]
@@ -133,7 +137,10 @@ def _worker() -> dict:
         result["unchain"] = config.unchain  # the UNCHAIN constexpr
         result["head_group"] = config.head_group
         result["rows"] = config.head_group * max(case.q_lens)
-        result["reduce_blocks"] = td.reduce_blocks(plan.max_pieces, case.L)  # (BLOCK_S, BLOCK_L) of the reduce
+        rows = config.head_group * max(case.q_lens) * config.head_split  # reduce programs per tile (launch)
+        pieces = REDUCE_PIECES.get(name) or td.plan_reduce_pieces(plan, rows, case.L, td.num_sms(batch.q.device))
+        result["reduce_blocks"] = td.reduce_blocks(pieces, case.L)  # (BLOCK_S, BLOCK_L) of the reduce
+        result["max_pieces"] = plan.max_pieces
         report[name] = result
         if plan.one_item_per_worker:  # ONE_ITEM ran (item w without reading worker_indptr): the general path's bits?
             out_w, lse_w = td.decode(batch, plan=replace(plan, one_item_per_worker=False), config=config)
@@ -185,16 +192,16 @@ def _worker() -> dict:
         runs = [td.decode(batch, plan=plan, config=replace(config, interleave=flag)) for flag in (False, True)]
         report["interleave_bitwise"].append(bool(torch.equal(runs[0][0], runs[1][0])
                                                  and torch.equal(runs[0][1], runs[1][1])))
-    # the graph-capturable step: plan() into its static buffers, run() launches; equal to decode() with the step's
-    # fixed reduce shape, also after seq_lens shrink in place and a re-plan (other pieces per tile)
+    # the graph-capturable step: plan() into its static buffers, run() launches; equal to decode() at the step's
+    # reduce_pieces (its fixed reduce shape), also after seq_lens shrink in place and a re-plan (other pieces per tile)
     step = td.TritonMLADecode(batch, num_workers=3, config=config)
     report["step_equals_decode"] = []
     for new_lens in (case.seq_lens, (3, 0, 70)):
         batch.seq_lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
         step.plan()
         out, lse = step.run()
-        plan = replace(td.make_plan(batch, config, 3), max_pieces=step.reduce_pieces)
-        ref_out, ref_lse = td.decode(batch, plan=plan, config=config)
+        plan = td.make_plan(batch, config, 3)
+        ref_out, ref_lse = td.decode(batch, plan=plan, config=config, reduce_pieces=step.reduce_pieces)
         report["step_equals_decode"].append(bool(torch.equal(out, ref_out) and torch.equal(lse, ref_lse))
                                             and plan.num_partial_rows > 0)
     return report
@@ -252,6 +259,8 @@ def test_cases_cover_splits_and_empty_rows(report):
     assert report["bf16_all_empty"]["empty_rows"] == 3 * 16
     assert report["bf16_p16_manysplits_w40"]["reduce_blocks"] == [64, 32]  # two channel programs per row
     assert report["bf16_p16_w3_empty"]["reduce_blocks"][1] == 64  # few pieces: one program per row
+    long_tail = report["bf16_p16_longtail_w32"]  # the long tile merged in four steps, the others in one
+    assert long_tail["reduce_blocks"] == [4, 64] and 12 < long_tail["max_pieces"] <= 16, long_tail
 
 
 def test_one_item_per_worker_path_gives_the_general_bits(report):
@@ -328,6 +337,33 @@ def test_graph_step_sizes_its_reduce_from_the_batch_size():
     assert td.TritonMLADecode(one, num_workers=132, config=config).reduce_pieces == 64
     assert td.TritonMLADecode(many, num_workers=132, config=config).reduce_pieces == 8
     assert td.TritonMLADecode(one, num_workers=132, config=config, reduce_pieces=16).reduce_pieces == 16
+
+
+def test_reduce_steps_fit_one_wave_of_programs():
+    """plan_reduce_pieces on H200-sized plans (132 SMs and workers, 64-token blocks, 16 heads: 16 rows per tile,
+    L = 512): every piece in one step while the grid over the split tiles fits REDUCE_WAVE programs per SM
+    (uniform batches, one request, a few long ones), else narrower steps, so that one long request among many short
+    split ones takes several steps instead of multiplying every split tile's programs."""
+    td = pytest.importorskip("mla_fast.triton_decode")
+    from mla_fast.planner import plan_decode
+
+    def pieces(seq_lens, rows=16, workers=132):
+        plan = plan_decode(torch.tensor(seq_lens), torch.ones(len(seq_lens), dtype=torch.int32), rows, workers,
+                           block_n=64, head_group=rows)
+        return plan, td.plan_reduce_pieces(plan, rows, 512, 132)
+
+    uniform, p = pieces([4096] * 32)
+    assert (uniform.max_pieces, p) == (4, 4)  # (32, 4096): 4 pieces per tile, [4, 512] steps
+    one, p = pieces([8192])
+    assert one.max_pieces > td.REDUCE_MAX_S and p == td.REDUCE_MAX_S  # one split tile: 256 programs of [64, 32]
+    tail, p = pieces([32768] + [1024] * 63)
+    assert tail.split_tiles == 64 and tail.max_pieces > 32 and p == 8  # 2048 programs of [8, 256]; 16: 4096
+    few, p = pieces([65536] + [1024] * 15)
+    assert few.split_tiles == 16 and few.max_pieces > 64 and p == 32  # 2048 programs of [32, 64]
+    wide, p = pieces([4096] * 32, rows=128, workers=66)  # 128 rows per tile: [2, 512] steps, 4096 programs
+    assert (wide.max_pieces, p) == (2, 2)  # halving would not narrow the grid
+    short, p = pieces([64] * 8)
+    assert (short.split_tiles, p) == (0, 0)
 
 
 def test_graph_step_plans_from_host_lengths():

@@ -345,10 +345,8 @@ def test_pair_merge_gives_the_reduce_bits(case, num_workers):
 def _check_graph_replays_equal_eager(step, lens_list):
     """Capture `step.run()` (already compiled) in a CUDA graph; for each seq_lens in lens_list (shrinking in place,
     so every page stays valid) re-plan (every other time from host copies of the lengths), replay with `out`
-    NaN-poisoned, and compare the bits with an eager decode whose plan takes the step's fixed reduce shape (it sets
+    NaN-poisoned, and compare the bits with an eager decode at the step's reduce_pieces (its fixed reduce shape sets
     the merge's summation order)."""
-    from dataclasses import replace
-
     from mla_fast.triton_decode import decode, make_plan
 
     batch = step.batch
@@ -366,16 +364,16 @@ def _check_graph_replays_equal_eager(step, lens_list):
             step.plan()
         step.out.fill_(float("nan"))
         graph.replay()
-        plan = replace(make_plan(batch, step.config, step.num_workers), max_pieces=step.reduce_pieces)
-        out, lse = decode(batch, plan=plan, config=step.config)
+        plan = make_plan(batch, step.config, step.num_workers)
+        out, lse = decode(batch, plan=plan, config=step.config, reduce_pieces=step.reduce_pieces)
         torch.cuda.synchronize()
         assert torch.equal(step.out.view(torch.int16), out.view(torch.int16)), new_lens
         assert torch.equal(step.lse.view(torch.int32), lse.view(torch.int32)), new_lens
 
 
 def test_cuda_graph_replay_equals_eager():
-    """Replays after re-planning equal eager decodes bit for bit (the eager plan takes the step's fixed reduce shape,
-    which sets the merge's summation order)."""
+    """Replays after re-planning equal eager decodes bit for bit (the eager decode takes the step's reduce_pieces, its
+    fixed reduce shape, which sets the merge's summation order)."""
     from mla_fast.triton_decode import TritonMLADecode
 
     case = TritonCase((100, 0, 3000, 700), (1, 1, 1, 1), heads=16, page_size=64, L=512, R=64, seed=11)
