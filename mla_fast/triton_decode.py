@@ -1336,12 +1336,15 @@ class TritonMLADecode:
         max_items = max_items or groups + 2 * self.num_workers
         max_partial_rows = max_partial_rows or max_q_len * (max_items + self.num_workers)
         # the plan's buffers: views of one int32 buffer, filled by one copy from a host staging buffer of the same
-        # layout (pinned, two of them used in turn, each reused once its last copy has completed)
+        # layout (pinned, two of them used in turn, each reused once its last copy has completed); each view starts
+        # 16-byte aligned (its part padded to 4 words), as separate allocations would, so the kernels are
+        # specialised for aligned pointers
         self._sizes = (max_items * 8, self.num_workers + 1, groups * 8, B + 1)
-        self._meta = torch.zeros(sum(self._sizes), dtype=torch.int32, device=device)
+        self._padded = tuple(-(-n // 4) * 4 for n in self._sizes)  # [words] per part
+        self._meta = torch.zeros(sum(self._padded), dtype=torch.int32, device=device)
         self.work_items, self.worker_indptr, self.reduce_final, self.qo_indptr = self._views(self._meta)
         pinned = device.type == "cuda"
-        self._staging = [torch.zeros(sum(self._sizes), dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
+        self._staging = [torch.zeros(sum(self._padded), dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
         self._copied = [torch.cuda.Event() if pinned else None for _ in range(2)]
         self._turn = 0
         self.workspace = (torch.empty(max_partial_rows, H, L, dtype=torch.float32, device=device),
@@ -1355,8 +1358,8 @@ class TritonMLADecode:
 
     def _views(self, buf: torch.Tensor):
         """(work_items [max_items, 8], worker_indptr [W + 1], reduce_final [tiles, 8], qo_indptr [B + 1]) of a
-        buffer laid out as the step's plan buffers."""
-        parts = torch.split(buf, self._sizes)
+        buffer laid out as the step's plan buffers (each part padded to whole 16-byte words)."""
+        parts = [part[:n] for part, n in zip(torch.split(buf, self._padded), self._sizes)]
         return parts[0].view(-1, 8), parts[1], parts[2].view(-1, 8), parts[3]
 
     def plan(self, batch=None, *, seq_lens=None, q_lens=None) -> None:

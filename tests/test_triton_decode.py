@@ -368,7 +368,9 @@ def test_reduce_steps_fit_one_wave_of_programs():
 
 def test_graph_step_plans_from_host_lengths():
     """plan(seq_lens=, q_lens=) with host copies fills the static buffers as plan() reading the batch does, in both
-    staging buffers (used in turn), after the lengths change too; bad host lengths raise ValueError."""
+    staging buffers (used in turn), after the lengths change too; the buffers are 16-byte aligned views of one
+    allocation (4 workers: worker_indptr has 5 words, so the next view needs padding); bad host lengths raise
+    ValueError."""
     td = pytest.importorskip("mla_fast.triton_decode")
     batch = TritonCase((300, 5, 0), (1, 2, 1), heads=16).batch()
     config = td.KernelConfig(head_group=16, head_split=1)
@@ -384,6 +386,8 @@ def test_graph_step_plans_from_host_lengths():
             assert torch.equal(step.worker_indptr, plan.worker_indptr)
             assert torch.equal(step.reduce_final[:t], plan.reduce_final) and not step.reduce_final[t:].any()
             assert torch.equal(step.qo_indptr, batch.qo_indptr)
+    for view in (steps[0].work_items, steps[0].worker_indptr, steps[0].reduce_final, steps[0].qo_indptr):
+        assert view.data_ptr() % 16 == 0 and view.untyped_storage().data_ptr() == steps[0]._meta.data_ptr()
     with pytest.raises(ValueError, match="both seq_lens and q_lens"):
         steps[1].plan(seq_lens=batch.seq_lens.clone())
     with pytest.raises(ValueError, match="q_lens must be a CPU tensor of shape"):
