@@ -739,3 +739,33 @@ def test_gluon_fp8_channel_permutations_agree_with_their_layouts():
 
 if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
     print(json.dumps(_worker()))
+
+
+def test_reduce_varlen_bench_cases_take_the_readme_steps():
+    """benchmarks/reduce_varlen.py's cases, planned as on an H200 (132 SMs; the Gluon kernels where batch_config
+    takes them there), get the pieces per reduce step that the README's varlen table lists (after / before: the
+    plan's max_pieces), and its variants hand launch those steps."""
+    td = pytest.importorskip("mla_fast.triton_decode")
+    sys.path.insert(0, str(HERE.parent / "benchmarks"))
+    try:
+        import reduce_varlen
+    finally:
+        sys.path.pop(0)
+    from mla_fast.planner import plan_decode
+
+    after, before = [], []
+    for case in reduce_varlen.CASES:
+        lens = case.lengths()
+        config = td.default_config(case.combo, case.heads, 1, case.batch, seesaw=True, fp8_gluon=case.combo != "bf16",
+                                   kv_tokens=int(lens.sum()))
+        plan = plan_decode(lens, torch.ones_like(lens), case.heads, config.workers_per_sm * 132 // config.head_split,
+                           block_n=config.plan_block_n, fixed_overhead=config.fixed_overhead,
+                           head_group=config.head_group * config.head_split)
+        pieces = td.plan_reduce_pieces(plan, config.head_group * config.head_split, 512, 132)
+        after.append(td.reduce_blocks(pieces, 512)[0])
+        before.append(td.reduce_blocks(plan.max_pieces, 512)[0])
+        assert reduce_varlen.variant_plan(plan, "default") == (plan, None)
+        assert reduce_varlen.variant_plan(plan, "max_pieces") == (plan, plan.max_pieces)
+        full, p = reduce_varlen.variant_plan(plan, "all_tiles")
+        assert full.split_final is plan.reduce_final and p == plan.max_pieces
+    assert after == [8, 8, 32, 4, 32, 4, 8, 4] and before == [64, 64, 32, 16, 64, 8, 8, 4]
