@@ -157,6 +157,23 @@ def test_varlen_within_kernel_bound(case):
     assert r["finite"] and r["empty_ok"] and r["out_ratio"] <= 1.0 and r["lse_ratio"] <= 1.0, r
 
 
+@pytest.mark.parametrize("combo", ["bf16", "fp8kv"])
+def test_long_tail_reduce_in_several_steps_within_kernel_bound(combo):
+    """One long request among 63 short ones that the plan splits too: plan_reduce_pieces merges the long tile's
+    pieces in several steps (fewer per step than it has) over the split tiles' grid; out and lse within the kernel +
+    merge bound."""
+    from mla_fast import triton_decode as td
+
+    case = TritonCase((8192,) + (700,) * 63, (1,) * 64, heads=16, page_size=64, combo=combo, L=512, R=64, seed=11)
+    batch = case.batch("cuda")
+    config = td.default_config(combo, 16, 1)
+    plan = td.make_plan(batch, config)
+    pieces = td.plan_reduce_pieces(plan, config.head_group * config.head_split, 512, td.num_sms(batch.q.device))
+    assert plan.split_tiles == 64 and pieces < plan.max_pieces, (plan.split_tiles, pieces, plan.max_pieces)
+    r = _decode_and_check(batch, config)
+    assert r["finite"] and r["empty_ok"] and r["out_ratio"] <= 1.0 and r["lse_ratio"] <= 1.0, r
+
+
 @pytest.mark.parametrize("case,overrides", CONFIG_CASES, ids=lambda x: str(x)[:60] if isinstance(x, dict) else None)
 def test_bench_candidate_configs_within_kernel_bound(case, overrides):
     r = _decode_and_check(case.batch("cuda"), **overrides)
