@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from mla_fast import triton_decode as td
-from mla_fast.bench import build_batch, graphed, time_us
+from mla_fast.bench import build_batch, graphed, ours, time_us
 
 
 @dataclass(frozen=True)
@@ -65,23 +65,6 @@ def variant_plan(plan, variant: str):
     raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
 
 
-def decode_fn(batch, config, plan, reduce_pieces):
-    """() -> None launching the decode on preallocated buffers (fn.outputs = (out, lse))."""
-    T, H, L, dev = batch.q.shape[0], batch.num_heads, batch.kv_lora_rank, batch.q.device
-    out = torch.empty(T, H, L, dtype=torch.bfloat16, device=dev)
-    lse = torch.empty(T, H, dtype=torch.float32, device=dev)
-    workspace = td.alloc_workspace(plan, H, L, dev, td.pair_merge_applies(plan, config, dev, L))
-    q_scale, kv_scale = td._scale_tensor(batch.q_scale, dev), td._scale_tensor(batch.kv_scale, dev)
-    qo_indptr = batch.qo_indptr  # once, outside the captured call (a property: three kernels)
-
-    def fn():
-        td.launch(batch, plan, out, lse, config, workspace=workspace, q_scale=q_scale, kv_scale=kv_scale,
-                  max_rows=config.head_group, qo_indptr=qo_indptr, reduce_pieces=reduce_pieces)
-
-    fn.outputs = (out, lse)
-    return fn
-
-
 def run_case(case: VarlenCase, rounds: int) -> list[dict]:
     batch = build_batch(case.batch, case.long, case.heads, case.combo)  # pages for `long` tokens per request
     batch.seq_lens.copy_(case.lengths().to(batch.seq_lens.device))
@@ -92,7 +75,7 @@ def run_case(case: VarlenCase, rounds: int) -> list[dict]:
     fns, pieces = {}, {}
     for variant in VARIANTS:
         p, rp = variant_plan(plan, variant)
-        fns[variant] = decode_fn(batch, config, p, rp)
+        fns[variant], _ = ours(batch, config, plan=p, reduce_pieces=rp)
         pieces[variant] = td.reduce_blocks(default_pieces if rp is None else rp, batch.kv_lora_rank)[0]
     replays = {v: graphed(fn) for v, fn in fns.items()}
     times = {v: [] for v in VARIANTS}

@@ -138,13 +138,16 @@ def copy_bandwidth_gbs(nbytes: int = 2 * 2**30) -> float:
 
 
 # ---- timed callables -------------------------------------------------------------------------------------------
-def ours(batch: DecodeBatch, config=None, num_workers: int | None = None):
-    """() -> None launching our decode on preallocated buffers, plus the compiled kernel's resource report."""
+def ours(batch: DecodeBatch, config=None, num_workers: int | None = None, plan=None,
+         reduce_pieces: int | None = None):
+    """() -> None launching our decode on preallocated buffers, plus the compiled kernel's resource report. plan:
+    the WorkPlan to launch (default: `make_plan` with config and num_workers); reduce_pieces: launch's (default: the
+    plan's `plan_reduce_pieces`)."""
     from mla_fast import triton_decode as td
 
     q_len = int(batch.q_lens.max())
     config = config or td.batch_config(batch, q_len)
-    plan = td.make_plan(batch, config, num_workers)
+    plan = plan if plan is not None else td.make_plan(batch, config, num_workers)
     T, H, dev = batch.q.shape[0], batch.q.shape[1], batch.q.device
     out = torch.empty(T, H, L, dtype=torch.bfloat16, device=dev)
     lse = torch.empty(T, H, dtype=torch.float32, device=dev)
@@ -156,12 +159,12 @@ def ours(batch: DecodeBatch, config=None, num_workers: int | None = None):
 
     def fn():
         return td.launch(batch, plan, out, lse, config, workspace=workspace, q_scale=q_scale, kv_scale=kv_scale,
-                         max_rows=q_len * config.head_group, qo_indptr=qo_indptr)
+                         max_rows=q_len * config.head_group, qo_indptr=qo_indptr, reduce_pieces=reduce_pieces)
 
     fn.outputs = (out, lse)
     kernel = fn()
     info = {"n_regs": getattr(kernel, "n_regs", None), "n_spills": getattr(kernel, "n_spills", None),
-            "num_items": plan.num_items, "split_tiles": plan.stats()["split_tiles"],
+            "num_items": plan.num_items, "split_tiles": plan.split_tiles,
             "pair_merge": pair_merge}
     return fn, info
 

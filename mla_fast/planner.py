@@ -213,7 +213,7 @@ class WorkPlan:
             "num_workers": self.num_workers,
             "num_partial_rows": self.num_partial_rows,
             "items_per_worker": {"min": counts.min().item(), "mean": counts.mean().item(), "max": counts.max().item()},
-            "split_tiles": int((pieces > 1).sum()),
+            "split_tiles": self.split_tiles,
             "pieces_per_tile": {"mean": pieces.double().mean().item(), "max": int(pieces.max())},
             "worker_cost": {"min": cost.min().item(), "mean": mean, "max": cost.max().item()},
             "imbalance": cost.max().item() / mean if mean > 0 else 1.0,
