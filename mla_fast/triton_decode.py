@@ -1201,7 +1201,7 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
         batch.q_lens (one host sync, so not inside a graph capture).
     pdl: launch the reduce as a programmatic dependent of decode (None: where `pdl_supported`; True elsewhere raises).
     reduce_pieces: split pieces the reduce merges per step (`reduce_blocks`; it sets the merge's summation order);
-        None: `plan_reduce_pieces` for a WorkPlan.
+        None: `plan_reduce_pieces` for a WorkPlan, the step's own for a `TritonMLADecode` step's plan.
 
     Returns the compiled decode kernel (its n_regs / n_spills are reported by mla-bench).
     """
@@ -1251,8 +1251,8 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
     final = plan.reduce_final if step else plan.split_final  # [tiles, 8]: a WorkPlan's split tiles only
     rows = max_rows * config.head_split  # reduce programs per tile along the packed rows
     if final.shape[0] > 0 and plan.num_partial_rows > 0:  # some tile is split
-        if reduce_pieces is None:
-            reduce_pieces = plan_reduce_pieces(plan, rows, L, num_sms(device))
+        if reduce_pieces is None:  # a step's shape is fixed with the step (its bits whatever the plan)
+            reduce_pieces = plan.reduce_pieces if step else plan_reduce_pieces(plan, rows, L, num_sms(device))
         block_s, block_l = reduce_blocks(reduce_pieces, L)
         _mla_reduce_kernel[(final.shape[0], rows, L // block_l)](
             o_part, lse_part, final, out, lse,
@@ -1410,8 +1410,7 @@ class TritonMLADecode:
     def run(self):
         """Launch decode + reduce on the static buffers -> (out, lse) (the same tensors every call)."""
         launch(self.batch, _StaticPlan(self), self.out, self.lse, self.config, workspace=self.workspace,
-               q_scale=self.q_scale, kv_scale=self.kv_scale, max_rows=self.max_rows, qo_indptr=self.qo_indptr,
-               reduce_pieces=self.reduce_pieces)
+               q_scale=self.q_scale, kv_scale=self.kv_scale, max_rows=self.max_rows, qo_indptr=self.qo_indptr)
         return self.out, self.lse
 
 
@@ -1427,6 +1426,7 @@ class _StaticPlan:
     head_group: int
     one_item_per_worker: bool
     paired_splits: bool
+    reduce_pieces: int
 
     def __init__(self, step: "TritonMLADecode"):
         self.work_items, self.worker_indptr, self.reduce_final = step.work_items, step.worker_indptr, step.reduce_final
@@ -1435,6 +1435,7 @@ class _StaticPlan:
         self.head_group = step.config.head_group * step.config.head_split
         self.one_item_per_worker = False  # a captured graph must take any later plan: read worker_indptr
         self.paired_splits = False  # and merge any later plan's splits with the reduce kernel
+        self.reduce_pieces = step.reduce_pieces  # in steps of the step's fixed shape
 
 
 __all__ = ["decode", "make_plan", "launch", "KernelConfig", "default_config", "TritonMLADecode", "INTERPRET"]
