@@ -7,10 +7,12 @@ cast with scales 0.5 / 0.25, peers.md §2 conditions), and each dtype combinatio
 - fp8kv: bf16 q, e4m3fn cache (FlashInfer fa3 fp8 KV)
 - fp8:   e4m3fn q and cache (FlashMLA dense fp8, `use_legacy=True`)
 
-it reports µs per call (median and 20/80 % quantiles of `triton.testing.do_bench`, which flushes the L2 before every
-call, timing CUDA-graph replays of each callable so that Python launch overhead is not timed; `--eager`: plain
-calls; `--flush read`: the L2 flushed by reading do_bench's 256 MB buffer instead of zeroing it, so that no call
-pays for writing back the flush's dirty lines), effective GB/s = (cache bytes read + q bytes + out bytes) / time,
+it reports µs per call (median and 20/80 % quantiles of the calls timed by `triton.testing.do_bench`, which flushes
+the L2 before every call, timing CUDA-graph replays of each callable so that Python launch overhead is not timed;
+the callables of a row take turns in `--rounds` rounds (default 3, each starting at the next one), so that a slow
+phase of the GPU falls on all of them alike, and each round's median is kept in the JSON; `--eager`: plain calls;
+`--flush read`: the L2 flushed by reading do_bench's 256 MB buffer instead of zeroing it, so that no call pays for
+writing back the flush's dirty lines), effective GB/s = (cache bytes read + q bytes + out bytes) / time,
 and % of the device-to-device copy bandwidth measured in the same run (a ~2 GB copy, bytes read + written). Ours is
 timed as one `launch` (decode + reduce), with the plan made beforehand; FlashInfer as `run()` after `plan()`;
 FlashMLA as the whole call, schedule cached after the first call (peers.md §2); vLLM's Triton MLA decode as its
@@ -33,6 +35,7 @@ import json
 import math
 import time
 
+import numpy as np
 import torch
 
 from mla_fast.read_floor import read_floor_fn
@@ -115,18 +118,28 @@ def read_flush():
         del drv.clear_cache  # the class's method again
 
 
-def time_us(fn, warmup_ms: int = 25, rep_ms: int = 100, flush: str | None = None) -> tuple[float, float, float]:
-    """(median, 20 %, 80 %) µs of fn() by triton.testing.do_bench (L2 flushed before each call). flush: "zero"
-    (do_bench's own: a 256 MB memset, which leaves dirty lines) or "read" (`read_flush`); None: the module's FLUSH
-    (mla-bench --flush)."""
+def time_samples_us(fn, warmup_ms: int = 25, rep_ms: int = 100, flush: str | None = None) -> list[float]:
+    """Every timed call's µs from triton.testing.do_bench (L2 flushed before each call). flush: "zero" (do_bench's
+    own: a 256 MB memset, which leaves dirty lines) or "read" (`read_flush`); None: the module's FLUSH (mla-bench
+    --flush)."""
     import triton
 
     flush = FLUSH if flush is None else flush
     if flush not in FLUSHES:
         raise ValueError(f"flush must be one of {FLUSHES}, got {flush!r}")
     with read_flush() if flush == "read" else contextlib.nullcontext():
-        ms = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
-    return tuple(1e3 * t for t in ms)
+        ms = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="all")
+    return [1e3 * t for t in ms]
+
+
+def quantiles_us(samples) -> tuple[float, float, float]:
+    """(median, 20 %, 80 %) of timed samples, linear interpolation (as do_bench's quantiles)."""
+    return tuple(float(q) for q in np.quantile(np.asarray(samples, dtype=np.float64), [0.5, 0.2, 0.8]))
+
+
+def time_us(fn, warmup_ms: int = 25, rep_ms: int = 100, flush: str | None = None) -> tuple[float, float, float]:
+    """(median, 20 %, 80 %) µs of fn() over `time_samples_us`."""
+    return quantiles_us(time_samples_us(fn, warmup_ms, rep_ms, flush))
 
 
 def copy_bandwidth_gbs(nbytes: int = 2 * 2**30) -> float:
@@ -244,6 +257,7 @@ BEST_PEERS = ("flashinfer", "flashmla")  # "ours / best peer": the issue's peers
 
 
 GRAPHS = True  # time CUDA-graph replays (--eager: plain calls)
+ROUNDS = 3  # alternating rounds per row (--rounds): ours and the peers take turns, 100 ms of calls each in all
 
 
 def graphed(fn):
@@ -268,24 +282,67 @@ def graphed(fn):
     return graph.replay
 
 
-def measure(fn_or_reason, nbytes: int, copy_gbs: float) -> dict:
-    """Time one callable: graph replays when GRAPHS (falling back to plain calls, with the reason, if the capture
-    fails), else plain calls."""
+def prepare(fn_or_reason):
+    """(the callable to time, how it is timed): its graph replay when GRAPHS (falling back to plain calls, with the
+    reason, if the capture fails), else plain calls; a reason string passes through as (reason, None)."""
     if isinstance(fn_or_reason, str):
-        return {"status": fn_or_reason}
-    fn, timing = fn_or_reason, "eager"
+        return fn_or_reason, None
     if GRAPHS:
         try:
-            fn, timing = graphed(fn_or_reason), "graph"
+            return graphed(fn_or_reason), "graph"
         except Exception as e:
-            timing = f"eager (graph capture failed: {type(e).__name__}: {str(e)[:80]})"
-    try:
-        med, p20, p80 = time_us(fn)
-    except Exception as e:  # a peer failing on one shape must not stop the table
-        return {"status": f"error: {type(e).__name__}: {str(e)[:120]}"}
+            return fn_or_reason, f"eager (graph capture failed: {type(e).__name__}: {str(e)[:80]})"
+    return fn_or_reason, "eager"
+
+
+def summarize(rounds_us: list, nbytes: int, copy_gbs: float, timing: str) -> dict:
+    """A measurement from the timed samples of one or more rounds ([[µs, ...] per round]): median and 20 / 80 %
+    over all samples, each round's median (us_rounds), effective GB/s and % of the copy rate at the median."""
+    med, p20, p80 = quantiles_us([t for r in rounds_us for t in r])
     gbs = nbytes / (med * 1e-6) / 1e9
     return {"status": "ok", "us": med, "us_p20": p20, "us_p80": p80, "gbs": gbs, "pct_copy": 100 * gbs / copy_gbs,
-            "timing": timing}
+            "timing": timing, "us_rounds": [quantiles_us(r)[0] for r in rounds_us]}
+
+
+def measure(fn_or_reason, nbytes: int, copy_gbs: float) -> dict:
+    """Time one callable, alone (`prepare`, one round of `time_samples_us`)."""
+    fn, timing = prepare(fn_or_reason)
+    if timing is None:
+        return {"status": fn}
+    try:
+        samples = time_samples_us(fn)
+    except Exception as e:  # a peer failing on one shape must not stop the table
+        return {"status": f"error: {type(e).__name__}: {str(e)[:120]}"}
+    return summarize([samples], nbytes, copy_gbs, timing)
+
+
+def measure_in_rounds(fns: dict, nbytes: int, copy_gbs: float, rounds: int, rep_ms: int = 100,
+                      timer=None) -> dict:
+    """Time several callables of one row ({name: fn or reason}) in `rounds` alternating rounds of rep_ms / rounds
+    each, so that a slow phase of the GPU (at 128 heads the H200 runs at its power cap and its clocks move within a
+    call: README) falls on all of them alike; round r starts at the r-th callable (rotation). -> {name:
+    measurement}, with `us_rounds` per round. A callable that fails stops being timed and reports the error.
+    timer(fn, rep_ms) -> [µs, ...]: default `time_samples_us`."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    timer = timer or (lambda fn, rep: time_samples_us(fn, rep_ms=rep))
+    prepared = {name: prepare(fn) for name, fn in fns.items()}
+    result = {name: {"status": fn} for name, (fn, timing) in prepared.items() if timing is None}
+    samples = {name: [] for name in prepared if name not in result}
+    names = list(samples)
+    rep = max(1, math.ceil(rep_ms / rounds))
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)] if names else []:
+            if name in result:
+                continue
+            try:
+                samples[name].append(timer(prepared[name][0], rep))
+            except Exception as e:  # a peer failing on one shape must not stop the table
+                result[name] = {"status": f"error: {type(e).__name__}: {str(e)[:120]}"}
+    for name in names:
+        if name not in result:
+            result[name] = summarize(samples[name], nbytes, copy_gbs, prepared[name][1])
+    return {name: result[name] for name in fns}
 
 
 def check_shared_pages(shapes, combos, l2_bytes: int) -> None:
@@ -309,11 +366,12 @@ def diff_vs_ours(fn, ours_out) -> dict:
 
 
 def run_grid(shapes, combos, peers=tuple(PEERS), copy_gbs=None, candidates=False, json_path=None, floor=True,
-             shared_pages=False, step=False) -> dict:
-    """Time every (shape, combo) for ours and the named peers; with json_path, the JSON is rewritten after each row
-    (partial runs keep rows). floor: also time the read floor of each row's cache bytes (`mla_fast.read_floor`, once
-    per cache size). shared_pages: batches whose requests all read one request's pages (`build_batch`); the floor is
-    then not timed (the cache comes from the L2). step: also time the graph-capturable step (`step_fn`)."""
+             shared_pages=False, step=False, rounds: int = ROUNDS) -> dict:
+    """Time every (shape, combo) for ours and the named peers, in `rounds` alternating rounds per row
+    (`measure_in_rounds`); with json_path, the JSON is rewritten after each row (partial runs keep rows). floor:
+    also time the read floor of each row's cache bytes (`mla_fast.read_floor`, once per cache size, alone).
+    shared_pages: batches whose requests all read one request's pages (`build_batch`); the floor is then not timed
+    (the cache comes from the L2). step: also time the graph-capturable step (`step_fn`)."""
     unknown = sorted(set(peers) - set(PEERS))
     if unknown:
         raise ValueError(f"peers must be among {sorted(PEERS)}, got {unknown}")
@@ -337,28 +395,30 @@ def run_grid(shapes, combos, peers=tuple(PEERS), copy_gbs=None, candidates=False
                     floors[kv_bytes] = {**measure(read_floor_fn(kv_bytes), kv_bytes, copy_gbs), "bytes": kv_bytes}
                     torch.cuda.empty_cache()
                 row["read_floor"] = floors[kv_bytes]
+            fns, infos = {}, {}  # what this row times, in rounds (measure_in_rounds), and what each reports beside
             if candidates:
                 row["candidates"] = time_candidates(batch, nbytes, copy_gbs)
                 ok = [c for c in row["candidates"] if c.get("status") == "ok" and c.get("correct")]
                 row["ours"] = min(ok, key=lambda c: c["us"]) if ok else row["candidates"][0]
-                ours_out = None
             else:
-                fn, info = ours(batch)
-                row["ours"] = {**measure(fn, nbytes, copy_gbs), **info}
-                ours_out = fn.outputs[0]  # [T, H, L] bf16 after the timed replays (no peer writes it)
+                fns["ours"], infos["ours"] = ours(batch)
             if step:
-                fn, info = step_fn(batch)
-                row["step"] = {**measure(fn, nbytes, copy_gbs), **info, **diff_vs_ours(fn, ours_out)}
-                del fn
+                fns["step"], infos["step"] = step_fn(batch)
             for name, make in PEERS.items():
                 if name in peers:
                     try:
-                        fn = make(batch)
-                        row[name] = {**measure(fn, nbytes, copy_gbs), **diff_vs_ours(fn, ours_out)}
+                        fns[name] = make(batch)
                     except Exception as e:
-                        row[name] = {"status": f"error: {type(e).__name__}: {str(e)[:120]}"}
+                        fns[name] = f"error: {type(e).__name__}: {str(e)[:120]}"
                 else:
                     row[name] = {"status": "skipped"}
+            timed = measure_in_rounds(fns, nbytes, copy_gbs, rounds)
+            # [T, H, L] bf16 after the timed replays (no other callable writes it); None when ours ran as candidates
+            ours_out = fns["ours"].outputs[0] if "ours" in fns else None
+            for name, m in timed.items():
+                diff = diff_vs_ours(fns[name], ours_out) if name != "ours" and not isinstance(fns[name], str) else {}
+                row[name] = {**m, **infos.get(name, {}), **diff}
+            del fns, timed
             rows.append(row)
             print({k: v for k, v in row.items() if k != "candidates"}, flush=True)
             for c in row.get("candidates", []):
@@ -561,6 +621,10 @@ def main(argv=None) -> None:
     parser.add_argument("--step", action="store_true",
                         help="also time the graph-capturable step (TritonMLADecode: any later plan, a fixed reduce "
                              "shape), what a serving loop captures")
+    parser.add_argument("--rounds", type=int, default=ROUNDS,
+                        help="alternating rounds per row: ours and the peers take turns, each round starting at the "
+                             "next callable, so that the GPU's slow phases (clocks at the power cap) fall on all "
+                             "alike; the same number of timed calls in all (default %(default)s)")
     parser.add_argument("--flush", choices=FLUSHES, default="zero",
                         help="how the L2 is flushed before each call: zero (do_bench's 256 MB memset, the default; "
                              "it leaves dirty lines that the call writes back) or read (a sum over the same buffer: "
@@ -569,6 +633,8 @@ def main(argv=None) -> None:
     global GRAPHS, FLUSH
     GRAPHS = not args.eager
     FLUSH = args.flush
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
     peers = [] if args.no_peers else args.peers.split(",")
     if set(peers) - set(PEERS):
         parser.error(f"--peers must be a comma list of {list(PEERS)}, got {args.peers!r}")
@@ -579,7 +645,8 @@ def main(argv=None) -> None:
         precompile(sorted({(b, h) for b, _, h in args.shapes}), args.dtypes.split(","), args.precompile)
         print(f"precompiled in {time.time() - t0:.1f}s", flush=True)
     result = run_grid(args.shapes, args.dtypes.split(","), peers=peers, candidates=args.candidates,
-                      json_path=args.json, floor=not args.no_floor, shared_pages=args.shared_pages, step=args.step)
+                      json_path=args.json, floor=not args.no_floor, shared_pages=args.shared_pages, step=args.step,
+                      rounds=args.rounds)
     result["wall_s"] = time.time() - t0
     print_table(result)
     if args.json:

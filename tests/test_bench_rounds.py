@@ -1,0 +1,79 @@
+"""mla-bench's alternating rounds (`bench.measure_in_rounds`, `--rounds`) on the CPU, with a fake timer: the turn
+order, the split of the timed calls, the pooled quantiles and each round's median, and failures."""
+
+import numpy as np
+import pytest
+
+from mla_fast import bench
+
+
+class FakeTimer:
+    """timer(fn, rep_ms) -> samples: records (name, rep_ms) per call; fn() returns its name and samples."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, fn, rep_ms):
+        name, samples = fn()
+        self.calls.append((name, rep_ms))
+        return samples
+
+
+def timed(name, per_round):
+    """A callable returning (name, the next round's samples)."""
+    it = iter(per_round)
+    return lambda: (name, next(it))
+
+
+@pytest.fixture(autouse=True)
+def eager(monkeypatch):
+    monkeypatch.setattr(bench, "GRAPHS", False)  # no CUDA graphs on the CPU: prepare() passes the callables on
+
+
+def test_rounds_rotate_the_first_callable_and_split_the_timed_calls():
+    timer = FakeTimer()
+    fns = {n: timed(n, [[1.0]] * 3) for n in ("ours", "flashinfer", "flashmla")}
+    bench.measure_in_rounds(fns, nbytes=10**6, copy_gbs=1.0, rounds=3, rep_ms=100, timer=timer)
+    assert [n for n, _ in timer.calls] == ["ours", "flashinfer", "flashmla",
+                                           "flashinfer", "flashmla", "ours",
+                                           "flashmla", "ours", "flashinfer"]
+    assert {rep for _, rep in timer.calls} == {34}  # ceil(100 / 3) ms per round
+
+
+def test_pooled_quantiles_and_round_medians():
+    rounds = [[10.0, 11.0, 12.0], [20.0, 21.0, 22.0, 23.0], [30.0]]
+    m = bench.measure_in_rounds({"ours": timed("ours", rounds)}, nbytes=2 * 10**6, copy_gbs=100.0, rounds=3,
+                                timer=FakeTimer())["ours"]
+    pooled = np.array([t for r in rounds for t in r])
+    assert (m["us"], m["us_p20"], m["us_p80"]) == tuple(np.quantile(pooled, [0.5, 0.2, 0.8]))
+    assert m["us_rounds"] == [11.0, 21.5, 30.0]
+    assert m["gbs"] == pytest.approx(2 * 10**6 / (m["us"] * 1e-6) / 1e9)
+    assert m["pct_copy"] == pytest.approx(m["gbs"])  # copy rate 100 GB/s: % of it equals GB/s
+    assert m["status"] == "ok" and m["timing"] == "eager"
+
+
+def test_a_failing_callable_reports_its_error_and_the_others_keep_their_rounds():
+    timer = FakeTimer()
+    calls = {"n": 0}
+
+    def flaky():
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("illegal memory access")
+        return "flashmla", [5.0]
+
+    fns = {"ours": timed("ours", [[1.0]] * 3), "flashmla": flaky, "vllm": "not installed"}
+    got = bench.measure_in_rounds(fns, nbytes=1, copy_gbs=1.0, rounds=3, timer=timer)
+    assert list(got) == ["ours", "flashmla", "vllm"]  # the caller's order
+    assert got["vllm"] == {"status": "not installed"}
+    assert got["flashmla"]["status"] == "error: RuntimeError: illegal memory access"
+    assert got["ours"]["us_rounds"] == [1.0, 1.0, 1.0]
+    assert [n for n, _ in timer.calls].count("flashmla") == 1  # not timed again after its failure
+
+
+def test_rounds_must_be_positive():
+    with pytest.raises(ValueError, match="rounds must be >= 1, got 0"):
+        bench.measure_in_rounds({"ours": timed("ours", [[1.0]])}, nbytes=1, copy_gbs=1.0, rounds=0)
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--rounds", "0"])
+    assert exit_info.value.code == 2  # argparse's usage error, before any CUDA work
