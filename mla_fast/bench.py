@@ -26,6 +26,9 @@ dirty lines), so "ours / floor" is what is left to win for any kernel that reads
 builds batches whose requests all read one request's pages: after the first touch the cache comes from the L2, and
 the times show each kernel's SM-side rate (MMAs, shared memory, softmax, per-item overheads) instead of HBM's.
 
+Each row also reports the SM clock (median and lowest, MHz) and the highest board power sampled by nvidia-smi while
+its callables were timed (`mla_fast.gpu_clocks`): at 128 heads the H200 runs at its power cap and its clock moves.
+
 Output: a rich table on stdout and, with --json, every number in a JSON file.
 """
 
@@ -38,6 +41,7 @@ import time
 import numpy as np
 import torch
 
+from mla_fast.gpu_clocks import ClockSampler, smi_id
 from mla_fast.read_floor import read_floor_fn
 from mla_fast.vllm_peer import vllm_fn
 from mla_ref.decode import DecodeBatch
@@ -412,7 +416,9 @@ def run_grid(shapes, combos, peers=tuple(PEERS), copy_gbs=None, candidates=False
                         fns[name] = f"error: {type(e).__name__}: {str(e)[:120]}"
                 else:
                     row[name] = {"status": "skipped"}
+            t0 = time.time()
             timed = measure_in_rounds(fns, nbytes, copy_gbs, rounds)
+            row["timed_window"] = [t0, time.time()]  # wall seconds: main() reads the SM clock of this range
             # [T, H, L] bf16 after the timed replays (no other callable writes it); None when ours ran as candidates
             ours_out = fns["ours"].outputs[0] if "ours" in fns else None
             for name, m in timed.items():
@@ -561,6 +567,26 @@ def precompile(sizes, combos, processes: int) -> None:
             print(line, flush=True)
 
 
+def add_clocks(result: dict, clocks: ClockSampler) -> None:
+    """Each row's SM clock and board power while its callables were timed (`row["clocks"]`, from its
+    `timed_window`; `mla_fast.gpu_clocks`), and whether they could be sampled (`result["clocks"]`)."""
+    result["clocks"] = {"sampled": clocks.available, "reason": clocks.reason}
+    for row in result["rows"]:
+        if "timed_window" in row:
+            row["clocks"] = clocks.window(*row["timed_window"])
+
+
+def clock_cell(clocks: dict | None) -> str:
+    """A row's SM clock while it was timed: "median (min)" MHz, or why there is none."""
+    if not clocks:
+        return ""
+    if "status" in clocks:
+        return clocks["status"]
+    if not clocks["samples"]:
+        return "no samples"
+    return f"{clocks['sm_mhz_median']:.0f} ({clocks['sm_mhz_min']:.0f})"
+
+
 def print_table(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -571,7 +597,7 @@ def print_table(result: dict) -> None:
     table = Table(title=title)
     for col in ("b", "s_k", "h", "dtype", "ours µs (20–80%)", "GB/s", "% copy", "read floor µs", "ours / floor",
                 "flashinfer µs", "flashmla µs", "ours / best peer", "vllm µs", "vllm / ours", "step µs",
-                "default µs", "best override"):
+                "default µs", "best override", "SM MHz med (min)"):
         table.add_column(col, justify="right")
 
     def us(m):  # µs of a measurement, None unless it ran
@@ -593,8 +619,8 @@ def print_table(result: dict) -> None:
                       ratio(us(o), us(floor)), cell(r["flashinfer"]), cell(r["flashmla"]),
                       ratio(us(o), min(peers, default=None)), cell(r["vllm"]), ratio(us(r["vllm"]), us(o)),
                       cell(r.get("step", {"status": ""})), cell(r["candidates"][0]) if "candidates" in r else "",
-                      str(o.get("override", "")))
-    Console(width=220).print(table)
+                      str(o.get("override", "")), clock_cell(r.get("clocks")))
+    Console(width=240).print(table)
 
 
 def parse_shapes(text: str):
@@ -644,9 +670,12 @@ def main(argv=None) -> None:
     if args.candidates and args.precompile:
         precompile(sorted({(b, h) for b, _, h in args.shapes}), args.dtypes.split(","), args.precompile)
         print(f"precompiled in {time.time() - t0:.1f}s", flush=True)
-    result = run_grid(args.shapes, args.dtypes.split(","), peers=peers, candidates=args.candidates,
-                      json_path=args.json, floor=not args.no_floor, shared_pages=args.shared_pages, step=args.step,
-                      rounds=args.rounds)
+    dev = torch.cuda.current_device()
+    with ClockSampler(smi_id(dev, getattr(torch.cuda.get_device_properties(dev), "uuid", None))) as clocks:
+        result = run_grid(args.shapes, args.dtypes.split(","), peers=peers, candidates=args.candidates,
+                          json_path=args.json, floor=not args.no_floor, shared_pages=args.shared_pages,
+                          step=args.step, rounds=args.rounds)
+    add_clocks(result, clocks)
     result["wall_s"] = time.time() - t0
     print_table(result)
     if args.json:
