@@ -5,7 +5,9 @@ At 128 heads the H200 runs at its power cap (700 W) and lowers its SM clock with
 `nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw -lms PERIOD` on the benchmark's GPU in the background;
 `window(t0, t1)` summarizes the samples whose nvidia-smi timestamps (local wall time, ms) fall in a `time.time()`
 range, so a pipe's buffering does not move them; read windows after the sampler has stopped. Units: MHz and W
-(`power.draw`, which nvidia-smi averages over its own window: the cap acts on faster readings than these).
+(`power.draw`, which nvidia-smi averages over its own window: in mla-bench's first run it read at most 377 W at
+(128, 4096, 128), with the L2 flushes and the host's gaps between calls, while the clock was down at 1635-1680 MHz;
+the clock is the reading that tells).
 Where nvidia-smi is missing (ROCm, CPU) or fails, `available` is False with the reason, and windows say so.
 """
 
