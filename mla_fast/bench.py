@@ -335,8 +335,9 @@ def measure_in_rounds(fns: dict, nbytes: int, copy_gbs: float, rounds: int, rep_
     samples = {name: [] for name in prepared if name not in result}
     names = list(samples)
     rep = max(1, math.ceil(rep_ms / rounds))
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)] if names else []:
+    for r in range(rounds if names else 0):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
             if name in result:
                 continue
             try:
