@@ -86,7 +86,11 @@ class ClockSampler:
     def __exit__(self, *exc):
         if self._proc is not None:
             self._proc.terminate()
-            self._proc.wait(timeout=5)
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
             self._thread.join(timeout=5)
             if not self.samples and self.reason is None:
                 self.reason = "nvidia-smi gave no samples"
