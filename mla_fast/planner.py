@@ -471,7 +471,7 @@ def _cut(line: _Line, cut: np.ndarray, split: bool) -> _Cut:
 def _build(line: _Line, c: _Cut) -> WorkPlan:
     """The WorkPlan (CPU int32 tensors) of a cut line."""
     seq, qlen, tile_req, block_n, num_workers = line.seq, line.qlen, line.tile_req, line.block_n, line.num_workers
-    B, G = seq.size, line.num_heads // line.head_group
+    B = seq.size
     pieces, first, item_tile, blk_start, blk_end, worker_indptr, req_pieces = (
         c.pieces, c.first, c.item_tile, c.blk_start, c.blk_end, c.worker_indptr, c.req_pieces)
 
@@ -518,7 +518,7 @@ def _build(line: _Line, c: _Cut) -> WorkPlan:
         fixed_overhead=line.ovh,
         num_heads=line.num_heads,
         head_group=line.head_group,
-        max_pieces=int(np.where(is_split, pieces, 0).max()) if B * G else 0,
+        max_pieces=int(req_pieces.max()) if B else 0,  # the most pieces of any split tile
         seq_lens=out(seq),
         q_lens=out(qlen),
         one_item_per_worker=bool(np.array_equal(worker_indptr, np.minimum(np.arange(num_workers + 1), item_tile.size))),

@@ -191,6 +191,7 @@ def check_final_map(case: PlanCase, plan: WorkPlan) -> None:
     assert torch.equal(pmap, final[tile, 6] + i * (qo[b + 1] - qo[b])[tile])
     # the Triton reduce's grid: the split tiles' rows, in tile order
     assert torch.equal(plan.split_final.long(), final[n > 1]) and plan.split_tiles == int((n > 1).sum())
+    assert plan.max_pieces == (int(n.max()) if n.numel() else 0)  # the most pieces of a split tile; 0: none split
 
 
 def check_aiter(case: PlanCase, plan: WorkPlan, page_size: int) -> None:
