@@ -423,7 +423,7 @@ def run_grid(shapes, combos, peers=tuple(PEERS), copy_gbs=None, candidates=False
             # [T, H, L] bf16 after the timed replays (no other callable writes it); None when ours ran as candidates
             ours_out = fns["ours"].outputs[0] if "ours" in fns else None
             for name, m in timed.items():
-                diff = diff_vs_ours(fns[name], ours_out) if name != "ours" and not isinstance(fns[name], str) else {}
+                diff = diff_vs_ours(fns[name], ours_out) if name != "ours" else {}  # {} for a reason string
                 row[name] = {**m, **infos.get(name, {}), **diff}
             del fns, timed
             rows.append(row)
