@@ -70,7 +70,7 @@ def run_case(case: VarlenCase, rounds: int) -> list[dict]:
     batch.seq_lens.copy_(case.lengths().to(batch.seq_lens.device))
     config = td.batch_config(batch, 1)
     plan = td.make_plan(batch, config)
-    rows_per_tile = config.head_group * config.head_split
+    rows_per_tile = td.reduce_rows(config, config.head_group)  # q_len 1
     default_pieces = td.plan_reduce_pieces(plan, rows_per_tile, batch.kv_lora_rank, td.num_sms(batch.q.device))
     fns, pieces = {}, {}
     for variant in VARIANTS:

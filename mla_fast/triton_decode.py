@@ -783,6 +783,12 @@ def reduce_blocks(pieces: int, kv_lora_rank: int) -> tuple[int, int]:
     return block_s, min(kv_lora_rank, max(32, REDUCE_TILE // block_s))
 
 
+def reduce_rows(config: KernelConfig, max_rows: int) -> int:
+    """Reduce programs per split tile along the packed rows: max_rows (max q_len x head_group) for each of a
+    worker's head_split programs (`launch`'s grid; `plan_reduce_pieces`' rows)."""
+    return max_rows * config.head_split
+
+
 def plan_reduce_pieces(plan, rows: int, kv_lora_rank: int, sms: int) -> int:
     """Split pieces merged per step of the reduce kernel for a WorkPlan (host ints only: no device read): as many as
     the largest split tile has (max_pieces, rounded up to a power of two, at most REDUCE_MAX_S), halved while the
@@ -790,7 +796,7 @@ def plan_reduce_pieces(plan, rows: int, kv_lora_rank: int, sms: int) -> int:
     programs per SM and halving still narrows it. A wider step narrows the channel blocks, so every split tile runs
     more programs, while a narrower one adds a serial step (a round trip) to each tile with more pieces: where one
     long request's tile has many more pieces than the other split tiles, it takes several steps. rows: reduce
-    programs per tile along the packed rows (max_rows x head_split); sms: the device's SM count."""
+    programs per tile along the packed rows (`reduce_rows`); sms: the device's SM count."""
     if plan.split_tiles == 0:
         return plan.max_pieces
     pieces = min(triton.next_power_of_2(plan.max_pieces), REDUCE_MAX_S)
@@ -1249,7 +1255,7 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
             return compiled
     step = isinstance(plan, _StaticPlan)  # a step's reduce spans its capacity of tiles, mostly idle programs
     final = plan.reduce_final if step else plan.split_final  # [tiles, 8]: a WorkPlan's split tiles only
-    rows = max_rows * config.head_split  # reduce programs per tile along the packed rows
+    rows = reduce_rows(config, max_rows)
     if final.shape[0] > 0 and plan.num_partial_rows > 0:  # some tile is split
         if reduce_pieces is None:  # a step's shape is fixed with the step (its bits whatever the plan)
             reduce_pieces = plan.reduce_pieces if step else plan_reduce_pieces(plan, rows, L, num_sms(device))

@@ -137,7 +137,7 @@ def _worker() -> dict:
         result["unchain"] = config.unchain  # the UNCHAIN constexpr
         result["head_group"] = config.head_group
         result["rows"] = config.head_group * max(case.q_lens)
-        rows = config.head_group * max(case.q_lens) * config.head_split  # reduce programs per tile (launch)
+        rows = td.reduce_rows(config, config.head_group * max(case.q_lens))  # as launch
         pieces = REDUCE_PIECES.get(name) or td.plan_reduce_pieces(plan, rows, case.L, td.num_sms(batch.q.device))
         result["reduce_blocks"] = td.reduce_blocks(pieces, case.L)  # (BLOCK_S, BLOCK_L) of the reduce
         result["max_pieces"] = plan.max_pieces
@@ -761,7 +761,7 @@ def test_reduce_varlen_bench_cases_take_the_readme_steps():
         plan = plan_decode(lens, torch.ones_like(lens), case.heads, config.workers_per_sm * 132 // config.head_split,
                            block_n=config.plan_block_n, fixed_overhead=config.fixed_overhead,
                            head_group=config.head_group * config.head_split)
-        pieces = td.plan_reduce_pieces(plan, config.head_group * config.head_split, 512, 132)
+        pieces = td.plan_reduce_pieces(plan, td.reduce_rows(config, config.head_group), 512, 132)
         after.append(td.reduce_blocks(pieces, 512)[0])
         before.append(td.reduce_blocks(plan.max_pieces, 512)[0])
         assert reduce_varlen.variant_plan(plan, "default") == (plan, None)

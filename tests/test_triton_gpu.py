@@ -168,7 +168,8 @@ def test_long_tail_reduce_in_several_steps_within_kernel_bound(combo):
     batch = case.batch("cuda")
     config = td.default_config(combo, 16, 1)
     plan = td.make_plan(batch, config)
-    pieces = td.plan_reduce_pieces(plan, config.head_group * config.head_split, 512, td.num_sms(batch.q.device))
+    pieces = td.plan_reduce_pieces(plan, td.reduce_rows(config, config.head_group), 512,
+                                   td.num_sms(batch.q.device))
     assert plan.split_tiles == 64 and pieces < plan.max_pieces, (plan.split_tiles, pieces, plan.max_pieces)
     r = _decode_and_check(batch, config)
     assert r["finite"] and r["empty_ok"] and r["out_ratio"] <= 1.0 and r["lse_ratio"] <= 1.0, r
