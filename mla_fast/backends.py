@@ -116,9 +116,27 @@ def _emulated_numerics(batch: DecodeBatch) -> KernelNumerics:
 
 
 def _triton_numerics(batch: DecodeBatch) -> KernelNumerics:
-    from mla_fast.triton_decode import dtype_combo
+    """The rounding points of the kernel `decode` dispatches the batch to (`batch_config` on its device; one host
+    sync for its q_len): on an H100/H200 the Gluon fp8 kernel's fp8 score MMAs for e4m3fn q where it takes the batch,
+    else the Triton kernel's (`KERNEL_NUMERICS`, which the other Gluon paths share)."""
+    from mla_fast import triton_decode as td
 
-    return KERNEL_NUMERICS[dtype_combo(batch.q.dtype, batch.kv_cache.dtype)]
+    combo = td.dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
+    return td.kernel_numerics(td.batch_config(batch, td._max_q_len(batch)), combo)
+
+
+def _forced_numerics(kernel: str) -> Callable[[DecodeBatch], KernelNumerics]:
+    """The numerics of `_run_forced(kernel)`'s config (`forced_config`; the Triton kernel's where it has none: that
+    runner then raises Unsupported)."""
+
+    def numerics(batch: DecodeBatch) -> KernelNumerics:
+        from mla_fast import triton_decode as td
+
+        combo = td.dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
+        config = td.forced_config(combo, batch.num_heads, td._max_q_len(batch), kernel)
+        return td.kernel_numerics(config, combo) if config is not None else KERNEL_NUMERICS[combo]
+
+    return numerics
 
 
 def _flashinfer_numerics(batch: DecodeBatch) -> KernelNumerics:
@@ -281,9 +299,9 @@ BACKENDS: dict[str, Backend] = {
         Backend("emulated", "WorkPlan emulated with torch fp32, bf16 out", _run_emulated, _always, _emulated_numerics),
         Backend("triton", "mla_fast persistent split-KV Triton kernel", _run_triton, _probe_triton, _triton_numerics),
         Backend("seesaw", "mla_fast with the Gluon seesaw kernel pinned", _run_forced("seesaw"),
-                lambda: _probe_gluon("the seesaw kernel"), _triton_numerics),
+                lambda: _probe_gluon("the seesaw kernel"), _forced_numerics("seesaw")),
         Backend("gluon_fp8", "mla_fast with the Gluon fp8 kernel pinned", _run_forced("gluon_fp8"),
-                lambda: _probe_gluon("the Gluon fp8 kernel"), _triton_numerics),
+                lambda: _probe_gluon("the Gluon fp8 kernel"), _forced_numerics("gluon_fp8")),
         Backend("aiter", "ROCm/aiter persistent MLA decode", _run_aiter, _probe_aiter, _aiter_numerics),
         Backend("flashinfer", "FlashInfer MLA paged, FA3", _run_flashinfer, _probe_flashinfer, _flashinfer_numerics),
         Backend("flashmla", "FlashMLA dense decode (legacy SM90)", _run_flashmla, _probe_flashmla, _flashmla_numerics),

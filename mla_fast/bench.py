@@ -442,7 +442,7 @@ def run_grid(shapes, combos, peers=tuple(PEERS), copy_gbs=None, candidates=False
 # fp8 caches on the Triton kernel's 32-row mma.sync tiles: the h >= 64 default before 64-row tiles (and still at
 # batch <= SMALL_BATCH off sm_90)
 FP8_32_ROWS = dict(kernel="triton", workers_per_sm=1, fp8_stage=True, head_group=32, head_split=1, num_warps=8,
-                   num_stages=3, split_l=8, page_chunk=32, lazy_l=True, unchain=False)
+                   num_stages=3, split_l=8, page_chunk=32, lazy_l=True, unchain=False, qk_fp8=False)
 
 
 def triton_fp8_64_rows(num_heads: int, **changes) -> dict:
@@ -451,7 +451,7 @@ def triton_fp8_64_rows(num_heads: int, **changes) -> dict:
     batches included)."""
     return dict(kernel="triton", workers_per_sm=1, fp8_stage=True, head_group=64,
                 head_split=2 if num_heads % 128 == 0 else 1, num_warps=8, num_stages=3, split_l=2, unchain=True,
-                page_chunk=32, lazy_l=False, **changes)
+                page_chunk=32, lazy_l=False, qk_fp8=False, **changes)
 
 
 def forced_fp8_kernels(combo: str, num_heads: int, q_len: int) -> dict:
@@ -466,11 +466,12 @@ def forced_fp8_kernels(combo: str, num_heads: int, q_len: int) -> dict:
 
 # fp8 caches at 16 rows on the Triton kernel's staged path: the default before the Gluon fp8 kernel (and off sm_90)
 TRITON_FP8_16_ROWS = dict(kernel="triton", num_warps=4, num_stages=4, workers_per_sm=1, fp8_stage=True, split_l=8,
-                          page_chunk=32, lazy_l=True)
+                          page_chunk=32, lazy_l=True, qk_fp8=False)
+FP16_SCORES = dict(qk_fp8=False)  # e4m3fn q: the Gluon fp8 kernel's fp16 score operands (before its fp8 score MMAs)
 CANDIDATES = {  # (combo, num_heads) -> KernelConfig overrides of default_config timed beside it (--candidates)
     # the Triton staged path, the Gluon fp8 kernel with one program per SM and four slots (the default: two x two)
     ("fp8kv", 16): [TRITON_FP8_16_ROWS, dict(num_stages=4, workers_per_sm=1)],
-    ("fp8", 16): [TRITON_FP8_16_ROWS],
+    ("fp8", 16): [TRITON_FP8_16_ROWS, FP16_SCORES],
     ("bf16", 128): [  # the Triton 64-row layout (the b >= 32 default before the Gluon kernel; at b = 1 31.4 vs 29.4 us
                       # for the small-batch rule), and the Gluon seesaw kernel (the b >= 32 default on an H200)
                     dict(kernel="triton", head_group=64, head_split=2, num_warps=8, num_stages=2, split_l=2,
@@ -482,7 +483,7 @@ CANDIDATES = {  # (combo, num_heads) -> KernelConfig overrides of default_config
     # before the Gluon seesaw kernel took fp8 caches; on an H200 the seesaw is the default there now)
     ("fp8kv", 64): [FP8_32_ROWS, triton_fp8_64_rows(64), triton_fp8_64_rows(64, interleave=True)],
     ("fp8kv", 128): [FP8_32_ROWS, triton_fp8_64_rows(128), triton_fp8_64_rows(128, interleave=True)],
-    ("fp8", 128): [FP8_32_ROWS, triton_fp8_64_rows(128), triton_fp8_64_rows(128, interleave=True)],
+    ("fp8", 128): [FP8_32_ROWS, triton_fp8_64_rows(128), triton_fp8_64_rows(128, interleave=True), FP16_SCORES],
 }
 
 

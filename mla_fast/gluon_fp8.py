@@ -26,6 +26,11 @@ memory once per use (twice in all: scores, then P.V), converts it in registers a
   m = 64 a1 + 16 w + 8 a0 + g holds channel 32 w + 4 g + 2 a1 + a0 (w warp, g = lane // 4), so a thread's 32-bit
   load of 4 adjacent channels feeds 4 of its accumulator rows (after the conversion one PRMT per register pairs
   the tokens); the permutation is undone when the output is stored (4 adjacent channels per vector store).
+- e4m3fn q (`KernelConfig.qk_fp8`, default_config's choice for it): the scores need no conversion at all. q is
+  stored as its fp8 codes in channel order, and s^T = K . q^T runs as e4m3 x e4m3 wgmmas with both operands read
+  from shared memory as they are (the cache rows and q's rows are channel-contiguous: K-major, as fp8 wgmmas
+  require), in nine accumulators of 64 channels (two k32 instructions each, from 0), issued at once and added in
+  fp32 in a fixed order. Only V is converted (the P.V side is unchanged).
 - KV tiles arrive by TMA (c_kv as four [64, 128] boxes, k_pe as one [64, 64] box) into STAGES slots (a launch
   parameter): an item's first STAGES tiles are issued at its start, and the slot of tile t is reissued with tile
   t + STAGES once every warp has loaded its operands from it, so STAGES - 1 tiles are in flight while one is computed.
@@ -38,11 +43,21 @@ and q cast to fp16; scores are one fp32 chain over L + R channels (9 chunks of 6
 row sums are fp32 over unrounded P, kept per (token slot, row) and summed once per item (another order of the same
 fp32 sum, as the Triton kernel's lazy_l); one 64-token P.V MMA per tile and quarter added into the rescaled fp32
 accumulator. q_scale x kv_scale x sm_scale x log2(e) multiplies the fp32 scores, kv_scale the normalised output.
+With qk_fp8 the scores are those of `numerics.gluon_fp8_qk_numerics` instead: Hopper's fp8 MMAs align and truncate
+their terms (about 14 bits, not fp32), which the 64-channel accumulators bound to 65 x 2^-13 of Σ|q||k| (7.9e-3;
+3.4e-3 measured on adversarial data, 4.3e-5 on Gaussian data, against at most 1.7e-6 for the fp16 path: still far
+below the quantization error of e4m3 q itself). 128-channel accumulators were as fast and measured 8.0e-3 there.
 
 Safety: TMA copies whole 64-token tiles, so the last tile of an item may hold cache slots past KV_END (NaN-poisoned
 slots are allowed): their scores are selected to -inf, and their c_kv rows are set to 0 in shared memory before the
 P.V operands are loaded. Rows that see no token give out = 0, lse = -inf.
 
+fp8 score MMAs for e4m3fn q (twenty-third session, one H200, graph replays, four alternating rounds, fp16 scores ->
+qk_fp8, us): 184.5 -> 166.2 at (128, 8192, 16), 99.7 -> 93.8 at (128, 4096, 16), 99.6 -> 93.7 at (32, 16384, 16),
+60.1 -> 58.5 at (64, 4096, 16), 39.4 -> 38.2 at (32, 4096, 16), 15.3 -> 15.0 at (1, 8192, 16), 22.7 -> 21.1 at
+(1, 8192, 128), 161.3 -> 140.1 at (128, 4096, 32), and 91.9 -> 79.0 at (64, 4096, 16) q_len 2; no register spills
+(231-243 registers, 85 KB of shared memory instead of 94). With Triton's own fp8 promotion (max_num_imprecise_acc 32,
+partial sums added in fp32 after every instruction) the MMAs were serialized: 208.9 us at (128, 8192, 16).
 Performance (one H200, mla-bench, CUDA-graph replays, seventh session; docs/perf_history.md): fp8 q 179.5 us and fp8kv
 183.5 at (128, 8192, 16) (our bf16 293.9, FlashMLA's fp8 219.2, the Triton kernel's staged path 302), 101.6 / 103.4 at
 (128, 4096, 16), 101.2 / 102.8 at (32, 16384, 16), 61.2 / 61.5 at (64, 4096, 16), 41.6 / 42.2 at (32, 4096, 16), 16.2 /
@@ -163,6 +178,8 @@ def _permute5(x, order: gl.constexpr):
 
 # register layouts (4 warps). MMA: wgmma accumulators, s^T [64, 16] and o^T quarters [128, 16]
 _MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16]))
+# the fp8 score MMAs' accumulators (k32 instructions; the same registers as _MMA)
+_MMA_FP8 = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 32]))
 _A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_MMA.value, k_width=2))
 # a K chunk [64 tokens, 64 channels] as loaded: within each 16-channel block, channel 4 t + 2 h + j (t = lane % 4)
 # of token g (+ 8 by a register), registers j, h (4 adjacent channels: one 32-bit load) first. Permuted to column
@@ -220,6 +237,44 @@ def _channel_order(acc):
     x = gl.reshape(acc, _acc_split(_ROWS))  # (a1, w, a0, g, row)
     x = _permute5(x, _acc_order())  # (w, g, a1, a0, row)
     return gl.convert_layout(gl.permute(gl.reshape(x, [_QUARTER, _ROWS]), (1, 0)), _O_STORE, assert_trivial=True)
+
+
+@gluon.jit
+def _store_q(q_smem, q, QK_FP8: gl.constexpr):
+    """Store q rows [16, n] into q_smem: the fp8 codes as they are with QK_FP8, else fp16 in the K operand's
+    column order (_q_columns)."""
+    if QK_FP8:
+        q_smem.store(q)
+    else:
+        q_smem.store(_q_columns(q))
+
+
+@gluon.jit
+def _fp8_scores(ckv, kpe, q_nope, q_pe):
+    """Issue the score MMAs s^T [64 tokens, 16 rows] of a tile on fp8 codes as stored (e4m3fn q and cache, both from
+    shared memory, no conversion): one accumulator per FP8_QK_GROUP = 64 channels (two k32 instructions), each from
+    0, so that the tensor core's fp8 accumulation (narrower than fp32: mla_fast/numerics.py) spans 64 products at
+    most. -> nine asynchronous accumulators [64, 16] (`_fp8_sum` adds them once they are done)."""
+    zero = gl.zeros([_TILE, _ROWS], gl.float32, _MMA_FP8)
+    s0 = warpgroup_mma(ckv.slice(0, 64, dim=1), q_nope.slice(0, 64, dim=1).permute((1, 0)), zero, is_async=True)
+    s1 = warpgroup_mma(ckv.slice(64, 64, dim=1), q_nope.slice(64, 64, dim=1).permute((1, 0)), zero, is_async=True)
+    s2 = warpgroup_mma(ckv.slice(128, 64, dim=1), q_nope.slice(128, 64, dim=1).permute((1, 0)), zero, is_async=True)
+    s3 = warpgroup_mma(ckv.slice(192, 64, dim=1), q_nope.slice(192, 64, dim=1).permute((1, 0)), zero, is_async=True)
+    s4 = warpgroup_mma(ckv.slice(256, 64, dim=1), q_nope.slice(256, 64, dim=1).permute((1, 0)), zero, is_async=True)
+    s5 = warpgroup_mma(ckv.slice(320, 64, dim=1), q_nope.slice(320, 64, dim=1).permute((1, 0)), zero, is_async=True)
+    s6 = warpgroup_mma(ckv.slice(384, 64, dim=1), q_nope.slice(384, 64, dim=1).permute((1, 0)), zero, is_async=True)
+    s7 = warpgroup_mma(ckv.slice(448, 64, dim=1), q_nope.slice(448, 64, dim=1).permute((1, 0)), zero, is_async=True)
+    s8 = warpgroup_mma(kpe, q_pe.permute((1, 0)), zero, is_async=True)
+    return s0, s1, s2, s3, s4, s5, s6, s7, s8
+
+
+@gluon.jit
+def _fp8_sum(accs):
+    """The score tile s^T [64, 16] fp32 (_MMA) from `_fp8_scores`' nine accumulators once they are done: a fixed
+    pairwise order of fp32 adds."""
+    s0, s1, s2, s3, s4, s5, s6, s7, s8 = warpgroup_mma_wait(0, deps=accs)
+    s = (((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))) + s8
+    return gl.convert_layout(s, _MMA, assert_trivial=True)  # the k32 accumulators' registers are _MMA's
 
 
 @gluon.jit
@@ -285,6 +340,7 @@ def _mla_decode_fp8_kernel(
     stride_qt, stride_qh, stride_bt, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt,
     PAGE_SIZE: gl.constexpr, HEAD_GROUP: gl.constexpr, HEAD_SPLIT: gl.constexpr, STAGES: gl.constexpr,
     ONE_ITEM: gl.constexpr,  # WorkPlan.one_item_per_worker
+    QK_FP8: gl.constexpr,  # e4m3fn q: fp8 score MMAs on q and the cache tile as stored (`_fp8_scores`)
 ):
     Q_ROWS: gl.constexpr = _ROWS // HEAD_GROUP  # query rows per item: packed row m is query row m // HEAD_GROUP,
     # head m % HEAD_GROUP (MTP: causal limits per row; rows past the item's query rows are neither read nor written)
@@ -293,8 +349,14 @@ def _mla_decode_fp8_kernel(
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_ROWS, 64], gl.float16)
     ckv_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, _TILE, _L_DIM], ckv_layout)
     kpe_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, _TILE, _R_DIM], kpe_layout)
-    q_nope = gl.allocate_shared_memory(gl.float16, [_ROWS, _L_DIM], q_layout)
-    q_pe = gl.allocate_shared_memory(gl.float16, [_ROWS, _R_DIM], q_layout)
+    if QK_FP8:  # q's fp8 codes in channel order: the B operands of the fp8 score MMAs
+        q_nope = gl.allocate_shared_memory(gl.float8e4nv, [_ROWS, _L_DIM],
+                                           gl.NVMMASharedLayout.get_default_for([_ROWS, 128], gl.float8e4nv))
+        q_pe = gl.allocate_shared_memory(gl.float8e4nv, [_ROWS, _R_DIM],
+                                         gl.NVMMASharedLayout.get_default_for([_ROWS, _R_DIM], gl.float8e4nv))
+    else:  # q as fp16 in the K operand's column order (_q_columns)
+        q_nope = gl.allocate_shared_memory(gl.float16, [_ROWS, _L_DIM], q_layout)
+        q_pe = gl.allocate_shared_memory(gl.float16, [_ROWS, _R_DIM], q_layout)
     p_smem = gl.allocate_shared_memory(gl.float16, [_ROWS, _TILE], q_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -326,14 +388,14 @@ def _mla_decode_fp8_kernel(
         pe_cols = _L_DIM + gl.arange(0, _R_DIM, gl.SliceLayout(0, _Q_LOAD))[None, :]
         if Q_ROWS == 1:
             q_ptr = Q + qo.to(gl.int64) * stride_qt + (head_start + qr)[:, None] * stride_qh
-            q_nope.store(_q_columns(gl.load(q_ptr + q_cols)))
-            q_pe.store(_q_columns(gl.load(q_ptr + pe_cols)))
+            _store_q(q_nope, gl.load(q_ptr + q_cols), QK_FP8)
+            _store_q(q_pe, gl.load(q_ptr + pe_cols), QK_FP8)
         else:
             q_ptr = Q + ((qo + qr // HEAD_GROUP).to(gl.int64) * stride_qt + (head_start + qr % HEAD_GROUP) *
                          stride_qh)[:, None]
             q_ok = (qr // HEAD_GROUP < n_q)[:, None]
-            q_nope.store(_q_columns(gl.load(q_ptr + q_cols, mask=q_ok, other=0.0)))
-            q_pe.store(_q_columns(gl.load(q_ptr + pe_cols, mask=q_ok, other=0.0)))
+            _store_q(q_nope, gl.load(q_ptr + q_cols, mask=q_ok, other=0.0), QK_FP8)
+            _store_q(q_pe, gl.load(q_ptr + pe_cols, mask=q_ok, other=0.0), QK_FP8)
         q_row = m // HEAD_GROUP  # [16] query row of the item
         limit = gl.where(q_row < n_q, limit_0 + q_row, -1)  # [16] causal limit; -1: no such row (MTP only)
         fence_async_shared()
@@ -356,24 +418,28 @@ def _mla_decode_fp8_kernel(
             t0 = kv_start + t * _TILE
             if kv_end - t0 < _TILE:  # the last tile: rows past KV_END to 0 before anything reads them (their
                 _zero_tail(ckv, kv_end - t0)  # scores are selected away below whatever they hold)
-            # one chain over 9 chunks of 64 channels; each chunk's operand is loaded before the previous chunk's
-            # MMA is issued, two MMAs in flight at most (each A operand holds 16 registers until its MMA is done)
-            s = gl.zeros([_TILE, _ROWS], gl.float32, _MMA)
-            a = _k_operand(ckv.slice(0, 64, dim=1))
-            for c in gl.static_range(8):
-                if c < 7:
-                    a_next = _k_operand(ckv.slice((c + 1) * 64, 64, dim=1))
-                else:
-                    a_next = _k_operand(kpe_smem.index(slot))
-                s = warpgroup_mma(a, q_nope.slice(c * 64, 64, dim=1).permute((1, 0)), s, is_async=True)
-                if c > 0:
-                    s = warpgroup_mma_wait(1, deps=(s,))
-                a = a_next
-            s = warpgroup_mma(a, q_pe.permute((1, 0)), s, is_async=True)
-            # V's first two quarters are loaded while the scores finish and the softmax runs
+            if QK_FP8:  # nine fp8 accumulators of 64 channels on the tile as stored, issued at once, then added
+                s = _fp8_sum(_fp8_scores(ckv, kpe_smem.index(slot), q_nope, q_pe))
+            else:  # one chain over 9 chunks of 64 channels; each chunk's operand is loaded before the previous
+                # chunk's MMA is issued, two MMAs in flight at most (each A operand holds 16 registers until its MMA
+                # is done)
+                s = gl.zeros([_TILE, _ROWS], gl.float32, _MMA)
+                a = _k_operand(ckv.slice(0, 64, dim=1))
+                for c in gl.static_range(8):
+                    if c < 7:
+                        a_next = _k_operand(ckv.slice((c + 1) * 64, 64, dim=1))
+                    else:
+                        a_next = _k_operand(kpe_smem.index(slot))
+                    s = warpgroup_mma(a, q_nope.slice(c * 64, 64, dim=1).permute((1, 0)), s, is_async=True)
+                    if c > 0:
+                        s = warpgroup_mma_wait(1, deps=(s,))
+                    a = a_next
+                s = warpgroup_mma(a, q_pe.permute((1, 0)), s, is_async=True)
+            # V's first two quarters are loaded while the scores finish (fp16 path) and the softmax runs
             v0 = _v_operand(ckv.slice(0, _QUARTER, dim=1))
             v1 = _v_operand(ckv.slice(_QUARTER, _QUARTER, dim=1))
-            s = warpgroup_mma_wait(0, deps=(s,))
+            if not QK_FP8:
+                s = warpgroup_mma_wait(0, deps=(s,))
             tok = t0 + gl.arange(0, _TILE, tok_l)
             keep = (tok < kv_end)[:, None]  # [64, 1]
             if Q_ROWS > 1:
@@ -464,9 +530,11 @@ def supported(batch) -> bool:
 
 
 def launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, head_group: int, head_split: int,
-                  num_stages: int, qo_indptr):
+                  num_stages: int, qo_indptr, qk_fp8: bool = False):
     """Launch the fp8 decode kernel (head_split programs per worker, head_group heads each); the caller launches the
     reduce."""
+    if qk_fp8 and batch.q.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"qk_fp8 (fp8 score MMAs) needs e4m3fn q, got {batch.q.dtype}")
     kv = batch.kv_cache
     D = kv.shape[-1]
     flat = kv.view(-1, D)
@@ -482,5 +550,5 @@ def launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, he
         batch.q.stride(0), batch.q.stride(1), batch.block_table.stride(0), out.stride(0), out.stride(1),
         lse.stride(0), o_part.stride(0), o_part.stride(1), lse_part.stride(0),
         PAGE_SIZE=kv.shape[1], HEAD_GROUP=head_group, HEAD_SPLIT=head_split, STAGES=num_stages,
-        ONE_ITEM=plan.one_item_per_worker, num_warps=4,
+        ONE_ITEM=plan.one_item_per_worker, QK_FP8=qk_fp8, num_warps=4,
     )

@@ -49,11 +49,26 @@ per score (9 chunks of 64 channels, each k16 step over the same 16 channels in a
 fp16 once, fp32 row sums from unrounded P (per token slot, summed once per item, as lazy_l), one 64-token P.V MMA per
 tile and 128-channel quarter into the accumulator rescaled once per tile, scales folded as in point 1.
 
+With e4m3fn q (the "fp8" combination) the Gluon fp8 kernel multiplies the scores on the fp8 codes themselves
+(`KernelConfig.qk_fp8`, its default there): fp8 wgmmas read q and the cache tile from shared memory, no conversion.
+Hopper's fp8 MMAs do not accumulate in fp32 (numerics.md §4.2; DeepSeek-V3 §3.3.2: about 14 bits), so each score
+is 9 accumulators of 64 channels (two k32 instructions each, started at 0) added in fp32. Declared as
+`gluon_fp8_qk_numerics`: the model is that an fp8 MMA instruction aligns its 32 products and the accumulator it adds
+them to at the largest exponent among them and truncates each to 2^(e - FP8_ACC_FRACTION_BITS): each term then loses
+less than 2^-13 of the largest term, which is <= Σ|q||k| of its accumulator. Over an accumulator of 64 products
+(two instructions, the second also truncating the first's partial sum) at most 65 terms lose that much, so
+gamma_qk = 65 x 2^-13 (7.9e-3) plus the fp32 adds and the scale multiply. Measured on one H200 (twenty-third
+session, lse of length-1 requests against fp64, max |err| / σ Σ|q||k|, 2048 requests x 16 heads each):
+Gaussian 4.3e-5, all positive 3.0e-4, all positive with an outlier channel 3.2e-3, and an adversarial
+construction (one product of 448², the others just under the truncation unit of the group's largest term) 3.4e-3,
+against 8.0e-3 with 128-channel accumulators (which this gamma would not cover: tests/test_triton_gpu.py checks it)
+and at most 1.7e-6 for the fp16 path. The P.V side is the fp16 path's (`KERNEL_NUMERICS["fp8"]`).
+
 `KERNEL_NUMERICS` is keyed by the dtype combination of `triton_decode.dtype_combo`: "bf16" (bf16 q and cache),
 "fp8kv" (bf16 q, fp8 cache), "fp8" (fp8 q and cache); `DEFAULT_MMA` gives the MMA dtype the launcher uses for each.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -111,3 +126,16 @@ def triton_numerics(mma: str, block_n: int = BLOCK_N) -> KernelNumerics:
 
 DEFAULT_MMA = {"bf16": "bf16", "fp8kv": "fp16", "fp8": "fp16"}  # fp8kv: fp16 MMAs 1.4x faster than bf16 (H200)
 KERNEL_NUMERICS = {combo: triton_numerics(mma) for combo, mma in DEFAULT_MMA.items()}
+
+FP8_ACC_FRACTION_BITS = 13  # Hopper fp8 MMA: terms truncated to 2^(e_max - 13) (module docstring; numerics.md §4.2)
+FP8_QK_GROUP = 64  # channels per fp8 score accumulator in the Gluon fp8 kernel (two k32 instructions, from 0)
+
+
+def gluon_fp8_qk_numerics(block_n: int = BLOCK_N) -> KernelNumerics:
+    """KernelNumerics of the Gluon fp8 kernel with fp8 score MMAs (`KernelConfig.qk_fp8`, e4m3fn q and cache): the
+    scores from e4m3fn codes in FP8_QK_GROUP-channel fp8 accumulators added in fp32 (module docstring), the rest as
+    `triton_numerics("fp16", block_n)`."""
+    groups = (512 + 64) // FP8_QK_GROUP  # accumulators per score (L + R = 576 channels)
+    per_group = (FP8_QK_GROUP + 1) * 2.0**-FP8_ACC_FRACTION_BITS  # its products and the first instruction's sum
+    return replace(triton_numerics("fp16", block_n), qk_operand=torch.float8_e4m3fn,
+                   gamma_qk=per_group + (groups + 1) * 2**-23)  # + the fp32 adds of the groups and the scale

@@ -86,6 +86,7 @@ import triton
 import triton.language as tl
 
 from mla_fast import dsmem, planner
+from mla_fast.numerics import KernelNumerics, gluon_fp8_qk_numerics, triton_numerics
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once at import, like triton itself
 UPCAST_BF16 = INTERPRET  # Triton 3.6's interpreter computes bf16 tl.dot wrongly: feed it fp32 (exact for bf16)
@@ -717,6 +718,11 @@ class KernelConfig:
             fp8_stage) instead of all loads first. Same dots, same pairwise sum: bitwise the same output. On the
             64-row wgmma layout the compiler then starts the score MMAs earlier (bf16 6-10 % faster); at 16 rows
             with fp8 staging it spills (5-7 % slower).
+        qk_fp8: kernel="gluon_fp8" with e4m3fn q: the score MMAs take the fp8 codes of q and of the cache tile from
+            shared memory (fp8 wgmmas, nine 64-channel accumulators added in fp32) instead of fp16 operands converted
+            in registers; P.V is unchanged. Its accumulation is narrower than fp32: declared by
+            `numerics.gluon_fp8_qk_numerics` (`kernel_numerics` gives each config's). default_config sets it for
+            the "fp8" combination: 2.5-10 % faster on one H200 (mla_fast/gluon_fp8.py).
         pair_merge: where the plan pairs its splits (`WorkPlan.paired_splits` with `one_item_per_worker`: every tile
             in two pieces, on workers 2t and 2t + 1), the Triton kernel on CUDA sm_90+ with head_split 1 launches as
             2-CTA clusters and merges each pair in the kernel (`mla_fast.dsmem`), with no partials and no reduce
@@ -741,6 +747,7 @@ class KernelConfig:
     interleave: bool = False
     kernel: str = "triton"
     pair_merge: bool = True
+    qk_fp8: bool = False
 
     def __post_init__(self):
         if self.kernel not in ("triton", "gluon", "gluon_fp8"):
@@ -751,6 +758,8 @@ class KernelConfig:
         if self.kernel == "gluon_fp8" and (self.mma, self.block_n) != ("fp16", 64):
             raise ValueError("kernel='gluon_fp8' (mla_fast.gluon_fp8) takes mma='fp16' and block_n=64, got "
                              f"{self.mma!r}, {self.block_n}")
+        if self.qk_fp8 and self.kernel != "gluon_fp8":
+            raise ValueError(f"qk_fp8 (fp8 score MMAs) is a kernel='gluon_fp8' option, got kernel={self.kernel!r}")
         if self.page_chunk < 0 or self.page_chunk & (self.page_chunk - 1):
             raise ValueError(f"page_chunk must be 0 or a power of two, got {self.page_chunk}")
         if self.split_l not in (1, 2, 4, 8):
@@ -882,7 +891,10 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
       76.2 at (32, 4096), 95.3 vs 135.6 at (64, 4096), 167.8 vs 249.6 at (128, 4096), 320.2 vs 485.0 at
       (128, 8192); q_len 3-4 (four programs of 4 heads x 4 rows) 35.0 vs 37.8 at (4, 8192) q_len 3, 54.6 vs 58.8
       at (8, 8192) q_len 4, 54.0 vs 55.5 at (16, 4096), but 165.7 vs 150.9 at (64, 4096) against the 64-row
-      tile: the threshold holds there too.
+      tile: the threshold holds there too. With e4m3fn q ("fp8") its scores run as fp8 MMAs (qk_fp8; twenty-third
+      session, one H200, against fp16 score operands): 166.2 vs 184.5 us at (128, 8192, 16), 93.8 vs 99.7 at
+      (128, 4096, 16), 38.2 vs 39.4 at (32, 4096, 16), 140.1 vs 161.3 at (128, 4096, 32), 79.0 vs 91.9 at
+      (64, 4096, 16) q_len 2, 21.1 vs 22.7 at (1, 8192, 128) (numerics: `numerics.gluon_fp8_qk_numerics`).
     - fp8 caches with 64 packed rows (33-64) and seesaw, where the Gluon fp8 kernel is not taken: the Gluon seesaw
       kernel on fp16 operands (kernel="gluon", mma="fp16"; each fp8 tile expanded in place). One H200, graph replays
       (ninth session), fp8kv, the final kernel (mla-bench) against the Triton staged path (the default before):
@@ -973,7 +985,7 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
         programs = num_heads // fp8_group  # per worker
         if programs <= 2 or (kv_tokens is not None and programs * kv_tokens <= GLUON_FP8_MAX_PROGRAM_TOKENS):
             return KernelConfig(block_n=64, mma=mma, head_group=fp8_group, head_split=programs, num_stages=2,
-                                workers_per_sm=2, kernel="gluon_fp8")
+                                workers_per_sm=2, kernel="gluon_fp8", qk_fp8=combo == "fp8")
     # the seesaw on its 64-row tiles (fp8 caches: more than 32 rows; where the Gluon fp8 kernel's rule did not take
     # the batch, small batches too, whose 32-row tiles are otherwise the Triton kernel's)
     seesaw_group = _largest_head_group(num_heads, max_q_len, MAX_ROWS) if fp8_kv and fp8_gluon else head_group
@@ -1079,8 +1091,24 @@ def gluon_unsupported(batch, config: KernelConfig, max_rows: int) -> str | None:
     if config.kernel == "gluon_fp8":
         from mla_fast import gluon_fp8
 
+        if config.qk_fp8 and batch.q.dtype != torch.float8_e4m3fn:
+            return f"KernelConfig.qk_fp8 (fp8 score MMAs) needs e4m3fn q, got {batch.q.dtype}"
         return gluon_fp8.unsupported(batch, config.head_group, config.head_split, max_rows)
     return None
+
+
+def kernel_numerics(config: KernelConfig, combo: str) -> KernelNumerics:
+    """The declared rounding points (mla_fast/numerics.py) of the kernel that `config` launches on a batch of dtype
+    combination `combo` (`dtype_combo`): the Gluon fp8 kernel's fp8 score MMAs with qk_fp8, else
+    `triton_numerics(config.mma, config.block_n)` (the Triton kernel; the Gluon kernels round as it does)."""
+    dtype_combos = ("bf16", "fp8kv", "fp8")
+    if combo not in dtype_combos:
+        raise ValueError(f"combo must be one of {dtype_combos}, got {combo!r}")
+    if config.qk_fp8:
+        if combo != "fp8":
+            raise ValueError(f"KernelConfig.qk_fp8 needs e4m3fn q (combo 'fp8'), got combo {combo!r}")
+        return gluon_fp8_qk_numerics(config.block_n)
+    return triton_numerics(config.mma, config.block_n)
 
 
 def pair_merge_applies(plan, config: KernelConfig, device: torch.device, kv_lora_rank: int) -> bool:
@@ -1247,7 +1275,8 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
         from mla_fast import gluon_fp8
 
         compiled = gluon_fp8.launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale,
-                                           config.head_group, config.head_split, config.num_stages, qo_indptr)
+                                           config.head_group, config.head_split, config.num_stages, qo_indptr,
+                                           qk_fp8=config.qk_fp8)
     else:
         compiled = _launch_triton(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, config, qo_indptr,
                                   max_rows, pdl, num_workers, pair_merge)

@@ -113,7 +113,7 @@ def compile_kernel(kernel: str, combo: str, heads: int, q_len: int):
                              batch.qo_indptr, pdl=True)
     else:
         module.launch_decode(batch, plan, out, lse, o_part, lse_part, one, one, config.head_group, config.head_split,
-                             config.num_stages, batch.qo_indptr)
+                             config.num_stages, batch.qo_indptr, qk_fp8=config.qk_fp8)
     return compiled[0]
 
 

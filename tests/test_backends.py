@@ -151,9 +151,11 @@ def test_declared_numerics_per_backend_and_dtype():
     assert not get["flashmla"](fp8_batch).scale_then_round  # descale_q/_k multiply the fp32 scores
     assert get["flashmla"](bf16).p_fmt == "bf16" and get["flashmla"](fp8_batch).p_fmt == "e4m3fn"
     assert get["aiter"](bf16).p_fmt == "bf16" and get["aiter"](fnuz).p_fmt == "e4m3fnuz"
-    assert get["triton"](fp8_batch).qk_operand == torch.float16  # the Triton kernel's fp8 MMAs run in fp16
-    for pinned in ("seesaw", "gluon_fp8"):  # the same declared numerics as every kernel behind "triton"
-        assert get[pinned](bf16) == get["triton"](bf16) and get[pinned](fp8_batch) == get["triton"](fp8_batch)
+    assert get["triton"](fp8_batch).qk_operand == torch.float16  # pages of 16: the Triton kernel, fp16 MMAs
+    # the seesaw rounds as the Triton kernel; the pinned Gluon fp8 kernel multiplies fp8 q's scores in fp8 MMAs
+    assert get["seesaw"](bf16) == get["triton"](bf16) and get["seesaw"](fp8_batch) == get["triton"](fp8_batch)
+    assert get["gluon_fp8"](fp8_batch).qk_operand == torch.float8_e4m3fn
+    assert get["gluon_fp8"](fp8_batch).gamma_qk > get["triton"](fp8_batch).gamma_qk
 
 
 @pytest.mark.parametrize("name,dtype,heads,page_size,reason", [

@@ -35,6 +35,22 @@ def test_gluon_kernel_compiles_for_sm90(kernel, combo, heads, q_len):
 
 
 @pytest.mark.skipif(not PTXAS.exists(), reason="this triton wheel ships no ptxas")
+@pytest.mark.parametrize("combo, q_len, fp8_mmas", [("fp8", 1, 18), ("fp8", 4, 18), ("fp8kv", 1, 0)])
+def test_gluon_fp8_scores_of_fp8_q_compile_to_fp8_wgmmas(combo, q_len, fp8_mmas, tmp_path):
+    """With e4m3fn q the Gluon fp8 kernel's default (KernelConfig.qk_fp8) multiplies the scores with e4m3 x e4m3
+    wgmmas on shared memory: 9 accumulators x 2 k32 steps per tile, no spills (the fp16 path spills 8 bytes); bf16
+    q keeps fp16 operands."""
+    sass = tmp_path / "g8.sass"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "offline_compile.py"), "gluon_fp8", "--combo", combo,
+                           "--heads", "16", "--q-len", str(q_len), "--sass", str(sass)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+    assert report["spill_stores"] == 0 or not fp8_mmas, report
+    assert len(re.findall(r"\bQGMMA\.64x16x32\.F32\.E4M3\.E4M3\b", sass.read_text())) == fp8_mmas
+
+
+@pytest.mark.skipif(not PTXAS.exists(), reason="this triton wheel ships no ptxas")
 @pytest.mark.parametrize("combo", ["bf16", "fp8kv"])
 def test_triton_pair_merge_compiles_for_sm90_with_its_cluster_instructions(combo, tmp_path):
     """The Triton kernel with PAIR_MERGE (mla_fast.dsmem): ptxas takes its inline PTX, and the SASS has the cluster

@@ -80,15 +80,14 @@ def _decode_and_check(batch, config=None, **overrides):
     """Decode of `batch` with `config` (default: default_config without a device's Gluon kernels) and `overrides`,
     checked against the fp64 oracle within the kernel + merge bound."""
     from mla_fast import triton_decode as td
-    from mla_fast.numerics import triton_numerics
 
+    combo = td.dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
     if config is None:
-        config = td.default_config(td.dtype_combo(batch.q.dtype, batch.kv_cache.dtype), batch.num_heads,
-                                   int(batch.q_lens.max()))
+        config = td.default_config(combo, batch.num_heads, int(batch.q_lens.max()))
     config = replace(config, **overrides)
     plan = td.make_plan(batch, config)
     out, lse = td.decode(batch, plan=plan, config=config)
-    return check(out, lse, batch, triton_numerics(config.mma, config.block_n), plan.stats()["pieces_per_tile"]["max"])
+    return check(out, lse, batch, td.kernel_numerics(config, combo), plan.stats()["pieces_per_tile"]["max"])
 
 
 @pytest.mark.parametrize("combo", ["bf16", "fp8kv", "fp8"])
@@ -269,8 +268,7 @@ def test_programmatic_dependent_reduce_gives_the_serial_bits(case, kernel):
 def test_one_item_per_worker_gives_the_worker_range_bits(case, kernel):
     """Plans with one item per worker (WorkPlan.one_item_per_worker, the even plan) let each kernel take item w
     without reading worker_indptr; same bits as reading it. The out buffer is NaN-poisoned before each run."""
-    from mla_fast.numerics import triton_numerics
-    from mla_fast.triton_decode import batch_config, decode, make_plan
+    from mla_fast.triton_decode import batch_config, decode, dtype_combo, kernel_numerics, make_plan
 
     batch = case.batch("cuda")
     config = batch_config(batch, 1)
@@ -286,7 +284,8 @@ def test_one_item_per_worker_gives_the_worker_range_bits(case, kernel):
     assert not runs[0][0].isnan().any()
     assert torch.equal(runs[0][0].view(torch.int16), runs[1][0].view(torch.int16))
     assert torch.equal(runs[0][1].view(torch.int32), runs[1][1].view(torch.int32))
-    result = check(*runs[0], batch, triton_numerics(config.mma, config.block_n), plan.stats()["pieces_per_tile"]["max"])
+    numerics = kernel_numerics(config, dtype_combo(batch.q.dtype, batch.kv_cache.dtype))
+    result = check(*runs[0], batch, numerics, plan.stats()["pieces_per_tile"]["max"])
     assert result["out_ratio"] <= 1.0 and result["lse_ratio"] <= 1.0, result
 
 
@@ -310,8 +309,15 @@ def test_pair_merge_gives_the_reduce_bits(case, num_workers):
     of decode + reduce (pair_merge=False), every output row written (out, lse and the workspace NaN-poisoned: the
     pair path writes no partials), 10 runs and a CUDA graph replay bitwise equal, within the kernel bound."""
     from mla_fast import dsmem
-    from mla_fast.numerics import triton_numerics
-    from mla_fast.triton_decode import decode, default_config, dtype_combo, launch, make_plan, pair_merge_applies
+    from mla_fast.triton_decode import (
+        decode,
+        default_config,
+        dtype_combo,
+        kernel_numerics,
+        launch,
+        make_plan,
+        pair_merge_applies,
+    )
 
     batch = case.batch("cuda")
     if not dsmem.supported(batch.q.device, False):
@@ -356,7 +362,7 @@ def test_pair_merge_gives_the_reduce_bits(case, num_workers):
     out3, lse3 = decode(batch, plan=plan, config=config)  # no workspace given: launch allocates a one-row stand-in
     assert torch.equal(out3.view(torch.int16), out1.view(torch.int16))
     assert torch.equal(lse3.view(torch.int32), lse1.view(torch.int32))
-    result = check(out1, lse1, batch, triton_numerics(config.mma, config.block_n), 2)
+    result = check(out1, lse1, batch, kernel_numerics(config, dtype_combo(batch.q.dtype, batch.kv_cache.dtype)), 2)
     assert result["finite"] and result["out_ratio"] <= 1.0 and result["lse_ratio"] <= 1.0, result
 
 
@@ -515,17 +521,19 @@ def test_gluon_seesaw_deterministic_and_graph_replay_equals_eager(case):
                                      ([5, 1500, 0, 4097], [50, 0, 2000, 64]))
 
 
-def _gluon_fp8(heads: int, q_len: int = 1) -> dict:
+def _gluon_fp8(heads: int, q_len: int = 1, combo: str = "fp8kv", qk_fp8: bool | None = None) -> dict:
     """KernelConfig overrides of the Gluon fp8 kernel (mla_fast.gluon_fp8) in default_config's geometry at q_len
     (triton_decode.forced_config: 16 packed rows of q_len x head_group, two programs per SM with two tile slots
     each), on heads / head_group programs per worker whatever the batch size (default_config takes more than two
-    programs per worker only within its token rule, GLUON_FP8_MAX_PROGRAM_TOKENS)."""
+    programs per worker only within its token rule, GLUON_FP8_MAX_PROGRAM_TOKENS). qk_fp8: fp8 score MMAs (None:
+    default_config's choice for combo, on for "fp8")."""
     from mla_fast.triton_decode import forced_config
 
-    config = forced_config("fp8kv", heads, q_len, "gluon_fp8")
+    config = forced_config(combo, heads, q_len, "gluon_fp8")
     assert config is not None, (heads, q_len)
     return dict(kernel="gluon_fp8", head_group=config.head_group, head_split=config.head_split, mma=config.mma,
-                num_stages=config.num_stages, workers_per_sm=config.workers_per_sm)
+                num_stages=config.num_stages, workers_per_sm=config.workers_per_sm,
+                qk_fp8=config.qk_fp8 if qk_fp8 is None else qk_fp8)
 
 
 GLUON_FP8_CASES = [  # e4m3fn caches, q_len 1-4, pages of 64 or 128: zero-length requests, partial last tiles, splits
@@ -553,8 +561,63 @@ GLUON_FP8_CASES = [  # e4m3fn caches, q_len 1-4, pages of 64 or 128: zero-length
 @pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon_fp8' needs sm_90")
 @pytest.mark.parametrize("case", GLUON_FP8_CASES, ids=lambda c: f"{c.combo}_h{c.heads}_p{c.page_size}_s{c.seed}")
 def test_gluon_fp8_within_kernel_bound(case):
-    r = _decode_and_check(case.batch("cuda"), **_gluon_fp8(case.heads, max(case.q_lens)))
+    r = _decode_and_check(case.batch("cuda"), **_gluon_fp8(case.heads, max(case.q_lens), case.combo))
     assert r["finite"] and r["empty_ok"] and r["out_ratio"] <= 1.0 and r["lse_ratio"] <= 1.0, r
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon_fp8' needs sm_90")
+@pytest.mark.parametrize("case", [c for c in GLUON_FP8_CASES if c.combo == "fp8"],
+                         ids=lambda c: f"h{c.heads}_q{max(c.q_lens)}_s{c.seed}")
+def test_gluon_fp8_with_fp16_scores_for_fp8_q_within_kernel_bound(case):
+    """qk_fp8=False keeps the fp16 score path for e4m3fn q (exact products, fp32 chain), within its own bound."""
+    r = _decode_and_check(case.batch("cuda"), **_gluon_fp8(case.heads, max(case.q_lens), case.combo, qk_fp8=False))
+    assert r["finite"] and r["empty_ok"] and r["out_ratio"] <= 1.0 and r["lse_ratio"] <= 1.0, r
+
+
+def _fp8_truncation_batch(n: int = 512, heads: int = 16):
+    """Length-1 requests whose every score is Σ of one product 448 x 448 and 575 products t_q t_k with t <= 448 /
+    32 (on e4m3fn's grid, per head and per request), the big product at a random channel: the small products just
+    below the truncation unit of a group holding the big one are what fp8 MMA accumulation loses (mla_fast/numerics.py).
+    Scales 1 (amax 448): the codes are the values. -> (batch on cuda, fp64 scores σ q·k [n, H], σ Σ|q||k| [n, H])."""
+    from mla_ref.decode import make_decode_batch
+    from mla_ref.fp8 import quantize
+
+    g = torch.Generator().manual_seed(7)
+    t = 448 * 2.0 ** -(5 + torch.arange(16) / 4)  # [16] 14.0 ... 1.3
+    q = t[torch.arange(heads) % 16][None, :, None].expand(n, heads, 576).clone()  # [n, H, 576]
+    kv = t[torch.randint(0, 16, (n,), generator=g)][:, None].expand(n, 576).clone()  # [n, 576]
+    big = torch.randint(0, 576, (n,), generator=g)  # [n]
+    q[torch.arange(n), :, big] = 448.0
+    kv[torch.arange(n), big] = 448.0
+    q8, q_scale = quantize(q, "e4m3fn")
+    kv8, kv_scale = quantize(kv, "e4m3fn")
+    assert float(q_scale) == 1.0 and float(kv_scale) == 1.0
+    sigma = 0.1352338
+    batch = make_decode_batch(q8, list(kv8.split(1)), sm_scale=sigma, kv_lora_rank=512, page_size=64,
+                              q_lens=[1] * n, q_scale=1.0, kv_scale=1.0, generator=g).to("cuda")
+    qd, kd = q8.double(), kv8.double()
+    return (batch, sigma * torch.einsum("nhd,nd->nh", qd, kd),
+            sigma * torch.einsum("nhd,nd->nh", qd.abs(), kd.abs()))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon_fp8' needs sm_90")
+def test_gluon_fp8_score_mma_error_on_adversarial_data_within_declared_gamma():
+    """The score error of the fp8 score MMAs (qk_fp8), read off the lse of length-1 requests (lse = the one score),
+    stays within the declared gamma_qk (numerics.gluon_fp8_qk_numerics, 65 x 2^-13 of σ Σ|q||k|) on the data that
+    fp8 accumulation rounds worst, and is far above the fp16 path's (which shows the fp8 MMAs ran: on one H200 3.4e-3
+    against 8e-8; with 128-channel accumulators 8.0e-3, which the declared gamma would not cover)."""
+    from mla_fast import triton_decode as td
+    from mla_fast.numerics import gluon_fp8_qk_numerics
+
+    batch, s_ref, den = _fp8_truncation_batch()
+    gamma = gluon_fp8_qk_numerics().gamma_qk
+    ratios = {}
+    for qk_fp8 in (True, False):
+        config = td.KernelConfig(**_gluon_fp8(16, 1, "fp8", qk_fp8=qk_fp8))
+        _, lse = td.decode(batch, config=config)
+        ratios[qk_fp8] = float(((lse.double().cpu() - s_ref).abs() / den).max())
+    assert ratios[True] <= gamma, (ratios, gamma)
+    assert ratios[True] > 2**-13 and ratios[False] <= 577 * 2**-23, ratios  # fp8 accumulation vs an fp32 chain
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon_fp8' needs sm_90")
@@ -564,15 +627,17 @@ def test_gluon_fp8_bench_grid_within_kernel_bound(shape, combo):
     from mla_fast.bench import build_batch
 
     b, s, h = shape
-    r = _decode_and_check(build_batch(b, s, h, combo, seed=hash(shape) % 1000), **_gluon_fp8(h))
+    r = _decode_and_check(build_batch(b, s, h, combo, seed=hash(shape) % 1000), **_gluon_fp8(h, 1, combo))
     assert r["finite"] and r["out_ratio"] <= 1.0 and r["lse_ratio"] <= 1.0, r
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon_fp8' needs sm_90")
 @pytest.mark.parametrize("index, lens_list", [
     (0, ([0, 1, 63, 64, 65, 1000, 4097], [0, 1, 2, 64, 0, 900, 130])),
+    (1, ([0, 1, 63, 64, 65, 1000, 4097], [0, 1, 2, 64, 0, 900, 130])),  # fp8 q: fp8 score MMAs
     (8, ([0, 1, 2, 63, 64, 65, 1000, 4097], [0, 1, 1, 60, 2, 0, 900, 130])),  # MTP, q_len 2
+    (9, ([5, 1500, 0, 129, 4097], [0, 1, 64, 2000, 3])),  # MTP, fp8 q
 ])
 def test_gluon_fp8_deterministic_and_graph_replay_equals_eager(index, lens_list):
     case = GLUON_FP8_CASES[index]
-    _check_10_runs_and_graph_replays(case, _gluon_fp8(case.heads, max(case.q_lens)), lens_list)
+    _check_10_runs_and_graph_replays(case, _gluon_fp8(case.heads, max(case.q_lens), case.combo), lens_list)
