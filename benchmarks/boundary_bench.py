@@ -2,14 +2,16 @@
 Gluon fp8 kernel (16 rows per program, head_split programs per worker) and the seesaw kernel on fp16 operands (64
 rows), each forced whatever the batch size, beside the default config (`batch_config`) and our bf16 default, CUDA-graph
 replays as in `mla-bench`. This is the measurement behind `default_config`'s boundary between the two
-(programs per worker x the batch's cache tokens <= GLUON_FP8_MAX_PROGRAM_TOKENS; docs/perf_history.md, eleventh
-session).
+(programs per worker x the batch's cache tokens <= GLUON_FP8_MAX_PROGRAM_TOKENS, or _FP8_Q for e4m3fn q;
+docs/perf_history.md, eleventh and twenty-third sessions).
 
     python benchmarks/boundary_bench.py --json boundary.json
 
 Prints one line per shape with µs per kernel and the largest |out| difference of each forced kernel to the default
 (each is checked against the fp64 oracle within its bound by tests/test_triton_gpu.py). The eleventh session's run
-of SHAPES is benchmarks/boundary_h200.csv, against which tests/test_triton_decode.py checks default_config's rule.
+of SHAPES is benchmarks/boundary_h200.csv, the twenty-third session's with --combo fp8 (the Gluon fp8 kernel's fp8
+score MMAs; default_config's fp8-q threshold) benchmarks/boundary_h200_fp8.csv; tests/test_triton_decode.py checks
+default_config's rule against both.
 """
 
 import argparse

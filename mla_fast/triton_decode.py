@@ -853,6 +853,8 @@ def dtype_combo(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> str:
 SMALL_BATCH = 4  # batches up to this size (q_len 1) take no 64-row tiles (default_config)
 GLUON_FP8_MAX_PROGRAM_TOKENS = 32 * 4096  # fp8 caches with more than two Gluon fp8 programs per worker take that
 # kernel up to this many programs per worker x cache tokens of the batch (KV tile reads by 16-row programs)
+GLUON_FP8_MAX_PROGRAM_TOKENS_FP8_Q = 64 * 4096  # the same with e4m3fn q, whose fp8 score MMAs (qk_fp8) make the
+# Gluon fp8 kernel faster (benchmarks/boundary_h200_fp8.csv, twenty-third session)
 
 
 def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int | None = None,
@@ -891,7 +893,11 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
       76.2 at (32, 4096), 95.3 vs 135.6 at (64, 4096), 167.8 vs 249.6 at (128, 4096), 320.2 vs 485.0 at
       (128, 8192); q_len 3-4 (four programs of 4 heads x 4 rows) 35.0 vs 37.8 at (4, 8192) q_len 3, 54.6 vs 58.8
       at (8, 8192) q_len 4, 54.0 vs 55.5 at (16, 4096), but 165.7 vs 150.9 at (64, 4096) against the 64-row
-      tile: the threshold holds there too. With e4m3fn q ("fp8") its scores run as fp8 MMAs (qk_fp8; twenty-third
+      tile: the threshold holds there too. With e4m3fn q the threshold is GLUON_FP8_MAX_PROGRAM_TOKENS_FP8_Q (64 x
+      4096; benchmarks/boundary_h200_fp8.csv, the same 34 shapes with fp8 q, twenty-third session): at 64 x 4096
+      the Gluon fp8 kernel was faster at 10 of 12 shapes (the seesaw took 0.7-10.3 % longer; the seesaw was faster
+      by 2.0 and 2.6 % at (2, 16384, 128) and (8, 4096, 128)), at 128 x 4096 and beyond the seesaw at all 6 (the
+      Gluon fp8 kernel took 11-34 % longer), at 32 x 4096 and below the Gluon fp8 kernel at all 16. With e4m3fn q ("fp8") its scores run as fp8 MMAs (qk_fp8; twenty-third
       session, one H200, against fp16 score operands): 166.2 vs 184.5 us at (128, 8192, 16), 93.8 vs 99.7 at
       (128, 4096, 16), 38.2 vs 39.4 at (32, 4096, 16), 140.1 vs 161.3 at (128, 4096, 32), 79.0 vs 91.9 at
       (64, 4096, 16) q_len 2, 21.1 vs 22.7 at (1, 8192, 128) (numerics: `numerics.gluon_fp8_qk_numerics`).
@@ -983,7 +989,8 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
     fp8_group = _gluon_fp8_head_group(max_q_len) if fp8_kv and fp8_gluon else None
     if fp8_group and num_heads % fp8_group == 0:
         programs = num_heads // fp8_group  # per worker
-        if programs <= 2 or (kv_tokens is not None and programs * kv_tokens <= GLUON_FP8_MAX_PROGRAM_TOKENS):
+        max_tokens = GLUON_FP8_MAX_PROGRAM_TOKENS_FP8_Q if combo == "fp8" else GLUON_FP8_MAX_PROGRAM_TOKENS
+        if programs <= 2 or (kv_tokens is not None and programs * kv_tokens <= max_tokens):
             return KernelConfig(block_n=64, mma=mma, head_group=fp8_group, head_split=programs, num_stages=2,
                                 workers_per_sm=2, kernel="gluon_fp8", qk_fp8=combo == "fp8")
     # the seesaw on its 64-row tiles (fp8 caches: more than 32 rows; where the Gluon fp8 kernel's rule did not take
