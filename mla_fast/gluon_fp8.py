@@ -36,17 +36,18 @@ memory once per use (twice in all: scores, then P.V), converts it in registers a
   t + STAGES once every warp has loaded its operands from it, so STAGES - 1 tiles are in flight while one is computed.
   At most two score MMAs and two P.V MMAs are in flight (each register A operand stays live until its MMA is done).
 - default_config runs two programs per SM (workers_per_sm=2) with two slots each (94 KB of shared memory, 255
-  registers): one program's softmax and loads overlap the other's MMAs.
+  registers; 85 KB and 231-243 registers with qk_fp8): one program's softmax and loads overlap the other's MMAs.
 
-Numerics: those of `KERNEL_NUMERICS["fp8kv"]` / `["fp8"]` (mma="fp16"): the MMAs see the fp8 codes (exact in fp16)
-and q cast to fp16; scores are one fp32 chain over L + R channels (9 chunks of 64); P is rounded to fp16 once; the
-row sums are fp32 over unrounded P, kept per (token slot, row) and summed once per item (another order of the same
-fp32 sum, as the Triton kernel's lazy_l); one 64-token P.V MMA per tile and quarter added into the rescaled fp32
-accumulator. q_scale x kv_scale x sm_scale x log2(e) multiplies the fp32 scores, kv_scale the normalised output.
-With qk_fp8 the scores are those of `numerics.gluon_fp8_qk_numerics` instead: Hopper's fp8 MMAs align and truncate
-their terms (about 14 bits, not fp32), which the 64-channel accumulators bound to 65 x 2^-13 of Σ|q||k| (7.9e-3;
-3.4e-3 measured on adversarial data, 4.3e-5 on Gaussian data, against at most 1.7e-6 for the fp16 path: still far
-below the quantization error of e4m3 q itself). 128-channel accumulators were as fast and measured 8.0e-3 there.
+Numerics (fp16 scores): those of `KERNEL_NUMERICS["fp8kv"]` / `["fp8"]` (mma="fp16"): the MMAs see the fp8 codes
+(exact in fp16) and q cast to fp16; scores are one fp32 chain over L + R channels (9 chunks of 64); P is rounded to
+fp16 once; the row sums are fp32 over unrounded P, kept per (token slot, row) and summed once per item (another
+order of the same fp32 sum, as the Triton kernel's lazy_l); one 64-token P.V MMA per tile and quarter added into the
+rescaled fp32 accumulator. q_scale x kv_scale x sm_scale x log2(e) multiplies the fp32 scores, kv_scale the
+normalised output. With qk_fp8 the scores are those of `numerics.gluon_fp8_qk_numerics` instead: Hopper's fp8 MMAs
+align and truncate their terms (about 14 bits, not fp32), which the 64-channel accumulators bound to 65 x 2^-13 of
+Σ|q||k| (7.9e-3; 3.4e-3 measured on adversarial data, 4.3e-5 on Gaussian data, against at most 1.7e-6 for the fp16
+path: still far below the quantization error of e4m3 q itself). 128-channel accumulators were as fast and measured
+8.0e-3 there.
 
 Safety: TMA copies whole 64-token tiles, so the last tile of an item may hold cache slots past KV_END (NaN-poisoned
 slots are allowed): their scores are selected to -inf, and their c_kv rows are set to 0 in shared memory before the
