@@ -45,10 +45,10 @@ fp16 once (p0' as above), scales folded as in point 1.
 
 The Gluon fp8 kernel (mla_fast/gluon_fp8.py, e4m3fn caches at 16 packed rows per program) with bf16 q, or with
 e4m3fn q and qk_fp8=False, has the rounding points of `KERNEL_NUMERICS["fp8kv"]` / `["fp8"]` (mma="fp16"): fp8
-codes and q cast to fp16, one fp32 chain of L + R products
-per score (9 chunks of 64 channels, each k16 step over the same 16 channels in another column order), P rounded to
-fp16 once, fp32 row sums from unrounded P (per token slot, summed once per item, as lazy_l), one 64-token P.V MMA per
-tile and 128-channel quarter into the accumulator rescaled once per tile, scales folded as in point 1.
+codes and q cast to fp16, one fp32 chain of L + R products per score (9 chunks of 64 channels, each k16 step over
+the same 16 channels in another column order), P rounded to fp16 once, fp32 row sums from unrounded P (per token
+slot, summed once per item, as lazy_l), one 64-token P.V MMA per tile and 128-channel quarter into the accumulator
+rescaled once per tile, scales folded as in point 1.
 
 With e4m3fn q (the "fp8" combination) the Gluon fp8 kernel multiplies the scores on the fp8 codes themselves
 (`KernelConfig.qk_fp8`, its default there): fp8 wgmmas read q and the cache tile from shared memory, no conversion.

@@ -722,7 +722,7 @@ class KernelConfig:
             shared memory (fp8 wgmmas, nine 64-channel accumulators added in fp32) instead of fp16 operands converted
             in registers; P.V is unchanged. Its accumulation is narrower than fp32: declared by
             `numerics.gluon_fp8_qk_numerics` (`kernel_numerics` gives each config's). default_config sets it for
-            the "fp8" combination: 2.5-10 % faster on one H200 (mla_fast/gluon_fp8.py).
+            the "fp8" combination: 2-16 % faster on one H200 (mla_fast/gluon_fp8.py).
         pair_merge: where the plan pairs its splits (`WorkPlan.paired_splits` with `one_item_per_worker`: every tile
             in two pieces, on workers 2t and 2t + 1), the Triton kernel on CUDA sm_90+ with head_split 1 launches as
             2-CTA clusters and merges each pair in the kernel (`mla_fast.dsmem`), with no partials and no reduce
@@ -897,10 +897,11 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
       4096; benchmarks/boundary_h200_fp8.csv, the same 34 shapes with fp8 q, twenty-third session): at 64 x 4096
       the Gluon fp8 kernel was faster at 10 of 12 shapes (the seesaw took 0.7-10.3 % longer; the seesaw was faster
       by 2.0 and 2.6 % at (2, 16384, 128) and (8, 4096, 128)), at 128 x 4096 and beyond the seesaw at all 6 (the
-      Gluon fp8 kernel took 11-34 % longer), at 32 x 4096 and below the Gluon fp8 kernel at all 16. With e4m3fn q ("fp8") its scores run as fp8 MMAs (qk_fp8; twenty-third
-      session, one H200, against fp16 score operands): 166.2 vs 184.5 us at (128, 8192, 16), 93.8 vs 99.7 at
-      (128, 4096, 16), 38.2 vs 39.4 at (32, 4096, 16), 140.1 vs 161.3 at (128, 4096, 32), 79.0 vs 91.9 at
-      (64, 4096, 16) q_len 2, 21.1 vs 22.7 at (1, 8192, 128) (numerics: `numerics.gluon_fp8_qk_numerics`).
+      Gluon fp8 kernel took 11-34 % longer), at 32 x 4096 and below the Gluon fp8 kernel at all 16. With e4m3fn q
+      ("fp8") its scores run as fp8 MMAs (qk_fp8; twenty-third session, one H200, against fp16 score operands):
+      166.2 vs 184.5 us at (128, 8192, 16), 93.8 vs 99.7 at (128, 4096, 16), 38.2 vs 39.4 at (32, 4096, 16), 140.1
+      vs 161.3 at (128, 4096, 32), 79.0 vs 91.9 at (64, 4096, 16) q_len 2, 21.1 vs 22.7 at (1, 8192, 128)
+      (numerics: `numerics.gluon_fp8_qk_numerics`).
     - fp8 caches with 64 packed rows (33-64) and seesaw, where the Gluon fp8 kernel is not taken: the Gluon seesaw
       kernel on fp16 operands (kernel="gluon", mma="fp16"; each fp8 tile expanded in place). One H200, graph replays
       (ninth session), fp8kv, the final kernel (mla-bench) against the Triton staged path (the default before):
