@@ -257,16 +257,11 @@ def _fp8_scores(ckv, kpe, q_nope, q_pe):
     0, so that the tensor core's fp8 accumulation (narrower than fp32: mla_fast/numerics.py) spans 64 products at
     most. -> nine asynchronous accumulators [64, 16] (`_fp8_sum` adds them once they are done)."""
     zero = gl.zeros([_TILE, _ROWS], gl.float32, _MMA_FP8)
-    s0 = warpgroup_mma(ckv.slice(0, 64, dim=1), q_nope.slice(0, 64, dim=1).permute((1, 0)), zero, is_async=True)
-    s1 = warpgroup_mma(ckv.slice(64, 64, dim=1), q_nope.slice(64, 64, dim=1).permute((1, 0)), zero, is_async=True)
-    s2 = warpgroup_mma(ckv.slice(128, 64, dim=1), q_nope.slice(128, 64, dim=1).permute((1, 0)), zero, is_async=True)
-    s3 = warpgroup_mma(ckv.slice(192, 64, dim=1), q_nope.slice(192, 64, dim=1).permute((1, 0)), zero, is_async=True)
-    s4 = warpgroup_mma(ckv.slice(256, 64, dim=1), q_nope.slice(256, 64, dim=1).permute((1, 0)), zero, is_async=True)
-    s5 = warpgroup_mma(ckv.slice(320, 64, dim=1), q_nope.slice(320, 64, dim=1).permute((1, 0)), zero, is_async=True)
-    s6 = warpgroup_mma(ckv.slice(384, 64, dim=1), q_nope.slice(384, 64, dim=1).permute((1, 0)), zero, is_async=True)
-    s7 = warpgroup_mma(ckv.slice(448, 64, dim=1), q_nope.slice(448, 64, dim=1).permute((1, 0)), zero, is_async=True)
-    s8 = warpgroup_mma(kpe, q_pe.permute((1, 0)), zero, is_async=True)
-    return s0, s1, s2, s3, s4, s5, s6, s7, s8
+    accs = ()
+    for c in gl.static_range(8):  # c_kv channels 64 c .. 64 c + 63
+        accs = accs + (warpgroup_mma(ckv.slice(c * 64, 64, dim=1), q_nope.slice(c * 64, 64, dim=1).permute((1, 0)),
+                                     zero, is_async=True),)
+    return accs + (warpgroup_mma(kpe, q_pe.permute((1, 0)), zero, is_async=True),)  # k_pe
 
 
 @gluon.jit
