@@ -485,14 +485,22 @@ def _mla_decode_fp8_kernel(
         gl.thread_barrier()  # q_nope / q_pe are rewritten by the next item
 
 
+def _qk_fp8_reason(batch, qk_fp8: bool) -> str | None:
+    """Why fp8 score MMAs cannot take `batch` (they need e4m3fn q), or None."""
+    if qk_fp8 and batch.q.dtype != torch.float8_e4m3fn:
+        return f"KernelConfig.qk_fp8 (fp8 score MMAs) needs e4m3fn q, got {batch.q.dtype}"
+    return None
+
+
 def unsupported(batch, head_group: int | None = None, head_split: int | None = None,
-                max_rows: int | None = None) -> str | None:
+                max_rows: int | None = None, qk_fp8: bool = False) -> str | None:
     """Why this kernel cannot take `batch`, or None. With head_group (heads per program), head_split (programs per
-    worker) and max_rows (max q_len x head_group) it also checks that launch geometry. No host sync."""
+    worker) and max_rows (max q_len x head_group) it also checks that launch geometry; qk_fp8 (fp8 score MMAs) needs
+    e4m3fn q. No host sync."""
     if batch.kv_cache.dtype != torch.float8_e4m3fn or batch.q.dtype not in (torch.bfloat16, torch.float8_e4m3fn):
         return (f"kernel='gluon_fp8' takes an e4m3fn cache with bf16 or e4m3fn q, got "
                 f"{batch.q.dtype}/{batch.kv_cache.dtype}")
-    reason = gluon_decode.layout_reason(batch, "gluon_fp8")
+    reason = _qk_fp8_reason(batch, qk_fp8) or gluon_decode.layout_reason(batch, "gluon_fp8")
     if reason:
         return reason
     if not batch.kv_cache.is_contiguous() or batch.q.stride(-1) != 1:
@@ -529,8 +537,9 @@ def launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, he
                   num_stages: int, qo_indptr, qk_fp8: bool = False):
     """Launch the fp8 decode kernel (head_split programs per worker, head_group heads each); the caller launches the
     reduce."""
-    if qk_fp8 and batch.q.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"qk_fp8 (fp8 score MMAs) needs e4m3fn q, got {batch.q.dtype}")
+    reason = _qk_fp8_reason(batch, qk_fp8)
+    if reason:
+        raise ValueError(reason)
     kv = batch.kv_cache
     D = kv.shape[-1]
     flat = kv.view(-1, D)

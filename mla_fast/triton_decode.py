@@ -1099,9 +1099,7 @@ def gluon_unsupported(batch, config: KernelConfig, max_rows: int) -> str | None:
     if config.kernel == "gluon_fp8":
         from mla_fast import gluon_fp8
 
-        if config.qk_fp8 and batch.q.dtype != torch.float8_e4m3fn:
-            return f"KernelConfig.qk_fp8 (fp8 score MMAs) needs e4m3fn q, got {batch.q.dtype}"
-        return gluon_fp8.unsupported(batch, config.head_group, config.head_split, max_rows)
+        return gluon_fp8.unsupported(batch, config.head_group, config.head_split, max_rows, config.qk_fp8)
     return None
 
 

@@ -47,6 +47,10 @@ def test_qk_fp8_with_bf16_q_is_refused_with_the_reason():
     batch = TritonCase((70, 3), (1, 1), heads=16, page_size=64, combo="fp8kv", L=512, R=64).batch()
     config = td.forced_config("fp8", 16, 1, "gluon_fp8")
     assert "qk_fp8" in td.gluon_unsupported(batch, config, 16) and "bfloat16" in td.gluon_unsupported(batch, config, 16)
+    from mla_fast import gluon_fp8
+
+    with pytest.raises(ValueError, match="qk_fp8"):  # the launcher's precondition, before anything is built
+        gluon_fp8.launch_decode(batch, None, None, None, None, None, None, None, 16, 1, 2, None, qk_fp8=True)
 
 
 def test_backends_declare_the_dispatched_kernels_numerics():
