@@ -125,16 +125,23 @@ def _triton_numerics(batch: DecodeBatch) -> KernelNumerics:
     return td.kernel_numerics(td.batch_config(batch, td._max_q_len(batch)), combo)
 
 
+def _forced_config(batch: DecodeBatch, kernel: str):
+    """(dtype combination, max q_len, `forced_config` for the batch or None) of a pinned Gluon kernel."""
+    from mla_fast import triton_decode as td
+
+    combo, q_len = td.dtype_combo(batch.q.dtype, batch.kv_cache.dtype), td._max_q_len(batch)
+    return combo, q_len, td.forced_config(combo, batch.num_heads, q_len, kernel)
+
+
 def _forced_numerics(kernel: str) -> Callable[[DecodeBatch], KernelNumerics]:
-    """The numerics of `_run_forced(kernel)`'s config (`forced_config`; the Triton kernel's where it has none: that
-    runner then raises Unsupported)."""
+    """The numerics of `_run_forced(kernel)`'s config (the Triton kernel's where it has none: that runner then raises
+    Unsupported)."""
 
     def numerics(batch: DecodeBatch) -> KernelNumerics:
-        from mla_fast import triton_decode as td
+        from mla_fast.triton_decode import kernel_numerics
 
-        combo = td.dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
-        config = td.forced_config(combo, batch.num_heads, td._max_q_len(batch), kernel)
-        return td.kernel_numerics(config, combo) if config is not None else KERNEL_NUMERICS[combo]
+        combo, _, config = _forced_config(batch, kernel)
+        return kernel_numerics(config, combo) if config is not None else KERNEL_NUMERICS[combo]
 
     return numerics
 
@@ -190,8 +197,7 @@ def _run_forced(kernel: str) -> Callable[[DecodeBatch], tuple[torch.Tensor, torc
     def run(batch: DecodeBatch):
         from mla_fast import triton_decode as td
 
-        q_len = td._max_q_len(batch)
-        config = td.forced_config(td.dtype_combo(batch.q.dtype, batch.kv_cache.dtype), batch.num_heads, q_len, kernel)
+        _, q_len, config = _forced_config(batch, kernel)
         if config is None:
             raise Unsupported(f"default_config has no {kernel} geometry for these dtypes, heads and q_len")
         reason = td.gluon_unsupported(batch, config, q_len * config.head_group)  # launch's check, as Unsupported
