@@ -86,7 +86,7 @@ import triton
 import triton.language as tl
 
 from mla_fast import dsmem, planner
-from mla_fast.numerics import KernelNumerics, gluon_fp8_qk_numerics, triton_numerics
+from mla_fast.numerics import DEFAULT_MMA, KernelNumerics, gluon_fp8_qk_numerics, triton_numerics
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once at import, like triton itself
 UPCAST_BF16 = INTERPRET  # Triton 3.6's interpreter computes bf16 tl.dot wrongly: feed it fp32 (exact for bf16)
@@ -978,8 +978,6 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
     Measured at q_len 1 with 16, 64 (fp8 caches) or 128 heads, and q_len 4 with 16 heads; other head counts and
     q_lens take the rule of their row count.
     """
-    from mla_fast.numerics import DEFAULT_MMA
-
     fp8_kv = combo in ("fp8kv", "fp8")
     small_batch = max_q_len == 1 and batch_size is not None and batch_size <= SMALL_BATCH
     max_rows = MAX_ROWS_SMALL_FP8 if fp8_kv and small_batch else MAX_ROWS
@@ -1107,9 +1105,8 @@ def kernel_numerics(config: KernelConfig, combo: str) -> KernelNumerics:
     """The declared rounding points (mla_fast/numerics.py) of the kernel that `config` launches on a batch of dtype
     combination `combo` (`dtype_combo`): the Gluon fp8 kernel's fp8 score MMAs with qk_fp8, else
     `triton_numerics(config.mma, config.block_n)` (the Triton kernel; the Gluon kernels round as it does)."""
-    dtype_combos = ("bf16", "fp8kv", "fp8")
-    if combo not in dtype_combos:
-        raise ValueError(f"combo must be one of {dtype_combos}, got {combo!r}")
+    if combo not in DEFAULT_MMA:
+        raise ValueError(f"combo must be one of {tuple(DEFAULT_MMA)}, got {combo!r}")
     if config.qk_fp8:
         if combo != "fp8":
             raise ValueError(f"KernelConfig.qk_fp8 needs e4m3fn q (combo 'fp8'), got combo {combo!r}")
