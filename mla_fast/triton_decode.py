@@ -15,10 +15,11 @@ Two kernels, beside their launcher (like Triton's fused-attention tutorial):
   an item is one request, a range of query rows x a head group (packed along M: MTP rows times heads; with head_split
   > 1 each program takes its share of the item's heads) and a token range. Each KV tile of BLOCK_N tokens is loaded
   once, row-major, as [BLOCK_N, L] (c_kv) and [BLOCK_N, R] (k_pe), and reused for both dot(q, trans(k)) and
-  dot(p, c_kv). When a tile lies inside one page, the block-table entries come in chunks of `page_chunk` pages (one
-  vector load, the tile's page picked in registers), so no load in the tile loop feeds an address and Triton
-  pipelines the KV loads (num_stages - 1 tiles buffered). Online softmax in base 2. Unsplit items (PARTIAL_ROW == -1)
-  write `out` (bf16) and `lse` straight; split items write fp32 partials (out already normalised, lse natural log)
+  dot(p, c_kv). When a tile lies inside one page, or (tiles of at most 32 rows) pages of a quarter or half of a tile
+  divide it, the block-table entries come in chunks of `page_chunk` pages (one vector load, the tile's or each
+  token's page picked in registers), so no load in the tile loop feeds an address and Triton pipelines the KV loads
+  (num_stages - 1 tiles buffered). Online softmax in base 2. Unsplit items (PARTIAL_ROW == -1) write `out` (bf16)
+  and `lse` straight; split items write fp32 partials (out already normalised, lse natural log)
   to a workspace. Pair merge (`KernelConfig.pair_merge`, `mla_fast.dsmem`): where the plan splits every tile into
   two pieces on workers 2t and 2t + 1 (`WorkPlan.paired_splits`, the even plan at (64, 4096, 16)), on CUDA sm_90+
   the kernel runs as 2-CTA clusters and the two programs of a tile exchange halves of their normalised output
@@ -194,9 +195,9 @@ def _attend_tile(
     q, q_pe, m_i, l_i, acc, start, kv_end, limit, page, b, KV, BLOCK_TABLE, qk_scale, stride_kvp, stride_kvs,
     stride_bt,
     PAGE_SIZE: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
-    MMA: tl.constexpr, UPCAST_BF16: tl.constexpr, TILE_IN_PAGE: tl.constexpr, V_RELOAD: tl.constexpr,
-    FP8_STAGE: tl.constexpr, SPLIT_L: tl.constexpr, LAZY_L: tl.constexpr, UNCHAIN: tl.constexpr,
-    INTERLEAVE: tl.constexpr,
+    MMA: tl.constexpr, UPCAST_BF16: tl.constexpr, TILE_IN_PAGE: tl.constexpr, PAGE_CHUNK: tl.constexpr,
+    V_RELOAD: tl.constexpr, FP8_STAGE: tl.constexpr, SPLIT_L: tl.constexpr, LAZY_L: tl.constexpr,
+    UNCHAIN: tl.constexpr, INTERLEAVE: tl.constexpr,
 ):
     """One KV tile of BLOCK_N tokens from `start`: online-softmax update of (m_i, l_i, acc) for all rows.
 
@@ -206,8 +207,9 @@ def _attend_tile(
     chain over L + R, and each P.V MMA L / SPLIT_L columns.
     LAZY_L: l_i is [M, N], one running sum per column, reduced over N once after the last tile (one cross-warp
     reduction per tile fewer; another fp32 summation order of the same terms).
-    TILE_IN_PAGE: the tile lies inside physical page `page` (contiguous rows); else each token's page is gathered
-    from the block table (`page` unused).
+    TILE_IN_PAGE: the tile lies inside physical page `page` (contiguous rows); else each token's page is gathered:
+    with PAGE_CHUNK > 0 `page` holds them ([BLOCK_N], picked from registers by `_tile_page`), else from the block
+    table here.
     INTERLEAVE: each slice's score dot is written right after the slice's load, not after all loads; the same dots
     and the same pairwise sum (bitwise the same scores), in another program order (see KernelConfig.interleave).
     """
@@ -221,7 +223,8 @@ def _attend_tile(
     if TILE_IN_PAGE:  # the tile lies inside one page: contiguous rows
         kv_row = KV + page.to(tl.int64) * stride_kvp + ((start % PAGE_SIZE) + offs_n)[:, None] * stride_kvs  # [N, 1]
     else:
-        page = tl.load(BLOCK_TABLE + b * stride_bt + tok // PAGE_SIZE, mask=tok_ok, other=0)  # [N]
+        if PAGE_CHUNK == 0:
+            page = tl.load(BLOCK_TABLE + b * stride_bt + tok // PAGE_SIZE, mask=tok_ok, other=0)  # [N]
         kv_row = KV + page.to(tl.int64)[:, None] * stride_kvp + (tok % PAGE_SIZE)[:, None] * stride_kvs  # [N, 1]
     live = start < kv_end  # true: the tile loop runs below kv_end (for _unchain)
     c = ()  # SPLIT_L slices [N, LS] of c_kv, each loaded once for both MMAs
@@ -290,39 +293,47 @@ def _attend_span(
     PAGE_CHUNK: tl.constexpr, V_RELOAD: tl.constexpr, FP8_STAGE: tl.constexpr, SPLIT_L: tl.constexpr,
     LAZY_L: tl.constexpr, UNCHAIN: tl.constexpr, INTERLEAVE: tl.constexpr,
 ):
-    """The tiles starting at lo, lo + BLOCK_N, ... < hi. Page of a tile (TILE_IN_PAGE): with PAGE_CHUNK > 0, picked
-    out of `pages` ([PAGE_CHUNK] block-table entries from page `first_page`, in registers: no load in the loop, so
-    Triton pipelines the KV loads num_stages - 1 deep); else one block-table load per tile (which Triton's pipeliner
-    treats as an indirect load: one tile in flight below num_stages = 5)."""
+    """The tiles starting at lo, lo + BLOCK_N, ... < hi. Page of a tile (TILE_IN_PAGE), or of each of its tokens
+    (pages smaller than a tile): with PAGE_CHUNK > 0, picked out of `pages` ([PAGE_CHUNK] block-table entries from
+    page `first_page`, in registers: no load in the loop, so Triton pipelines the KV loads num_stages - 1 deep); else
+    block-table loads in the tile (which Triton's pipeliner treats as indirect loads: one tile in flight below
+    num_stages = 5)."""
     if INTERPRET:  # Triton 3.6's interpreter cannot take loaded bounds in range(): same body in a while loop
         start = lo
         while start < hi:
-            page = _tile_page(pages, first_page, start, b, BLOCK_TABLE, stride_bt, PAGE_SIZE, TILE_IN_PAGE, PAGE_CHUNK)
+            page = _tile_page(pages, first_page, start, b, BLOCK_TABLE, stride_bt, PAGE_SIZE, BLOCK_N, TILE_IN_PAGE,
+                              PAGE_CHUNK)
             m_i, l_i, acc = _attend_tile(
                 q, q_pe, m_i, l_i, acc, start, kv_end, limit, page, b, KV, BLOCK_TABLE, qk_scale, stride_kvp,
-                stride_kvs, stride_bt, PAGE_SIZE, L, R, BLOCK_N, MMA, UPCAST_BF16, TILE_IN_PAGE, V_RELOAD, FP8_STAGE,
-                SPLIT_L, LAZY_L, UNCHAIN, INTERLEAVE)
+                stride_kvs, stride_bt, PAGE_SIZE, L, R, BLOCK_N, MMA, UPCAST_BF16, TILE_IN_PAGE, PAGE_CHUNK, V_RELOAD,
+                FP8_STAGE, SPLIT_L, LAZY_L, UNCHAIN, INTERLEAVE)
             start += BLOCK_N
     else:
         for start in range(lo, hi, BLOCK_N):
-            page = _tile_page(pages, first_page, start, b, BLOCK_TABLE, stride_bt, PAGE_SIZE, TILE_IN_PAGE, PAGE_CHUNK)
+            page = _tile_page(pages, first_page, start, b, BLOCK_TABLE, stride_bt, PAGE_SIZE, BLOCK_N, TILE_IN_PAGE,
+                              PAGE_CHUNK)
             m_i, l_i, acc = _attend_tile(
                 q, q_pe, m_i, l_i, acc, start, kv_end, limit, page, b, KV, BLOCK_TABLE, qk_scale, stride_kvp,
-                stride_kvs, stride_bt, PAGE_SIZE, L, R, BLOCK_N, MMA, UPCAST_BF16, TILE_IN_PAGE, V_RELOAD, FP8_STAGE,
-                SPLIT_L, LAZY_L, UNCHAIN, INTERLEAVE)
+                stride_kvs, stride_bt, PAGE_SIZE, L, R, BLOCK_N, MMA, UPCAST_BF16, TILE_IN_PAGE, PAGE_CHUNK, V_RELOAD,
+                FP8_STAGE, SPLIT_L, LAZY_L, UNCHAIN, INTERLEAVE)
     return m_i, l_i, acc
 
 
 @triton.jit
 def _tile_page(pages, first_page, start, b, BLOCK_TABLE, stride_bt,
-               PAGE_SIZE: tl.constexpr, TILE_IN_PAGE: tl.constexpr, PAGE_CHUNK: tl.constexpr):
-    """Physical page holding the tile at token `start` (TILE_IN_PAGE); 0 (unused) for the per-token gather."""
+               PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, TILE_IN_PAGE: tl.constexpr, PAGE_CHUNK: tl.constexpr):
+    """Physical page holding the tile at token `start` (TILE_IN_PAGE), or [BLOCK_N] the page of each of its tokens
+    (pages smaller than a tile, with PAGE_CHUNK > 0); 0 (unused) when `_attend_tile` gathers them itself."""
     if TILE_IN_PAGE:
         if PAGE_CHUNK > 0:  # select from the registers: sum of one nonzero-masked entry
             offs_c = tl.arange(0, PAGE_CHUNK)
             page = tl.sum(tl.where(offs_c == start // PAGE_SIZE - first_page, pages, 0), 0)
         else:
             page = tl.load(BLOCK_TABLE + b * stride_bt + start // PAGE_SIZE)
+    elif PAGE_CHUNK > 0:  # each token's entry selected from the registers ([N, C], one nonzero per row)
+        offs_c = tl.arange(0, PAGE_CHUNK)
+        idx = (start + tl.arange(0, BLOCK_N)) // PAGE_SIZE - first_page  # [N]
+        page = tl.sum(tl.where(offs_c[None, :] == idx[:, None], pages[None, :], 0), 1)  # [N]
     else:
         page = 0
     return page
@@ -401,16 +412,17 @@ def _attend_item(
     LS: tl.constexpr = L // SPLIT_L
     b, partial_row, qo_start, n_rows, kv_start, kv_end, head_start, num_h, limit_0 = _item_scalars(
         WORK_ITEMS, SEQ_LENS, QO_INDPTR, it, head_part, HEAD_SPLIT)
-    if TILE_IN_PAGE and PAGE_CHUNK > 0:  # the first chunk's block-table entries, loaded before q (whose layout
+    if PAGE_CHUNK > 0:  # the first chunk's block-table entries, loaded before q (whose layout
         # conversion waits for it): the two round trips overlap
         pages = _load_pages(BLOCK_TABLE, b, stride_bt, kv_start // PAGE_SIZE, kv_end, PAGE_SIZE, PAGE_CHUNK)  # [C]
     qo, h, row_ok, limit, q, q_pe = _item_rows(
         Q, qo_start, n_rows, head_start, num_h, limit_0, stride_qt, stride_qh, L, R, BLOCK_M, MMA, UPCAST_BF16,
         SPLIT_L, FP8_STAGE)
     m_i, l_i, acc = _fresh_state(BLOCK_M, BLOCK_N, LS, LAZY_L, SPLIT_L)
-    if TILE_IN_PAGE and PAGE_CHUNK > 0:
+    if PAGE_CHUNK > 0:
         # chunks of PAGE_CHUNK pages: their block-table entries in one vector load, then the chunk's tiles; each
-        # chunk's entries are loaded while the chunk before runs
+        # chunk's entries are loaded while the chunk before runs (a chunk ends on a page boundary: with pages smaller
+        # than a tile, PAGE_CHUNK x PAGE_SIZE is a multiple of BLOCK_N and kv_start of both, so no tile straddles)
         chunk = kv_start
         while chunk < kv_end:
             first_page = chunk // PAGE_SIZE
@@ -420,7 +432,7 @@ def _attend_item(
             m_i, l_i, acc = _attend_span(
                 q, q_pe, m_i, l_i, acc, chunk, chunk_end, kv_end, limit, pages, first_page, b, KV, BLOCK_TABLE,
                 qk_scale, stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R, BLOCK_N, MMA, INTERPRET, UPCAST_BF16,
-                True, PAGE_CHUNK, V_RELOAD, FP8_STAGE, SPLIT_L, LAZY_L, UNCHAIN, INTERLEAVE)
+                TILE_IN_PAGE, PAGE_CHUNK, V_RELOAD, FP8_STAGE, SPLIT_L, LAZY_L, UNCHAIN, INTERLEAVE)
             pages = next_pages
             chunk = chunk_end
     else:
@@ -692,7 +704,8 @@ class KernelConfig:
             head_group heads of each item. The head_split programs of a worker read the same KV tiles at the same
             time (one HBM read, the rest from L2), so smaller row tiles cost no extra HBM traffic.
         page_chunk: block-table entries loaded at once (a power of two), when each tile lies inside one page (page
-            size and plan_block_n multiples of block_n); 0: one block-table load per tile.
+            size and plan_block_n multiples of block_n) or, on tiles of at most 32 rows, pages of block_n / 4 or
+            more divide a tile (`launch_page_chunk`); 0: the block table read in the tile loop.
         split_l: latent column slices (1, 2, 4 or 8; halved while kv_lora_rank < 16 x split_l): the score MMA runs
             as split_l + 1 independent accumulation chains (slices of L/split_l, then R) summed pairwise at the end,
             instead of one chain over L + R; each slice is loaded once and reused for its P.V MMA. Same products,
@@ -1188,6 +1201,31 @@ def make_plan(batch, config: KernelConfig, num_workers: int | None = None, seq_l
     )
 
 
+GATHER_CHUNK_MAX_PAGES = 4  # pages per tile up to which the gather takes block-table chunks (pages 16 and 32 at 64)
+GATHER_CHUNK_MAX_ROWS = 32  # packed rows per program up to which it does (64-row tiles were slower with them)
+
+
+def launch_page_chunk(config: KernelConfig, page_size: int, plan_block_n: int, block_m: int) -> int:
+    """Block-table entries the Triton kernel loads at once (its PAGE_CHUNK; 0: it reads them in the tile loop).
+
+    config.page_chunk where each tile lies inside one page (page_size and plan_block_n multiples of block_n). With
+    pages smaller than a tile, each token's page is picked from a chunk in registers where the pages divide the
+    tile in at most GATHER_CHUNK_MAX_PAGES, item starts lie on tile boundaries (plan_block_n a multiple of block_n)
+    and programs have at most GATHER_CHUNK_MAX_ROWS rows (block_m); the chunk covers at least one tile, so that
+    chunks end on tile boundaries. Measured on one H200 (twenty-fourth session, README "Pages smaller than 64"):
+    page_chunk 32 at pages of 16 and 32, 16 and 32 rows, 0.7-26 % faster than the in-loop gather at eight shapes
+    (the same bits); at 64 rows (h = 128) and at page 1 (64 pages per tile) slower. Elsewhere (pages of 1-8 at
+    block_n 64, 3, 48, ...): 0."""
+    if not config.page_chunk or plan_block_n % config.block_n:
+        return 0
+    if page_size % config.block_n == 0:
+        return config.page_chunk
+    if (config.block_n % page_size == 0 and config.block_n // page_size <= GATHER_CHUNK_MAX_PAGES
+            and block_m <= GATHER_CHUNK_MAX_ROWS):
+        return max(config.page_chunk, config.block_n // page_size)
+    return 0
+
+
 def _launch_triton(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, config, qo_indptr, max_rows, pdl,
                    num_workers, pair_merge=False):
     """Launch `_mla_decode_kernel` (config.kernel == "triton") on preallocated buffers; returns the compiled kernel.
@@ -1198,6 +1236,7 @@ def _launch_triton(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, c
     tile_in_page = kv.shape[1] % config.block_n == 0 and plan.block_n % config.block_n == 0
     split_l = effective_split_l(config, L)
     block_m = max(16, triton.next_power_of_2(max_rows))  # the M tile over max_rows = q_len x head_group rows
+    page_chunk = launch_page_chunk(config, kv.shape[1], plan.block_n, block_m)
     args = (
         batch.q, kv, batch.block_table, batch.seq_lens, qo_indptr,
         plan.work_items, plan.worker_indptr, plan.work_items.shape[0],
@@ -1216,7 +1255,7 @@ def _launch_triton(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, c
         PAGE_SIZE=kv.shape[1], L=L, R=R, BLOCK_M=block_m, BLOCK_N=config.block_n,
         MMA=config.mma, INTERPRET=INTERPRET, UPCAST_BF16=UPCAST_BF16,
         TILE_IN_PAGE=tile_in_page,
-        PAGE_CHUNK=config.page_chunk, V_RELOAD=config.v_reload,
+        PAGE_CHUNK=page_chunk, V_RELOAD=config.v_reload,
         FP8_STAGE=config.fp8_stage and not INTERPRET and config.mma == "fp16" and kv.dtype == torch.float8_e4m3fn,
         HEAD_SPLIT=config.head_split, SPLIT_L=split_l, LAZY_L=config.lazy_l, UNCHAIN=config.unchain,
         INTERLEAVE=config.interleave, PDL=pdl and not pair_merge, ONE_ITEM=plan.one_item_per_worker,

@@ -76,6 +76,10 @@ CASES = {
     # one long request among short split ones, decoded with reduce_pieces=4 (REDUCE_PIECES): its tile's 15 pieces
     # are merged in four steps, the short ones' in one
     "bf16_p16_longtail_w32": TritonCase((700,) + (64,) * 6, (1,) * 7, page_size=16, num_workers=32, seed=43),
+    # pages of a quarter / half of a tile: each token's page picked from a chunk of block-table entries in registers
+    # (launch_page_chunk): pages of 4 in 32-page chunks (128 tokens), pages of 8 in 4-page chunks (32 tokens)
+    "bf16_p4_chunks_w3": TritonCase((300, 7, 0), (1, 1, 1), page_size=4, num_workers=3, seed=44),
+    "fp8kv_p8_chunk4_mtp2_w3": TritonCase((90, 33), (2, 1), page_size=8, combo="fp8kv", num_workers=3, seed=45),
 }
 REDUCE_PIECES = {"bf16_p16_longtail_w32": 4}  # decode's reduce_pieces (else plan_reduce_pieces)
 CONFIG_OVERRIDES = {  # KernelConfig fields beside the default_config of the case
@@ -93,6 +97,7 @@ CONFIG_OVERRIDES = {  # KernelConfig fields beside the default_config of the cas
     "bf16_h64_unchain_p16_w3": dict(split_l=4),
     "bf16_h64_splitl2_p16_w3": dict(split_l=2),
     "bf16_h64_splitl1_unchain_p16_w3": dict(split_l=1),
+    "fp8kv_p8_chunk4_mtp2_w3": dict(page_chunk=4),
 }
 SPLIT_CASES = {  # the plan must cut at least one (request, head group)
     "bf16_p16_w3_empty", "bf16_p1_w8", "bf16_p3_mtp2_w3", "bf16_h32_mtp2_w8", "fp8kv_p16_w3", "fp8kv_p3_mtp2_w8",
@@ -100,7 +105,7 @@ SPLIT_CASES = {  # the plan must cut at least one (request, head group)
     "fp8kv_splitl4_p3_mtp2_w8", "fp8_splitl4_p16_mtp2_w3", "bf16_lazyl_p3_mtp2_w3", "fp8kv_lazyl_splitl1_p16_w3",
     "bf16_h64_unchain_p16_w3", "fp8kv_splitl8_p16_w3", "bf16_splitl8_p3_mtp2_w3", "fp8_vreload_p16_mtp2_w3",
     "bf16_p16_manysplits_w40", "bf16_p16_longtail_w32", "bf16_h64_splitl2_p16_w3", "bf16_h64_splitl1_unchain_p16_w3",
-    "fp8kv_h64_rows64_p16_w3", "fp8_h32_mtp2_rows64_p3_w3",
+    "fp8kv_h64_rows64_p16_w3", "fp8_h32_mtp2_rows64_p3_w3", "bf16_p4_chunks_w3", "fp8kv_p8_chunk4_mtp2_w3",
 }
 PLAN_BLOCK_N, BLOCK_N = 16, 16  # tokens per planner block / kernel tile in the interpreter; item overhead 1 block
 
@@ -298,6 +303,24 @@ def test_split_runs_agree_within_split_bound(report):
     r = report["split_pair"]
     assert r["split_ratio"] <= 1.0, r
     assert r["merge_only_ratio"] > 1.0, r
+
+
+def test_block_table_chunks_cover_whole_tiles():
+    """launch_page_chunk: the configured chunk where tiles lie inside pages; with pages of a quarter or half of a
+    tile on tiles of at most 32 rows, at least one tile's pages (so a chunk of pages ends on a tile boundary); 0
+    (the block table read in the loop) for smaller pages, pages that do not divide a tile, 64-row tiles, item starts
+    off tile boundaries, or page_chunk=0."""
+    from mla_fast.triton_decode import KernelConfig, launch_page_chunk
+
+    config = KernelConfig(block_n=64, page_chunk=32)
+    chunks = {ps: launch_page_chunk(config, ps, 64, 16) for ps in (1, 3, 8, 16, 32, 48, 64, 96, 128)}
+    assert chunks == {1: 0, 3: 0, 8: 0, 16: 32, 32: 32, 48: 0, 64: 32, 96: 0, 128: 32}
+    assert launch_page_chunk(config, 16, 64, 32) == 32
+    assert launch_page_chunk(config, 16, 64, 64) == 0 and launch_page_chunk(config, 64, 64, 64) == 32
+    assert launch_page_chunk(KernelConfig(block_n=64, page_chunk=2), 16, 64, 16) == 4  # one whole tile per chunk
+    assert launch_page_chunk(KernelConfig(block_n=16, page_chunk=2), 4, 16, 16) == 4  # the interpreter's tiles
+    assert launch_page_chunk(config, 16, 32, 16) == 0  # items may start mid-tile
+    assert launch_page_chunk(KernelConfig(block_n=64, page_chunk=0), 16, 64, 16) == 0
 
 
 def test_importing_mla_fast_does_not_import_triton(report):
