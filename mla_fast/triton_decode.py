@@ -1205,23 +1205,29 @@ GATHER_CHUNK_MAX_PAGES = 4  # pages per tile up to which the gather takes block-
 GATHER_CHUNK_MAX_ROWS = 32  # packed rows per program up to which it does (64-row tiles were slower with them)
 
 
+def tiles_in_pages(config: KernelConfig, page_size: int, plan_block_n: int) -> bool:
+    """Whether every KV tile of an item lies inside one page (the Triton kernel's TILE_IN_PAGE: contiguous rows):
+    page_size and plan_block_n (where items start) multiples of block_n."""
+    return page_size % config.block_n == 0 and plan_block_n % config.block_n == 0
+
+
 def launch_page_chunk(config: KernelConfig, page_size: int, plan_block_n: int, block_m: int) -> int:
     """Block-table entries the Triton kernel loads at once (its PAGE_CHUNK; 0: it reads them in the tile loop).
 
-    config.page_chunk where each tile lies inside one page (page_size and plan_block_n multiples of block_n). With
-    pages smaller than a tile, each token's page is picked from a chunk in registers where the pages divide the
-    tile in at most GATHER_CHUNK_MAX_PAGES, item starts lie on tile boundaries (plan_block_n a multiple of block_n)
-    and programs have at most GATHER_CHUNK_MAX_ROWS rows (block_m); the chunk covers at least one tile, so that
-    chunks end on tile boundaries. Measured on one H200 (twenty-fourth session, README "Pages smaller than 64"):
+    config.page_chunk where each tile lies inside one page (`tiles_in_pages`). With pages smaller than a tile, each
+    token's page is picked from a chunk in registers where the pages divide the tile in at most
+    GATHER_CHUNK_MAX_PAGES, item starts lie on tile boundaries (plan_block_n a multiple of block_n) and programs have
+    at most GATHER_CHUNK_MAX_ROWS rows (block_m); the chunk covers at least one tile, so that chunks end on tile
+    boundaries. Measured on one H200 (twenty-fourth session, README "Pages smaller than 64"):
     page_chunk 32 at pages of 16 and 32, 16 and 32 rows, 0.7-26 % faster than the in-loop gather at eight shapes
     (the same bits); at 64 rows (h = 128) and at page 1 (64 pages per tile) slower. Elsewhere (pages of 1-8 at
     block_n 64, 3, 48, ...): 0."""
-    if not config.page_chunk or plan_block_n % config.block_n:
+    if not config.page_chunk:
         return 0
-    if page_size % config.block_n == 0:
+    if tiles_in_pages(config, page_size, plan_block_n):
         return config.page_chunk
-    if (config.block_n % page_size == 0 and config.block_n // page_size <= GATHER_CHUNK_MAX_PAGES
-            and block_m <= GATHER_CHUNK_MAX_ROWS):
+    if (plan_block_n % config.block_n == 0 and config.block_n % page_size == 0
+            and config.block_n // page_size <= GATHER_CHUNK_MAX_PAGES and block_m <= GATHER_CHUNK_MAX_ROWS):
         return max(config.page_chunk, config.block_n // page_size)
     return 0
 
@@ -1233,7 +1239,7 @@ def _launch_triton(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, c
     L = batch.kv_lora_rank
     R = batch.q.shape[-1] - L
     kv = batch.kv_cache
-    tile_in_page = kv.shape[1] % config.block_n == 0 and plan.block_n % config.block_n == 0
+    tile_in_page = tiles_in_pages(config, kv.shape[1], plan.block_n)
     split_l = effective_split_l(config, L)
     block_m = max(16, triton.next_power_of_2(max_rows))  # the M tile over max_rows = q_len x head_group rows
     page_chunk = launch_page_chunk(config, kv.shape[1], plan.block_n, block_m)
