@@ -711,12 +711,15 @@ def unsupported(batch, head_group: int | None = None, head_split: int | None = N
     return device_reason(batch, "gluon")
 
 
-def layout_reason(batch, kernel: str) -> str | None:
-    """The cache layout both Gluon kernels need (L = 512, R = 64, 64-token TMA tiles inside a page), or why not."""
+def layout_reason(batch, kernel: str, small_pages: tuple[int, ...] = ()) -> str | None:
+    """The cache layout a Gluon kernel needs (L = 512, R = 64, 64-token TMA tiles inside a page, or pages in
+    small_pages, which the kernel copies one page per TMA box), or why not."""
     if (batch.kv_lora_rank, batch.q.shape[-1] - batch.kv_lora_rank) != (L_DIM, R_DIM):
         return f"kernel={kernel!r} needs kv_lora_rank {L_DIM} and rope_dim {R_DIM}"
-    if batch.kv_cache.shape[1] % TILE:
-        return f"kernel={kernel!r} needs page_size % {TILE} == 0, got {batch.kv_cache.shape[1]}"
+    page_size = batch.kv_cache.shape[1]
+    if page_size % TILE and page_size not in small_pages:
+        pages = f" or page_size in {small_pages}" if small_pages else ""
+        return f"kernel={kernel!r} needs page_size % {TILE} == 0{pages}, got {page_size}"
     return None
 
 

@@ -4,10 +4,11 @@ fp8-cache MLA decode in Gluon (Hopper, 16 rows per program, no staged tile)
 
 The same absorbed-MLA decode contract and `WorkPlan` as `mla_fast.triton_decode._mla_decode_kernel` (whose partials
 its reduce kernel merges), for e4m3fn caches with bf16 or e4m3fn q at 16 packed rows per program, pages of a
-multiple of 64 tokens, L = 512, R = 64: the memory-bound DeepSeek shapes at 16 heads. The rows are q_len x head_group
-(query row m // head_group, head m % head_group, as in the other kernels): 16 heads of one query row at q_len 1, 8
-heads of 2 rows at q_len 2, 4 heads of 3-4 rows at q_len 3-4 (MTP: each row masked at its causal limit, rows past
-an item's query rows are read as 0 and not written); more heads as several programs per worker.
+multiple of 64 tokens or of 16 or 32 (SMALL_PAGES), L = 512, R = 64: the memory-bound DeepSeek shapes at 16 heads.
+The rows are q_len x head_group (query row m // head_group, head m % head_group, as in the other kernels): 16 heads
+of one query row at q_len 1, 8 heads of 2 rows at q_len 2, 4 heads of 3-4 rows at q_len 3-4 (MTP: each row masked at
+its causal limit, rows past an item's query rows are read as 0 and not written); more heads as several programs per
+worker.
 
 Why: the Triton kernel converts each fp8 tile to fp16 in shared memory and reads it back with ldmatrix, so fp8 KV moves
 more shared-memory bytes per tile than bf16 (about 369 vs 295 KB per tile and SM) and ran at bf16's speed although it
@@ -31,7 +32,8 @@ memory once per use (twice in all: scores, then P.V), converts it in registers a
   from shared memory as they are (the cache rows and q's rows are channel-contiguous: K-major, as fp8 wgmmas
   require), in nine accumulators of 64 channels (two k32 instructions each, from 0), issued at once and added in
   fp32 in a fixed order. Only V is converted (the P.V side is unchanged).
-- KV tiles arrive by TMA (c_kv as four [64, 128] boxes, k_pe as one [64, 64] box) into STAGES slots (a launch
+- KV tiles arrive by TMA (c_kv as four [64, 128] boxes, k_pe as one [64, 64] box; with pages of 16 or 32 tokens
+  the same per page, [16 or 32, 128] and [16 or 32, 64] at the page's rows of the slot) into STAGES slots (a launch
   parameter): an item's first STAGES tiles are issued at its start, and the slot of tile t is reissued with tile
   t + STAGES once every warp has loaded its operands from it, so STAGES - 1 tiles are in flight while one is computed.
   At most two score MMAs and two P.V MMAs are in flight (each register A operand stays live until its MMA is done).
@@ -51,7 +53,9 @@ path: still far below the quantization error of e4m3 q itself). 128-channel accu
 
 Safety: TMA copies whole 64-token tiles, so the last tile of an item may hold cache slots past KV_END (NaN-poisoned
 slots are allowed): their scores are selected to -inf, and their c_kv rows are set to 0 in shared memory before the
-P.V operands are loaded. Rows that see no token give out = 0, lse = -inf.
+P.V operands are loaded. With pages smaller than a tile, a page box that starts at or past KV_END copies the tile's
+first page again instead (`_tile_rows`): no block-table entry past an item's tokens is read. Rows that see no token
+give out = 0, lse = -inf.
 
 fp8 score MMAs for e4m3fn q (twenty-third session, one H200, graph replays, four alternating rounds, fp16 scores ->
 qk_fp8, us): 184.5 -> 166.2 at (128, 8192, 16), 99.7 -> 93.8 at (128, 4096, 16), 99.6 -> 93.7 at (32, 16384, 16),
@@ -287,13 +291,35 @@ def _zero_tail(ckv, n_valid):
 
 
 @gluon.jit
-def _issue_tile(ckv_desc, kpe_desc, ckv_smem, kpe_smem, ready, slot, row):
-    """TMA copies of the tile whose first cache row is `row` into tile slot `slot` (one barrier)."""
+def _tile_rows(BLOCK_TABLE, b, stride_bt, kv_start, kv_end, t, n_tiles, PAGE_SIZE: gl.constexpr, BOXES: gl.constexpr):
+    """First cache rows (of the [pages x page_size, 576] view) of the BOXES row boxes of tile t of an item: one box
+    per tile (pages of a multiple of 64), or one per page (pages of 64 / BOXES tokens; items start on tile
+    boundaries, so each box is one whole page). A box at or past KV_END takes the first box's row: no block-table
+    entry past the item's tokens is read, and its slots are zeroed and masked as any slot past KV_END. All 0 past the
+    item's last tile."""
+    row0 = _tile_row(BLOCK_TABLE, b, stride_bt, kv_start, t, n_tiles, PAGE_SIZE)
+    rows = (row0,)
+    for j in gl.static_range(1, BOXES):
+        tok = kv_start + t * _TILE + j * (_TILE // BOXES)  # first token of box j
+        ok = (t < n_tiles) & (tok < kv_end)
+        page = gl.load(BLOCK_TABLE + b * stride_bt + tok // PAGE_SIZE, mask=ok, other=0)
+        rows = rows + (gl.where(ok, page * PAGE_SIZE + tok % PAGE_SIZE, row0),)
+    return rows
+
+
+@gluon.jit
+def _issue_tile(ckv_desc, kpe_desc, ckv_smem, kpe_smem, ready, slot, rows, BOXES: gl.constexpr):
+    """TMA copies of the tile whose BOXES row boxes start at cache rows `rows` (`_tile_rows`) into tile slot `slot`
+    (one barrier; c_kv as four [64 / BOXES, 128] boxes per row box, k_pe as one [64 / BOXES, 64])."""
+    BOX: gl.constexpr = _TILE // BOXES
     bar = ready.index(slot)
     mbarrier.expect(bar, _TILE * (_L_DIM + _R_DIM))
-    for c in gl.static_range(4):
-        tma.async_copy_global_to_shared(ckv_desc, [row, c * 128], bar, ckv_smem.index(slot).slice(c * 128, 128, dim=1))
-    tma.async_copy_global_to_shared(kpe_desc, [row, _L_DIM], bar, kpe_smem.index(slot))
+    for j in gl.static_range(BOXES):
+        ckv = ckv_smem.index(slot).slice(j * BOX, BOX, dim=0)  # [BOX, 512]
+        for c in gl.static_range(4):
+            tma.async_copy_global_to_shared(ckv_desc, [rows[j], c * 128], bar, ckv.slice(c * 128, 128, dim=1))
+        tma.async_copy_global_to_shared(kpe_desc, [rows[j], _L_DIM], bar, kpe_smem.index(slot).slice(j * BOX, BOX,
+                                                                                                    dim=0))
 
 
 @gluon.jit
@@ -335,6 +361,7 @@ def _mla_decode_fp8_kernel(
     sm_scale_log2,  # sm_scale x log2(e)
     stride_qt, stride_qh, stride_bt, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt,
     PAGE_SIZE: gl.constexpr, HEAD_GROUP: gl.constexpr, HEAD_SPLIT: gl.constexpr, STAGES: gl.constexpr,
+    BOXES: gl.constexpr,  # row boxes per tile: 1, or 64 / PAGE_SIZE for pages smaller than a tile (`_tile_rows`)
     ONE_ITEM: gl.constexpr,  # WorkPlan.one_item_per_worker
     QK_FP8: gl.constexpr,  # e4m3fn q: fp8 score MMAs on q and the cache tile as stored (`_fp8_scores`)
 ):
@@ -376,7 +403,8 @@ def _mla_decode_fp8_kernel(
         for i in gl.static_range(STAGES):  # the first tiles (every slot is free: see the end of the loop)
             if i < n_tiles:
                 _issue_tile(ckv_desc, kpe_desc, ckv_smem, kpe_smem, ready, (g + i) % STAGES,
-                            _tile_row(BLOCK_TABLE, b, stride_bt, kv_start, i, n_tiles, PAGE_SIZE))
+                            _tile_rows(BLOCK_TABLE, b, stride_bt, kv_start, kv_end, i, n_tiles, PAGE_SIZE, BOXES),
+                            BOXES)
         # q of the item's packed rows as fp16 (exact for e4m3fn; bf16 as declared in numerics.py), in the K
         # operand's column order; rows past the item's query rows as 0
         qr = gl.arange(0, _ROWS, gl.SliceLayout(1, _Q_LOAD))
@@ -404,11 +432,14 @@ def _mla_decode_fp8_kernel(
         acc1 = gl.zeros([_QUARTER, _ROWS], gl.float32, _MMA)
         acc2 = gl.zeros([_QUARTER, _ROWS], gl.float32, _MMA)
         acc3 = gl.zeros([_QUARTER, _ROWS], gl.float32, _MMA)
-        next_row = _tile_row(BLOCK_TABLE, b, stride_bt, kv_start, STAGES, n_tiles, PAGE_SIZE)
+        if BOXES == 1:  # the block-table entry of each tile issued below, loaded a tile before its issue
+            next_rows = _tile_rows(BLOCK_TABLE, b, stride_bt, kv_start, kv_end, STAGES, n_tiles, PAGE_SIZE, BOXES)
         for t in range(n_tiles):
             slot = g % STAGES
-            row = next_row  # first cache row of tile t + STAGES, issued into this slot at the end of this tile
-            next_row = _tile_row(BLOCK_TABLE, b, stride_bt, kv_start, t + STAGES + 1, n_tiles, PAGE_SIZE)
+            if BOXES == 1:
+                rows = next_rows  # first cache row of tile t + STAGES, issued into this slot at the end of this tile
+                next_rows = _tile_rows(BLOCK_TABLE, b, stride_bt, kv_start, kv_end, t + STAGES + 1, n_tiles,
+                                       PAGE_SIZE, BOXES)
             mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
             ckv = ckv_smem.index(slot)
             t0 = kv_start + t * _TILE
@@ -465,7 +496,10 @@ def _mla_decode_fp8_kernel(
             acc2, acc3 = warpgroup_mma_wait(0, deps=(acc2, acc3))
             gl.thread_barrier()  # every warp is done with the slot and with p_smem
             if t + STAGES < n_tiles:
-                _issue_tile(ckv_desc, kpe_desc, ckv_smem, kpe_smem, ready, slot, row)
+                if BOXES > 1:  # one entry per page: loaded here, where they hold no registers through the tile
+                    rows = _tile_rows(BLOCK_TABLE, b, stride_bt, kv_start, kv_end, t + STAGES, n_tiles, PAGE_SIZE,
+                                      BOXES)
+                _issue_tile(ckv_desc, kpe_desc, ckv_smem, kpe_smem, ready, slot, rows, BOXES)
             g += 1
 
         l_sum = gl.sum(l_t, 0)  # [16]
@@ -500,7 +534,7 @@ def unsupported(batch, head_group: int | None = None, head_split: int | None = N
     if batch.kv_cache.dtype != torch.float8_e4m3fn or batch.q.dtype not in (torch.bfloat16, torch.float8_e4m3fn):
         return (f"kernel='gluon_fp8' takes an e4m3fn cache with bf16 or e4m3fn q, got "
                 f"{batch.q.dtype}/{batch.kv_cache.dtype}")
-    reason = _qk_fp8_reason(batch, qk_fp8) or gluon_decode.layout_reason(batch, "gluon_fp8")
+    reason = _qk_fp8_reason(batch, qk_fp8) or gluon_decode.layout_reason(batch, "gluon_fp8", SMALL_PAGES)
     if reason:
         return reason
     if not batch.kv_cache.is_contiguous() or batch.q.stride(-1) != 1:
@@ -513,6 +547,17 @@ def unsupported(batch, head_group: int | None = None, head_split: int | None = N
         if reason:
             return reason
     return gluon_decode.device_reason(batch, "gluon_fp8")
+
+
+# pages smaller than a tile that this kernel takes, one TMA row box per page (pages of 8, 40 copies per tile, were
+# slower than the Triton kernel: 506 vs 412 us at (128, 8192, 16) fp8kv; docs/perf_history.md)
+SMALL_PAGES = (16, 32)
+
+
+def tile_boxes(page_size: int) -> int:
+    """TMA row boxes per 64-token tile: 1 for pages of a multiple of 64, 64 / page_size for SMALL_PAGES (each box a
+    whole page of 16 or 32 rows, a whole number of periods of the slot's 128-byte swizzle, 8 rows)."""
+    return TILE // page_size if page_size in SMALL_PAGES else 1
 
 
 SLOT_BYTES = TILE * (L_DIM + R_DIM)  # one tile slot (fp8): 36 KB
@@ -543,9 +588,11 @@ def launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, he
     kv = batch.kv_cache
     D = kv.shape[-1]
     flat = kv.view(-1, D)
-    ckv_desc = TensorDescriptor(flat, list(flat.shape), [D, 1], [TILE, 128],
+    boxes = tile_boxes(kv.shape[1])
+    box = TILE // boxes  # cache rows per TMA box: a tile, or a page smaller than one (into the tile slot's layout)
+    ckv_desc = TensorDescriptor(flat, list(flat.shape), [D, 1], [box, 128],
                                 gl.NVMMASharedLayout.get_default_for([TILE, 128], gl.float8e4nv))
-    kpe_desc = TensorDescriptor(flat, list(flat.shape), [D, 1], [TILE, R_DIM],
+    kpe_desc = TensorDescriptor(flat, list(flat.shape), [D, 1], [box, R_DIM],
                                 gl.NVMMASharedLayout.get_default_for([TILE, R_DIM], gl.float8e4nv))
     num_workers = plan.worker_indptr.numel() - 1
     return _mla_decode_fp8_kernel[(num_workers * head_split,)](
@@ -554,6 +601,6 @@ def launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, he
         out, lse, o_part, lse_part, q_scale, kv_scale, float(batch.sm_scale) * LOG2E,
         batch.q.stride(0), batch.q.stride(1), batch.block_table.stride(0), out.stride(0), out.stride(1),
         lse.stride(0), o_part.stride(0), o_part.stride(1), lse_part.stride(0),
-        PAGE_SIZE=kv.shape[1], HEAD_GROUP=head_group, HEAD_SPLIT=head_split, STAGES=num_stages,
+        PAGE_SIZE=kv.shape[1], HEAD_GROUP=head_group, HEAD_SPLIT=head_split, STAGES=num_stages, BOXES=boxes,
         ONE_ITEM=plan.one_item_per_worker, QK_FP8=qk_fp8, num_warps=4,
     )

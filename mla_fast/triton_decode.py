@@ -724,7 +724,8 @@ class KernelConfig:
             mma="fp16", head_group 8/16/32/64 with q_len x head_group <= 64 packed rows,
             page_size % 64 == 0, L = 512, R = 64; of the fields above it reads head_group and head_split only) or
             "gluon_fp8" (`mla_fast.gluon_fp8`: CUDA sm_90, e4m3fn cache with bf16 or e4m3fn q, head_group 16, 8 or 4
-            with q_len x head_group <= 16 packed rows, page_size % 64 == 0, L = 512, R = 64, mma="fp16"; it reads
+            with q_len x head_group <= 16 packed rows, page_size % 64 == 0 or 16 or 32 (`gluon_fp8.SMALL_PAGES`),
+            L = 512, R = 64, mma="fp16"; it reads
             head_group, head_split, num_stages (tile slots of 36 KB) and workers_per_sm). All write the same
             partials, merged by the same reduce.
         interleave: each latent slice's score dot directly after that slice's load (and its fp16 staging with
@@ -879,7 +880,8 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
     cache with bf16 or e4m3fn q, L = 512, R = 64, pages of a multiple of 64 tokens, contiguous q and cache);
     `batch_config` passes it.
     fp8_gluon: the Gluon fp8 kernel can run the batch (`gluon_fp8.supported`: CUDA sm_90, e4m3fn cache with bf16
-    or e4m3fn q, L = 512, R = 64, pages of a multiple of 64 tokens, contiguous cache); `batch_config` passes it.
+    or e4m3fn q, L = 512, R = 64, pages of a multiple of 64 tokens or of 16 or 32, contiguous cache);
+    `batch_config` passes it.
     kv_tokens: the batch's cache tokens (sum of seq_lens), for the Gluon fp8 kernel's rule; `batch_config` passes it.
     - fp8 caches with fp8_gluon at q_len <= 4: the Gluon fp8 kernel (kernel="gluon_fp8"), 16 packed rows per
       program: head_group 16 at q_len 1, 8 at q_len 2, 4 at q_len 3-4 (MTP), head_split = num_heads / head_group
@@ -1311,6 +1313,12 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
         from mla_fast import gluon_fp8
 
         gluon_fp8.check_stages(config.num_stages, config.workers_per_sm)
+    if config.kernel != "triton":
+        from mla_fast.gluon_decode import TILE
+
+        if plan.block_n % TILE:
+            raise ValueError(f"kernel={config.kernel!r} needs plan.block_n % {TILE} == 0 (items start on its "
+                             f"{TILE}-token tiles), got {plan.block_n}")
     reason = gluon_unsupported(batch, config, max_rows)
     if reason:
         raise ValueError(reason)

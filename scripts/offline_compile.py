@@ -61,18 +61,18 @@ class Sm90Driver(CudaDriver):
         return True
 
 
-def compile_kernel(kernel: str, combo: str, heads: int, q_len: int):
+def compile_kernel(kernel: str, combo: str, heads: int, q_len: int, page_size: int = 64):
     """The CompiledKernel of `kernel` ("seesaw", "gluon_fp8" or "triton_pair") for a small CPU batch of `combo` with
-    `heads` heads at q_len, in the geometry default_config gives it (the seesaw's bf16 rule, the Gluon fp8 kernel's
-    head group, the Triton kernel's rule without Gluon kernels, compiled with PAIR_MERGE), whatever the batch
-    size."""
+    `heads` heads at q_len on pages of page_size tokens, in the geometry default_config gives it (the seesaw's bf16
+    rule, the Gluon fp8 kernel's head group, the Triton kernel's rule without Gluon kernels, compiled with
+    PAIR_MERGE), whatever the batch size."""
     from mla_fast import gluon_decode, gluon_fp8
     from mla_fast import triton_decode as td
     from mla_fast.bench import build_batch
     from mla_fast.numerics import DEFAULT_MMA
 
     triton_driver.set_active(Sm90Driver())
-    batch = build_batch(2, 300, heads, combo, device="cpu", q_len=q_len)
+    batch = build_batch(2, 300, heads, combo, page_size=page_size, device="cpu", q_len=q_len)
     if kernel == "triton_pair":
         module, jit = td, td._mla_decode_kernel
         config = td.default_config(combo, heads, q_len, 32)
@@ -147,11 +147,13 @@ def main(argv=None) -> None:
     parser.add_argument("--combo", default="bf16", choices=["bf16", "fp8kv", "fp8"])
     parser.add_argument("--heads", type=int, default=128)
     parser.add_argument("--q-len", type=int, default=1)
+    parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--sass", help="write the SASS here")
     args = parser.parse_args(argv)
-    compiled = compile_kernel(args.kernel, args.combo, args.heads, args.q_len)
+    compiled = compile_kernel(args.kernel, args.combo, args.heads, args.q_len, args.page_size)
     report = ptxas_report(compiled.asm["ptx"], args.sass)
     print({"kernel": args.kernel, "combo": args.combo, "heads": args.heads, "q_len": args.q_len,
+           "page_size": args.page_size,
            "shared_bytes": compiled.metadata.shared, **report})
 
 

@@ -51,6 +51,22 @@ def test_gluon_fp8_scores_of_fp8_q_compile_to_fp8_wgmmas(combo, q_len, fp8_mmas,
 
 
 @pytest.mark.skipif(not PTXAS.exists(), reason="this triton wheel ships no ptxas")
+def test_gluon_fp8_copies_pages_of_16_in_one_tma_box_each(tmp_path):
+    """Pages of 16 (gluon_fp8.tile_boxes): every tile copy becomes 4 row boxes of c_kv quarters and k_pe, so the
+    kernel issues 4 x the TMA loads of pages of 64 (15 there: 5 per tile, at the two first tiles of an item and in
+    the loop)."""
+    counts = {}
+    for page_size in (64, 16):
+        sass = tmp_path / f"p{page_size}.sass"
+        proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "offline_compile.py"), "gluon_fp8", "--combo",
+                               "fp8kv", "--heads", "16", "--page-size", str(page_size), "--sass", str(sass)],
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        counts[page_size] = len(re.findall(r"\bUTMALDG\.2D\b", sass.read_text()))
+    assert counts == {64: 15, 16: 60}, counts
+
+
+@pytest.mark.skipif(not PTXAS.exists(), reason="this triton wheel ships no ptxas")
 @pytest.mark.parametrize("combo", ["bf16", "fp8kv"])
 def test_triton_pair_merge_compiles_for_sm90_with_its_cluster_instructions(combo, tmp_path):
     """The Triton kernel with PAIR_MERGE (mla_fast.dsmem): ptxas takes its inline PTX, and the SASS has the cluster

@@ -697,16 +697,20 @@ def test_gluon_fp8_kernel_rejects_what_it_cannot_take():
         "q_len x head_group <= 16 rows": (ok, 16, 1, 32),
         "head_group in (16, 8, 4)": (ok, 2, 8, 2),
         "num_heads = head_group x head_split": (ok, 16, 2, 16),
-        "page_size % 64": (case(page_size=16), 16, 1, 16),
+        "page_size % 64 == 0 or page_size in (16, 32)": (case(page_size=8), 16, 1, 16),
         "kv_lora_rank 512": (case(L=64, R=32), 16, 1, 16),
         "e4m3fn cache": (case(combo="bf16"), 16, 1, 16),
         "contiguous kv_cache": (ok.replace(kv_cache=kv_wide.copy_(ok.kv_cache)), 16, 1, 16),
     }
     for words, (batch, head_group, head_split, rows) in reasons.items():
         assert words in (g8.unsupported(batch, head_group, head_split, rows) or ""), words
+    for page_size in (16, 32, 128):  # pages it copies one TMA box each (g8.SMALL_PAGES), or whole tiles of
+        assert "sm_90" in g8.unsupported(case(page_size=page_size), 16, 1, 16)  # only the CPU stops it
     config = td.KernelConfig(kernel="gluon_fp8", mma="fp16", head_group=16, num_stages=2, workers_per_sm=2)
     with pytest.raises(ValueError, match="sm_90"):
         td.decode(ok, config=config)
+    with pytest.raises(ValueError, match=r"plan.block_n % 64 == 0 \(items start on its 64-token tiles\), got 32"):
+        td.decode(ok, config=replace(config, plan_block_n=32))
     for stages, workers in [(1, 1), (3, 2), (6, 1)]:  # no tile in flight; more than 227 KB of shared memory
         with pytest.raises(ValueError, match="num_stages"):
             td.decode(ok, config=replace(config, num_stages=stages, workers_per_sm=workers))

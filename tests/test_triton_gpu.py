@@ -411,13 +411,15 @@ _MEMCHECK_SCRIPT = """
 import torch
 from triton_cases import TritonCase
 from mla_fast.triton_decode import decode
-cases = [  # page 16 with MTP (64-row tiles at q_len 3, per-token gather); page 64 at 128 heads (block-table chunks;
-    # five requests: bf16 takes the Gluon seesaw kernel on an H200, TMA copies of whole tiles past seq_len)
+cases = [  # page 16 with MTP (bf16: 64-row tiles at q_len 3, per-token gather; fp8 KV: the Gluon fp8 kernel's TMA
+    # copies of one page each, pages past seq_len not read); page 64 at 128 heads (block-table chunks; five requests:
+    # bf16 takes the Gluon seesaw kernel on an H200, TMA copies of whole tiles past seq_len)
     dict(seq_lens=(0, 1, 65, 700, 1500), q_lens=(1, 2, 1, 3, 1), heads=16, page_size=16),
     dict(seq_lens=(0, 1, 65, 700, 4097), q_lens=(1,) * 5, heads=128, page_size=64),
     # page 64 at 16 heads: fp8 KV takes the Gluon fp8 kernel on an H200 (whole TMA tiles past seq_len)
     dict(seq_lens=(0, 1, 65, 700, 4097), q_lens=(1,) * 5, heads=16, page_size=64),
-    # six requests split in two on 12 workers: bf16 merges each pair in the kernel on sm_90 (mla_fast.dsmem)
+    # six requests split in two on 12 workers: bf16 merges each pair in the kernel on sm_90 (mla_fast.dsmem); fp8
+    # KV: the Gluon fp8 kernel on pages of 16
     dict(seq_lens=(777,) * 6, q_lens=(1,) * 6, heads=16, page_size=16, num_workers=12),
 ]
 for kw in cases:
@@ -556,6 +558,40 @@ GLUON_FP8_CASES = [  # e4m3fn caches, q_len 1-4, pages of 64 or 128: zero-length
     TritonCase((2, 65, 3000, 0), (4, 1, 4, 2), heads=32, page_size=64, combo="fp8", L=512, R=64, seed=61),  # 8 x 4
     TritonCase((40000,), (2,), heads=16, page_size=64, combo="fp8kv", L=512, R=64, seed=62),  # split over all SMs
 ]
+
+
+GLUON_FP8_SMALL_PAGE_CASES = [  # pages of 16 and 32 (one TMA box per page): partial last pages and last tiles,
+    # boxes past an item's last token, zero-length requests, splits, MTP
+    TritonCase((0, 1, 15, 16, 17, 63, 64, 65, 1000, 4097), (1,) * 10, heads=16, page_size=16, combo="fp8kv", L=512,
+               R=64, seed=63),
+    TritonCase((0, 1, 31, 32, 33, 65, 1000, 4097), (1,) * 8, heads=16, page_size=32, combo="fp8", L=512, R=64,
+               seed=64),
+    TritonCase((3, 700, 17, 2000), (2, 2, 2, 2), heads=16, page_size=16, combo="fp8", L=512, R=64, seed=66),
+    TritonCase((65536,), (1,), heads=16, page_size=16, combo="fp8kv", L=512, R=64, seed=67),  # split over all SMs
+    TritonCase(tuple((i * 97) % 400 for i in range(1000)), (1,) * 1000, heads=16, page_size=16, combo="fp8kv", L=512,
+               R=64, seed=68),  # several items per program
+    TritonCase((5, 1500, 0, 4097), (1,) * 4, heads=32, page_size=16, combo="fp8", L=512, R=64, seed=69),  # 2 x 16
+]
+GLUON_FP8_CASES += GLUON_FP8_SMALL_PAGE_CASES
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon_fp8' needs sm_90")
+@pytest.mark.parametrize("case", GLUON_FP8_SMALL_PAGE_CASES, ids=lambda c: f"{c.combo}_p{c.page_size}_s{c.seed}")
+def test_gluon_fp8_small_pages_give_the_bits_of_pages_of_64(case):
+    """The same requests in pages of 16 / 32 (other physical pages, in another random order) and in pages of 64:
+    the same tiles reach shared memory, so out and lse are bitwise the same (NaN-poisoned unused slots in both)."""
+    from mla_fast import triton_decode as td
+
+    config = td.KernelConfig(**_gluon_fp8(case.heads, max(case.q_lens), case.combo))
+    results = []
+    for page_size in (case.page_size, 64):
+        batch = replace(case, page_size=page_size).batch("cuda")
+        assert batch.kv_cache.shape[1] == page_size
+        plan = td.make_plan(batch, config)
+        results.append(td.decode(batch, plan=plan, config=config))
+    (out, lse), (out64, lse64) = results
+    assert torch.equal(out.view(torch.int16), out64.view(torch.int16))
+    assert torch.equal(lse.view(torch.int32), lse64.view(torch.int32))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon_fp8' needs sm_90")
