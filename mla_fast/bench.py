@@ -225,6 +225,9 @@ def flashinfer_fn(batch: DecodeBatch):
     return fn
 
 
+FLASHMLA_PAGE = 64  # FlashMLA's only page_block_size (flashmla_backend.PAGE_SIZE)
+
+
 def flashmla_fn(batch: DecodeBatch):
     """() -> flash_mla_with_kvcache(use_legacy=True) with its schedule cached (peers.md §1), or a reason string."""
     try:
@@ -235,6 +238,8 @@ def flashmla_fn(batch: DecodeBatch):
 
     if batch.q.dtype != batch.kv_cache.dtype:
         return "n/a (q and cache of one dtype)"
+    if batch.page_size != FLASHMLA_PAGE:  # its adapter would time a repaged copy: another layout than ours
+        return f"n/a (pages of {FLASHMLA_PAGE} only)"
     a = flashmla_inputs(batch)
     B, s_q, H, _ = a["q"].shape
     meta, _ = flash_mla.get_mla_metadata()
@@ -371,12 +376,13 @@ def diff_vs_ours(fn, ours_out) -> dict:
 
 
 def run_grid(shapes, combos, peers=tuple(PEERS), copy_gbs=None, candidates=False, json_path=None, floor=True,
-             shared_pages=False, step=False, rounds: int = ROUNDS) -> dict:
+             shared_pages=False, step=False, rounds: int = ROUNDS, page_size: int = 64) -> dict:
     """Time every (shape, combo) for ours and the named peers, in `rounds` alternating rounds per row
     (`measure_in_rounds`); with json_path, the JSON is rewritten after each row (partial runs keep rows). floor:
     also time the read floor of each row's cache bytes (`mla_fast.read_floor`, once per cache size, alone).
     shared_pages: batches whose requests all read one request's pages (`build_batch`); the floor is then not timed
-    (the cache comes from the L2). step: also time the graph-capturable step (`step_fn`)."""
+    (the cache comes from the L2). step: also time the graph-capturable step (`step_fn`). page_size: tokens per
+    cache page (FlashMLA takes 64 only)."""
     unknown = sorted(set(peers) - set(PEERS))
     if unknown:
         raise ValueError(f"peers must be among {sorted(PEERS)}, got {unknown}")
@@ -385,11 +391,11 @@ def run_grid(shapes, combos, peers=tuple(PEERS), copy_gbs=None, candidates=False
     copy_gbs = copy_gbs or copy_bandwidth_gbs()
     rows = []
     result = {"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "shared_pages": shared_pages,
-              "flush": FLUSH, "rows": rows}
+              "page_size": page_size, "flush": FLUSH, "rows": rows}
     floors = {}  # cache bytes -> read floor measurement
     for b, s, h in shapes:
         for combo in combos:
-            batch = build_batch(b, s, h, combo, shared_pages=shared_pages)
+            batch = build_batch(b, s, h, combo, page_size=page_size, shared_pages=shared_pages)
             nbytes = bytes_moved(b, s, h, combo)
             row = {"b": b, "s": s, "h": h, "combo": combo, "bytes": nbytes}
             if not floor or shared_pages:
@@ -593,7 +599,8 @@ def print_table(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    title = f"MLA decode, q_len 1, page 64 — {result['device']}, copy {result['copy_gbs']:.0f} GB/s"
+    title = (f"MLA decode, q_len 1, page {result.get('page_size', 64)} — {result['device']}, "
+             f"copy {result['copy_gbs']:.0f} GB/s")
     title += ", shared pages (the cache from the L2)" if result.get("shared_pages") else ""
     title += ", L2 flushed by a read (--flush read)" if result.get("flush") == "read" else ""
     table = Table(title=title)
@@ -653,6 +660,9 @@ def main(argv=None) -> None:
                         help="alternating rounds per row: ours and the peers take turns, each round starting at the "
                              "next callable, so that the GPU's slow phases (clocks at the power cap) fall on all "
                              "alike; the same number of timed calls in all (default %(default)s)")
+    parser.add_argument("--page-size", type=int, default=64, metavar="P",
+                        help="tokens per cache page (default %(default)s; vLLM's default block is 16; FlashMLA takes "
+                             "64 only and is reported n/a otherwise)")
     parser.add_argument("--flush", choices=FLUSHES, default="zero",
                         help="how the L2 is flushed before each call: zero (do_bench's 256 MB memset, the default; "
                              "it leaves dirty lines that the call writes back) or read (a sum over the same buffer: "
@@ -663,6 +673,8 @@ def main(argv=None) -> None:
     FLUSH = args.flush
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
+    if args.page_size < 1:
+        parser.error(f"--page-size must be >= 1, got {args.page_size}")
     peers = [] if args.no_peers else args.peers.split(",")
     if set(peers) - set(PEERS):
         parser.error(f"--peers must be a comma list of {list(PEERS)}, got {args.peers!r}")
@@ -676,7 +688,7 @@ def main(argv=None) -> None:
     with ClockSampler(smi_id(dev, getattr(torch.cuda.get_device_properties(dev), "uuid", None))) as clocks:
         result = run_grid(args.shapes, args.dtypes.split(","), peers=peers, candidates=args.candidates,
                           json_path=args.json, floor=not args.no_floor, shared_pages=args.shared_pages,
-                          step=args.step, rounds=args.rounds)
+                          step=args.step, rounds=args.rounds, page_size=args.page_size)
     add_clocks(result, clocks)
     result["wall_s"] = time.time() - t0
     print_table(result)

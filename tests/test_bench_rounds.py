@@ -77,3 +77,10 @@ def test_rounds_must_be_positive():
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["--rounds", "0"])
     assert exit_info.value.code == 2  # argparse's usage error, before any CUDA work
+
+
+def test_page_size_must_be_positive(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--page-size", "0"])
+    assert exit_info.value.code == 2  # argparse's usage error, before any CUDA work
+    assert "--page-size must be >= 1, got 0" in capsys.readouterr().err
