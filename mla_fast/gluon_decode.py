@@ -6,7 +6,8 @@ The same absorbed-MLA decode contract and `WorkPlan` as `mla_fast.triton_decode.
 its reduce kernel merges), written in Gluon, Triton's lower-level language, for the compute-bound shapes: bf16 q and
 cache (or an e4m3fn cache: see "fp8 caches" below), one 64-row M tile of packed (query row x head) rows per program
 as in the Triton kernel (head_group 8, 16, 32 or 64 heads per query row, q_len x head_group <= 64; MTP rows see
-their causal limits), 64-token tiles that lie inside one page (page_size % 64 == 0), L = 512 and R = 64. Triton 3.6
+their causal limits), 64-token tiles that lie inside one page (page_size % 64 == 0) or span whole pages of 16 or 32
+tokens (SMALL_PAGES: each tile's chunks copied one TMA row box per page, `tile_boxes`), L = 512 and R = 64. Triton 3.6
 cannot warp-specialize on Hopper; Gluon can, and this kernel needs it. q arrives by TMA, one [head_group, 64] box
 per query row and chunk; packed rows past an item's q_len hold the next tokens' q (or zeros past the tensor), their
 scores are -inf and they are not written.
@@ -249,30 +250,38 @@ def _staged_box(g, j):
 
 
 @gluon.jit
-def _issue_group(kv_desc, kv_smem, kv8, kv_full, slot, row, g: gl.constexpr, KV_FP8: gl.constexpr):
-    """TMA copies of chunk group g of the tile whose first cache row is `row` into tile slot `slot` (one barrier):
-    the chunks themselves, or with KV_FP8 their fp8 boxes into the group's upper half (`_staged_box`)."""
+def _issue_group(kv_desc, kv_smem, kv8, kv_full, slot, rows, g: gl.constexpr, KV_FP8: gl.constexpr,
+                 BOXES: gl.constexpr):
+    """TMA copies of chunk group g of the tile whose BOXES row boxes start at cache rows `rows` (`_tile_rows`) into
+    tile slot `slot` (one barrier): the chunks themselves, or with KV_FP8 their fp8 boxes into the group's upper half
+    (`_staged_box`); each chunk as BOXES copies of 64 / BOXES rows (one per page of pages smaller than a tile)."""
     n: gl.constexpr = _group_end(g) - _group_first(g)
+    BOX: gl.constexpr = _TILE // BOXES
     if KV_FP8:
         mbarrier.expect(kv_full.index(slot * 3 + g), n * _TILE * _CHUNK)
         for j in gl.static_range(n):
-            tma.async_copy_global_to_shared(kv_desc, [row, (_group_first(g) + j) * _CHUNK],
-                                            kv_full.index(slot * 3 + g), _fp8_box(kv8, slot, _staged_box(g, j)))
+            box = _fp8_box(kv8, slot, _staged_box(g, j))
+            for i in gl.static_range(BOXES):
+                tma.async_copy_global_to_shared(kv_desc, [rows[i], (_group_first(g) + j) * _CHUNK],
+                                                kv_full.index(slot * 3 + g), box.slice(i * BOX, BOX, dim=0))
     else:
         mbarrier.expect(kv_full.index(slot * 3 + g), n * _TILE * _CHUNK * 2)
         for c in gl.static_range(_group_first(g), _group_end(g)):
-            tma.async_copy_global_to_shared(kv_desc, [row, c * _CHUNK], kv_full.index(slot * 3 + g),
-                                            _chunk(kv_smem, slot, c))
+            chunk = _chunk(kv_smem, slot, c)
+            for i in gl.static_range(BOXES):
+                tma.async_copy_global_to_shared(kv_desc, [rows[i], c * _CHUNK], kv_full.index(slot * 3 + g),
+                                                chunk.slice(i * BOX, BOX, dim=0))
 
 
 @gluon.jit
-def _issue_own(WG: gl.constexpr, kv_desc, kv_smem, kv8, kv_full, slot, row, KV_FP8: gl.constexpr):
+def _issue_own(WG: gl.constexpr, kv_desc, kv_smem, kv8, kv_full, slot, rows, KV_FP8: gl.constexpr,
+               BOXES: gl.constexpr):
     """The chunk groups warpgroup WG loads (and releases): 0 -> L and E, 1 -> R."""
     if WG == 0:
-        _issue_group(kv_desc, kv_smem, kv8, kv_full, slot, row, _GROUP_L, KV_FP8)
-        _issue_group(kv_desc, kv_smem, kv8, kv_full, slot, row, _GROUP_E, KV_FP8)
+        _issue_group(kv_desc, kv_smem, kv8, kv_full, slot, rows, _GROUP_L, KV_FP8, BOXES)
+        _issue_group(kv_desc, kv_smem, kv8, kv_full, slot, rows, _GROUP_E, KV_FP8, BOXES)
     else:
-        _issue_group(kv_desc, kv_smem, kv8, kv_full, slot, row, _GROUP_R, KV_FP8)
+        _issue_group(kv_desc, kv_smem, kv8, kv_full, slot, rows, _GROUP_R, KV_FP8, BOXES)
 
 
 @gluon.jit
@@ -290,6 +299,36 @@ def _tile_row(BLOCK_TABLE, b, stride_bt, kv_start, t, n_tiles, PAGE_SIZE: gl.con
     tok = kv_start + t * _TILE
     page = gl.load(BLOCK_TABLE + b * stride_bt + tok // PAGE_SIZE, mask=t < n_tiles, other=0)
     return page * PAGE_SIZE + tok % PAGE_SIZE
+
+
+@gluon.jit
+def _tile_rows(BLOCK_TABLE, b, stride_bt, kv_start, kv_end, t, n_tiles, PAGE_SIZE: gl.constexpr, BOXES: gl.constexpr):
+    """First cache rows (of the [pages x page_size, 576] view) of the BOXES row boxes of tile t of an item: one box
+    per tile (pages of a multiple of 64), or one per page (pages of 64 / BOXES tokens; items start on tile
+    boundaries, so each box is one whole page). A box at or past KV_END takes the first box's row: no block-table
+    entry past the item's tokens is read, and its slots are zeroed and masked as any slot past KV_END. All 0 past the
+    item's last tile."""
+    row0 = _tile_row(BLOCK_TABLE, b, stride_bt, kv_start, t, n_tiles, PAGE_SIZE)
+    rows = (row0,)
+    for j in gl.static_range(1, BOXES):
+        tok = kv_start + t * _TILE + j * (_TILE // BOXES)  # first token of box j
+        ok = (t < n_tiles) & (tok < kv_end)
+        page = gl.load(BLOCK_TABLE + b * stride_bt + tok // PAGE_SIZE, mask=ok, other=0)
+        rows = rows + (gl.where(ok, page * PAGE_SIZE + tok % PAGE_SIZE, row0),)
+    return rows
+
+
+@gluon.jit
+def _issue_rows(rows_or_tile, walk, PAGE_SIZE: gl.constexpr, BOXES: gl.constexpr):
+    """The cache rows of a tile about to be issued: `rows_or_tile` as loaded early (one box per tile), or with one
+    box per page loaded now (`_tile_rows`) from the tile index `rows_or_tile` and the item's walk (block table,
+    request, its stride, kv_start, kv_end, n_tiles)."""
+    if BOXES == 1:
+        rows = rows_or_tile
+    else:
+        BLOCK_TABLE, b, stride_bt, kv_start, kv_end, n_tiles = walk
+        rows = _tile_rows(BLOCK_TABLE, b, stride_bt, kv_start, kv_end, rows_or_tile, n_tiles, PAGE_SIZE, BOXES)
+    return rows
 
 
 @gluon.jit
@@ -467,6 +506,7 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, q_smem, kv_smem, kv8, p0_sm
     are fp16 (P too), q is loaded from Q and converted by warpgroup 0, and each warpgroup expands the fp8 groups of
     the tile it scores (`_score_group`).
     """
+    BOXES: gl.constexpr = tile_boxes(PAGE_SIZE)  # TMA row boxes per tile: 1, or one per page (pages of 16, 32)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 256, 16])
@@ -489,6 +529,7 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, q_smem, kv_smem, kv8, p0_sm
         b, partial_row, qo, n_q, kv_start, kv_end, head_start, limit_0 = _item(
             WORK_ITEMS, SEQ_LENS, QO_INDPTR, it, head_part, HEAD_GROUP)
         n_tiles = gl.cdiv(kv_end - kv_start, _TILE)
+        walk = (BLOCK_TABLE, b, stride_bt, kv_start, kv_end, n_tiles)  # the item's block-table walk (_issue_rows)
         if WG == 0 and not KV_FP8:  # q, once warpgroup 1 is done with the previous item: 64 // HEAD_GROUP query rows of
             # HEAD_GROUP heads (rows past the item's n_q are loaded from the next tokens or zero-filled, never used)
             mbarrier.wait(q_empty, (n_items & 1) ^ 1)
@@ -500,10 +541,12 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, q_smem, kv_smem, kv8, p0_sm
         # this warpgroup's groups of the first two tiles (both slots are free: see the module docstring)
         if n_tiles > 0:
             _issue_own(WG, kv_desc, kv_smem, kv8, kv_full, 0,
-                       _tile_row(BLOCK_TABLE, b, stride_bt, kv_start, 0, n_tiles, PAGE_SIZE), KV_FP8)
+                       _tile_rows(BLOCK_TABLE, b, stride_bt, kv_start, kv_end, 0, n_tiles, PAGE_SIZE, BOXES), KV_FP8,
+                       BOXES)
         if n_tiles > 1:
             _issue_own(WG, kv_desc, kv_smem, kv8, kv_full, 1,
-                       _tile_row(BLOCK_TABLE, b, stride_bt, kv_start, 1, n_tiles, PAGE_SIZE), KV_FP8)
+                       _tile_rows(BLOCK_TABLE, b, stride_bt, kv_start, kv_end, 1, n_tiles, PAGE_SIZE, BOXES), KV_FP8,
+                       BOXES)
         if WG == 0 and KV_FP8:  # q (bf16 or fp8) as fp16, stored once warpgroup 1 is done with the previous item
             _load_q(Q, q_smem, q_full, q_empty, n_items, qo, n_q, head_start, stride_qt, stride_qh, HEAD_GROUP)
         q_row = gl.arange(0, _ROWS, row_l) // HEAD_GROUP  # [M] packed row -> query row of the item
@@ -517,8 +560,12 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, q_smem, kv_smem, kv8, p0_sm
             has1 = 2 * k + 1 < n_tiles
             next0 = 2 * k + 2 < n_tiles  # the next pair's tiles exist
             next1 = 2 * k + 3 < n_tiles
-            row0 = _tile_row(BLOCK_TABLE, b, stride_bt, kv_start, 2 * k + 2, n_tiles, PAGE_SIZE)  # loaded early
-            row1 = _tile_row(BLOCK_TABLE, b, stride_bt, kv_start, 2 * k + 3, n_tiles, PAGE_SIZE)
+            if BOXES == 1:  # the next pair's block-table entries, loaded early
+                row0 = _tile_rows(BLOCK_TABLE, b, stride_bt, kv_start, kv_end, 2 * k + 2, n_tiles, PAGE_SIZE, BOXES)
+                row1 = _tile_rows(BLOCK_TABLE, b, stride_bt, kv_start, kv_end, 2 * k + 3, n_tiles, PAGE_SIZE, BOXES)
+            else:  # one entry per page: loaded at each issue (`_issue_rows`), which keeps them out of the registers
+                row0 = 2 * k + 2  # the next pair's tiles
+                row1 = 2 * k + 3
             ph0 = uses0 & 1
             ph1 = uses1 & 1
             xph = pairs & 1
@@ -526,7 +573,8 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, q_smem, kv_smem, kv8, p0_sm
                 s = _masked(_scores(q_smem, kv_smem, kv8, kv_full, 0, ph0, kv_end - t0, s_layout, KV_FP8), t0,
                             kv_end, limit, qk_scale, s_layout)
                 if next0:  # slot 0's k_pe chunk is free
-                    _issue_group(kv_desc, kv_smem, kv8, kv_full, 0, row0, _GROUP_E, KV_FP8)
+                    _issue_group(kv_desc, kv_smem, kv8, kv_full, 0, _issue_rows(row0, walk, PAGE_SIZE, BOXES),
+                                 _GROUP_E, KV_FP8, BOXES)
                 m0 = gl.maximum(m_i, gl.max(s, 1))  # [M]
                 alpha0 = _alpha(m_i, m0)
                 p = gl.exp2(s - gl.where(m0 == float("-inf"), 0.0, m0)[:, None])  # [M, N] fp32
@@ -546,7 +594,8 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, q_smem, kv_smem, kv8, p0_sm
                 mbarrier.arrive(xbar.index(2))
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 if next0:  # slot 0's V_L is free
-                    _issue_group(kv_desc, kv_smem, kv8, kv_full, 0, row0, _GROUP_L, KV_FP8)
+                    _issue_group(kv_desc, kv_smem, kv8, kv_full, 0, _issue_rows(row0, walk, PAGE_SIZE, BOXES),
+                                 _GROUP_L, KV_FP8, BOXES)
                 acc = acc * gl.convert_layout(alpha1, orow_l)[:, None]
                 l_i = l_i * alpha1
                 m_i = m1
@@ -558,8 +607,10 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, q_smem, kv_smem, kv8, p0_sm
                     acc = warpgroup_mma(_chunk(kv_smem, 1, 8), _v_half(kv_smem, 1, 0), acc, is_async=True)
                     acc = warpgroup_mma_wait(0, deps=(acc,))
                     if next1:  # slot 1's V_L and p1 (over its k_pe chunk) are free
-                        _issue_group(kv_desc, kv_smem, kv8, kv_full, 1, row1, _GROUP_L, KV_FP8)
-                        _issue_group(kv_desc, kv_smem, kv8, kv_full, 1, row1, _GROUP_E, KV_FP8)
+                        _issue_group(kv_desc, kv_smem, kv8, kv_full, 1, _issue_rows(row1, walk, PAGE_SIZE, BOXES),
+                                     _GROUP_L, KV_FP8, BOXES)
+                        _issue_group(kv_desc, kv_smem, kv8, kv_full, 1, _issue_rows(row1, walk, PAGE_SIZE, BOXES),
+                                     _GROUP_E, KV_FP8, BOXES)
             else:
                 if has1:
                     s = _masked(_scores(q_smem, kv_smem, kv8, kv_full, 1, ph1, kv_end - t0 - _TILE, s_layout,
@@ -587,20 +638,23 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, q_smem, kv_smem, kv8, p0_sm
                     if KV_FP8:  # slot 1's V_R is free once p1 V1_R retires: reload it before waiting for p0'
                         acc = warpgroup_mma_wait(0, deps=(acc,))
                         if next1:
-                            _issue_group(kv_desc, kv_smem, kv8, kv_full, 1, row1, _GROUP_R, KV_FP8)
+                            _issue_group(kv_desc, kv_smem, kv8, kv_full, 1, _issue_rows(row1, walk, PAGE_SIZE, BOXES),
+                                         _GROUP_R, KV_FP8, BOXES)
                         acc = warpgroup_mma_wait(0, deps=(_pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end,
                                                                  ph0, xph, KV_FP8),))
                     else:  # bf16: p0' V0_R queued behind p1 V1_R first, then the reload
                         acc = _pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end, ph0, xph, KV_FP8)
                         acc = warpgroup_mma_wait(1, deps=(acc,))  # p1 V1_R has retired
                         if next1:
-                            _issue_group(kv_desc, kv_smem, kv8, kv_full, 1, row1, _GROUP_R, KV_FP8)
+                            _issue_group(kv_desc, kv_smem, kv8, kv_full, 1, _issue_rows(row1, walk, PAGE_SIZE, BOXES),
+                                         _GROUP_R, KV_FP8, BOXES)
                         acc = warpgroup_mma_wait(0, deps=(acc,))
                 else:
                     acc = warpgroup_mma_wait(0, deps=(_pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end, ph0,
                                                              xph, KV_FP8),))
                 if next0:  # slot 0's V_R is free (warpgroup 0's scores of it are done: it published p0')
-                    _issue_group(kv_desc, kv_smem, kv8, kv_full, 0, row0, _GROUP_R, KV_FP8)
+                    _issue_group(kv_desc, kv_smem, kv8, kv_full, 0, _issue_rows(row0, walk, PAGE_SIZE, BOXES),
+                                 _GROUP_R, KV_FP8, BOXES)
                 m_i = m1
             uses0 += 1
             uses1 += has1.to(gl.int32)
@@ -695,7 +749,7 @@ def unsupported(batch, head_group: int | None = None, head_split: int | None = N
     operand = "bf16" if batch.kv_cache.dtype == torch.bfloat16 else "fp16"
     if mma is not None and mma != operand:
         return f"kernel='gluon' runs a {batch.kv_cache.dtype} cache with mma={operand!r}, got mma={mma!r}"
-    reason = layout_reason(batch, "gluon")
+    reason = layout_reason(batch, "gluon", SMALL_PAGES)
     if reason:
         return reason
     if not batch.q.is_contiguous() or not batch.kv_cache.is_contiguous():
@@ -709,6 +763,19 @@ def unsupported(batch, head_group: int | None = None, head_split: int | None = N
         if max_rows > ROWS:
             return f"kernel='gluon' packs at most 64 rows (q_len x head_group), got {max_rows}"
     return device_reason(batch, "gluon")
+
+
+# pages smaller than a tile that both Gluon kernels take, one TMA row box per page (pages of 8, 40 copies per tile in
+# the Gluon fp8 kernel, were slower than the Triton kernel: 506 vs 412 us at (128, 8192, 16) fp8kv; perf_history)
+SMALL_PAGES = (16, 32)
+
+
+@constexpr_function
+def tile_boxes(page_size: int) -> int:
+    """TMA row boxes per 64-token tile: 64 / page_size for SMALL_PAGES (each box a whole page of 16 or 32 rows:
+    whole periods of the slots' swizzles, 8 rows of 128 or 64 bytes), else 1 (pages of a multiple of 64; the
+    kernels take no others: `layout_reason`). A constexpr_function: the kernels derive it from their PAGE_SIZE."""
+    return TILE // page_size if page_size in SMALL_PAGES else 1
 
 
 def layout_reason(batch, kernel: str, small_pages: tuple[int, ...] = ()) -> str | None:
@@ -754,7 +821,8 @@ def launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, he
     # q's descriptor is read with a bf16 cache only (with an fp8 cache warpgroup 0 loads q from batch.q)
     q_desc = TensorDescriptor(batch.q.view(T * H, D), [T * H, D], [D, 1], [head_group, CHUNK],
                               gl.NVMMASharedLayout.get_default_for([TILE, CHUNK], _GL_DTYPE[batch.q.dtype]))
-    kv_desc = TensorDescriptor(kv.view(-1, D), [kv.shape[0] * kv.shape[1], D], [D, 1], [TILE, CHUNK],
+    boxes = tile_boxes(kv.shape[1])  # TMA boxes of a tile (pages of 16 or 32: one per page) into the slots' layout
+    kv_desc = TensorDescriptor(kv.view(-1, D), [kv.shape[0] * kv.shape[1], D], [D, 1], [TILE // boxes, CHUNK],
                                gl.NVMMASharedLayout.get_default_for([TILE, CHUNK], _GL_DTYPE[kv.dtype]))
     num_workers = plan.worker_indptr.numel() - 1
     # ONE_ITEM (WorkPlan.one_item_per_worker: no worker-range load before the first item) for bf16 caches only: on

@@ -119,10 +119,12 @@ from mla_fast.gluon_decode import (  # the tile, widths, work-item columns and b
     L_DIM,
     LOG2E,
     R_DIM,
+    SMALL_PAGES,
     TILE,
     _item,
-    _tile_row,
+    _tile_rows,
     _worker_items,
+    tile_boxes,
 )
 
 ROWS = 16  # packed (query row x head) rows per program (wgmma N): q_len x head_group <= 16
@@ -291,23 +293,6 @@ def _zero_tail(ckv, n_valid):
 
 
 @gluon.jit
-def _tile_rows(BLOCK_TABLE, b, stride_bt, kv_start, kv_end, t, n_tiles, PAGE_SIZE: gl.constexpr, BOXES: gl.constexpr):
-    """First cache rows (of the [pages x page_size, 576] view) of the BOXES row boxes of tile t of an item: one box
-    per tile (pages of a multiple of 64), or one per page (pages of 64 / BOXES tokens; items start on tile
-    boundaries, so each box is one whole page). A box at or past KV_END takes the first box's row: no block-table
-    entry past the item's tokens is read, and its slots are zeroed and masked as any slot past KV_END. All 0 past the
-    item's last tile."""
-    row0 = _tile_row(BLOCK_TABLE, b, stride_bt, kv_start, t, n_tiles, PAGE_SIZE)
-    rows = (row0,)
-    for j in gl.static_range(1, BOXES):
-        tok = kv_start + t * _TILE + j * (_TILE // BOXES)  # first token of box j
-        ok = (t < n_tiles) & (tok < kv_end)
-        page = gl.load(BLOCK_TABLE + b * stride_bt + tok // PAGE_SIZE, mask=ok, other=0)
-        rows = rows + (gl.where(ok, page * PAGE_SIZE + tok % PAGE_SIZE, row0),)
-    return rows
-
-
-@gluon.jit
 def _issue_tile(ckv_desc, kpe_desc, ckv_smem, kpe_smem, ready, slot, rows, BOXES: gl.constexpr):
     """TMA copies of the tile whose BOXES row boxes start at cache rows `rows` (`_tile_rows`) into tile slot `slot`
     (one barrier; c_kv as four [64 / BOXES, 128] boxes per row box, k_pe as one [64 / BOXES, 64])."""
@@ -361,10 +346,10 @@ def _mla_decode_fp8_kernel(
     sm_scale_log2,  # sm_scale x log2(e)
     stride_qt, stride_qh, stride_bt, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt,
     PAGE_SIZE: gl.constexpr, HEAD_GROUP: gl.constexpr, HEAD_SPLIT: gl.constexpr, STAGES: gl.constexpr,
-    BOXES: gl.constexpr,  # row boxes per tile: 1, or 64 / PAGE_SIZE for pages smaller than a tile (`_tile_rows`)
     ONE_ITEM: gl.constexpr,  # WorkPlan.one_item_per_worker
     QK_FP8: gl.constexpr,  # e4m3fn q: fp8 score MMAs on q and the cache tile as stored (`_fp8_scores`)
 ):
+    BOXES: gl.constexpr = tile_boxes(PAGE_SIZE)  # TMA row boxes per tile: 1, or one per page (pages of 16, 32)
     Q_ROWS: gl.constexpr = _ROWS // HEAD_GROUP  # query rows per item: packed row m is query row m // HEAD_GROUP,
     # head m % HEAD_GROUP (MTP: causal limits per row; rows past the item's query rows are neither read nor written)
     ckv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_TILE, 128], gl.float8e4nv)
@@ -549,17 +534,6 @@ def unsupported(batch, head_group: int | None = None, head_split: int | None = N
     return gluon_decode.device_reason(batch, "gluon_fp8")
 
 
-# pages smaller than a tile that this kernel takes, one TMA row box per page (pages of 8, 40 copies per tile, were
-# slower than the Triton kernel: 506 vs 412 us at (128, 8192, 16) fp8kv; docs/perf_history.md)
-SMALL_PAGES = (16, 32)
-
-
-def tile_boxes(page_size: int) -> int:
-    """TMA row boxes per 64-token tile: 1 for pages of a multiple of 64, 64 / page_size for SMALL_PAGES (each box a
-    whole page of 16 or 32 rows, a whole number of periods of the slot's 128-byte swizzle, 8 rows)."""
-    return TILE // page_size if page_size in SMALL_PAGES else 1
-
-
 SLOT_BYTES = TILE * (L_DIM + R_DIM)  # one tile slot (fp8): 36 KB
 FIXED_BYTES = 21 * 1024  # q (fp16), p and the reduction scratch: 20.3 KB compiled
 SMEM_PER_SM = 227 * 1024  # sm_90
@@ -601,6 +575,6 @@ def launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, he
         out, lse, o_part, lse_part, q_scale, kv_scale, float(batch.sm_scale) * LOG2E,
         batch.q.stride(0), batch.q.stride(1), batch.block_table.stride(0), out.stride(0), out.stride(1),
         lse.stride(0), o_part.stride(0), o_part.stride(1), lse_part.stride(0),
-        PAGE_SIZE=kv.shape[1], HEAD_GROUP=head_group, HEAD_SPLIT=head_split, STAGES=num_stages, BOXES=boxes,
+        PAGE_SIZE=kv.shape[1], HEAD_GROUP=head_group, HEAD_SPLIT=head_split, STAGES=num_stages,
         ONE_ITEM=plan.one_item_per_worker, QK_FP8=qk_fp8, num_warps=4,
     )

@@ -722,7 +722,8 @@ class KernelConfig:
         kernel: "triton" (`_mla_decode_kernel`, every input), "gluon" (`mla_fast.gluon_decode`, the warp-specialized
             seesaw kernel: CUDA sm_90, bf16 with mma="bf16" or an e4m3fn cache with bf16 or e4m3fn q and
             mma="fp16", head_group 8/16/32/64 with q_len x head_group <= 64 packed rows,
-            page_size % 64 == 0, L = 512, R = 64; of the fields above it reads head_group and head_split only) or
+            page_size % 64 == 0 or 16 or 32, L = 512, R = 64; of the fields above it reads head_group and
+            head_split only) or
             "gluon_fp8" (`mla_fast.gluon_fp8`: CUDA sm_90, e4m3fn cache with bf16 or e4m3fn q, head_group 16, 8 or 4
             with q_len x head_group <= 16 packed rows, page_size % 64 == 0 or 16 or 32 (`gluon_fp8.SMALL_PAGES`),
             L = 512, R = 64, mma="fp16"; it reads
@@ -877,7 +878,8 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
     and the h = 128 shapes; see the module docstring).
 
     seesaw: the Gluon seesaw kernel can run the batch (`gluon_decode.supported`: CUDA sm_90, bf16, or an e4m3fn
-    cache with bf16 or e4m3fn q, L = 512, R = 64, pages of a multiple of 64 tokens, contiguous q and cache);
+    cache with bf16 or e4m3fn q, L = 512, R = 64, pages of a multiple of 64 tokens or of 16 or 32, contiguous q
+    and cache);
     `batch_config` passes it.
     fp8_gluon: the Gluon fp8 kernel can run the batch (`gluon_fp8.supported`: CUDA sm_90, e4m3fn cache with bf16
     or e4m3fn q, L = 512, R = 64, pages of a multiple of 64 tokens or of 16 or 32, contiguous cache);

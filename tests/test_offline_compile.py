@@ -18,15 +18,17 @@ MAX_REGISTERS = 255  # sm_90: registers per thread an instruction can name
 
 
 @pytest.mark.skipif(not PTXAS.exists(), reason="this triton wheel ships no ptxas")
-@pytest.mark.parametrize("kernel, combo, heads, q_len", [
-    ("seesaw", "bf16", 128, 1),  # the bf16 default at 128 heads
-    ("seesaw", "fp8kv", 128, 1),  # e4m3fn cache: fp8 boxes expanded in place
-    ("seesaw", "fp8", 16, 4),  # e4m3fn q, MTP rows
-    ("gluon_fp8", "fp8kv", 16, 2),
+@pytest.mark.parametrize("kernel, combo, heads, q_len, page_size", [
+    ("seesaw", "bf16", 128, 1, 64),  # the bf16 default at 128 heads
+    ("seesaw", "fp8kv", 128, 1, 64),  # e4m3fn cache: fp8 boxes expanded in place
+    ("seesaw", "fp8", 16, 4, 64),  # e4m3fn q, MTP rows
+    ("seesaw", "fp8kv", 128, 1, 16),  # one TMA box per page
+    ("gluon_fp8", "fp8kv", 16, 2, 64),
 ])
-def test_gluon_kernel_compiles_for_sm90(kernel, combo, heads, q_len):
+def test_gluon_kernel_compiles_for_sm90(kernel, combo, heads, q_len, page_size):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "offline_compile.py"), kernel, "--combo", combo,
-                           "--heads", str(heads), "--q-len", str(q_len)], capture_output=True, text=True, timeout=600)
+                           "--heads", str(heads), "--q-len", str(q_len), "--page-size", str(page_size)],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
     assert (report["kernel"], report["combo"]) == (kernel, combo)

@@ -615,7 +615,8 @@ def test_gluon_kernel_rejects_what_it_cannot_take():
         "at most 64 rows": (ok, 64, 1, 128),
         "num_heads = head_group x head_split": (ok, 64, 2, 64),
         "head_group in": (ok, 12, 1, 12),
-        "page_size % 64": (TritonCase((70,), (1,), heads=64, page_size=16, L=512, R=64).batch(), 64, 1, 64),
+        "page_size % 64 == 0 or page_size in (16, 32)": (
+            TritonCase((70,), (1,), heads=64, page_size=8, L=512, R=64).batch(), 64, 1, 64),
         "kv_lora_rank 512": (TritonCase((70,), (1,), heads=64, page_size=64).batch(), 64, 1, 64),
         "e4m3fn cache with bf16 or e4m3fn q": (fp8kv.replace(kv_cache=fp8kv.kv_cache.to(torch.float8_e4m3fnuz)),
                                                64, 1, 64),
@@ -623,6 +624,10 @@ def test_gluon_kernel_rejects_what_it_cannot_take():
     }
     for words, (batch, head_group, head_split, rows) in reasons.items():
         assert words in (gd.unsupported(batch, head_group, head_split, rows) or ""), words
+    for page_size in (16, 32, 128):  # one TMA box per page (gd.SMALL_PAGES), or whole tiles: only the CPU stops it
+        batch = TritonCase((70,), (1,), heads=64, page_size=page_size, L=512, R=64).batch()
+        assert "sm_90" in gd.unsupported(batch, 64, 1, 64)
+    assert [gd.tile_boxes(p) for p in (8, 16, 32, 64, 128, 48)] == [1, 4, 2, 1, 1, 1]
     # the config's operand dtype must be the cache's: bf16 for bf16, fp16 for e4m3fn
     assert "mma='fp16', got mma='bf16'" in gd.unsupported(fp8kv, 64, 1, 64, "bf16")
     assert "mma='bf16', got mma='fp16'" in gd.unsupported(ok, 64, 1, 64, "fp16")

@@ -482,12 +482,38 @@ def _sm90():
     return torch.cuda.get_device_capability() == (9, 0)
 
 
+# pages of 16 and 32 (one TMA box per page): partial last pages and tiles, pages past an item's last token,
+# zero-length requests, splits, MTP
+SEESAW_SMALL_PAGE_CASES = [
+    TritonCase((0, 1, 15, 16, 17, 63, 64, 65, 1000, 4097), (1,) * 10, heads=128, page_size=16, L=512, R=64, seed=70),
+    TritonCase((5, 1500, 0, 4097, 33), (1,) * 5, heads=128, page_size=32, combo="fp8kv", L=512, R=64, seed=71),
+    TritonCase((700, 3, 20000, 0), (2, 2, 1, 2), heads=64, page_size=16, combo="fp8", L=512, R=64, seed=72),
+]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon' needs sm_90")
-@pytest.mark.parametrize("case", GLUON_CASES + SEESAW_FP8_CASES,
+@pytest.mark.parametrize("case", GLUON_CASES + SEESAW_FP8_CASES + SEESAW_SMALL_PAGE_CASES,
                          ids=lambda c: f"{c.combo}_h{c.heads}_p{c.page_size}_q{max(c.q_lens)}_s{c.seed}")
 def test_gluon_seesaw_within_kernel_bound(case):
     r = _decode_and_check(case.batch("cuda"), **_gluon(case.heads, max(case.q_lens), case.combo))
     assert r["finite"] and r["empty_ok"] and r["out_ratio"] <= 1.0 and r["lse_ratio"] <= 1.0, r
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon' needs sm_90")
+@pytest.mark.parametrize("case", SEESAW_SMALL_PAGE_CASES, ids=lambda c: f"{c.combo}_p{c.page_size}_s{c.seed}")
+def test_gluon_seesaw_small_pages_give_the_bits_of_pages_of_64(case):
+    """As the Gluon fp8 kernel's: the same requests in pages of 16 / 32 and of 64 give bitwise the same out and lse
+    (the same tiles reach shared memory)."""
+    from mla_fast import triton_decode as td
+
+    config = td.KernelConfig(**_gluon(case.heads, max(case.q_lens), case.combo))
+    results = []
+    for page_size in (case.page_size, 64):
+        batch = replace(case, page_size=page_size).batch("cuda")
+        results.append(td.decode(batch, plan=td.make_plan(batch, config), config=config))
+    (out, lse), (out64, lse64) = results
+    assert torch.equal(out.view(torch.int16), out64.view(torch.int16))
+    assert torch.equal(lse.view(torch.int32), lse64.view(torch.int32))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon' needs sm_90")
