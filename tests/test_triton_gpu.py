@@ -488,6 +488,7 @@ SEESAW_SMALL_PAGE_CASES = [
     TritonCase((0, 1, 15, 16, 17, 63, 64, 65, 1000, 4097), (1,) * 10, heads=128, page_size=16, L=512, R=64, seed=70),
     TritonCase((5, 1500, 0, 4097, 33), (1,) * 5, heads=128, page_size=32, combo="fp8kv", L=512, R=64, seed=71),
     TritonCase((700, 3, 20000, 0), (2, 2, 1, 2), heads=64, page_size=16, combo="fp8", L=512, R=64, seed=72),
+    TritonCase((0, 31, 32, 33, 2000, 4097), (1,) * 6, heads=128, page_size=32, L=512, R=64, seed=73),  # bf16, 2 boxes
 ]
 
 
