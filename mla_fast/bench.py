@@ -225,21 +225,18 @@ def flashinfer_fn(batch: DecodeBatch):
     return fn
 
 
-FLASHMLA_PAGE = 64  # FlashMLA's only page_block_size (flashmla_backend.PAGE_SIZE)
-
-
 def flashmla_fn(batch: DecodeBatch):
     """() -> flash_mla_with_kvcache(use_legacy=True) with its schedule cached (peers.md §1), or a reason string."""
     try:
         import flash_mla
     except ImportError:
         return "not installed"
-    from mla_fast.flashmla_backend import flashmla_inputs
+    from mla_fast.flashmla_backend import PAGE_SIZE, flashmla_inputs
 
     if batch.q.dtype != batch.kv_cache.dtype:
         return "n/a (q and cache of one dtype)"
-    if batch.page_size != FLASHMLA_PAGE:  # its adapter would time a repaged copy: another layout than ours
-        return f"n/a (pages of {FLASHMLA_PAGE} only)"
+    if batch.page_size != PAGE_SIZE:  # its adapter would time a repaged copy: another layout than ours
+        return f"n/a (pages of {PAGE_SIZE} only)"
     a = flashmla_inputs(batch)
     B, s_q, H, _ = a["q"].shape
     meta, _ = flash_mla.get_mla_metadata()
