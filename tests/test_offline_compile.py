@@ -17,6 +17,15 @@ PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 MAX_REGISTERS = 255  # sm_90: registers per thread an instruction can name
 
 
+def _compile(kernel: str, combo: str, heads: int, q_len: int = 1, page_size: int = 64, sass=None) -> dict:
+    """scripts/offline_compile.py in a process of its own -> its report (the SASS written to `sass` if given)."""
+    cmd = [sys.executable, str(ROOT / "scripts" / "offline_compile.py"), kernel, "--combo", combo, "--heads",
+           str(heads), "--q-len", str(q_len), "--page-size", str(page_size)] + (["--sass", str(sass)] if sass else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.skipif(not PTXAS.exists(), reason="this triton wheel ships no ptxas")
 @pytest.mark.parametrize("kernel, combo, heads, q_len, page_size", [
     ("seesaw", "bf16", 128, 1, 64),  # the bf16 default at 128 heads
@@ -26,11 +35,7 @@ MAX_REGISTERS = 255  # sm_90: registers per thread an instruction can name
     ("gluon_fp8", "fp8kv", 16, 2, 64),
 ])
 def test_gluon_kernel_compiles_for_sm90(kernel, combo, heads, q_len, page_size):
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "offline_compile.py"), kernel, "--combo", combo,
-                           "--heads", str(heads), "--q-len", str(q_len), "--page-size", str(page_size)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+    report = _compile(kernel, combo, heads, q_len, page_size)
     assert (report["kernel"], report["combo"]) == (kernel, combo)
     assert 0 < report["registers"] <= MAX_REGISTERS, report
     assert report["opcodes"] and report["instructions"] > 1000, report  # a real kernel, not an empty stub
@@ -43,27 +48,20 @@ def test_gluon_fp8_scores_of_fp8_q_compile_to_fp8_wgmmas(combo, q_len, fp8_mmas,
     wgmmas on shared memory: 9 accumulators x 2 k32 steps per tile, no spills (the fp16 path spills 8 bytes); bf16
     q keeps fp16 operands."""
     sass = tmp_path / "g8.sass"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "offline_compile.py"), "gluon_fp8", "--combo", combo,
-                           "--heads", "16", "--q-len", str(q_len), "--sass", str(sass)], capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+    report = _compile("gluon_fp8", combo, 16, q_len, sass=sass)
     assert report["spill_stores"] == 0 or not fp8_mmas, report
     assert len(re.findall(r"\bQGMMA\.64x16x32\.F32\.E4M3\.E4M3\b", sass.read_text())) == fp8_mmas
 
 
 @pytest.mark.skipif(not PTXAS.exists(), reason="this triton wheel ships no ptxas")
 def test_gluon_fp8_copies_pages_of_16_in_one_tma_box_each(tmp_path):
-    """Pages of 16 (gluon_fp8.tile_boxes): every tile copy becomes 4 row boxes of c_kv quarters and k_pe, so the
+    """Pages of 16 (gluon_decode.tile_boxes): every tile copy becomes 4 row boxes of c_kv quarters and k_pe, so the
     kernel issues 4 x the TMA loads of pages of 64 (15 there: 5 per tile, at the two first tiles of an item and in
     the loop)."""
     counts = {}
     for page_size in (64, 16):
         sass = tmp_path / f"p{page_size}.sass"
-        proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "offline_compile.py"), "gluon_fp8", "--combo",
-                               "fp8kv", "--heads", "16", "--page-size", str(page_size), "--sass", str(sass)],
-                              capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        _compile("gluon_fp8", "fp8kv", 16, page_size=page_size, sass=sass)
         counts[page_size] = len(re.findall(r"\bUTMALDG\.2D\b", sass.read_text()))
     assert counts == {64: 15, 16: 60}, counts
 
@@ -75,10 +73,7 @@ def test_triton_pair_merge_compiles_for_sm90_with_its_cluster_instructions(combo
     barrier, the distributed-shared-memory bulk copy and the mbarrier's transaction wait; the staged halves are
     written and read with 8-byte accesses (dsmem.ROW_PAD), 16 of each per thread at 16 heads (2 slices x 16 fp32)."""
     sass = tmp_path / "pair.sass"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "offline_compile.py"), "triton_pair", "--combo",
-                           combo, "--heads", "16", "--sass", str(sass)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+    report = _compile("triton_pair", combo, 16, sass=sass)
     assert 0 < report["registers"] <= MAX_REGISTERS and report["spill_stores"] == 0, report
     text = sass.read_text()
     for opcode in ("UCGABAR_ARV", "UCGABAR_WAIT", "UBLKCP.S.S", "SYNCS.PHASECHK.TRANS"):
