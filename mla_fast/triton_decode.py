@@ -725,7 +725,7 @@ class KernelConfig:
             page_size % 64 == 0 or 16 or 32, L = 512, R = 64; of the fields above it reads head_group and
             head_split only) or
             "gluon_fp8" (`mla_fast.gluon_fp8`: CUDA sm_90, e4m3fn cache with bf16 or e4m3fn q, head_group 16, 8 or 4
-            with q_len x head_group <= 16 packed rows, page_size % 64 == 0 or 16 or 32 (`gluon_fp8.SMALL_PAGES`),
+            with q_len x head_group <= 16 packed rows, page_size % 64 == 0 or 16 or 32 (`gluon_decode.SMALL_PAGES`),
             L = 512, R = 64, mma="fp16"; it reads
             head_group, head_split, num_stages (tile slots of 36 KB) and workers_per_sm). All write the same
             partials, merged by the same reduce.
