@@ -503,18 +503,8 @@ def test_gluon_seesaw_within_kernel_bound(case):
 @pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon' needs sm_90")
 @pytest.mark.parametrize("case", SEESAW_SMALL_PAGE_CASES, ids=lambda c: f"{c.combo}_p{c.page_size}_s{c.seed}")
 def test_gluon_seesaw_small_pages_give_the_bits_of_pages_of_64(case):
-    """As the Gluon fp8 kernel's: the same requests in pages of 16 / 32 and of 64 give bitwise the same out and lse
-    (the same tiles reach shared memory)."""
-    from mla_fast import triton_decode as td
-
-    config = td.KernelConfig(**_gluon(case.heads, max(case.q_lens), case.combo))
-    results = []
-    for page_size in (case.page_size, 64):
-        batch = replace(case, page_size=page_size).batch("cuda")
-        results.append(td.decode(batch, plan=td.make_plan(batch, config), config=config))
-    (out, lse), (out64, lse64) = results
-    assert torch.equal(out.view(torch.int16), out64.view(torch.int16))
-    assert torch.equal(lse.view(torch.int32), lse64.view(torch.int32))
+    """As the Gluon fp8 kernel's (`_check_small_pages_give_the_bits_of_pages_of_64`)."""
+    _check_small_pages_give_the_bits_of_pages_of_64(case, _gluon(case.heads, max(case.q_lens), case.combo))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon' needs sm_90")
@@ -526,6 +516,23 @@ def test_gluon_seesaw_bench_grid_within_kernel_bound(shape, combo):
     b, s, h = shape
     r = _decode_and_check(build_batch(b, s, h, combo, seed=hash(shape) % 1000), **_gluon(h, 1, combo))
     assert r["finite"] and r["out_ratio"] <= 1.0 and r["lse_ratio"] <= 1.0, r
+
+
+def _check_small_pages_give_the_bits_of_pages_of_64(case, overrides: dict):
+    """The same requests in pages of case.page_size (16 / 32: one TMA box per page) and in pages of 64 (other
+    physical pages, in another random order), decoded with KernelConfig(**overrides): the same tiles reach shared
+    memory, so out and lse are bitwise the same (NaN-poisoned unused slots in both)."""
+    from mla_fast import triton_decode as td
+
+    config = td.KernelConfig(**overrides)
+    results = []
+    for page_size in (case.page_size, 64):
+        batch = replace(case, page_size=page_size).batch("cuda")
+        assert batch.kv_cache.shape[1] == page_size
+        results.append(td.decode(batch, plan=td.make_plan(batch, config), config=config))
+    (out, lse), (out64, lse64) = results
+    assert torch.equal(out.view(torch.int16), out64.view(torch.int16))
+    assert torch.equal(lse.view(torch.int32), lse64.view(torch.int32))
 
 
 def _check_10_runs_and_graph_replays(case, overrides: dict, lens_list):
@@ -605,20 +612,7 @@ GLUON_FP8_CASES += GLUON_FP8_SMALL_PAGE_CASES
 @pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon_fp8' needs sm_90")
 @pytest.mark.parametrize("case", GLUON_FP8_SMALL_PAGE_CASES, ids=lambda c: f"{c.combo}_p{c.page_size}_s{c.seed}")
 def test_gluon_fp8_small_pages_give_the_bits_of_pages_of_64(case):
-    """The same requests in pages of 16 / 32 (other physical pages, in another random order) and in pages of 64:
-    the same tiles reach shared memory, so out and lse are bitwise the same (NaN-poisoned unused slots in both)."""
-    from mla_fast import triton_decode as td
-
-    config = td.KernelConfig(**_gluon_fp8(case.heads, max(case.q_lens), case.combo))
-    results = []
-    for page_size in (case.page_size, 64):
-        batch = replace(case, page_size=page_size).batch("cuda")
-        assert batch.kv_cache.shape[1] == page_size
-        plan = td.make_plan(batch, config)
-        results.append(td.decode(batch, plan=plan, config=config))
-    (out, lse), (out64, lse64) = results
-    assert torch.equal(out.view(torch.int16), out64.view(torch.int16))
-    assert torch.equal(lse.view(torch.int32), lse64.view(torch.int32))
+    _check_small_pages_give_the_bits_of_pages_of_64(case, _gluon_fp8(case.heads, max(case.q_lens), case.combo))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon_fp8' needs sm_90")
