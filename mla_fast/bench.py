@@ -469,7 +469,8 @@ def forced_fp8_kernels(combo: str, num_heads: int, q_len: int) -> dict:
 
 # fp8 caches at 16 rows on the Triton kernel's staged path: the default before the Gluon fp8 kernel (and off sm_90)
 TRITON_FP8_16_ROWS = dict(kernel="triton", num_warps=4, num_stages=4, workers_per_sm=1, fp8_stage=True, split_l=8,
-                          page_chunk=32, lazy_l=True, qk_fp8=False)
+                          page_chunk=32, lazy_l=True, qk_fp8=False,
+                          page_select=1, gather_chunk_pages=16)  # with triton_decode.FP8_PAGE_GATHER
 FP16_SCORES = dict(qk_fp8=False)  # e4m3fn q: the Gluon fp8 kernel's fp16 score operands (before its fp8 score MMAs)
 CANDIDATES = {  # (combo, num_heads) -> KernelConfig overrides of default_config timed beside it (--candidates)
     # the Triton staged path, the Gluon fp8 kernel with one program per SM and four slots (the default: two x two)

@@ -290,8 +290,8 @@ def _attend_span(
     stride_kvs, stride_bt,
     PAGE_SIZE: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr,
     MMA: tl.constexpr, INTERPRET: tl.constexpr, UPCAST_BF16: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
-    PAGE_CHUNK: tl.constexpr, V_RELOAD: tl.constexpr, FP8_STAGE: tl.constexpr, SPLIT_L: tl.constexpr,
-    LAZY_L: tl.constexpr, UNCHAIN: tl.constexpr, INTERLEAVE: tl.constexpr,
+    PAGE_CHUNK: tl.constexpr, E: tl.constexpr, V_RELOAD: tl.constexpr, FP8_STAGE: tl.constexpr,
+    SPLIT_L: tl.constexpr, LAZY_L: tl.constexpr, UNCHAIN: tl.constexpr, INTERLEAVE: tl.constexpr,
 ):
     """The tiles starting at lo, lo + BLOCK_N, ... < hi. Page of a tile (TILE_IN_PAGE), or of each of its tokens
     (pages smaller than a tile): with PAGE_CHUNK > 0, picked out of `pages` ([PAGE_CHUNK] block-table entries from
@@ -302,7 +302,7 @@ def _attend_span(
         start = lo
         while start < hi:
             page = _tile_page(pages, first_page, start, b, BLOCK_TABLE, stride_bt, PAGE_SIZE, BLOCK_N, TILE_IN_PAGE,
-                              PAGE_CHUNK)
+                              PAGE_CHUNK, E)
             m_i, l_i, acc = _attend_tile(
                 q, q_pe, m_i, l_i, acc, start, kv_end, limit, page, b, KV, BLOCK_TABLE, qk_scale, stride_kvp,
                 stride_kvs, stride_bt, PAGE_SIZE, L, R, BLOCK_N, MMA, UPCAST_BF16, TILE_IN_PAGE, PAGE_CHUNK, V_RELOAD,
@@ -311,7 +311,7 @@ def _attend_span(
     else:
         for start in range(lo, hi, BLOCK_N):
             page = _tile_page(pages, first_page, start, b, BLOCK_TABLE, stride_bt, PAGE_SIZE, BLOCK_N, TILE_IN_PAGE,
-                              PAGE_CHUNK)
+                              PAGE_CHUNK, E)
             m_i, l_i, acc = _attend_tile(
                 q, q_pe, m_i, l_i, acc, start, kv_end, limit, page, b, KV, BLOCK_TABLE, qk_scale, stride_kvp,
                 stride_kvs, stride_bt, PAGE_SIZE, L, R, BLOCK_N, MMA, UPCAST_BF16, TILE_IN_PAGE, PAGE_CHUNK, V_RELOAD,
@@ -321,19 +321,27 @@ def _attend_span(
 
 @triton.jit
 def _tile_page(pages, first_page, start, b, BLOCK_TABLE, stride_bt,
-               PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, TILE_IN_PAGE: tl.constexpr, PAGE_CHUNK: tl.constexpr):
+               PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, TILE_IN_PAGE: tl.constexpr, PAGE_CHUNK: tl.constexpr,
+               E: tl.constexpr):
     """Physical page holding the tile at token `start` (TILE_IN_PAGE), or [BLOCK_N] the page of each of its tokens
-    (pages smaller than a tile, with PAGE_CHUNK > 0); 0 (unused) when `_attend_tile` gathers them itself."""
+    (pages smaller than a tile, with PAGE_CHUNK > 0: from `pages`, [PAGE_CHUNK] with E = 1, else [PAGE_CHUNK / E, E]
+    with E = BLOCK_N / PAGE_SIZE entries per tile, KernelConfig.page_select); 0 (unused) when `_attend_tile` gathers
+    them itself."""
     if TILE_IN_PAGE:
         if PAGE_CHUNK > 0:  # select from the registers: sum of one nonzero-masked entry
             offs_c = tl.arange(0, PAGE_CHUNK)
             page = tl.sum(tl.where(offs_c == start // PAGE_SIZE - first_page, pages, 0), 0)
         else:
             page = tl.load(BLOCK_TABLE + b * stride_bt + start // PAGE_SIZE)
-    elif PAGE_CHUNK > 0:  # each token's entry selected from the registers ([N, C], one nonzero per row)
+    elif PAGE_CHUNK > 0 and E == 1:  # each token's entry selected from the registers ([N, C], one nonzero per row)
         offs_c = tl.arange(0, PAGE_CHUNK)
         idx = (start + tl.arange(0, BLOCK_N)) // PAGE_SIZE - first_page  # [N]
         page = tl.sum(tl.where(offs_c[None, :] == idx[:, None], pages[None, :], 0), 1)  # [N]
+    elif PAGE_CHUNK > 0:  # the tile's E entries ([T, E] -> [E]), then each token's ([N, E] -> [N])
+        tile = (start // PAGE_SIZE - first_page) // E  # the tile's row of the chunk (tiles start on its rows)
+        row = tl.sum(tl.where(tl.arange(0, PAGE_CHUNK // E)[:, None] == tile, pages, 0), 0)  # [E]
+        e = tl.arange(0, BLOCK_N) // PAGE_SIZE  # [N] each token's entry in the tile
+        page = tl.sum(tl.where(tl.arange(0, E)[None, :] == e[:, None], row[None, :], 0), 1)  # [N]
     else:
         page = 0
     return page
@@ -364,9 +372,10 @@ def _mla_decode_kernel(
     PAGE_SIZE: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MMA: tl.constexpr, INTERPRET: tl.constexpr, UPCAST_BF16: tl.constexpr,
-    TILE_IN_PAGE: tl.constexpr, PAGE_CHUNK: tl.constexpr, V_RELOAD: tl.constexpr, FP8_STAGE: tl.constexpr,
-    HEAD_SPLIT: tl.constexpr, SPLIT_L: tl.constexpr, LAZY_L: tl.constexpr, UNCHAIN: tl.constexpr,
-    INTERLEAVE: tl.constexpr, PDL: tl.constexpr, ONE_ITEM: tl.constexpr, PAIR_MERGE: tl.constexpr,
+    TILE_IN_PAGE: tl.constexpr, PAGE_CHUNK: tl.constexpr, PAGE_SELECT: tl.constexpr, V_RELOAD: tl.constexpr,
+    FP8_STAGE: tl.constexpr, HEAD_SPLIT: tl.constexpr, SPLIT_L: tl.constexpr, LAZY_L: tl.constexpr,
+    UNCHAIN: tl.constexpr, INTERLEAVE: tl.constexpr, PDL: tl.constexpr, ONE_ITEM: tl.constexpr,
+    PAIR_MERGE: tl.constexpr,
 ):
     if PDL:  # the reduce kernel may start now; its programs wait (gdc_wait) until this grid has finished
         tl.extra.cuda.gdc_launch_dependents()
@@ -391,8 +400,8 @@ def _mla_decode_kernel(
             it, Q, KV, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, head_part, OUT, LSE, O_PART, LSE_PART,
             kv_scale, qk_scale, stride_qt, stride_qh, stride_kvp, stride_kvs, stride_bt, stride_ot, stride_oh,
             stride_lt, stride_pt, stride_ph, stride_plt, PAGE_SIZE, L, R, BLOCK_M, BLOCK_N, MMA, INTERPRET,
-            UPCAST_BF16, TILE_IN_PAGE, PAGE_CHUNK, V_RELOAD, FP8_STAGE, HEAD_SPLIT, SPLIT_L, LAZY_L, UNCHAIN,
-            INTERLEAVE, PAIR_MERGE)
+            UPCAST_BF16, TILE_IN_PAGE, PAGE_CHUNK, PAGE_SELECT, V_RELOAD, FP8_STAGE, HEAD_SPLIT, SPLIT_L, LAZY_L,
+            UNCHAIN, INTERLEAVE, PAIR_MERGE)
         it += 1
 
 
@@ -403,18 +412,24 @@ def _attend_item(
     stride_pt, stride_ph, stride_plt,
     PAGE_SIZE: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MMA: tl.constexpr, INTERPRET: tl.constexpr, UPCAST_BF16: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
-    PAGE_CHUNK: tl.constexpr, V_RELOAD: tl.constexpr, FP8_STAGE: tl.constexpr, HEAD_SPLIT: tl.constexpr,
+    PAGE_CHUNK: tl.constexpr, PAGE_SELECT: tl.constexpr, V_RELOAD: tl.constexpr, FP8_STAGE: tl.constexpr,
+    HEAD_SPLIT: tl.constexpr,
     SPLIT_L: tl.constexpr, LAZY_L: tl.constexpr, UNCHAIN: tl.constexpr,
     INTERLEAVE: tl.constexpr, PAIR_MERGE: tl.constexpr,
 ):
     """Work item `it`: its rows over its token range, then its output (or workspace) rows; with PAIR_MERGE (item
     `it` is piece it % 2 of a two-piece tile, on CTA it % 2 of a 2-CTA cluster) the merged output of the pair."""
     LS: tl.constexpr = L // SPLIT_L
+    if PAGE_SELECT == 2 and not TILE_IN_PAGE:  # block-table chunks as [tiles, pages per tile] (`_tile_page`)
+        E: tl.constexpr = BLOCK_N // PAGE_SIZE
+    else:
+        E: tl.constexpr = 1
     b, partial_row, qo_start, n_rows, kv_start, kv_end, head_start, num_h, limit_0 = _item_scalars(
         WORK_ITEMS, SEQ_LENS, QO_INDPTR, it, head_part, HEAD_SPLIT)
     if PAGE_CHUNK > 0:  # the first chunk's block-table entries, loaded before q (whose layout
         # conversion waits for it): the two round trips overlap
-        pages = _load_pages(BLOCK_TABLE, b, stride_bt, kv_start // PAGE_SIZE, kv_end, PAGE_SIZE, PAGE_CHUNK)  # [C]
+        pages = _load_pages(BLOCK_TABLE, b, stride_bt, kv_start // PAGE_SIZE, kv_end, PAGE_SIZE, PAGE_CHUNK,
+                            E)  # [C] (E = 1) or [C / E, E]
     qo, h, row_ok, limit, q, q_pe = _item_rows(
         Q, qo_start, n_rows, head_start, num_h, limit_0, stride_qt, stride_qh, L, R, BLOCK_M, MMA, UPCAST_BF16,
         SPLIT_L, FP8_STAGE)
@@ -428,18 +443,18 @@ def _attend_item(
             first_page = chunk // PAGE_SIZE
             chunk_end = tl.minimum((first_page + PAGE_CHUNK) * PAGE_SIZE, kv_end)  # page-aligned unless kv_end
             next_pages = _load_pages(BLOCK_TABLE, b, stride_bt, first_page + PAGE_CHUNK, kv_end, PAGE_SIZE,
-                                     PAGE_CHUNK)  # [C], all masked past kv_end
+                                     PAGE_CHUNK, E)  # all masked past kv_end
             m_i, l_i, acc = _attend_span(
                 q, q_pe, m_i, l_i, acc, chunk, chunk_end, kv_end, limit, pages, first_page, b, KV, BLOCK_TABLE,
                 qk_scale, stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R, BLOCK_N, MMA, INTERPRET, UPCAST_BF16,
-                TILE_IN_PAGE, PAGE_CHUNK, V_RELOAD, FP8_STAGE, SPLIT_L, LAZY_L, UNCHAIN, INTERLEAVE)
+                TILE_IN_PAGE, PAGE_CHUNK, E, V_RELOAD, FP8_STAGE, SPLIT_L, LAZY_L, UNCHAIN, INTERLEAVE)
             pages = next_pages
             chunk = chunk_end
     else:
         m_i, l_i, acc = _attend_span(
             q, q_pe, m_i, l_i, acc, kv_start, kv_end, kv_end, limit, kv_start, 0, b, KV, BLOCK_TABLE, qk_scale,
             stride_kvp, stride_kvs, stride_bt, PAGE_SIZE, L, R, BLOCK_N, MMA, INTERPRET, UPCAST_BF16, TILE_IN_PAGE, 0,
-            V_RELOAD, FP8_STAGE, SPLIT_L, LAZY_L, UNCHAIN, INTERLEAVE)
+            1, V_RELOAD, FP8_STAGE, SPLIT_L, LAZY_L, UNCHAIN, INTERLEAVE)
     if PAIR_MERGE:
         _store_pair(m_i, l_i, acc, kv_scale, it % 2, qo, h, row_ok, OUT, LSE, stride_ot, stride_oh, stride_lt,
                     BLOCK_M, L, LS, SPLIT_L, LAZY_L, INTERPRET)
@@ -506,10 +521,14 @@ def _fresh_state(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LS: tl.constexpr,
 
 
 @triton.jit
-def _load_pages(BLOCK_TABLE, b, stride_bt, first_page, kv_end, PAGE_SIZE: tl.constexpr, PAGE_CHUNK: tl.constexpr):
-    """[PAGE_CHUNK] block-table entries of request b from page `first_page`, in one vector load (pages at or past
-    kv_end read as 0, never used)."""
-    offs_c = tl.arange(0, PAGE_CHUNK)
+def _load_pages(BLOCK_TABLE, b, stride_bt, first_page, kv_end, PAGE_SIZE: tl.constexpr, PAGE_CHUNK: tl.constexpr,
+                E: tl.constexpr):
+    """PAGE_CHUNK block-table entries of request b from page `first_page`, in one vector load (pages at or past
+    kv_end read as 0, never used): [PAGE_CHUNK] with E = 1, else [PAGE_CHUNK / E, E] (E entries per row)."""
+    if E == 1:
+        offs_c = tl.arange(0, PAGE_CHUNK)
+    else:
+        offs_c = tl.arange(0, PAGE_CHUNK // E)[:, None] * E + tl.arange(0, E)[None, :]
     return tl.load(BLOCK_TABLE + b * stride_bt + first_page + offs_c,
                    mask=(first_page + offs_c) * PAGE_SIZE < kv_end, other=0)  # [C]
 
@@ -706,6 +725,14 @@ class KernelConfig:
         page_chunk: block-table entries loaded at once (a power of two), when each tile lies inside one page (page
             size and plan_block_n multiples of block_n) or, on tiles of at most 32 rows, pages of block_n / 4 or
             more divide a tile (`launch_page_chunk`); 0: the block table read in the tile loop.
+        gather_chunk_pages: with pages smaller than a tile, the most pages per tile for which the block-table
+            chunks are taken (`launch_page_chunk`); at more pages per tile each token's entry is read in the tile
+            loop.
+        page_select: with pages smaller than a tile and a block-table chunk, how each token's page is picked out
+            of the chunk's entries in registers: 1, one [block_n, chunk] select; 2, the tile's block_n / page_size
+            entries first (the chunk loaded as [tiles, entries per tile]), then each token's out of those (fewer
+            registers, offline, bf16 at 16 heads: 198 instead of 255 and 28 bytes of spills at page 16, 205 at
+            page 8). Same pages, so the same bits.
         split_l: latent column slices (1, 2, 4 or 8; halved while kv_lora_rank < 16 x split_l): the score MMA runs
             as split_l + 1 independent accumulation chains (slices of L/split_l, then R) summed pairwise at the end,
             instead of one chain over L + R; each slice is loaded once and reused for its P.V MMA. Same products,
@@ -754,6 +781,8 @@ class KernelConfig:
     v_reload: bool = False
     workers_per_sm: int = 1
     page_chunk: int = 0
+    gather_chunk_pages: int = 4
+    page_select: int = 1
     fp8_stage: bool = False
     head_split: int = 1
     split_l: int = 1
@@ -777,6 +806,10 @@ class KernelConfig:
             raise ValueError(f"qk_fp8 (fp8 score MMAs) is a kernel='gluon_fp8' option, got kernel={self.kernel!r}")
         if self.page_chunk < 0 or self.page_chunk & (self.page_chunk - 1):
             raise ValueError(f"page_chunk must be 0 or a power of two, got {self.page_chunk}")
+        if self.gather_chunk_pages < 1:
+            raise ValueError(f"gather_chunk_pages must be >= 1, got {self.gather_chunk_pages}")
+        if self.page_select not in (1, 2):
+            raise ValueError(f"page_select must be 1 (one select) or 2 (tile, then token), got {self.page_select}")
         if self.split_l not in (1, 2, 4, 8):
             raise ValueError(f"split_l must be 1, 2, 4 or 8, got {self.split_l}")
         if self.split_l > 1 and self.v_reload:
@@ -872,6 +905,12 @@ GLUON_FP8_MAX_PROGRAM_TOKENS_FP8_Q = 64 * 4096  # the same with e4m3fn q, whose 
 # Gluon fp8 kernel faster (benchmarks/boundary_h200_fp8.csv, twenty-third session)
 
 
+# pages smaller than a tile, rows <= 32: how each token's page is picked and up to how many pages per tile the
+# block-table chunks are taken, per cache dtype (default_config's docstring has the measurements)
+BF16_PAGE_GATHER = dict(page_select=2, gather_chunk_pages=8)
+FP8_PAGE_GATHER = dict(page_select=1, gather_chunk_pages=16)
+
+
 def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int | None = None,
                    seesaw: bool = False, fp8_gluon: bool = False, kv_tokens: int | None = None) -> KernelConfig:
     """Launch choice, the fastest correct candidate of mla-bench --candidates on one H200 (the h=16 shapes with b >= 32
@@ -955,6 +994,17 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
       as wide: more independent MMAs per warp), another 2-10 %; at 32 rows 4 warps spill, so 8 warps there.
     - bf16, rows <= 32 (mma.sync tiles): block-table chunks of 32 pages, two 64-token tiles buffered, one program
       per SM (vs per-tile block-table loads: 3-6 % faster at b >= 32 and s = 4096).
+    - pages smaller than a tile, rows <= 32 (`launch_page_chunk`; twenty-sixth session, one H200, graph replays,
+      16 heads, benchmarks/config_ab.py, the same bits): bf16 picks each token's page in two steps (page_select
+      2: fewer registers, no spills) and takes chunks up to pages of 8 (gather_chunk_pages 8): against the
+      one-step select 60.1 vs 68.2 us at (32, 4096) page 16, 98.1 vs 122.1 at (64, 4096), 320.1 vs 336.0 at
+      (128, 8192), 176.6 vs 225.7 at (32, 16384), 16.8 vs 18.0 at (1, 8192); page 32 5-25 % faster likewise; page
+      8 against the in-loop gather 64.2 vs 68.4 at (32, 4096), 355.6 vs 437.5 at (128, 8192), 190.8 vs 224.5 at
+      (32, 16384). Pages of 4 stay in the loop (76.4 vs 68.4 at (32, 4096)). fp8 caches keep the one-step
+      select (the two-step one was 5-8 % slower: 357.7 vs 337.9 at (128, 8192) page 8) and take chunks up to pages
+      of 4 (gather_chunk_pages 16): page 8 58.6 vs 68.4 at (32, 4096), 337.5 vs 401.7 at (128, 8192), 182.8 vs
+      219.4 at (32, 16384); page 4 63.1 vs 68.2, 379.0 vs 406.6, 203.3 vs 221.8; at (1, 8192) 16.3 vs 15.7 and
+      16.2 vs 15.6 (slower by 0.6 us).
     - 64 rows (wgmma tiles, bf16 or fp8 caches): two programs per worker on halves of the head group when num_heads
       allows (head_split 2: both read each KV tile at the same time, once from HBM; 4 % faster at (128, 4096, 128)),
       and the score dots behind `_unchain` (each warpgroup half of the scores): bf16 491 vs 586 us at
@@ -1018,7 +1068,7 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
     if rows > 32 and small_batch:  # bf16, few requests
         group = _largest_head_group(num_heads, max_q_len, 16)  # <= 16 rows (q_len 1); the programs cover every head
         return KernelConfig(block_n=64, num_warps=4, num_stages=3, mma=mma, head_group=group,
-                            head_split=num_heads // group, page_chunk=32, split_l=4)
+                            head_split=num_heads // group, page_chunk=32, split_l=4, **BF16_PAGE_GATHER)
     if rows > 32:  # 64-row wgmma tiles
         head_split = 2 if num_heads % (2 * head_group) == 0 else 1
         if fp8_kv:
@@ -1028,9 +1078,10 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
                             head_split=head_split, split_l=2, unchain=True, page_chunk=32, interleave=True)
     if fp8_kv:  # bf16 or fp8 q with an fp8 cache: <= 32 rows
         return KernelConfig(block_n=64, num_warps=warps, num_stages=4 if rows <= 16 else 3, mma=mma,
-                            head_group=head_group, fp8_stage=True, split_l=8, page_chunk=32, lazy_l=True)
+                            head_group=head_group, fp8_stage=True, split_l=8, page_chunk=32, lazy_l=True,
+                            **FP8_PAGE_GATHER)
     return KernelConfig(block_n=64, num_warps=warps, num_stages=3, mma=mma, head_group=head_group, page_chunk=32,
-                        split_l=4)
+                        split_l=4, **BF16_PAGE_GATHER)
 
 
 FORCED_KERNELS = ("seesaw", "gluon_fp8")  # the Gluon kernels `forced_config` can pin
@@ -1205,7 +1256,6 @@ def make_plan(batch, config: KernelConfig, num_workers: int | None = None, seq_l
     )
 
 
-GATHER_CHUNK_MAX_PAGES = 4  # pages per tile up to which the gather takes block-table chunks (pages 16 and 32 at 64)
 GATHER_CHUNK_MAX_ROWS = 32  # packed rows per program up to which it does (64-row tiles were slower with them)
 
 
@@ -1220,18 +1270,19 @@ def launch_page_chunk(config: KernelConfig, page_size: int, plan_block_n: int, b
 
     config.page_chunk where each tile lies inside one page (`tiles_in_pages`). With pages smaller than a tile, each
     token's page is picked from a chunk in registers where the pages divide the tile in at most
-    GATHER_CHUNK_MAX_PAGES, item starts lie on tile boundaries (plan_block_n a multiple of block_n) and programs have
-    at most GATHER_CHUNK_MAX_ROWS rows (block_m); the chunk covers at least one tile, so that chunks end on tile
+    config.gather_chunk_pages, item starts lie on tile boundaries (plan_block_n a multiple of block_n) and programs
+    have at most GATHER_CHUNK_MAX_ROWS rows (block_m); the chunk covers at least one tile, so that chunks end on tile
     boundaries. Measured on one H200 (twenty-fourth session, README "Pages smaller than 64"):
     page_chunk 32 at pages of 16 and 32, 16 and 32 rows, 0.7-26 % faster than the in-loop gather at eight shapes
-    (the same bits); at 64 rows (h = 128) and at page 1 (64 pages per tile) slower. Elsewhere (pages of 1-8 at
-    block_n 64, 3, 48, ...): 0."""
+    (the same bits); at 64 rows (h = 128) and at page 1 (64 pages per tile) slower. How many pages per tile
+    (gather_chunk_pages) pay is set by `default_config` per cache dtype (twenty-sixth session: pages of 8 for bf16
+    with the two-step select, 4 and 8 for fp8 caches). Elsewhere (pages of 1-2 at block_n 64, 3, 48, ...): 0."""
     if not config.page_chunk:
         return 0
     if tiles_in_pages(config, page_size, plan_block_n):
         return config.page_chunk
     if (plan_block_n % config.block_n == 0 and config.block_n % page_size == 0
-            and config.block_n // page_size <= GATHER_CHUNK_MAX_PAGES and block_m <= GATHER_CHUNK_MAX_ROWS):
+            and config.block_n // page_size <= config.gather_chunk_pages and block_m <= GATHER_CHUNK_MAX_ROWS):
         return max(config.page_chunk, config.block_n // page_size)
     return 0
 
@@ -1265,7 +1316,7 @@ def _launch_triton(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, c
         PAGE_SIZE=kv.shape[1], L=L, R=R, BLOCK_M=block_m, BLOCK_N=config.block_n,
         MMA=config.mma, INTERPRET=INTERPRET, UPCAST_BF16=UPCAST_BF16,
         TILE_IN_PAGE=tile_in_page,
-        PAGE_CHUNK=page_chunk, V_RELOAD=config.v_reload,
+        PAGE_CHUNK=page_chunk, PAGE_SELECT=config.page_select, V_RELOAD=config.v_reload,
         FP8_STAGE=config.fp8_stage and not INTERPRET and config.mma == "fp16" and kv.dtype == torch.float8_e4m3fn,
         HEAD_SPLIT=config.head_split, SPLIT_L=split_l, LAZY_L=config.lazy_l, UNCHAIN=config.unchain,
         INTERLEAVE=config.interleave, PDL=pdl and not pair_merge, ONE_ITEM=plan.one_item_per_worker,

@@ -84,3 +84,37 @@ def test_page_size_must_be_positive(capsys):
         bench.main(["--page-size", "0"])
     assert exit_info.value.code == 2  # argparse's usage error, before any CUDA work
     assert "--page-size must be >= 1, got 0" in capsys.readouterr().err
+
+
+def _config_ab():
+    """benchmarks/config_ab.py as a module (benchmarks/ is not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "config_ab.py"
+    spec = importlib.util.spec_from_file_location("config_ab", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_config_ab_variants_split_config_fields_from_module_constants():
+    ab = _config_ab()
+    assert ab.parse_variant("two:page_select=2,GATHER_CHUNK_MAX_ROWS=64,lazy_l=true") == (
+        "two", {"page_select": 2, "lazy_l": True}, {"GATHER_CHUNK_MAX_ROWS": 64})
+    for bad, words in [("two", "NAME:FIELD=VALUE"), ("two:warps=4", "neither a KernelConfig field"),
+                       ("two:NO_SUCH=1", "no constant 'NO_SUCH'")]:
+        with pytest.raises(ValueError, match=words):
+            ab.parse_variant(bad)
+    from mla_fast import triton_decode as td
+
+    before = td.GATHER_CHUNK_MAX_ROWS
+    with ab.held({"GATHER_CHUNK_MAX_ROWS": before * 2}):
+        assert td.GATHER_CHUNK_MAX_ROWS == before * 2
+    assert td.GATHER_CHUNK_MAX_ROWS == before
+
+
+def test_config_ab_needs_two_variants():
+    with pytest.raises(SystemExit) as exit_info:
+        _config_ab().main(["--variant", "one:page_select=1"])
+    assert exit_info.value.code == 2

@@ -77,9 +77,14 @@ CASES = {
     # are merged in four steps, the short ones' in one
     "bf16_p16_longtail_w32": TritonCase((700,) + (64,) * 6, (1,) * 7, page_size=16, num_workers=32, seed=43),
     # pages of a quarter / half of a tile: each token's page picked from a chunk of block-table entries in registers
-    # (launch_page_chunk): pages of 4 in 32-page chunks (128 tokens), pages of 8 in 4-page chunks (32 tokens)
+    # (launch_page_chunk): pages of 4 in 32-page chunks (128 tokens), pages of 8 in 4-page chunks (32 tokens); bf16
+    # in two steps (each tile's row of the chunk, then each token's entry of the row: its default_config), fp8 in one
     "bf16_p4_chunks_w3": TritonCase((300, 7, 0), (1, 1, 1), page_size=4, num_workers=3, seed=44),
     "fp8kv_p8_chunk4_mtp2_w3": TritonCase((90, 33), (2, 1), page_size=8, combo="fp8kv", num_workers=3, seed=45),
+    # the other select of each: bf16 in one step, fp8 in two
+    "bf16_p4_select1_w3": TritonCase((300, 7, 0), (1, 1, 1), page_size=4, num_workers=3, seed=46),
+    "fp8_p8_chunk4_select2_mtp2_w3": TritonCase((90, 33, 1), (2, 1, 2), page_size=8, combo="fp8", num_workers=3,
+                                                seed=47),
 }
 REDUCE_PIECES = {"bf16_p16_longtail_w32": 4}  # decode's reduce_pieces (else plan_reduce_pieces)
 CONFIG_OVERRIDES = {  # KernelConfig fields beside the default_config of the case
@@ -98,6 +103,8 @@ CONFIG_OVERRIDES = {  # KernelConfig fields beside the default_config of the cas
     "bf16_h64_splitl2_p16_w3": dict(split_l=2),
     "bf16_h64_splitl1_unchain_p16_w3": dict(split_l=1),
     "fp8kv_p8_chunk4_mtp2_w3": dict(page_chunk=4),
+    "bf16_p4_select1_w3": dict(page_select=1),
+    "fp8_p8_chunk4_select2_mtp2_w3": dict(page_chunk=4, page_select=2),
 }
 SPLIT_CASES = {  # the plan must cut at least one (request, head group)
     "bf16_p16_w3_empty", "bf16_p1_w8", "bf16_p3_mtp2_w3", "bf16_h32_mtp2_w8", "fp8kv_p16_w3", "fp8kv_p3_mtp2_w8",
@@ -106,6 +113,7 @@ SPLIT_CASES = {  # the plan must cut at least one (request, head group)
     "bf16_h64_unchain_p16_w3", "fp8kv_splitl8_p16_w3", "bf16_splitl8_p3_mtp2_w3", "fp8_vreload_p16_mtp2_w3",
     "bf16_p16_manysplits_w40", "bf16_p16_longtail_w32", "bf16_h64_splitl2_p16_w3", "bf16_h64_splitl1_unchain_p16_w3",
     "fp8kv_h64_rows64_p16_w3", "fp8_h32_mtp2_rows64_p3_w3", "bf16_p4_chunks_w3", "fp8kv_p8_chunk4_mtp2_w3",
+    "bf16_p4_select1_w3", "fp8_p8_chunk4_select2_mtp2_w3",
 }
 PLAN_BLOCK_N, BLOCK_N = 16, 16  # tokens per planner block / kernel tile in the interpreter; item overhead 1 block
 
@@ -187,6 +195,19 @@ def _worker() -> dict:
                                       runs[3][1])
     # interleave (each slice's score dot written after its load) is program order only: bitwise the same output,
     # on 64-row tiles (the bf16 default there) and 16-row tiles with eight slices (fp8 KV, L = 128)
+    # the two-step page select (KernelConfig.page_select = 2) picks the same pages: bitwise the one-step output, on
+    # pages of a quarter of a tile (4 per 16-token tile, 32-page chunks) and of half a tile (2-page chunks) with MTP
+    report["page_select_bitwise"] = {}
+    for name in ("bf16_p4_chunks_w3", "fp8kv_p8_chunk4_mtp2_w3"):
+        case = CASES[name]
+        batch = case.batch()
+        config = replace(td.default_config(case.combo, case.heads, max(case.q_lens)), block_n=BLOCK_N,
+                         plan_block_n=PLAN_BLOCK_N, fixed_overhead=1, **CONFIG_OVERRIDES.get(name, {}))
+        plan = td.make_plan(batch, config, case.num_workers)
+        runs = [td.decode(batch, plan=plan, config=replace(config, page_select=steps)) for steps in (1, 2)]
+        report["page_select_bitwise"][name] = bool(torch.equal(runs[0][0], runs[1][0])
+                                                   and torch.equal(runs[0][1], runs[1][1])
+                                                   and not torch.isnan(runs[1][0].float()).any())
     report["interleave_bitwise"] = []
     for name in ("bf16_h64_splitl2_p16_w3", "fp8kv_splitl8_p16_w3"):
         case = CASES[name]
@@ -256,6 +277,12 @@ def test_interleave_gives_the_same_bits(report):
     assert report["interleave_bitwise"] == [True, True]
 
 
+def test_two_step_page_select_gives_the_same_bits(report):
+    """KernelConfig.page_select = 2 (the tile's entries, then each token's) picks each token's page as the one-step
+    select does: the same bits, no NaN (a wrong page would read the NaN page or other requests' tokens)."""
+    assert report["page_select_bitwise"] == {"bf16_p4_chunks_w3": True, "fp8kv_p8_chunk4_mtp2_w3": True}
+
+
 def test_cases_cover_splits_and_empty_rows(report):
     for name in SPLIT_CASES:
         assert report[name]["split_tiles"] >= 1, f"{name} did not split: the reduce kernel went untested"
@@ -321,6 +348,22 @@ def test_block_table_chunks_cover_whole_tiles():
     assert launch_page_chunk(KernelConfig(block_n=16, page_chunk=2), 4, 16, 16) == 4  # the interpreter's tiles
     assert launch_page_chunk(config, 16, 32, 16) == 0  # items may start mid-tile
     assert launch_page_chunk(KernelConfig(block_n=64, page_chunk=0), 16, 64, 16) == 0
+    assert launch_page_chunk(replace(config, gather_chunk_pages=16), 4, 64, 16) == 32  # 16 pages per tile
+    assert launch_page_chunk(replace(config, gather_chunk_pages=8), 4, 64, 16) == 0
+
+
+def test_default_configs_take_block_table_chunks_per_cache_dtype():
+    """default_config at 16 heads (16 rows, 64-token tiles): bf16 picks each token's page in two steps and takes
+    chunks down to pages of 8; fp8 caches pick in one step and take them down to pages of 4 (the H200 A/B in its
+    docstring). Neither takes them at 32 or more pages per tile."""
+    from mla_fast.triton_decode import default_config, launch_page_chunk
+
+    chunks = {}
+    for combo in ("bf16", "fp8kv", "fp8"):
+        config = default_config(combo, 16, 1)
+        chunks[combo] = (config.page_select, [launch_page_chunk(config, ps, 64, 16) for ps in (1, 2, 4, 8, 16)])
+    assert chunks == {"bf16": (2, [0, 0, 0, 32, 32]), "fp8kv": (1, [0, 0, 32, 32, 32]),
+                      "fp8": (1, [0, 0, 32, 32, 32])}
 
 
 def test_importing_mla_fast_does_not_import_triton(report):

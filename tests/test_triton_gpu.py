@@ -31,6 +31,10 @@ VARLEN = [  # DeepSeek-V3 widths (L = 512, R = 64); ragged lengths with zeros, e
     TritonCase((5, 1500, 0), (4, 3, 1), heads=128, page_size=16, combo="fp8kv", L=512, R=64, seed=5),
     TritonCase((0, 1, 63, 64, 65, 1000, 4097), (1,) * 7, heads=16, page_size=64, combo="fp8", L=512, R=64, seed=6),
     TritonCase((17, 333, 2500), (2, 2, 2), heads=64, page_size=3, combo="fp8", L=512, R=64, seed=7),
+    # the block-table chunks at the smallest pages each cache dtype takes them (default_config): bf16 at 8 (the
+    # two-step select), an fp8 cache at 4
+    TritonCase((0, 7, 8, 9, 1000, 4097), (1,) * 6, heads=16, page_size=8, combo="bf16", L=512, R=64, seed=8),
+    TritonCase((0, 3, 5, 2000, 333), (1, 2, 2, 1, 2), heads=16, page_size=4, combo="fp8", L=512, R=64, seed=9),
 ]
 
 
@@ -72,6 +76,12 @@ CONFIG_CASES = [  # (case, KernelConfig overrides): non-default configs, mla-ben
     (TritonCase((5, 1500, 0, 333), (1,) * 4, heads=128, page_size=16, combo="fp8kv", L=512, R=64, seed=27),
      dict(num_stages=2, page_chunk=0)),  # page 16: per-token gather, one tile buffered
     (VARLEN[0], dict(block_n=32, workers_per_sm=2)),
+    # the page select that is not the dtype's default (BF16_PAGE_GATHER / FP8_PAGE_GATHER) on block-table chunks:
+    # bf16 in one step at page 16, an fp8 cache in two at page 8 with MTP; zero-length requests
+    (TritonCase((0, 15, 16, 17, 1000, 4097), (1,) * 6, heads=16, page_size=16, L=512, R=64, seed=30),
+     dict(page_select=1)),
+    (TritonCase((0, 7, 9, 2000, 333), (2, 2, 1, 2, 1), heads=16, page_size=8, combo="fp8kv", L=512, R=64, seed=31),
+     dict(page_select=2)),
     (VARLEN[4], dict(block_n=32, num_stages=4, workers_per_sm=2)),
 ]
 

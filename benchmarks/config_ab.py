@@ -1,0 +1,118 @@
+"""A/B of our decode's launch variants on one GPU, in alternating rounds: each variant is `KernelConfig` fields set
+on the batch's default config (`batch_config`) and, in upper case, `mla_fast.triton_decode` module constants held for
+that variant's launches (its first call and its graph capture, which launches again). CUDA-graph replays timed as in
+`mla-bench` (`time_us`, three rounds, each starting at the next variant; the best round's median is reported), and
+whether each variant gives the first one's bits.
+
+    python benchmarks/config_ab.py --pages 4,8 --dtypes bf16,fp8kv \\
+        --variant one:page_select=1,gather_chunk_pages=16 --variant two:page_select=2,gather_chunk_pages=16
+
+Prints one line per (shape, page, dtype) with each variant's µs, registers and spills; --json writes them.
+"""
+
+import argparse
+import contextlib
+import json
+from dataclasses import fields, replace
+
+import torch
+
+from mla_fast import triton_decode as td
+from mla_fast.bench import build_batch, graphed, parse_shapes, time_us
+from mla_fast.bench import ours as ours_fn
+
+SHAPES = "32,4096,16;128,8192,16;32,4096,128"
+CONFIG_FIELDS = {f.name: f.type for f in fields(td.KernelConfig)}
+
+
+def parse_variant(text: str) -> tuple[str, dict, dict]:
+    """'name:field=value,CONSTANT=value' -> (name, KernelConfig fields, triton_decode constants); values are ints,
+    or true / false, or strings."""
+    name, _, body = text.partition(":")
+    if not name or not body:
+        raise ValueError(f"--variant must be NAME:FIELD=VALUE[,...], got {text!r}")
+    config, constants = {}, {}
+    for item in body.split(","):
+        key, _, raw = item.partition("=")
+        value = {"true": True, "false": False}.get(raw.lower(), raw)
+        if isinstance(value, str) and value.lstrip("-").isdigit():
+            value = int(value)
+        if key.isupper():
+            if not hasattr(td, key):
+                raise ValueError(f"--variant {name}: triton_decode has no constant {key!r}")
+            constants[key] = value
+        elif key in CONFIG_FIELDS:
+            config[key] = value
+        else:
+            raise ValueError(f"--variant {name}: {key!r} is neither a KernelConfig field nor a triton_decode constant")
+    return name, config, constants
+
+
+@contextlib.contextmanager
+def held(constants: dict):
+    """triton_decode's module constants set to `constants` inside the block, restored after."""
+    old = {k: getattr(td, k) for k in constants}
+    for k, v in constants.items():
+        setattr(td, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(td, k, v)
+
+
+def run_row(batch, variants, rounds: int) -> dict:
+    """Time each variant on `batch` in `rounds` alternating rounds -> {name: {us, regs, spills, same_bits}}."""
+    base = td.batch_config(batch, int(batch.q_lens.max()))
+    replays, infos, first = {}, {}, None
+    for name, config, constants in variants:
+        with held(constants):
+            fn, info = ours_fn(batch, replace(base, **config))
+            torch.cuda.synchronize()
+            outputs = [t.clone() for t in fn.outputs]
+            replays[name] = graphed(fn)
+        first = first or outputs
+        infos[name] = {"regs": info["n_regs"], "spills": info["n_spills"], "kernel": replace(base, **config).kernel,
+                       "same_bits": all(torch.equal(a, b) for a, b in zip(first, outputs))}
+    names = list(replays)
+    times = {n: [] for n in names}
+    for r in range(rounds):
+        k = r % len(names)
+        for n in names[k:] + names[:k]:
+            times[n].append(time_us(replays[n])[0])
+    return {n: {"us": round(min(times[n]), 1), **infos[n]} for n in names}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", type=parse_shapes, default=parse_shapes(SHAPES), help=f'"b,s,h;..." ({SHAPES})')
+    parser.add_argument("--pages", default="16", help="comma list of page sizes (default 16)")
+    parser.add_argument("--dtypes", default="bf16,fp8kv", help="comma list of bf16, fp8kv, fp8")
+    parser.add_argument("--variant", action="append", required=True, help="NAME:FIELD=VALUE[,...] (at least two)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", help="write the rows to this file")
+    args = parser.parse_args(argv)
+    try:
+        variants = [parse_variant(v) for v in args.variant]
+    except ValueError as e:
+        parser.error(str(e))
+    if len(variants) < 2 or args.rounds < 1:
+        parser.error(f"need at least two --variant and --rounds >= 1, got {len(variants)} and {args.rounds}")
+    if not torch.cuda.is_available():
+        raise SystemExit("config_ab needs a CUDA GPU")
+    rows = []
+    for b, s, h in args.shapes:
+        for page in (int(p) for p in args.pages.split(",")):
+            for combo in args.dtypes.split(","):
+                row = {"b": b, "s": s, "h": h, "page": page, "combo": combo,
+                       "variants": run_row(build_batch(b, s, h, combo, page_size=page), variants, args.rounds)}
+                rows.append(row)
+                print(row, flush=True)
+                torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
