@@ -15,9 +15,10 @@ Two kernels, beside their launcher (like Triton's fused-attention tutorial):
   an item is one request, a range of query rows x a head group (packed along M: MTP rows times heads; with head_split
   > 1 each program takes its share of the item's heads) and a token range. Each KV tile of BLOCK_N tokens is loaded
   once, row-major, as [BLOCK_N, L] (c_kv) and [BLOCK_N, R] (k_pe), and reused for both dot(q, trans(k)) and
-  dot(p, c_kv). When a tile lies inside one page, or (tiles of at most 32 rows) pages of a quarter or half of a tile
-  divide it, the block-table entries come in chunks of `page_chunk` pages (one vector load, the tile's or each
-  token's page picked in registers), so no load in the tile loop feeds an address and Triton pipelines the KV loads
+  dot(p, c_kv). When a tile lies inside one page, or (tiles of at most 32 rows) up to `gather_chunk_pages` pages
+  divide it (bf16: pages of 8 or more at 64-token tiles; fp8 caches: 4 or more), the block-table entries come in
+  chunks of `page_chunk` pages (one vector load, the tile's or each token's page picked in registers: for bf16 in
+  two steps, `page_select`), so no load in the tile loop feeds an address and Triton pipelines the KV loads
   (num_stages - 1 tiles buffered). Online softmax in base 2. Unsplit items (PARTIAL_ROW == -1) write `out` (bf16)
   and `lse` straight; split items write fp32 partials (out already normalised, lse natural log)
   to a workspace. Pair merge (`KernelConfig.pair_merge`, `mla_fast.dsmem`): where the plan splits every tile into
