@@ -118,6 +118,25 @@ SPLIT_CASES = {  # the plan must cut at least one (request, head group)
 PLAN_BLOCK_N, BLOCK_N = 16, 16  # tokens per planner block / kernel tile in the interpreter; item overhead 1 block
 
 
+def _decode_with_each(name: str, field: str, values: tuple) -> tuple:
+    """CASES[name] decoded with KernelConfig.<field> at each of `values`, on one plan (its default_config at the
+    interpreter's tiles, with its CONFIG_OVERRIDES) -> (case, batch, config, [(out, lse), ...])."""
+    from mla_fast import triton_decode as td
+
+    case = CASES[name]
+    batch = case.batch()
+    config = replace(td.default_config(case.combo, case.heads, max(case.q_lens)), block_n=BLOCK_N,
+                     plan_block_n=PLAN_BLOCK_N, fixed_overhead=1, **CONFIG_OVERRIDES.get(name, {}))
+    plan = td.make_plan(batch, config, case.num_workers)
+    runs = [td.decode(batch, plan=plan, config=replace(config, **{field: value})) for value in values]
+    return case, batch, config, runs
+
+
+def _same_bits(a: tuple, b: tuple) -> bool:
+    """Two (out, lse) pairs bitwise equal."""
+    return bool(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]))
+
+
 def _worker() -> dict:
     """Runs in the subprocess, with TRITON_INTERPRET=1 already in the environment."""
     import mla_fast
@@ -193,31 +212,18 @@ def _worker() -> dict:
         runs[workers] = (out32, plan.stats()["pieces_per_tile"]["max"])
     report["split_pair"] = split_pair(runs[1][0], runs[3][0], batch, triton_numerics(config.mma, config.block_n),
                                       runs[3][1])
-    # interleave (each slice's score dot written after its load) is program order only: bitwise the same output,
-    # on 64-row tiles (the bf16 default there) and 16-row tiles with eight slices (fp8 KV, L = 128)
     # the two-step page select (KernelConfig.page_select = 2) picks the same pages: bitwise the one-step output, on
     # pages of a quarter of a tile (4 per 16-token tile, 32-page chunks) and of half a tile (2-page chunks) with MTP
     report["page_select_bitwise"] = {}
     for name in ("bf16_p4_chunks_w3", "fp8kv_p8_chunk4_mtp2_w3"):
-        case = CASES[name]
-        batch = case.batch()
-        config = replace(td.default_config(case.combo, case.heads, max(case.q_lens)), block_n=BLOCK_N,
-                         plan_block_n=PLAN_BLOCK_N, fixed_overhead=1, **CONFIG_OVERRIDES.get(name, {}))
-        plan = td.make_plan(batch, config, case.num_workers)
-        runs = [td.decode(batch, plan=plan, config=replace(config, page_select=steps)) for steps in (1, 2)]
-        report["page_select_bitwise"][name] = bool(torch.equal(runs[0][0], runs[1][0])
-                                                   and torch.equal(runs[0][1], runs[1][1])
-                                                   and not torch.isnan(runs[1][0].float()).any())
+        case, batch, config, runs = _decode_with_each(name, "page_select", (1, 2))
+        report["page_select_bitwise"][name] = _same_bits(*runs) and not bool(torch.isnan(runs[1][0].float()).any())
+    # interleave (each slice's score dot written after its load) is program order only: bitwise the same output,
+    # on 64-row tiles (the bf16 default there) and 16-row tiles with eight slices (fp8 KV, L = 128)
     report["interleave_bitwise"] = []
     for name in ("bf16_h64_splitl2_p16_w3", "fp8kv_splitl8_p16_w3"):
-        case = CASES[name]
-        batch = case.batch()
-        config = replace(td.default_config(case.combo, case.heads, max(case.q_lens)), block_n=BLOCK_N,
-                         plan_block_n=PLAN_BLOCK_N, fixed_overhead=1, **CONFIG_OVERRIDES.get(name, {}))
-        plan = td.make_plan(batch, config, case.num_workers)
-        runs = [td.decode(batch, plan=plan, config=replace(config, interleave=flag)) for flag in (False, True)]
-        report["interleave_bitwise"].append(bool(torch.equal(runs[0][0], runs[1][0])
-                                                 and torch.equal(runs[0][1], runs[1][1])))
+        case, batch, config, runs = _decode_with_each(name, "interleave", (False, True))
+        report["interleave_bitwise"].append(_same_bits(*runs))
     # the graph-capturable step: plan() into its static buffers, run() launches; equal to decode() at the step's
     # reduce_pieces (its fixed reduce shape), also after seq_lens shrink in place and a re-plan (other pieces per tile)
     step = td.TritonMLADecode(batch, num_workers=3, config=config)
