@@ -65,14 +65,15 @@ def run_row(batch, variants, rounds: int) -> dict:
     """Time each variant on `batch` in `rounds` alternating rounds -> {name: {us, regs, spills, same_bits}}."""
     base = td.batch_config(batch, int(batch.q_lens.max()))
     replays, infos, first = {}, {}, None
-    for name, config, constants in variants:
+    for name, fields_set, constants in variants:
+        config = replace(base, **fields_set)
         with held(constants):
-            fn, info = ours_fn(batch, replace(base, **config))
+            fn, info = ours_fn(batch, config)
             torch.cuda.synchronize()
             outputs = [t.clone() for t in fn.outputs]
             replays[name] = graphed(fn)
         first = first or outputs
-        infos[name] = {"regs": info["n_regs"], "spills": info["n_spills"], "kernel": replace(base, **config).kernel,
+        infos[name] = {"regs": info["n_regs"], "spills": info["n_spills"], "kernel": config.kernel,
                        "same_bits": all(torch.equal(a, b) for a, b in zip(first, outputs))}
     names = list(replays)
     times = {n: [] for n in names}

@@ -724,8 +724,8 @@ class KernelConfig:
             head_group heads of each item. The head_split programs of a worker read the same KV tiles at the same
             time (one HBM read, the rest from L2), so smaller row tiles cost no extra HBM traffic.
         page_chunk: block-table entries loaded at once (a power of two), when each tile lies inside one page (page
-            size and plan_block_n multiples of block_n) or, on tiles of at most 32 rows, pages of block_n / 4 or
-            more divide a tile (`launch_page_chunk`); 0: the block table read in the tile loop.
+            size and plan_block_n multiples of block_n) or, on tiles of at most 32 rows, pages divide a tile in at
+            most gather_chunk_pages (`launch_page_chunk`); 0: the block table read in the tile loop.
         gather_chunk_pages: with pages smaller than a tile, the most pages per tile for which the block-table
             chunks are taken (`launch_page_chunk`); at more pages per tile each token's entry is read in the tile
             loop.

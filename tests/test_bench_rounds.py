@@ -3,6 +3,7 @@ order, the split of the timed calls, the pooled quantiles and each round's media
 
 import numpy as np
 import pytest
+from benchmark_scripts import benchmark_module
 
 from mla_fast import bench
 
@@ -87,15 +88,8 @@ def test_page_size_must_be_positive(capsys):
 
 
 def _config_ab():
-    """benchmarks/config_ab.py as a module (benchmarks/ is not a package)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "config_ab.py"
-    spec = importlib.util.spec_from_file_location("config_ab", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """benchmarks/config_ab.py as a module."""
+    return benchmark_module("config_ab")
 
 
 def test_config_ab_variants_split_config_fields_from_module_constants():

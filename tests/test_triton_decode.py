@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from benchmark_scripts import benchmark_module
 from triton_cases import TritonCase
 
 HERE = Path(__file__).resolve().parent
@@ -568,13 +569,8 @@ def test_gluon_kernel_is_chosen_only_where_it_runs():
 
 
 def _boundary_bench():
-    """benchmarks/boundary_bench.py as a module (benchmarks/ is not a package)."""
-    sys.path.insert(0, str(HERE.parent / "benchmarks"))
-    try:
-        import boundary_bench
-    finally:
-        sys.path.pop(0)
-    return boundary_bench
+    """benchmarks/boundary_bench.py as a module."""
+    return benchmark_module("boundary_bench")
 
 
 def test_boundary_bench_times_both_kernels_on_both_sides_of_the_rule():
@@ -844,11 +840,7 @@ def test_reduce_varlen_bench_cases_take_the_readme_steps():
     takes them there), get the pieces per reduce step that the README's varlen table lists (after / before: the
     plan's max_pieces), and its variants hand launch those steps."""
     td = pytest.importorskip("mla_fast.triton_decode")
-    sys.path.insert(0, str(HERE.parent / "benchmarks"))
-    try:
-        import reduce_varlen
-    finally:
-        sys.path.pop(0)
+    reduce_varlen = benchmark_module("reduce_varlen")
     from mla_fast.planner import plan_decode
 
     after, before = [], []
