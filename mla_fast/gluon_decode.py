@@ -7,7 +7,8 @@ its reduce kernel merges), written in Gluon, Triton's lower-level language, for 
 cache (or an e4m3fn cache: see "fp8 caches" below), one 64-row M tile of packed (query row x head) rows per program
 as in the Triton kernel (head_group 8, 16, 32 or 64 heads per query row, q_len x head_group <= 64; MTP rows see
 their causal limits), 64-token tiles that lie inside one page (page_size % 64 == 0) or span whole pages of 16 or 32
-tokens (SMALL_PAGES: each tile's chunks copied one TMA row box per page, `tile_boxes`), L = 512 and R = 64. Triton 3.6
+tokens (SMALL_PAGES: each tile's chunks copied one TMA row box per page, `tile_boxes`; bf16 on pages of 16 in the
+grouped layout, below), L = 512 and R = 64. Triton 3.6
 cannot warp-specialize on Hopper; Gluon can, and this kernel needs it. q arrives by TMA, one [head_group, 64] box
 per query row and chunk; packed rows past an item's q_len hold the next tokens' q (or zeros past the tensor), their
 scores are -inf and they are not written.
@@ -41,6 +42,17 @@ across the loop; same bits) spilled 656 vs 168 bytes and took 340.7 / 348.6 vs 2
 on one H200. So was one barrier per chunk (each chunk's score MMA issued once that chunk has landed, FlashMLA's
 fine-grained TMA-GEMM pipelining): 295.4 vs 276.7 us at (128, 4096, 128), 88.0 vs 84.2 at (32, 4096, 128) (tenth
 session; every wait comes with a warpgroup BAR.SYNC in the SASS).
+
+The grouped layout (GROUPED, `grouped_layout`: bf16 caches on pages of 16). Copied one box per page, a tile costs
+36 TMA copies at page 16 (each of the 9 [64, 64] chunks as 4 row boxes), against 9 at page 64, and the copies sit
+on the warpgroups' critical path. Here each c_kv half of a slot is stored as 8 boxes of 8 tokens x 4 chunks
+([4, 8, 64], 4 KB each, one 3-D TMA copy from the cache viewed as [9 chunks, rows, 64]), and the MMAs read the half
+through a shared linear layout (_HALF_LAYOUT) whose wgmma descriptors step 4 KB between 8-token groups and 1 KB
+between chunks; k_pe keeps its page boxes. That is 20 copies per tile at page 16. Same values in the same MMA k-steps
+in the same order, so the bits of the per-page layout and of pages of 64. The layout's MMAs cost more than the
+standard one's (at page 32, 18 copies either way, it was 15-19 % slower), so it is used where it saves copies. cp.async
+copies from the warpgroups' 128 threads instead of TMA were no faster at page 16 and 27-37 % slower at page 64
+(twenty-seventh session, docs/perf_history.md).
 
 One 64 x 512 fp32 accumulator is all the registers an SM has, so the output is split by columns, and the two
 warpgroups alternate on pairs of tiles (K0, K1) with one running max m shared through shared memory (FlashMLA's
@@ -132,6 +144,7 @@ from mla_fast.triton_decode import INTERPRET
 ROWS = 64  # packed rows per program: 64 heads of one query row (one wgmma M tile per warpgroup)
 TILE = 64  # KV tokens per tile
 CHUNK = 64  # channels per TMA box and per shared-memory chunk (128-byte swizzle)
+GROUPS = 8  # 8-token TMA boxes per c_kv half of a tile in the grouped layout (`grouped_layout`)
 L_DIM, R_DIM = 512, 64
 N_CHUNKS = (L_DIM + R_DIM) // CHUNK  # 9: chunks 0-3 = c_kv left half, 4-7 = right half, 8 = k_pe
 LOG2E = 1.4426950408889634
@@ -161,6 +174,18 @@ _GROUP_E = gl.constexpr(2)  # chunk 8: k_pe; after the scores of an odd tile it 
 # conflicts; 16 bytes per thread on 2 threads per token ([1, 16], [16, 2]) had 10-way store and 12-way load conflicts
 _E4M3_BOX = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 _Q_BLOCK = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))  # q rows as loaded (fp8 caches)
+# The grouped layout of a c_kv half (GROUPED: bf16 caches on pages smaller than a tile): 8 TMA boxes of 8 tokens x
+# 4 chunks, box j = tokens 8 j .. 8 j + 7 stored [4 chunks][8 tokens][64 channels] (4 KB, 128-byte swizzled in
+# 1 KB atoms). As a [64 tokens, 256 channels] shared linear layout (offset bit -> [token, channel]): the MMAs read
+# it through descriptors with 4 KB between 8-token groups and 1 KB between chunks
+_HALF_LAYOUT = gl.constexpr(gl.SharedLinearLayout([
+    [0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [0, 32],  # bits 0-5: channels of a 128-byte row
+    [1, 8], [2, 16], [4, 32],  # bits 6-8: tokens of an atom (the 128-byte swizzle XORs them into channel bits 3-5)
+    [0, 64], [0, 128],  # bits 9-10: the chunk (1 KB each)
+    [8, 0], [16, 0], [32, 0],  # bits 11-13: the box (8-token group, 4 KB each)
+]))
+_BOX_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3))  # [4, 8, 64]
+_GROUPS = gl.constexpr(GROUPS)
 
 
 @gluon.jit
@@ -213,9 +238,15 @@ def _q_chunk(q_smem, c: gl.constexpr):
 
 
 @gluon.jit
-def _v_half(kv_smem, slot, half: gl.constexpr):
-    """V half `half` [64 tokens, 256 channels] of tile slot `slot`: the B operand of a P.V MMA (N contiguous)."""
-    return kv_smem[0].index(slot).slice(half * (_L_DIM // 2), _L_DIM // 2, dim=1)
+def _v_half(kv_smem, slot, half: gl.constexpr, GROUPED: gl.constexpr):
+    """V half `half` [64 tokens, 256 channels] of tile slot `slot`: the B operand of a P.V MMA (N contiguous). With
+    GROUPED, c_kv is kv_smem[0] = [2 slots x 2 halves x 8 boxes, 4, 8, 64] and the half its 8 boxes read through
+    _HALF_LAYOUT."""
+    if GROUPED:
+        return kv_smem[0].index((slot * 2 + half) * _GROUPS)._reinterpret(gl.bfloat16, [_TILE, _L_DIM // 2],
+                                                                          _HALF_LAYOUT)
+    else:
+        return kv_smem[0].index(slot).slice(half * (_L_DIM // 2), _L_DIM // 2, dim=1)
 
 
 @constexpr_function
@@ -250,38 +281,47 @@ def _staged_box(g, j):
 
 
 @gluon.jit
-def _issue_group(kv_desc, kv_smem, kv8, kv_full, slot, rows, g: gl.constexpr, KV_FP8: gl.constexpr,
-                 BOXES: gl.constexpr):
-    """TMA copies of chunk group g of the tile whose BOXES row boxes start at cache rows `rows` (`_tile_rows`) into
-    tile slot `slot` (one barrier): the chunks themselves, or with KV_FP8 their fp8 boxes into the group's upper half
-    (`_staged_box`); each chunk as BOXES copies of 64 / BOXES rows (one per page of pages smaller than a tile)."""
+def _issue_group(kv_desc, kv3_desc, kv_smem, kv8, kv_full, slot, rows, g: gl.constexpr, KV_FP8: gl.constexpr,
+                 BOXES: gl.constexpr, GROUPED: gl.constexpr):
+    """TMA copies of chunk group g of a tile into tile slot `slot` (one barrier): the chunks themselves, or with
+    KV_FP8 their fp8 boxes into the group's upper half (`_staged_box`). `rows` (`_tile_rows`): the first cache rows
+    of the tile's BOXES row boxes, each chunk copied as BOXES boxes of 64 / BOXES rows (one per page of pages
+    smaller than a tile); with GROUPED, of its 8 groups of 8 tokens: the c_kv halves (L, R) as 8 boxes of 8 tokens x
+    4 chunks each (kv3_desc, the grouped layout), k_pe as BOXES boxes of 64 / BOXES rows."""
     n: gl.constexpr = _group_end(g) - _group_first(g)
     BOX: gl.constexpr = _TILE // BOXES
-    if KV_FP8:
-        mbarrier.expect(kv_full.index(slot * 3 + g), n * _TILE * _CHUNK)
+    bar = kv_full.index(slot * 3 + g)
+    if GROUPED and g != _GROUP_E:  # 8-token group j: (j % PER) x 8 rows past the first row of page box j // PER
+        GROUP: gl.constexpr = _TILE // _GROUPS
+        PER: gl.constexpr = BOX // GROUP  # groups per page
+        mbarrier.expect(bar, n * _TILE * _CHUNK * 2)
+        for j in gl.static_range(_GROUPS):
+            tma.async_copy_global_to_shared(kv3_desc, [_group_first(g), rows[j // PER] + (j % PER) * GROUP, 0], bar,
+                                            kv_smem[0].index((slot * 2 + g) * _GROUPS + j))
+    elif KV_FP8:
+        mbarrier.expect(bar, n * _TILE * _CHUNK)
         for j in gl.static_range(n):
             box = _fp8_box(kv8, slot, _staged_box(g, j))
             for i in gl.static_range(BOXES):
-                tma.async_copy_global_to_shared(kv_desc, [rows[i], (_group_first(g) + j) * _CHUNK],
-                                                kv_full.index(slot * 3 + g), box.slice(i * BOX, BOX, dim=0))
+                tma.async_copy_global_to_shared(kv_desc, [rows[i], (_group_first(g) + j) * _CHUNK], bar,
+                                                box.slice(i * BOX, BOX, dim=0))
     else:
-        mbarrier.expect(kv_full.index(slot * 3 + g), n * _TILE * _CHUNK * 2)
+        mbarrier.expect(bar, n * _TILE * _CHUNK * 2)
         for c in gl.static_range(_group_first(g), _group_end(g)):
             chunk = _chunk(kv_smem, slot, c)
             for i in gl.static_range(BOXES):
-                tma.async_copy_global_to_shared(kv_desc, [rows[i], c * _CHUNK], kv_full.index(slot * 3 + g),
-                                                chunk.slice(i * BOX, BOX, dim=0))
+                tma.async_copy_global_to_shared(kv_desc, [rows[i], c * _CHUNK], bar, chunk.slice(i * BOX, BOX, dim=0))
 
 
 @gluon.jit
-def _issue_own(WG: gl.constexpr, kv_desc, kv_smem, kv8, kv_full, slot, rows, KV_FP8: gl.constexpr,
-               BOXES: gl.constexpr):
+def _issue_own(WG: gl.constexpr, kv_desc, kv3_desc, kv_smem, kv8, kv_full, slot, rows, KV_FP8: gl.constexpr,
+               BOXES: gl.constexpr, GROUPED: gl.constexpr):
     """The chunk groups warpgroup WG loads (and releases): 0 -> L and E, 1 -> R."""
     if WG == 0:
-        _issue_group(kv_desc, kv_smem, kv8, kv_full, slot, rows, _GROUP_L, KV_FP8, BOXES)
-        _issue_group(kv_desc, kv_smem, kv8, kv_full, slot, rows, _GROUP_E, KV_FP8, BOXES)
+        _issue_group(kv_desc, kv3_desc, kv_smem, kv8, kv_full, slot, rows, _GROUP_L, KV_FP8, BOXES, GROUPED)
+        _issue_group(kv_desc, kv3_desc, kv_smem, kv8, kv_full, slot, rows, _GROUP_E, KV_FP8, BOXES, GROUPED)
     else:
-        _issue_group(kv_desc, kv_smem, kv8, kv_full, slot, rows, _GROUP_R, KV_FP8, BOXES)
+        _issue_group(kv_desc, kv3_desc, kv_smem, kv8, kv_full, slot, rows, _GROUP_R, KV_FP8, BOXES, GROUPED)
 
 
 @gluon.jit
@@ -354,15 +394,20 @@ def _expanded_pair(kv_smem, slot, c: gl.constexpr, x0, x1, n_valid):
 
 
 @gluon.jit
-def _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, g: gl.constexpr, KV_FP8: gl.constexpr):
+def _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, g: gl.constexpr, KV_FP8: gl.constexpr,
+                 GROUPED: gl.constexpr):
     """Wait for chunk group g of a tile slot, then issue its score MMAs onto s (asynchronous). With KV_FP8 the group
     is expanded from its fp8 boxes (upper half of its bytes, `_staged_box`) to fp16 chunks in place first, two
     chunks at a time, each pair's MMAs issued once it is stored: box j becomes chunk first + j, so chunks first and
     first + 1 lie below the boxes, and chunks first + 2 and first + 3 overwrite all four boxes (read by every thread
-    before: the barrier)."""
+    before: the barrier). With GROUPED a c_kv half is one MMA call of K = 256 on its grouped layout (the same 16
+    k-steps in the same order as four chunks)."""
     mbarrier.wait(kv_full.index(slot * 3 + g), phase)
     f: gl.constexpr = _group_first(g)
-    if not KV_FP8:
+    if GROUPED and g != _GROUP_E:
+        q_half = q_smem[0].slice(f * _CHUNK, _L_DIM // 2, dim=1)  # [64 rows, 256]
+        s = warpgroup_mma(q_half, _v_half(kv_smem, slot, g, GROUPED).permute((1, 0)), s, is_async=True)
+    elif not KV_FP8:
         s = _score_mmas(s, q_smem, kv_smem, slot, f, _group_end(g))
     elif g == _GROUP_E:
         x = _fp8_box(kv8, slot, _staged_box(g, 0)).load(_E4M3_BOX)
@@ -386,19 +431,20 @@ def _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, g: gl.c
 
 
 @gluon.jit
-def _scores(q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, s_layout: gl.constexpr, KV_FP8: gl.constexpr):
+def _scores(q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, s_layout: gl.constexpr, KV_FP8: gl.constexpr,
+            GROUPED: gl.constexpr):
     """s = q K^T over the 9 chunks of a tile slot [64, 64] fp32 (one accumulator chain), each chunk group's MMAs
     issued once its copies have landed (and with KV_FP8 been expanded), in the order the previous pair released the
     groups: slot 0 L, E, R (R last: warpgroup 1's p0' V0_R), slot 1 R, E, L (L and E last: warpgroup 0's p1 V1_L)."""
     s = gl.zeros([_ROWS, _TILE], gl.float32, s_layout)
     if slot == 0:
-        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_L, KV_FP8)
-        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_E, KV_FP8)
-        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_R, KV_FP8)
+        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_L, KV_FP8, GROUPED)
+        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_E, KV_FP8, GROUPED)
+        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_R, KV_FP8, GROUPED)
     else:
-        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_R, KV_FP8)
-        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_E, KV_FP8)
-        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_L, KV_FP8)
+        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_R, KV_FP8, GROUPED)
+        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_E, KV_FP8, GROUPED)
+        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_L, KV_FP8, GROUPED)
     return warpgroup_mma_wait(0, deps=(s,))
 
 
@@ -432,15 +478,23 @@ def _masked(s, t0, kv_end, limit, qk_scale, s_layout: gl.constexpr):
 
 
 @gluon.jit
-def _zero_tail(kv_smem, slot, first: gl.constexpr, n_valid):
+def _zero_tail(kv_smem, slot, first: gl.constexpr, n_valid, GROUPED: gl.constexpr):
     """Set V rows >= n_valid of chunks first..first+3 of a slot to 0 (cache slots past KV_END may hold NaN), then
     make the stores visible to the MMAs (async proxy). Only the calling warpgroup reads that V half, and the tile's
     scores are done by then (its own, or the other warpgroup's, published before the exchange barrier it waited)."""
-    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    keep = (gl.arange(0, _TILE, gl.SliceLayout(1, blk)) < n_valid)[:, None]  # [N, 1]
-    for c in gl.static_range(first, first + 4):
-        chunk = _chunk(kv_smem, slot, c)
-        chunk.store(gl.where(keep, chunk.load(blk), 0.0).to(gl.bfloat16))
+    if GROUPED:  # box by box ([4 chunks, 8 tokens, 64 channels] each)
+        blk3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [4, 1, 1], [2, 1, 0])
+        tok = gl.arange(0, _TILE // _GROUPS, gl.SliceLayout(0, gl.SliceLayout(2, blk3)))  # [8] tokens of a box
+        for j in gl.static_range(_GROUPS):
+            box = kv_smem[0].index((slot * 2 + first // 4) * _GROUPS + j)
+            keep3 = (j * (_TILE // _GROUPS) + tok < n_valid)[None, :, None]  # [1, 8, 1]
+            box.store(gl.where(keep3, box.load(blk3), 0.0).to(gl.bfloat16))
+    else:
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        keep = (gl.arange(0, _TILE, gl.SliceLayout(1, blk)) < n_valid)[:, None]  # [N, 1]
+        for c in gl.static_range(first, first + 4):
+            chunk = _chunk(kv_smem, slot, c)
+            chunk.store(gl.where(keep, chunk.load(blk), 0.0).to(gl.bfloat16))
     fence_async_shared()
     gl.thread_barrier()
 
@@ -483,21 +537,22 @@ def _store_half(acc, l_sum, m_i, kv_scale, partial_row, qo_start, n_q, head_star
 
 
 @gluon.jit
-def _pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end, ph0, xph, KV_FP8: gl.constexpr):
+def _pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end, ph0, xph, KV_FP8: gl.constexpr, GROUPED: gl.constexpr):
     """Warpgroup 1: o_R += p0' V0_R (asynchronous) once warpgroup 0 has published p0' (xbar 2)."""
     mbarrier.wait(xbar.index(2), xph)
     mbarrier.wait(kv_full.index(_GROUP_R), ph0)
     if not KV_FP8 and kv_end - t0 < _TILE:  # (fp8: zeroed by the expansion)
-        _zero_tail(kv_smem, 0, 4, kv_end - t0)
-    return warpgroup_mma(p0_smem, _v_half(kv_smem, 0, 1), acc, is_async=True)
+        _zero_tail(kv_smem, 0, 4, kv_end - t0, GROUPED)
+    return warpgroup_mma(p0_smem, _v_half(kv_smem, 0, 1, GROUPED), acc, is_async=True)
 
 
 @gluon.jit
-def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, q_smem, kv_smem, kv8, p0_smem, m_smem, l_smem, q_full, q_empty,
-               kv_full, xbar, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, WORKER_INDPTR, num_items, OUT, LSE, O_PART,
-               LSE_PART, Q_SCALE, KV_SCALE, sm_scale_log2, num_heads, stride_qt, stride_qh, stride_bt, stride_ot,
-               stride_oh, stride_lt, stride_pt, stride_ph, stride_plt, PAGE_SIZE: gl.constexpr,
-               HEAD_SPLIT: gl.constexpr, HEAD_GROUP: gl.constexpr, KV_FP8: gl.constexpr, ONE_ITEM: gl.constexpr):
+def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, kv3_desc, q_smem, kv_smem, kv8, p0_smem, m_smem, l_smem, q_full,
+               q_empty, kv_full, xbar, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, WORKER_INDPTR, num_items, OUT, LSE,
+               O_PART, LSE_PART, Q_SCALE, KV_SCALE, sm_scale_log2, num_heads, stride_qt, stride_qh, stride_bt,
+               stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt, PAGE_SIZE: gl.constexpr,
+               HEAD_SPLIT: gl.constexpr, HEAD_GROUP: gl.constexpr, KV_FP8: gl.constexpr, ONE_ITEM: gl.constexpr,
+               GROUPED: gl.constexpr):
     """Warpgroup WG (0: even tiles, o_L; 1: odd tiles, o_R) of the seesaw schedule (module docstring).
 
     Exchange barriers xbar: 0 = m0 ready (WG 0 -> 1), 1 = m1 ready (1 -> 0), 2 = p0' ready (0 -> 1), 3 = p1 ready
@@ -540,13 +595,13 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, q_smem, kv_smem, kv8, p0_sm
                                                     _q_chunk(q_smem, c).slice(j * HEAD_GROUP, HEAD_GROUP, dim=0))
         # this warpgroup's groups of the first two tiles (both slots are free: see the module docstring)
         if n_tiles > 0:
-            _issue_own(WG, kv_desc, kv_smem, kv8, kv_full, 0,
+            _issue_own(WG, kv_desc, kv3_desc, kv_smem, kv8, kv_full, 0,
                        _tile_rows(BLOCK_TABLE, b, stride_bt, kv_start, kv_end, 0, n_tiles, PAGE_SIZE, BOXES), KV_FP8,
-                       BOXES)
+                       BOXES, GROUPED)
         if n_tiles > 1:
-            _issue_own(WG, kv_desc, kv_smem, kv8, kv_full, 1,
+            _issue_own(WG, kv_desc, kv3_desc, kv_smem, kv8, kv_full, 1,
                        _tile_rows(BLOCK_TABLE, b, stride_bt, kv_start, kv_end, 1, n_tiles, PAGE_SIZE, BOXES), KV_FP8,
-                       BOXES)
+                       BOXES, GROUPED)
         if WG == 0 and KV_FP8:  # q (bf16 or fp8) as fp16, stored once warpgroup 1 is done with the previous item
             _load_q(Q, q_smem, q_full, q_empty, n_items, qo, n_q, head_start, stride_qt, stride_qh, HEAD_GROUP)
         q_row = gl.arange(0, _ROWS, row_l) // HEAD_GROUP  # [M] packed row -> query row of the item
@@ -570,11 +625,11 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, q_smem, kv_smem, kv8, p0_sm
             ph1 = uses1 & 1
             xph = pairs & 1
             if WG == 0:
-                s = _masked(_scores(q_smem, kv_smem, kv8, kv_full, 0, ph0, kv_end - t0, s_layout, KV_FP8), t0,
+                s = _masked(_scores(q_smem, kv_smem, kv8, kv_full, 0, ph0, kv_end - t0, s_layout, KV_FP8, GROUPED), t0,
                             kv_end, limit, qk_scale, s_layout)
                 if next0:  # slot 0's k_pe chunk is free
-                    _issue_group(kv_desc, kv_smem, kv8, kv_full, 0, _issue_rows(row0, walk, PAGE_SIZE, BOXES),
-                                 _GROUP_E, KV_FP8, BOXES)
+                    _issue_group(kv_desc, kv3_desc, kv_smem, kv8, kv_full, 0, _issue_rows(row0, walk, PAGE_SIZE, BOXES),
+                                 _GROUP_E, KV_FP8, BOXES, GROUPED)
                 m0 = gl.maximum(m_i, gl.max(s, 1))  # [M]
                 alpha0 = _alpha(m_i, m0)
                 p = gl.exp2(s - gl.where(m0 == float("-inf"), 0.0, m0)[:, None])  # [M, N] fp32
@@ -583,9 +638,9 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, q_smem, kv_smem, kv8, p0_sm
                 mbarrier.arrive(xbar.index(0))
                 acc = acc * gl.convert_layout(alpha0, orow_l)[:, None]
                 if not KV_FP8 and kv_end - t0 < _TILE:  # (fp8: zeroed by the expansion)
-                    _zero_tail(kv_smem, 0, 0, kv_end - t0)
+                    _zero_tail(kv_smem, 0, 0, kv_end - t0, GROUPED)
                 p_op = gl.convert_layout(p.to(op), p_layout)
-                acc = warpgroup_mma(p_op, _v_half(kv_smem, 0, 0), acc, is_async=True)
+                acc = warpgroup_mma(p_op, _v_half(kv_smem, 0, 0, GROUPED), acc, is_async=True)
                 mbarrier.wait(xbar.index(1), xph)
                 m1 = m_smem.index(1).load(row_l)
                 alpha1 = _alpha(m0, m1)
@@ -594,8 +649,8 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, q_smem, kv_smem, kv8, p0_sm
                 mbarrier.arrive(xbar.index(2))
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 if next0:  # slot 0's V_L is free
-                    _issue_group(kv_desc, kv_smem, kv8, kv_full, 0, _issue_rows(row0, walk, PAGE_SIZE, BOXES),
-                                 _GROUP_L, KV_FP8, BOXES)
+                    _issue_group(kv_desc, kv3_desc, kv_smem, kv8, kv_full, 0, _issue_rows(row0, walk, PAGE_SIZE, BOXES),
+                                 _GROUP_L, KV_FP8, BOXES, GROUPED)
                 acc = acc * gl.convert_layout(alpha1, orow_l)[:, None]
                 l_i = l_i * alpha1
                 m_i = m1
@@ -603,18 +658,18 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, q_smem, kv_smem, kv8, p0_sm
                     mbarrier.wait(kv_full.index(3 + _GROUP_L), ph1)
                     mbarrier.wait(xbar.index(3), ph1)
                     if not KV_FP8 and kv_end - t0 - _TILE < _TILE:
-                        _zero_tail(kv_smem, 1, 0, kv_end - t0 - _TILE)
-                    acc = warpgroup_mma(_chunk(kv_smem, 1, 8), _v_half(kv_smem, 1, 0), acc, is_async=True)
+                        _zero_tail(kv_smem, 1, 0, kv_end - t0 - _TILE, GROUPED)
+                    acc = warpgroup_mma(_chunk(kv_smem, 1, 8), _v_half(kv_smem, 1, 0, GROUPED), acc, is_async=True)
                     acc = warpgroup_mma_wait(0, deps=(acc,))
                     if next1:  # slot 1's V_L and p1 (over its k_pe chunk) are free
-                        _issue_group(kv_desc, kv_smem, kv8, kv_full, 1, _issue_rows(row1, walk, PAGE_SIZE, BOXES),
-                                     _GROUP_L, KV_FP8, BOXES)
-                        _issue_group(kv_desc, kv_smem, kv8, kv_full, 1, _issue_rows(row1, walk, PAGE_SIZE, BOXES),
-                                     _GROUP_E, KV_FP8, BOXES)
+                        _issue_group(kv_desc, kv3_desc, kv_smem, kv8, kv_full, 1,
+                                     _issue_rows(row1, walk, PAGE_SIZE, BOXES), _GROUP_L, KV_FP8, BOXES, GROUPED)
+                        _issue_group(kv_desc, kv3_desc, kv_smem, kv8, kv_full, 1,
+                                     _issue_rows(row1, walk, PAGE_SIZE, BOXES), _GROUP_E, KV_FP8, BOXES, GROUPED)
             else:
                 if has1:
                     s = _masked(_scores(q_smem, kv_smem, kv8, kv_full, 1, ph1, kv_end - t0 - _TILE, s_layout,
-                                        KV_FP8), t0 + _TILE, kv_end, limit, qk_scale, s_layout)
+                                        KV_FP8, GROUPED), t0 + _TILE, kv_end, limit, qk_scale, s_layout)
                 else:
                     s = gl.full([_ROWS, _TILE], float("-inf"), gl.float32, s_layout)
                 mbarrier.wait(xbar.index(0), xph)
@@ -632,29 +687,29 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, q_smem, kv_smem, kv8, p0_sm
                     fence_async_shared()
                     mbarrier.arrive(xbar.index(3))
                     if not KV_FP8 and kv_end - t0 - _TILE < _TILE:
-                        _zero_tail(kv_smem, 1, 4, kv_end - t0 - _TILE)
-                    acc = warpgroup_mma(gl.convert_layout(p1, p_layout), _v_half(kv_smem, 1, 1), acc,
+                        _zero_tail(kv_smem, 1, 4, kv_end - t0 - _TILE, GROUPED)
+                    acc = warpgroup_mma(gl.convert_layout(p1, p_layout), _v_half(kv_smem, 1, 1, GROUPED), acc,
                                         is_async=True)
                     if KV_FP8:  # slot 1's V_R is free once p1 V1_R retires: reload it before waiting for p0'
                         acc = warpgroup_mma_wait(0, deps=(acc,))
                         if next1:
-                            _issue_group(kv_desc, kv_smem, kv8, kv_full, 1, _issue_rows(row1, walk, PAGE_SIZE, BOXES),
-                                         _GROUP_R, KV_FP8, BOXES)
+                            _issue_group(kv_desc, kv3_desc, kv_smem, kv8, kv_full, 1,
+                                         _issue_rows(row1, walk, PAGE_SIZE, BOXES), _GROUP_R, KV_FP8, BOXES, GROUPED)
                         acc = warpgroup_mma_wait(0, deps=(_pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end,
-                                                                 ph0, xph, KV_FP8),))
+                                                                 ph0, xph, KV_FP8, GROUPED),))
                     else:  # bf16: p0' V0_R queued behind p1 V1_R first, then the reload
-                        acc = _pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end, ph0, xph, KV_FP8)
+                        acc = _pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end, ph0, xph, KV_FP8, GROUPED)
                         acc = warpgroup_mma_wait(1, deps=(acc,))  # p1 V1_R has retired
                         if next1:
-                            _issue_group(kv_desc, kv_smem, kv8, kv_full, 1, _issue_rows(row1, walk, PAGE_SIZE, BOXES),
-                                         _GROUP_R, KV_FP8, BOXES)
+                            _issue_group(kv_desc, kv3_desc, kv_smem, kv8, kv_full, 1,
+                                         _issue_rows(row1, walk, PAGE_SIZE, BOXES), _GROUP_R, KV_FP8, BOXES, GROUPED)
                         acc = warpgroup_mma_wait(0, deps=(acc,))
                 else:
                     acc = warpgroup_mma_wait(0, deps=(_pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end, ph0,
-                                                             xph, KV_FP8),))
+                                                             xph, KV_FP8, GROUPED),))
                 if next0:  # slot 0's V_R is free (warpgroup 0's scores of it are done: it published p0')
-                    _issue_group(kv_desc, kv_smem, kv8, kv_full, 0, _issue_rows(row0, walk, PAGE_SIZE, BOXES),
-                                 _GROUP_R, KV_FP8, BOXES)
+                    _issue_group(kv_desc, kv3_desc, kv_smem, kv8, kv_full, 0, _issue_rows(row0, walk, PAGE_SIZE, BOXES),
+                                 _GROUP_R, KV_FP8, BOXES, GROUPED)
                 m_i = m1
             uses0 += 1
             uses1 += has1.to(gl.int32)
@@ -681,6 +736,7 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, q_smem, kv_smem, kv8, p0_sm
 @gluon.jit(do_not_specialize=["num_items"])  # as the Triton kernel: no recompile per item count
 def _mla_decode_seesaw_kernel(
     Q, q_desc, kv_desc,  # q [T, H, 576]; TMA: q as [T x H, 576] (bf16 caches), the cache as [pages x page_size, 576]
+    kv3_desc,  # GROUPED: TMA of the cache as [9 chunks, pages x page_size, 64] (boxes of 4 chunks x 8 tokens)
     BLOCK_TABLE, SEQ_LENS, QO_INDPTR,  # [B, pages] int32, [B] int32, [B+1] int32
     WORK_ITEMS, WORKER_INDPTR, num_items,  # [N, 8] int32, [W+1] int32, N
     OUT, LSE, O_PART, LSE_PART,  # [T, H, L] bf16, [T, H] fp32, [rows, H, L] fp32, [rows, H] fp32
@@ -690,6 +746,7 @@ def _mla_decode_seesaw_kernel(
     PAGE_SIZE: gl.constexpr, HEAD_SPLIT: gl.constexpr, HEAD_GROUP: gl.constexpr, PDL: gl.constexpr,
     KV_FP8: gl.constexpr,  # e4m3fn cache ([64, 64] boxes), bf16 or e4m3fn q: fp16 operands, expanded in place
     ONE_ITEM: gl.constexpr,  # WorkPlan.one_item_per_worker
+    GROUPED: gl.constexpr,  # bf16 cache on pages smaller than a tile: the c_kv halves in the grouped layout
 ):
     if PDL:  # the reduce kernel may start now; its programs wait (gdc_wait) until this grid has finished
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
@@ -700,8 +757,12 @@ def _mla_decode_seesaw_kernel(
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     q_smem = (gl.allocate_shared_memory(op, [_ROWS, _L_DIM], chunk_layout),  # q_nope, q_pe: 72 KB
               gl.allocate_shared_memory(op, [_ROWS, _R_DIM], chunk_layout))
-    kv_smem = (gl.allocate_shared_memory(op, [2, _TILE, _L_DIM], chunk_layout),  # two tile slots: 144 KB
-               gl.allocate_shared_memory(op, [2, _TILE, _R_DIM], chunk_layout))
+    if GROUPED:  # c_kv as [slot x half x box, 4 chunks, 8 tokens, 64] (_HALF_LAYOUT), k_pe as chunks: 144 KB
+        kv_smem = (gl.allocate_shared_memory(op, [2 * 2 * _GROUPS, 4, _TILE // _GROUPS, _CHUNK], _BOX_LAYOUT),
+                   gl.allocate_shared_memory(op, [2, _TILE, _R_DIM], chunk_layout))
+    else:  # two tile slots: 144 KB
+        kv_smem = (gl.allocate_shared_memory(op, [2, _TILE, _L_DIM], chunk_layout),
+                   gl.allocate_shared_memory(op, [2, _TILE, _R_DIM], chunk_layout))
     # the same bytes as fp8 boxes of 4 KB (fp8 caches: _fp8_box, _staged_box)
     kv8 = (kv_smem[0]._reinterpret(gl.float8e4nv, [2 * 16, _TILE, _CHUNK], box_layout),
            kv_smem[1]._reinterpret(gl.float8e4nv, [2 * 2, _TILE, _CHUNK], box_layout))
@@ -719,16 +780,16 @@ def _mla_decode_seesaw_kernel(
         mbarrier.init(xbar.index(i), count=1)
     fence_async_shared()
     gl.warp_specialize([
-        (_warpgroup, (0, Q, q_desc, kv_desc, q_smem, kv_smem, kv8, p0_smem, m_smem, l_smem, q_full, q_empty, kv_full,
-                      xbar, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, WORKER_INDPTR, num_items, OUT, LSE, O_PART,
-                      LSE_PART, Q_SCALE, KV_SCALE, sm_scale_log2, num_heads, stride_qt, stride_qh, stride_bt,
+        (_warpgroup, (0, Q, q_desc, kv_desc, kv3_desc, q_smem, kv_smem, kv8, p0_smem, m_smem, l_smem, q_full, q_empty,
+                      kv_full, xbar, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, WORKER_INDPTR, num_items, OUT, LSE,
+                      O_PART, LSE_PART, Q_SCALE, KV_SCALE, sm_scale_log2, num_heads, stride_qt, stride_qh, stride_bt,
                       stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt, PAGE_SIZE, HEAD_SPLIT,
-                      HEAD_GROUP, KV_FP8, ONE_ITEM)),
-        (_warpgroup, (1, Q, q_desc, kv_desc, q_smem, kv_smem, kv8, p0_smem, m_smem, l_smem, q_full, q_empty, kv_full,
-                      xbar, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, WORKER_INDPTR, num_items, OUT, LSE, O_PART,
-                      LSE_PART, Q_SCALE, KV_SCALE, sm_scale_log2, num_heads, stride_qt, stride_qh, stride_bt,
+                      HEAD_GROUP, KV_FP8, ONE_ITEM, GROUPED)),
+        (_warpgroup, (1, Q, q_desc, kv_desc, kv3_desc, q_smem, kv_smem, kv8, p0_smem, m_smem, l_smem, q_full, q_empty,
+                      kv_full, xbar, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, WORKER_INDPTR, num_items, OUT, LSE,
+                      O_PART, LSE_PART, Q_SCALE, KV_SCALE, sm_scale_log2, num_heads, stride_qt, stride_qh, stride_bt,
                       stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt, PAGE_SIZE, HEAD_SPLIT,
-                      HEAD_GROUP, KV_FP8, ONE_ITEM)),
+                      HEAD_GROUP, KV_FP8, ONE_ITEM, GROUPED)),
     ], [4], [256])
 
 
@@ -768,6 +829,23 @@ def unsupported(batch, head_group: int | None = None, head_split: int | None = N
 # pages smaller than a tile that both Gluon kernels take, one TMA row box per page (pages of 8, 40 copies per tile in
 # the Gluon fp8 kernel, were slower than the Triton kernel: 506 vs 412 us at (128, 8192, 16) fp8kv; perf_history)
 SMALL_PAGES = (16, 32)
+# bf16 cache pages the seesaw copies in the grouped layout (`grouped_layout`). Pages of 8 so, with 24 copies per tile,
+# against the Triton kernel (one H200, bf16): 147.2 vs 152.1 us at (32, 4096, 128) and 493.0 vs 527.0 at
+# (128, 4096, 128), but 104.9 vs 82.8 at (32, 4096, 32), 107.0 vs 90.0 at (32, 4096, 64), 30.5 vs 27.1 at
+# (8, 1000, 128): left on the Triton kernel
+GROUPED_PAGES = (16,)
+
+
+def grouped_layout(kv: torch.Tensor) -> bool:
+    """Whether the seesaw keeps a bf16 cache's c_kv halves in the grouped layout (_HALF_LAYOUT: 8 TMA boxes of 8
+    tokens x 4 chunks per half, so 16 copies per tile for c_kv and 64 / page_size for k_pe): GROUPED_PAGES.
+    Otherwise each chunk is copied as one box per page (36 copies per tile at page 16, 18 at page 32) or per tile.
+    On one H200 (twenty-seventh session, bf16, alternating rounds, same bits) the grouped layout took 106.1 vs
+    113.1 us at (32, 4096, 128), 378.9 vs 433.4 at (128, 4096, 128), 27.4 vs 30.4 at (1, 8192, 128), 77.5 vs 82.8
+    at (32, 4096, 32) on pages of 16, but 103.4 vs 89.9 and 367.8 vs 309.1 at (32 / 128, 4096, 128) on pages of 32
+    (18 copies per tile either way): its MMAs cost more than the standard layout's, so it pays only where it saves
+    copies."""
+    return kv.dtype == torch.bfloat16 and kv.shape[1] in GROUPED_PAGES
 
 
 @constexpr_function
@@ -822,18 +900,23 @@ def launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, he
     q_desc = TensorDescriptor(batch.q.view(T * H, D), [T * H, D], [D, 1], [head_group, CHUNK],
                               gl.NVMMASharedLayout.get_default_for([TILE, CHUNK], _GL_DTYPE[batch.q.dtype]))
     boxes = tile_boxes(kv.shape[1])  # TMA boxes of a tile (pages of 16 or 32: one per page) into the slots' layout
-    kv_desc = TensorDescriptor(kv.view(-1, D), [kv.shape[0] * kv.shape[1], D], [D, 1], [TILE // boxes, CHUNK],
+    n_rows = kv.shape[0] * kv.shape[1]
+    kv_desc = TensorDescriptor(kv.view(-1, D), [n_rows, D], [D, 1], [TILE // boxes, CHUNK],
                                gl.NVMMASharedLayout.get_default_for([TILE, CHUNK], _GL_DTYPE[kv.dtype]))
+    grouped = grouped_layout(kv)
+    # the grouped layout's boxes: the cache as [9 chunks, rows, 64] (chunk stride 64, row stride 576 elements)
+    kv3_desc = TensorDescriptor(kv.view(-1, D), [D // CHUNK, n_rows, CHUNK], [CHUNK, D, 1],
+                                [4, TILE // GROUPS, CHUNK], _BOX_LAYOUT.value) if grouped else kv_desc
     num_workers = plan.worker_indptr.numel() - 1
     # ONE_ITEM (WorkPlan.one_item_per_worker: no worker-range load before the first item) for bf16 caches only: on
     # one H200, same bits, 83.5 vs 84.8 us at (32, 4096, 128) and 25.5 vs 26.4 at (1, 8192, 128), but with an fp8
     # cache 107.9 vs 106.5 at (32, 4096, 128) (the compiled fp8 schedule changes)
     return _mla_decode_seesaw_kernel[(num_workers * head_split,)](
-        batch.q, q_desc, kv_desc, batch.block_table, batch.seq_lens, qo_indptr, plan.work_items, plan.worker_indptr,
-        plan.work_items.shape[0], out, lse, o_part, lse_part, q_scale, kv_scale, float(batch.sm_scale) * LOG2E,
-        H, batch.q.stride(0), batch.q.stride(1), batch.block_table.stride(0), out.stride(0), out.stride(1),
-        lse.stride(0), o_part.stride(0), o_part.stride(1), lse_part.stride(0),
+        batch.q, q_desc, kv_desc, kv3_desc, batch.block_table, batch.seq_lens, qo_indptr, plan.work_items,
+        plan.worker_indptr, plan.work_items.shape[0], out, lse, o_part, lse_part, q_scale, kv_scale,
+        float(batch.sm_scale) * LOG2E, H, batch.q.stride(0), batch.q.stride(1), batch.block_table.stride(0),
+        out.stride(0), out.stride(1), lse.stride(0), o_part.stride(0), o_part.stride(1), lse_part.stride(0),
         PAGE_SIZE=kv.shape[1], HEAD_SPLIT=head_split, HEAD_GROUP=head_group, PDL=pdl,
         KV_FP8=kv.dtype == torch.float8_e4m3fn, ONE_ITEM=plan.one_item_per_worker and kv.dtype == torch.bfloat16,
-        num_warps=4,
+        GROUPED=grouped, num_warps=4,
     )

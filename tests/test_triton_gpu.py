@@ -492,13 +492,15 @@ def _sm90():
     return torch.cuda.get_device_capability() == (9, 0)
 
 
-# pages of 16 and 32 (one TMA box per page): partial last pages and tiles, pages past an item's last token,
-# zero-length requests, splits, MTP
+# pages of 16 and 32 (one TMA box per page, or for bf16 on pages of 16 the grouped layout): partial last pages and
+# tiles, pages past an item's last token, zero-length requests, splits, MTP
 SEESAW_SMALL_PAGE_CASES = [
     TritonCase((0, 1, 15, 16, 17, 63, 64, 65, 1000, 4097), (1,) * 10, heads=128, page_size=16, L=512, R=64, seed=70),
     TritonCase((5, 1500, 0, 4097, 33), (1,) * 5, heads=128, page_size=32, combo="fp8kv", L=512, R=64, seed=71),
     TritonCase((700, 3, 20000, 0), (2, 2, 1, 2), heads=64, page_size=16, combo="fp8", L=512, R=64, seed=72),
     TritonCase((0, 31, 32, 33, 2000, 4097), (1,) * 6, heads=128, page_size=32, L=512, R=64, seed=73),  # bf16, 2 boxes
+    # bf16 MTP on pages of 16 (the grouped layout, gluon_decode.GROUPED_PAGES), 32 heads: 2 x 32 packed rows
+    TritonCase((700, 3, 2000, 0, 129), (2, 2, 1, 2, 2), heads=32, page_size=16, L=512, R=64, seed=75),
 ]
 
 
@@ -529,9 +531,10 @@ def test_gluon_seesaw_bench_grid_within_kernel_bound(shape, combo):
 
 
 def _check_small_pages_give_the_bits_of_pages_of_64(case, overrides: dict):
-    """The same requests in pages of case.page_size (16 / 32: one TMA box per page) and in pages of 64 (other
-    physical pages, in another random order), decoded with KernelConfig(**overrides): the same tiles reach shared
-    memory, so out and lse are bitwise the same (NaN-poisoned unused slots in both)."""
+    """The same requests in pages of case.page_size (16 / 32: one TMA box per page, or the seesaw's grouped
+    layout) and in pages of 64 (other physical pages, in another random order), decoded with
+    KernelConfig(**overrides): the same tile values reach the same MMA steps in the same order, so out and lse are
+    bitwise the same (NaN-poisoned unused slots in both)."""
     from mla_fast import triton_decode as td
 
     config = td.KernelConfig(**overrides)
