@@ -285,9 +285,10 @@ def _issue_group(kv_desc, kv3_desc, kv_smem, kv8, kv_full, slot, rows, g: gl.con
                  BOXES: gl.constexpr, GROUPED: gl.constexpr):
     """TMA copies of chunk group g of a tile into tile slot `slot` (one barrier): the chunks themselves, or with
     KV_FP8 their fp8 boxes into the group's upper half (`_staged_box`). `rows` (`_tile_rows`): the first cache rows
-    of the tile's BOXES row boxes, each chunk copied as BOXES boxes of 64 / BOXES rows (one per page of pages
-    smaller than a tile); with GROUPED, of its 8 groups of 8 tokens: the c_kv halves (L, R) as 8 boxes of 8 tokens x
-    4 chunks each (kv3_desc, the grouped layout), k_pe as BOXES boxes of 64 / BOXES rows."""
+    of the tile's BOXES row boxes; each chunk is copied as BOXES boxes of 64 / BOXES rows (one per page of pages
+    smaller than a tile). With GROUPED the c_kv halves (L, R) are copied instead as 8 boxes of 8 tokens x 4 chunks
+    each (kv3_desc; group j starts (j % groups per page) x 8 rows past the first row of its page) into the grouped
+    layout, and k_pe as its BOXES page boxes."""
     n: gl.constexpr = _group_end(g) - _group_first(g)
     BOX: gl.constexpr = _TILE // BOXES
     bar = kv_full.index(slot * 3 + g)
