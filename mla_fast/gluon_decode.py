@@ -174,7 +174,7 @@ _GROUP_E = gl.constexpr(2)  # chunk 8: k_pe; after the scores of an odd tile it 
 # conflicts; 16 bytes per thread on 2 threads per token ([1, 16], [16, 2]) had 10-way store and 12-way load conflicts
 _E4M3_BOX = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 _Q_BLOCK = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))  # q rows as loaded (fp8 caches)
-# The grouped layout of a c_kv half (GROUPED: bf16 caches on pages smaller than a tile): 8 TMA boxes of 8 tokens x
+# The grouped layout of a c_kv half (GROUPED: bf16 caches on GROUPED_PAGES, pages of 16): 8 TMA boxes of 8 tokens x
 # 4 chunks, box j = tokens 8 j .. 8 j + 7 stored [4 chunks][8 tokens][64 channels] (4 KB, 128-byte swizzled in
 # 1 KB atoms). As a [64 tokens, 256 channels] shared linear layout (offset bit -> [token, channel]): the MMAs read
 # it through descriptors with 4 KB between 8-token groups and 1 KB between chunks
@@ -238,13 +238,18 @@ def _q_chunk(q_smem, c: gl.constexpr):
 
 
 @gluon.jit
+def _half_box(kv_smem, slot, half, j):
+    """Box j [4 chunks, 8 tokens, 64] (tokens 8 j .. 8 j + 7) of c_kv half `half` of tile slot `slot` in the grouped
+    layout: kv_smem[0] = [2 slots x 2 halves x 8 boxes, 4, 8, 64]."""
+    return kv_smem[0].index((slot * 2 + half) * _GROUPS + j)
+
+
+@gluon.jit
 def _v_half(kv_smem, slot, half: gl.constexpr, GROUPED: gl.constexpr):
     """V half `half` [64 tokens, 256 channels] of tile slot `slot`: the B operand of a P.V MMA (N contiguous). With
-    GROUPED, c_kv is kv_smem[0] = [2 slots x 2 halves x 8 boxes, 4, 8, 64] and the half its 8 boxes read through
-    _HALF_LAYOUT."""
+    GROUPED, the half's 8 boxes (`_half_box`) read through _HALF_LAYOUT."""
     if GROUPED:
-        return kv_smem[0].index((slot * 2 + half) * _GROUPS)._reinterpret(gl.bfloat16, [_TILE, _L_DIM // 2],
-                                                                          _HALF_LAYOUT)
+        return _half_box(kv_smem, slot, half, 0)._reinterpret(gl.bfloat16, [_TILE, _L_DIM // 2], _HALF_LAYOUT)
     else:
         return kv_smem[0].index(slot).slice(half * (_L_DIM // 2), _L_DIM // 2, dim=1)
 
@@ -298,7 +303,7 @@ def _issue_group(kv_desc, kv3_desc, kv_smem, kv8, kv_full, slot, rows, g: gl.con
         mbarrier.expect(bar, n * _TILE * _CHUNK * 2)
         for j in gl.static_range(_GROUPS):
             tma.async_copy_global_to_shared(kv3_desc, [_group_first(g), rows[j // PER] + (j % PER) * GROUP, 0], bar,
-                                            kv_smem[0].index((slot * 2 + g) * _GROUPS + j))
+                                            _half_box(kv_smem, slot, g, j))
     elif KV_FP8:
         mbarrier.expect(bar, n * _TILE * _CHUNK)
         for j in gl.static_range(n):
@@ -487,7 +492,7 @@ def _zero_tail(kv_smem, slot, first: gl.constexpr, n_valid, GROUPED: gl.constexp
         blk3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [4, 1, 1], [2, 1, 0])
         tok = gl.arange(0, _TILE // _GROUPS, gl.SliceLayout(0, gl.SliceLayout(2, blk3)))  # [8] tokens of a box
         for j in gl.static_range(_GROUPS):
-            box = kv_smem[0].index((slot * 2 + first // 4) * _GROUPS + j)
+            box = _half_box(kv_smem, slot, first // 4, j)
             keep3 = (j * (_TILE // _GROUPS) + tok < n_valid)[None, :, None]  # [1, 8, 1]
             box.store(gl.where(keep3, box.load(blk3), 0.0).to(gl.bfloat16))
     else:
@@ -747,7 +752,7 @@ def _mla_decode_seesaw_kernel(
     PAGE_SIZE: gl.constexpr, HEAD_SPLIT: gl.constexpr, HEAD_GROUP: gl.constexpr, PDL: gl.constexpr,
     KV_FP8: gl.constexpr,  # e4m3fn cache ([64, 64] boxes), bf16 or e4m3fn q: fp16 operands, expanded in place
     ONE_ITEM: gl.constexpr,  # WorkPlan.one_item_per_worker
-    GROUPED: gl.constexpr,  # bf16 cache on pages smaller than a tile: the c_kv halves in the grouped layout
+    GROUPED: gl.constexpr,  # bf16 cache on GROUPED_PAGES (16): the c_kv halves in the grouped layout
 ):
     if PDL:  # the reduce kernel may start now; its programs wait (gdc_wait) until this grid has finished
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
