@@ -46,13 +46,22 @@ session; every wait comes with a warpgroup BAR.SYNC in the SASS).
 The grouped layout (GROUPED, `grouped_layout`: bf16 caches on pages of 16). Copied one box per page, a tile costs
 36 TMA copies at page 16 (each of the 9 [64, 64] chunks as 4 row boxes), against 9 at page 64, and the copies sit
 on the warpgroups' critical path. Here each c_kv half of a slot is stored as 8 boxes of 8 tokens x 4 chunks
-([4, 8, 64], 4 KB each, one 3-D TMA copy from the cache viewed as [9 chunks, rows, 64]), and the MMAs read the half
-through a shared linear layout (_HALF_LAYOUT) whose wgmma descriptors step 4 KB between 8-token groups and 1 KB
-between chunks; k_pe keeps its page boxes. That is 20 copies per tile at page 16. Same values in the same MMA k-steps
-in the same order, so the bits of the per-page layout and of pages of 64. The layout's MMAs cost more than the
-standard one's (at page 32, 18 copies either way, it was 15-19 % slower), so it is used where it saves copies. cp.async
-copies from the warpgroups' 128 threads instead of TMA were no faster at page 16 and 27-37 % slower at page 64
-(twenty-seventh session, docs/perf_history.md).
+([4, 8, 64], 4 KB each), and the MMAs read the half through a shared linear layout (_HALF_LAYOUT) whose wgmma
+descriptors step 4 KB between 8-token groups and 1 KB between chunks. A page's 16 tokens of a half are its two
+8-token groups, adjacent in that layout, so each is one 4-D TMA copy ([2 groups, 4 chunks, 8 tokens, 64], 8 KB)
+from the cache viewed as [rows / 8 groups, 9 chunks, 8 tokens, 64] (strides 8 x 576, 64, 576, 1 elements: TMA takes
+strides in any order); k_pe keeps its page boxes. That is 12 copies per tile at page 16. Same values in the same
+MMA k-steps in the same order, so the bits of the per-page layout and of pages of 64. On one H200 (twenty-eighth
+session, alternating rounds, same bits) the 4-D copies took 337.1 vs 383.2 us at (128, 4096, 128), 95.8 vs 106.4 at
+(32, 4096, 128) and 68.7 vs 77.2 at (32, 4096, 32) against one 3-D copy per 8-token group (20 copies per tile).
+The layout itself costs 15-20 %, measured at page 64 (96.4 vs 84.5 us at (32, 4096, 128) with 3 copies per tile
+against the standard layout's 9) and at page 32 (95.0 vs 88.5): not in the copies (a TMA-only stream, 537 MB, took
+130.2-130.4 us with [64, 64], [4, 64, 64], [4, 8, 64] and [8, 4, 8, 64] boxes alike), nor in the tensor cores (a
+wgmma loop on either layout, the same time), but in the compiled code: ptxas spills more of the hoisted wgmma
+descriptors (252 vs 168 bytes at page 64), reloaded between the score MMAs; ncu showed 3.3 cycles of L1TEX waits
+per instruction. So the layout is used where it saves copies. cp.async copies from the warpgroups' 128 threads
+instead of TMA were no faster at page 16 and 27-37 % slower at page 64 (twenty-seventh session,
+docs/perf_history.md).
 
 One 64 x 512 fp32 accumulator is all the registers an SM has, so the output is split by columns, and the two
 warpgroups alternate on pairs of tiles (K0, K1) with one running max m shared through shared memory (FlashMLA's
@@ -174,10 +183,11 @@ _GROUP_E = gl.constexpr(2)  # chunk 8: k_pe; after the scores of an odd tile it 
 # conflicts; 16 bytes per thread on 2 threads per token ([1, 16], [16, 2]) had 10-way store and 12-way load conflicts
 _E4M3_BOX = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 _Q_BLOCK = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))  # q rows as loaded (fp8 caches)
-# The grouped layout of a c_kv half (GROUPED: bf16 caches on GROUPED_PAGES, pages of 16): 8 TMA boxes of 8 tokens x
+# The grouped layout of a c_kv half (GROUPED: bf16 caches on GROUPED_PAGES, pages of 16): 8 boxes of 8 tokens x
 # 4 chunks, box j = tokens 8 j .. 8 j + 7 stored [4 chunks][8 tokens][64 channels] (4 KB, 128-byte swizzled in
-# 1 KB atoms). As a [64 tokens, 256 channels] shared linear layout (offset bit -> [token, channel]): the MMAs read
-# it through descriptors with 4 KB between 8-token groups and 1 KB between chunks
+# 1 KB atoms), filled one page (PAGE_SIZE / 8 adjacent boxes) per TMA copy (_PAGE_LAYOUT). As a [64 tokens,
+# 256 channels] shared linear layout (offset bit -> [token, channel]): the MMAs read it through descriptors with
+# 4 KB between 8-token groups and 1 KB between chunks
 _HALF_LAYOUT = gl.constexpr(gl.SharedLinearLayout([
     [0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [0, 32],  # bits 0-5: channels of a 128-byte row
     [1, 8], [2, 16], [4, 32],  # bits 6-8: tokens of an atom (the 128-byte swizzle XORs them into channel bits 3-5)
@@ -185,6 +195,8 @@ _HALF_LAYOUT = gl.constexpr(gl.SharedLinearLayout([
     [8, 0], [16, 0], [32, 0],  # bits 11-13: the box (8-token group, 4 KB each)
 ]))
 _BOX_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3))  # [4, 8, 64]
+# a page of a half in the grouped layout, as one TMA copy writes it: [page / 8 groups, 4 chunks, 8 tokens, 64]
+_PAGE_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4))
 _GROUPS = gl.constexpr(GROUPS)
 
 
@@ -286,24 +298,24 @@ def _staged_box(g, j):
 
 
 @gluon.jit
-def _issue_group(kv_desc, kv3_desc, kv_smem, kv8, kv_full, slot, rows, g: gl.constexpr, KV_FP8: gl.constexpr,
+def _issue_group(kv_desc, kvg_desc, kv_smem, kv8, kv_full, slot, rows, g: gl.constexpr, KV_FP8: gl.constexpr,
                  BOXES: gl.constexpr, GROUPED: gl.constexpr):
     """TMA copies of chunk group g of a tile into tile slot `slot` (one barrier): the chunks themselves, or with
     KV_FP8 their fp8 boxes into the group's upper half (`_staged_box`). `rows` (`_tile_rows`): the first cache rows
     of the tile's BOXES row boxes; each chunk is copied as BOXES boxes of 64 / BOXES rows (one per page of pages
-    smaller than a tile). With GROUPED the c_kv halves (L, R) are copied instead as 8 boxes of 8 tokens x 4 chunks
-    each (kv3_desc; group j starts (j % groups per page) x 8 rows past the first row of its page) into the grouped
-    layout, and k_pe as its BOXES page boxes."""
+    smaller than a tile). With GROUPED the c_kv halves (L, R) are copied instead into the grouped layout, one 4-D
+    copy per page (kvg_desc: the page's 8-token groups of the half's 4 chunks, boxes i x PER .. i x PER + PER - 1),
+    and k_pe as its BOXES page boxes."""
     n: gl.constexpr = _group_end(g) - _group_first(g)
     BOX: gl.constexpr = _TILE // BOXES
     bar = kv_full.index(slot * 3 + g)
-    if GROUPED and g != _GROUP_E:  # 8-token group j: (j % PER) x 8 rows past the first row of page box j // PER
+    if GROUPED and g != _GROUP_E:  # page i: its PER 8-token groups (group rows[i] / 8 of the cache and on)
         GROUP: gl.constexpr = _TILE // _GROUPS
         PER: gl.constexpr = BOX // GROUP  # groups per page
         mbarrier.expect(bar, n * _TILE * _CHUNK * 2)
-        for j in gl.static_range(_GROUPS):
-            tma.async_copy_global_to_shared(kv3_desc, [_group_first(g), rows[j // PER] + (j % PER) * GROUP, 0], bar,
-                                            _half_box(kv_smem, slot, g, j))
+        for i in gl.static_range(BOXES):
+            page = _half_box(kv_smem, slot, g, i * PER)._reinterpret(gl.bfloat16, [PER, 4, GROUP, _CHUNK], _PAGE_LAYOUT)
+            tma.async_copy_global_to_shared(kvg_desc, [rows[i] // GROUP, _group_first(g), 0, 0], bar, page)
     elif KV_FP8:
         mbarrier.expect(bar, n * _TILE * _CHUNK)
         for j in gl.static_range(n):
@@ -320,14 +332,14 @@ def _issue_group(kv_desc, kv3_desc, kv_smem, kv8, kv_full, slot, rows, g: gl.con
 
 
 @gluon.jit
-def _issue_own(WG: gl.constexpr, kv_desc, kv3_desc, kv_smem, kv8, kv_full, slot, rows, KV_FP8: gl.constexpr,
+def _issue_own(WG: gl.constexpr, kv_desc, kvg_desc, kv_smem, kv8, kv_full, slot, rows, KV_FP8: gl.constexpr,
                BOXES: gl.constexpr, GROUPED: gl.constexpr):
     """The chunk groups warpgroup WG loads (and releases): 0 -> L and E, 1 -> R."""
     if WG == 0:
-        _issue_group(kv_desc, kv3_desc, kv_smem, kv8, kv_full, slot, rows, _GROUP_L, KV_FP8, BOXES, GROUPED)
-        _issue_group(kv_desc, kv3_desc, kv_smem, kv8, kv_full, slot, rows, _GROUP_E, KV_FP8, BOXES, GROUPED)
+        _issue_group(kv_desc, kvg_desc, kv_smem, kv8, kv_full, slot, rows, _GROUP_L, KV_FP8, BOXES, GROUPED)
+        _issue_group(kv_desc, kvg_desc, kv_smem, kv8, kv_full, slot, rows, _GROUP_E, KV_FP8, BOXES, GROUPED)
     else:
-        _issue_group(kv_desc, kv3_desc, kv_smem, kv8, kv_full, slot, rows, _GROUP_R, KV_FP8, BOXES, GROUPED)
+        _issue_group(kv_desc, kvg_desc, kv_smem, kv8, kv_full, slot, rows, _GROUP_R, KV_FP8, BOXES, GROUPED)
 
 
 @gluon.jit
@@ -553,7 +565,7 @@ def _pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end, ph0, xph, KV_FP8: g
 
 
 @gluon.jit
-def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, kv3_desc, q_smem, kv_smem, kv8, p0_smem, m_smem, l_smem, q_full,
+def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, kvg_desc, q_smem, kv_smem, kv8, p0_smem, m_smem, l_smem, q_full,
                q_empty, kv_full, xbar, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, WORKER_INDPTR, num_items, OUT, LSE,
                O_PART, LSE_PART, Q_SCALE, KV_SCALE, sm_scale_log2, num_heads, stride_qt, stride_qh, stride_bt,
                stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt, PAGE_SIZE: gl.constexpr,
@@ -601,11 +613,11 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, kv3_desc, q_smem, kv_smem, 
                                                     _q_chunk(q_smem, c).slice(j * HEAD_GROUP, HEAD_GROUP, dim=0))
         # this warpgroup's groups of the first two tiles (both slots are free: see the module docstring)
         if n_tiles > 0:
-            _issue_own(WG, kv_desc, kv3_desc, kv_smem, kv8, kv_full, 0,
+            _issue_own(WG, kv_desc, kvg_desc, kv_smem, kv8, kv_full, 0,
                        _tile_rows(BLOCK_TABLE, b, stride_bt, kv_start, kv_end, 0, n_tiles, PAGE_SIZE, BOXES), KV_FP8,
                        BOXES, GROUPED)
         if n_tiles > 1:
-            _issue_own(WG, kv_desc, kv3_desc, kv_smem, kv8, kv_full, 1,
+            _issue_own(WG, kv_desc, kvg_desc, kv_smem, kv8, kv_full, 1,
                        _tile_rows(BLOCK_TABLE, b, stride_bt, kv_start, kv_end, 1, n_tiles, PAGE_SIZE, BOXES), KV_FP8,
                        BOXES, GROUPED)
         if WG == 0 and KV_FP8:  # q (bf16 or fp8) as fp16, stored once warpgroup 1 is done with the previous item
@@ -634,7 +646,7 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, kv3_desc, q_smem, kv_smem, 
                 s = _masked(_scores(q_smem, kv_smem, kv8, kv_full, 0, ph0, kv_end - t0, s_layout, KV_FP8, GROUPED), t0,
                             kv_end, limit, qk_scale, s_layout)
                 if next0:  # slot 0's k_pe chunk is free
-                    _issue_group(kv_desc, kv3_desc, kv_smem, kv8, kv_full, 0, _issue_rows(row0, walk, PAGE_SIZE, BOXES),
+                    _issue_group(kv_desc, kvg_desc, kv_smem, kv8, kv_full, 0, _issue_rows(row0, walk, PAGE_SIZE, BOXES),
                                  _GROUP_E, KV_FP8, BOXES, GROUPED)
                 m0 = gl.maximum(m_i, gl.max(s, 1))  # [M]
                 alpha0 = _alpha(m_i, m0)
@@ -655,7 +667,7 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, kv3_desc, q_smem, kv_smem, 
                 mbarrier.arrive(xbar.index(2))
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 if next0:  # slot 0's V_L is free
-                    _issue_group(kv_desc, kv3_desc, kv_smem, kv8, kv_full, 0, _issue_rows(row0, walk, PAGE_SIZE, BOXES),
+                    _issue_group(kv_desc, kvg_desc, kv_smem, kv8, kv_full, 0, _issue_rows(row0, walk, PAGE_SIZE, BOXES),
                                  _GROUP_L, KV_FP8, BOXES, GROUPED)
                 acc = acc * gl.convert_layout(alpha1, orow_l)[:, None]
                 l_i = l_i * alpha1
@@ -668,9 +680,9 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, kv3_desc, q_smem, kv_smem, 
                     acc = warpgroup_mma(_chunk(kv_smem, 1, 8), _v_half(kv_smem, 1, 0, GROUPED), acc, is_async=True)
                     acc = warpgroup_mma_wait(0, deps=(acc,))
                     if next1:  # slot 1's V_L and p1 (over its k_pe chunk) are free
-                        _issue_group(kv_desc, kv3_desc, kv_smem, kv8, kv_full, 1,
+                        _issue_group(kv_desc, kvg_desc, kv_smem, kv8, kv_full, 1,
                                      _issue_rows(row1, walk, PAGE_SIZE, BOXES), _GROUP_L, KV_FP8, BOXES, GROUPED)
-                        _issue_group(kv_desc, kv3_desc, kv_smem, kv8, kv_full, 1,
+                        _issue_group(kv_desc, kvg_desc, kv_smem, kv8, kv_full, 1,
                                      _issue_rows(row1, walk, PAGE_SIZE, BOXES), _GROUP_E, KV_FP8, BOXES, GROUPED)
             else:
                 if has1:
@@ -699,7 +711,7 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, kv3_desc, q_smem, kv_smem, 
                     if KV_FP8:  # slot 1's V_R is free once p1 V1_R retires: reload it before waiting for p0'
                         acc = warpgroup_mma_wait(0, deps=(acc,))
                         if next1:
-                            _issue_group(kv_desc, kv3_desc, kv_smem, kv8, kv_full, 1,
+                            _issue_group(kv_desc, kvg_desc, kv_smem, kv8, kv_full, 1,
                                          _issue_rows(row1, walk, PAGE_SIZE, BOXES), _GROUP_R, KV_FP8, BOXES, GROUPED)
                         acc = warpgroup_mma_wait(0, deps=(_pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end,
                                                                  ph0, xph, KV_FP8, GROUPED),))
@@ -707,14 +719,14 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, kv3_desc, q_smem, kv_smem, 
                         acc = _pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end, ph0, xph, KV_FP8, GROUPED)
                         acc = warpgroup_mma_wait(1, deps=(acc,))  # p1 V1_R has retired
                         if next1:
-                            _issue_group(kv_desc, kv3_desc, kv_smem, kv8, kv_full, 1,
+                            _issue_group(kv_desc, kvg_desc, kv_smem, kv8, kv_full, 1,
                                          _issue_rows(row1, walk, PAGE_SIZE, BOXES), _GROUP_R, KV_FP8, BOXES, GROUPED)
                         acc = warpgroup_mma_wait(0, deps=(acc,))
                 else:
                     acc = warpgroup_mma_wait(0, deps=(_pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end, ph0,
                                                              xph, KV_FP8, GROUPED),))
                 if next0:  # slot 0's V_R is free (warpgroup 0's scores of it are done: it published p0')
-                    _issue_group(kv_desc, kv3_desc, kv_smem, kv8, kv_full, 0, _issue_rows(row0, walk, PAGE_SIZE, BOXES),
+                    _issue_group(kv_desc, kvg_desc, kv_smem, kv8, kv_full, 0, _issue_rows(row0, walk, PAGE_SIZE, BOXES),
                                  _GROUP_R, KV_FP8, BOXES, GROUPED)
                 m_i = m1
             uses0 += 1
@@ -742,7 +754,7 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, kv3_desc, q_smem, kv_smem, 
 @gluon.jit(do_not_specialize=["num_items"])  # as the Triton kernel: no recompile per item count
 def _mla_decode_seesaw_kernel(
     Q, q_desc, kv_desc,  # q [T, H, 576]; TMA: q as [T x H, 576] (bf16 caches), the cache as [pages x page_size, 576]
-    kv3_desc,  # GROUPED: TMA of the cache as [9 chunks, pages x page_size, 64] (boxes of 4 chunks x 8 tokens)
+    kvg_desc,  # GROUPED: TMA of the cache as [rows / 8, 9 chunks, 8 tokens, 64] (a page's groups of 4 chunks per box)
     BLOCK_TABLE, SEQ_LENS, QO_INDPTR,  # [B, pages] int32, [B] int32, [B+1] int32
     WORK_ITEMS, WORKER_INDPTR, num_items,  # [N, 8] int32, [W+1] int32, N
     OUT, LSE, O_PART, LSE_PART,  # [T, H, L] bf16, [T, H] fp32, [rows, H, L] fp32, [rows, H] fp32
@@ -786,12 +798,12 @@ def _mla_decode_seesaw_kernel(
         mbarrier.init(xbar.index(i), count=1)
     fence_async_shared()
     gl.warp_specialize([
-        (_warpgroup, (0, Q, q_desc, kv_desc, kv3_desc, q_smem, kv_smem, kv8, p0_smem, m_smem, l_smem, q_full, q_empty,
+        (_warpgroup, (0, Q, q_desc, kv_desc, kvg_desc, q_smem, kv_smem, kv8, p0_smem, m_smem, l_smem, q_full, q_empty,
                       kv_full, xbar, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, WORKER_INDPTR, num_items, OUT, LSE,
                       O_PART, LSE_PART, Q_SCALE, KV_SCALE, sm_scale_log2, num_heads, stride_qt, stride_qh, stride_bt,
                       stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt, PAGE_SIZE, HEAD_SPLIT,
                       HEAD_GROUP, KV_FP8, ONE_ITEM, GROUPED)),
-        (_warpgroup, (1, Q, q_desc, kv_desc, kv3_desc, q_smem, kv_smem, kv8, p0_smem, m_smem, l_smem, q_full, q_empty,
+        (_warpgroup, (1, Q, q_desc, kv_desc, kvg_desc, q_smem, kv_smem, kv8, p0_smem, m_smem, l_smem, q_full, q_empty,
                       kv_full, xbar, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, WORKER_INDPTR, num_items, OUT, LSE,
                       O_PART, LSE_PART, Q_SCALE, KV_SCALE, sm_scale_log2, num_heads, stride_qt, stride_qh, stride_bt,
                       stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt, PAGE_SIZE, HEAD_SPLIT,
@@ -843,14 +855,14 @@ GROUPED_PAGES = (16,)
 
 
 def grouped_layout(kv: torch.Tensor) -> bool:
-    """Whether the seesaw keeps a bf16 cache's c_kv halves in the grouped layout (_HALF_LAYOUT: 8 TMA boxes of 8
-    tokens x 4 chunks per half, so 16 copies per tile for c_kv and 64 / page_size for k_pe): GROUPED_PAGES.
-    Otherwise each chunk is copied as one box per page (36 copies per tile at page 16, 18 at page 32) or per tile.
-    On one H200 (twenty-seventh session, bf16, alternating rounds, same bits) the grouped layout took 106.1 vs
-    113.1 us at (32, 4096, 128), 378.9 vs 433.4 at (128, 4096, 128), 27.4 vs 30.4 at (1, 8192, 128), 77.5 vs 82.8
-    at (32, 4096, 32) on pages of 16, but 103.4 vs 89.9 and 367.8 vs 309.1 at (32 / 128, 4096, 128) on pages of 32
-    (18 copies per tile either way): its MMAs cost more than the standard layout's, so it pays only where it saves
-    copies."""
+    """Whether the seesaw keeps a bf16 cache's c_kv halves in the grouped layout (_HALF_LAYOUT: 8-token boxes of 4
+    chunks, one 4-D TMA copy per page and half, so 8 copies per tile for c_kv at page 16 and 64 / page_size for
+    k_pe): GROUPED_PAGES. Otherwise each chunk is copied as one box per page (36 copies per tile at page 16, 18 at
+    page 32) or per tile. On one H200 (twenty-eighth session, bf16, alternating rounds, same bits; per-page boxes /
+    grouped, us): 114.9 / 95.8 at (32, 4096, 128) and 437.2 / 338.2 at (128, 4096, 128) on pages of 16, but
+    88.5 / 95.0 and 301.1 / 345.6 on pages of 32 and 84.5 / 96.4 and 282.3 / 336.6 on pages of 64 (a tile copy per
+    chunk there): the layout's compiled code costs 15-20 % (the module docstring), so it pays only where it saves
+    most copies."""
     return kv.dtype == torch.bfloat16 and kv.shape[1] in GROUPED_PAGES
 
 
@@ -910,15 +922,18 @@ def launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, he
     kv_desc = TensorDescriptor(kv.view(-1, D), [n_rows, D], [D, 1], [TILE // boxes, CHUNK],
                                gl.NVMMASharedLayout.get_default_for([TILE, CHUNK], _GL_DTYPE[kv.dtype]))
     grouped = grouped_layout(kv)
-    # the grouped layout's boxes: the cache as [9 chunks, rows, 64] (chunk stride 64, row stride 576 elements)
-    kv3_desc = TensorDescriptor(kv.view(-1, D), [D // CHUNK, n_rows, CHUNK], [CHUNK, D, 1],
-                                [4, TILE // GROUPS, CHUNK], _BOX_LAYOUT.value) if grouped else kv_desc
+    # the grouped layout's page copies: the cache as [rows / 8 groups, 9 chunks, 8 tokens, 64] (strides 8 x 576, 64,
+    # 576, 1 elements), boxes of a page's groups x 4 chunks
+    group = TILE // GROUPS
+    kvg_desc = TensorDescriptor(kv.view(-1, D), [n_rows // group, D // CHUNK, group, CHUNK], [group * D, CHUNK, D, 1],
+                                [min(kv.shape[1], TILE) // group, 4, group, CHUNK],
+                                _PAGE_LAYOUT.value) if grouped else kv_desc
     num_workers = plan.worker_indptr.numel() - 1
     # ONE_ITEM (WorkPlan.one_item_per_worker: no worker-range load before the first item) for bf16 caches only: on
     # one H200, same bits, 83.5 vs 84.8 us at (32, 4096, 128) and 25.5 vs 26.4 at (1, 8192, 128), but with an fp8
     # cache 107.9 vs 106.5 at (32, 4096, 128) (the compiled fp8 schedule changes)
     return _mla_decode_seesaw_kernel[(num_workers * head_split,)](
-        batch.q, q_desc, kv_desc, kv3_desc, batch.block_table, batch.seq_lens, qo_indptr, plan.work_items,
+        batch.q, q_desc, kv_desc, kvg_desc, batch.block_table, batch.seq_lens, qo_indptr, plan.work_items,
         plan.worker_indptr, plan.work_items.shape[0], out, lse, o_part, lse_part, q_scale, kv_scale,
         float(batch.sm_scale) * LOG2E, H, batch.q.stride(0), batch.q.stride(1), batch.block_table.stride(0),
         out.stride(0), out.stride(1), lse.stride(0), o_part.stride(0), o_part.stride(1), lse_part.stride(0),
