@@ -57,7 +57,7 @@ session, alternating rounds, same bits) the 4-D copies took 337.1 vs 383.2 us at
 The layout itself costs 15-20 %, measured at page 64 (96.4 vs 84.5 us at (32, 4096, 128) with 3 copies per tile
 against the standard layout's 9) and at page 32 (95.0 vs 88.5): not in the copies (a TMA-only stream, 537 MB, took
 130.2-130.4 us with [64, 64], [4, 64, 64], [4, 8, 64] and [8, 4, 8, 64] boxes alike), nor in the tensor cores (a
-wgmma loop on either layout, the same time), but in the compiled code: ptxas spills more of the hoisted wgmma
+wgmma loop on either layout, the same time), but in the compiled code: ptxas spills more of the wgmma
 descriptors (252 vs 168 bytes at page 64), reloaded between the score MMAs; ncu showed 3.3 cycles of L1TEX waits
 per instruction. So the layout is used where it saves copies. cp.async copies from the warpgroups' 128 threads
 instead of TMA were no faster at page 16 and 27-37 % slower at page 64 (twenty-seventh session,
