@@ -7,8 +7,8 @@ its reduce kernel merges), written in Gluon, Triton's lower-level language, for 
 cache (or an e4m3fn cache: see "fp8 caches" below), one 64-row M tile of packed (query row x head) rows per program
 as in the Triton kernel (head_group 8, 16, 32 or 64 heads per query row, q_len x head_group <= 64; MTP rows see
 their causal limits), 64-token tiles that lie inside one page (page_size % 64 == 0) or span whole pages of 16 or 32
-tokens (SMALL_PAGES: each tile's chunks copied one TMA row box per page, `tile_boxes`; bf16 on pages of 16 in the
-grouped layout, below), L = 512 and R = 64. Triton 3.6
+tokens (SMALL_PAGES: each tile's chunks copied one TMA row box per page, `tile_boxes`; bf16 in the grouped layout,
+below), L = 512 and R = 64. Triton 3.6
 cannot warp-specialize on Hopper; Gluon can, and this kernel needs it. q arrives by TMA, one [head_group, 64] box
 per query row and chunk; packed rows past an item's q_len hold the next tokens' q (or zeros past the tensor), their
 scores are -inf and they are not written.
@@ -43,25 +43,24 @@ on one H200. So was one barrier per chunk (each chunk's score MMA issued once th
 fine-grained TMA-GEMM pipelining): 295.4 vs 276.7 us at (128, 4096, 128), 88.0 vs 84.2 at (32, 4096, 128) (tenth
 session; every wait comes with a warpgroup BAR.SYNC in the SASS).
 
-The grouped layout (GROUPED, `grouped_layout`: bf16 caches on pages of 16). Copied one box per page, a tile costs
-36 TMA copies at page 16 (each of the 9 [64, 64] chunks as 4 row boxes), against 9 at page 64, and the copies sit
-on the warpgroups' critical path. Here each c_kv half of a slot is stored as 8 boxes of 8 tokens x 4 chunks
-([4, 8, 64], 4 KB each), and the MMAs read the half through a shared linear layout (_HALF_LAYOUT) whose wgmma
-descriptors step 4 KB between 8-token groups and 1 KB between chunks. A page's 16 tokens of a half are its two
-8-token groups, adjacent in that layout, so each is one 4-D TMA copy ([2 groups, 4 chunks, 8 tokens, 64], 8 KB)
-from the cache viewed as [rows / 8 groups, 9 chunks, 8 tokens, 64] (strides 8 x 576, 64, 576, 1 elements: TMA takes
-strides in any order); k_pe keeps its page boxes. That is 12 copies per tile at page 16. Same values in the same
-MMA k-steps in the same order, so the bits of the per-page layout and of pages of 64. On one H200 (twenty-eighth
-session, alternating rounds, same bits) the 4-D copies took 337.1 vs 383.2 us at (128, 4096, 128), 95.8 vs 106.4 at
-(32, 4096, 128) and 68.7 vs 77.2 at (32, 4096, 32) against one 3-D copy per 8-token group (20 copies per tile).
-The layout itself costs 15-20 %, measured at page 64 (96.4 vs 84.5 us at (32, 4096, 128) with 3 copies per tile
-against the standard layout's 9) and at page 32 (95.0 vs 88.5): not in the copies (a TMA-only stream, 537 MB, took
-130.2-130.4 us with [64, 64], [4, 64, 64], [4, 8, 64] and [8, 4, 8, 64] boxes alike), nor in the tensor cores (a
-wgmma loop on either layout, the same time), but in the compiled code: ptxas spills more of the wgmma
-descriptors (252 vs 168 bytes at page 64), reloaded between the score MMAs; ncu showed 3.3 cycles of L1TEX waits
-per instruction. So the layout is used where it saves copies. cp.async copies from the warpgroups' 128 threads
-instead of TMA were no faster at page 16 and 27-37 % slower at page 64 (twenty-seventh session,
-docs/perf_history.md).
+The grouped layout (GROUPED, `grouped_layout`: bf16 caches on pages of 16 and 32). Copied one box per page, a tile
+costs 36 TMA copies at page 16 (each of the 9 [64, 64] chunks as 4 row boxes) and 18 at page 32, against 9 at page
+64, and the copies sit on the warpgroups' critical path. Here each c_kv half of a slot is stored as 8 boxes of 8
+tokens x 4 chunks ([4, 8, 64], 4 KB each), and the MMAs read the half through a shared linear layout (_HALF_LAYOUT)
+whose wgmma descriptors step 4 KB between 8-token groups and 1 KB between chunks. A page's tokens of a half are
+adjacent 8-token groups in that layout, so each is one 4-D TMA copy ([page / 8 groups, 4 chunks, 8 tokens, 64]) from
+the cache viewed as [rows / 8 groups, 9 chunks, 8 tokens, 64] (strides 8 x 576, 64, 576, 1 elements: TMA takes
+strides in any order); k_pe keeps its page boxes. That is 12 copies per tile at page 16, 6 at page 32. The score
+MMAs index both operands with a zero the compiler cannot prove (`_score_group`): otherwise ptxas spilled their
+descriptors, and that, not the copies (a TMA-only stream took the same time with every box shape) nor the tensor
+cores (a wgmma loop on either layout, the same time), made the layout 15-20 % slower than the standard one at equal
+copy counts. Same values in the same MMA k-steps in the same order, so the bits of the per-page layout and of
+pages of 64. On one H200 (twenty-eighth session, alternating rounds, same bits; us): page 16, per-page boxes 437.2
+and 114.9 at (128 / 32, 4096, 128), one 3-D copy per 8-token group 383.2 and 106.4, 4-D page copies 341.1 and 95.5,
+with the unprovable zero 305.9 and 88.2 (68.1 -> 62.4 at (32, 4096, 32)); page 32, per-page boxes 299.4 and 89.4,
+grouped 285.5 and 81.0. At page 64 (3 copies per tile against 9) it took 280.8 vs 276.8 and 79.0 vs 84.3: not
+switched there on two shapes. cp.async copies from the warpgroups' 128 threads instead of TMA were no faster at
+page 16 and 27-37 % slower at page 64 (twenty-seventh session, docs/perf_history.md).
 
 One 64 x 512 fp32 accumulator is all the registers an SM has, so the output is split by columns, and the two
 warpgroups alternate on pairs of tiles (K0, K1) with one running max m shared through shared memory (FlashMLA's
@@ -183,7 +182,7 @@ _GROUP_E = gl.constexpr(2)  # chunk 8: k_pe; after the scores of an odd tile it 
 # conflicts; 16 bytes per thread on 2 threads per token ([1, 16], [16, 2]) had 10-way store and 12-way load conflicts
 _E4M3_BOX = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 _Q_BLOCK = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))  # q rows as loaded (fp8 caches)
-# The grouped layout of a c_kv half (GROUPED: bf16 caches on GROUPED_PAGES, pages of 16): 8 boxes of 8 tokens x
+# The grouped layout of a c_kv half (GROUPED: bf16 caches on GROUPED_PAGES, pages of 16 and 32): 8 boxes of 8 tokens x
 # 4 chunks, box j = tokens 8 j .. 8 j + 7 stored [4 chunks][8 tokens][64 channels] (4 KB, 128-byte swizzled in
 # 1 KB atoms), filled one page (PAGE_SIZE / 8 adjacent boxes) per TMA copy (_PAGE_LAYOUT). As a [64 tokens,
 # 256 channels] shared linear layout (offset bit -> [token, channel]): the MMAs read it through descriptors with
@@ -413,18 +412,24 @@ def _expanded_pair(kv_smem, slot, c: gl.constexpr, x0, x1, n_valid):
 
 @gluon.jit
 def _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, g: gl.constexpr, KV_FP8: gl.constexpr,
-                 GROUPED: gl.constexpr):
+                 GROUPED: gl.constexpr, zero):
     """Wait for chunk group g of a tile slot, then issue its score MMAs onto s (asynchronous). With KV_FP8 the group
     is expanded from its fp8 boxes (upper half of its bytes, `_staged_box`) to fp16 chunks in place first, two
     chunks at a time, each pair's MMAs issued once it is stored: box j becomes chunk first + j, so chunks first and
     first + 1 lie below the boxes, and chunks first + 2 and first + 3 overwrite all four boxes (read by every thread
     before: the barrier). With GROUPED a c_kv half is one MMA call of K = 256 on its grouped layout (the same 16
-    k-steps in the same order as four chunks)."""
+    k-steps in the same order as four chunks), both operands indexed with `zero` (the pair index >> 30: always 0,
+    but not provably so), so that their wgmma descriptors are computed where the MMAs are issued instead of once
+    ahead of the loops and held, which made ptxas spill them (200 bytes at page 16) and reload them between the
+    MMAs: 0 bytes of spills, 88.2 vs 95.5 us at (32, 4096, 128) and 305.9 vs 341.1 at (128, 4096, 128) on one H200
+    (twenty-eighth session). The standard layout's chunks do not need it (no gain measured, twenty-fourth session)."""
     mbarrier.wait(kv_full.index(slot * 3 + g), phase)
     f: gl.constexpr = _group_first(g)
     if GROUPED and g != _GROUP_E:
-        q_half = q_smem[0].slice(f * _CHUNK, _L_DIM // 2, dim=1)  # [64 rows, 256]
-        s = warpgroup_mma(q_half, _v_half(kv_smem, slot, g, GROUPED).permute((1, 0)), s, is_async=True)
+        q_nope = q_smem[0]._reinterpret(q_smem[0].dtype, [1, _ROWS, _L_DIM], q_smem[0].layout).index(zero)
+        q_half = q_nope.slice(f * _CHUNK, _L_DIM // 2, dim=1)  # [64 rows, 256]
+        k_half = _half_box(kv_smem, slot, g, zero)._reinterpret(gl.bfloat16, [_TILE, _L_DIM // 2], _HALF_LAYOUT)
+        s = warpgroup_mma(q_half, k_half.permute((1, 0)), s, is_async=True)  # [64 rows, 64 tokens]
     elif not KV_FP8:
         s = _score_mmas(s, q_smem, kv_smem, slot, f, _group_end(g))
     elif g == _GROUP_E:
@@ -450,19 +455,19 @@ def _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, g: gl.c
 
 @gluon.jit
 def _scores(q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, s_layout: gl.constexpr, KV_FP8: gl.constexpr,
-            GROUPED: gl.constexpr):
+            GROUPED: gl.constexpr, zero):
     """s = q K^T over the 9 chunks of a tile slot [64, 64] fp32 (one accumulator chain), each chunk group's MMAs
     issued once its copies have landed (and with KV_FP8 been expanded), in the order the previous pair released the
     groups: slot 0 L, E, R (R last: warpgroup 1's p0' V0_R), slot 1 R, E, L (L and E last: warpgroup 0's p1 V1_L)."""
     s = gl.zeros([_ROWS, _TILE], gl.float32, s_layout)
     if slot == 0:
-        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_L, KV_FP8, GROUPED)
-        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_E, KV_FP8, GROUPED)
-        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_R, KV_FP8, GROUPED)
+        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_L, KV_FP8, GROUPED, zero)
+        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_E, KV_FP8, GROUPED, zero)
+        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_R, KV_FP8, GROUPED, zero)
     else:
-        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_R, KV_FP8, GROUPED)
-        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_E, KV_FP8, GROUPED)
-        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_L, KV_FP8, GROUPED)
+        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_R, KV_FP8, GROUPED, zero)
+        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_E, KV_FP8, GROUPED, zero)
+        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_L, KV_FP8, GROUPED, zero)
     return warpgroup_mma_wait(0, deps=(s,))
 
 
@@ -630,6 +635,7 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, kvg_desc, q_smem, kv_smem, 
         acc = gl.zeros([_ROWS, HALF], gl.float32, o_layout)  # this WG's half of the output
         for k in range(gl.cdiv(n_tiles, 2)):
             t0 = kv_start + 2 * k * _TILE  # first token of the pair's even tile
+            zero = k >> 30  # 0, but not to the compiler: the grouped score operands' descriptors (`_score_group`)
             has1 = 2 * k + 1 < n_tiles
             next0 = 2 * k + 2 < n_tiles  # the next pair's tiles exist
             next1 = 2 * k + 3 < n_tiles
@@ -643,8 +649,8 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, kvg_desc, q_smem, kv_smem, 
             ph1 = uses1 & 1
             xph = pairs & 1
             if WG == 0:
-                s = _masked(_scores(q_smem, kv_smem, kv8, kv_full, 0, ph0, kv_end - t0, s_layout, KV_FP8, GROUPED), t0,
-                            kv_end, limit, qk_scale, s_layout)
+                s = _masked(_scores(q_smem, kv_smem, kv8, kv_full, 0, ph0, kv_end - t0, s_layout, KV_FP8, GROUPED,
+                                    zero), t0, kv_end, limit, qk_scale, s_layout)
                 if next0:  # slot 0's k_pe chunk is free
                     _issue_group(kv_desc, kvg_desc, kv_smem, kv8, kv_full, 0, _issue_rows(row0, walk, PAGE_SIZE, BOXES),
                                  _GROUP_E, KV_FP8, BOXES, GROUPED)
@@ -687,7 +693,7 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, kvg_desc, q_smem, kv_smem, 
             else:
                 if has1:
                     s = _masked(_scores(q_smem, kv_smem, kv8, kv_full, 1, ph1, kv_end - t0 - _TILE, s_layout,
-                                        KV_FP8, GROUPED), t0 + _TILE, kv_end, limit, qk_scale, s_layout)
+                                        KV_FP8, GROUPED, zero), t0 + _TILE, kv_end, limit, qk_scale, s_layout)
                 else:
                     s = gl.full([_ROWS, _TILE], float("-inf"), gl.float32, s_layout)
                 mbarrier.wait(xbar.index(0), xph)
@@ -764,7 +770,7 @@ def _mla_decode_seesaw_kernel(
     PAGE_SIZE: gl.constexpr, HEAD_SPLIT: gl.constexpr, HEAD_GROUP: gl.constexpr, PDL: gl.constexpr,
     KV_FP8: gl.constexpr,  # e4m3fn cache ([64, 64] boxes), bf16 or e4m3fn q: fp16 operands, expanded in place
     ONE_ITEM: gl.constexpr,  # WorkPlan.one_item_per_worker
-    GROUPED: gl.constexpr,  # bf16 cache on GROUPED_PAGES (16): the c_kv halves in the grouped layout
+    GROUPED: gl.constexpr,  # bf16 cache on GROUPED_PAGES (16, 32): the c_kv halves in the grouped layout
 ):
     if PDL:  # the reduce kernel may start now; its programs wait (gdc_wait) until this grid has finished
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
@@ -851,18 +857,17 @@ SMALL_PAGES = (16, 32)
 # against the Triton kernel (one H200, bf16): 147.2 vs 152.1 us at (32, 4096, 128) and 493.0 vs 527.0 at
 # (128, 4096, 128), but 104.9 vs 82.8 at (32, 4096, 32), 107.0 vs 90.0 at (32, 4096, 64), 30.5 vs 27.1 at
 # (8, 1000, 128): left on the Triton kernel
-GROUPED_PAGES = (16,)
+GROUPED_PAGES = (16, 32)
 
 
 def grouped_layout(kv: torch.Tensor) -> bool:
     """Whether the seesaw keeps a bf16 cache's c_kv halves in the grouped layout (_HALF_LAYOUT: 8-token boxes of 4
-    chunks, one 4-D TMA copy per page and half, so 8 copies per tile for c_kv at page 16 and 64 / page_size for
+    chunks, one 4-D TMA copy per page and half, so 64 / page_size x 2 copies per tile for c_kv and 64 / page_size for
     k_pe): GROUPED_PAGES. Otherwise each chunk is copied as one box per page (36 copies per tile at page 16, 18 at
-    page 32) or per tile. On one H200 (twenty-eighth session, bf16, alternating rounds, same bits; per-page boxes /
-    grouped, us): 114.9 / 95.8 at (32, 4096, 128) and 437.2 / 338.2 at (128, 4096, 128) on pages of 16, but
-    88.5 / 95.0 and 301.1 / 345.6 on pages of 32 and 84.5 / 96.4 and 282.3 / 336.6 on pages of 64 (a tile copy per
-    chunk there): the layout's compiled code costs 15-20 % (the module docstring), so it pays only where it saves
-    most copies."""
+    page 32) or per tile (9 at pages of 64k). On one H200 (twenty-eighth session, bf16, alternating rounds, same bits;
+    per-page boxes / grouped, us): 114.9 / 88.2 at (32, 4096, 128) and 437.2 / 305.9 at (128, 4096, 128) on pages
+    of 16 (two calls), 89.4 / 81.0 and 299.4 / 285.5 on pages of 32; on pages of 64, standard / grouped, 84.3 / 79.0
+    and 276.8 / 280.8: not switched there (the module docstring)."""
     return kv.dtype == torch.bfloat16 and kv.shape[1] in GROUPED_PAGES
 
 
