@@ -421,8 +421,8 @@ def _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, g: gl.c
     k-steps in the same order as four chunks), both operands indexed with `zero` (the pair index >> 30: always 0,
     but not provably so), so that their wgmma descriptors are computed where the MMAs are issued instead of once
     ahead of the loops and held, which made ptxas spill them (200 bytes at page 16) and reload them between the
-    MMAs: 0 bytes of spills, 88.2 vs 95.5 us at (32, 4096, 128) and 305.9 vs 341.1 at (128, 4096, 128) on one H200
-    (twenty-eighth session). The standard layout's chunks do not need it (no gain measured, twenty-fourth session)."""
+    MMAs (timings: the module docstring). The standard layout's chunks do not need it (no gain measured,
+    twenty-fourth session)."""
     mbarrier.wait(kv_full.index(slot * 3 + g), phase)
     f: gl.constexpr = _group_first(g)
     if GROUPED and g != _GROUP_E:
