@@ -1,11 +1,17 @@
 """A/B of our decode's launch variants on one GPU, in alternating rounds: each variant is `KernelConfig` fields set
-on the batch's default config (`batch_config`) and, in upper case, `mla_fast.triton_decode` module constants held for
-that variant's launches (its first call and its graph capture, which launches again). CUDA-graph replays timed as in
+on the batch's default config (`batch_config`) and, in upper case, module constants of `mla_fast.triton_decode` or
+`mla_fast.gluon_decode` (host-side launch choices such as `GROUPED_PAGES`) held for that variant's launches (its
+first call and its graph capture, which launches again). CUDA-graph replays timed as in
 `mla-bench` (`time_us`, three rounds, each starting at the next variant; the best round's median is reported), and
 whether each variant gives the first one's bits.
 
     python benchmarks/config_ab.py --pages 4,8 --dtypes bf16,fp8kv \\
         --variant one:page_select=1,gather_chunk_pages=16 --variant two:page_select=2,gather_chunk_pages=16
+    python benchmarks/config_ab.py --shapes "32,4096,128;128,4096,128" --pages 64 --dtypes bf16 \\
+        --variant std:GROUPED_PAGES=16/32 --variant grouped:GROUPED_PAGES=16/32/64
+
+Values: integers, true / false, tuples of integers written with slashes (`16/32`, `64/` for one, `()` for none),
+else strings.
 
 Prints one line per (shape, page, dtype) with each variant's µs, registers and spills; --json writes them.
 """
@@ -17,48 +23,67 @@ from dataclasses import fields, replace
 
 import torch
 
+from mla_fast import gluon_decode as gd
 from mla_fast import triton_decode as td
 from mla_fast.bench import build_batch, graphed, parse_shapes, time_us
 from mla_fast.bench import ours as ours_fn
 
 SHAPES = "32,4096,16;128,8192,16;32,4096,128"
 CONFIG_FIELDS = {f.name: f.type for f in fields(td.KernelConfig)}
+CONSTANT_MODULES = (td, gd)  # where an upper-case variant key is looked up
+
+
+def _owner(key: str):
+    """The one module of CONSTANT_MODULES that defines constant `key`, or None."""
+    owners = [m for m in CONSTANT_MODULES if hasattr(m, key)]
+    return owners[0] if len(owners) == 1 else None
+
+
+def _value(raw: str):
+    """A variant value: int, bool, tuple of ints ('16/32', '64/', '()') or the string itself."""
+    if raw.lower() in ("true", "false"):
+        return raw.lower() == "true"
+    if raw == "()" or "/" in raw:
+        parts = [p for p in raw.strip("()").split("/") if p]
+        if all(p.lstrip("-").isdigit() for p in parts):
+            return tuple(int(p) for p in parts)
+    if raw.lstrip("-").isdigit():
+        return int(raw)
+    return raw
 
 
 def parse_variant(text: str) -> tuple[str, dict, dict]:
-    """'name:field=value,CONSTANT=value' -> (name, KernelConfig fields, triton_decode constants); values are ints,
-    or true / false, or strings."""
+    """'name:field=value,CONSTANT=value' -> (name, KernelConfig fields, module constants); values as `_value`."""
     name, _, body = text.partition(":")
     if not name or not body:
         raise ValueError(f"--variant must be NAME:FIELD=VALUE[,...], got {text!r}")
     config, constants = {}, {}
     for item in body.split(","):
         key, _, raw = item.partition("=")
-        value = {"true": True, "false": False}.get(raw.lower(), raw)
-        if isinstance(value, str) and value.lstrip("-").isdigit():
-            value = int(value)
+        value = _value(raw)
         if key.isupper():
-            if not hasattr(td, key):
-                raise ValueError(f"--variant {name}: triton_decode has no constant {key!r}")
+            if _owner(key) is None:
+                names = ", ".join(m.__name__ for m in CONSTANT_MODULES)
+                raise ValueError(f"--variant {name}: no constant {key!r} in exactly one of {names}")
             constants[key] = value
         elif key in CONFIG_FIELDS:
             config[key] = value
         else:
-            raise ValueError(f"--variant {name}: {key!r} is neither a KernelConfig field nor a triton_decode constant")
+            raise ValueError(f"--variant {name}: {key!r} is neither a KernelConfig field nor a module constant")
     return name, config, constants
 
 
 @contextlib.contextmanager
 def held(constants: dict):
-    """triton_decode's module constants set to `constants` inside the block, restored after."""
-    old = {k: getattr(td, k) for k in constants}
+    """The module constants `constants` (each in its `_owner`) set inside the block, restored after."""
+    old = {k: getattr(_owner(k), k) for k in constants}
     for k, v in constants.items():
-        setattr(td, k, v)
+        setattr(_owner(k), k, v)
     try:
         yield
     finally:
         for k, v in old.items():
-            setattr(td, k, v)
+            setattr(_owner(k), k, v)
 
 
 def run_row(batch, variants, rounds: int) -> dict:

@@ -100,12 +100,20 @@ def test_config_ab_variants_split_config_fields_from_module_constants():
                        ("two:NO_SUCH=1", "no constant 'NO_SUCH'")]:
         with pytest.raises(ValueError, match=words):
             ab.parse_variant(bad)
+    from mla_fast import gluon_decode as gd
     from mla_fast import triton_decode as td
 
     before = td.GATHER_CHUNK_MAX_ROWS
     with ab.held({"GATHER_CHUNK_MAX_ROWS": before * 2}):
         assert td.GATHER_CHUNK_MAX_ROWS == before * 2
     assert td.GATHER_CHUNK_MAX_ROWS == before
+    # gluon_decode's launch constants, tuples written with slashes
+    for raw, value in [("16/32/64", (16, 32, 64)), ("64/", (64,)), ("()", ())]:
+        assert ab.parse_variant(f"g:GROUPED_PAGES={raw}") == ("g", {}, {"GROUPED_PAGES": value})
+    pages = gd.GROUPED_PAGES
+    with ab.held({"GROUPED_PAGES": (64,)}):
+        assert gd.GROUPED_PAGES == (64,)
+    assert gd.GROUPED_PAGES == pages
 
 
 def test_config_ab_needs_two_variants():
