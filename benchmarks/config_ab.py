@@ -76,14 +76,15 @@ def parse_variant(text: str) -> tuple[str, dict, dict]:
 @contextlib.contextmanager
 def held(constants: dict):
     """The module constants `constants` (each in its `_owner`) set inside the block, restored after."""
-    old = {k: getattr(_owner(k), k) for k in constants}
+    owners = {k: _owner(k) for k in constants}
+    old = {k: getattr(owners[k], k) for k in constants}
     for k, v in constants.items():
-        setattr(_owner(k), k, v)
+        setattr(owners[k], k, v)
     try:
         yield
     finally:
         for k, v in old.items():
-            setattr(_owner(k), k, v)
+            setattr(owners[k], k, v)
 
 
 def run_row(batch, variants, rounds: int) -> dict:

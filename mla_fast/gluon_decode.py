@@ -256,11 +256,12 @@ def _half_box(kv_smem, slot, half, j):
 
 
 @gluon.jit
-def _v_half(kv_smem, slot, half: gl.constexpr, GROUPED: gl.constexpr):
-    """V half `half` [64 tokens, 256 channels] of tile slot `slot`: the B operand of a P.V MMA (N contiguous). With
-    GROUPED, the half's 8 boxes (`_half_box`) read through _HALF_LAYOUT."""
+def _v_half(kv_smem, slot, half: gl.constexpr, GROUPED: gl.constexpr, zero=0):
+    """V half `half` [64 tokens, 256 channels] of tile slot `slot`: the B operand of a P.V MMA (N contiguous), and
+    transposed a score operand. With GROUPED, the half's 8 boxes (`_half_box`, from box `zero`: 0, or the
+    unprovable zero of `_score_group`) read through _HALF_LAYOUT."""
     if GROUPED:
-        return _half_box(kv_smem, slot, half, 0)._reinterpret(gl.bfloat16, [_TILE, _L_DIM // 2], _HALF_LAYOUT)
+        return _half_box(kv_smem, slot, half, zero)._reinterpret(gl.bfloat16, [_TILE, _L_DIM // 2], _HALF_LAYOUT)
     else:
         return kv_smem[0].index(slot).slice(half * (_L_DIM // 2), _L_DIM // 2, dim=1)
 
@@ -428,8 +429,8 @@ def _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, g: gl.c
     if GROUPED and g != _GROUP_E:
         q_nope = q_smem[0]._reinterpret(q_smem[0].dtype, [1, _ROWS, _L_DIM], q_smem[0].layout).index(zero)
         q_half = q_nope.slice(f * _CHUNK, _L_DIM // 2, dim=1)  # [64 rows, 256]
-        k_half = _half_box(kv_smem, slot, g, zero)._reinterpret(gl.bfloat16, [_TILE, _L_DIM // 2], _HALF_LAYOUT)
-        s = warpgroup_mma(q_half, k_half.permute((1, 0)), s, is_async=True)  # [64 rows, 64 tokens]
+        k_half = _v_half(kv_smem, slot, g, GROUPED, zero).permute((1, 0))  # [256, 64 tokens]
+        s = warpgroup_mma(q_half, k_half, s, is_async=True)  # [64 rows, 64 tokens]
     elif not KV_FP8:
         s = _score_mmas(s, q_smem, kv_smem, slot, f, _group_end(g))
     elif g == _GROUP_E:
