@@ -7,7 +7,7 @@ whether each variant gives the first one's bits.
 
     python benchmarks/config_ab.py --pages 4,8 --dtypes bf16,fp8kv \\
         --variant one:page_select=1,gather_chunk_pages=16 --variant two:page_select=2,gather_chunk_pages=16
-    python benchmarks/config_ab.py --shapes "32,4096,128;128,4096,128" --pages 64 --dtypes bf16 \\
+    python benchmarks/config_ab.py --shapes "32,4096,128;128,4096,128;64,4096,16,2" --pages 64 --dtypes bf16 \\
         --variant std:GROUPED_PAGES=16/32 --variant grouped:GROUPED_PAGES=16/32/64
 
 Values: integers, true / false, tuples of integers written with slashes (`16/32`, `64/` for one, `()` for none),
@@ -112,7 +112,8 @@ def run_row(batch, variants, rounds: int) -> dict:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", type=parse_shapes, default=parse_shapes(SHAPES), help=f'"b,s,h;..." ({SHAPES})')
+    parser.add_argument("--shapes", type=parse_shapes, default=parse_shapes(SHAPES),
+                        help=f'"b,s,h[,q_len];..." ({SHAPES}; q_len 1 unless given)')
     parser.add_argument("--pages", default="16", help="comma list of page sizes (default 16)")
     parser.add_argument("--dtypes", default="bf16,fp8kv", help="comma list of bf16, fp8kv, fp8")
     parser.add_argument("--variant", action="append", required=True, help="NAME:FIELD=VALUE[,...] (at least two)")
@@ -125,14 +126,19 @@ def main(argv=None) -> None:
         parser.error(str(e))
     if len(variants) < 2 or args.rounds < 1:
         parser.error(f"need at least two --variant and --rounds >= 1, got {len(variants)} and {args.rounds}")
+    bad = [shape for shape in args.shapes if len(shape) not in (3, 4)]
+    if bad:
+        parser.error(f"--shapes entries must be b,s,h or b,s,h,q_len, got {bad}")
     if not torch.cuda.is_available():
         raise SystemExit("config_ab needs a CUDA GPU")
     rows = []
-    for b, s, h in args.shapes:
+    for b, s, h, *rest in args.shapes:
+        q_len = rest[0] if rest else 1
         for page in (int(p) for p in args.pages.split(",")):
             for combo in args.dtypes.split(","):
-                row = {"b": b, "s": s, "h": h, "page": page, "combo": combo,
-                       "variants": run_row(build_batch(b, s, h, combo, page_size=page), variants, args.rounds)}
+                batch = build_batch(b, s, h, combo, page_size=page, q_len=q_len)
+                row = {"b": b, "s": s, "h": h, "q_len": q_len, "page": page, "combo": combo,
+                       "variants": run_row(batch, variants, args.rounds)}
                 rows.append(row)
                 print(row, flush=True)
                 torch.cuda.empty_cache()
