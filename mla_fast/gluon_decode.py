@@ -858,7 +858,7 @@ SMALL_PAGES = (16, 32)
 # against the Triton kernel (one H200, bf16): 147.2 vs 152.1 us at (32, 4096, 128) and 493.0 vs 527.0 at
 # (128, 4096, 128), but 104.9 vs 82.8 at (32, 4096, 32), 107.0 vs 90.0 at (32, 4096, 64), 30.5 vs 27.1 at
 # (8, 1000, 128): left on the Triton kernel
-GROUPED_PAGES = (16, 32)
+GROUPED_PAGES = (16, 32, 64)
 
 
 def grouped_layout(kv: torch.Tensor) -> bool:
@@ -869,7 +869,7 @@ def grouped_layout(kv: torch.Tensor) -> bool:
     per-page boxes / grouped, us): 114.9 / 88.2 at (32, 4096, 128) and 437.2 / 305.9 at (128, 4096, 128) on pages
     of 16 (two calls), 89.4 / 81.0 and 299.4 / 285.5 on pages of 32; on pages of 64, standard / grouped, 84.3 / 79.0
     and 276.8 / 280.8: not switched there (the module docstring)."""
-    return kv.dtype == torch.bfloat16 and kv.shape[1] in GROUPED_PAGES
+    return kv.dtype == torch.bfloat16 and min(kv.shape[1], TILE) in GROUPED_PAGES
 
 
 @constexpr_function

@@ -124,5 +124,6 @@ def test_config_ab_needs_two_variants():
 
 def test_config_ab_shapes_take_an_optional_q_len_and_nothing_else():
     with pytest.raises(SystemExit) as exit_info:
-        _config_ab().main(["--shapes", "64,4096,16,2,9", "--variant", "a:page_select=1", "--variant", "b:page_select=2"])
+        _config_ab().main(["--shapes", "64,4096,16,2,9", "--variant", "a:page_select=1",
+                           "--variant", "b:page_select=2"])
     assert exit_info.value.code == 2

@@ -28,7 +28,7 @@ def _compile(kernel: str, combo: str, heads: int, q_len: int = 1, page_size: int
 
 @pytest.mark.skipif(not PTXAS.exists(), reason="this triton wheel ships no ptxas")
 @pytest.mark.parametrize("kernel, combo, heads, q_len, page_size", [
-    ("seesaw", "bf16", 128, 1, 64),  # the bf16 default at 128 heads
+    ("seesaw", "bf16", 16, 4, 64),  # bf16 MTP rows, 4 x 16 heads (128 heads at q_len 1: the grouped-layout test)
     ("seesaw", "fp8kv", 128, 1, 64),  # e4m3fn cache: fp8 boxes expanded in place
     ("seesaw", "fp8", 16, 4, 64),  # e4m3fn q, MTP rows
     ("seesaw", "fp8kv", 128, 1, 16),  # one TMA box per page
@@ -67,18 +67,18 @@ def test_gluon_fp8_copies_pages_of_16_in_one_tma_box_each(tmp_path):
 
 
 @pytest.mark.skipif(not PTXAS.exists(), reason="this triton wheel ships no ptxas")
-@pytest.mark.parametrize("page_size", [16, 32])
-def test_seesaw_copies_bf16_small_pages_in_the_grouped_layout_without_spills(page_size, tmp_path):
-    """bf16 on pages of 16 and 32 (gluon_decode.GROUPED_PAGES): each c_kv half of a tile is 64 / page_size
-    four-dimensional TMA boxes (a page's 8-token groups x 4 chunks) at each of the 8 places a half is issued (both
-    slots at an item's start, and in the loop); the 2-D copies are q's 9 chunk boxes and k_pe's page boxes at its 4
-    places (pages of 64: 45 2-D copies). With the score operands indexed by an unprovable zero nothing spills (200
-    bytes at page 16 without it: the hoisted wgmma descriptors)."""
+@pytest.mark.parametrize("page_size", [16, 32, 64, 128])
+def test_seesaw_copies_bf16_pages_in_the_grouped_layout_without_spills(page_size, tmp_path):
+    """bf16 at 128 heads (gluon_decode.GROUPED_PAGES, pages of 64k as 64): each c_kv half of a tile is
+    max(64 / page_size, 1) four-dimensional TMA boxes (a page's 8-token groups x 4 chunks) at each of the 8 places a
+    half is issued (both slots at an item's start, and in the loop); the 2-D copies are q's 9 chunk boxes and k_pe's
+    page boxes at its 4 places (pages of 64 in the standard layout: 45 2-D copies). With the score operands indexed
+    by an unprovable zero nothing spills (200 bytes at page 16 without it: the hoisted wgmma descriptors)."""
     sass = tmp_path / f"p{page_size}.sass"
     report = _compile("seesaw", "bf16", 128, page_size=page_size, sass=sass)
     assert 0 < report["registers"] <= MAX_REGISTERS and report["spill_stores"] == 0, report
     text = sass.read_text()
-    pages = 64 // page_size
+    pages = max(64 // page_size, 1)
     assert len(re.findall(r"\bUTMALDG\.4D\b", text)) == 8 * pages
     assert not re.search(r"\bUTMALDG\.3D\b", text)
     assert len(re.findall(r"\bUTMALDG\.2D\b", text)) == 9 + 4 * pages

@@ -492,8 +492,8 @@ def _sm90():
     return torch.cuda.get_device_capability() == (9, 0)
 
 
-# pages of 16 and 32 (one TMA box per page, or for bf16 on pages of 16 the grouped layout): partial last pages and
-# tiles, pages past an item's last token, zero-length requests, splits, MTP
+# pages of 16 and 32 (one TMA box per page for fp8 caches; bf16 in the grouped layout, one 4-D copy per page):
+# partial last pages and tiles, pages past an item's last token, zero-length requests, splits, MTP
 SEESAW_SMALL_PAGE_CASES = [
     TritonCase((0, 1, 15, 16, 17, 63, 64, 65, 1000, 4097), (1,) * 10, heads=128, page_size=16, L=512, R=64, seed=70),
     TritonCase((5, 1500, 0, 4097, 33), (1,) * 5, heads=128, page_size=32, combo="fp8kv", L=512, R=64, seed=71),
@@ -528,6 +528,27 @@ def test_gluon_seesaw_bench_grid_within_kernel_bound(shape, combo):
     b, s, h = shape
     r = _decode_and_check(build_batch(b, s, h, combo, seed=hash(shape) % 1000), **_gluon(h, 1, combo))
     assert r["finite"] and r["out_ratio"] <= 1.0 and r["lse_ratio"] <= 1.0, r
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon' needs sm_90")
+@pytest.mark.parametrize("case", [GLUON_CASES[0], GLUON_CASES[6]], ids=lambda c: f"h{c.heads}_p{c.page_size}")
+def test_gluon_seesaw_grouped_layout_gives_the_bits_of_the_standard_one(case, monkeypatch):
+    """bf16 on pages of 64 and 128 (MTP in the second): the grouped layout (gluon_decode.grouped_layout, the default)
+    and the standard one (GROUPED_PAGES emptied, as config_ab's A/B does) feed the same values to the same MMA
+    steps, so out and lse are bitwise the same."""
+    from mla_fast import gluon_decode as gd
+    from mla_fast import triton_decode as td
+
+    config = td.KernelConfig(**_gluon(case.heads, max(case.q_lens)))
+    batch = case.batch("cuda")
+    results = []
+    for pages in (gd.GROUPED_PAGES, ()):
+        monkeypatch.setattr(gd, "GROUPED_PAGES", pages)
+        assert gd.grouped_layout(batch.kv_cache) == bool(pages)
+        results.append(td.decode(batch, plan=td.make_plan(batch, config), config=config))
+    (out, lse), (out_std, lse_std) = results
+    assert torch.equal(out.view(torch.int16), out_std.view(torch.int16))
+    assert torch.equal(lse.view(torch.int32), lse_std.view(torch.int32))
 
 
 def _check_small_pages_give_the_bits_of_pages_of_64(case, overrides: dict):
