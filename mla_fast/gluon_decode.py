@@ -7,8 +7,8 @@ its reduce kernel merges), written in Gluon, Triton's lower-level language, for 
 cache (or an e4m3fn cache: see "fp8 caches" below), one 64-row M tile of packed (query row x head) rows per program
 as in the Triton kernel (head_group 8, 16, 32 or 64 heads per query row, q_len x head_group <= 64; MTP rows see
 their causal limits), 64-token tiles that lie inside one page (page_size % 64 == 0) or span whole pages of 16 or 32
-tokens (SMALL_PAGES: each tile's chunks copied one TMA row box per page, `tile_boxes`; bf16 in the grouped layout,
-below), L = 512 and R = 64. Triton 3.6
+tokens (SMALL_PAGES: each fp8 tile's chunks copied one TMA row box per page, `tile_boxes`; bf16 caches on every page
+size in the grouped layout, below), L = 512 and R = 64. Triton 3.6
 cannot warp-specialize on Hopper; Gluon can, and this kernel needs it. q arrives by TMA, one [head_group, 64] box
 per query row and chunk; packed rows past an item's q_len hold the next tokens' q (or zeros past the tensor), their
 scores are -inf and they are not written.
@@ -43,14 +43,15 @@ on one H200. So was one barrier per chunk (each chunk's score MMA issued once th
 fine-grained TMA-GEMM pipelining): 295.4 vs 276.7 us at (128, 4096, 128), 88.0 vs 84.2 at (32, 4096, 128) (tenth
 session; every wait comes with a warpgroup BAR.SYNC in the SASS).
 
-The grouped layout (GROUPED, `grouped_layout`: bf16 caches on pages of 16 and 32). Copied one box per page, a tile
+The grouped layout (GROUPED, `grouped_layout`: bf16 caches, every page size). Copied one box per page, a tile
 costs 36 TMA copies at page 16 (each of the 9 [64, 64] chunks as 4 row boxes) and 18 at page 32, against 9 at page
 64, and the copies sit on the warpgroups' critical path. Here each c_kv half of a slot is stored as 8 boxes of 8
 tokens x 4 chunks ([4, 8, 64], 4 KB each), and the MMAs read the half through a shared linear layout (_HALF_LAYOUT)
 whose wgmma descriptors step 4 KB between 8-token groups and 1 KB between chunks. A page's tokens of a half are
 adjacent 8-token groups in that layout, so each is one 4-D TMA copy ([page / 8 groups, 4 chunks, 8 tokens, 64]) from
 the cache viewed as [rows / 8 groups, 9 chunks, 8 tokens, 64] (strides 8 x 576, 64, 576, 1 elements: TMA takes
-strides in any order); k_pe keeps its page boxes. That is 12 copies per tile at page 16, 6 at page 32. The score
+strides in any order); k_pe keeps its page boxes. That is 12 copies per tile at page 16, 6 at page 32 and 3 on
+pages of 64k (one per half of a tile, and k_pe; 9 chunk boxes in the standard layout). The score
 MMAs index both operands with a zero the compiler cannot prove (`_score_group`): otherwise ptxas spilled their
 descriptors, and that, not the copies (a TMA-only stream took the same time with every box shape) nor the tensor
 cores (a wgmma loop on either layout, the same time), made the layout 15-20 % slower than the standard one at equal
@@ -58,9 +59,13 @@ copy counts. Same values in the same MMA k-steps in the same order, so the bits 
 pages of 64. On one H200 (twenty-eighth session, alternating rounds, same bits; us): page 16, per-page boxes 437.2
 and 114.9 at (128 / 32, 4096, 128), one 3-D copy per 8-token group 383.2 and 106.4, 4-D page copies 341.1 and 95.5,
 with the unprovable zero 305.9 and 88.2 (68.1 -> 62.4 at (32, 4096, 32)); page 32, per-page boxes 299.4 and 89.4,
-grouped 285.5 and 81.0. At page 64 (3 copies per tile against 9) it took 280.8 vs 276.8 and 79.0 vs 84.3: not
-switched there on two shapes. cp.async copies from the warpgroups' 128 threads instead of TMA were no faster at
-page 16 and 27-37 % slower at page 64 (twenty-seventh session, docs/perf_history.md).
+grouped 285.5 and 81.0. Pages of 64 (twenty-ninth session, standard -> grouped, same bits): 83.0 -> 78.9 and
+84.1 -> 79.4 at (32, 4096, 128), 290.6 -> 278.5 and 291.0 -> 280.2 at (128, 4096, 128), 25.2 -> 24.7 at
+(1, 8192, 128), 53.3 -> 51.1 at (8, 8192, 128), 60.5 -> 59.1 at (32, 4096, 32), 165.9 -> 164.2 at (128, 4096, 64),
+95.6 -> 92.6 at (64, 4096, 16) q_len 2, 166.8 -> 164.5 at (128, 4096, 16) q_len 4, 139.6 -> 134.2 at
+(32, 4096, 128) q_len 2 (the twenty-eighth session had 280.8 vs 276.8 at (128, 4096, 128) in one call). cp.async copies
+from the warpgroups' 128 threads instead of TMA were no faster at page 16 and 27-37 % slower at page 64 (twenty-seventh
+session, docs/perf_history.md).
 
 One 64 x 512 fp32 accumulator is all the registers an SM has, so the output is split by columns, and the two
 warpgroups alternate on pairs of tiles (K0, K1) with one running max m shared through shared memory (FlashMLA's
@@ -87,7 +92,8 @@ Performance (one H200, mla-bench, CUDA-graph replays; docs/perf_history.md): 276
 (FlashInfer 27.5); MTP (benchmarks/mtp_bench.py) 574 vs 900 us for the Triton kernel at (128, 4096, 128) q_len 2, 102 vs
 135 us at (64, 4096, 16) q_len 4. ncu:
 the largest stall is warpgroup 1 waiting for the c_kv-left group of its next tile, which warpgroup 0 reloads only
-after its last P.V of the pair; warpgroup 0 spills 34 registers (smem descriptors).
+after its last P.V of the pair; warpgroup 0 spilled 34 registers (smem descriptors; none at 128 heads since
+the grouped layout's unprovable zero).
 With PDL (launch's default on sm_90) the kernel calls gdc_launch_dependents at its start, so the reduce programs
 are scheduled on SMs whose decode programs have finished and wait there (gdc_wait) for the rest: same bits, 0.4-0.8
 us faster in graph replays (eighth session, two pairs each: 86.5 vs 87.3 us at (32, 4096, 128), 61.1 vs 61.5 at
@@ -182,7 +188,7 @@ _GROUP_E = gl.constexpr(2)  # chunk 8: k_pe; after the scores of an odd tile it 
 # conflicts; 16 bytes per thread on 2 threads per token ([1, 16], [16, 2]) had 10-way store and 12-way load conflicts
 _E4M3_BOX = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 _Q_BLOCK = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))  # q rows as loaded (fp8 caches)
-# The grouped layout of a c_kv half (GROUPED: bf16 caches on GROUPED_PAGES, pages of 16 and 32): 8 boxes of 8 tokens x
+# The grouped layout of a c_kv half (GROUPED: bf16 caches, `grouped_layout`): 8 boxes of 8 tokens x
 # 4 chunks, box j = tokens 8 j .. 8 j + 7 stored [4 chunks][8 tokens][64 channels] (4 KB, 128-byte swizzled in
 # 1 KB atoms), filled one page (PAGE_SIZE / 8 adjacent boxes) per TMA copy (_PAGE_LAYOUT). As a [64 tokens,
 # 256 channels] shared linear layout (offset bit -> [token, channel]): the MMAs read it through descriptors with
@@ -771,7 +777,7 @@ def _mla_decode_seesaw_kernel(
     PAGE_SIZE: gl.constexpr, HEAD_SPLIT: gl.constexpr, HEAD_GROUP: gl.constexpr, PDL: gl.constexpr,
     KV_FP8: gl.constexpr,  # e4m3fn cache ([64, 64] boxes), bf16 or e4m3fn q: fp16 operands, expanded in place
     ONE_ITEM: gl.constexpr,  # WorkPlan.one_item_per_worker
-    GROUPED: gl.constexpr,  # bf16 cache on GROUPED_PAGES (16, 32): the c_kv halves in the grouped layout
+    GROUPED: gl.constexpr,  # bf16 cache (`grouped_layout`): the c_kv halves in the grouped layout
 ):
     if PDL:  # the reduce kernel may start now; its programs wait (gdc_wait) until this grid has finished
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
@@ -854,7 +860,8 @@ def unsupported(batch, head_group: int | None = None, head_split: int | None = N
 # pages smaller than a tile that both Gluon kernels take, one TMA row box per page (pages of 8, 40 copies per tile in
 # the Gluon fp8 kernel, were slower than the Triton kernel: 506 vs 412 us at (128, 8192, 16) fp8kv; perf_history)
 SMALL_PAGES = (16, 32)
-# bf16 cache pages the seesaw copies in the grouped layout (`grouped_layout`). Pages of 8 so, with 24 copies per tile,
+# bf16 cache pages the seesaw copies in the grouped layout (`grouped_layout`; pages of 64k count as 64): all it takes.
+# Emptied (config_ab's `GROUPED_PAGES=()`), the standard layout for A/B runs. Pages of 8 so, with 24 copies per tile,
 # against the Triton kernel (one H200, bf16): 147.2 vs 152.1 us at (32, 4096, 128) and 493.0 vs 527.0 at
 # (128, 4096, 128), but 104.9 vs 82.8 at (32, 4096, 32), 107.0 vs 90.0 at (32, 4096, 64), 30.5 vs 27.1 at
 # (8, 1000, 128): left on the Triton kernel
@@ -864,11 +871,11 @@ GROUPED_PAGES = (16, 32, 64)
 def grouped_layout(kv: torch.Tensor) -> bool:
     """Whether the seesaw keeps a bf16 cache's c_kv halves in the grouped layout (_HALF_LAYOUT: 8-token boxes of 4
     chunks, one 4-D TMA copy per page and half, so 64 / page_size x 2 copies per tile for c_kv and 64 / page_size for
-    k_pe): GROUPED_PAGES. Otherwise each chunk is copied as one box per page (36 copies per tile at page 16, 18 at
-    page 32) or per tile (9 at pages of 64k). On one H200 (twenty-eighth session, bf16, alternating rounds, same bits;
+    k_pe): GROUPED_PAGES, with pages of 64k as 64. Otherwise each chunk is copied as one box per page (36 copies per
+    tile at page 16, 18 at page 32) or per tile (9 at pages of 64k). On one H200 (bf16, alternating rounds, same bits;
     per-page boxes / grouped, us): 114.9 / 88.2 at (32, 4096, 128) and 437.2 / 305.9 at (128, 4096, 128) on pages
-    of 16 (two calls), 89.4 / 81.0 and 299.4 / 285.5 on pages of 32; on pages of 64, standard / grouped, 84.3 / 79.0
-    and 276.8 / 280.8: not switched there (the module docstring)."""
+    of 16 (two calls), 89.4 / 81.0 and 299.4 / 285.5 on pages of 32 (twenty-eighth session); on pages of 64,
+    standard / grouped, 83.0 / 78.9 and 290.6 / 278.5 (twenty-ninth session; the module docstring)."""
     return kv.dtype == torch.bfloat16 and min(kv.shape[1], TILE) in GROUPED_PAGES
 
 
