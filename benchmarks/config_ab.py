@@ -1,7 +1,7 @@
 """A/B of our decode's launch variants on one GPU, in alternating rounds: each variant is `KernelConfig` fields set
-on the batch's default config (`batch_config`) and, in upper case, module constants of `mla_fast.triton_decode` or
-`mla_fast.gluon_decode` (host-side launch choices such as `GROUPED_PAGES`) held for that variant's launches (its
-first call and its graph capture, which launches again). CUDA-graph replays timed as in
+on the batch's default config (`batch_config`) and, in upper case, module constants of `mla_fast.triton_decode`,
+`mla_fast.gluon_decode` or `mla_fast.gluon_fp8` (host-side launch choices such as `GROUPED_PAGES`) held for that
+variant's launches (its first call and its graph capture, which launches again). CUDA-graph replays timed as in
 `mla-bench` (`time_us`, three rounds, each starting at the next variant; the best round's median is reported), and
 whether each variant gives the first one's bits.
 
@@ -24,13 +24,14 @@ from dataclasses import fields, replace
 import torch
 
 from mla_fast import gluon_decode as gd
+from mla_fast import gluon_fp8 as g8
 from mla_fast import triton_decode as td
 from mla_fast.bench import build_batch, graphed, parse_shapes, time_us
 from mla_fast.bench import ours as ours_fn
 
 SHAPES = "32,4096,16;128,8192,16;32,4096,128"
 CONFIG_FIELDS = {f.name: f.type for f in fields(td.KernelConfig)}
-CONSTANT_MODULES = (td, gd)  # where an upper-case variant key is looked up
+CONSTANT_MODULES = (td, gd, g8)  # where an upper-case variant key is looked up
 
 
 def _owner(key: str):

@@ -207,6 +207,18 @@ _O_STORE = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [0, 2], [1, 0], [8, 0]], lane_bases=[[2, 0], [4, 0], [0, 4], [0, 8], [0, 16]],
     warp_bases=[[0, 32], [0, 64]], block_bases=[], shape=[16, 128]))
 _Q_LOAD = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
+# The grouped tile layout (GROUPED): a slot's c_kv as 8 boxes of 8 tokens x 4 quarters ([4, 8, 128] fp8, 4 KB each,
+# 128-byte swizzled in 1 KB atoms), so that a page's tokens are adjacent boxes, filled by one 4-D TMA copy
+# (_PAGE8); read as the tile [64 tokens, 512 channels] through _TILE8 (offset bit -> [token, channel])
+_GROUPS = gl.constexpr(8)
+_BOX8 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3))
+_PAGE8 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=4))
+_TILE8 = gl.constexpr(gl.SharedLinearLayout([
+    [0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [0, 32], [0, 64],  # bits 0-6: channels of a 128-byte row
+    [1, 16], [2, 32], [4, 64],  # bits 7-9: tokens of an atom (the 128-byte swizzle XORs them into channel bits 4-6)
+    [0, 128], [0, 256],  # bits 10-11: the quarter (1 KB each)
+    [8, 0], [16, 0], [32, 0],  # bits 12-14: the box (8-token group, 4 KB each)
+]))
 
 
 @gluon.jit
@@ -293,16 +305,35 @@ def _zero_tail(ckv, n_valid):
 
 
 @gluon.jit
-def _issue_tile(ckv_desc, kpe_desc, ckv_smem, kpe_smem, ready, slot, rows, BOXES: gl.constexpr):
+def _ckv_tile(ckv_smem, slot, GROUPED: gl.constexpr):
+    """c_kv [64 tokens, 512 channels] of tile slot `slot`: ckv_smem [STAGES, 64, 512] (four [64, 128] boxes), or
+    with GROUPED [STAGES x 8 boxes, 4 quarters, 8 tokens, 128] read through _TILE8."""
+    if GROUPED:
+        return ckv_smem.index(slot * _GROUPS)._reinterpret(gl.float8e4nv, [_TILE, _L_DIM], _TILE8)
+    else:
+        return ckv_smem.index(slot)
+
+
+@gluon.jit
+def _issue_tile(ckv_desc, kpe_desc, ckv_smem, kpe_smem, ready, slot, rows, BOXES: gl.constexpr,
+                GROUPED: gl.constexpr):
     """TMA copies of the tile whose BOXES row boxes start at cache rows `rows` (`_tile_rows`) into tile slot `slot`
-    (one barrier; c_kv as four [64 / BOXES, 128] boxes per row box, k_pe as one [64 / BOXES, 64])."""
+    (one barrier; c_kv as four [64 / BOXES, 128] boxes per row box, or with GROUPED one 4-D box per row box, its
+    8-token groups x 4 quarters (ckv_desc: the cache as [rows / 8, 4, 8, 128]); k_pe as one [64 / BOXES, 64])."""
     BOX: gl.constexpr = _TILE // BOXES
+    GROUP: gl.constexpr = _TILE // _GROUPS
+    PER: gl.constexpr = BOX // GROUP  # with GROUPED: the 8-token groups of a row box
     bar = ready.index(slot)
     mbarrier.expect(bar, _TILE * (_L_DIM + _R_DIM))
     for j in gl.static_range(BOXES):
-        ckv = ckv_smem.index(slot).slice(j * BOX, BOX, dim=0)  # [BOX, 512]
-        for c in gl.static_range(4):
-            tma.async_copy_global_to_shared(ckv_desc, [rows[j], c * 128], bar, ckv.slice(c * 128, 128, dim=1))
+        if GROUPED:
+            page = ckv_smem.index(slot * _GROUPS + j * PER)._reinterpret(gl.float8e4nv, [PER, 4, GROUP, _QUARTER],
+                                                                          _PAGE8)
+            tma.async_copy_global_to_shared(ckv_desc, [rows[j] // GROUP, 0, 0, 0], bar, page)
+        else:
+            ckv = ckv_smem.index(slot).slice(j * BOX, BOX, dim=0)  # [BOX, 512]
+            for c in gl.static_range(4):
+                tma.async_copy_global_to_shared(ckv_desc, [rows[j], c * 128], bar, ckv.slice(c * 128, 128, dim=1))
         tma.async_copy_global_to_shared(kpe_desc, [rows[j], _L_DIM], bar, kpe_smem.index(slot).slice(j * BOX, BOX,
                                                                                                     dim=0))
 
@@ -348,6 +379,7 @@ def _mla_decode_fp8_kernel(
     PAGE_SIZE: gl.constexpr, HEAD_GROUP: gl.constexpr, HEAD_SPLIT: gl.constexpr, STAGES: gl.constexpr,
     ONE_ITEM: gl.constexpr,  # WorkPlan.one_item_per_worker
     QK_FP8: gl.constexpr,  # e4m3fn q: fp8 score MMAs on q and the cache tile as stored (`_fp8_scores`)
+    GROUPED: gl.constexpr,  # c_kv slots in the grouped layout (_TILE8), one 4-D TMA copy per row box
 ):
     BOXES: gl.constexpr = tile_boxes(PAGE_SIZE)  # TMA row boxes per tile: 1, or one per page (pages of 16, 32)
     Q_ROWS: gl.constexpr = _ROWS // HEAD_GROUP  # query rows per item: packed row m is query row m // HEAD_GROUP,
@@ -355,7 +387,10 @@ def _mla_decode_fp8_kernel(
     ckv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_TILE, 128], gl.float8e4nv)
     kpe_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_TILE, _R_DIM], gl.float8e4nv)
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_ROWS, 64], gl.float16)
-    ckv_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, _TILE, _L_DIM], ckv_layout)
+    if GROUPED:
+        ckv_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES * _GROUPS, 4, _TILE // _GROUPS, _QUARTER], _BOX8)
+    else:
+        ckv_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, _TILE, _L_DIM], ckv_layout)
     kpe_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, _TILE, _R_DIM], kpe_layout)
     if QK_FP8:  # q's fp8 codes in channel order: the B operands of the fp8 score MMAs
         q_nope = gl.allocate_shared_memory(gl.float8e4nv, [_ROWS, _L_DIM],
@@ -389,7 +424,7 @@ def _mla_decode_fp8_kernel(
             if i < n_tiles:
                 _issue_tile(ckv_desc, kpe_desc, ckv_smem, kpe_smem, ready, (g + i) % STAGES,
                             _tile_rows(BLOCK_TABLE, b, stride_bt, kv_start, kv_end, i, n_tiles, PAGE_SIZE, BOXES),
-                            BOXES)
+                            BOXES, GROUPED)
         # q of the item's packed rows as fp16 (exact for e4m3fn; bf16 as declared in numerics.py), in the K
         # operand's column order; rows past the item's query rows as 0
         qr = gl.arange(0, _ROWS, gl.SliceLayout(1, _Q_LOAD))
@@ -426,7 +461,7 @@ def _mla_decode_fp8_kernel(
                 next_rows = _tile_rows(BLOCK_TABLE, b, stride_bt, kv_start, kv_end, t + STAGES + 1, n_tiles,
                                        PAGE_SIZE, BOXES)
             mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
-            ckv = ckv_smem.index(slot)
+            ckv = _ckv_tile(ckv_smem, slot, GROUPED)
             t0 = kv_start + t * _TILE
             if kv_end - t0 < _TILE:  # the last tile: rows past KV_END to 0 before anything reads them (their
                 _zero_tail(ckv, kv_end - t0)  # scores are selected away below whatever they hold)
@@ -484,7 +519,7 @@ def _mla_decode_fp8_kernel(
                 if BOXES > 1:  # one entry per page: loaded here, where they hold no registers through the tile
                     rows = _tile_rows(BLOCK_TABLE, b, stride_bt, kv_start, kv_end, t + STAGES, n_tiles, PAGE_SIZE,
                                       BOXES)
-                _issue_tile(ckv_desc, kpe_desc, ckv_smem, kpe_smem, ready, slot, rows, BOXES)
+                _issue_tile(ckv_desc, kpe_desc, ckv_smem, kpe_smem, ready, slot, rows, BOXES, GROUPED)
             g += 1
 
         l_sum = gl.sum(l_t, 0)  # [16]
@@ -535,6 +570,8 @@ def unsupported(batch, head_group: int | None = None, head_split: int | None = N
 
 
 SLOT_BYTES = TILE * (L_DIM + R_DIM)  # one tile slot (fp8): 36 KB
+GROUPS = 8  # 8-token boxes of a tile in the grouped layout
+FP8_GROUPED_PAGES = (16, 32)  # pages (64k as 64) whose c_kv the kernel keeps in the grouped layout (`grouped_layout`)
 FIXED_BYTES = 21 * 1024  # q (fp16), p and the reduction scratch: 20.3 KB compiled
 SMEM_PER_SM = 227 * 1024  # sm_90
 
@@ -552,6 +589,12 @@ def supported(batch) -> bool:
     return unsupported(batch) is None
 
 
+def grouped_layout(kv: torch.Tensor) -> bool:
+    """Whether the kernel keeps a cache's c_kv slots in the grouped layout (_TILE8: 8-token boxes of 4 quarters, one
+    4-D TMA copy per page instead of 4 quarter boxes): FP8_GROUPED_PAGES, pages of 64k counted as 64."""
+    return min(kv.shape[1], TILE) in FP8_GROUPED_PAGES
+
+
 def launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, head_group: int, head_split: int,
                   num_stages: int, qo_indptr, qk_fp8: bool = False):
     """Launch the fp8 decode kernel (head_split programs per worker, head_group heads each); the caller launches the
@@ -564,8 +607,14 @@ def launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, he
     flat = kv.view(-1, D)
     boxes = tile_boxes(kv.shape[1])
     box = TILE // boxes  # cache rows per TMA box: a tile, or a page smaller than one (into the tile slot's layout)
-    ckv_desc = TensorDescriptor(flat, list(flat.shape), [D, 1], [box, 128],
-                                gl.NVMMASharedLayout.get_default_for([TILE, 128], gl.float8e4nv))
+    grouped = grouped_layout(kv)
+    if grouped:  # the cache as [rows / 8 groups, 4 quarters, 8 tokens, 128] (strides 8 x 576, 128, 576, 1 bytes)
+        group = TILE // GROUPS
+        ckv_desc = TensorDescriptor(flat, [flat.shape[0] // group, 4, group, 128], [group * D, 128, D, 1],
+                                    [box // group, 4, group, 128], _PAGE8.value)
+    else:
+        ckv_desc = TensorDescriptor(flat, list(flat.shape), [D, 1], [box, 128],
+                                    gl.NVMMASharedLayout.get_default_for([TILE, 128], gl.float8e4nv))
     kpe_desc = TensorDescriptor(flat, list(flat.shape), [D, 1], [box, R_DIM],
                                 gl.NVMMASharedLayout.get_default_for([TILE, R_DIM], gl.float8e4nv))
     num_workers = plan.worker_indptr.numel() - 1
@@ -576,5 +625,5 @@ def launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, he
         batch.q.stride(0), batch.q.stride(1), batch.block_table.stride(0), out.stride(0), out.stride(1),
         lse.stride(0), o_part.stride(0), o_part.stride(1), lse_part.stride(0),
         PAGE_SIZE=kv.shape[1], HEAD_GROUP=head_group, HEAD_SPLIT=head_split, STAGES=num_stages,
-        ONE_ITEM=plan.one_item_per_worker, QK_FP8=qk_fp8, num_warps=4,
+        ONE_ITEM=plan.one_item_per_worker, QK_FP8=qk_fp8, GROUPED=grouped, num_warps=4,
     )

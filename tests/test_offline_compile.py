@@ -54,16 +54,20 @@ def test_gluon_fp8_scores_of_fp8_q_compile_to_fp8_wgmmas(combo, q_len, fp8_mmas,
 
 
 @pytest.mark.skipif(not PTXAS.exists(), reason="this triton wheel ships no ptxas")
-def test_gluon_fp8_copies_pages_of_16_in_one_tma_box_each(tmp_path):
-    """Pages of 16 (gluon_decode.tile_boxes): every tile copy becomes 4 row boxes of c_kv quarters and k_pe, so the
-    kernel issues 4 x the TMA loads of pages of 64 (15 there: 5 per tile, at the two first tiles of an item and in
-    the loop)."""
+@pytest.mark.parametrize("combo", ["fp8kv", "fp8"])
+def test_gluon_fp8_copies_a_page_of_c_kv_in_one_tma_box(combo, tmp_path):
+    """Pages of 16 (gluon_fp8.FP8_GROUPED_PAGES, the grouped layout): each page of a tile is one 4-D copy of its
+    c_kv (8-token groups x 4 quarters) and one 2-D copy of its k_pe, at the 3 places a tile is issued (the two first
+    tiles of an item and in the loop): 12 of each. Pages of 64 keep 4 quarter boxes and k_pe: 15 2-D copies. With
+    fp8 q the score wgmmas read c_kv through the grouped layout's shared linear layout."""
     counts = {}
     for page_size in (64, 16):
         sass = tmp_path / f"p{page_size}.sass"
-        _compile("gluon_fp8", "fp8kv", 16, page_size=page_size, sass=sass)
-        counts[page_size] = len(re.findall(r"\bUTMALDG\.2D\b", sass.read_text()))
-    assert counts == {64: 15, 16: 60}, counts
+        report = _compile("gluon_fp8", combo, 16, page_size=page_size, sass=sass)
+        assert 0 < report["registers"] <= MAX_REGISTERS, report
+        text = sass.read_text()
+        counts[page_size] = tuple(len(re.findall(rf"\bUTMALDG\.{d}D\b", text)) for d in (2, 4))
+    assert counts == {64: (15, 0), 16: (12, 12)}, counts
 
 
 @pytest.mark.skipif(not PTXAS.exists(), reason="this triton wheel ships no ptxas")

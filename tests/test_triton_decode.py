@@ -803,6 +803,17 @@ def test_bench_candidates_are_launchable_configs_over_each_default():
             assert replace(small, **bench.triton_fp8_64_rows(heads)) == td.default_config(combo, heads, 1, 32)
 
 
+def test_gluon_fp8_grouped_layout_is_taken_on_pages_of_16_and_32_only():
+    """gluon_fp8.grouped_layout: one 4-D TMA copy per page of c_kv on pages of 16 and 32 (FP8_GROUPED_PAGES; pages
+    of 64k, counted as 64, keep their quarter boxes); emptied (config_ab's A/B), per-page boxes everywhere."""
+    g8 = pytest.importorskip("mla_fast.gluon_fp8")
+    caches = {p: torch.empty(2, p, 576, dtype=torch.float8_e4m3fn) for p in (16, 32, 64, 128)}
+    assert [p for p, kv in caches.items() if g8.grouped_layout(kv)] == [16, 32]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(g8, "FP8_GROUPED_PAGES", ())
+        assert not any(g8.grouped_layout(kv) for kv in caches.values())
+
+
 def test_gluon_fp8_channel_permutations_agree_with_their_layouts():
     """The Gluon fp8 kernel's channel permutations (mla_fast.gluon_fp8: K_BLOCK / K_BLOCK_ORDER for the score operand
     and q, V_SPLIT / V_ORDER for the P.V accumulator rows), replayed with torch on channel indices: the score operand

@@ -530,25 +530,33 @@ def test_gluon_seesaw_bench_grid_within_kernel_bound(shape, combo):
     assert r["finite"] and r["out_ratio"] <= 1.0 and r["lse_ratio"] <= 1.0, r
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon' needs sm_90")
-@pytest.mark.parametrize("case", [GLUON_CASES[0], GLUON_CASES[6]], ids=lambda c: f"h{c.heads}_p{c.page_size}")
-def test_gluon_seesaw_grouped_layout_gives_the_bits_of_the_standard_one(case, monkeypatch):
-    """bf16 on pages of 64 and 128 (MTP in the second): the grouped layout (gluon_decode.grouped_layout, the default)
-    and the standard one (GROUPED_PAGES emptied, as config_ab's A/B does) feed the same values to the same MMA
-    steps, so out and lse are bitwise the same."""
-    from mla_fast import gluon_decode as gd
+def _check_grouped_layout_gives_the_bits_of_the_standard_one(case, overrides: dict, module, constant: str,
+                                                             monkeypatch):
+    """The batch decoded with KernelConfig(**overrides) in the kernel's grouped layout (module.grouped_layout, the
+    default for the case's page size) and in its standard one (module.<constant> emptied, as config_ab's A/B does):
+    the same values reach the same MMA steps in the same order, so out and lse are bitwise the same."""
     from mla_fast import triton_decode as td
 
-    config = td.KernelConfig(**_gluon(case.heads, max(case.q_lens)))
+    config = td.KernelConfig(**overrides)
     batch = case.batch("cuda")
     results = []
-    for pages in (gd.GROUPED_PAGES, ()):
-        monkeypatch.setattr(gd, "GROUPED_PAGES", pages)
-        assert gd.grouped_layout(batch.kv_cache) == bool(pages)
+    for pages in (getattr(module, constant), ()):
+        monkeypatch.setattr(module, constant, pages)
+        assert module.grouped_layout(batch.kv_cache) == bool(pages)
         results.append(td.decode(batch, plan=td.make_plan(batch, config), config=config))
     (out, lse), (out_std, lse_std) = results
     assert torch.equal(out.view(torch.int16), out_std.view(torch.int16))
     assert torch.equal(lse.view(torch.int32), lse_std.view(torch.int32))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon' needs sm_90")
+@pytest.mark.parametrize("case", [GLUON_CASES[0], GLUON_CASES[6]], ids=lambda c: f"h{c.heads}_p{c.page_size}")
+def test_gluon_seesaw_grouped_layout_gives_the_bits_of_the_standard_one(case, monkeypatch):
+    """bf16 on pages of 64 and 128 (MTP in the second), gluon_decode.GROUPED_PAGES."""
+    from mla_fast import gluon_decode as gd
+
+    _check_grouped_layout_gives_the_bits_of_the_standard_one(case, _gluon(case.heads, max(case.q_lens)), gd,
+                                                             "GROUPED_PAGES", monkeypatch)
 
 
 def _check_small_pages_give_the_bits_of_pages_of_64(case, overrides: dict):
@@ -628,7 +636,7 @@ GLUON_FP8_CASES = [  # e4m3fn caches, q_len 1-4, pages of 64 or 128: zero-length
 ]
 
 
-GLUON_FP8_SMALL_PAGE_CASES = [  # pages of 16 and 32 (one TMA box per page): partial last pages and last tiles,
+GLUON_FP8_SMALL_PAGE_CASES = [  # pages of 16 and 32 (the grouped layout): partial last pages and last tiles,
     # boxes past an item's last token, zero-length requests, splits, MTP
     TritonCase((0, 1, 15, 16, 17, 63, 64, 65, 1000, 4097), (1,) * 10, heads=16, page_size=16, combo="fp8kv", L=512,
                R=64, seed=63),
@@ -647,6 +655,16 @@ GLUON_FP8_CASES += GLUON_FP8_SMALL_PAGE_CASES
 @pytest.mark.parametrize("case", GLUON_FP8_SMALL_PAGE_CASES, ids=lambda c: f"{c.combo}_p{c.page_size}_s{c.seed}")
 def test_gluon_fp8_small_pages_give_the_bits_of_pages_of_64(case):
     _check_small_pages_give_the_bits_of_pages_of_64(case, _gluon_fp8(case.heads, max(case.q_lens), case.combo))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon_fp8' needs sm_90")
+@pytest.mark.parametrize("case", GLUON_FP8_SMALL_PAGE_CASES[:2], ids=lambda c: f"{c.combo}_p{c.page_size}")
+def test_gluon_fp8_grouped_layout_gives_the_bits_of_per_page_boxes(case, monkeypatch):
+    """Pages of 16 (fp8kv) and 32 (fp8 q, fp8 score MMAs), gluon_fp8.FP8_GROUPED_PAGES."""
+    from mla_fast import gluon_fp8 as g8
+
+    _check_grouped_layout_gives_the_bits_of_the_standard_one(
+        case, _gluon_fp8(case.heads, max(case.q_lens), case.combo), g8, "FP8_GROUPED_PAGES", monkeypatch)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon_fp8' needs sm_90")
