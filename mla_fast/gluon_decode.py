@@ -105,7 +105,16 @@ of the bf16 kernel (q 72 KB + two 72 KB tile slots + 8 KB: no room for a separat
 group's fp8 bytes arrive by TMA ([64, 64] boxes, 64-byte swizzle) in the upper half of the group's fp16 bytes
 (`_staged_box`), and the warpgroup that computes the tile's scores expands them to fp16 in place (`_score_group`),
 two chunks at a time, each pair's score MMAs issued before the next pair is expanded; on an item's last tile the V
-rows past KV_END become 0 in the same pass. q (bf16 or fp8) is loaded by warpgroup 0 with plain loads and stored as
+rows past KV_END become 0 in the same pass. On pages of 16 and 32 (SEESAW_FP8_GROUPED_PAGES, `grouped_layout`) the
+4 boxes of a c_kv half are staged in a grouped layout instead, 8 boxes of 8 tokens x 4 chunks ([4, 8, 64] fp8,
+64-byte swizzled), so a page is one 4-D TMA copy (12 copies per tile at page 16 instead of 36) and the expansion
+reads the boxes through a shared linear layout (_STAGE8); the fp16 chunks it writes are those of the standard
+layout, so the MMAs and the bits do not change. One H200 (twenty-ninth session, three alternating rounds, same bits;
+per-page boxes -> grouped, us): page 16 fp8kv 145.6 -> 122.0 and fp8 143.2 -> 119.4 at (32, 4096, 128), 478.1 ->
+408.5 and 475.2 -> 404.9 at (128, 4096, 128); page 32 fp8kv 119.9 -> 112.5 at (32, 4096, 128), 404.2 -> 381.2 at
+(128, 4096, 128). On pages of 64 (one copy per half instead of 4 chunk boxes) it was mixed: 106.3 -> 104.6 at
+(32, 4096, 128), 355.3 -> 344.4 at (128, 4096, 128), 64.9 -> 63.6 at (8, 8192, 128), but 189.0 -> 191.7 at
+(128, 4096, 64) fp8kv: not switched there. q (bf16 or fp8) is loaded by warpgroup 0 with plain loads and stored as
 fp16. Numerics: those of `KERNEL_NUMERICS["fp8kv"]` / `["fp8"]` (mma="fp16"): the MMAs see the fp8 codes (exact in
 fp16) and q cast to fp16, one fp32 chain of L + R products per score, P rounded to fp16 once, fp32 row sums from
 unrounded P, one 64-token P.V MMA per tile and half, scales folded into the scores and the output. Performance (one
@@ -203,6 +212,17 @@ _BOX_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_
 # a page of a half in the grouped layout, as one TMA copy writes it: [page / 8 groups, 4 chunks, 8 tokens, 64]
 _PAGE_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4))
 _GROUPS = gl.constexpr(GROUPS)
+# fp8 caches in the grouped layout (GROUPED with KV_FP8): the 4 fp8 boxes of a c_kv half staged in its group's upper
+# half (`_staged_box`) as 8 boxes of 8 tokens x 4 chunks ([4, 8, 64] fp8, 2 KB each, 64-byte swizzled in 512-byte
+# atoms), a page of them one 4-D TMA copy (_PAGE8); read as [64 tokens, 256 channels] through _STAGE8
+_PAGE8 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=4))
+_STAGE8 = gl.constexpr(gl.SharedLinearLayout([
+    [0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [0, 32],  # bits 0-5: channels of a 64-byte row
+    [1, 0], [2, 16], [4, 32],  # bits 6-8: tokens of an atom (the 64-byte swizzle XORs token bits 1-2 into
+    # channel bits 4-5)
+    [0, 64], [0, 128],  # bits 9-10: the chunk (512 bytes each)
+    [8, 0], [16, 0], [32, 0],  # bits 11-13: the box (8-token group, 2 KB each)
+]))
 
 
 @gluon.jit
@@ -304,6 +324,17 @@ def _staged_box(g, j):
 
 
 @gluon.jit
+def _staged(kv8, slot, g: gl.constexpr, j: gl.constexpr, GROUPED: gl.constexpr):
+    """fp8 box j [64 tokens, 64 channels] of chunk group g as staged in tile slot `slot`: its own 4 KB
+    (`_staged_box`), or with GROUPED (c_kv halves) chunk j of the half's grouped staging (_STAGE8)."""
+    if GROUPED and g != _GROUP_E:
+        stage = _fp8_box(kv8, slot, _staged_box(g, 0))._reinterpret(gl.float8e4nv, [_TILE, 4 * _CHUNK], _STAGE8)
+        return stage.slice(j * _CHUNK, _CHUNK, dim=1)
+    else:
+        return _fp8_box(kv8, slot, _staged_box(g, j))
+
+
+@gluon.jit
 def _issue_group(kv_desc, kvg_desc, kv_smem, kv8, kv_full, slot, rows, g: gl.constexpr, KV_FP8: gl.constexpr,
                  BOXES: gl.constexpr, GROUPED: gl.constexpr):
     """TMA copies of chunk group g of a tile into tile slot `slot` (one barrier): the chunks themselves, or with
@@ -311,13 +342,20 @@ def _issue_group(kv_desc, kvg_desc, kv_smem, kv8, kv_full, slot, rows, g: gl.con
     of the tile's BOXES row boxes; each chunk is copied as BOXES boxes of 64 / BOXES rows (one per page of pages
     smaller than a tile). With GROUPED the c_kv halves (L, R) are copied instead into the grouped layout, one 4-D
     copy per page (kvg_desc: the page's 8-token groups of the half's 4 chunks, boxes i x PER .. i x PER + PER - 1),
-    and k_pe as its BOXES page boxes."""
+    and k_pe as its BOXES page boxes; with KV_FP8 too, the half's fp8 bytes into its grouped staging (`_staged`:
+    a page's PER groups are PER x 2 KB there)."""
     n: gl.constexpr = _group_end(g) - _group_first(g)
     BOX: gl.constexpr = _TILE // BOXES
+    GROUP: gl.constexpr = _TILE // _GROUPS
+    PER: gl.constexpr = BOX // GROUP  # with GROUPED: the 8-token groups of a page (group rows[i] / 8 of the cache on)
     bar = kv_full.index(slot * 3 + g)
-    if GROUPED and g != _GROUP_E:  # page i: its PER 8-token groups (group rows[i] / 8 of the cache and on)
-        GROUP: gl.constexpr = _TILE // _GROUPS
-        PER: gl.constexpr = BOX // GROUP  # groups per page
+    if GROUPED and KV_FP8 and g != _GROUP_E:
+        mbarrier.expect(bar, n * _TILE * _CHUNK)
+        for i in gl.static_range(BOXES):
+            page = _fp8_box(kv8, slot, _staged_box(g, 0) + i * PER // 2)._reinterpret(
+                gl.float8e4nv, [PER, 4, GROUP, _CHUNK], _PAGE8)
+            tma.async_copy_global_to_shared(kvg_desc, [rows[i] // GROUP, _group_first(g), 0, 0], bar, page)
+    elif GROUPED and g != _GROUP_E:
         mbarrier.expect(bar, n * _TILE * _CHUNK * 2)
         for i in gl.static_range(BOXES):
             page = _half_box(kv_smem, slot, g, i * PER)._reinterpret(gl.bfloat16, [PER, 4, GROUP, _CHUNK], _PAGE_LAYOUT)
@@ -432,7 +470,7 @@ def _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, g: gl.c
     twenty-fourth session)."""
     mbarrier.wait(kv_full.index(slot * 3 + g), phase)
     f: gl.constexpr = _group_first(g)
-    if GROUPED and g != _GROUP_E:
+    if GROUPED and not KV_FP8 and g != _GROUP_E:
         q_nope = q_smem[0]._reinterpret(q_smem[0].dtype, [1, _ROWS, _L_DIM], q_smem[0].layout).index(zero)
         q_half = q_nope.slice(f * _CHUNK, _L_DIM // 2, dim=1)  # [64 rows, 256]
         k_half = _v_half(kv_smem, slot, g, GROUPED, zero).permute((1, 0))  # [256, 64 tokens]
@@ -447,11 +485,11 @@ def _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, g: gl.c
         gl.thread_barrier()
         s = _score_mmas(s, q_smem, kv_smem, slot, f, f + 1)
     else:
-        x0 = _fp8_box(kv8, slot, _staged_box(g, 0)).load(_E4M3_BOX)
-        x1 = _fp8_box(kv8, slot, _staged_box(g, 1)).load(_E4M3_BOX)
+        x0 = _staged(kv8, slot, g, 0, GROUPED).load(_E4M3_BOX)
+        x1 = _staged(kv8, slot, g, 1, GROUPED).load(_E4M3_BOX)
         _expanded_pair(kv_smem, slot, f, x0, x1, n_valid)
-        x2 = _fp8_box(kv8, slot, _staged_box(g, 2)).load(_E4M3_BOX)
-        x3 = _fp8_box(kv8, slot, _staged_box(g, 3)).load(_E4M3_BOX)
+        x2 = _staged(kv8, slot, g, 2, GROUPED).load(_E4M3_BOX)
+        x3 = _staged(kv8, slot, g, 3, GROUPED).load(_E4M3_BOX)
         gl.thread_barrier()
         s = _score_mmas(s, q_smem, kv_smem, slot, f, f + 2)
         _expanded_pair(kv_smem, slot, f + 2, x2, x3, n_valid)
@@ -592,6 +630,7 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, kvg_desc, q_smem, kv_smem, 
     the tile it scores (`_score_group`).
     """
     BOXES: gl.constexpr = tile_boxes(PAGE_SIZE)  # TMA row boxes per tile: 1, or one per page (pages of 16, 32)
+    HALVES: gl.constexpr = GROUPED and not KV_FP8  # the P.V operands in the grouped layout (fp8: only the staging)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 256, 16])
@@ -669,9 +708,9 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, kvg_desc, q_smem, kv_smem, 
                 mbarrier.arrive(xbar.index(0))
                 acc = acc * gl.convert_layout(alpha0, orow_l)[:, None]
                 if not KV_FP8 and kv_end - t0 < _TILE:  # (fp8: zeroed by the expansion)
-                    _zero_tail(kv_smem, 0, 0, kv_end - t0, GROUPED)
+                    _zero_tail(kv_smem, 0, 0, kv_end - t0, HALVES)
                 p_op = gl.convert_layout(p.to(op), p_layout)
-                acc = warpgroup_mma(p_op, _v_half(kv_smem, 0, 0, GROUPED), acc, is_async=True)
+                acc = warpgroup_mma(p_op, _v_half(kv_smem, 0, 0, HALVES), acc, is_async=True)
                 mbarrier.wait(xbar.index(1), xph)
                 m1 = m_smem.index(1).load(row_l)
                 alpha1 = _alpha(m0, m1)
@@ -689,8 +728,8 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, kvg_desc, q_smem, kv_smem, 
                     mbarrier.wait(kv_full.index(3 + _GROUP_L), ph1)
                     mbarrier.wait(xbar.index(3), ph1)
                     if not KV_FP8 and kv_end - t0 - _TILE < _TILE:
-                        _zero_tail(kv_smem, 1, 0, kv_end - t0 - _TILE, GROUPED)
-                    acc = warpgroup_mma(_chunk(kv_smem, 1, 8), _v_half(kv_smem, 1, 0, GROUPED), acc, is_async=True)
+                        _zero_tail(kv_smem, 1, 0, kv_end - t0 - _TILE, HALVES)
+                    acc = warpgroup_mma(_chunk(kv_smem, 1, 8), _v_half(kv_smem, 1, 0, HALVES), acc, is_async=True)
                     acc = warpgroup_mma_wait(0, deps=(acc,))
                     if next1:  # slot 1's V_L and p1 (over its k_pe chunk) are free
                         _issue_group(kv_desc, kvg_desc, kv_smem, kv8, kv_full, 1,
@@ -718,8 +757,8 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, kvg_desc, q_smem, kv_smem, 
                     fence_async_shared()
                     mbarrier.arrive(xbar.index(3))
                     if not KV_FP8 and kv_end - t0 - _TILE < _TILE:
-                        _zero_tail(kv_smem, 1, 4, kv_end - t0 - _TILE, GROUPED)
-                    acc = warpgroup_mma(gl.convert_layout(p1, p_layout), _v_half(kv_smem, 1, 1, GROUPED), acc,
+                        _zero_tail(kv_smem, 1, 4, kv_end - t0 - _TILE, HALVES)
+                    acc = warpgroup_mma(gl.convert_layout(p1, p_layout), _v_half(kv_smem, 1, 1, HALVES), acc,
                                         is_async=True)
                     if KV_FP8:  # slot 1's V_R is free once p1 V1_R retires: reload it before waiting for p0'
                         acc = warpgroup_mma_wait(0, deps=(acc,))
@@ -727,9 +766,9 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, kvg_desc, q_smem, kv_smem, 
                             _issue_group(kv_desc, kvg_desc, kv_smem, kv8, kv_full, 1,
                                          _issue_rows(row1, walk, PAGE_SIZE, BOXES), _GROUP_R, KV_FP8, BOXES, GROUPED)
                         acc = warpgroup_mma_wait(0, deps=(_pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end,
-                                                                 ph0, xph, KV_FP8, GROUPED),))
+                                                                 ph0, xph, KV_FP8, HALVES),))
                     else:  # bf16: p0' V0_R queued behind p1 V1_R first, then the reload
-                        acc = _pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end, ph0, xph, KV_FP8, GROUPED)
+                        acc = _pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end, ph0, xph, KV_FP8, HALVES)
                         acc = warpgroup_mma_wait(1, deps=(acc,))  # p1 V1_R has retired
                         if next1:
                             _issue_group(kv_desc, kvg_desc, kv_smem, kv8, kv_full, 1,
@@ -737,7 +776,7 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, kvg_desc, q_smem, kv_smem, 
                         acc = warpgroup_mma_wait(0, deps=(acc,))
                 else:
                     acc = warpgroup_mma_wait(0, deps=(_pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end, ph0,
-                                                             xph, KV_FP8, GROUPED),))
+                                                             xph, KV_FP8, HALVES),))
                 if next0:  # slot 0's V_R is free (warpgroup 0's scores of it are done: it published p0')
                     _issue_group(kv_desc, kvg_desc, kv_smem, kv8, kv_full, 0, _issue_rows(row0, walk, PAGE_SIZE, BOXES),
                                  _GROUP_R, KV_FP8, BOXES, GROUPED)
@@ -777,7 +816,7 @@ def _mla_decode_seesaw_kernel(
     PAGE_SIZE: gl.constexpr, HEAD_SPLIT: gl.constexpr, HEAD_GROUP: gl.constexpr, PDL: gl.constexpr,
     KV_FP8: gl.constexpr,  # e4m3fn cache ([64, 64] boxes), bf16 or e4m3fn q: fp16 operands, expanded in place
     ONE_ITEM: gl.constexpr,  # WorkPlan.one_item_per_worker
-    GROUPED: gl.constexpr,  # bf16 cache (`grouped_layout`): the c_kv halves in the grouped layout
+    GROUPED: gl.constexpr,  # `grouped_layout`: the c_kv halves (bf16), or their fp8 staging (KV_FP8), grouped
 ):
     if PDL:  # the reduce kernel may start now; its programs wait (gdc_wait) until this grid has finished
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
@@ -788,7 +827,7 @@ def _mla_decode_seesaw_kernel(
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     q_smem = (gl.allocate_shared_memory(op, [_ROWS, _L_DIM], chunk_layout),  # q_nope, q_pe: 72 KB
               gl.allocate_shared_memory(op, [_ROWS, _R_DIM], chunk_layout))
-    if GROUPED:  # c_kv as [slot x half x box, 4 chunks, 8 tokens, 64] (_HALF_LAYOUT), k_pe as chunks: 144 KB
+    if GROUPED and not KV_FP8:  # c_kv as [slot x half x box, 4 chunks, 8 tokens, 64] (_HALF_LAYOUT), k_pe as chunks
         kv_smem = (gl.allocate_shared_memory(op, [2 * 2 * _GROUPS, 4, _TILE // _GROUPS, _CHUNK], _BOX_LAYOUT),
                    gl.allocate_shared_memory(op, [2, _TILE, _R_DIM], chunk_layout))
     else:  # two tile slots: 144 KB
@@ -866,17 +905,23 @@ SMALL_PAGES = (16, 32)
 # (128, 4096, 128), but 104.9 vs 82.8 at (32, 4096, 32), 107.0 vs 90.0 at (32, 4096, 64), 30.5 vs 27.1 at
 # (8, 1000, 128): left on the Triton kernel
 GROUPED_PAGES = (16, 32, 64)
+# e4m3fn cache pages whose c_kv halves the seesaw stages in the grouped layout (`grouped_layout`, _STAGE8; pages of
+# 64k count as 64: mixed there, the module docstring)
+SEESAW_FP8_GROUPED_PAGES = (16, 32)
 
 
 def grouped_layout(kv: torch.Tensor) -> bool:
-    """Whether the seesaw keeps a bf16 cache's c_kv halves in the grouped layout (_HALF_LAYOUT: 8-token boxes of 4
-    chunks, one 4-D TMA copy per page and half, so 64 / page_size x 2 copies per tile for c_kv and 64 / page_size for
-    k_pe): GROUPED_PAGES, with pages of 64k as 64. Otherwise each chunk is copied as one box per page (36 copies per
-    tile at page 16, 18 at page 32) or per tile (9 at pages of 64k). On one H200 (bf16, alternating rounds, same bits;
-    per-page boxes / grouped, us): 114.9 / 88.2 at (32, 4096, 128) and 437.2 / 305.9 at (128, 4096, 128) on pages
-    of 16 (two calls), 89.4 / 81.0 and 299.4 / 285.5 on pages of 32 (twenty-eighth session); on pages of 64,
-    standard / grouped, 83.0 / 78.9 and 290.6 / 278.5 (twenty-ninth session; the module docstring)."""
-    return kv.dtype == torch.bfloat16 and min(kv.shape[1], TILE) in GROUPED_PAGES
+    """Whether the seesaw keeps a cache's c_kv halves in the grouped layout (an e4m3fn cache: their fp8 staging). For
+    bf16 (_HALF_LAYOUT: 8-token boxes of 4 chunks, one 4-D TMA copy per page and half, so 64 / page_size x 2 copies per
+    tile for c_kv and 64 / page_size for k_pe): GROUPED_PAGES, with pages of 64k as 64. Otherwise each chunk is copied
+    as one box per page (36 copies per tile at page 16, 18 at page 32) or per tile (9 at pages of 64k). On one H200
+    (bf16, alternating rounds, same bits; per-page boxes / grouped, us): 114.9 / 88.2 at (32, 4096, 128) and 437.2 /
+    305.9 at (128, 4096, 128) on pages of 16 (two calls), 89.4 / 81.0 and 299.4 / 285.5 on pages of 32 (twenty-eighth
+    session); on pages of 64, standard / grouped, 83.0 / 78.9 and 290.6 / 278.5 (twenty-ninth session; the module
+    docstring). An e4m3fn cache's c_kv halves are staged in that layout as fp8 (_STAGE8) on SEESAW_FP8_GROUPED_PAGES,
+    and expanded into the standard layout's fp16 chunks: 478.1 / 408.5 us at (128, 4096, 128) fp8kv on pages of 16."""
+    pages = GROUPED_PAGES if kv.dtype == torch.bfloat16 else SEESAW_FP8_GROUPED_PAGES
+    return min(kv.shape[1], TILE) in pages
 
 
 @constexpr_function
@@ -938,9 +983,9 @@ def launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, he
     # the grouped layout's page copies: the cache as [rows / 8 groups, 9 chunks, 8 tokens, 64] (strides 8 x 576, 64,
     # 576, 1 elements), boxes of a page's groups x 4 chunks
     group = TILE // GROUPS
+    page_layout = (_PAGE8 if kv.dtype == torch.float8_e4m3fn else _PAGE_LAYOUT).value
     kvg_desc = TensorDescriptor(kv.view(-1, D), [n_rows // group, D // CHUNK, group, CHUNK], [group * D, CHUNK, D, 1],
-                                [min(kv.shape[1], TILE) // group, 4, group, CHUNK],
-                                _PAGE_LAYOUT.value) if grouped else kv_desc
+                                [min(kv.shape[1], TILE) // group, 4, group, CHUNK], page_layout) if grouped else kv_desc
     num_workers = plan.worker_indptr.numel() - 1
     # ONE_ITEM (WorkPlan.one_item_per_worker: no worker-range load before the first item) for bf16 caches only: on
     # one H200, same bits, 83.5 vs 84.8 us at (32, 4096, 128) and 25.5 vs 26.4 at (1, 8192, 128), but with an fp8

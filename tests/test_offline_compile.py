@@ -89,6 +89,20 @@ def test_seesaw_copies_bf16_pages_in_the_grouped_layout_without_spills(page_size
 
 
 @pytest.mark.skipif(not PTXAS.exists(), reason="this triton wheel ships no ptxas")
+def test_seesaw_stages_an_fp8_page_of_a_c_kv_half_in_one_tma_box(tmp_path):
+    """e4m3fn cache on pages of 16 (gluon_decode.SEESAW_FP8_GROUPED_PAGES): each c_kv half's fp8 bytes are staged
+    one 4-D copy per page (8 places a half is issued x 4 pages), k_pe one 2-D copy per page (4 places x 4); per-page
+    boxes of each chunk had been 36 copies per tile. (The fp8 seesaw's own spills, 196 bytes here, are not the
+    staging's: 240 with per-page boxes.)"""
+    sass = tmp_path / "f8p16.sass"
+    report = _compile("seesaw", "fp8kv", 128, page_size=16, sass=sass)
+    assert 0 < report["registers"] <= MAX_REGISTERS, report
+    text = sass.read_text()
+    assert len(re.findall(r"\bUTMALDG\.4D\b", text)) == 32
+    assert len(re.findall(r"\bUTMALDG\.2D\b", text)) == 16
+
+
+@pytest.mark.skipif(not PTXAS.exists(), reason="this triton wheel ships no ptxas")
 @pytest.mark.parametrize("combo", ["bf16", "fp8kv"])
 def test_triton_pair_merge_compiles_for_sm90_with_its_cluster_instructions(combo, tmp_path):
     """The Triton kernel with PAIR_MERGE (mla_fast.dsmem): ptxas takes its inline PTX, and the SASS has the cluster

@@ -674,13 +674,17 @@ def test_gluon_kernel_rejects_what_it_cannot_take():
         assert "sm_90" in gd.unsupported(batch, 64, 1, 64)
     assert [gd.tile_boxes(p) for p in (8, 16, 32, 64, 128, 48)] == [1, 4, 2, 1, 1, 1]
     # the grouped layout (8-token boxes of c_kv halves): bf16 caches on every page the seesaw takes (gd.GROUPED_PAGES,
-    # pages of 64k as 64), never fp8 ones; with GROUPED_PAGES emptied (config_ab's A/B) none
+    # pages of 64k as 64); e4m3fn caches' staging on pages of 16 and 32 (gd.SEESAW_FP8_GROUPED_PAGES); each constant
+    # emptied (config_ab's A/B), none of its dtype
     caches = {(dtype, p): torch.empty(2, p, 576, dtype=dtype) for dtype in (torch.bfloat16, torch.float8_e4m3fn)
               for p in (16, 32, 64, 128)}
-    assert [k for k, kv in caches.items() if gd.grouped_layout(kv)] == [(torch.bfloat16, p) for p in (16, 32, 64, 128)]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gd, "GROUPED_PAGES", ())
-        assert not any(gd.grouped_layout(kv) for kv in caches.values())
+    bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
+    assert [k for k, kv in caches.items() if gd.grouped_layout(kv)] == [(bf16, 16), (bf16, 32), (bf16, 64),
+                                                                          (bf16, 128), (fp8, 16), (fp8, 32)]
+    for constant, dtype in (("GROUPED_PAGES", bf16), ("SEESAW_FP8_GROUPED_PAGES", fp8)):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(gd, constant, ())
+            assert not any(gd.grouped_layout(kv) for (d, _), kv in caches.items() if d == dtype)
     # the config's operand dtype must be the cache's: bf16 for bf16, fp16 for e4m3fn
     assert "mma='fp16', got mma='bf16'" in gd.unsupported(fp8kv, 64, 1, 64, "bf16")
     assert "mma='bf16', got mma='fp16'" in gd.unsupported(ok, 64, 1, 64, "fp16")

@@ -431,6 +431,8 @@ cases = [  # page 16 with MTP (bf16: 64-row tiles at q_len 3, per-token gather; 
     # six requests split in two on 12 workers: bf16 merges each pair in the kernel on sm_90 (mla_fast.dsmem); fp8
     # KV: the Gluon fp8 kernel on pages of 16
     dict(seq_lens=(777,) * 6, q_lens=(1,) * 6, heads=16, page_size=16, num_workers=12),
+    # page 16 at 128 heads: the seesaw's grouped layouts (bf16: 4-D copies of c_kv halves; fp8 KV: their staging)
+    dict(seq_lens=(0, 1, 17, 700, 2049), q_lens=(1,) * 5, heads=128, page_size=16),
 ]
 for kw in cases:
     for combo in ("bf16", "fp8kv"):
@@ -557,6 +559,16 @@ def test_gluon_seesaw_grouped_layout_gives_the_bits_of_the_standard_one(case, mo
 
     _check_grouped_layout_gives_the_bits_of_the_standard_one(case, _gluon(case.heads, max(case.q_lens)), gd,
                                                              "GROUPED_PAGES", monkeypatch)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon' needs sm_90")
+@pytest.mark.parametrize("case", SEESAW_SMALL_PAGE_CASES[1:3], ids=lambda c: f"{c.combo}_h{c.heads}_p{c.page_size}")
+def test_gluon_seesaw_fp8_grouped_staging_gives_the_bits_of_per_page_boxes(case, monkeypatch):
+    """e4m3fn caches on pages of 32 (bf16 q) and 16 (fp8 q, MTP), gluon_decode.SEESAW_FP8_GROUPED_PAGES."""
+    from mla_fast import gluon_decode as gd
+
+    _check_grouped_layout_gives_the_bits_of_the_standard_one(
+        case, _gluon(case.heads, max(case.q_lens), case.combo), gd, "SEESAW_FP8_GROUPED_PAGES", monkeypatch)
 
 
 def _check_small_pages_give_the_bits_of_pages_of_64(case, overrides: dict):
