@@ -7,8 +7,8 @@ its reduce kernel merges), written in Gluon, Triton's lower-level language, for 
 cache (or an e4m3fn cache: see "fp8 caches" below), one 64-row M tile of packed (query row x head) rows per program
 as in the Triton kernel (head_group 8, 16, 32 or 64 heads per query row, q_len x head_group <= 64; MTP rows see
 their causal limits), 64-token tiles that lie inside one page (page_size % 64 == 0) or span whole pages of 16 or 32
-tokens (SMALL_PAGES: each fp8 tile's chunks copied one TMA row box per page, `tile_boxes`; bf16 caches on every page
-size in the grouped layout, below), L = 512 and R = 64. Triton 3.6
+tokens (SMALL_PAGES: k_pe copied one TMA row box per page, `tile_boxes`, and c_kv in the grouped layout, below; bf16
+caches on every page size), L = 512 and R = 64. Triton 3.6
 cannot warp-specialize on Hopper; Gluon can, and this kernel needs it. q arrives by TMA, one [head_group, 64] box
 per query row and chunk; packed rows past an item's q_len hold the next tokens' q (or zeros past the tensor), their
 scores are -inf and they are not written.
@@ -214,8 +214,8 @@ _PAGE_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element
 _GROUPS = gl.constexpr(GROUPS)
 # fp8 caches in the grouped layout (GROUPED with KV_FP8): the 4 fp8 boxes of a c_kv half staged in its group's upper
 # half (`_staged_box`) as 8 boxes of 8 tokens x 4 chunks ([4, 8, 64] fp8, 2 KB each, 64-byte swizzled in 512-byte
-# atoms), a page of them one 4-D TMA copy (_PAGE8); read as [64 tokens, 256 channels] through _STAGE8
-_PAGE8 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=4))
+# atoms), a page of them one 4-D TMA copy (_STAGED_PAGE); read as [64 tokens, 256 channels] through _STAGE8
+_STAGED_PAGE = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=4))
 _STAGE8 = gl.constexpr(gl.SharedLinearLayout([
     [0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [0, 32],  # bits 0-5: channels of a 64-byte row
     [1, 0], [2, 16], [4, 32],  # bits 6-8: tokens of an atom (the 64-byte swizzle XORs token bits 1-2 into
@@ -353,7 +353,7 @@ def _issue_group(kv_desc, kvg_desc, kv_smem, kv8, kv_full, slot, rows, g: gl.con
         mbarrier.expect(bar, n * _TILE * _CHUNK)
         for i in gl.static_range(BOXES):
             page = _fp8_box(kv8, slot, _staged_box(g, 0) + i * PER // 2)._reinterpret(
-                gl.float8e4nv, [PER, 4, GROUP, _CHUNK], _PAGE8)
+                gl.float8e4nv, [PER, 4, GROUP, _CHUNK], _STAGED_PAGE)
             tma.async_copy_global_to_shared(kvg_desc, [rows[i] // GROUP, _group_first(g), 0, 0], bar, page)
     elif GROUPED and g != _GROUP_E:
         mbarrier.expect(bar, n * _TILE * _CHUNK * 2)
@@ -983,7 +983,7 @@ def launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, he
     # the grouped layout's page copies: the cache as [rows / 8 groups, 9 chunks, 8 tokens, 64] (strides 8 x 576, 64,
     # 576, 1 elements), boxes of a page's groups x 4 chunks
     group = TILE // GROUPS
-    page_layout = (_PAGE8 if kv.dtype == torch.float8_e4m3fn else _PAGE_LAYOUT).value
+    page_layout = (_STAGED_PAGE if kv.dtype == torch.float8_e4m3fn else _PAGE_LAYOUT).value
     kvg_desc = TensorDescriptor(kv.view(-1, D), [n_rows // group, D // CHUNK, group, CHUNK], [group * D, CHUNK, D, 1],
                                 [min(kv.shape[1], TILE) // group, 4, group, CHUNK], page_layout) if grouped else kv_desc
     num_workers = plan.worker_indptr.numel() - 1

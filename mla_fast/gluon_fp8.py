@@ -127,10 +127,12 @@ from triton.runtime.jit import constexpr_function
 
 from mla_fast import gluon_decode
 from mla_fast.gluon_decode import (  # the tile, widths, work-item columns and block-table walk of the seesaw kernel
+    _GROUPS,
     _L_DIM,
     _LN2,
     _R_DIM,
     _TILE,
+    GROUPS,
     L_DIM,
     LOG2E,
     R_DIM,
@@ -225,7 +227,6 @@ _Q_LOAD = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
 # The grouped tile layout (GROUPED): a slot's c_kv as 8 boxes of 8 tokens x 4 quarters ([4, 8, 128] fp8, 4 KB each,
 # 128-byte swizzled in 1 KB atoms), so that a page's tokens are adjacent boxes, filled by one 4-D TMA copy
 # (_PAGE8); read as the tile [64 tokens, 512 channels] through _TILE8 (offset bit -> [token, channel])
-_GROUPS = gl.constexpr(8)
 _BOX8 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3))
 _PAGE8 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=4))
 _TILE8 = gl.constexpr(gl.SharedLinearLayout([
@@ -585,7 +586,6 @@ def unsupported(batch, head_group: int | None = None, head_split: int | None = N
 
 
 SLOT_BYTES = TILE * (L_DIM + R_DIM)  # one tile slot (fp8): 36 KB
-GROUPS = 8  # 8-token boxes of a tile in the grouped layout
 FP8_GROUPED_PAGES = (16, 32)  # pages (64k as 64) whose c_kv the kernel keeps in the grouped layout (`grouped_layout`)
 FIXED_BYTES = 21 * 1024  # q (fp16), p and the reduction scratch: 20.3 KB compiled
 SMEM_PER_SM = 227 * 1024  # sm_90
