@@ -494,8 +494,8 @@ def _sm90():
     return torch.cuda.get_device_capability() == (9, 0)
 
 
-# pages of 16 and 32 (one TMA box per page for fp8 caches; bf16 in the grouped layout, one 4-D copy per page):
-# partial last pages and tiles, pages past an item's last token, zero-length requests, splits, MTP
+# pages of 16 and 32 (c_kv in the grouped layouts, bf16 or its fp8 staging, one 4-D copy per page; k_pe one box per
+# page): partial last pages and tiles, pages past an item's last token, zero-length requests, splits, MTP
 SEESAW_SMALL_PAGE_CASES = [
     TritonCase((0, 1, 15, 16, 17, 63, 64, 65, 1000, 4097), (1,) * 10, heads=128, page_size=16, L=512, R=64, seed=70),
     TritonCase((5, 1500, 0, 4097, 33), (1,) * 5, heads=128, page_size=32, combo="fp8kv", L=512, R=64, seed=71),
