@@ -12,6 +12,11 @@ clusters, mla_fast.dsmem), so this is where CI sees their compile errors (tests/
 device call does. The pointer arguments are CPU tensors: Triton's
 alignment specialisation can differ from a GPU run's, so instruction counts may differ a little between compiles of
 the same source. Exit status 1 with the traceback when the kernel does not compile.
+
+To check that a change leaves a kernel as it was, compare its PTX (--ptx: the code without its debug records, which
+name source lines and files), not its SASS: the PTX is the same from run to run, but ptxas 12.8 (the triton 3.6
+wheel's) may number registers differently between runs on the same PTX (seen on the Gluon fp8 kernel at page 16; the
+SASS then differs only in register names).
 """
 
 import argparse
@@ -117,6 +122,14 @@ def compile_kernel(kernel: str, combo: str, heads: int, q_len: int, page_size: i
     return compiled[0]
 
 
+def code_ptx(ptx: str) -> str:
+    """The PTX without its debug records: no `.loc` / `.file` lines and nothing from the first `.debug` section on
+    (source lines and paths move with edits that do not change the code)."""
+    code = ptx.split("\t.section\t.debug", 1)[0]
+    return "".join(line for line in code.splitlines(keepends=True)
+                   if not re.match(r"\s*\.(loc|file)\s", line))
+
+
 def ptxas_report(ptx: str, sass_path: str | None) -> dict:
     """ptxas -v on the kernel's PTX (sm_90a): registers, spill bytes and warnings; the SASS opcode counts."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -149,8 +162,11 @@ def main(argv=None) -> None:
     parser.add_argument("--q-len", type=int, default=1)
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--sass", help="write the SASS here")
+    parser.add_argument("--ptx", help="write the PTX here, without its debug records (`code_ptx`)")
     args = parser.parse_args(argv)
     compiled = compile_kernel(args.kernel, args.combo, args.heads, args.q_len, args.page_size)
+    if args.ptx:
+        Path(args.ptx).write_text(code_ptx(compiled.asm["ptx"]))
     report = ptxas_report(compiled.asm["ptx"], args.sass)
     print({"kernel": args.kernel, "combo": args.combo, "heads": args.heads, "q_len": args.q_len,
            "page_size": args.page_size,

@@ -17,10 +17,12 @@ PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 MAX_REGISTERS = 255  # sm_90: registers per thread an instruction can name
 
 
-def _compile(kernel: str, combo: str, heads: int, q_len: int = 1, page_size: int = 64, sass=None) -> dict:
-    """scripts/offline_compile.py in a process of its own -> its report (the SASS written to `sass` if given)."""
+def _compile(kernel: str, combo: str, heads: int, q_len: int = 1, page_size: int = 64, sass=None, ptx=None) -> dict:
+    """scripts/offline_compile.py in a process of its own -> its report (the SASS / PTX written to `sass` / `ptx` if
+    given)."""
     cmd = [sys.executable, str(ROOT / "scripts" / "offline_compile.py"), kernel, "--combo", combo, "--heads",
            str(heads), "--q-len", str(q_len), "--page-size", str(page_size)] + (["--sass", str(sass)] if sass else [])
+    cmd += ["--ptx", str(ptx)] if ptx else []
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return ast.literal_eval(proc.stdout.strip().splitlines()[-1])
@@ -62,11 +64,15 @@ def test_gluon_fp8_copies_a_page_of_c_kv_in_one_tma_box(combo, tmp_path):
     fp8 q the score wgmmas read c_kv through the grouped layout's shared linear layout."""
     counts = {}
     for page_size in (64, 16):
-        sass = tmp_path / f"p{page_size}.sass"
-        report = _compile("gluon_fp8", combo, 16, page_size=page_size, sass=sass)
+        sass, ptx = tmp_path / f"p{page_size}.sass", tmp_path / f"p{page_size}.ptx"
+        report = _compile("gluon_fp8", combo, 16, page_size=page_size, sass=sass, ptx=ptx)
         assert 0 < report["registers"] <= MAX_REGISTERS, report
         text = sass.read_text()
         counts[page_size] = tuple(len(re.findall(rf"\bUTMALDG\.{d}D\b", text)) for d in (2, 4))
+        # the PTX (--ptx, without debug records: no line or file entries) issues the same 4-D copies
+        code = ptx.read_text()
+        assert len(re.findall(r"cp\.async\.bulk\.tensor\.4d", code)) == counts[page_size][1], counts
+        assert ".entry _mla_decode_fp8_kernel" in code and not re.search(r"^\s*\.(loc|file)\s|\.debug_", code, re.M)
     assert counts == {64: (15, 0), 16: (12, 12)}, counts
 
 
