@@ -34,10 +34,14 @@ CONFIG_FIELDS = {f.name: f.type for f in fields(td.KernelConfig)}
 CONSTANT_MODULES = (td, gd, g8)  # where an upper-case variant key is looked up
 
 
-def _owner(key: str):
-    """The one module of CONSTANT_MODULES that defines constant `key`, or None."""
+def _owners(key: str) -> list:
+    """The modules of CONSTANT_MODULES that bind constant `key`, when they all bind the same object (one module, or
+    a constant re-exported by `from ... import`, as gluon_fp8 takes SMALL_PAGES from gluon_decode: a variant must
+    set it in each); [] when none does or when they bind different objects (e.g. HEAD_GROUPS, one per kernel)."""
     owners = [m for m in CONSTANT_MODULES if hasattr(m, key)]
-    return owners[0] if len(owners) == 1 else None
+    if any(getattr(m, key) is not getattr(owners[0], key) for m in owners):
+        return []
+    return owners
 
 
 def _value(raw: str):
@@ -63,9 +67,9 @@ def parse_variant(text: str) -> tuple[str, dict, dict]:
         key, _, raw = item.partition("=")
         value = _value(raw)
         if key.isupper():
-            if _owner(key) is None:
+            if not _owners(key):
                 names = ", ".join(m.__name__ for m in CONSTANT_MODULES)
-                raise ValueError(f"--variant {name}: no constant {key!r} in exactly one of {names}")
+                raise ValueError(f"--variant {name}: no constant {key!r} in {names}, or different ones of that name")
             constants[key] = value
         elif key in CONFIG_FIELDS:
             config[key] = value
@@ -76,16 +80,18 @@ def parse_variant(text: str) -> tuple[str, dict, dict]:
 
 @contextlib.contextmanager
 def held(constants: dict):
-    """The module constants `constants` (each in its `_owner`) set inside the block, restored after."""
-    owners = {k: _owner(k) for k in constants}
-    old = {k: getattr(owners[k], k) for k in constants}
+    """The module constants `constants` (each in all its `_owners`) set inside the block, restored after."""
+    owners = {k: _owners(k) for k in constants}
+    old = {k: getattr(owners[k][0], k) for k in constants}
     for k, v in constants.items():
-        setattr(owners[k], k, v)
+        for module in owners[k]:
+            setattr(module, k, v)
     try:
         yield
     finally:
         for k, v in old.items():
-            setattr(owners[k], k, v)
+            for module in owners[k]:
+                setattr(module, k, v)
 
 
 def run_row(batch, variants, rounds: int) -> dict:

@@ -114,6 +114,16 @@ def test_config_ab_variants_split_config_fields_from_module_constants():
     with ab.held({"GROUPED_PAGES": (64,)}):
         assert gd.GROUPED_PAGES == (64,)
     assert gd.GROUPED_PAGES == pages
+    # a constant gluon_fp8 re-exports from gluon_decode is held in both; one of the same name but another value in
+    # each module is refused
+    from mla_fast import gluon_fp8 as g8
+
+    small = gd.SMALL_PAGES
+    with ab.held(ab.parse_variant("s:SMALL_PAGES=16/")[2]):
+        assert gd.SMALL_PAGES == g8.SMALL_PAGES == (16,)
+    assert gd.SMALL_PAGES is g8.SMALL_PAGES is small
+    with pytest.raises(ValueError, match="different ones of that name"):
+        ab.parse_variant("h:HEAD_GROUPS=8/16")
 
 
 def test_config_ab_needs_two_variants():
