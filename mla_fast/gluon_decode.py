@@ -282,11 +282,11 @@ def _half_box(kv_smem, slot, half, j):
 
 
 @gluon.jit
-def _v_half(kv_smem, slot, half: gl.constexpr, GROUPED: gl.constexpr, zero=0):
+def _v_half(kv_smem, slot, half: gl.constexpr, HALVES: gl.constexpr, zero=0):
     """V half `half` [64 tokens, 256 channels] of tile slot `slot`: the B operand of a P.V MMA (N contiguous), and
-    transposed a score operand. With GROUPED, the half's 8 boxes (`_half_box`, from box `zero`: 0, or the
-    unprovable zero of `_score_group`) read through _HALF_LAYOUT."""
-    if GROUPED:
+    transposed a score operand. With HALVES (a bf16 cache in the grouped layout), the half's 8 boxes (`_half_box`,
+    from box `zero`: 0, or the unprovable zero of `_score_group`) read through _HALF_LAYOUT."""
+    if HALVES:
         return _half_box(kv_smem, slot, half, zero)._reinterpret(gl.bfloat16, [_TILE, _L_DIM // 2], _HALF_LAYOUT)
     else:
         return kv_smem[0].index(slot).slice(half * (_L_DIM // 2), _L_DIM // 2, dim=1)
@@ -335,6 +335,19 @@ def _staged(kv8, slot, g: gl.constexpr, j: gl.constexpr, GROUPED: gl.constexpr):
 
 
 @gluon.jit
+def _grouped_page(kv_smem, kv8, slot, g: gl.constexpr, first: gl.constexpr, PER: gl.constexpr, KV_FP8: gl.constexpr):
+    """Boxes first .. first + PER - 1 (a page's 8-token groups) of c_kv half g of tile slot `slot` in the grouped
+    layout, as one 4-D TMA copy writes them ([PER, 4 chunks, 8 tokens, 64]): the bf16 half (`_half_box`,
+    _PAGE_LAYOUT), or with KV_FP8 the half's fp8 staging (`_staged`: 2 KB per group, _STAGED_PAGE)."""
+    if KV_FP8:
+        return _fp8_box(kv8, slot, _staged_box(g, 0) + first // 2)._reinterpret(
+            gl.float8e4nv, [PER, 4, _TILE // _GROUPS, _CHUNK], _STAGED_PAGE)
+    else:
+        return _half_box(kv_smem, slot, g, first)._reinterpret(gl.bfloat16, [PER, 4, _TILE // _GROUPS, _CHUNK],
+                                                              _PAGE_LAYOUT)
+
+
+@gluon.jit
 def _issue_group(kv_desc, kvg_desc, kv_smem, kv8, kv_full, slot, rows, g: gl.constexpr, KV_FP8: gl.constexpr,
                  BOXES: gl.constexpr, GROUPED: gl.constexpr):
     """TMA copies of chunk group g of a tile into tile slot `slot` (one barrier): the chunks themselves, or with
@@ -349,17 +362,11 @@ def _issue_group(kv_desc, kvg_desc, kv_smem, kv8, kv_full, slot, rows, g: gl.con
     GROUP: gl.constexpr = _TILE // _GROUPS
     PER: gl.constexpr = BOX // GROUP  # with GROUPED: the 8-token groups of a page (group rows[i] / 8 of the cache on)
     bar = kv_full.index(slot * 3 + g)
-    if GROUPED and KV_FP8 and g != _GROUP_E:
-        mbarrier.expect(bar, n * _TILE * _CHUNK)
+    if GROUPED and g != _GROUP_E:
+        mbarrier.expect(bar, n * _TILE * _CHUNK * (1 if KV_FP8 else 2))
         for i in gl.static_range(BOXES):
-            page = _fp8_box(kv8, slot, _staged_box(g, 0) + i * PER // 2)._reinterpret(
-                gl.float8e4nv, [PER, 4, GROUP, _CHUNK], _STAGED_PAGE)
-            tma.async_copy_global_to_shared(kvg_desc, [rows[i] // GROUP, _group_first(g), 0, 0], bar, page)
-    elif GROUPED and g != _GROUP_E:
-        mbarrier.expect(bar, n * _TILE * _CHUNK * 2)
-        for i in gl.static_range(BOXES):
-            page = _half_box(kv_smem, slot, g, i * PER)._reinterpret(gl.bfloat16, [PER, 4, GROUP, _CHUNK], _PAGE_LAYOUT)
-            tma.async_copy_global_to_shared(kvg_desc, [rows[i] // GROUP, _group_first(g), 0, 0], bar, page)
+            tma.async_copy_global_to_shared(kvg_desc, [rows[i] // GROUP, _group_first(g), 0, 0], bar,
+                                            _grouped_page(kv_smem, kv8, slot, g, i * PER, PER, KV_FP8))
     elif KV_FP8:
         mbarrier.expect(bar, n * _TILE * _CHUNK)
         for j in gl.static_range(n):
@@ -546,11 +553,11 @@ def _masked(s, t0, kv_end, limit, qk_scale, s_layout: gl.constexpr):
 
 
 @gluon.jit
-def _zero_tail(kv_smem, slot, first: gl.constexpr, n_valid, GROUPED: gl.constexpr):
+def _zero_tail(kv_smem, slot, first: gl.constexpr, n_valid, HALVES: gl.constexpr):
     """Set V rows >= n_valid of chunks first..first+3 of a slot to 0 (cache slots past KV_END may hold NaN), then
     make the stores visible to the MMAs (async proxy). Only the calling warpgroup reads that V half, and the tile's
     scores are done by then (its own, or the other warpgroup's, published before the exchange barrier it waited)."""
-    if GROUPED:  # box by box ([4 chunks, 8 tokens, 64 channels] each)
+    if HALVES:  # the grouped layout (`_v_half`), box by box ([4 chunks, 8 tokens, 64 channels] each)
         blk3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [4, 1, 1], [2, 1, 0])
         tok = gl.arange(0, _TILE // _GROUPS, gl.SliceLayout(0, gl.SliceLayout(2, blk3)))  # [8] tokens of a box
         for j in gl.static_range(_GROUPS):
@@ -605,13 +612,13 @@ def _store_half(acc, l_sum, m_i, kv_scale, partial_row, qo_start, n_q, head_star
 
 
 @gluon.jit
-def _pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end, ph0, xph, KV_FP8: gl.constexpr, GROUPED: gl.constexpr):
+def _pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end, ph0, xph, KV_FP8: gl.constexpr, HALVES: gl.constexpr):
     """Warpgroup 1: o_R += p0' V0_R (asynchronous) once warpgroup 0 has published p0' (xbar 2)."""
     mbarrier.wait(xbar.index(2), xph)
     mbarrier.wait(kv_full.index(_GROUP_R), ph0)
     if not KV_FP8 and kv_end - t0 < _TILE:  # (fp8: zeroed by the expansion)
-        _zero_tail(kv_smem, 0, 4, kv_end - t0, GROUPED)
-    return warpgroup_mma(p0_smem, _v_half(kv_smem, 0, 1, GROUPED), acc, is_async=True)
+        _zero_tail(kv_smem, 0, 4, kv_end - t0, HALVES)
+    return warpgroup_mma(p0_smem, _v_half(kv_smem, 0, 1, HALVES), acc, is_async=True)
 
 
 @gluon.jit
