@@ -6,12 +6,14 @@ replays as in `mla-bench`. This is the measurement behind `default_config`'s bou
 docs/perf_history.md, eleventh and twenty-third sessions).
 
     python benchmarks/boundary_bench.py --json boundary.json
+    python benchmarks/boundary_bench.py --page-size 16 --combo fp8 --json boundary16.json
 
 Prints one line per shape with µs per kernel and the largest |out| difference of each forced kernel to the default
 (each is checked against the fp64 oracle within its bound by tests/test_triton_gpu.py). The eleventh session's run
 of SHAPES is benchmarks/boundary_h200.csv, the twenty-third session's with --combo fp8 (the Gluon fp8 kernel's fp8
-score MMAs; default_config's fp8-q threshold) benchmarks/boundary_h200_fp8.csv; tests/test_triton_decode.py checks
-default_config's rule against both.
+score MMAs; default_config's fp8-q threshold) benchmarks/boundary_h200_fp8.csv, both on pages of 64; the thirtieth
+session's with --page-size 16 benchmarks/boundary_h200_p16.csv and boundary_h200_fp8_p16.csv;
+tests/test_triton_decode.py checks default_config's rule against all four.
 """
 
 import argparse
@@ -37,25 +39,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--combo", default="fp8kv", choices=["fp8kv", "fp8"])
     parser.add_argument("--json", default=None)
+    parser.add_argument("--page-size", type=int, default=64, help="cache page size in tokens (default 64)")
     parser.add_argument("--shapes", type=parse_shapes, default=SHAPES, help='"b,s,h,q_len;..." (default: SHAPES)')
     args = parser.parse_args()
     copy_gbs = copy_bandwidth_gbs()
     rows = []
     for b, s, h, q_len in args.shapes:
-        batch = build_batch(b, s, h, args.combo, q_len=q_len)
+        batch = build_batch(b, s, h, args.combo, page_size=args.page_size, q_len=q_len)
         default = td.batch_config(batch, q_len)
-        line, outs = f"({b}, {s}, {h}) q_len {q_len}:", {}
+        line, outs = f"({b}, {s}, {h}) q_len {q_len} page {args.page_size}:", {}
         for name, config in {"default": default, **forced_fp8_kernels(args.combo, h, q_len)}.items():
             fn, info = ours(batch, config)
             m = measure(fn, bytes_moved(b, s, h, args.combo), copy_gbs)
             outs[name] = fn.outputs[0].float().clone()
-            rows.append({"b": b, "s": s, "h": h, "q_len": q_len, "combo": args.combo, "config": name,
+            rows.append({"b": b, "s": s, "h": h, "q_len": q_len, "page_size": args.page_size, "combo": args.combo,
+                         "config": name,
                          "kernel": config.kernel, "head_group": config.head_group, "head_split": config.head_split,
                          **m, **info})
             line += f" {name} ({config.kernel}) {m.get('us', float('nan')):.1f}"
-        fn, _ = ours(build_batch(b, s, h, "bf16", q_len=q_len))
+        fn, _ = ours(build_batch(b, s, h, "bf16", page_size=args.page_size, q_len=q_len))
         m = measure(fn, bytes_moved(b, s, h, "bf16"), copy_gbs)
-        rows.append({"b": b, "s": s, "h": h, "q_len": q_len, "combo": "bf16", "config": "default", **m})
+        rows.append({"b": b, "s": s, "h": h, "q_len": q_len, "page_size": args.page_size, "combo": "bf16",
+                     "config": "default", **m})
         diffs = {k: float((o - outs["default"]).abs().max()) for k, o in outs.items() if k != "default"}
         print(f"{line} | bf16 {m.get('us', float('nan')):.1f} | max |out - out default|: {diffs}", flush=True)
     if args.json:

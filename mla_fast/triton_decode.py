@@ -958,7 +958,10 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
       ("fp8") its scores run as fp8 MMAs (qk_fp8; twenty-third session, one H200, against fp16 score operands):
       166.2 vs 184.5 us at (128, 8192, 16), 93.8 vs 99.7 at (128, 4096, 16), 38.2 vs 39.4 at (32, 4096, 16), 140.1
       vs 161.3 at (128, 4096, 32), 79.0 vs 91.9 at (64, 4096, 16) q_len 2, 21.1 vs 22.7 at (1, 8192, 128)
-      (numerics: `numerics.gluon_fp8_qk_numerics`).
+      (numerics: `numerics.gluon_fp8_qk_numerics`). Both thresholds ignore the page size: on pages of 16 (thirtieth
+      session, both kernels in their grouped layouts; benchmarks/boundary_h200_p16.csv, boundary_h200_fp8_p16.csv)
+      they picked the faster kernel at all 34 shapes with fp8kv and at 32 of 34 with fp8 q (the same two shapes
+      lost as on pages of 64, by 0.9 and 1.6 %).
     - fp8 caches with 64 packed rows (33-64) and seesaw, where the Gluon fp8 kernel is not taken: the Gluon seesaw
       kernel on fp16 operands (kernel="gluon", mma="fp16"; each fp8 tile expanded in place). One H200, graph replays
       (ninth session), fp8kv, the final kernel (mla-bench) against the Triton staged path (the default before):
