@@ -32,16 +32,17 @@ memory once per use (twice in all: scores, then P.V), converts it in registers a
   from shared memory as they are (the cache rows and q's rows are channel-contiguous: K-major, as fp8 wgmmas
   require), in nine accumulators of 64 channels (two k32 instructions each, from 0), issued at once and added in
   fp32 in a fixed order. Only V is converted (the P.V side is unchanged).
-- KV tiles arrive by TMA (c_kv as four [64, 128] boxes, k_pe as one [64, 64] box) into STAGES slots (a launch
-  parameter). On pages of 16 or 32 tokens (FP8_GROUPED_PAGES, `grouped_layout`) a slot's c_kv is stored in a
-  grouped layout instead: 8 boxes of 8 tokens x 4 quarters ([4, 8, 128], 4 KB each, 128-byte swizzled), so a
-  page's tokens are adjacent boxes and one 4-D TMA copy fills them (the cache viewed as [rows / 8, 4 quarters,
-  8 tokens, 128] with strides 8 x 576, 128, 576, 1 bytes); the operand loads, the zeroed tail and the fp8 score
-  wgmmas read the tile through a shared linear layout (_TILE8: 4 KB between 8-token groups, 1 KB between
-  quarters). k_pe keeps one [page, 64] box per page. That is 8 copies per tile at page 16 instead of 20, and the
-  bits of per-page boxes. An item's first STAGES tiles are issued at its start, and the slot of tile t is reissued
-  with tile t + STAGES once every warp has loaded its operands from it, so STAGES - 1 tiles are in flight while one
-  is computed.
+- KV tiles arrive by TMA into STAGES slots (a launch parameter). A slot's c_kv is stored in a grouped layout (on
+  every page size the kernel takes: FP8_GROUPED_PAGES, `grouped_layout`): 8 boxes of 8 tokens x 4 quarters
+  ([4, 8, 128], 4 KB each, 128-byte swizzled), so a page's tokens are adjacent boxes and one 4-D TMA copy fills
+  them (the cache viewed as [rows / 8, 4 quarters, 8 tokens, 128] with strides 8 x 576, 128, 576, 1 bytes; a page
+  of 64k takes one copy per tile); the operand loads, the zeroed tail and the fp8 score wgmmas read the tile
+  through a shared linear layout (_TILE8: 4 KB between 8-token groups, 1 KB between quarters). k_pe takes one
+  [min(page, 64), 64] box per page. That is 8 copies per tile at page 16 and 2 at pages of 64k, against 20 and 5
+  in the standard layout (c_kv as four [min(page, 64), 128] quarter boxes per page, what the kernel runs with
+  FP8_GROUPED_PAGES emptied, as config_ab's A/B does), with the same bits. An item's first STAGES tiles are issued
+  at its start, and the slot of tile t is reissued with tile t + STAGES once every warp has loaded its operands
+  from it, so STAGES - 1 tiles are in flight while one is computed.
   At most two score MMAs and two P.V MMAs are in flight (each register A operand stays live until its MMA is done).
 - default_config runs two programs per SM (workers_per_sm=2) with two slots each (94 KB of shared memory, 255
   registers; 85 KB and 231-243 registers with qk_fp8): one program's softmax and loads overlap the other's MMAs.
@@ -63,15 +64,20 @@ P.V operands are loaded. With pages smaller than a tile, a page box that starts 
 first page again instead (`_tile_rows`): no block-table entry past an item's tokens is read. Rows that see no token
 give out = 0, lse = -inf.
 
-The grouped layout on pages of 16 and 32 (twenty-ninth session, one H200, graph replays, three alternating rounds,
+The grouped layout (pages of 16 and 32: twenty-ninth session, one H200, graph replays, three alternating rounds,
 same bits; per-page boxes -> grouped, us): page 16 fp8kv 220.9 -> 196.0 and fp8 205.5 -> 176.7 at (128, 8192, 16),
 42.5 -> 40.2 and 41.1 -> 39.6 at (32, 4096, 16), 16.9 -> 16.1 and 16.0 -> 15.4 at (1, 8192, 16), 125.7 -> 113.5 and
 108.3 -> 90.7 at (64, 4096, 16) q_len 2, 216.0 -> 178.1 and 191.8 -> 160.4 at (128, 4096, 32); page 32 fp8kv
 193.8 -> 184.7 and fp8 172.1 -> 169.3 at (128, 8192, 16), 175.8 -> 165.8 and 161.8 -> 144.8 at (128, 4096, 32).
 Under ncu the per-page boxes had cost 38 % more instructions than pages of 64 (89.3 M vs 64.9 M at (128, 8192, 16)
 fp8kv), nearly all in issuing the copies (R2UR, VOTEU, UTMALDG in every warp). On pages of 64 (one c_kv copy per
-tile instead of 4) it was mixed: 181.2 -> 184.1 fp8kv at (128, 8192, 16), 162.3 -> 156.6 at (128, 4096, 32),
-within 0.7 us elsewhere: not switched there.
+tile instead of 4) that session's call was mixed (181.2 -> 184.1 fp8kv at (128, 8192, 16), 162.3 -> 156.6 at
+(128, 4096, 32)); two calls of the thirtieth session (three and five alternating rounds, same bits) agreed instead,
+and the grouped layout took pages of 64k too: fp8kv 179.2 -> 175.4 and 179.6 -> 175.1 at (128, 8192, 16), 101.5 ->
+99.3 at (128, 4096, 16), 100.6 -> 98.7 at (32, 16384, 16), 60.5 -> 59.5 at (64, 4096, 16), 40.0 -> 39.4 at
+(32, 4096, 16), 163.2 -> 157.4 at (128, 4096, 32), 93.3 -> 90.4 at (64, 4096, 16) q_len 2; fp8 140.3 -> 132.9 and
+140.5 -> 133.4 at (128, 4096, 32), within 0.6 % elsewhere at 16 heads; slower only at (1, 8192, 128), by 0.2-0.3 us
+(23.0 -> 23.2 fp8kv, 21.2 -> 21.5 fp8), and at (64, 4096, 16) q_len 2 fp8 by 0.2-0.5 us.
 fp8 score MMAs for e4m3fn q (twenty-third session, one H200, graph replays, four alternating rounds, fp16 scores ->
 qk_fp8, us): 184.5 -> 166.2 at (128, 8192, 16), 99.7 -> 93.8 at (128, 4096, 16), 99.6 -> 93.7 at (32, 16384, 16),
 60.1 -> 58.5 at (64, 4096, 16), 39.4 -> 38.2 at (32, 4096, 16), 15.3 -> 15.0 at (1, 8192, 16), 22.7 -> 21.1 at
@@ -586,7 +592,9 @@ def unsupported(batch, head_group: int | None = None, head_split: int | None = N
 
 
 SLOT_BYTES = TILE * (L_DIM + R_DIM)  # one tile slot (fp8): 36 KB
-FP8_GROUPED_PAGES = (16, 32)  # pages (64k as 64) whose c_kv the kernel keeps in the grouped layout (`grouped_layout`)
+# pages (64k as 64) whose c_kv the kernel keeps in the grouped layout (`grouped_layout`): all it takes. Emptied
+# (config_ab's `FP8_GROUPED_PAGES=()`), the standard layout for A/B runs (module docstring for the measurements).
+FP8_GROUPED_PAGES = (16, 32, 64)
 FIXED_BYTES = 21 * 1024  # q (fp16), p and the reduction scratch: 20.3 KB compiled
 SMEM_PER_SM = 227 * 1024  # sm_90
 

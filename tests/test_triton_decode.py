@@ -811,12 +811,13 @@ def test_bench_candidates_are_launchable_configs_over_each_default():
             assert replace(small, **bench.triton_fp8_64_rows(heads)) == td.default_config(combo, heads, 1, 32)
 
 
-def test_gluon_fp8_grouped_layout_is_taken_on_pages_of_16_and_32_only():
-    """gluon_fp8.grouped_layout: one 4-D TMA copy per page of c_kv on pages of 16 and 32 (FP8_GROUPED_PAGES; pages
-    of 64k, counted as 64, keep their quarter boxes); emptied (config_ab's A/B), per-page boxes everywhere."""
+def test_gluon_fp8_grouped_layout_is_taken_on_every_page_it_supports():
+    """gluon_fp8.grouped_layout: one 4-D TMA copy per page of c_kv (per tile on pages of 64k, counted as 64) on
+    every page the kernel takes (FP8_GROUPED_PAGES: 16, 32, 64k; pages of 8 are not gluon_fp8.SMALL_PAGES);
+    emptied (config_ab's A/B), the quarter boxes everywhere."""
     g8 = pytest.importorskip("mla_fast.gluon_fp8")
-    caches = {p: torch.empty(2, p, 576, dtype=torch.float8_e4m3fn) for p in (16, 32, 64, 128)}
-    assert [p for p, kv in caches.items() if g8.grouped_layout(kv)] == [16, 32]
+    caches = {p: torch.empty(2, p, 576, dtype=torch.float8_e4m3fn) for p in (8, 16, 32, 64, 128, 192)}
+    assert [p for p, kv in caches.items() if g8.grouped_layout(kv)] == [16, 32, 64, 128, 192]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(g8, "FP8_GROUPED_PAGES", ())
         assert not any(g8.grouped_layout(kv) for kv in caches.values())

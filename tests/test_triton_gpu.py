@@ -670,9 +670,11 @@ def test_gluon_fp8_small_pages_give_the_bits_of_pages_of_64(case):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon_fp8' needs sm_90")
-@pytest.mark.parametrize("case", GLUON_FP8_SMALL_PAGE_CASES[:2], ids=lambda c: f"{c.combo}_p{c.page_size}")
+@pytest.mark.parametrize("case", GLUON_FP8_SMALL_PAGE_CASES[:2] + [c for c in GLUON_FP8_CASES if c.seed in (58, 59)],
+                         ids=lambda c: f"{c.combo}_p{c.page_size}_q{max(c.q_lens)}")
 def test_gluon_fp8_grouped_layout_gives_the_bits_of_per_page_boxes(case, monkeypatch):
-    """Pages of 16 (fp8kv) and 32 (fp8 q, fp8 score MMAs), gluon_fp8.FP8_GROUPED_PAGES."""
+    """Pages of 16 (fp8kv), 32 (fp8 q, fp8 score MMAs), 64 (fp8kv, MTP) and 128 (fp8 q, MTP),
+    gluon_fp8.FP8_GROUPED_PAGES: against the standard layout's quarter boxes."""
     from mla_fast import gluon_fp8 as g8
 
     _check_grouped_layout_gives_the_bits_of_the_standard_one(
