@@ -114,30 +114,35 @@ per-page boxes -> grouped, us): page 16 fp8kv 145.6 -> 122.0 and fp8 143.2 -> 11
 408.5 and 475.2 -> 404.9 at (128, 4096, 128); page 32 fp8kv 119.9 -> 112.5 at (32, 4096, 128), 404.2 -> 381.2 at
 (128, 4096, 128). On pages of 64 (one copy per half instead of 4 chunk boxes) it was mixed: 106.3 -> 104.6 at
 (32, 4096, 128), 355.3 -> 344.4 at (128, 4096, 128), 64.9 -> 63.6 at (8, 8192, 128), but 189.0 -> 191.7 at
-(128, 4096, 64) fp8kv: not switched there. q (bf16 or fp8) is loaded by warpgroup 0 with plain loads and stored as
-fp16. Numerics: those of `KERNEL_NUMERICS["fp8kv"]` / `["fp8"]` (mma="fp16"): the MMAs see the fp8 codes (exact in
-fp16) and q cast to fp16, one fp32 chain of L + R products per score, P rounded to fp16 once, fp32 row sums from
-unrounded P, one 64-token P.V MMA per tile and half, scales folded into the scores and the output. Performance (one
-H200, graph replays, ninth session, mla-bench, fp8kv; the Triton staged path in brackets): 377.3 us at (128, 4096,
-128) [557.3] (bf16: 279.1), 113.2 at (32, 4096, 128) [153.1] (bf16: 84.3), 210.3 at (128, 4096, 64) [274.9], 67.8 at
-(8, 8192, 128) [86.4]. The expansion is what costs: with it left out (wrong values, timing only) the kernel took
-264.5 and 81.5 us, faster than bf16 (half the bytes). Its register layout mattered most: with 16 bytes per thread on
-2 threads per token, ncu counted 10.1-way bank conflicts on the shared stores (38.5 % of their wavefronts) and
-11.7-way on the loads (30.6 %) at (32, 4096, 128); 8 bytes per thread on 8 threads per token (_E4M3_BOX now) took
-368.1 vs 434.9 us at (128, 4096, 128) and 111.0 vs 128.4 at (32, 4096, 128). Expanding two chunks at a time, each
-pair's MMAs issued before the next pair is expanded, took 438.7 vs 454.6 and 128.8 vs 131.0 (whole groups first).
-Measured and dropped (with the 16-byte layout): a third partition (4 warps, 40 registers; the warpgroups at 232)
-that expanded every group as soon as it landed, so that the warpgroups only waited for a ready barrier: 464.3 vs
-451.5 us for the expansion in the warpgroups (whole groups); without the async-proxy fences (racy, timing only):
-454.0 vs 454.6, and without the in-place barrier 475.2 vs 475.5, so neither the fences nor the barriers are the
-cost; the conversion as inline PTX (cvt.rn.f16x2.e4m3x2 on each half of a 32-bit register, fewer byte shuffles on
-masked tiles): 475.5 us in one call, 451.5-456.8 for the plain cast in three others. Per tile the expansion reads 36
-KB and writes 72 KB of shared memory and converts 36864 values beside the MMAs' own shared-memory reads. fp8 MMAs
-instead (FlashMLA's route; its fp8 kernel takes 225.0 us at (128, 4096, 128)) need V transposed in shared memory: a
-prototype (tenth session, docs/perf_history.md; not landed) with fp8 score MMAs on the raw boxes, each warpgroup
-transposing its V half into separate buffers and P x 256 rounded to e4m3 took 193.4 us with the transposes left out, but
-354 us at best with them (354-486 us over four register layouts, 440 on the tensor cores), no faster than this path
-(372-378 us in the same calls) and with e4m3 P.
+(128, 4096, 64) fp8kv. Mapped in the thirtieth session (three device calls, 3-5 alternating rounds, same bits, fp8kv
+and fp8): 1.6-3.5 % faster at 128 heads (b 8-128; 355.7 -> 345.4 fp8kv at (128, 4096, 128)) and with MTP rows
+(q_len 2-4 at 16-64 heads: 1-3 %), but at 64 heads and q_len 1 (64 rows, one program per worker) up to 6 % slower
+(348.8 -> 370.5 fp8kv at (128, 8192, 64), 186.8 -> 199.6 fp8 at (128, 4096, 64); level at (16, 8192, 64)). ptxas
+spills more there in either layout (228 vs 212 spill-store bytes grouped, 196 vs 188 standard, offline at page 64),
+and no rule by head split explains it (32 heads x 2 rows, also one program per worker, gain). Not switched: a rule
+keyed on 64 heads at q_len 1 would be fitted to one compile. q (bf16 or fp8) is loaded by warpgroup 0 with plain
+loads and stored as fp16. Numerics: those of `KERNEL_NUMERICS["fp8kv"]` / `["fp8"]` (mma="fp16"): the MMAs see the
+fp8 codes (exact in fp16) and q cast to fp16, one fp32 chain of L + R products per score, P rounded to fp16 once, fp32
+row sums from unrounded P, one 64-token P.V MMA per tile and half, scales folded into the scores and the output.
+Performance (one H200, graph replays, ninth session, mla-bench, fp8kv; the Triton staged path in brackets): 377.3 us at
+(128, 4096, 128) [557.3] (bf16: 279.1), 113.2 at (32, 4096, 128) [153.1] (bf16: 84.3), 210.3 at (128, 4096, 64) [274.9],
+67.8 at (8, 8192, 128) [86.4]. The expansion is what costs: with it left out (wrong values, timing only) the kernel took
+264.5 and 81.5 us, faster than bf16 (half the bytes). Its register layout mattered most: with 16 bytes per thread on 2
+threads per token, ncu counted 10.1-way bank conflicts on the shared stores (38.5 % of their wavefronts) and 11.7-way on
+the loads (30.6 %) at (32, 4096, 128); 8 bytes per thread on 8 threads per token (_E4M3_BOX now) took 368.1 vs 434.9 us
+at (128, 4096, 128) and 111.0 vs 128.4 at (32, 4096, 128). Expanding two chunks at a time, each pair's MMAs issued
+before the next pair is expanded, took 438.7 vs 454.6 and 128.8 vs 131.0 (whole groups first). Measured and dropped
+(with the 16-byte layout): a third partition (4 warps, 40 registers; the warpgroups at 232) that expanded every group as
+soon as it landed, so that the warpgroups only waited for a ready barrier: 464.3 vs 451.5 us for the expansion in the
+warpgroups (whole groups); without the async-proxy fences (racy, timing only): 454.0 vs 454.6, and without the in-place
+barrier 475.2 vs 475.5, so neither the fences nor the barriers are the cost; the conversion as inline PTX
+(cvt.rn.f16x2.e4m3x2 on each half of a 32-bit register, fewer byte shuffles on masked tiles): 475.5 us in one call,
+451.5-456.8 for the plain cast in three others. Per tile the expansion reads 36 KB and writes 72 KB of shared memory and
+converts 36864 values beside the MMAs' own shared-memory reads. fp8 MMAs instead (FlashMLA's route; its fp8 kernel takes
+225.0 us at (128, 4096, 128)) need V transposed in shared memory: a prototype (tenth session, docs/perf_history.md; not
+landed) with fp8 score MMAs on the raw boxes, each warpgroup transposing its V half into separate buffers and P x 256
+rounded to e4m3 took 193.4 us with the transposes left out, but 354 us at best with them (354-486 us over four register
+layouts, 440 on the tensor cores), no faster than this path (372-378 us in the same calls) and with e4m3 P.
 
 Device only: Gluon kernels need a CUDA driver (sm_90); the interpreter cannot run them, so this kernel has GPU
 tests only (tests/test_triton_gpu.py). `mla_fast.triton_decode.launch` calls it for `KernelConfig(kernel="gluon")`,
@@ -913,7 +918,7 @@ SMALL_PAGES = (16, 32)
 # (8, 1000, 128): left on the Triton kernel
 GROUPED_PAGES = (16, 32, 64)
 # e4m3fn cache pages whose c_kv halves the seesaw stages in the grouped layout (`grouped_layout`, _STAGE8; pages of
-# 64k count as 64: mixed there, the module docstring)
+# 64k would count as 64: faster at 128 heads and with MTP rows, slower at 64 heads and q_len 1, the module docstring)
 SEESAW_FP8_GROUPED_PAGES = (16, 32)
 
 
