@@ -100,6 +100,14 @@ def _decode_and_check(batch, config=None, **overrides):
     return check(out, lse, batch, td.kernel_numerics(config, combo), plan.stats()["pieces_per_tile"]["max"])
 
 
+def _assert_same_bits(got, want, *context):
+    """(out bf16, lse fp32) of two decodes bit for bit, through integer views: NaN payloads and -0.0 count, unlike
+    ==. context: shown on failure."""
+    (out, lse), (out_want, lse_want) = got, want
+    assert torch.equal(out.view(torch.int16), out_want.view(torch.int16)), context
+    assert torch.equal(lse.view(torch.int32), lse_want.view(torch.int32)), context
+
+
 @pytest.mark.parametrize("combo", ["bf16", "fp8kv", "fp8"])
 @pytest.mark.parametrize("shape", BENCH_SHAPES, ids=lambda s: "b{}_s{}_h{}".format(*s))
 def test_bench_grid_within_kernel_bound(shape, combo):
@@ -200,8 +208,7 @@ def test_bitwise_deterministic_over_10_runs(case):
     out0, lse0 = decode(batch, plan=plan, config=config)
     for _ in range(10):
         out, lse = decode(batch, plan=plan, config=config)
-        assert torch.equal(out.view(torch.int16), out0.view(torch.int16))
-        assert torch.equal(lse.view(torch.int32), lse0.view(torch.int32))
+        _assert_same_bits((out, lse), (out0, lse0))
 
 
 @pytest.mark.parametrize("combo", ["bf16", "fp8kv"])
@@ -217,8 +224,7 @@ def test_interleave_gives_the_same_bits(combo):
     config = default_config(combo, case.heads, 1)
     plan = make_plan(batch, config)
     (out0, lse0), (out1, lse1) = (decode(batch, plan=plan, config=replace(config, interleave=f)) for f in (False, True))
-    assert torch.equal(out0.view(torch.int16), out1.view(torch.int16))
-    assert torch.equal(lse0.view(torch.int32), lse1.view(torch.int32))
+    _assert_same_bits((out0, lse0), (out1, lse1))
 
 
 @pytest.mark.parametrize("case, kernel", [
@@ -266,8 +272,7 @@ def test_programmatic_dependent_reduce_gives_the_serial_bits(case, kernel):
             t.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out.view(torch.int16), out0.view(torch.int16))
-        assert torch.equal(lse.view(torch.int32), lse0.view(torch.int32))
+        _assert_same_bits((out, lse), (out0, lse0))
 
 
 @pytest.mark.parametrize("case, kernel", [
@@ -292,8 +297,7 @@ def test_one_item_per_worker_gives_the_worker_range_bits(case, kernel):
         out = torch.full((T, H, L), float("nan"), dtype=torch.bfloat16, device="cuda")
         runs.append(decode(batch, plan=replace(plan, one_item_per_worker=flag), config=config, out=out))
     assert not runs[0][0].isnan().any()
-    assert torch.equal(runs[0][0].view(torch.int16), runs[1][0].view(torch.int16))
-    assert torch.equal(runs[0][1].view(torch.int32), runs[1][1].view(torch.int32))
+    _assert_same_bits(runs[0], runs[1])
     numerics = kernel_numerics(config, dtype_combo(batch.q.dtype, batch.kv_cache.dtype))
     result = check(*runs[0], batch, numerics, plan.stats()["pieces_per_tile"]["max"])
     assert result["out_ratio"] <= 1.0 and result["lse_ratio"] <= 1.0, result
@@ -354,12 +358,10 @@ def test_pair_merge_gives_the_reduce_bits(case, num_workers):
     assert compiled.packed_metadata[1] == 2  # launched as 2-CTA clusters
     assert workspace[0].isnan().all() and workspace[1].isnan().all()  # no partials written
     assert not out1.isnan().any() and not lse1.isnan().any()
-    assert torch.equal(out1.view(torch.int16), out0.view(torch.int16))
-    assert torch.equal(lse1.view(torch.int32), lse0.view(torch.int32))
+    _assert_same_bits((out1, lse1), (out0, lse0))
     for _ in range(10):
         _, out2, lse2 = run(True)
-        assert torch.equal(out2.view(torch.int16), out1.view(torch.int16))
-        assert torch.equal(lse2.view(torch.int32), lse1.view(torch.int32))
+        _assert_same_bits((out2, lse2), (out1, lse1))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         launch(batch, plan, out, lse, config, workspace=workspace, max_rows=q_len * config.head_group)
@@ -367,11 +369,9 @@ def test_pair_merge_gives_the_reduce_bits(case, num_workers):
     lse.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out.view(torch.int16), out1.view(torch.int16))
-    assert torch.equal(lse.view(torch.int32), lse1.view(torch.int32))
+    _assert_same_bits((out, lse), (out1, lse1))
     out3, lse3 = decode(batch, plan=plan, config=config)  # no workspace given: launch allocates a one-row stand-in
-    assert torch.equal(out3.view(torch.int16), out1.view(torch.int16))
-    assert torch.equal(lse3.view(torch.int32), lse1.view(torch.int32))
+    _assert_same_bits((out3, lse3), (out1, lse1))
     result = check(out1, lse1, batch, kernel_numerics(config, dtype_combo(batch.q.dtype, batch.kv_cache.dtype)), 2)
     assert result["finite"] and result["out_ratio"] <= 1.0 and result["lse_ratio"] <= 1.0, result
 
@@ -401,8 +401,7 @@ def _check_graph_replays_equal_eager(step, lens_list):
         plan = make_plan(batch, step.config, step.num_workers)
         out, lse = decode(batch, plan=plan, config=step.config, reduce_pieces=step.reduce_pieces)
         torch.cuda.synchronize()
-        assert torch.equal(step.out.view(torch.int16), out.view(torch.int16)), new_lens
-        assert torch.equal(step.lse.view(torch.int32), lse.view(torch.int32)), new_lens
+        _assert_same_bits((step.out, step.lse), (out, lse), new_lens)
 
 
 def test_cuda_graph_replay_equals_eager():
@@ -547,8 +546,7 @@ def _check_grouped_layout_gives_the_bits_of_the_standard_one(case, overrides: di
         assert module.grouped_layout(batch.kv_cache) == bool(pages)
         results.append(td.decode(batch, plan=td.make_plan(batch, config), config=config))
     (out, lse), (out_std, lse_std) = results
-    assert torch.equal(out.view(torch.int16), out_std.view(torch.int16))
-    assert torch.equal(lse.view(torch.int32), lse_std.view(torch.int32))
+    _assert_same_bits((out, lse), (out_std, lse_std))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon' needs sm_90")
@@ -585,8 +583,7 @@ def _check_small_pages_give_the_bits_of_pages_of_64(case, overrides: dict):
         assert batch.kv_cache.shape[1] == page_size
         results.append(td.decode(batch, plan=td.make_plan(batch, config), config=config))
     (out, lse), (out64, lse64) = results
-    assert torch.equal(out.view(torch.int16), out64.view(torch.int16))
-    assert torch.equal(lse.view(torch.int32), lse64.view(torch.int32))
+    _assert_same_bits((out, lse), (out64, lse64))
 
 
 def _check_10_runs_and_graph_replays(case, overrides: dict, lens_list):
@@ -599,8 +596,7 @@ def _check_10_runs_and_graph_replays(case, overrides: dict, lens_list):
     out0, lse0 = (t.clone() for t in step.run())
     for _ in range(10):
         out, lse = step.run()
-        assert torch.equal(out.view(torch.int16), out0.view(torch.int16))
-        assert torch.equal(lse.view(torch.int32), lse0.view(torch.int32))
+        _assert_same_bits((out, lse), (out0, lse0))
     _check_graph_replays_equal_eager(step, lens_list)
 
 
