@@ -229,7 +229,7 @@ def test_interleave_gives_the_same_bits(combo):
 
 @pytest.mark.parametrize("case, kernel", [
     (TritonCase((65536,), (1,), heads=16, page_size=64, L=512, R=64, seed=12), "triton"),
-    (VARLEN[1], "triton"),
+    (VARLEN[3], "triton"),  # varlen, MTP, pages of 3 (VARLEN[1]'s pages of 16 go to the seesaw on an H200: skipped)
     (TritonCase((65536,), (1,), heads=128, page_size=64, L=512, R=64, seed=13), "gluon"),  # calls launch_dependents
     (TritonCase((65536,), (1,), heads=16, page_size=64, combo="fp8kv", L=512, R=64, seed=14), "gluon_fp8"),
 ], ids=["b1_128_pieces", "varlen_mtp", "seesaw_h128", "gluon_fp8"])
