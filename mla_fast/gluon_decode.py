@@ -936,6 +936,17 @@ def grouped_layout(kv: torch.Tensor) -> bool:
     return min(kv.shape[1], TILE) in pages
 
 
+def grouped_descriptor(kv: torch.Tensor, box_rows: int, width: int, layout) -> TensorDescriptor:
+    """TMA descriptor of the grouped layouts' page copies (both Gluon kernels): the cache [pages, page, D] viewed as
+    [rows / 8 groups, D / width chunks, 8 tokens, width] (strides 8 D, width, D, 1 elements: TMA takes strides in any
+    order), one box the box_rows / 8 groups of a page (a tile of pages of 64k) x 4 chunks of `width` channels."""
+    D = kv.shape[-1]
+    group = TILE // GROUPS
+    flat = kv.view(-1, D)
+    return TensorDescriptor(flat, [flat.shape[0] // group, D // width, group, width], [group * D, width, D, 1],
+                            [box_rows // group, 4, group, width], layout)
+
+
 @constexpr_function
 def tile_boxes(page_size: int) -> int:
     """TMA row boxes per 64-token tile: 64 / page_size for SMALL_PAGES (each box a whole page of 16 or 32 rows:
@@ -992,12 +1003,11 @@ def launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, he
     kv_desc = TensorDescriptor(kv.view(-1, D), [n_rows, D], [D, 1], [TILE // boxes, CHUNK],
                                gl.NVMMASharedLayout.get_default_for([TILE, CHUNK], _GL_DTYPE[kv.dtype]))
     grouped = grouped_layout(kv)
-    # the grouped layout's page copies: the cache as [rows / 8 groups, 9 chunks, 8 tokens, 64] (strides 8 x 576, 64,
-    # 576, 1 elements), boxes of a page's groups x 4 chunks
-    group = TILE // GROUPS
-    page_layout = (_STAGED_PAGE if kv.dtype == torch.float8_e4m3fn else _PAGE_LAYOUT).value
-    kvg_desc = TensorDescriptor(kv.view(-1, D), [n_rows // group, D // CHUNK, group, CHUNK], [group * D, CHUNK, D, 1],
-                                [min(kv.shape[1], TILE) // group, 4, group, CHUNK], page_layout) if grouped else kv_desc
+    if grouped:  # a page's 8-token groups x 4 chunks of a c_kv half per copy (the cache as [rows / 8, 9, 8, 64])
+        page_layout = _STAGED_PAGE if kv.dtype == torch.float8_e4m3fn else _PAGE_LAYOUT
+        kvg_desc = grouped_descriptor(kv, TILE // boxes, CHUNK, page_layout.value)
+    else:
+        kvg_desc = kv_desc
     num_workers = plan.worker_indptr.numel() - 1
     # ONE_ITEM (WorkPlan.one_item_per_worker: no worker-range load before the first item) for bf16 caches only: on
     # one H200, same bits, 83.5 vs 84.8 us at (32, 4096, 128) and 25.5 vs 26.4 at (1, 8192, 128), but with an fp8

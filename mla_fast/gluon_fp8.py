@@ -138,7 +138,6 @@ from mla_fast.gluon_decode import (  # the tile, widths, work-item columns and b
     _LN2,
     _R_DIM,
     _TILE,
-    GROUPS,
     L_DIM,
     LOG2E,
     R_DIM,
@@ -631,10 +630,8 @@ def launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, he
     boxes = tile_boxes(kv.shape[1])
     box = TILE // boxes  # cache rows per TMA box: a tile, or a page smaller than one (into the tile slot's layout)
     grouped = grouped_layout(kv)
-    if grouped:  # the cache as [rows / 8 groups, 4 quarters, 8 tokens, 128] (strides 8 x 576, 128, 576, 1 bytes)
-        group = TILE // GROUPS
-        ckv_desc = TensorDescriptor(flat, [flat.shape[0] // group, 4, group, 128], [group * D, 128, D, 1],
-                                    [box // group, 4, group, 128], _PAGE8.value)
+    if grouped:  # a page's 8-token groups x 4 quarters per copy (the cache as [rows / 8, 4, 8, 128])
+        ckv_desc = gluon_decode.grouped_descriptor(kv, box, QUARTER, _PAGE8.value)
     else:
         ckv_desc = TensorDescriptor(flat, list(flat.shape), [D, 1], [box, 128],
                                     gl.NVMMASharedLayout.get_default_for([TILE, 128], gl.float8e4nv))
