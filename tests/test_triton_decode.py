@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from benchmark_scripts import benchmark_module
-from triton_cases import TritonCase
+from triton_cases import TritonCase, same_bits
 
 HERE = Path(__file__).resolve().parent
 
@@ -133,11 +133,6 @@ def _decode_with_each(name: str, field: str, values: tuple) -> tuple:
     return case, batch, config, runs
 
 
-def _same_bits(a: tuple, b: tuple) -> bool:
-    """Two (out, lse) pairs bitwise equal."""
-    return bool(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]))
-
-
 def _worker() -> dict:
     """Runs in the subprocess, with TRITON_INTERPRET=1 already in the environment."""
     import mla_fast
@@ -218,13 +213,13 @@ def _worker() -> dict:
     report["page_select_bitwise"] = {}
     for name in ("bf16_p4_chunks_w3", "fp8kv_p8_chunk4_mtp2_w3"):
         case, batch, config, runs = _decode_with_each(name, "page_select", (1, 2))
-        report["page_select_bitwise"][name] = _same_bits(*runs) and not bool(torch.isnan(runs[1][0].float()).any())
+        report["page_select_bitwise"][name] = same_bits(*runs) and not bool(torch.isnan(runs[1][0].float()).any())
     # interleave (each slice's score dot written after its load) is program order only: bitwise the same output,
     # on 64-row tiles (the bf16 default there) and 16-row tiles with eight slices (fp8 KV, L = 128)
     report["interleave_bitwise"] = []
     for name in ("bf16_h64_splitl2_p16_w3", "fp8kv_splitl8_p16_w3"):
         case, batch, config, runs = _decode_with_each(name, "interleave", (False, True))
-        report["interleave_bitwise"].append(_same_bits(*runs))
+        report["interleave_bitwise"].append(same_bits(*runs))
     # the graph-capturable step: plan() into its static buffers, run() launches; equal to decode() at the step's
     # reduce_pieces (its fixed reduce shape), also after seq_lens shrink in place and a re-plan (other pieces per tile)
     step = td.TritonMLADecode(batch, num_workers=3, config=config)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from triton_cases import TritonCase, check
+from triton_cases import TritonCase, check, same_bits
 
 from mla_fast.bench import FP8_32_ROWS  # the fp8 32-row layout (h >= 64 before 64-row tiles)
 
@@ -98,14 +98,6 @@ def _decode_and_check(batch, config=None, **overrides):
     plan = td.make_plan(batch, config)
     out, lse = td.decode(batch, plan=plan, config=config)
     return check(out, lse, batch, td.kernel_numerics(config, combo), plan.stats()["pieces_per_tile"]["max"])
-
-
-def _assert_same_bits(got, want, *context):
-    """(out bf16, lse fp32) of two decodes bit for bit, through integer views: NaN payloads and -0.0 count, unlike
-    ==. context: shown on failure."""
-    (out, lse), (out_want, lse_want) = got, want
-    assert torch.equal(out.view(torch.int16), out_want.view(torch.int16)), context
-    assert torch.equal(lse.view(torch.int32), lse_want.view(torch.int32)), context
 
 
 @pytest.mark.parametrize("combo", ["bf16", "fp8kv", "fp8"])
@@ -208,7 +200,7 @@ def test_bitwise_deterministic_over_10_runs(case):
     out0, lse0 = decode(batch, plan=plan, config=config)
     for _ in range(10):
         out, lse = decode(batch, plan=plan, config=config)
-        _assert_same_bits((out, lse), (out0, lse0))
+        assert same_bits((out, lse), (out0, lse0))
 
 
 @pytest.mark.parametrize("combo", ["bf16", "fp8kv"])
@@ -224,7 +216,7 @@ def test_interleave_gives_the_same_bits(combo):
     config = default_config(combo, case.heads, 1)
     plan = make_plan(batch, config)
     (out0, lse0), (out1, lse1) = (decode(batch, plan=plan, config=replace(config, interleave=f)) for f in (False, True))
-    _assert_same_bits((out0, lse0), (out1, lse1))
+    assert same_bits((out0, lse0), (out1, lse1))
 
 
 @pytest.mark.parametrize("case, kernel", [
@@ -272,7 +264,7 @@ def test_programmatic_dependent_reduce_gives_the_serial_bits(case, kernel):
             t.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        _assert_same_bits((out, lse), (out0, lse0))
+        assert same_bits((out, lse), (out0, lse0))
 
 
 @pytest.mark.parametrize("case, kernel", [
@@ -297,7 +289,7 @@ def test_one_item_per_worker_gives_the_worker_range_bits(case, kernel):
         out = torch.full((T, H, L), float("nan"), dtype=torch.bfloat16, device="cuda")
         runs.append(decode(batch, plan=replace(plan, one_item_per_worker=flag), config=config, out=out))
     assert not runs[0][0].isnan().any()
-    _assert_same_bits(runs[0], runs[1])
+    assert same_bits(runs[0], runs[1])
     numerics = kernel_numerics(config, dtype_combo(batch.q.dtype, batch.kv_cache.dtype))
     result = check(*runs[0], batch, numerics, plan.stats()["pieces_per_tile"]["max"])
     assert result["out_ratio"] <= 1.0 and result["lse_ratio"] <= 1.0, result
@@ -358,10 +350,10 @@ def test_pair_merge_gives_the_reduce_bits(case, num_workers):
     assert compiled.packed_metadata[1] == 2  # launched as 2-CTA clusters
     assert workspace[0].isnan().all() and workspace[1].isnan().all()  # no partials written
     assert not out1.isnan().any() and not lse1.isnan().any()
-    _assert_same_bits((out1, lse1), (out0, lse0))
+    assert same_bits((out1, lse1), (out0, lse0))
     for _ in range(10):
         _, out2, lse2 = run(True)
-        _assert_same_bits((out2, lse2), (out1, lse1))
+        assert same_bits((out2, lse2), (out1, lse1))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         launch(batch, plan, out, lse, config, workspace=workspace, max_rows=q_len * config.head_group)
@@ -369,9 +361,9 @@ def test_pair_merge_gives_the_reduce_bits(case, num_workers):
     lse.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    _assert_same_bits((out, lse), (out1, lse1))
+    assert same_bits((out, lse), (out1, lse1))
     out3, lse3 = decode(batch, plan=plan, config=config)  # no workspace given: launch allocates a one-row stand-in
-    _assert_same_bits((out3, lse3), (out1, lse1))
+    assert same_bits((out3, lse3), (out1, lse1))
     result = check(out1, lse1, batch, kernel_numerics(config, dtype_combo(batch.q.dtype, batch.kv_cache.dtype)), 2)
     assert result["finite"] and result["out_ratio"] <= 1.0 and result["lse_ratio"] <= 1.0, result
 
@@ -401,7 +393,7 @@ def _check_graph_replays_equal_eager(step, lens_list):
         plan = make_plan(batch, step.config, step.num_workers)
         out, lse = decode(batch, plan=plan, config=step.config, reduce_pieces=step.reduce_pieces)
         torch.cuda.synchronize()
-        _assert_same_bits((step.out, step.lse), (out, lse), new_lens)
+        assert same_bits((step.out, step.lse), (out, lse)), new_lens
 
 
 def test_cuda_graph_replay_equals_eager():
@@ -546,7 +538,7 @@ def _check_grouped_layout_gives_the_bits_of_the_standard_one(case, overrides: di
         assert module.grouped_layout(batch.kv_cache) == bool(pages)
         results.append(td.decode(batch, plan=td.make_plan(batch, config), config=config))
     (out, lse), (out_std, lse_std) = results
-    _assert_same_bits((out, lse), (out_std, lse_std))
+    assert same_bits((out, lse), (out_std, lse_std))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon' needs sm_90")
@@ -583,7 +575,7 @@ def _check_small_pages_give_the_bits_of_pages_of_64(case, overrides: dict):
         assert batch.kv_cache.shape[1] == page_size
         results.append(td.decode(batch, plan=td.make_plan(batch, config), config=config))
     (out, lse), (out64, lse64) = results
-    _assert_same_bits((out, lse), (out64, lse64))
+    assert same_bits((out, lse), (out64, lse64))
 
 
 def _check_10_runs_and_graph_replays(case, overrides: dict, lens_list):
@@ -596,7 +588,7 @@ def _check_10_runs_and_graph_replays(case, overrides: dict, lens_list):
     out0, lse0 = (t.clone() for t in step.run())
     for _ in range(10):
         out, lse = step.run()
-        _assert_same_bits((out, lse), (out0, lse0))
+        assert same_bits((out, lse), (out0, lse0))
     _check_graph_replays_equal_eager(step, lens_list)
 
 

@@ -51,6 +51,12 @@ class TritonCase:
         return batch.to(device)
 
 
+def same_bits(a: tuple, b: tuple) -> bool:
+    """Two (out bf16, lse fp32) pairs bit for bit, through integer views: NaN payloads and -0.0 count, unlike ==."""
+    return bool(torch.equal(a[0].view(torch.int16), b[0].view(torch.int16))
+                and torch.equal(a[1].view(torch.int32), b[1].view(torch.int32)))
+
+
 def check(out, lse, batch, numerics, num_splits: int = 1) -> dict:
     """Kernel output against the fp64 oracle on the same inputs, bound = verify.bounds.kernel_bound (numerics.md
     §5(f), from the kernel's declared KernelNumerics) + merge_bound (§5(g), `num_splits` = most pieces of a tile).
