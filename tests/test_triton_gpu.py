@@ -537,8 +537,7 @@ def _check_grouped_layout_gives_the_bits_of_the_standard_one(case, overrides: di
         monkeypatch.setattr(module, constant, pages)
         assert module.grouped_layout(batch.kv_cache) == bool(pages)
         results.append(td.decode(batch, plan=td.make_plan(batch, config), config=config))
-    (out, lse), (out_std, lse_std) = results
-    assert same_bits((out, lse), (out_std, lse_std))
+    assert same_bits(*results)  # grouped, standard
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon' needs sm_90")
@@ -574,8 +573,7 @@ def _check_small_pages_give_the_bits_of_pages_of_64(case, overrides: dict):
         batch = replace(case, page_size=page_size).batch("cuda")
         assert batch.kv_cache.shape[1] == page_size
         results.append(td.decode(batch, plan=td.make_plan(batch, config), config=config))
-    (out, lse), (out64, lse64) = results
-    assert same_bits((out, lse), (out64, lse64))
+    assert same_bits(*results)  # small pages, pages of 64
 
 
 def _check_10_runs_and_graph_replays(case, overrides: dict, lens_list):
