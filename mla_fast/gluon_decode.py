@@ -105,25 +105,31 @@ of the bf16 kernel (q 72 KB + two 72 KB tile slots + 8 KB: no room for a separat
 group's fp8 bytes arrive by TMA ([64, 64] boxes, 64-byte swizzle) in the upper half of the group's fp16 bytes
 (`_staged_box`), and the warpgroup that computes the tile's scores expands them to fp16 in place (`_score_group`),
 two chunks at a time, each pair's score MMAs issued before the next pair is expanded; on an item's last tile the V
-rows past KV_END become 0 in the same pass. On pages of 16 and 32 (SEESAW_FP8_GROUPED_PAGES, `grouped_layout`) the
-4 boxes of a c_kv half are staged in a grouped layout instead, 8 boxes of 8 tokens x 4 chunks ([4, 8, 64] fp8,
-64-byte swizzled), so a page is one 4-D TMA copy (12 copies per tile at page 16 instead of 36) and the expansion
-reads the boxes through a shared linear layout (_STAGE8); the fp16 chunks it writes are those of the standard
-layout, so the MMAs and the bits do not change. One H200 (twenty-ninth session, three alternating rounds, same bits;
-per-page boxes -> grouped, us): page 16 fp8kv 145.6 -> 122.0 and fp8 143.2 -> 119.4 at (32, 4096, 128), 478.1 ->
-408.5 and 475.2 -> 404.9 at (128, 4096, 128); page 32 fp8kv 119.9 -> 112.5 at (32, 4096, 128), 404.2 -> 381.2 at
-(128, 4096, 128). On pages of 64 (one copy per half instead of 4 chunk boxes) it was mixed: 106.3 -> 104.6 at
-(32, 4096, 128), 355.3 -> 344.4 at (128, 4096, 128), 64.9 -> 63.6 at (8, 8192, 128), but 189.0 -> 191.7 at
-(128, 4096, 64) fp8kv. Mapped in the thirtieth session (three device calls, 3-5 alternating rounds, same bits, fp8kv
-and fp8): 1.6-3.5 % faster at 128 heads (b 8-128; 355.7 -> 345.4 fp8kv at (128, 4096, 128)) and with MTP rows
-(q_len 2-4 at 16-64 heads: 1-3 %), but at 64 heads and q_len 1 (64 rows, one program per worker) up to 6 % slower
-(348.8 -> 370.5 fp8kv at (128, 8192, 64), 186.8 -> 199.6 fp8 at (128, 4096, 64); level at (16, 8192, 64)). ptxas
-spills more there in either layout (228 vs 212 spill-store bytes grouped, 196 vs 188 standard, offline at page 64),
-and no rule by head split explains it (32 heads x 2 rows, also one program per worker, gain). Not switched: a rule
-keyed on 64 heads at q_len 1 would be fitted to one compile. q (bf16 or fp8) is loaded by warpgroup 0 with plain
-loads and stored as fp16. Numerics: those of `KERNEL_NUMERICS["fp8kv"]` / `["fp8"]` (mma="fp16"): the MMAs see the
-fp8 codes (exact in fp16) and q cast to fp16, one fp32 chain of L + R products per score, P rounded to fp16 once, fp32
-row sums from unrounded P, one 64-token P.V MMA per tile and half, scales folded into the scores and the output.
+rows past KV_END become 0 in the same pass. On every page size (SEESAW_FP8_GROUPED_PAGES, `grouped_layout`) the 4
+boxes of a c_kv half are staged in a grouped layout instead, 8 boxes of 8 tokens x 4 chunks ([4, 8, 64] fp8, 64-byte
+swizzled), so a page is one 4-D TMA copy (12 copies per tile at page 16 instead of 36; pages of 64k: one per half
+instead of 4 chunk boxes) and the expansion reads the boxes through a shared linear layout (_STAGE8); the fp16
+chunks it writes are those of the standard layout, so the MMAs and the bits do not change. One H200 (twenty-ninth
+session, three alternating rounds, same bits; per-page boxes -> grouped, us): page 16 fp8kv 145.6 -> 122.0 and fp8
+143.2 -> 119.4 at (32, 4096, 128), 478.1 -> 408.5 and 475.2 -> 404.9 at (128, 4096, 128); page 32 fp8kv 119.9 ->
+112.5 at (32, 4096, 128), 404.2 -> 381.2 at (128, 4096, 128). With an fp8 cache the head split is a runtime value
+(HEAD_SPLIT=0, `head_split`), so 64 and 128 heads at q_len 1 run one compile: with a constexpr split, 64 heads (one
+program per worker) had a kernel of its own that ptxas allocated worse, and grouped staging on pages of 64 was up to
+6 % slower there (348.8 -> 370.5 fp8kv at (128, 8192, 64); thirtieth session) while 1.6-3.5 % faster at 128 heads.
+Thirty-first session, pages of 64, fp8kv / fp8, constexpr split and chunk boxes -> runtime split and grouped staging
+(two device calls with fresh compiles, 5 alternating rounds, same bits, us): 353.3 -> 343.5 and 350.6 -> 339.0 /
+351.4 -> 346.0 and 349.3 -> 343.6 at (128, 8192, 64); 188.7 -> 184.1 and 189.0 -> 184.9 / 186.6 -> 184.5 and 186.7 ->
+185.5 at (128, 4096, 64); 356.2 -> 344.4 and 356.5 -> 345.5 / 352.1 -> 342.0 and 353.7 -> 343.7 at (128, 4096, 128);
+106.0 -> 104.5 and 107.4 -> 104.0 / 105.0 -> 102.7 and 104.4 -> 102.8 at (32, 4096, 128); 106.3 -> 104.5 and 107.1
+-> 103.9 / 104.4 -> 102.4 and 104.7 -> 103.1 at (32, 4096, 64) q_len 2; level at (16, 8192, 64) (68.3 / 68.0) and on
+pages of 16 and 32 (within 0.8 %). The runtime split alone, chunk boxes, was 0-3 % slower than the constexpr one
+(358.3 vs 353.3 at (128, 8192, 64) fp8kv): the gain is the grouped staging once both head counts share its compile.
+bf16 caches keep the constexpr split: a runtime one there was 276.4 and 276.8 us at (128, 4096, 128) in the two
+calls against 281.7 and 267.7 (the constexpr kernel itself 5 % apart between the calls), no better. q (bf16 or fp8)
+is loaded by warpgroup 0 with plain loads and stored as fp16. Numerics: those of `KERNEL_NUMERICS["fp8kv"]` /
+`["fp8"]` (mma="fp16"): the MMAs see the fp8 codes (exact in fp16) and q cast to fp16, one fp32 chain of L + R
+products per score, P rounded to fp16 once, fp32 row sums from unrounded P, one 64-token P.V MMA per tile and half,
+scales folded into the scores and the output.
 Performance (one H200, graph replays, ninth session, mla-bench, fp8kv; the Triton staged path in brackets): 377.3 us at
 (128, 4096, 128) [557.3] (bf16: 279.1), 113.2 at (32, 4096, 128) [153.1] (bf16: 84.3), 210.3 at (128, 4096, 64) [274.9],
 67.8 at (8, 8192, 128) [86.4]. The expansion is what costs: with it left out (wrong values, timing only) the kernel took
@@ -631,7 +637,8 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, kvg_desc, q_smem, kv_smem, 
                q_empty, kv_full, xbar, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, WORKER_INDPTR, num_items, OUT, LSE,
                O_PART, LSE_PART, Q_SCALE, KV_SCALE, sm_scale_log2, num_heads, stride_qt, stride_qh, stride_bt,
                stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt, PAGE_SIZE: gl.constexpr,
-               HEAD_SPLIT: gl.constexpr, HEAD_GROUP: gl.constexpr, KV_FP8: gl.constexpr, ONE_ITEM: gl.constexpr,
+               head_split, HEAD_SPLIT: gl.constexpr, HEAD_GROUP: gl.constexpr, KV_FP8: gl.constexpr,
+               ONE_ITEM: gl.constexpr,
                GROUPED: gl.constexpr):
     """Warpgroup WG (0: even tiles, o_L; 1: odd tiles, o_R) of the seesaw schedule (module docstring).
 
@@ -652,8 +659,9 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, kvg_desc, q_smem, kv_smem, 
     HALF: gl.constexpr = _L_DIM // 2
     op: gl.constexpr = p0_smem.dtype  # MMA operand dtype: bf16, or fp16 for fp8 caches
     pid = gl.program_id(0)
-    head_part = pid % HEAD_SPLIT
-    worker = pid // HEAD_SPLIT
+    split = head_split if HEAD_SPLIT == 0 else HEAD_SPLIT  # programs per worker
+    head_part = pid % split
+    worker = pid // split
     kv_scale = gl.load(KV_SCALE)
     qk_scale = sm_scale_log2 * gl.load(Q_SCALE) * kv_scale  # scores in log2 units, as the Triton kernel
     uses0 = 0  # tiles consumed from slot 0 / slot 1 (barrier phases)
@@ -815,7 +823,7 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, kvg_desc, q_smem, kv_smem, 
         n_items += 1
 
 
-@gluon.jit(do_not_specialize=["num_items"])  # as the Triton kernel: no recompile per item count
+@gluon.jit(do_not_specialize=["num_items", "head_split"])  # no recompile per item count or head split
 def _mla_decode_seesaw_kernel(
     Q, q_desc, kv_desc,  # q [T, H, 576]; TMA: q as [T x H, 576] (bf16 caches), the cache as [pages x page_size, 576]
     kvg_desc,  # GROUPED: TMA of the cache as [rows / 8, 9 chunks, 8 tokens, 64] (a page's groups of 4 chunks per box)
@@ -825,6 +833,7 @@ def _mla_decode_seesaw_kernel(
     Q_SCALE, KV_SCALE,  # fp32 [1] each (1.0 for bf16 batches; launch's overrides apply as in the Triton kernel)
     sm_scale_log2,  # sm_scale x log2(e)
     num_heads, stride_qt, stride_qh, stride_bt, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt,
+    head_split,  # programs per worker, read when HEAD_SPLIT is 0 (fp8 caches: the module docstring)
     PAGE_SIZE: gl.constexpr, HEAD_SPLIT: gl.constexpr, HEAD_GROUP: gl.constexpr, PDL: gl.constexpr,
     KV_FP8: gl.constexpr,  # e4m3fn cache ([64, 64] boxes), bf16 or e4m3fn q: fp16 operands, expanded in place
     ONE_ITEM: gl.constexpr,  # WorkPlan.one_item_per_worker
@@ -865,13 +874,13 @@ def _mla_decode_seesaw_kernel(
         (_warpgroup, (0, Q, q_desc, kv_desc, kvg_desc, q_smem, kv_smem, kv8, p0_smem, m_smem, l_smem, q_full, q_empty,
                       kv_full, xbar, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, WORKER_INDPTR, num_items, OUT, LSE,
                       O_PART, LSE_PART, Q_SCALE, KV_SCALE, sm_scale_log2, num_heads, stride_qt, stride_qh, stride_bt,
-                      stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt, PAGE_SIZE, HEAD_SPLIT,
-                      HEAD_GROUP, KV_FP8, ONE_ITEM, GROUPED)),
+                      stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt, PAGE_SIZE, head_split,
+                      HEAD_SPLIT, HEAD_GROUP, KV_FP8, ONE_ITEM, GROUPED)),
         (_warpgroup, (1, Q, q_desc, kv_desc, kvg_desc, q_smem, kv_smem, kv8, p0_smem, m_smem, l_smem, q_full, q_empty,
                       kv_full, xbar, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, WORKER_INDPTR, num_items, OUT, LSE,
                       O_PART, LSE_PART, Q_SCALE, KV_SCALE, sm_scale_log2, num_heads, stride_qt, stride_qh, stride_bt,
-                      stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt, PAGE_SIZE, HEAD_SPLIT,
-                      HEAD_GROUP, KV_FP8, ONE_ITEM, GROUPED)),
+                      stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt, PAGE_SIZE, head_split,
+                      HEAD_SPLIT, HEAD_GROUP, KV_FP8, ONE_ITEM, GROUPED)),
     ], [4], [256])
 
 
@@ -918,8 +927,8 @@ SMALL_PAGES = (16, 32)
 # (8, 1000, 128): left on the Triton kernel
 GROUPED_PAGES = (16, 32, 64)
 # e4m3fn cache pages whose c_kv halves the seesaw stages in the grouped layout (`grouped_layout`, _STAGE8; pages of
-# 64k would count as 64: faster at 128 heads and with MTP rows, slower at 64 heads and q_len 1, the module docstring)
-SEESAW_FP8_GROUPED_PAGES = (16, 32)
+# 64k count as 64): all it takes. Emptied (config_ab's `SEESAW_FP8_GROUPED_PAGES=()`), the chunk boxes for A/B runs
+SEESAW_FP8_GROUPED_PAGES = (16, 32, 64)
 
 
 def grouped_layout(kv: torch.Tensor) -> bool:
@@ -931,7 +940,8 @@ def grouped_layout(kv: torch.Tensor) -> bool:
     305.9 at (128, 4096, 128) on pages of 16 (two calls), 89.4 / 81.0 and 299.4 / 285.5 on pages of 32 (twenty-eighth
     session); on pages of 64, standard / grouped, 83.0 / 78.9 and 290.6 / 278.5 (twenty-ninth session; the module
     docstring). An e4m3fn cache's c_kv halves are staged in that layout as fp8 (_STAGE8) on SEESAW_FP8_GROUPED_PAGES,
-    and expanded into the standard layout's fp16 chunks: 478.1 / 408.5 us at (128, 4096, 128) fp8kv on pages of 16."""
+    and expanded into the standard layout's fp16 chunks: 478.1 / 408.5 us at (128, 4096, 128) fp8kv on pages of 16,
+    356.5 / 345.5 on pages of 64 (with the fp8 seesaw's runtime head split, thirty-first session)."""
     pages = GROUPED_PAGES if kv.dtype == torch.bfloat16 else SEESAW_FP8_GROUPED_PAGES
     return min(kv.shape[1], TILE) in pages
 
@@ -1003,8 +1013,9 @@ def launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, he
     kv_desc = TensorDescriptor(kv.view(-1, D), [n_rows, D], [D, 1], [TILE // boxes, CHUNK],
                                gl.NVMMASharedLayout.get_default_for([TILE, CHUNK], _GL_DTYPE[kv.dtype]))
     grouped = grouped_layout(kv)
+    fp8 = kv.dtype == torch.float8_e4m3fn
     if grouped:  # a page's 8-token groups x 4 chunks of a c_kv half per copy (the cache as [rows / 8, 9, 8, 64])
-        page_layout = _STAGED_PAGE if kv.dtype == torch.float8_e4m3fn else _PAGE_LAYOUT
+        page_layout = _STAGED_PAGE if fp8 else _PAGE_LAYOUT
         kvg_desc = grouped_descriptor(kv, TILE // boxes, CHUNK, page_layout.value)
     else:
         kvg_desc = kv_desc
@@ -1017,7 +1028,7 @@ def launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, he
         plan.worker_indptr, plan.work_items.shape[0], out, lse, o_part, lse_part, q_scale, kv_scale,
         float(batch.sm_scale) * LOG2E, H, batch.q.stride(0), batch.q.stride(1), batch.block_table.stride(0),
         out.stride(0), out.stride(1), lse.stride(0), o_part.stride(0), o_part.stride(1), lse_part.stride(0),
-        PAGE_SIZE=kv.shape[1], HEAD_SPLIT=head_split, HEAD_GROUP=head_group, PDL=pdl,
-        KV_FP8=kv.dtype == torch.float8_e4m3fn, ONE_ITEM=plan.one_item_per_worker and kv.dtype == torch.bfloat16,
+        head_split, PAGE_SIZE=kv.shape[1], HEAD_SPLIT=0 if fp8 else head_split, HEAD_GROUP=head_group, PDL=pdl,
+        KV_FP8=fp8, ONE_ITEM=plan.one_item_per_worker and kv.dtype == torch.bfloat16,
         GROUPED=grouped, num_warps=4,
     )

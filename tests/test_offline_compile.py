@@ -31,7 +31,6 @@ def _compile(kernel: str, combo: str, heads: int, q_len: int = 1, page_size: int
 @pytest.mark.skipif(not PTXAS.exists(), reason="this triton wheel ships no ptxas")
 @pytest.mark.parametrize("kernel, combo, heads, q_len, page_size", [
     ("seesaw", "bf16", 16, 4, 64),  # bf16 MTP rows, 4 x 16 heads (128 heads at q_len 1: the grouped-layout test)
-    ("seesaw", "fp8kv", 128, 1, 64),  # e4m3fn cache: fp8 boxes expanded in place
     ("seesaw", "fp8", 16, 4, 64),  # e4m3fn q, MTP rows
     ("seesaw", "fp8kv", 128, 1, 16),  # one TMA box per page
     ("gluon_fp8", "fp8kv", 16, 2, 64),
@@ -107,6 +106,24 @@ def test_seesaw_stages_an_fp8_page_of_a_c_kv_half_in_one_tma_box(tmp_path):
     text = sass.read_text()
     assert len(re.findall(r"\bUTMALDG\.4D\b", text)) == 32
     assert len(re.findall(r"\bUTMALDG\.2D\b", text)) == 16
+
+
+@pytest.mark.skipif(not PTXAS.exists(), reason="this triton wheel ships no ptxas")
+def test_fp8_seesaw_at_64_and_128_heads_is_one_compile(tmp_path):
+    """With an e4m3fn cache the seesaw reads its head split at run time (HEAD_SPLIT=0, gluon_decode.launch_decode),
+    so 64 heads (one program per worker) and 128 heads (two) at q_len 1 run the same PTX: a constexpr split gave
+    64 heads a kernel of its own that ptxas allocated worse. Here on pages of 64, the fp8 staging grouped
+    (gluon_decode.SEESAW_FP8_GROUPED_PAGES): one 4-D copy per c_kv half at the 8 places a half is issued, k_pe one
+    2-D copy at its 4 (the chunk boxes were 4 per half: 36 2-D copies)."""
+    code = {}
+    for heads in (64, 128):
+        ptx = tmp_path / f"h{heads}.ptx"
+        report = _compile("seesaw", "fp8kv", heads, ptx=ptx)
+        assert 0 < report["registers"] <= MAX_REGISTERS and report["instructions"] > 1000, report
+        code[heads] = ptx.read_text()
+    assert ".entry _mla_decode_seesaw_kernel" in code[64] and code[64] == code[128]
+    copies = [len(re.findall(rf"cp\.async\.bulk\.tensor\.{d}d", code[64])) for d in (2, 4)]
+    assert copies == [4, 8], copies
 
 
 @pytest.mark.skipif(not PTXAS.exists(), reason="this triton wheel ships no ptxas")

@@ -673,13 +673,13 @@ def test_gluon_kernel_rejects_what_it_cannot_take():
         assert "sm_90" in gd.unsupported(batch, 64, 1, 64)
     assert [gd.tile_boxes(p) for p in (8, 16, 32, 64, 128, 48)] == [1, 4, 2, 1, 1, 1]
     # the grouped layout (8-token boxes of c_kv halves): bf16 caches on every page the seesaw takes (gd.GROUPED_PAGES,
-    # pages of 64k as 64); e4m3fn caches' staging on pages of 16 and 32 (gd.SEESAW_FP8_GROUPED_PAGES); each constant
-    # emptied (config_ab's A/B), none of its dtype
+    # pages of 64k as 64) and e4m3fn caches' staging (gd.SEESAW_FP8_GROUPED_PAGES), not pages of 8 (the seesaw does
+    # not take them); each constant emptied (config_ab's A/B), none of its dtype
     caches = {(dtype, p): torch.empty(2, p, 576, dtype=dtype) for dtype in (torch.bfloat16, torch.float8_e4m3fn)
-              for p in (16, 32, 64, 128)}
+              for p in (8, 16, 32, 64, 128)}
     bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
-    assert [k for k, kv in caches.items() if gd.grouped_layout(kv)] == [(bf16, 16), (bf16, 32), (bf16, 64),
-                                                                          (bf16, 128), (fp8, 16), (fp8, 32)]
+    assert [k for k, kv in caches.items() if gd.grouped_layout(kv)] == [(d, p) for d in (bf16, fp8)
+                                                                          for p in (16, 32, 64, 128)]
     for constant, dtype in (("GROUPED_PAGES", bf16), ("SEESAW_FP8_GROUPED_PAGES", fp8)):
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(gd, constant, ())

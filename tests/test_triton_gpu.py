@@ -551,9 +551,11 @@ def test_gluon_seesaw_grouped_layout_gives_the_bits_of_the_standard_one(case, mo
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon' needs sm_90")
-@pytest.mark.parametrize("case", SEESAW_SMALL_PAGE_CASES[1:3], ids=lambda c: f"{c.combo}_h{c.heads}_p{c.page_size}")
+@pytest.mark.parametrize("case", SEESAW_SMALL_PAGE_CASES[1:3] + SEESAW_FP8_CASES[1:3],
+                         ids=lambda c: f"{c.combo}_h{c.heads}_p{c.page_size}")
 def test_gluon_seesaw_fp8_grouped_staging_gives_the_bits_of_per_page_boxes(case, monkeypatch):
-    """e4m3fn caches on pages of 32 (bf16 q) and 16 (fp8 q, MTP), gluon_decode.SEESAW_FP8_GROUPED_PAGES."""
+    """e4m3fn caches on pages of 32 (bf16 q), 16 (fp8 q, MTP), 128 (fp8 q, 128 heads) and 64 (bf16 q, 64 heads),
+    gluon_decode.SEESAW_FP8_GROUPED_PAGES: against the chunk boxes (per page, or per tile on pages of 64k)."""
     from mla_fast import gluon_decode as gd
 
     _check_grouped_layout_gives_the_bits_of_the_standard_one(
