@@ -597,14 +597,16 @@ FP8_Q_BOUNDARY_LOSSES = {(2, 16384, 128, 1), (8, 4096, 128, 1)}
 
 
 @pytest.mark.parametrize("combo, table", [("fp8kv", "boundary_h200.csv"), ("fp8", "boundary_h200_fp8.csv"),
-                                          ("fp8kv", "boundary_h200_p16.csv"), ("fp8", "boundary_h200_fp8_p16.csv")])
+                                          ("fp8kv", "boundary_h200_p16.csv"), ("fp8", "boundary_h200_fp8_p16.csv"),
+                                          ("fp8kv", "boundary_h200_p64.csv")])
 def test_boundary_rule_picks_the_faster_kernel_on_every_measured_shape(combo, table):
     """default_config's choice between the Gluon fp8 kernel and the fp8 seesaw (batch_config on an H200: both
     offered) is the faster of the two at every shape of the boundary_bench call in `table` (pages of 64: fp8kv the
     eleventh session's, fp8 q the twenty-third session's, with its fp8 score MMAs; pages of 16 (`_p16`, the grouped
-    layouts of both kernels): the thirtieth session's), except for fp8 q at FP8_Q_BOUNDARY_LOSSES, where it loses
-    at most 3 % (on both page sizes), so a change to the rule shows which measured shapes it would get wrong. The
-    rule ignores the page size: measured on pages of 64, it holds on pages of 16."""
+    layouts of both kernels): the thirtieth session's; fp8kv on pages of 64 again (`_p64`) with the thirty-first
+    session's kernels, the fp8 seesaw's staging grouped there), except for fp8 q at FP8_Q_BOUNDARY_LOSSES, where it
+    loses at most 3 % (on both page sizes), so a change to the rule shows which measured shapes it would get wrong.
+    The rule ignores the page size: measured on pages of 64, it holds on pages of 16."""
     td = pytest.importorskip("mla_fast.triton_decode")
     lines = [ln for ln in (HERE.parent / "benchmarks" / table).read_text().splitlines() if not ln.startswith("#")]
     rows = list(csv.DictReader(lines))
