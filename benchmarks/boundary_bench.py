@@ -13,8 +13,9 @@ Prints one line per shape with µs per kernel and the largest |out| difference o
 of SHAPES is benchmarks/boundary_h200.csv, the twenty-third session's with --combo fp8 (the Gluon fp8 kernel's fp8
 score MMAs; default_config's fp8-q threshold) benchmarks/boundary_h200_fp8.csv, both on pages of 64; the thirtieth
 session's with --page-size 16 benchmarks/boundary_h200_p16.csv and boundary_h200_fp8_p16.csv; the thirty-first
-session's fp8kv run on pages of 64 (the fp8 seesaw's staging grouped there) benchmarks/boundary_h200_p64.csv;
-tests/test_triton_decode.py checks default_config's rule against all five.
+session's fp8kv run on pages of 64 (the fp8 seesaw's staging grouped there) benchmarks/boundary_h200_p64.csv, and
+the thirty-second session's fp8 q run with those kernels benchmarks/boundary_h200_fp8_p64.csv;
+tests/test_triton_decode.py checks default_config's rule against all six.
 """
 
 import argparse

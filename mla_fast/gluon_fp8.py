@@ -107,7 +107,9 @@ current item's store (182.0 vs 181.0 us, 62.9 vs 63.5 at (64, 4096)); a slot rei
 load instead of after the last P.V MMA (one more barrier; 0.2-0.5 us, within the noise); 32 heads per program (N = 32,
 115 KB of shared memory, 52 spilled registers): 194.8 vs 163.6 us for two 16-head programs at (128, 4096, 32), 73.2
 vs 54.5 at (32, 4096, 32); 64 heads per program on two warpgroups that both computed the scores and each multiplied
-half the output channels (1352 bytes of spills): 1015 vs 552 us for the Triton staged path at (128, 4096, 128).
+half the output channels (1352 bytes of spills): 1015 vs 552 us for the Triton staged path at (128, 4096, 128); the
+head split as a runtime value, one compile for 16-128 heads as in the fp8 seesaw (thirty-second session: within
+0.7 % everywhere, 173.8 vs 174.8 us fp8kv at (128, 8192, 16), 155.4 vs 156.3 at (128, 4096, 32)).
 ncu at (128, 8192, 16), fp8kv (clocks locked: 218.7 us): 58 % of DRAM peak, L2 70 %, 44 % of issue slots busy with
 1.86 active and 0.58 eligible warps per scheduler, occupancy 2 programs per SM (registers and shared memory both
 limit it to 2): still latency-bound, not throughput-bound. Sixth session, with the idle slot: 48 % of DRAM peak, 36 %

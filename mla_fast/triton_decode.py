@@ -961,7 +961,10 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
       (numerics: `numerics.gluon_fp8_qk_numerics`). Both thresholds ignore the page size: on pages of 16 (thirtieth
       session, both kernels in their grouped layouts; benchmarks/boundary_h200_p16.csv, boundary_h200_fp8_p16.csv)
       they picked the faster kernel at all 34 shapes with fp8kv and at 32 of 34 with fp8 q (the same two shapes
-      lost as on pages of 64, by 0.9 and 1.6 %).
+      lost as on pages of 64, by 0.9 and 1.6 %). Re-run on pages of 64 with the thirty-first session's kernels
+      (boundary_h200_p64.csv, boundary_h200_fp8_p64.csv): all 34 with fp8kv; with fp8 q the same two lost, by 2.7
+      and 2.3 %, and (4, 8192, 128) by 0.1 %, all at 128 heads on the threshold, where 64 heads (16, 4096, 64),
+      (8, 8192, 64), (4, 16384, 64) still take 4-7 % longer on the seesaw.
     - fp8 caches with 64 packed rows (33-64) and seesaw, where the Gluon fp8 kernel is not taken: the Gluon seesaw
       kernel on fp16 operands (kernel="gluon", mma="fp16"; each fp8 tile expanded in place). One H200, graph replays
       (ninth session), fp8kv, the final kernel (mla-bench) against the Triton staged path (the default before):
