@@ -26,8 +26,9 @@ dirty lines), so "ours / floor" is what is left to win for any kernel that reads
 builds batches whose requests all read one request's pages: after the first touch the cache comes from the L2, and
 the times show each kernel's SM-side rate (MMAs, shared memory, softmax, per-item overheads) instead of HBM's.
 
-Each row also reports the SM clock (median and lowest, MHz) and the highest board power sampled by nvidia-smi while
-its callables were timed (`mla_fast.gpu_clocks`): at 128 heads the H200 runs at its power cap and its clock moves.
+Each row also reports the SM clock (median and lowest, MHz), the highest board power and the clock-event reasons
+(e.g. sw_power_cap, with the share of samples it was active in) sampled by nvidia-smi while its callables were timed
+(`mla_fast.gpu_clocks`): at 128 heads the H200 runs at its power cap and its clock moves.
 
 Output: a rich table on stdout and, with --json, every number in a JSON file.
 """
@@ -583,14 +584,16 @@ def add_clocks(result: dict, clocks: ClockSampler) -> None:
 
 
 def clock_cell(clocks: dict | None) -> str:
-    """A row's SM clock while it was timed: "median (min)" MHz, or why there is none."""
+    """A row's SM clock while it was timed: "median (min)" MHz and the clock-event reasons other than an idle GPU
+    with the share of samples they were active in (e.g. "1710 (1530) sw_power_cap 93%"), or why there is none."""
     if not clocks:
         return ""
     if "status" in clocks:
         return clocks["status"]
     if not clocks["samples"]:
         return "no samples"
-    return f"{clocks['sm_mhz_median']:.0f} ({clocks['sm_mhz_min']:.0f})"
+    reasons = [f"{name} {share:.0%}" for name, share in (clocks.get("reasons") or {}).items() if name != "gpu_idle"]
+    return " ".join([f"{clocks['sm_mhz_median']:.0f} ({clocks['sm_mhz_min']:.0f})", *reasons])
 
 
 def print_table(result: dict) -> None:
