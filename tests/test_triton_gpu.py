@@ -411,7 +411,7 @@ def test_cuda_graph_replay_equals_eager():
 _MEMCHECK_SCRIPT = """
 import torch
 from triton_cases import TritonCase
-from mla_fast.triton_decode import decode
+from mla_fast.triton_decode import decode, forced_config
 cases = [  # page 16 with MTP (bf16: 64-row tiles at q_len 3, per-token gather; fp8 KV: the Gluon fp8 kernel's TMA
     # copies of one page each, pages past seq_len not read); page 64 at 128 heads (block-table chunks; five requests:
     # bf16 takes the Gluon seesaw kernel on an H200, TMA copies of whole tiles past seq_len)
@@ -422,14 +422,28 @@ cases = [  # page 16 with MTP (bf16: 64-row tiles at q_len 3, per-token gather; 
     # six requests split in two on 12 workers: bf16 merges each pair in the kernel on sm_90 (mla_fast.dsmem); fp8
     # KV: the Gluon fp8 kernel on pages of 16
     dict(seq_lens=(777,) * 6, q_lens=(1,) * 6, heads=16, page_size=16, num_workers=12),
-    # page 16 at 128 heads: the seesaw's grouped layouts (bf16: 4-D copies of c_kv halves; fp8 KV: their staging)
+    # page 16 at 128 heads: the seesaw's grouped layout (bf16: 4-D copies of c_kv halves); fp8 KV: the Gluon fp8
+    # kernel (few cache tokens)
     dict(seq_lens=(0, 1, 17, 700, 2049), q_lens=(1,) * 5, heads=128, page_size=16),
+    # pages of 3 (no TMA kernel takes them): the Triton kernel, fp8 KV through its staged path, MTP
+    dict(seq_lens=(0, 1, 65, 700), q_lens=(1, 2, 1, 1), heads=16, page_size=3),
+    # the fp8 seesaw forced (default_config gives it larger batches than these): its in-place expansion of TMA boxes
+    # staged grouped on pages of 64 and 16, the runtime head split of 2 (128 heads) and 1 (64 heads, fp8 q), and MTP
+    # at 32 heads x 2 query rows on pages of 32
+    dict(seq_lens=(0, 1, 65, 700, 4097), q_lens=(1,) * 5, heads=128, page_size=64, kernel="seesaw",
+         combos=("fp8kv",)),
+    dict(seq_lens=(0, 1, 65, 700, 4097), q_lens=(1,) * 5, heads=64, page_size=64, kernel="seesaw", combos=("fp8",)),
+    dict(seq_lens=(0, 1, 17, 700, 2049), q_lens=(1,) * 5, heads=128, page_size=16, kernel="seesaw",
+         combos=("fp8kv",)),
+    dict(seq_lens=(0, 3, 100, 1000), q_lens=(1, 2, 2, 1), heads=32, page_size=32, kernel="seesaw",
+         combos=("fp8kv",)),
 ]
 for kw in cases:
-    for combo in ("bf16", "fp8kv"):
+    for combo in kw.get("combos", ("bf16", "fp8kv")):
         case = TritonCase(kw["seq_lens"], kw["q_lens"], heads=kw["heads"], page_size=kw["page_size"], combo=combo,
                           L=512, R=64)
-        out, lse = decode(case.batch("cuda"), num_workers=kw.get("num_workers"))
+        config = forced_config(combo, kw["heads"], max(kw["q_lens"]), kw["kernel"]) if "kernel" in kw else None
+        out, lse = decode(case.batch("cuda"), config=config, num_workers=kw.get("num_workers"))
         torch.cuda.synchronize()
         assert not out.isnan().any()
 print("memcheck-done")
