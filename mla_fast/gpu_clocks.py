@@ -12,7 +12,8 @@ most 377 W at (128, 4096, 128), with the L2 flushes and the host's gaps between 
 sw_power_cap, the board's power limit; hw_slowdown; the thermal ones), each summarized as the share of the window's
 samples in which it was active, so a row says whether its clock was held down by power, heat or nothing.
 Where nvidia-smi is missing (ROCm, CPU) or fails, `available` is False with the reason, and windows say so; a driver
-that cannot report the reasons (before R535 the field had another name) gives no samples, and the sampler says that.
+that knows the reasons field only by its older name (clocks_throttle_reasons.active) gives no samples, and the
+sampler says that.
 """
 
 import datetime
@@ -51,7 +52,7 @@ def parse_line(line: str) -> tuple[float, float, float, int | None] | None:
 def reason_names(bits: int) -> list[str]:
     """The REASONS names of a clock-event bit mask (bits outside REASONS as "0x..." each)."""
     names = [name for bit, name in REASONS.items() if bits & bit]
-    rest = bits & ~sum(REASONS)
+    rest = bits & ~sum(REASONS)  # REASONS' bits are distinct: their sum is their union
     return names + ([f"{rest:#x}"] if rest else [])
 
 

@@ -47,10 +47,11 @@ SEESAW_FP8_WORST = [
          num_workers=2, seed=4219, **fp8),  # tier2.det.lse 0.194
 ]
 seesaw = BACKENDS["seesaw"]
+seesaw_runs, seesaw_why = seesaw.probe()
 
 test_search_regressions_fp8 = explicit_only(mla_property_test(emulated, "fp8", smoke=False, examples=FP8_WORST))
 test_search_regressions_bf16 = explicit_only(mla_property_test(emulated, "bf16", smoke=False, examples=BF16_WORST))
-test_search_regressions_seesaw_fp8 = pytest.mark.skipif(not seesaw.probe()[0], reason=str(seesaw.probe()[1]))(
+test_search_regressions_seesaw_fp8 = pytest.mark.skipif(not seesaw_runs, reason=str(seesaw_why))(
     explicit_only(mla_property_test(seesaw, "fp8", heads=128, page_size=64, smoke=False, examples=SEESAW_FP8_WORST)))
 
 
