@@ -31,9 +31,11 @@ from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # before mla_fast reads it: compile for the device, not the interpreter
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from sass_loops import mma_loops  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.nvidia.driver import CudaDriver  # noqa: E402
 from triton.compiler.compiler import CompiledKernel  # noqa: E402
@@ -131,7 +133,8 @@ def code_ptx(ptx: str) -> str:
 
 
 def ptxas_report(ptx: str, sass_path: str | None) -> dict:
-    """ptxas -v on the kernel's PTX (sm_90a): registers, spill bytes and warnings; the SASS opcode counts."""
+    """ptxas -v on the kernel's PTX (sm_90a): registers, spill bytes and warnings; the SASS opcode counts and its
+    MMA loops (`sass_loops.mma_loops`: static instruction, wgmma, BAR and SYNCS counts of each innermost one)."""
     with tempfile.TemporaryDirectory() as tmp:
         ptx_file, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
         ptx_file.write_text(ptx)
@@ -151,6 +154,7 @@ def ptxas_report(ptx: str, sass_path: str | None) -> dict:
         "warnings": [line.strip() for line in info.splitlines() if "warning" in line.lower()],
         "instructions": sum(opcodes.values()),
         "opcodes": dict(opcodes.most_common(12)),
+        "mma_loops": mma_loops(sass),
     }
 
 

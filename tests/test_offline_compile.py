@@ -124,6 +124,8 @@ def test_fp8_seesaw_at_64_and_128_heads_is_one_compile(tmp_path):
     assert ".entry _mla_decode_seesaw_kernel" in code[64] and code[64] == code[128]
     copies = [len(re.findall(rf"cp\.async\.bulk\.tensor\.{d}d", code[64])) for d in (2, 4)]
     assert copies == [4, 8], copies
+    # one MMA loop per warpgroup (scripts/sass_loops.py), each with a tile's 36 score and 8 P.V wgmmas
+    assert [loop["HGMMA"] for loop in report["mma_loops"]] == [44, 44], report["mma_loops"]
 
 
 @pytest.mark.skipif(not PTXAS.exists(), reason="this triton wheel ships no ptxas")
