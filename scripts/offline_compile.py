@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from sass_loops import mma_loops  # noqa: E402
+from sass_loops import instructions, mma_loops  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.nvidia.driver import CudaDriver  # noqa: E402
 from triton.compiler.compiler import CompiledKernel  # noqa: E402
@@ -145,8 +145,7 @@ def ptxas_report(ptx: str, sass_path: str | None) -> dict:
     if sass_path:
         Path(sass_path).write_text(sass)
     info = proc.stderr
-    opcodes = Counter(m.group(1) for m in re.finditer(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)",
-                                                      sass, re.M))
+    opcodes = Counter(op for _, _, op, _ in instructions(sass))
     return {
         "registers": int(re.search(r"Used (\d+) registers", info).group(1)),
         "spill_stores": int(re.search(r"(\d+) bytes spill stores", info).group(1)),

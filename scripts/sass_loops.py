@@ -20,10 +20,15 @@ _LINE = re.compile(r"^\s+/\*([0-9a-f]+)\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([
 COUNTED = ("HGMMA", "QGMMA", "BAR", "SYNCS")
 
 
+def instructions(sass: str) -> list[tuple[int, bool, str, str]]:
+    """(address, predicated, opcode with its modifiers, operands) of each instruction of a SASS listing."""
+    return [(int(m.group(1), 16), bool(m.group(2)), m.group(3), m.group(4)) for m in _LINE.finditer(sass)]
+
+
 def mma_loops(sass: str, min_mma: int = MIN_MMA) -> list[dict]:
     """[{instructions, HGMMA, QGMMA, BAR, SYNCS}, ...] of the innermost loops with >= min_mma wgmmas, in address
     order."""
-    ins = [(int(m.group(1), 16), bool(m.group(2)), m.group(3).split(".")[0], m.group(4)) for m in _LINE.finditer(sass)]
+    ins = [(address, predicated, op.split(".")[0], args) for address, predicated, op, args in instructions(sass)]
     index = {address: i for i, (address, *_) in enumerate(ins)}
     loops = []
     for i, (address, predicated, op, args) in enumerate(ins):
