@@ -10,6 +10,15 @@ whether each variant gives the first one's bits.
     python benchmarks/config_ab.py --shapes "32,4096,128;128,4096,128;64,4096,16,2" --pages 64 --dtypes bf16 \\
         --variant std:GROUPED_PAGES=16/32 --variant grouped:GROUPED_PAGES=16/32/64
 
+A variant may also run another version of a Gluon kernel module: `gluon_decode=PATH` or `gluon_fp8=PATH` (a copy of
+that module's source, e.g. from a branch) launches that variant's kernel through PATH's `launch_decode` (its kernel,
+with PATH's own module constants, so such a variant may not also set that module's constants); everything else
+(planning, config, dispatch, reduce) stays this checkout's:
+
+    git show lead/x:mla_fast/gluon_decode.py > /tmp/gd_x.py
+    python benchmarks/config_ab.py --shapes "128,4096,128" --pages 64 --dtypes bf16 \\
+        --variant main:gluon_decode=mla_fast/gluon_decode.py --variant x:gluon_decode=/tmp/gd_x.py
+
 Values: integers, true / false, tuples of integers written with slashes (`16/32`, `64/` for one, `()` for none),
 else strings.
 
@@ -18,8 +27,11 @@ Prints one line per (shape, page, dtype) with each variant's µs, registers and 
 
 import argparse
 import contextlib
+import hashlib
+import importlib.util
 import json
 from dataclasses import fields, replace
+from pathlib import Path
 
 import torch
 
@@ -32,6 +44,7 @@ from mla_fast.bench import ours as ours_fn
 SHAPES = "32,4096,16;128,8192,16;32,4096,128"
 CONFIG_FIELDS = {f.name: f.type for f in fields(td.KernelConfig)}
 CONSTANT_MODULES = (td, gd, g8)  # where an upper-case variant key is looked up
+SOURCE_MODULES = {"gluon_decode": gd, "gluon_fp8": g8}  # `NAME=PATH`: that module's launch_decode from PATH
 
 
 def _owners(key: str) -> list:
@@ -57,8 +70,24 @@ def _value(raw: str):
     return raw
 
 
+def load_source(module: str, path: str):
+    """The `launch_decode` of PATH, a version of mla_fast.<module> (gluon_decode or gluon_fp8), loaded as a module of
+    its own (named after the file's contents, so that one file is loaded once)."""
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"{module}={path}: no such file")
+    digest = hashlib.sha256(file.read_bytes()).hexdigest()[:12]
+    spec = importlib.util.spec_from_file_location(f"mla_fast._ab_{module}_{digest}", file)
+    loaded = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loaded)
+    if not callable(getattr(loaded, "launch_decode", None)):
+        raise ValueError(f"{module}={path}: the file defines no launch_decode")
+    return loaded.launch_decode
+
+
 def parse_variant(text: str) -> tuple[str, dict, dict]:
-    """'name:field=value,CONSTANT=value' -> (name, KernelConfig fields, module constants); values as `_value`."""
+    """'name:field=value,CONSTANT=value,gluon_decode=path' -> (name, KernelConfig fields, module constants); values
+    as `_value`; a source key becomes the constant '<module>.launch_decode' (`load_source`)."""
     name, _, body = text.partition(":")
     if not name or not body:
         raise ValueError(f"--variant must be NAME:FIELD=VALUE[,...], got {text!r}")
@@ -71,27 +100,40 @@ def parse_variant(text: str) -> tuple[str, dict, dict]:
                 names = ", ".join(m.__name__ for m in CONSTANT_MODULES)
                 raise ValueError(f"--variant {name}: no constant {key!r} in {names}, or different ones of that name")
             constants[key] = value
+        elif key in SOURCE_MODULES:
+            constants[f"{key}.launch_decode"] = load_source(key, raw)
         elif key in CONFIG_FIELDS:
             config[key] = value
         else:
-            raise ValueError(f"--variant {name}: {key!r} is neither a KernelConfig field nor a module constant")
+            raise ValueError(f"--variant {name}: {key!r} is neither a KernelConfig field, a module constant nor "
+                             f"one of {sorted(SOURCE_MODULES)}")
+    for key in [k for k in constants if "." in k]:  # a source's kernel reads its own file's constants, not these
+        module = SOURCE_MODULES[key.partition(".")[0]]
+        unread = [k for k in constants if "." not in k and module in _owners(k)]
+        if unread:
+            raise ValueError(f"--variant {name}: {', '.join(unread)} would not reach the kernel of "
+                             f"{key.partition('.')[0]}=PATH (it reads PATH's own constants): edit PATH instead")
     return name, config, constants
 
 
 @contextlib.contextmanager
 def held(constants: dict):
-    """The module constants `constants` (each in all its `_owners`) set inside the block, restored after."""
-    owners = {k: _owners(k) for k in constants}
-    old = {k: getattr(owners[k][0], k) for k in constants}
+    """The module constants `constants` (each in all its `_owners`; '<module>.launch_decode' in that module of
+    SOURCE_MODULES) set inside the block, restored after."""
+    targets = {k: ([SOURCE_MODULES[k.partition(".")[0]]], "launch_decode") if "." in k else (_owners(k), k)
+               for k in constants}
+    old = {k: getattr(modules[0], attr) for k, (modules, attr) in targets.items()}
     for k, v in constants.items():
-        for module in owners[k]:
-            setattr(module, k, v)
+        modules, attr = targets[k]
+        for module in modules:
+            setattr(module, attr, v)
     try:
         yield
     finally:
         for k, v in old.items():
-            for module in owners[k]:
-                setattr(module, k, v)
+            modules, attr = targets[k]
+            for module in modules:
+                setattr(module, attr, v)
 
 
 def run_row(batch, variants, rounds: int) -> dict:

@@ -1,6 +1,8 @@
 """mla-bench's alternating rounds (`bench.measure_in_rounds`, `--rounds`) on the CPU, with a fake timer: the turn
 order, the split of the timed calls, the pooled quantiles and each round's median, and failures."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from benchmark_scripts import benchmark_module
@@ -137,3 +139,34 @@ def test_config_ab_shapes_take_an_optional_q_len_and_nothing_else():
         _config_ab().main(["--shapes", "64,4096,16,2,9", "--variant", "a:page_select=1",
                            "--variant", "b:page_select=2"])
     assert exit_info.value.code == 2
+
+
+def test_config_ab_variant_runs_another_version_of_a_gluon_module(tmp_path):
+    """`gluon_decode=PATH` holds PATH's launch_decode in mla_fast.gluon_decode for that variant (and restores the
+    checkout's after); a missing file, a file without launch_decode, or PATH together with a constant of the module it
+    replaces (which PATH's kernel would not read) is refused by name."""
+    from mla_fast import gluon_decode as gd
+
+    ab = _config_ab()
+    source = Path(gd.__file__).read_text()
+    version = tmp_path / "gd_lead.py"
+    version.write_text(source + "\nLEAD_MARK = 7\n")
+    name, config, constants = ab.parse_variant(f"lead:gluon_decode={version},page_select=2")
+    assert (name, config, list(constants)) == ("lead", {"page_select": 2}, ["gluon_decode.launch_decode"])
+    ours = gd.launch_decode
+    with ab.held(constants):
+        assert gd.launch_decode is not ours and gd.launch_decode.__globals__["LEAD_MARK"] == 7
+    assert gd.launch_decode is ours
+    # the same file is loaded once (its module named after its contents)
+    assert ab.parse_variant(f"again:gluon_decode={version}")[2]["gluon_decode.launch_decode"].__module__ == \
+        constants["gluon_decode.launch_decode"].__module__
+    empty = tmp_path / "empty.py"
+    empty.write_text("X = 1\n")
+    for bad, words in [(f"x:gluon_decode={tmp_path / 'none.py'}", "no such file"),
+                       (f"x:gluon_fp8={empty}", "defines no launch_decode"),
+                       (f"x:gluon_decode={version},GROUPED_PAGES=64/", "GROUPED_PAGES would not reach")]:
+        with pytest.raises(ValueError, match=words):
+            ab.parse_variant(bad)
+    # a constant of another module still may go with it
+    assert list(ab.parse_variant(f"y:gluon_decode={version},GATHER_CHUNK_MAX_ROWS=64")[2]) == [
+        "gluon_decode.launch_decode", "GATHER_CHUNK_MAX_ROWS"]
