@@ -405,6 +405,21 @@ def _issue_own(WG: gl.constexpr, kv_desc, kvg_desc, kv_smem, kv8, kv_full, slot,
 
 
 @gluon.jit
+def _reissue(io, slot: gl.constexpr, row, walk, g: gl.constexpr, more, KV_FP8: gl.constexpr, PAGE_SIZE: gl.constexpr,
+             BOXES: gl.constexpr, GROUPED: gl.constexpr, LOADER: gl.constexpr):
+    """Chunk group g of a tile slot is free (its last reader is done). With LOADER: released to the loader
+    partition (kv_empty, on every tile the slot held: `_fp8_loader` counts them); else, if `more` (the slot's next
+    tile exists), that tile's group copied into it (`row`: `_issue_rows`). io: (kv_desc, kvg_desc, kv_smem, kv8,
+    kv_full, kv_empty)."""
+    kv_desc, kvg_desc, kv_smem, kv8, kv_full, kv_empty = io
+    if LOADER:
+        mbarrier.arrive(kv_empty.index(slot * 3 + g))
+    elif more:
+        _issue_group(kv_desc, kvg_desc, kv_smem, kv8, kv_full, slot, _issue_rows(row, walk, PAGE_SIZE, BOXES), g,
+                     KV_FP8, BOXES, GROUPED)
+
+
+@gluon.jit
 def _expanded(kv_smem, slot, c: gl.constexpr, box, n_valid, MASKED: gl.constexpr):
     """Store an fp8 box (registers, _E4M3_BOX) as fp16 chunk c of a slot; with MASKED tokens >= n_valid as 0."""
     x = box.to(gl.float16)
@@ -460,6 +475,25 @@ def _score_mmas(s, q_smem, kv_smem, slot, c0: gl.constexpr, c1: gl.constexpr):
 
 
 @gluon.jit
+def _score_mmas_at(s, q_smem, kv_smem, slot, c0: gl.constexpr, c1: gl.constexpr, zero):
+    """`_score_mmas` with both operands indexed with `zero` (runtime 0: see `_score_group`), so that their wgmma
+    descriptors are computed where the MMAs are issued (LOADER: its warpgroups spilled the hoisted ones)."""
+    q_nope, q_pe = q_smem
+    ckv, kpe = kv_smem
+    q3 = q_nope._reinterpret(q_nope.dtype, [1, _ROWS, _L_DIM], q_nope.layout).index(zero)
+    q3_pe = q_pe._reinterpret(q_pe.dtype, [1, _ROWS, _R_DIM], q_pe.layout).index(zero)
+    for c in gl.static_range(c0, c1):
+        if c < 8:
+            a = q3.slice(c * _CHUNK, _CHUNK, dim=1)
+            b = ckv.index(slot + zero).slice(c * _CHUNK, _CHUNK, dim=1)
+        else:
+            a = q3_pe
+            b = kpe.index(slot + zero)
+        s = warpgroup_mma(a, b.permute((1, 0)), s, is_async=True)
+    return s
+
+
+@gluon.jit
 def _expanded_pair(kv_smem, slot, c: gl.constexpr, x0, x1, n_valid):
     """Store two fp8 boxes (registers) as fp16 chunks c and c + 1 of a slot, tokens >= n_valid as 0 on an item's last
     tile (cache slots past KV_END may hold NaN; only V rows need it, the scores are selected), then order the stores
@@ -475,7 +509,7 @@ def _expanded_pair(kv_smem, slot, c: gl.constexpr, x0, x1, n_valid):
 
 @gluon.jit
 def _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, g: gl.constexpr, KV_FP8: gl.constexpr,
-                 GROUPED: gl.constexpr, zero):
+                 GROUPED: gl.constexpr, zero, AT_ZERO: gl.constexpr = False):
     """Wait for chunk group g of a tile slot, then issue its score MMAs onto s (asynchronous). With KV_FP8 the group
     is expanded from its fp8 boxes (upper half of its bytes, `_staged_box`) to fp16 chunks in place first, two
     chunks at a time, each pair's MMAs issued once it is stored: box j becomes chunk first + j, so chunks first and
@@ -493,6 +527,8 @@ def _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, g: gl.c
         q_half = q_nope.slice(f * _CHUNK, _L_DIM // 2, dim=1)  # [64 rows, 256]
         k_half = _v_half(kv_smem, slot, g, GROUPED, zero).permute((1, 0))  # [256, 64 tokens]
         s = warpgroup_mma(q_half, k_half, s, is_async=True)  # [64 rows, 64 tokens]
+    elif not KV_FP8 and AT_ZERO:
+        s = _score_mmas_at(s, q_smem, kv_smem, slot, f, _group_end(g), zero)
     elif not KV_FP8:
         s = _score_mmas(s, q_smem, kv_smem, slot, f, _group_end(g))
     elif g == _GROUP_E:
@@ -518,19 +554,25 @@ def _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, g: gl.c
 
 @gluon.jit
 def _scores(q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, s_layout: gl.constexpr, KV_FP8: gl.constexpr,
-            GROUPED: gl.constexpr, zero):
+            GROUPED: gl.constexpr, zero, AT_ZERO: gl.constexpr = False):
     """s = q K^T over the 9 chunks of a tile slot [64, 64] fp32 (one accumulator chain), each chunk group's MMAs
     issued once its copies have landed (and with KV_FP8 been expanded), in the order the previous pair released the
     groups: slot 0 L, E, R (R last: warpgroup 1's p0' V0_R), slot 1 R, E, L (L and E last: warpgroup 0's p1 V1_L)."""
     s = gl.zeros([_ROWS, _TILE], gl.float32, s_layout)
     if slot == 0:
-        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_L, KV_FP8, GROUPED, zero)
-        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_E, KV_FP8, GROUPED, zero)
-        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_R, KV_FP8, GROUPED, zero)
+        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_L, KV_FP8, GROUPED, zero,
+                         AT_ZERO)
+        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_E, KV_FP8, GROUPED, zero,
+                         AT_ZERO)
+        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_R, KV_FP8, GROUPED, zero,
+                         AT_ZERO)
     else:
-        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_R, KV_FP8, GROUPED, zero)
-        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_E, KV_FP8, GROUPED, zero)
-        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_L, KV_FP8, GROUPED, zero)
+        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_R, KV_FP8, GROUPED, zero,
+                         AT_ZERO)
+        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_E, KV_FP8, GROUPED, zero,
+                         AT_ZERO)
+        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_L, KV_FP8, GROUPED, zero,
+                         AT_ZERO)
     return warpgroup_mma_wait(0, deps=(s,))
 
 
@@ -638,7 +680,7 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, kvg_desc, q_smem, kv_smem, 
                O_PART, LSE_PART, Q_SCALE, KV_SCALE, sm_scale_log2, num_heads, stride_qt, stride_qh, stride_bt,
                stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt, PAGE_SIZE: gl.constexpr,
                head_split, HEAD_SPLIT: gl.constexpr, HEAD_GROUP: gl.constexpr, KV_FP8: gl.constexpr,
-               ONE_ITEM: gl.constexpr, GROUPED: gl.constexpr):
+               ONE_ITEM: gl.constexpr, GROUPED: gl.constexpr, kv_empty, LOADER: gl.constexpr):
     """Warpgroup WG (0: even tiles, o_L; 1: odd tiles, o_R) of the seesaw schedule (module docstring).
 
     Exchange barriers xbar: 0 = m0 ready (WG 0 -> 1), 1 = m1 ready (1 -> 0), 2 = p0' ready (0 -> 1), 3 = p1 ready
@@ -649,6 +691,8 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, kvg_desc, q_smem, kv_smem, 
     """
     BOXES: gl.constexpr = tile_boxes(PAGE_SIZE)  # TMA row boxes per tile: 1, or one per page (pages of 16, 32)
     HALVES: gl.constexpr = GROUPED and not KV_FP8  # the P.V operands in the grouped layout (fp8: only the staging)
+    EXPAND: gl.constexpr = KV_FP8 and not LOADER  # fp8 tiles expanded by the warpgroups (LOADER: fp16 tiles arrive)
+    io = (kv_desc, kvg_desc, kv_smem, kv8, kv_full, kv_empty)  # what `_reissue` needs
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 256, 16])
@@ -682,11 +726,11 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, kvg_desc, q_smem, kv_smem, 
                     tma.async_copy_global_to_shared(q_desc, [(qo + j) * num_heads + head_start, c * _CHUNK], q_full,
                                                     _q_chunk(q_smem, c).slice(j * HEAD_GROUP, HEAD_GROUP, dim=0))
         # this warpgroup's groups of the first two tiles (both slots are free: see the module docstring)
-        if n_tiles > 0:
+        if not LOADER and n_tiles > 0:
             _issue_own(WG, kv_desc, kvg_desc, kv_smem, kv8, kv_full, 0,
                        _tile_rows(BLOCK_TABLE, b, stride_bt, kv_start, kv_end, 0, n_tiles, PAGE_SIZE, BOXES), KV_FP8,
                        BOXES, GROUPED)
-        if n_tiles > 1:
+        if not LOADER and n_tiles > 1:
             _issue_own(WG, kv_desc, kvg_desc, kv_smem, kv8, kv_full, 1,
                        _tile_rows(BLOCK_TABLE, b, stride_bt, kv_start, kv_end, 1, n_tiles, PAGE_SIZE, BOXES), KV_FP8,
                        BOXES, GROUPED)
@@ -714,11 +758,10 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, kvg_desc, q_smem, kv_smem, 
             ph1 = uses1 & 1
             xph = pairs & 1
             if WG == 0:
-                s = _masked(_scores(q_smem, kv_smem, kv8, kv_full, 0, ph0, kv_end - t0, s_layout, KV_FP8, GROUPED,
-                                    zero), t0, kv_end, limit, qk_scale, s_layout)
-                if next0:  # slot 0's k_pe chunk is free
-                    _issue_group(kv_desc, kvg_desc, kv_smem, kv8, kv_full, 0, _issue_rows(row0, walk, PAGE_SIZE, BOXES),
-                                 _GROUP_E, KV_FP8, BOXES, GROUPED)
+                s = _masked(_scores(q_smem, kv_smem, kv8, kv_full, 0, ph0, kv_end - t0, s_layout, EXPAND, GROUPED,
+                                    zero, LOADER), t0, kv_end, limit, qk_scale, s_layout)
+                _reissue(io, 0, row0, walk, _GROUP_E, next0, KV_FP8, PAGE_SIZE,
+                         BOXES, GROUPED, LOADER)  # slot 0's k_pe chunk is free
                 m0 = gl.maximum(m_i, gl.max(s, 1))  # [M]
                 alpha0 = _alpha(m_i, m0)
                 p = gl.exp2(s - gl.where(m0 == float("-inf"), 0.0, m0)[:, None])  # [M, N] fp32
@@ -737,9 +780,8 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, kvg_desc, q_smem, kv_smem, 
                 fence_async_shared()
                 mbarrier.arrive(xbar.index(2))
                 acc = warpgroup_mma_wait(0, deps=(acc,))
-                if next0:  # slot 0's V_L is free
-                    _issue_group(kv_desc, kvg_desc, kv_smem, kv8, kv_full, 0, _issue_rows(row0, walk, PAGE_SIZE, BOXES),
-                                 _GROUP_L, KV_FP8, BOXES, GROUPED)
+                _reissue(io, 0, row0, walk, _GROUP_L, next0, KV_FP8, PAGE_SIZE,
+                         BOXES, GROUPED, LOADER)  # slot 0's V_L is free
                 acc = acc * gl.convert_layout(alpha1, orow_l)[:, None]
                 l_i = l_i * alpha1
                 m_i = m1
@@ -750,15 +792,16 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, kvg_desc, q_smem, kv_smem, 
                         _zero_tail(kv_smem, 1, 0, kv_end - t0 - _TILE, HALVES)
                     acc = warpgroup_mma(_chunk(kv_smem, 1, 8), _v_half(kv_smem, 1, 0, HALVES), acc, is_async=True)
                     acc = warpgroup_mma_wait(0, deps=(acc,))
-                    if next1:  # slot 1's V_L and p1 (over its k_pe chunk) are free
-                        _issue_group(kv_desc, kvg_desc, kv_smem, kv8, kv_full, 1,
-                                     _issue_rows(row1, walk, PAGE_SIZE, BOXES), _GROUP_L, KV_FP8, BOXES, GROUPED)
-                        _issue_group(kv_desc, kvg_desc, kv_smem, kv8, kv_full, 1,
-                                     _issue_rows(row1, walk, PAGE_SIZE, BOXES), _GROUP_E, KV_FP8, BOXES, GROUPED)
+                    # slot 1's V_L and p1 (over its k_pe chunk) are free
+                    _reissue(io, 1, row1, walk, _GROUP_L, next1, KV_FP8, PAGE_SIZE,
+                             BOXES, GROUPED, LOADER)
+                    _reissue(io, 1, row1, walk, _GROUP_E, next1, KV_FP8, PAGE_SIZE,
+                             BOXES, GROUPED, LOADER)
             else:
                 if has1:
                     s = _masked(_scores(q_smem, kv_smem, kv8, kv_full, 1, ph1, kv_end - t0 - _TILE, s_layout,
-                                        KV_FP8, GROUPED, zero), t0 + _TILE, kv_end, limit, qk_scale, s_layout)
+                                        EXPAND, GROUPED, zero, LOADER), t0 + _TILE, kv_end, limit, qk_scale,
+                                        s_layout)
                 else:
                     s = gl.full([_ROWS, _TILE], float("-inf"), gl.float32, s_layout)
                 mbarrier.wait(xbar.index(0), xph)
@@ -779,26 +822,24 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, kvg_desc, q_smem, kv_smem, 
                         _zero_tail(kv_smem, 1, 4, kv_end - t0 - _TILE, HALVES)
                     acc = warpgroup_mma(gl.convert_layout(p1, p_layout), _v_half(kv_smem, 1, 1, HALVES), acc,
                                         is_async=True)
-                    if KV_FP8:  # slot 1's V_R is free once p1 V1_R retires: reload it before waiting for p0'
+                    if EXPAND:  # slot 1's V_R is free once p1 V1_R retires: reload it before waiting for p0'
                         acc = warpgroup_mma_wait(0, deps=(acc,))
-                        if next1:
-                            _issue_group(kv_desc, kvg_desc, kv_smem, kv8, kv_full, 1,
-                                         _issue_rows(row1, walk, PAGE_SIZE, BOXES), _GROUP_R, KV_FP8, BOXES, GROUPED)
+                        _reissue(io, 1, row1, walk, _GROUP_R, next1, KV_FP8,
+                                 PAGE_SIZE, BOXES, GROUPED, LOADER)
                         acc = warpgroup_mma_wait(0, deps=(_pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end,
                                                                  ph0, xph, KV_FP8, HALVES),))
-                    else:  # bf16: p0' V0_R queued behind p1 V1_R first, then the reload
+                    else:  # bf16 (and LOADER): p0' V0_R queued behind p1 V1_R first, then the reload or release
                         acc = _pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end, ph0, xph, KV_FP8, HALVES)
                         acc = warpgroup_mma_wait(1, deps=(acc,))  # p1 V1_R has retired
-                        if next1:
-                            _issue_group(kv_desc, kvg_desc, kv_smem, kv8, kv_full, 1,
-                                         _issue_rows(row1, walk, PAGE_SIZE, BOXES), _GROUP_R, KV_FP8, BOXES, GROUPED)
+                        _reissue(io, 1, row1, walk, _GROUP_R, next1, KV_FP8,
+                                 PAGE_SIZE, BOXES, GROUPED, LOADER)
                         acc = warpgroup_mma_wait(0, deps=(acc,))
                 else:
                     acc = warpgroup_mma_wait(0, deps=(_pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end, ph0,
                                                              xph, KV_FP8, HALVES),))
-                if next0:  # slot 0's V_R is free (warpgroup 0's scores of it are done: it published p0')
-                    _issue_group(kv_desc, kvg_desc, kv_smem, kv8, kv_full, 0, _issue_rows(row0, walk, PAGE_SIZE, BOXES),
-                                 _GROUP_R, KV_FP8, BOXES, GROUPED)
+                # slot 0's V_R is free (warpgroup 0's scores of it are done: it published p0')
+                _reissue(io, 0, row0, walk, _GROUP_R, next0, KV_FP8, PAGE_SIZE,
+                         BOXES, GROUPED, LOADER)
                 m_i = m1
             uses0 += 1
             uses1 += has1.to(gl.int32)
@@ -822,6 +863,74 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, kvg_desc, q_smem, kv_smem, 
         n_items += 1
 
 
+@gluon.jit
+def _loader_rows(BLOCK_TABLE, b, stride_bt, t0, kv_end, PAGE_SIZE: gl.constexpr):
+    """Element offsets of the cache rows of the 64 tokens from t0 (int64, in _E4M3_BOX's token slice) and which are
+    below kv_end (the others read no block-table entry and load as 0)."""
+    tok = t0 + gl.arange(0, _TILE, gl.SliceLayout(1, _E4M3_BOX))  # [64]
+    ok = tok < kv_end
+    page = gl.load(BLOCK_TABLE + b * stride_bt + tok // PAGE_SIZE, mask=ok, other=0)
+    return (page.to(gl.int64) * PAGE_SIZE + tok % PAGE_SIZE) * (_L_DIM + _R_DIM), ok
+
+
+@gluon.jit
+def _load_group(KV, kv_smem, kv_full, kv_empty, slot: gl.constexpr, n, rows, ok, g: gl.constexpr):
+    """The loader's write number n into tile slot `slot`, chunk group g: its fp8 bytes loaded from the cache into
+    registers, then (once the warpgroups have freed the group from write n - 1: kv_empty) stored as fp16 chunks
+    (tokens past KV_END as 0) and published (kv_full)."""
+    f: gl.constexpr = _group_first(g)
+    cols = gl.arange(0, _CHUNK, gl.SliceLayout(0, _E4M3_BOX))  # [64]
+    ptrs = KV + rows[:, None] + cols[None, :]  # [64 tokens, 64 channels]
+    xs = ()
+    for j in gl.static_range(_group_end(g) - f):
+        xs = xs + (gl.load(ptrs + (f + j) * _CHUNK, mask=ok[:, None], other=0.0),)
+    if n > 0:
+        mbarrier.wait(kv_empty.index(slot * 3 + g), (n - 1) & 1)
+    for j in gl.static_range(_group_end(g) - f):
+        _chunk(kv_smem, slot, f + j).store(xs[j].to(gl.float16))
+    fence_async_shared()
+    mbarrier.arrive(kv_full.index(slot * 3 + g))
+
+
+@gluon.jit
+def _fp8_loader(KV, kv_smem, kv_full, kv_empty, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, WORKER_INDPTR,
+                num_items, stride_bt, head_split, PAGE_SIZE: gl.constexpr, HEAD_SPLIT: gl.constexpr,
+                HEAD_GROUP: gl.constexpr, ONE_ITEM: gl.constexpr):
+    """The loader partition (LOADER, e4m3fn caches): the program's tiles, pair by pair in the warpgroups' order,
+    loaded from the cache with plain loads, converted to fp16 in registers and stored into the tile slots, so that
+    the fp8 bytes never pass through shared memory (the expansion in place read 36 KB and wrote 72 KB of shared memory
+    per tile on top of the copy's 36 KB). Each pair's groups in the order the warpgroups free them: slot 0's E and L,
+    slot 1's R, E and L, slot 0's R."""
+    pid = gl.program_id(0)
+    split = head_split if HEAD_SPLIT == 0 else HEAD_SPLIT
+    head_part = pid % split
+    worker = pid // split
+    n0 = 0  # tiles written into slot 0 / slot 1 so far
+    n1 = 0
+    item_begin, item_end = _worker_items(WORKER_INDPTR, worker, num_items, ONE_ITEM)
+    for it in range(item_begin, item_end):
+        b, partial_row, qo, n_q, kv_start, kv_end, head_start, limit_0 = _item(
+            WORK_ITEMS, SEQ_LENS, QO_INDPTR, it, head_part, HEAD_GROUP)
+        n_tiles = gl.cdiv(kv_end - kv_start, _TILE)
+        for k in range(gl.cdiv(n_tiles, 2)):
+            t0 = kv_start + 2 * k * _TILE
+            has1 = 2 * k + 1 < n_tiles
+            rows0, ok0 = _loader_rows(BLOCK_TABLE, b, stride_bt, t0, kv_end, PAGE_SIZE)
+            _load_group(KV, kv_smem, kv_full, kv_empty, 0, n0, rows0, ok0, _GROUP_E)
+            _load_group(KV, kv_smem, kv_full, kv_empty, 0, n0, rows0, ok0, _GROUP_L)
+            if has1:
+                rows1, ok1 = _loader_rows(BLOCK_TABLE, b, stride_bt, t0 + _TILE, kv_end, PAGE_SIZE)
+                _load_group(KV, kv_smem, kv_full, kv_empty, 1, n1, rows1, ok1, _GROUP_R)
+                _load_group(KV, kv_smem, kv_full, kv_empty, 1, n1, rows1, ok1, _GROUP_E)
+                _load_group(KV, kv_smem, kv_full, kv_empty, 1, n1, rows1, ok1, _GROUP_L)
+            _load_group(KV, kv_smem, kv_full, kv_empty, 0, n0, rows0, ok0, _GROUP_R)
+            n0 += 1
+            n1 += has1.to(gl.int32)
+
+
+LOADER_REGS = gl.constexpr((224, 64))  # registers of warpgroup 1 and of the loader partition (LOADER)
+
+
 @gluon.jit(do_not_specialize=["num_items", "head_split"])  # no recompile per item count or head split
 def _mla_decode_seesaw_kernel(
     Q, q_desc, kv_desc,  # q [T, H, 576]; TMA: q as [T x H, 576] (bf16 caches), the cache as [pages x page_size, 576]
@@ -837,6 +946,8 @@ def _mla_decode_seesaw_kernel(
     KV_FP8: gl.constexpr,  # e4m3fn cache ([64, 64] boxes), bf16 or e4m3fn q: fp16 operands, expanded in place
     ONE_ITEM: gl.constexpr,  # WorkPlan.one_item_per_worker
     GROUPED: gl.constexpr,  # `grouped_layout`: the c_kv halves (bf16), or their fp8 staging (KV_FP8), grouped
+    KV,  # the cache [pages, page_size, 576] (LOADER: read by the loader partition)
+    LOADER: gl.constexpr,  # e4m3fn cache: tiles converted by a loader partition (`_fp8_loader`), not in place
 ):
     if PDL:  # the reduce kernel may start now; its programs wait (gdc_wait) until this grid has finished
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
@@ -863,24 +974,44 @@ def _mla_decode_seesaw_kernel(
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_full = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())  # [slot x 3 + group]
     xbar = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())  # LOADER: groups freed
     mbarrier.init(q_full, count=1)
     mbarrier.init(q_empty, count=1)
     for i in gl.static_range(6):
         mbarrier.init(kv_full.index(i), count=1)
         mbarrier.init(xbar.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=1)
     fence_async_shared()
-    gl.warp_specialize([
-        (_warpgroup, (0, Q, q_desc, kv_desc, kvg_desc, q_smem, kv_smem, kv8, p0_smem, m_smem, l_smem, q_full, q_empty,
-                      kv_full, xbar, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, WORKER_INDPTR, num_items, OUT, LSE,
-                      O_PART, LSE_PART, Q_SCALE, KV_SCALE, sm_scale_log2, num_heads, stride_qt, stride_qh, stride_bt,
-                      stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt, PAGE_SIZE, head_split,
-                      HEAD_SPLIT, HEAD_GROUP, KV_FP8, ONE_ITEM, GROUPED)),
-        (_warpgroup, (1, Q, q_desc, kv_desc, kvg_desc, q_smem, kv_smem, kv8, p0_smem, m_smem, l_smem, q_full, q_empty,
-                      kv_full, xbar, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, WORKER_INDPTR, num_items, OUT, LSE,
-                      O_PART, LSE_PART, Q_SCALE, KV_SCALE, sm_scale_log2, num_heads, stride_qt, stride_qh, stride_bt,
-                      stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt, PAGE_SIZE, head_split,
-                      HEAD_SPLIT, HEAD_GROUP, KV_FP8, ONE_ITEM, GROUPED)),
-    ], [4], [256])
+    # (the partitions' arguments written out: a tuple built with + loses its constexprs)
+    if LOADER:
+        gl.warp_specialize([
+            (_warpgroup, (0, Q, q_desc, kv_desc, kvg_desc, q_smem, kv_smem, kv8, p0_smem, m_smem, l_smem, q_full,
+                  q_empty, kv_full, xbar, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, WORKER_INDPTR, num_items, OUT, LSE,
+                  O_PART, LSE_PART, Q_SCALE, KV_SCALE, sm_scale_log2, num_heads, stride_qt, stride_qh, stride_bt,
+                  stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt, PAGE_SIZE, head_split,
+                  HEAD_SPLIT, HEAD_GROUP, KV_FP8, ONE_ITEM, GROUPED, kv_empty, LOADER)),
+            (_warpgroup, (1, Q, q_desc, kv_desc, kvg_desc, q_smem, kv_smem, kv8, p0_smem, m_smem, l_smem, q_full,
+                  q_empty, kv_full, xbar, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, WORKER_INDPTR, num_items, OUT, LSE,
+                  O_PART, LSE_PART, Q_SCALE, KV_SCALE, sm_scale_log2, num_heads, stride_qt, stride_qh, stride_bt,
+                  stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt, PAGE_SIZE, head_split,
+                  HEAD_SPLIT, HEAD_GROUP, KV_FP8, ONE_ITEM, GROUPED, kv_empty, LOADER)),
+            (_fp8_loader, (KV, kv_smem, kv_full, kv_empty, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS,
+                           WORKER_INDPTR, num_items, stride_bt, head_split, PAGE_SIZE, HEAD_SPLIT, HEAD_GROUP,
+                           ONE_ITEM)),
+        ], [4, 4], [LOADER_REGS[0], LOADER_REGS[1]])
+    else:
+        gl.warp_specialize([
+            (_warpgroup, (0, Q, q_desc, kv_desc, kvg_desc, q_smem, kv_smem, kv8, p0_smem, m_smem, l_smem, q_full,
+                  q_empty, kv_full, xbar, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, WORKER_INDPTR, num_items, OUT, LSE,
+                  O_PART, LSE_PART, Q_SCALE, KV_SCALE, sm_scale_log2, num_heads, stride_qt, stride_qh, stride_bt,
+                  stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt, PAGE_SIZE, head_split,
+                  HEAD_SPLIT, HEAD_GROUP, KV_FP8, ONE_ITEM, GROUPED, kv_empty, LOADER)),
+            (_warpgroup, (1, Q, q_desc, kv_desc, kvg_desc, q_smem, kv_smem, kv8, p0_smem, m_smem, l_smem, q_full,
+                  q_empty, kv_full, xbar, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, WORKER_INDPTR, num_items, OUT, LSE,
+                  O_PART, LSE_PART, Q_SCALE, KV_SCALE, sm_scale_log2, num_heads, stride_qt, stride_qh, stride_bt,
+                  stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt, PAGE_SIZE, head_split,
+                  HEAD_SPLIT, HEAD_GROUP, KV_FP8, ONE_ITEM, GROUPED, kv_empty, LOADER)),
+        ], [4], [256])
 
 
 HEAD_GROUPS = (8, 16, 32, 64)  # heads per program: q_len x head_group packed rows <= 64, in TMA boxes of head_group
@@ -928,6 +1059,9 @@ GROUPED_PAGES = (16, 32, 64)
 # e4m3fn cache pages whose c_kv halves the seesaw stages in the grouped layout (`grouped_layout`, _STAGE8; pages of
 # 64k count as 64): all it takes. Emptied (config_ab's `SEESAW_FP8_GROUPED_PAGES=()`), the chunk boxes for A/B runs
 SEESAW_FP8_GROUPED_PAGES = (16, 32, 64)
+# e4m3fn caches: a loader partition converts each tile to fp16 on its way from global memory (`_fp8_loader`) instead
+# of the warpgroups expanding TMA-staged fp8 in place (False: the in-place expansion, for A/B runs)
+SEESAW_FP8_LOADER = True
 
 
 def grouped_layout(kv: torch.Tensor) -> bool:
@@ -1013,6 +1147,7 @@ def launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, he
                                gl.NVMMASharedLayout.get_default_for([TILE, CHUNK], _GL_DTYPE[kv.dtype]))
     grouped = grouped_layout(kv)
     fp8 = kv.dtype == torch.float8_e4m3fn
+    loader = fp8 and SEESAW_FP8_LOADER
     if grouped:  # a page's 8-token groups x 4 chunks of a c_kv half per copy (the cache as [rows / 8, 9, 8, 64])
         page_layout = _STAGED_PAGE if fp8 else _PAGE_LAYOUT
         kvg_desc = grouped_descriptor(kv, TILE // boxes, CHUNK, page_layout.value)
@@ -1029,5 +1164,5 @@ def launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, he
         out.stride(0), out.stride(1), lse.stride(0), o_part.stride(0), o_part.stride(1), lse_part.stride(0),
         head_split, PAGE_SIZE=kv.shape[1], HEAD_SPLIT=0 if fp8 else head_split, HEAD_GROUP=head_group, PDL=pdl,
         KV_FP8=fp8, ONE_ITEM=plan.one_item_per_worker and kv.dtype == torch.bfloat16,
-        GROUPED=grouped, num_warps=4,
+        GROUPED=grouped and not loader, KV=kv, LOADER=loader, num_warps=4,
     )
