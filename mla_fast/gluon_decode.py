@@ -873,23 +873,44 @@ def _loader_rows(BLOCK_TABLE, b, stride_bt, t0, kv_end, PAGE_SIZE: gl.constexpr)
     return (page.to(gl.int64) * PAGE_SIZE + tok % PAGE_SIZE) * (_L_DIM + _R_DIM), ok
 
 
+_PROBES = gl.constexpr(gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0]))  # [64 tokens, 8 probes]: 4 per thread
+
+
 @gluon.jit
-def _load_group(KV, kv_smem, kv_full, kv_empty, slot: gl.constexpr, n, rows, ok, g: gl.constexpr):
-    """The loader's write number n into tile slot `slot`, chunk group g: its fp8 bytes loaded from the cache into
-    registers, then (once the warpgroups have freed the group from write n - 1: kv_empty) stored as fp16 chunks
-    (tokens past KV_END as 0) and published (kv_full)."""
+def _fetch_group(KV, rows, ok, g: gl.constexpr):
+    """The fp8 bytes of chunk group g of a tile (`_loader_rows`: rows, ok) from the cache: one register tensor
+    [64 tokens, 64 channels] (_E4M3_BOX) per chunk, tokens not ok as 0."""
     f: gl.constexpr = _group_first(g)
     cols = gl.arange(0, _CHUNK, gl.SliceLayout(0, _E4M3_BOX))  # [64]
     ptrs = KV + rows[:, None] + cols[None, :]  # [64 tokens, 64 channels]
     xs = ()
     for j in gl.static_range(_group_end(g) - f):
         xs = xs + (gl.load(ptrs + (f + j) * _CHUNK, mask=ok[:, None], other=0.0),)
+    return xs
+
+
+@gluon.jit
+def _put_group(kv_smem, kv_full, kv_empty, slot: gl.constexpr, n, xs, g: gl.constexpr):
+    """The loader's write number n into tile slot `slot`, chunk group g (`_fetch_group`'s xs): once the warpgroups
+    have freed the group from write n - 1 (kv_empty), stored as fp16 chunks and published (kv_full)."""
     if n > 0:
         mbarrier.wait(kv_empty.index(slot * 3 + g), (n - 1) & 1)
-    for j in gl.static_range(_group_end(g) - f):
-        _chunk(kv_smem, slot, f + j).store(xs[j].to(gl.float16))
+    for j in gl.static_range(_group_end(g) - _group_first(g)):
+        _chunk(kv_smem, slot, _group_first(g) + j).store(xs[j].to(gl.float16))
     fence_async_shared()
     mbarrier.arrive(kv_full.index(slot * 3 + g))
+
+
+@gluon.jit
+def _prefetch_tile(KV, row, t_ok):
+    """Ask the L2 for the 64 cache rows from row `row` (576 bytes each: 8 probes 82 bytes apart touch each of the
+    128-byte lines a row spans), when t_ok."""
+    if t_ok:
+        tok = gl.arange(0, _TILE, gl.SliceLayout(1, _PROBES))
+        probe = gl.arange(0, 8, gl.SliceLayout(0, _PROBES)) * 82
+        ptrs = KV + (row + tok).to(gl.int64)[:, None] * (_L_DIM + _R_DIM) + probe[None, :]
+        gl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=gl.int32,
+                                  is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -916,19 +937,34 @@ def _fp8_loader(KV, kv_smem, kv_full, kv_empty, BLOCK_TABLE, SEQ_LENS, QO_INDPTR
             t0 = kv_start + 2 * k * _TILE
             has1 = 2 * k + 1 < n_tiles
             rows0, ok0 = _loader_rows(BLOCK_TABLE, b, stride_bt, t0, kv_end, PAGE_SIZE)
-            _load_group(KV, kv_smem, kv_full, kv_empty, 0, n0, rows0, ok0, _GROUP_E)
-            _load_group(KV, kv_smem, kv_full, kv_empty, 0, n0, rows0, ok0, _GROUP_L)
+            if PAGE_SIZE % _TILE == 0:  # the next pair's tiles into the L2 (one page each: its first row)
+                _prefetch_tile(KV, _tile_row(BLOCK_TABLE, b, stride_bt, kv_start, 2 * k + 2, n_tiles, PAGE_SIZE),
+                               2 * k + 2 < n_tiles)
+                _prefetch_tile(KV, _tile_row(BLOCK_TABLE, b, stride_bt, kv_start, 2 * k + 3, n_tiles, PAGE_SIZE),
+                               2 * k + 3 < n_tiles)
+            # two groups in flight: each group's bytes are loaded before the previous group is stored (without a
+            # second tile, tokens past kv_end: slot 1's loads are masked off and its groups not written)
+            rows1, ok1 = _loader_rows(BLOCK_TABLE, b, stride_bt, t0 + _TILE, kv_end, PAGE_SIZE)
+            a = _fetch_group(KV, rows0, ok0, _GROUP_E)
+            c = _fetch_group(KV, rows0, ok0, _GROUP_L)
+            _put_group(kv_smem, kv_full, kv_empty, 0, n0, a, _GROUP_E)
+            d = _fetch_group(KV, rows1, ok1, _GROUP_R)
+            _put_group(kv_smem, kv_full, kv_empty, 0, n0, c, _GROUP_L)
+            e = _fetch_group(KV, rows1, ok1, _GROUP_E)
             if has1:
-                rows1, ok1 = _loader_rows(BLOCK_TABLE, b, stride_bt, t0 + _TILE, kv_end, PAGE_SIZE)
-                _load_group(KV, kv_smem, kv_full, kv_empty, 1, n1, rows1, ok1, _GROUP_R)
-                _load_group(KV, kv_smem, kv_full, kv_empty, 1, n1, rows1, ok1, _GROUP_E)
-                _load_group(KV, kv_smem, kv_full, kv_empty, 1, n1, rows1, ok1, _GROUP_L)
-            _load_group(KV, kv_smem, kv_full, kv_empty, 0, n0, rows0, ok0, _GROUP_R)
+                _put_group(kv_smem, kv_full, kv_empty, 1, n1, d, _GROUP_R)
+            f = _fetch_group(KV, rows1, ok1, _GROUP_L)
+            if has1:
+                _put_group(kv_smem, kv_full, kv_empty, 1, n1, e, _GROUP_E)
+            r = _fetch_group(KV, rows0, ok0, _GROUP_R)
+            if has1:
+                _put_group(kv_smem, kv_full, kv_empty, 1, n1, f, _GROUP_L)
+            _put_group(kv_smem, kv_full, kv_empty, 0, n0, r, _GROUP_R)
             n0 += 1
             n1 += has1.to(gl.int32)
 
 
-LOADER_REGS = gl.constexpr((224, 64))  # registers of warpgroup 1 and of the loader partition (LOADER)
+LOADER_REGS = gl.constexpr((208, 96))  # registers of warpgroup 1 and of the loader partition (LOADER)
 
 
 @gluon.jit(do_not_specialize=["num_items", "head_split"])  # no recompile per item count or head split

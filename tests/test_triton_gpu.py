@@ -610,7 +610,7 @@ def _check_10_runs_and_graph_replays(case, overrides: dict, lens_list):
 @pytest.mark.parametrize("case", [GLUON_CASES[0], SEESAW_FP8_CASES[4]], ids=lambda c: f"{c.combo}_q{max(c.q_lens)}")
 def test_gluon_seesaw_deterministic_and_graph_replay_equals_eager(case):
     _check_10_runs_and_graph_replays(case, _gluon(case.heads, max(case.q_lens), case.combo),
-                                     ([5, 1500, 0, 4097], [50, 0, 2000, 64]))
+                                     ([5, 1500, 0, 4097], [3, 700, 0, 2000]))  # shrinking: every page valid
 
 
 def _gluon_fp8(heads: int, q_len: int = 1, combo: str = "fp8kv", qk_fp8: bool | None = None) -> dict:
