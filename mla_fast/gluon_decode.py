@@ -150,6 +150,23 @@ landed) with fp8 score MMAs on the raw boxes, each warpgroup transposing its V h
 rounded to e4m3 took 193.4 us with the transposes left out, but 354 us at best with them (354-486 us over four register
 layouts, 440 on the tensor cores), no faster than this path (372-378 us in the same calls) and with e4m3 P.
 
+The fp8 loader partition (LOADER, `fp8_loader`: e4m3fn caches on pages of 16 and 32, SEESAW_FP8_LOADER_PAGES). The
+expansion in place moves 144 KB of shared memory per tile (the copy's 36 KB, then 36 KB read and 72 KB written)
+against bf16's 72 KB. A third partition (`_fp8_loader`, 4 warps at 96 registers; the warpgroups at 200-208) instead
+loads each tile from the cache with plain loads, converts it to fp16 in registers and stores the chunks into the
+slots: 72 KB per tile, as bf16. The warpgroups then run the bf16 path on fp16 chunks (score operands indexed at a
+runtime zero: `_score_mmas_at`) and, where they would issue a freed group's next copy, release it to the loader
+(`_reissue`: kv_empty, one barrier per slot and group); the loader writes each pair's groups in the order they are
+freed (slot 0's E and L, slot 1's R, E and L, slot 0's R), two groups in flight (a group's loads are issued before
+the previous group is stored, and before the wait for its own release), and asks the L2 for the next pair's tiles
+(`_prefetch_tile`, pages of 64k only). Tokens past KV_END load as 0. The same conversions, MMAs and order: the same
+bits as the in-place path. One H200 (thirty-third session, config_ab, in place / loader, fp8kv, us): 409.5 / 373.7 at
+(128, 4096, 128) and 123.1 / 111.2 at (32, 4096, 128) on pages of 16, 383.5 / 375.5 and 113.8 / 110.8 on pages of 32;
+on pages of 64 347.6 / 358.0, 105.4 / 105.5, 185.2 / 199.4 at (128, 4096, 64), so those keep the in-place path. With
+the loader reading one cached row for every tile (wrong values, timing only) the kernel took 283.3 and 84.4 us on
+pages of 64, our bf16's time: the loader's latency, not the warpgroups, is what is left (a serial loader, one group
+at a time, took 434.6; with the L2 prefetch 373.9).
+
 Device only: Gluon kernels need a CUDA driver (sm_90); the interpreter cannot run them, so this kernel has GPU
 tests only (tests/test_triton_gpu.py). `mla_fast.triton_decode.launch` calls it for `KernelConfig(kernel="gluon")`,
 which `triton_decode.batch_config` chooses where `supported(batch)` and the rows per program exceed 16 (bf16) or 32
@@ -873,9 +890,6 @@ def _loader_rows(BLOCK_TABLE, b, stride_bt, t0, kv_end, PAGE_SIZE: gl.constexpr)
     return (page.to(gl.int64) * PAGE_SIZE + tok % PAGE_SIZE) * (_L_DIM + _R_DIM), ok
 
 
-_PROBES = gl.constexpr(gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0]))  # [64 tokens, 8 probes]: 4 per thread
-
-
 @gluon.jit
 def _fetch_group(KV, rows, ok, g: gl.constexpr):
     """The fp8 bytes of chunk group g of a tile (`_loader_rows`: rows, ok) from the cache: one register tensor
@@ -899,6 +913,9 @@ def _put_group(kv_smem, kv_full, kv_empty, slot: gl.constexpr, n, xs, g: gl.cons
         _chunk(kv_smem, slot, _group_first(g) + j).store(xs[j].to(gl.float16))
     fence_async_shared()
     mbarrier.arrive(kv_full.index(slot * 3 + g))
+
+
+_PROBES = gl.constexpr(gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0]))  # [64 tokens, 8 probes]: 4 per thread
 
 
 @gluon.jit
@@ -945,26 +962,29 @@ def _fp8_loader(KV, kv_smem, kv_full, kv_empty, BLOCK_TABLE, SEQ_LENS, QO_INDPTR
             # two groups in flight: each group's bytes are loaded before the previous group is stored (without a
             # second tile, tokens past kv_end: slot 1's loads are masked off and its groups not written)
             rows1, ok1 = _loader_rows(BLOCK_TABLE, b, stride_bt, t0 + _TILE, kv_end, PAGE_SIZE)
-            a = _fetch_group(KV, rows0, ok0, _GROUP_E)
-            c = _fetch_group(KV, rows0, ok0, _GROUP_L)
-            _put_group(kv_smem, kv_full, kv_empty, 0, n0, a, _GROUP_E)
-            d = _fetch_group(KV, rows1, ok1, _GROUP_R)
-            _put_group(kv_smem, kv_full, kv_empty, 0, n0, c, _GROUP_L)
-            e = _fetch_group(KV, rows1, ok1, _GROUP_E)
+            e0 = _fetch_group(KV, rows0, ok0, _GROUP_E)
+            l0 = _fetch_group(KV, rows0, ok0, _GROUP_L)
+            _put_group(kv_smem, kv_full, kv_empty, 0, n0, e0, _GROUP_E)
+            r1 = _fetch_group(KV, rows1, ok1, _GROUP_R)
+            _put_group(kv_smem, kv_full, kv_empty, 0, n0, l0, _GROUP_L)
+            e1 = _fetch_group(KV, rows1, ok1, _GROUP_E)
             if has1:
-                _put_group(kv_smem, kv_full, kv_empty, 1, n1, d, _GROUP_R)
-            f = _fetch_group(KV, rows1, ok1, _GROUP_L)
+                _put_group(kv_smem, kv_full, kv_empty, 1, n1, r1, _GROUP_R)
+            l1 = _fetch_group(KV, rows1, ok1, _GROUP_L)
             if has1:
-                _put_group(kv_smem, kv_full, kv_empty, 1, n1, e, _GROUP_E)
-            r = _fetch_group(KV, rows0, ok0, _GROUP_R)
+                _put_group(kv_smem, kv_full, kv_empty, 1, n1, e1, _GROUP_E)
+            r0 = _fetch_group(KV, rows0, ok0, _GROUP_R)
             if has1:
-                _put_group(kv_smem, kv_full, kv_empty, 1, n1, f, _GROUP_L)
-            _put_group(kv_smem, kv_full, kv_empty, 0, n0, r, _GROUP_R)
+                _put_group(kv_smem, kv_full, kv_empty, 1, n1, l1, _GROUP_L)
+            _put_group(kv_smem, kv_full, kv_empty, 0, n0, r0, _GROUP_R)
             n0 += 1
             n1 += has1.to(gl.int32)
 
 
-LOADER_REGS = gl.constexpr((208, 96))  # registers of warpgroup 1 and of the loader partition (LOADER)
+# registers of warpgroup 1 and of the loader partition (LOADER; warpgroup 0 gets the rest, 208): two chunk groups in
+# flight take the loader's 96, and the warpgroups fit 200-208 without spills in their loops only with their score
+# operands indexed at a runtime zero (`_score_mmas_at`; the hoisted descriptors spilled 35 instructions per loop)
+LOADER_REGS = gl.constexpr((208, 96))
 
 
 @gluon.jit(do_not_specialize=["num_items", "head_split"])  # no recompile per item count or head split
@@ -1010,27 +1030,31 @@ def _mla_decode_seesaw_kernel(
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_full = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())  # [slot x 3 + group]
     xbar = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())  # LOADER: groups freed
+    if LOADER:  # groups freed by the warpgroups for the loader ([slot x 3 + group])
+        kv_empty = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
+    else:  # (not read)
+        kv_empty = xbar
     mbarrier.init(q_full, count=1)
     mbarrier.init(q_empty, count=1)
     for i in gl.static_range(6):
         mbarrier.init(kv_full.index(i), count=1)
         mbarrier.init(xbar.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=1)
+        if LOADER:
+            mbarrier.init(kv_empty.index(i), count=1)
     fence_async_shared()
     # (the partitions' arguments written out: a tuple built with + loses its constexprs)
-    if LOADER:
+    if LOADER:  # three partitions: the warpgroups and the loader (4 warps each)
         gl.warp_specialize([
             (_warpgroup, (0, Q, q_desc, kv_desc, kvg_desc, q_smem, kv_smem, kv8, p0_smem, m_smem, l_smem, q_full,
-                  q_empty, kv_full, xbar, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, WORKER_INDPTR, num_items, OUT, LSE,
-                  O_PART, LSE_PART, Q_SCALE, KV_SCALE, sm_scale_log2, num_heads, stride_qt, stride_qh, stride_bt,
-                  stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt, PAGE_SIZE, head_split,
-                  HEAD_SPLIT, HEAD_GROUP, KV_FP8, ONE_ITEM, GROUPED, kv_empty, LOADER)),
+                          q_empty, kv_full, xbar, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, WORKER_INDPTR,
+                          num_items, OUT, LSE, O_PART, LSE_PART, Q_SCALE, KV_SCALE, sm_scale_log2, num_heads, stride_qt,
+                          stride_qh, stride_bt, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt,
+                          PAGE_SIZE, head_split, HEAD_SPLIT, HEAD_GROUP, KV_FP8, ONE_ITEM, GROUPED, kv_empty, LOADER)),
             (_warpgroup, (1, Q, q_desc, kv_desc, kvg_desc, q_smem, kv_smem, kv8, p0_smem, m_smem, l_smem, q_full,
-                  q_empty, kv_full, xbar, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, WORKER_INDPTR, num_items, OUT, LSE,
-                  O_PART, LSE_PART, Q_SCALE, KV_SCALE, sm_scale_log2, num_heads, stride_qt, stride_qh, stride_bt,
-                  stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt, PAGE_SIZE, head_split,
-                  HEAD_SPLIT, HEAD_GROUP, KV_FP8, ONE_ITEM, GROUPED, kv_empty, LOADER)),
+                          q_empty, kv_full, xbar, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, WORKER_INDPTR,
+                          num_items, OUT, LSE, O_PART, LSE_PART, Q_SCALE, KV_SCALE, sm_scale_log2, num_heads, stride_qt,
+                          stride_qh, stride_bt, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt,
+                          PAGE_SIZE, head_split, HEAD_SPLIT, HEAD_GROUP, KV_FP8, ONE_ITEM, GROUPED, kv_empty, LOADER)),
             (_fp8_loader, (KV, kv_smem, kv_full, kv_empty, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS,
                            WORKER_INDPTR, num_items, stride_bt, head_split, PAGE_SIZE, HEAD_SPLIT, HEAD_GROUP,
                            ONE_ITEM)),
@@ -1038,15 +1062,15 @@ def _mla_decode_seesaw_kernel(
     else:
         gl.warp_specialize([
             (_warpgroup, (0, Q, q_desc, kv_desc, kvg_desc, q_smem, kv_smem, kv8, p0_smem, m_smem, l_smem, q_full,
-                  q_empty, kv_full, xbar, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, WORKER_INDPTR, num_items, OUT, LSE,
-                  O_PART, LSE_PART, Q_SCALE, KV_SCALE, sm_scale_log2, num_heads, stride_qt, stride_qh, stride_bt,
-                  stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt, PAGE_SIZE, head_split,
-                  HEAD_SPLIT, HEAD_GROUP, KV_FP8, ONE_ITEM, GROUPED, kv_empty, LOADER)),
+                          q_empty, kv_full, xbar, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, WORKER_INDPTR,
+                          num_items, OUT, LSE, O_PART, LSE_PART, Q_SCALE, KV_SCALE, sm_scale_log2, num_heads, stride_qt,
+                          stride_qh, stride_bt, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt,
+                          PAGE_SIZE, head_split, HEAD_SPLIT, HEAD_GROUP, KV_FP8, ONE_ITEM, GROUPED, kv_empty, LOADER)),
             (_warpgroup, (1, Q, q_desc, kv_desc, kvg_desc, q_smem, kv_smem, kv8, p0_smem, m_smem, l_smem, q_full,
-                  q_empty, kv_full, xbar, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, WORKER_INDPTR, num_items, OUT, LSE,
-                  O_PART, LSE_PART, Q_SCALE, KV_SCALE, sm_scale_log2, num_heads, stride_qt, stride_qh, stride_bt,
-                  stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt, PAGE_SIZE, head_split,
-                  HEAD_SPLIT, HEAD_GROUP, KV_FP8, ONE_ITEM, GROUPED, kv_empty, LOADER)),
+                          q_empty, kv_full, xbar, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, WORKER_INDPTR,
+                          num_items, OUT, LSE, O_PART, LSE_PART, Q_SCALE, KV_SCALE, sm_scale_log2, num_heads, stride_qt,
+                          stride_qh, stride_bt, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt,
+                          PAGE_SIZE, head_split, HEAD_SPLIT, HEAD_GROUP, KV_FP8, ONE_ITEM, GROUPED, kv_empty, LOADER)),
         ], [4], [256])
 
 
@@ -1095,9 +1119,10 @@ GROUPED_PAGES = (16, 32, 64)
 # e4m3fn cache pages whose c_kv halves the seesaw stages in the grouped layout (`grouped_layout`, _STAGE8; pages of
 # 64k count as 64): all it takes. Emptied (config_ab's `SEESAW_FP8_GROUPED_PAGES=()`), the chunk boxes for A/B runs
 SEESAW_FP8_GROUPED_PAGES = (16, 32, 64)
-# e4m3fn caches: a loader partition converts each tile to fp16 on its way from global memory (`_fp8_loader`) instead
-# of the warpgroups expanding TMA-staged fp8 in place (False: the in-place expansion, for A/B runs)
-SEESAW_FP8_LOADER = True
+# e4m3fn cache pages (64k as 64) whose tiles a loader partition converts on their way from global memory
+# (`fp8_loader`, `_fp8_loader`); on the others the warpgroups expand TMA-staged fp8 in place. Emptied
+# (config_ab's `SEESAW_FP8_LOADER_PAGES=()`), the in-place expansion everywhere for A/B runs
+SEESAW_FP8_LOADER_PAGES = (16, 32)
 
 
 def grouped_layout(kv: torch.Tensor) -> bool:
@@ -1113,6 +1138,17 @@ def grouped_layout(kv: torch.Tensor) -> bool:
     356.5 / 345.5 on pages of 64 (with the fp8 seesaw's runtime head split, thirty-first session)."""
     pages = GROUPED_PAGES if kv.dtype == torch.bfloat16 else SEESAW_FP8_GROUPED_PAGES
     return min(kv.shape[1], TILE) in pages
+
+
+def fp8_loader(kv: torch.Tensor) -> bool:
+    """Whether the seesaw runs an e4m3fn cache's tiles through its loader partition (`_fp8_loader`: plain loads,
+    fp16 conversion in registers, stores into the tile slots) instead of expanding TMA-staged fp8 in place:
+    SEESAW_FP8_LOADER_PAGES, pages of 64k as 64. The same bits either way. On one H200 (config_ab, fresh compiles,
+    in place / loader, us, fp8kv): pages of 16 409.5 / 373.7 at (128, 4096, 128), 123.1 / 111.2 at (32, 4096, 128),
+    217.9 / 201.3 at (128, 4096, 64); pages of 32 383.5 / 375.5, 113.8 / 110.8, 202.8 / 199.6; pages of 64
+    347.6 / 358.0, 105.4 / 105.5, 185.2 / 199.4, and 112.3 / 115.4 at (64, 4096, 16) q_len 4 (thirty-third
+    session)."""
+    return kv.dtype == torch.float8_e4m3fn and min(kv.shape[1], TILE) in SEESAW_FP8_LOADER_PAGES
 
 
 def grouped_descriptor(kv: torch.Tensor, box_rows: int, width: int, layout) -> TensorDescriptor:
@@ -1183,7 +1219,7 @@ def launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, he
                                gl.NVMMASharedLayout.get_default_for([TILE, CHUNK], _GL_DTYPE[kv.dtype]))
     grouped = grouped_layout(kv)
     fp8 = kv.dtype == torch.float8_e4m3fn
-    loader = fp8 and SEESAW_FP8_LOADER
+    loader = fp8_loader(kv)
     if grouped:  # a page's 8-token groups x 4 chunks of a c_kv half per copy (the cache as [rows / 8, 9, 8, 64])
         page_layout = _STAGED_PAGE if fp8 else _PAGE_LAYOUT
         kvg_desc = grouped_descriptor(kv, TILE // boxes, CHUNK, page_layout.value)

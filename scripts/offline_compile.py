@@ -5,6 +5,7 @@ instruction counts.
     python scripts/offline_compile.py seesaw --combo fp8kv --heads 128
     python scripts/offline_compile.py gluon_fp8 --combo fp8 --heads 16 --q-len 2 --sass /tmp/gluon_fp8.sass
     python scripts/offline_compile.py triton_pair --combo bf16 --heads 16
+    python scripts/offline_compile.py seesaw --combo fp8kv --page-size 16 --fp8-in-place  # no loader partition
 
 A stand-in CUDA driver (sm_90, never asked to launch) lets Triton compile, and the launch is made a warm-up, so
 nothing runs. Gluon kernels cannot run in the interpreter, and neither can the Triton kernel's pair merge (2-CTA
@@ -134,7 +135,7 @@ def code_ptx(ptx: str) -> str:
 
 def ptxas_report(ptx: str, sass_path: str | None) -> dict:
     """ptxas -v on the kernel's PTX (sm_90a): registers, spill bytes and warnings; the SASS opcode counts and its
-    MMA loops (`sass_loops.mma_loops`: static instruction, wgmma, BAR and SYNCS counts of each innermost one)."""
+    MMA loops (`sass_loops.mma_loops`: static instruction, wgmma, BAR, SYNCS and spill counts of each innermost one)."""
     with tempfile.TemporaryDirectory() as tmp:
         ptx_file, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
         ptx_file.write_text(ptx)
@@ -166,7 +167,14 @@ def main(argv=None) -> None:
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--sass", help="write the SASS here")
     parser.add_argument("--ptx", help="write the PTX here, without its debug records (`code_ptx`)")
+    parser.add_argument("--fp8-in-place", action="store_true",
+                        help="the seesaw expands e4m3fn tiles in place on every page size (gluon_decode."
+                             "SEESAW_FP8_LOADER_PAGES emptied: no loader partition)")
     args = parser.parse_args(argv)
+    if args.fp8_in_place:
+        from mla_fast import gluon_decode
+
+        gluon_decode.SEESAW_FP8_LOADER_PAGES = ()
     compiled = compile_kernel(args.kernel, args.combo, args.heads, args.q_len, args.page_size)
     if args.ptx:
         Path(args.ptx).write_text(code_ptx(compiled.asm["ptx"]))

@@ -1,5 +1,6 @@
 """The MMA loops of a Hopper kernel's SASS (cuobjdump -sass): for each innermost loop that issues at least MIN_MMA
-wgmma instructions (HGMMA / QGMMA), its static instruction count and its HGMMA, QGMMA, BAR and SYNCS counts.
+wgmma instructions (HGMMA / QGMMA), its static instruction count and its HGMMA, QGMMA, BAR, SYNCS, STL and LDL counts
+(the last two: spill traffic inside the loop).
 
     python scripts/sass_loops.py /tmp/seesaw.sass                 # from scripts/offline_compile.py --sass
     cuobjdump -sass -fun NAME peer.so > peer.sass && python scripts/sass_loops.py peer.sass
@@ -17,7 +18,7 @@ from collections import Counter
 
 MIN_MMA = 8
 _LINE = re.compile(r"^\s+/\*([0-9a-f]+)\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", re.M)
-COUNTED = ("HGMMA", "QGMMA", "BAR", "SYNCS")
+COUNTED = ("HGMMA", "QGMMA", "BAR", "SYNCS", "STL", "LDL")  # STL / LDL: spilled registers stored / reloaded
 
 
 def instructions(sass: str) -> list[tuple[int, bool, str, str]]:
@@ -26,8 +27,8 @@ def instructions(sass: str) -> list[tuple[int, bool, str, str]]:
 
 
 def mma_loops(sass: str, min_mma: int = MIN_MMA) -> list[dict]:
-    """[{instructions, HGMMA, QGMMA, BAR, SYNCS}, ...] of the innermost loops with >= min_mma wgmmas, in address
-    order."""
+    """[{instructions, HGMMA, QGMMA, BAR, SYNCS, STL, LDL}, ...] of the innermost loops with >= min_mma wgmmas, in
+    address order."""
     ins = [(address, predicated, op.split(".")[0], args) for address, predicated, op, args in instructions(sass)]
     index = {address: i for i, (address, *_) in enumerate(ins)}
     loops = []

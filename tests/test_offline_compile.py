@@ -17,12 +17,13 @@ PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 MAX_REGISTERS = 255  # sm_90: registers per thread an instruction can name
 
 
-def _compile(kernel: str, combo: str, heads: int, q_len: int = 1, page_size: int = 64, sass=None, ptx=None) -> dict:
+def _compile(kernel: str, combo: str, heads: int, q_len: int = 1, page_size: int = 64, sass=None, ptx=None,
+             fp8_in_place: bool = False) -> dict:
     """scripts/offline_compile.py in a process of its own -> its report (the SASS / PTX written to `sass` / `ptx` if
-    given)."""
+    given; fp8_in_place: the seesaw without its fp8 loader partition on any page size)."""
     cmd = [sys.executable, str(ROOT / "scripts" / "offline_compile.py"), kernel, "--combo", combo, "--heads",
            str(heads), "--q-len", str(q_len), "--page-size", str(page_size)] + (["--sass", str(sass)] if sass else [])
-    cmd += ["--ptx", str(ptx)] if ptx else []
+    cmd += (["--ptx", str(ptx)] if ptx else []) + (["--fp8-in-place"] if fp8_in_place else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return ast.literal_eval(proc.stdout.strip().splitlines()[-1])
@@ -96,16 +97,38 @@ def test_seesaw_copies_bf16_pages_in_the_grouped_layout_without_spills(page_size
 
 @pytest.mark.skipif(not PTXAS.exists(), reason="this triton wheel ships no ptxas")
 def test_seesaw_stages_an_fp8_page_of_a_c_kv_half_in_one_tma_box(tmp_path):
-    """e4m3fn cache on pages of 16 (gluon_decode.SEESAW_FP8_GROUPED_PAGES): each c_kv half's fp8 bytes are staged
-    one 4-D copy per page (8 places a half is issued x 4 pages), k_pe one 2-D copy per page (4 places x 4); per-page
-    boxes of each chunk had been 36 copies per tile. (The fp8 seesaw's own spills, 196 bytes here, are not the
-    staging's: 240 with per-page boxes.)"""
+    """e4m3fn cache on pages of 16 expanded in place (SEESAW_FP8_LOADER_PAGES emptied; the in-place path's staging,
+    gluon_decode.SEESAW_FP8_GROUPED_PAGES): each c_kv half's fp8 bytes are staged one 4-D copy per page (8 places a
+    half is issued x 4 pages), k_pe one 2-D copy per page (4 places x 4); per-page boxes of each chunk had been 36
+    copies per tile. (The fp8 seesaw's own spills, 196 bytes here, are not the staging's: 240 with per-page
+    boxes.)"""
     sass = tmp_path / "f8p16.sass"
-    report = _compile("seesaw", "fp8kv", 128, page_size=16, sass=sass)
+    report = _compile("seesaw", "fp8kv", 128, page_size=16, sass=sass, fp8_in_place=True)
     assert 0 < report["registers"] <= MAX_REGISTERS, report
     text = sass.read_text()
     assert len(re.findall(r"\bUTMALDG\.4D\b", text)) == 32
     assert len(re.findall(r"\bUTMALDG\.2D\b", text)) == 16
+
+
+@pytest.mark.skipif(not PTXAS.exists(), reason="this triton wheel ships no ptxas")
+@pytest.mark.parametrize("combo, heads, q_len, page_size", [("fp8kv", 128, 1, 16), ("fp8", 64, 1, 32),
+                                                            ("fp8kv", 16, 4, 16)])
+def test_fp8_seesaw_loader_partition_on_small_pages(combo, heads, q_len, page_size, tmp_path):
+    """e4m3fn caches on pages of 16 and 32 (gluon_decode.SEESAW_FP8_LOADER_PAGES): the tiles come through the loader
+    partition, not TMA: no tensor copy at all (q is loaded by warpgroup 0 with an fp8 cache), the cache read with
+    plain loads (18 chunks x 4 eight-byte loads per thread and pair, two groups in flight); three partitions (the
+    loader at 96 registers); the warpgroups' MMA loops spill nothing (their score operands at a runtime zero). Pages
+    of 64 keep the in-place expansion (test_fp8_seesaw_at_64_and_128_heads_is_one_compile)."""
+    sass = tmp_path / "loader.sass"
+    report = _compile("seesaw", combo, heads, q_len, page_size, sass=sass)
+    assert 0 < report["registers"] <= MAX_REGISTERS and report["spill_stores"] <= 16, report
+    text = sass.read_text()
+    assert not re.search(r"\bUTMALDG\b", text)
+    assert len(re.findall(r"\bLDG\.E\.64\b", text)) >= 72
+    assert re.search(r"\bUSETMAXREG\.DEALLOC\.CTAPOOL\s+0x60\b", text)  # the loader's 96
+    loops = report["mma_loops"]
+    assert [loop["HGMMA"] for loop in loops] == [48, 44], loops
+    assert all(loop["STL"] == loop["LDL"] == 0 for loop in loops), loops
 
 
 @pytest.mark.skipif(not PTXAS.exists(), reason="this triton wheel ships no ptxas")

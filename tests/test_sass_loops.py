@@ -37,7 +37,18 @@ LISTING = _sass({
 
 def test_the_innermost_mma_loop_and_its_counts():
     sl = _module()
-    assert sl.mma_loops(LISTING) == [{"instructions": 12, "HGMMA": 8, "QGMMA": 0, "BAR": 1, "SYNCS": 1}]
+    assert sl.mma_loops(LISTING) == [{"instructions": 12, "HGMMA": 8, "QGMMA": 0, "BAR": 1, "SYNCS": 1, "STL": 0,
+                                      "LDL": 0}]
     # with a lower threshold the stub's unconditional branch back (0x60..0x220: 4 HGMMA) is still no loop
     assert sl.mma_loops(LISTING, min_mma=4) == sl.mma_loops(LISTING)
     assert sl.mma_loops(LISTING, min_mma=9) == []  # no loop with 9 wgmmas
+
+
+def test_spill_traffic_inside_the_loop_is_counted():
+    """A register spilled and reloaded inside the loop (STL / LDL) shows in its counts; outside it does not."""
+    sl = _module()
+    inside = LISTING.replace("BAR.SYNC.DEFER_BLOCKING 0x2, 0x80", "STL [R1+0x8], R2")
+    assert sl.mma_loops(inside)[0] | {"BAR": 1, "STL": 0} == sl.mma_loops(LISTING)[0]
+    assert (sl.mma_loops(inside)[0]["STL"], sl.mma_loops(inside)[0]["LDL"]) == (1, 0)
+    outside = LISTING.replace("MOV R1, c[0x0][0x28]", "LDL R2, [R1+0x8]")  # before the loops
+    assert sl.mma_loops(outside) == sl.mma_loops(LISTING)

@@ -689,6 +689,14 @@ def test_gluon_kernel_rejects_what_it_cannot_take():
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(gd, constant, ())
             assert not any(gd.grouped_layout(kv) for (d, _), kv in caches.items() if d == dtype)
+    # the fp8 loader partition (gd.fp8_loader): e4m3fn caches on pages of 16 and 32 only (pages of 64k expand in
+    # place), never bf16; emptied, none
+    assert [k for k, kv in caches.items() if gd.fp8_loader(kv)] == [(fp8, 16), (fp8, 32)]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gd, "SEESAW_FP8_LOADER_PAGES", (16, 32, 64))
+        assert [k for k, kv in caches.items() if gd.fp8_loader(kv)] == [(fp8, p) for p in (16, 32, 64, 128)]
+        mp.setattr(gd, "SEESAW_FP8_LOADER_PAGES", ())
+        assert not any(gd.fp8_loader(kv) for kv in caches.values())
     # the config's operand dtype must be the cache's: bf16 for bf16, fp16 for e4m3fn
     assert "mma='fp16', got mma='bf16'" in gd.unsupported(fp8kv, 64, 1, 64, "bf16")
     assert "mma='bf16', got mma='fp16'" in gd.unsupported(ok, 64, 1, 64, "fp16")

@@ -569,11 +569,35 @@ def test_gluon_seesaw_grouped_layout_gives_the_bits_of_the_standard_one(case, mo
                          ids=lambda c: f"{c.combo}_h{c.heads}_p{c.page_size}")
 def test_gluon_seesaw_fp8_grouped_staging_gives_the_bits_of_per_page_boxes(case, monkeypatch):
     """e4m3fn caches on pages of 32 (bf16 q), 16 (fp8 q, MTP), 128 (fp8 q, 128 heads) and 64 (bf16 q, 64 heads),
-    gluon_decode.SEESAW_FP8_GROUPED_PAGES: against the chunk boxes (per page, or per tile on pages of 64k)."""
+    gluon_decode.SEESAW_FP8_GROUPED_PAGES: against the chunk boxes (per page, or per tile on pages of 64k). The
+    in-place expansion's staging: without the loader partition (SEESAW_FP8_LOADER_PAGES emptied), which takes the
+    small pages by default."""
     from mla_fast import gluon_decode as gd
 
+    monkeypatch.setattr(gd, "SEESAW_FP8_LOADER_PAGES", ())
     _check_grouped_layout_gives_the_bits_of_the_standard_one(
         case, _gluon(case.heads, max(case.q_lens), case.combo), gd, "SEESAW_FP8_GROUPED_PAGES", monkeypatch)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon' needs sm_90")
+@pytest.mark.parametrize("case", SEESAW_SMALL_PAGE_CASES[1:3] + SEESAW_FP8_CASES[1:6:2],
+                         ids=lambda c: f"{c.combo}_h{c.heads}_p{c.page_size}_q{max(c.q_lens)}")
+def test_gluon_seesaw_fp8_loader_gives_the_bits_of_the_in_place_expansion(case, monkeypatch):
+    """e4m3fn caches through the loader partition (gluon_decode.fp8_loader: plain loads, fp16 in registers) and
+    expanded in place from TMA-staged fp8: both convert exactly and feed the same MMAs in the same order, so out and
+    lse are bitwise the same. Pages of 32 and 16 (the loader's by default; MTP), 128 and 64 (forced onto the loader:
+    odd tile counts, zero-length requests, splits, MTP at 16 heads)."""
+    from mla_fast import gluon_decode as gd
+    from mla_fast import triton_decode as td
+
+    config = td.KernelConfig(**_gluon(case.heads, max(case.q_lens), case.combo))
+    batch = case.batch("cuda")
+    results = []
+    for pages in ((16, 32, 64), ()):
+        monkeypatch.setattr(gd, "SEESAW_FP8_LOADER_PAGES", pages)
+        assert gd.fp8_loader(batch.kv_cache) == bool(pages)
+        results.append(td.decode(batch, plan=td.make_plan(batch, config), config=config))
+    assert same_bits(*results)  # loader, in place
 
 
 def _check_small_pages_give_the_bits_of_pages_of_64(case, overrides: dict):
