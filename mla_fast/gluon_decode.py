@@ -1042,7 +1042,8 @@ def _mla_decode_seesaw_kernel(
         if LOADER:
             mbarrier.init(kv_empty.index(i), count=1)
     fence_async_shared()
-    # (the partitions' arguments written out: a tuple built with + loses its constexprs)
+    # The warpgroups' arguments are written out in each call (twice): a tuple built once and reused, or with +,
+    # turns their constexprs into runtime values (triton 3.6; the module docstring's last note)
     if LOADER:  # three partitions: the warpgroups and the loader (4 warps each)
         gl.warp_specialize([
             (_warpgroup, (0, Q, q_desc, kv_desc, kvg_desc, q_smem, kv_smem, kv8, p0_smem, m_smem, l_smem, q_full,
