@@ -777,8 +777,8 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, kvg_desc, q_smem, kv_smem, 
             if WG == 0:
                 s = _masked(_scores(q_smem, kv_smem, kv8, kv_full, 0, ph0, kv_end - t0, s_layout, EXPAND, GROUPED,
                                     zero, LOADER), t0, kv_end, limit, qk_scale, s_layout)
-                _reissue(io, 0, row0, walk, _GROUP_E, next0, KV_FP8, PAGE_SIZE,
-                         BOXES, GROUPED, LOADER)  # slot 0's k_pe chunk is free
+                # slot 0's k_pe chunk is free
+                _reissue(io, 0, row0, walk, _GROUP_E, next0, KV_FP8, PAGE_SIZE, BOXES, GROUPED, LOADER)
                 m0 = gl.maximum(m_i, gl.max(s, 1))  # [M]
                 alpha0 = _alpha(m_i, m0)
                 p = gl.exp2(s - gl.where(m0 == float("-inf"), 0.0, m0)[:, None])  # [M, N] fp32
@@ -797,8 +797,8 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, kvg_desc, q_smem, kv_smem, 
                 fence_async_shared()
                 mbarrier.arrive(xbar.index(2))
                 acc = warpgroup_mma_wait(0, deps=(acc,))
-                _reissue(io, 0, row0, walk, _GROUP_L, next0, KV_FP8, PAGE_SIZE,
-                         BOXES, GROUPED, LOADER)  # slot 0's V_L is free
+                # slot 0's V_L is free
+                _reissue(io, 0, row0, walk, _GROUP_L, next0, KV_FP8, PAGE_SIZE, BOXES, GROUPED, LOADER)
                 acc = acc * gl.convert_layout(alpha1, orow_l)[:, None]
                 l_i = l_i * alpha1
                 m_i = m1
@@ -810,10 +810,8 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, kvg_desc, q_smem, kv_smem, 
                     acc = warpgroup_mma(_chunk(kv_smem, 1, 8), _v_half(kv_smem, 1, 0, HALVES), acc, is_async=True)
                     acc = warpgroup_mma_wait(0, deps=(acc,))
                     # slot 1's V_L and p1 (over its k_pe chunk) are free
-                    _reissue(io, 1, row1, walk, _GROUP_L, next1, KV_FP8, PAGE_SIZE,
-                             BOXES, GROUPED, LOADER)
-                    _reissue(io, 1, row1, walk, _GROUP_E, next1, KV_FP8, PAGE_SIZE,
-                             BOXES, GROUPED, LOADER)
+                    _reissue(io, 1, row1, walk, _GROUP_L, next1, KV_FP8, PAGE_SIZE, BOXES, GROUPED, LOADER)
+                    _reissue(io, 1, row1, walk, _GROUP_E, next1, KV_FP8, PAGE_SIZE, BOXES, GROUPED, LOADER)
             else:
                 if has1:
                     s = _masked(_scores(q_smem, kv_smem, kv8, kv_full, 1, ph1, kv_end - t0 - _TILE, s_layout,
@@ -841,22 +839,19 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, kvg_desc, q_smem, kv_smem, 
                                         is_async=True)
                     if EXPAND:  # slot 1's V_R is free once p1 V1_R retires: reload it before waiting for p0'
                         acc = warpgroup_mma_wait(0, deps=(acc,))
-                        _reissue(io, 1, row1, walk, _GROUP_R, next1, KV_FP8,
-                                 PAGE_SIZE, BOXES, GROUPED, LOADER)
+                        _reissue(io, 1, row1, walk, _GROUP_R, next1, KV_FP8, PAGE_SIZE, BOXES, GROUPED, LOADER)
                         acc = warpgroup_mma_wait(0, deps=(_pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end,
                                                                  ph0, xph, KV_FP8, HALVES),))
                     else:  # bf16 (and LOADER): p0' V0_R queued behind p1 V1_R first, then the reload or release
                         acc = _pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end, ph0, xph, KV_FP8, HALVES)
                         acc = warpgroup_mma_wait(1, deps=(acc,))  # p1 V1_R has retired
-                        _reissue(io, 1, row1, walk, _GROUP_R, next1, KV_FP8,
-                                 PAGE_SIZE, BOXES, GROUPED, LOADER)
+                        _reissue(io, 1, row1, walk, _GROUP_R, next1, KV_FP8, PAGE_SIZE, BOXES, GROUPED, LOADER)
                         acc = warpgroup_mma_wait(0, deps=(acc,))
                 else:
                     acc = warpgroup_mma_wait(0, deps=(_pv_p0(acc, kv_smem, p0_smem, kv_full, xbar, t0, kv_end, ph0,
                                                              xph, KV_FP8, HALVES),))
                 # slot 0's V_R is free (warpgroup 0's scores of it are done: it published p0')
-                _reissue(io, 0, row0, walk, _GROUP_R, next0, KV_FP8, PAGE_SIZE,
-                         BOXES, GROUPED, LOADER)
+                _reissue(io, 0, row0, walk, _GROUP_R, next0, KV_FP8, PAGE_SIZE, BOXES, GROUPED, LOADER)
                 m_i = m1
             uses0 += 1
             uses1 += has1.to(gl.int32)
