@@ -1121,6 +1121,12 @@ SEESAW_FP8_GROUPED_PAGES = (16, 32, 64)
 SEESAW_FP8_LOADER_PAGES = (16, 32)
 
 
+def page_in(kv: torch.Tensor, pages: tuple[int, ...]) -> bool:
+    """Whether a cache's page size is one of `pages`, pages of a multiple of 64 tokens counted as 64 (the Gluon
+    kernels' per-page-size launch choices: `grouped_layout`, `fp8_loader`, gluon_fp8.grouped_layout)."""
+    return min(kv.shape[1], TILE) in pages
+
+
 def grouped_layout(kv: torch.Tensor) -> bool:
     """Whether the seesaw keeps a cache's c_kv halves in the grouped layout (an e4m3fn cache: their fp8 staging). For
     bf16 (_HALF_LAYOUT: 8-token boxes of 4 chunks, one 4-D TMA copy per page and half, so 64 / page_size x 2 copies per
@@ -1132,8 +1138,7 @@ def grouped_layout(kv: torch.Tensor) -> bool:
     docstring). An e4m3fn cache's c_kv halves are staged in that layout as fp8 (_STAGE8) on SEESAW_FP8_GROUPED_PAGES,
     and expanded into the standard layout's fp16 chunks: 478.1 / 408.5 us at (128, 4096, 128) fp8kv on pages of 16,
     356.5 / 345.5 on pages of 64 (with the fp8 seesaw's runtime head split, thirty-first session)."""
-    pages = GROUPED_PAGES if kv.dtype == torch.bfloat16 else SEESAW_FP8_GROUPED_PAGES
-    return min(kv.shape[1], TILE) in pages
+    return page_in(kv, GROUPED_PAGES if kv.dtype == torch.bfloat16 else SEESAW_FP8_GROUPED_PAGES)
 
 
 def fp8_loader(kv: torch.Tensor) -> bool:
@@ -1144,7 +1149,7 @@ def fp8_loader(kv: torch.Tensor) -> bool:
     217.9 / 201.3 at (128, 4096, 64); pages of 32 383.5 / 375.5, 113.8 / 110.8, 202.8 / 199.6; pages of 64
     347.6 / 358.0, 105.4 / 105.5, 185.2 / 199.4, and 112.3 / 115.4 at (64, 4096, 16) q_len 4 (thirty-third
     session)."""
-    return kv.dtype == torch.float8_e4m3fn and min(kv.shape[1], TILE) in SEESAW_FP8_LOADER_PAGES
+    return kv.dtype == torch.float8_e4m3fn and page_in(kv, SEESAW_FP8_LOADER_PAGES)
 
 
 def grouped_descriptor(kv: torch.Tensor, box_rows: int, width: int, layout) -> TensorDescriptor:

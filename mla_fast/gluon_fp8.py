@@ -616,7 +616,7 @@ def supported(batch) -> bool:
 def grouped_layout(kv: torch.Tensor) -> bool:
     """Whether the kernel keeps a cache's c_kv slots in the grouped layout (_TILE8: 8-token boxes of 4 quarters, one
     4-D TMA copy per page instead of 4 quarter boxes): FP8_GROUPED_PAGES, pages of 64k counted as 64."""
-    return min(kv.shape[1], TILE) in FP8_GROUPED_PAGES
+    return gluon_decode.page_in(kv, FP8_GROUPED_PAGES)
 
 
 def launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, head_group: int, head_split: int,
