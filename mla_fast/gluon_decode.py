@@ -267,6 +267,15 @@ def _worker_items(WORKER_INDPTR, worker, num_items, ONE_ITEM: gl.constexpr):
 
 
 @gluon.jit
+def _program(head_split, HEAD_SPLIT: gl.constexpr):
+    """(worker, head part) of this program: head_split programs per worker (HEAD_SPLIT, or the runtime head_split
+    where HEAD_SPLIT is 0), one head group each."""
+    pid = gl.program_id(0)
+    split = head_split if HEAD_SPLIT == 0 else HEAD_SPLIT  # programs per worker
+    return pid // split, pid % split
+
+
+@gluon.jit
 def _item(WORK_ITEMS, SEQ_LENS, QO_INDPTR, it, head_part, HEAD_GROUP: gl.constexpr):
     """Work item `it` as this program sees it: request, workspace row (-1: unsplit), first query row, query rows,
     token range, first of its HEAD_GROUP heads, and the causal limit of its first query row (row r of a request
@@ -437,7 +446,7 @@ def _reissue(io, slot: gl.constexpr, row, walk, g: gl.constexpr, more, KV_FP8: g
 
 
 @gluon.jit
-def _expanded(kv_smem, slot, c: gl.constexpr, box, n_valid, MASKED: gl.constexpr):
+def _expanded(kv_smem, slot, c: gl.constexpr, box, n_valid=0, MASKED: gl.constexpr = False):
     """Store an fp8 box (registers, _E4M3_BOX) as fp16 chunk c of a slot; with MASKED tokens >= n_valid as 0."""
     x = box.to(gl.float16)
     if MASKED:
@@ -492,22 +501,17 @@ def _score_mmas(s, q_smem, kv_smem, slot, c0: gl.constexpr, c1: gl.constexpr):
 
 
 @gluon.jit
+def _at_zero(buf, zero):
+    """A 2-D shared buffer as index `zero` (a runtime 0: see `_score_group`) of itself viewed as [1, rows, cols]: the
+    same bytes, but an MMA operand's wgmma descriptor is then computed where the MMA is issued."""
+    return buf._reinterpret(buf.dtype, [1] + buf.shape, buf.layout).index(zero)
+
+
+@gluon.jit
 def _score_mmas_at(s, q_smem, kv_smem, slot, c0: gl.constexpr, c1: gl.constexpr, zero):
-    """`_score_mmas` with both operands indexed with `zero` (runtime 0: see `_score_group`), so that their wgmma
-    descriptors are computed where the MMAs are issued (LOADER: its warpgroups spilled the hoisted ones)."""
-    q_nope, q_pe = q_smem
-    ckv, kpe = kv_smem
-    q3 = q_nope._reinterpret(q_nope.dtype, [1, _ROWS, _L_DIM], q_nope.layout).index(zero)
-    q3_pe = q_pe._reinterpret(q_pe.dtype, [1, _ROWS, _R_DIM], q_pe.layout).index(zero)
-    for c in gl.static_range(c0, c1):
-        if c < 8:
-            a = q3.slice(c * _CHUNK, _CHUNK, dim=1)
-            b = ckv.index(slot + zero).slice(c * _CHUNK, _CHUNK, dim=1)
-        else:
-            a = q3_pe
-            b = kpe.index(slot + zero)
-        s = warpgroup_mma(a, b.permute((1, 0)), s, is_async=True)
-    return s
+    """`_score_mmas` with both operands indexed with `zero`, so that their wgmma descriptors are computed where the
+    MMAs are issued (LOADER: its warpgroups spilled the hoisted ones)."""
+    return _score_mmas(s, (_at_zero(q_smem[0], zero), _at_zero(q_smem[1], zero)), kv_smem, slot + zero, c0, c1)
 
 
 @gluon.jit
@@ -540,7 +544,7 @@ def _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, g: gl.c
     mbarrier.wait(kv_full.index(slot * 3 + g), phase)
     f: gl.constexpr = _group_first(g)
     if GROUPED and not KV_FP8 and g != _GROUP_E:
-        q_nope = q_smem[0]._reinterpret(q_smem[0].dtype, [1, _ROWS, _L_DIM], q_smem[0].layout).index(zero)
+        q_nope = _at_zero(q_smem[0], zero)
         q_half = q_nope.slice(f * _CHUNK, _L_DIM // 2, dim=1)  # [64 rows, 256]
         k_half = _v_half(kv_smem, slot, g, GROUPED, zero).permute((1, 0))  # [256, 64 tokens]
         s = warpgroup_mma(q_half, k_half, s, is_async=True)  # [64 rows, 64 tokens]
@@ -718,10 +722,7 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, kvg_desc, q_smem, kv_smem, 
     orow_l: gl.constexpr = gl.SliceLayout(1, o_layout)
     HALF: gl.constexpr = _L_DIM // 2
     op: gl.constexpr = p0_smem.dtype  # MMA operand dtype: bf16, or fp16 for fp8 caches
-    pid = gl.program_id(0)
-    split = head_split if HEAD_SPLIT == 0 else HEAD_SPLIT  # programs per worker
-    head_part = pid % split
-    worker = pid // split
+    worker, head_part = _program(head_split, HEAD_SPLIT)
     kv_scale = gl.load(KV_SCALE)
     qk_scale = sm_scale_log2 * gl.load(Q_SCALE) * kv_scale  # scores in log2 units, as the Triton kernel
     uses0 = 0  # tiles consumed from slot 0 / slot 1 (barrier phases)
@@ -905,7 +906,7 @@ def _put_group(kv_smem, kv_full, kv_empty, slot: gl.constexpr, n, xs, g: gl.cons
     if n > 0:
         mbarrier.wait(kv_empty.index(slot * 3 + g), (n - 1) & 1)
     for j in gl.static_range(_group_end(g) - _group_first(g)):
-        _chunk(kv_smem, slot, _group_first(g) + j).store(xs[j].to(gl.float16))
+        _expanded(kv_smem, slot, _group_first(g) + j, xs[j])
     fence_async_shared()
     mbarrier.arrive(kv_full.index(slot * 3 + g))
 
@@ -934,10 +935,7 @@ def _fp8_loader(KV, kv_smem, kv_full, kv_empty, BLOCK_TABLE, SEQ_LENS, QO_INDPTR
     the fp8 bytes never pass through shared memory (the expansion in place read 36 KB and wrote 72 KB of shared memory
     per tile on top of the copy's 36 KB). Each pair's groups in the order the warpgroups free them: slot 0's E and L,
     slot 1's R, E and L, slot 0's R."""
-    pid = gl.program_id(0)
-    split = head_split if HEAD_SPLIT == 0 else HEAD_SPLIT
-    head_part = pid % split
-    worker = pid // split
+    worker, head_part = _program(head_split, HEAD_SPLIT)
     n0 = 0  # tiles written into slot 0 / slot 1 so far
     n1 = 0
     item_begin, item_end = _worker_items(WORKER_INDPTR, worker, num_items, ONE_ITEM)
