@@ -537,21 +537,22 @@ def test_gluon_seesaw_bench_grid_within_kernel_bound(shape, combo):
     assert r["finite"] and r["out_ratio"] <= 1.0 and r["lse_ratio"] <= 1.0, r
 
 
-def _check_grouped_layout_gives_the_bits_of_the_standard_one(case, overrides: dict, module, constant: str,
-                                                             monkeypatch):
-    """The batch decoded with KernelConfig(**overrides) in the kernel's grouped layout (module.grouped_layout, the
-    default for the case's page size) and in its standard one (module.<constant> emptied, as config_ab's A/B does):
-    the same values reach the same MMA steps in the same order, so out and lse are bitwise the same."""
+def _check_page_rule_gives_the_same_bits(case, overrides: dict, module, constant: str, monkeypatch, pages=None,
+                                         rule: str = "grouped_layout"):
+    """The batch decoded with KernelConfig(**overrides) with a per-page-size path on (module.<constant> = pages, by
+    default its value: module.<rule>, e.g. the grouped layout, is taken for the case's page size) and off (the
+    constant emptied, as config_ab's A/B does): the same values reach the same MMA steps in the same order, so out and
+    lse are bitwise the same."""
     from mla_fast import triton_decode as td
 
     config = td.KernelConfig(**overrides)
     batch = case.batch("cuda")
     results = []
-    for pages in (getattr(module, constant), ()):
-        monkeypatch.setattr(module, constant, pages)
-        assert module.grouped_layout(batch.kv_cache) == bool(pages)
+    for value in (getattr(module, constant) if pages is None else pages, ()):
+        monkeypatch.setattr(module, constant, value)
+        assert getattr(module, rule)(batch.kv_cache) == bool(value)
         results.append(td.decode(batch, plan=td.make_plan(batch, config), config=config))
-    assert same_bits(*results)  # grouped, standard
+    assert same_bits(*results)  # on, off
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon' needs sm_90")
@@ -560,8 +561,7 @@ def test_gluon_seesaw_grouped_layout_gives_the_bits_of_the_standard_one(case, mo
     """bf16 on pages of 64 and 128 (MTP in the second), gluon_decode.GROUPED_PAGES."""
     from mla_fast import gluon_decode as gd
 
-    _check_grouped_layout_gives_the_bits_of_the_standard_one(case, _gluon(case.heads, max(case.q_lens)), gd,
-                                                             "GROUPED_PAGES", monkeypatch)
+    _check_page_rule_gives_the_same_bits(case, _gluon(case.heads, max(case.q_lens)), gd, "GROUPED_PAGES", monkeypatch)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _sm90(), reason="kernel='gluon' needs sm_90")
@@ -575,7 +575,7 @@ def test_gluon_seesaw_fp8_grouped_staging_gives_the_bits_of_per_page_boxes(case,
     from mla_fast import gluon_decode as gd
 
     monkeypatch.setattr(gd, "SEESAW_FP8_LOADER_PAGES", ())
-    _check_grouped_layout_gives_the_bits_of_the_standard_one(
+    _check_page_rule_gives_the_same_bits(
         case, _gluon(case.heads, max(case.q_lens), case.combo), gd, "SEESAW_FP8_GROUPED_PAGES", monkeypatch)
 
 
@@ -588,16 +588,9 @@ def test_gluon_seesaw_fp8_loader_gives_the_bits_of_the_in_place_expansion(case, 
     lse are bitwise the same. Pages of 32 and 16 (the loader's by default; MTP), 128 and 64 (forced onto the loader:
     odd tile counts, zero-length requests, splits, MTP at 16 heads)."""
     from mla_fast import gluon_decode as gd
-    from mla_fast import triton_decode as td
 
-    config = td.KernelConfig(**_gluon(case.heads, max(case.q_lens), case.combo))
-    batch = case.batch("cuda")
-    results = []
-    for pages in ((16, 32, 64), ()):
-        monkeypatch.setattr(gd, "SEESAW_FP8_LOADER_PAGES", pages)
-        assert gd.fp8_loader(batch.kv_cache) == bool(pages)
-        results.append(td.decode(batch, plan=td.make_plan(batch, config), config=config))
-    assert same_bits(*results)  # loader, in place
+    _check_page_rule_gives_the_same_bits(case, _gluon(case.heads, max(case.q_lens), case.combo), gd,
+                                         "SEESAW_FP8_LOADER_PAGES", monkeypatch, pages=(16, 32, 64), rule="fp8_loader")
 
 
 def _check_small_pages_give_the_bits_of_pages_of_64(case, overrides: dict):
@@ -703,7 +696,7 @@ def test_gluon_fp8_grouped_layout_gives_the_bits_of_per_page_boxes(case, monkeyp
     gluon_fp8.FP8_GROUPED_PAGES: against the standard layout's quarter boxes."""
     from mla_fast import gluon_fp8 as g8
 
-    _check_grouped_layout_gives_the_bits_of_the_standard_one(
+    _check_page_rule_gives_the_same_bits(
         case, _gluon_fp8(case.heads, max(case.q_lens), case.combo), g8, "FP8_GROUPED_PAGES", monkeypatch)
 
 
