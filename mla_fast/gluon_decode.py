@@ -152,20 +152,23 @@ layouts, 440 on the tensor cores), no faster than this path (372-378 us in the s
 
 The fp8 loader partition (LOADER, `fp8_loader`: e4m3fn caches on pages of 16 and 32, SEESAW_FP8_LOADER_PAGES). The
 expansion in place moves 144 KB of shared memory per tile (the copy's 36 KB, then 36 KB read and 72 KB written)
-against bf16's 72 KB. A third partition (`_fp8_loader`, 4 warps at 96 registers; the warpgroups at 200-208) instead
+against bf16's 72 KB. A third partition (`_fp8_loader`, 4 warps at 112 registers; the warpgroups at 200) instead
 loads each tile from the cache with plain loads, converts it to fp16 in registers and stores the chunks into the
 slots: 72 KB per tile, as bf16. The warpgroups then run the bf16 path on fp16 chunks (score operands indexed at a
 runtime zero: `_score_mmas_at`) and, where they would issue a freed group's next copy, release it to the loader
 (`_reissue`: kv_empty, one barrier per slot and group); the loader writes each pair's groups in the order they are
-freed (slot 0's E and L, slot 1's R, E and L, slot 0's R), two groups in flight (a group's loads are issued before
-the previous group is stored, and before the wait for its own release), and asks the L2 for the next pair's tiles
-(`_prefetch_tile`, pages of 64k only). Tokens past KV_END load as 0. The same conversions, MMAs and order: the same
-bits as the in-place path. One H200 (thirty-third session, config_ab, in place / loader, fp8kv, us): 409.5 / 373.7 at
-(128, 4096, 128) and 123.1 / 111.2 at (32, 4096, 128) on pages of 16, 383.5 / 375.5 and 113.8 / 110.8 on pages of 32;
-on pages of 64 347.6 / 358.0, 105.4 / 105.5, 185.2 / 199.4 at (128, 4096, 64), so those keep the in-place path. With
-the loader reading one cached row for every tile (wrong values, timing only) the kernel took 283.3 and 84.4 us on
-pages of 64, our bf16's time: the loader's latency, not the warpgroups, is what is left (a serial loader, one group
-at a time, took 434.6; with the L2 prefetch 373.9).
+freed (slot 0's E and L, slot 1's R, E and L, slot 0's R), three groups in flight (a group's loads are issued two
+stores before its own, and before the wait for its release). Tokens past KV_END load as 0. The same conversions, MMAs
+and order: the same bits as the in-place path. One H200 (thirty-third session, config_ab, in place / loader with two
+groups in flight, fp8kv, us): 409.5 / 373.7 at (128, 4096, 128) and 123.1 / 111.2 at (32, 4096, 128) on pages of 16,
+383.5 / 375.5 and 113.8 / 110.8 on pages of 32. With the loader reading one cached row for every tile (wrong values,
+timing only) the kernel took 283.3 and 84.4 us on pages of 64, our bf16's time: the loader's latency, not the
+warpgroups, is what is left (a serial loader, one group at a time, took 434.6; with an L2 prefetch of the next pair's
+tiles 373.9). Three groups in flight (thirty-fourth session; two / three, us): 370.1 / 345.3 at (128, 4096, 128),
+110.0 / 103.0 at (32, 4096, 128), 199.8 / 187.6 at (128, 4096, 64), 121.9 / 108.3 at MTP (64, 4096, 16) q_len 4 on
+pages of 16, 371.3 / 348.6 on pages of 32; the L2 prefetch then cost 1-6 % (355.9 vs 346.7 on pages of 64; on pages
+of 16, each token's page, 354.8 vs 348.1), so there is none. Pages of 64 keep the in-place path: loader / in place
+took 346.7 / 347.9, 102.6 / 103.7, 186.7 / 185.5 and 107.8 / 110.4 us there, no gain for a second path.
 
 Device only: Gluon kernels need a CUDA driver (sm_90); the interpreter cannot run them, so this kernel has GPU
 tests only (tests/test_triton_gpu.py). `mla_fast.triton_decode.launch` calls it for `KernelConfig(kernel="gluon")`,
@@ -911,21 +914,6 @@ def _put_group(kv_smem, kv_full, kv_empty, slot: gl.constexpr, n, xs, g: gl.cons
     mbarrier.arrive(kv_full.index(slot * 3 + g))
 
 
-_PROBES = gl.constexpr(gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0]))  # [64 tokens, 8 probes]: 4 per thread
-
-
-@gluon.jit
-def _prefetch_tile(KV, row, t_ok):
-    """Ask the L2 for the 64 cache rows from row `row` (576 bytes each: 8 probes 82 bytes apart touch each of the
-    128-byte lines a row spans), when t_ok."""
-    if t_ok:
-        tok = gl.arange(0, _TILE, gl.SliceLayout(1, _PROBES))
-        probe = gl.arange(0, 8, gl.SliceLayout(0, _PROBES)) * 82
-        ptrs = KV + (row + tok).to(gl.int64)[:, None] * (_L_DIM + _R_DIM) + probe[None, :]
-        gl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-
-
 @gluon.jit
 def _fp8_loader(KV, kv_smem, kv_full, kv_empty, BLOCK_TABLE, SEQ_LENS, QO_INDPTR, WORK_ITEMS, WORKER_INDPTR,
                 num_items, stride_bt, head_split, PAGE_SIZE: gl.constexpr, HEAD_SPLIT: gl.constexpr,
@@ -947,37 +935,32 @@ def _fp8_loader(KV, kv_smem, kv_full, kv_empty, BLOCK_TABLE, SEQ_LENS, QO_INDPTR
             t0 = kv_start + 2 * k * _TILE
             has1 = 2 * k + 1 < n_tiles
             rows0, ok0 = _loader_rows(BLOCK_TABLE, b, stride_bt, t0, kv_end, PAGE_SIZE)
-            if PAGE_SIZE % _TILE == 0:  # the next pair's tiles into the L2 (one page each: its first row)
-                _prefetch_tile(KV, _tile_row(BLOCK_TABLE, b, stride_bt, kv_start, 2 * k + 2, n_tiles, PAGE_SIZE),
-                               2 * k + 2 < n_tiles)
-                _prefetch_tile(KV, _tile_row(BLOCK_TABLE, b, stride_bt, kv_start, 2 * k + 3, n_tiles, PAGE_SIZE),
-                               2 * k + 3 < n_tiles)
-            # two groups in flight: each group's bytes are loaded before the previous group is stored (without a
+            # three groups in flight: each group's bytes are loaded two stores before they are stored (without a
             # second tile, tokens past kv_end: slot 1's loads are masked off and its groups not written)
             rows1, ok1 = _loader_rows(BLOCK_TABLE, b, stride_bt, t0 + _TILE, kv_end, PAGE_SIZE)
             e0 = _fetch_group(KV, rows0, ok0, _GROUP_E)
             l0 = _fetch_group(KV, rows0, ok0, _GROUP_L)
-            _put_group(kv_smem, kv_full, kv_empty, 0, n0, e0, _GROUP_E)
             r1 = _fetch_group(KV, rows1, ok1, _GROUP_R)
-            _put_group(kv_smem, kv_full, kv_empty, 0, n0, l0, _GROUP_L)
+            _put_group(kv_smem, kv_full, kv_empty, 0, n0, e0, _GROUP_E)
             e1 = _fetch_group(KV, rows1, ok1, _GROUP_E)
-            if has1:
-                _put_group(kv_smem, kv_full, kv_empty, 1, n1, r1, _GROUP_R)
+            _put_group(kv_smem, kv_full, kv_empty, 0, n0, l0, _GROUP_L)
             l1 = _fetch_group(KV, rows1, ok1, _GROUP_L)
             if has1:
-                _put_group(kv_smem, kv_full, kv_empty, 1, n1, e1, _GROUP_E)
+                _put_group(kv_smem, kv_full, kv_empty, 1, n1, r1, _GROUP_R)
             r0 = _fetch_group(KV, rows0, ok0, _GROUP_R)
             if has1:
+                _put_group(kv_smem, kv_full, kv_empty, 1, n1, e1, _GROUP_E)
                 _put_group(kv_smem, kv_full, kv_empty, 1, n1, l1, _GROUP_L)
             _put_group(kv_smem, kv_full, kv_empty, 0, n0, r0, _GROUP_R)
             n0 += 1
             n1 += has1.to(gl.int32)
 
 
-# registers of warpgroup 1 and of the loader partition (LOADER; warpgroup 0 gets the rest, 208): two chunk groups in
-# flight take the loader's 96, and the warpgroups fit 200-208 without spills in their loops only with their score
-# operands indexed at a runtime zero (`_score_mmas_at`; the hoisted descriptors spilled 35 instructions per loop)
-LOADER_REGS = gl.constexpr((208, 96))
+# registers of warpgroup 1 and of the loader partition (LOADER; warpgroup 0 gets the rest, 200): three chunk groups
+# in flight take the loader's 112 (at 96 they spill, 34 bytes: 41-49 % slower), and the warpgroups fit 200 with a few
+# spill instructions in warpgroup 1's loop only with their score operands indexed at a runtime zero (`_score_mmas_at`;
+# the hoisted descriptors spilled 35 instructions per loop); at 192 they spilled 700 bytes
+LOADER_REGS = gl.constexpr((200, 112))
 
 
 @gluon.jit(do_not_specialize=["num_items", "head_split"])  # no recompile per item count or head split
@@ -1143,10 +1126,11 @@ def fp8_loader(kv: torch.Tensor) -> bool:
     """Whether the seesaw runs an e4m3fn cache's tiles through its loader partition (`_fp8_loader`: plain loads,
     fp16 conversion in registers, stores into the tile slots) instead of expanding TMA-staged fp8 in place:
     SEESAW_FP8_LOADER_PAGES, pages of 64k as 64. The same bits either way. On one H200 (config_ab, fresh compiles,
-    in place / loader, us, fp8kv): pages of 16 409.5 / 373.7 at (128, 4096, 128), 123.1 / 111.2 at (32, 4096, 128),
-    217.9 / 201.3 at (128, 4096, 64); pages of 32 383.5 / 375.5, 113.8 / 110.8, 202.8 / 199.6; pages of 64
-    347.6 / 358.0, 105.4 / 105.5, 185.2 / 199.4, and 112.3 / 115.4 at (64, 4096, 16) q_len 4 (thirty-third
-    session)."""
+    fp8kv, us): in place on pages of 16 409.5 at (128, 4096, 128), 123.1 at (32, 4096, 128), 217.9 at
+    (128, 4096, 64) (thirty-third session); through the loader (three groups in flight, thirty-fourth session) 345.3,
+    103.0 and 187.6, on pages of 32 348.6 and 102.2 at the 128-head shapes. On pages of 64 the loader / in place took
+    346.7 / 347.9, 102.6 / 103.7, 186.7 / 185.5, and 107.8 / 110.4 at (64, 4096, 16) q_len 4 in one call: within
+    1-2 % both ways, so pages of 64k keep the in-place path."""
     return kv.dtype == torch.float8_e4m3fn and page_in(kv, SEESAW_FP8_LOADER_PAGES)
 
 

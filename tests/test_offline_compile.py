@@ -116,19 +116,21 @@ def test_seesaw_stages_an_fp8_page_of_a_c_kv_half_in_one_tma_box(tmp_path):
 def test_fp8_seesaw_loader_partition_on_small_pages(combo, heads, q_len, page_size, tmp_path):
     """e4m3fn caches on pages of 16 and 32 (gluon_decode.SEESAW_FP8_LOADER_PAGES): the tiles come through the loader
     partition, not TMA: no tensor copy at all (q is loaded by warpgroup 0 with an fp8 cache), the cache read with
-    plain loads (18 chunks x 4 eight-byte loads per thread and pair, two groups in flight); three partitions (the
-    loader at 96 registers); the warpgroups' MMA loops spill nothing (their score operands at a runtime zero). Pages
-    of 64 keep the in-place expansion (test_fp8_seesaw_at_64_and_128_heads_is_one_compile)."""
+    plain loads (18 chunks x 4 eight-byte loads per thread and pair, three groups in flight); three partitions (the
+    loader at 112 registers, gluon_decode.LOADER_REGS); the warpgroups' MMA loops store nothing to local memory and
+    warpgroup 1's reloads at most 4 values per tile (their score operands at a runtime zero; 44 bytes of spills at
+    (200, 112), 12 with two groups in flight at (208, 96), which was 6-11 % slower on one H200). Pages of 64 keep the
+    in-place expansion (test_fp8_seesaw_at_64_and_128_heads_is_one_compile)."""
     sass = tmp_path / "loader.sass"
     report = _compile("seesaw", combo, heads, q_len, page_size, sass=sass)
-    assert 0 < report["registers"] <= MAX_REGISTERS and report["spill_stores"] <= 16, report
+    assert 0 < report["registers"] <= MAX_REGISTERS and report["spill_stores"] <= 48, report
     text = sass.read_text()
     assert not re.search(r"\bUTMALDG\b", text)
     assert len(re.findall(r"\bLDG\.E\.64\b", text)) >= 72
-    assert re.search(r"\bUSETMAXREG\.DEALLOC\.CTAPOOL\s+0x60\b", text)  # the loader's 96
+    assert re.search(r"\bUSETMAXREG\.DEALLOC\.CTAPOOL\s+0x70\b", text)  # the loader's 112
     loops = report["mma_loops"]
     assert [loop["HGMMA"] for loop in loops] == [48, 44], loops
-    assert all(loop["STL"] == loop["LDL"] == 0 for loop in loops), loops
+    assert [loop["STL"] for loop in loops] == [0, 0] and loops[0]["LDL"] == 0 and loops[1]["LDL"] <= 4, loops
 
 
 @pytest.mark.skipif(not PTXAS.exists(), reason="this triton wheel ships no ptxas")

@@ -428,8 +428,8 @@ cases = [  # page 16 with MTP (bf16: 64-row tiles at q_len 3, per-token gather; 
     # pages of 3 (no TMA kernel takes them): the Triton kernel, fp8 KV through its staged path, MTP
     dict(seq_lens=(0, 1, 65, 700), q_lens=(1, 2, 1, 1), heads=16, page_size=3),
     # the fp8 seesaw forced (default_config gives it larger batches than these): its in-place expansion of TMA boxes
-    # staged grouped on pages of 64 and 16, the runtime head split of 2 (128 heads) and 1 (64 heads, fp8 q), and MTP
-    # at 32 heads x 2 query rows on pages of 32
+    # staged grouped on pages of 64, its loader partition's plain loads on pages of 16 and 32, the runtime head split
+    # of 2 (128 heads) and 1 (64 heads, fp8 q), and MTP at 32 heads x 2 query rows on pages of 32
     dict(seq_lens=(0, 1, 65, 700, 4097), q_lens=(1,) * 5, heads=128, page_size=64, kernel="seesaw",
          combos=("fp8kv",)),
     dict(seq_lens=(0, 1, 65, 700, 4097), q_lens=(1,) * 5, heads=64, page_size=64, kernel="seesaw", combos=("fp8",)),
