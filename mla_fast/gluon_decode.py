@@ -168,7 +168,11 @@ tiles 373.9). Three groups in flight (thirty-fourth session; two / three, us): 3
 110.0 / 103.0 at (32, 4096, 128), 199.8 / 187.6 at (128, 4096, 64), 121.9 / 108.3 at MTP (64, 4096, 16) q_len 4 on
 pages of 16, 371.3 / 348.6 on pages of 32; the L2 prefetch then cost 1-6 % (355.9 vs 346.7 on pages of 64; on pages
 of 16, each token's page, 354.8 vs 348.1), so there is none. Pages of 64 keep the in-place path: loader / in place
-took 346.7 / 347.9, 102.6 / 103.7, 186.7 / 185.5 and 107.8 / 110.4 us there, no gain for a second path.
+took 346.7 / 347.9, 102.6 / 103.7, 186.7 / 185.5 and 107.8 / 110.4 us there, no gain for a second path. What
+holds the loader (SASS, ncu): ptxas puts all of its loads on one scoreboard, so each group's first conversion waits
+for every load issued before it; each change that issued loads earlier was slower (the loop rotated across pairs,
+two pairs per iteration, the block table a pair ahead, loads in blocks; thirty-fourth session, docs/perf_history.md),
+and so was one store per group instead of one per chunk.
 
 Device only: Gluon kernels need a CUDA driver (sm_90); the interpreter cannot run them, so this kernel has GPU
 tests only (tests/test_triton_gpu.py). `mla_fast.triton_decode.launch` calls it for `KernelConfig(kernel="gluon")`,
