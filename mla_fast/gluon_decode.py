@@ -939,8 +939,9 @@ def _fp8_loader(KV, kv_smem, kv_full, kv_empty, BLOCK_TABLE, SEQ_LENS, QO_INDPTR
             t0 = kv_start + 2 * k * _TILE
             has1 = 2 * k + 1 < n_tiles
             rows0, ok0 = _loader_rows(BLOCK_TABLE, b, stride_bt, t0, kv_end, PAGE_SIZE)
-            # three groups in flight: each group's bytes are loaded two stores before they are stored (without a
-            # second tile, tokens past kv_end: slot 1's loads are masked off and its groups not written)
+            # up to three groups' loads in flight, each group's issued up to two stores before its own (ptxas puts
+            # the loads on one scoreboard: a store's first conversion waits for all loads issued before it); without
+            # a second tile (tokens past kv_end) slot 1's loads are masked off and its groups not written
             rows1, ok1 = _loader_rows(BLOCK_TABLE, b, stride_bt, t0 + _TILE, kv_end, PAGE_SIZE)
             e0 = _fetch_group(KV, rows0, ok0, _GROUP_E)
             l0 = _fetch_group(KV, rows0, ok0, _GROUP_L)
