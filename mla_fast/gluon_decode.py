@@ -580,6 +580,12 @@ def _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, g: gl.c
     return s
 
 
+@constexpr_function
+def _score_order(slot, i):
+    """The chunk group whose scores a slot issues i-th: slot 0 L, E, R; slot 1 R, E, L (`_scores`)."""
+    return (_GROUP_L, _GROUP_E, _GROUP_R)[i if slot == 0 else 2 - i]
+
+
 @gluon.jit
 def _scores(q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, s_layout: gl.constexpr, KV_FP8: gl.constexpr,
             GROUPED: gl.constexpr, zero, AT_ZERO: gl.constexpr = False):
@@ -587,20 +593,9 @@ def _scores(q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, s_layout: gl.co
     issued once its copies have landed (and with KV_FP8 been expanded), in the order the previous pair released the
     groups: slot 0 L, E, R (R last: warpgroup 1's p0' V0_R), slot 1 R, E, L (L and E last: warpgroup 0's p1 V1_L)."""
     s = gl.zeros([_ROWS, _TILE], gl.float32, s_layout)
-    if slot == 0:
-        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_L, KV_FP8, GROUPED, zero,
-                         AT_ZERO)
-        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_E, KV_FP8, GROUPED, zero,
-                         AT_ZERO)
-        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_R, KV_FP8, GROUPED, zero,
-                         AT_ZERO)
-    else:
-        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_R, KV_FP8, GROUPED, zero,
-                         AT_ZERO)
-        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_E, KV_FP8, GROUPED, zero,
-                         AT_ZERO)
-        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _GROUP_L, KV_FP8, GROUPED, zero,
-                         AT_ZERO)
+    for i in gl.static_range(3):
+        s = _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, _score_order(slot, i), KV_FP8,
+                         GROUPED, zero, AT_ZERO)
     return warpgroup_mma_wait(0, deps=(s,))
 
 
