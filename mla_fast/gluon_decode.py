@@ -337,6 +337,13 @@ def _v_half(kv_smem, slot, half: gl.constexpr, HALVES: gl.constexpr, zero=0):
 
 
 @constexpr_function
+def _halves(grouped, kv_fp8):
+    """Whether the tile slots hold the c_kv halves in the grouped layout (GROUPED with a bf16 cache; with an fp8
+    cache GROUPED groups only the TMA staging of its fp8 boxes, and the slots keep the standard fp16 chunks)."""
+    return grouped and not kv_fp8
+
+
+@constexpr_function
 def _group_first(g):
     """First chunk of chunk group g (L: 0-3, R: 4-7, E: 8)."""
     return (0, 4, 8)[g]
@@ -550,7 +557,7 @@ def _score_group(s, q_smem, kv_smem, kv8, kv_full, slot, phase, n_valid, g: gl.c
     twenty-fourth session)."""
     mbarrier.wait(kv_full.index(slot * 3 + g), phase)
     f: gl.constexpr = _group_first(g)
-    if GROUPED and not KV_FP8 and g != _GROUP_E:
+    if _halves(GROUPED, KV_FP8) and g != _GROUP_E:
         q_nope = _at_zero(q_smem[0], zero)
         q_half = q_nope.slice(f * _CHUNK, _L_DIM // 2, dim=1)  # [64 rows, 256]
         k_half = _v_half(kv_smem, slot, g, GROUPED, zero).permute((1, 0))  # [256, 64 tokens]
@@ -713,7 +720,7 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, kvg_desc, q_smem, kv_smem, 
     the tile it scores (`_score_group`).
     """
     BOXES: gl.constexpr = tile_boxes(PAGE_SIZE)  # TMA row boxes per tile: 1, or one per page (pages of 16, 32)
-    HALVES: gl.constexpr = GROUPED and not KV_FP8  # the P.V operands in the grouped layout (fp8: only the staging)
+    HALVES: gl.constexpr = _halves(GROUPED, KV_FP8)  # the P.V operands in the grouped layout
     EXPAND: gl.constexpr = KV_FP8 and not LOADER  # fp8 tiles expanded by the warpgroups (LOADER: fp16 tiles arrive)
     io = (kv_desc, kvg_desc, kv_smem, kv8, kv_full, kv_empty)  # what `_reissue` needs
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
@@ -990,7 +997,7 @@ def _mla_decode_seesaw_kernel(
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     q_smem = (gl.allocate_shared_memory(op, [_ROWS, _L_DIM], chunk_layout),  # q_nope, q_pe: 72 KB
               gl.allocate_shared_memory(op, [_ROWS, _R_DIM], chunk_layout))
-    if GROUPED and not KV_FP8:  # c_kv as [slot x half x box, 4 chunks, 8 tokens, 64] (_HALF_LAYOUT), k_pe as chunks
+    if _halves(GROUPED, KV_FP8):  # c_kv as [slot x half x box, 4 chunks, 8 tokens, 64] (_HALF_LAYOUT), k_pe as chunks
         kv_smem = (gl.allocate_shared_memory(op, [2 * 2 * _GROUPS, 4, _TILE // _GROUPS, _CHUNK], _BOX_LAYOUT),
                    gl.allocate_shared_memory(op, [2, _TILE, _R_DIM], chunk_layout))
     else:  # two tile slots: 144 KB
