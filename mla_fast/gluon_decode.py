@@ -151,28 +151,27 @@ rounded to e4m3 took 193.4 us with the transposes left out, but 354 us at best w
 layouts, 440 on the tensor cores), no faster than this path (372-378 us in the same calls) and with e4m3 P.
 
 The fp8 loader partition (LOADER, `fp8_loader`: e4m3fn caches on pages of 16 and 32, SEESAW_FP8_LOADER_PAGES). The
-expansion in place moves 144 KB of shared memory per tile (the copy's 36 KB, then 36 KB read and 72 KB written)
-against bf16's 72 KB. A third partition (`_fp8_loader`, 4 warps at 112 registers; the warpgroups at 200) instead
-loads each tile from the cache with plain loads, converts it to fp16 in registers and stores the chunks into the
-slots: 72 KB per tile, as bf16. The warpgroups then run the bf16 path on fp16 chunks (score operands indexed at a
-runtime zero: `_score_mmas_at`) and, where they would issue a freed group's next copy, release it to the loader
-(`_reissue`: kv_empty, one barrier per slot and group); the loader writes each pair's groups in the order they are
-freed (slot 0's E and L, slot 1's R, E and L, slot 0's R), three groups in flight (a group's loads are issued two
-stores before its own, and before the wait for its release). Tokens past KV_END load as 0. The same conversions, MMAs
-and order: the same bits as the in-place path. One H200 (thirty-third session, config_ab, in place / loader with two
-groups in flight, fp8kv, us): 409.5 / 373.7 at (128, 4096, 128) and 123.1 / 111.2 at (32, 4096, 128) on pages of 16,
-383.5 / 375.5 and 113.8 / 110.8 on pages of 32. With the loader reading one cached row for every tile (wrong values,
-timing only) the kernel took 283.3 and 84.4 us on pages of 64, our bf16's time: the loader's latency, not the
-warpgroups, is what is left (a serial loader, one group at a time, took 434.6; with an L2 prefetch of the next pair's
-tiles 373.9). Three groups in flight (thirty-fourth session; two / three, us): 370.1 / 345.3 at (128, 4096, 128),
-110.0 / 103.0 at (32, 4096, 128), 199.8 / 187.6 at (128, 4096, 64), 121.9 / 108.3 at MTP (64, 4096, 16) q_len 4 on
-pages of 16, 371.3 / 348.6 on pages of 32; the L2 prefetch then cost 1-6 % (355.9 vs 346.7 on pages of 64; on pages
-of 16, each token's page, 354.8 vs 348.1), so there is none. Pages of 64 keep the in-place path: loader / in place
-took 346.7 / 347.9, 102.6 / 103.7, 186.7 / 185.5 and 107.8 / 110.4 us there, no gain for a second path. What
-holds the loader (SASS, ncu): ptxas puts all of its loads on one scoreboard, so each group's first conversion waits
-for every load issued before it; each change that issued loads earlier was slower (the loop rotated across pairs,
-two pairs per iteration, the block table a pair ahead, loads in blocks; thirty-fourth session, docs/perf_history.md),
-and so was one store per group instead of one per chunk.
+expansion in place moves 144 KB of shared memory per tile (the copy's 36 KB, then 36 KB read and 72 KB written) against
+bf16's 72 KB. A third partition (`_fp8_loader`, 4 warps at 112 registers; the warpgroups at 200) instead loads each tile
+from the cache with plain loads, converts it to fp16 in registers and stores the chunks into the slots: 72 KB per tile,
+as bf16. The warpgroups then run the bf16 path on fp16 chunks (score operands indexed at a runtime zero:
+`_score_mmas_at`) and, where they would issue a freed group's next copy, release it to the loader (`_reissue`: kv_empty,
+one barrier per slot and group); the loader writes each pair's groups in the order they are freed (slot 0's E and L,
+slot 1's R, E and L, slot 0's R), up to three groups in flight (a group's loads are issued up to two stores before its
+own, and before the wait for its release). Tokens past KV_END load as 0. The same conversions, MMAs and order: the same
+bits as the in-place path. One H200 (thirty-third session, config_ab, in place / loader with two groups in flight,
+fp8kv, us): 409.5 / 373.7 at (128, 4096, 128) and 123.1 / 111.2 at (32, 4096, 128) on pages of 16, 383.5 / 375.5 and
+113.8 / 110.8 on pages of 32. With the loader reading one cached row for every tile (wrong values, timing only) the
+kernel took 283.3 and 84.4 us on pages of 64, our bf16's time: the loader's latency, not the warpgroups, is what is left
+(a serial loader, one group at a time, took 434.6; with an L2 prefetch of the next pair's tiles 373.9). Three groups in
+flight (thirty-fourth session; two / three, us): 370.1 / 345.3 at (128, 4096, 128), 110.0 / 103.0 at (32, 4096, 128),
+199.8 / 187.6 at (128, 4096, 64), 121.9 / 108.3 at MTP (64, 4096, 16) q_len 4 on pages of 16, 371.3 / 348.6 on pages of
+32; the L2 prefetch then cost 1-6 % (355.9 vs 346.7 on pages of 64; on pages of 16, each token's page, 354.8 vs 348.1),
+so there is none. Pages of 64 keep the in-place path: loader / in place took 346.7 / 347.9, 102.6 / 103.7, 186.7 / 185.5
+and 107.8 / 110.4 us there, no gain for a second path. What holds the loader (SASS, ncu): ptxas puts all of its loads on
+one scoreboard, so each group's first conversion waits for every load issued before it; each change that issued loads
+earlier was slower (the loop rotated across pairs, two pairs per iteration, the block table a pair ahead, loads in
+blocks; thirty-fourth session, docs/perf_history.md), and so was one store per group instead of one per chunk.
 
 Device only: Gluon kernels need a CUDA driver (sm_90); the interpreter cannot run them, so this kernel has GPU
 tests only (tests/test_triton_gpu.py). `mla_fast.triton_decode.launch` calls it for `KernelConfig(kernel="gluon")`,
