@@ -1224,6 +1224,6 @@ def launch_decode(batch, plan, out, lse, o_part, lse_part, q_scale, kv_scale, he
         float(batch.sm_scale) * LOG2E, H, batch.q.stride(0), batch.q.stride(1), batch.block_table.stride(0),
         out.stride(0), out.stride(1), lse.stride(0), o_part.stride(0), o_part.stride(1), lse_part.stride(0),
         head_split, PAGE_SIZE=kv.shape[1], HEAD_SPLIT=0 if fp8 else head_split, HEAD_GROUP=head_group, PDL=pdl,
-        KV_FP8=fp8, ONE_ITEM=plan.one_item_per_worker and kv.dtype == torch.bfloat16,
+        KV_FP8=fp8, ONE_ITEM=plan.one_item_per_worker and not fp8,
         GROUPED=grouped and not loader, KV=kv, LOADER=loader, num_warps=4,
     )
