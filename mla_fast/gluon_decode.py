@@ -150,7 +150,7 @@ landed) with fp8 score MMAs on the raw boxes, each warpgroup transposing its V h
 rounded to e4m3 took 193.4 us with the transposes left out, but 354 us at best with them (354-486 us over four register
 layouts, 440 on the tensor cores), no faster than this path (372-378 us in the same calls) and with e4m3 P.
 
-The fp8 loader partition (LOADER, `fp8_loader`: e4m3fn caches on pages of 16 and 32, SEESAW_FP8_LOADER_PAGES). The
+The fp8 loader partition (LOADER, `fp8_loader`: e4m3fn caches on pages of 16, 32 and 64k, SEESAW_FP8_LOADER_PAGES). The
 expansion in place moves 144 KB of shared memory per tile (the copy's 36 KB, then 36 KB read and 72 KB written) against
 bf16's 72 KB. A third partition (`_fp8_loader`, 4 warps at 112 registers; the warpgroups at 200) instead loads each tile
 from the cache with plain loads, converts it to fp16 in registers and stores the chunks into the slots: 72 KB per tile,
@@ -166,12 +166,23 @@ kernel took 283.3 and 84.4 us on pages of 64, our bf16's time: the loader's late
 (a serial loader, one group at a time, took 434.6; with an L2 prefetch of the next pair's tiles 373.9). Three groups in
 flight (thirty-fourth session; two / three, us): 370.1 / 345.3 at (128, 4096, 128), 110.0 / 103.0 at (32, 4096, 128),
 199.8 / 187.6 at (128, 4096, 64), 121.9 / 108.3 at MTP (64, 4096, 16) q_len 4 on pages of 16, 371.3 / 348.6 on pages of
-32; the L2 prefetch then cost 1-6 % (355.9 vs 346.7 on pages of 64; on pages of 16, each token's page, 354.8 vs 348.1),
-so there is none. Pages of 64 keep the in-place path: loader / in place took 346.7 / 347.9, 102.6 / 103.7, 186.7 / 185.5
-and 107.8 / 110.4 us there, no gain for a second path. What holds the loader (SASS, ncu): ptxas puts all of its loads on
-one scoreboard, so each group's first conversion waits for every load issued before it; each change that issued loads
+32; the L2 prefetch of the next pair then cost 1-6 % (355.9 vs 346.7 on pages of 64; on pages of 16, each token's
+page probed by the threads, 354.8 vs 348.1). What holds the loader (SASS, ncu): ptxas puts all of its loads on one
+scoreboard, so each group's first conversion waits for every load issued before it; each change that issued loads
 earlier was slower (the loop rotated across pairs, two pairs per iteration, the block table a pair ahead, loads in
-blocks; thirty-fourth session, docs/perf_history.md), and so was one store per group instead of one per chunk.
+blocks; thirty-fourth session, docs/perf_history.md), and so was one store per group instead of one per chunk. What
+helped (thirty-fifth session): each pair's pages asked of the L2 as soon as the block table has named them, one bulk
+prefetch per page (`_prefetch_pages`: cp.async.bulk.prefetch.L2, no registers, nothing to wait for), so that the
+groups loaded later in the pair find them there. Without / with it (config_ab, fp8kv, us): 346.2 / 337.0 at
+(128, 4096, 128), 102.7 / 99.9 at (32, 4096, 128), 187.9 / 181.1 at (128, 4096, 64), 107.9 / 103.6 at (64, 4096, 16)
+q_len 4 on pages of 16 (349.8 / 338.3 at 128 heads on pages of 32); prefetching the next pair's pages instead took
+340.4, 102.2, 185.5 and 107.7, the pair after it 349.9, 102.8, 229.9 and 126.8. With it the loader also beats the
+in-place expansion on pages of 64, which now take the loader too: in place / loader 346.4 / 334.9, 104.1 / 99.6,
+185.4 / 180.8, 110.0 / 103.7 (before it the two were within 1-2 % there). Also measured and dropped then: 16-byte
+loads of two chunks at a time (412.8 vs 348.0 us at (128, 4096, 128) on pages of 16, +18-19 % at every shape), and
+an expander partition (the warpgroups, or the partition itself, copying each freed group's fp8 bytes into its
+staging with TMA, the partition expanding them in place): 494.1 / 510.4 vs 346.1 us on pages of 16, 398.0 / 408.8 vs
+346.2 on pages of 64, since a staged copy can start only once its group is free, where plain loads start before.
 
 Device only: Gluon kernels need a CUDA driver (sm_90); the interpreter cannot run them, so this kernel has GPU
 tests only (tests/test_triton_gpu.py). `mla_fast.triton_decode.launch` calls it for `KernelConfig(kernel="gluon")`,
@@ -894,6 +905,27 @@ def _loader_rows(BLOCK_TABLE, b, stride_bt, t0, kv_end, PAGE_SIZE: gl.constexpr)
     return (page.to(gl.int64) * PAGE_SIZE + tok % PAGE_SIZE) * (_L_DIM + _R_DIM), ok
 
 
+@constexpr_function
+def _prefetch_ptx(page_size):
+    """PTX asking the L2 for the cache rows of a page from address $1 (min(page_size, 64) rows of 576 fp8 bytes: a
+    page, or a tile of a larger one) where $2 is not 0, on lanes 0, 8, 16 and 24 only (_E4M3_BOX's token slice holds
+    each token on 8 adjacent lanes); one bulk prefetch, which holds no register and has no completion to wait for.
+    $0 is a dummy result."""
+    return ("{ .reg .pred p; .reg .b32 l; mov.u32 l, %laneid; and.b32 l, l, 7; setp.eq.u32 p, l, 0; "
+            f"setp.ne.and.u32 p, $2, 0, p; @p cp.async.bulk.prefetch.L2.global [$1], {min(page_size, TILE) * 576}; "
+            "mov.u32 $0, 0; }")
+
+
+@gluon.jit
+def _prefetch_pages(KV, t0, rows, ok, PAGE_SIZE: gl.constexpr):
+    """Ask the L2 for the pages of the tile from token t0 (`_loader_rows`: rows, ok): one bulk prefetch from each
+    token below kv_end that starts a page (or a tile of a page of 64k)."""
+    tok = t0 + gl.arange(0, _TILE, gl.SliceLayout(1, _E4M3_BOX))  # [64]
+    first = (ok & (tok % PAGE_SIZE % _TILE == 0)).to(gl.int32)  # [64] 1 where a page (or tile) starts
+    gl.inline_asm_elementwise(_prefetch_ptx(PAGE_SIZE), "=r,l,r", [KV + rows, first], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
 @gluon.jit
 def _fetch_group(KV, rows, ok, g: gl.constexpr):
     """The fp8 bytes of chunk group g of a tile (`_loader_rows`: rows, ok) from the cache: one register tensor
@@ -926,8 +958,9 @@ def _fp8_loader(KV, kv_smem, kv_full, kv_empty, BLOCK_TABLE, SEQ_LENS, QO_INDPTR
     """The loader partition (LOADER, e4m3fn caches): the program's tiles, pair by pair in the warpgroups' order,
     loaded from the cache with plain loads, converted to fp16 in registers and stored into the tile slots, so that
     the fp8 bytes never pass through shared memory (the expansion in place read 36 KB and wrote 72 KB of shared memory
-    per tile on top of the copy's 36 KB). Each pair's groups in the order the warpgroups free them: slot 0's E and L,
-    slot 1's R, E and L, slot 0's R."""
+    per tile on top of the copy's 36 KB). Each pair's pages are first asked of the L2 (`_prefetch_pages`), then its
+    groups loaded and stored in the order the warpgroups free them: slot 0's E and L, slot 1's R, E and L, slot 0's
+    R."""
     worker, head_part = _program(head_split, HEAD_SPLIT)
     n0 = 0  # tiles written into slot 0 / slot 1 so far
     n1 = 0
@@ -940,10 +973,14 @@ def _fp8_loader(KV, kv_smem, kv_full, kv_empty, BLOCK_TABLE, SEQ_LENS, QO_INDPTR
             t0 = kv_start + 2 * k * _TILE
             has1 = 2 * k + 1 < n_tiles
             rows0, ok0 = _loader_rows(BLOCK_TABLE, b, stride_bt, t0, kv_end, PAGE_SIZE)
+            rows1, ok1 = _loader_rows(BLOCK_TABLE, b, stride_bt, t0 + _TILE, kv_end, PAGE_SIZE)
+            # the pair's pages asked of the L2 at once, so that the groups loaded later in the pair find them there
+            # (the next pair's instead, or the next two, were slower: the module docstring)
+            _prefetch_pages(KV, t0, rows0, ok0, PAGE_SIZE)
+            _prefetch_pages(KV, t0 + _TILE, rows1, ok1, PAGE_SIZE)
             # up to three groups' loads in flight, each group's issued up to two stores before its own (ptxas puts
             # the loads on one scoreboard: a store's first conversion waits for all loads issued before it); without
             # a second tile (tokens past kv_end) slot 1's loads are masked off and its groups not written
-            rows1, ok1 = _loader_rows(BLOCK_TABLE, b, stride_bt, t0 + _TILE, kv_end, PAGE_SIZE)
             e0 = _fetch_group(KV, rows0, ok0, _GROUP_E)
             l0 = _fetch_group(KV, rows0, ok0, _GROUP_L)
             r1 = _fetch_group(KV, rows1, ok1, _GROUP_R)
@@ -1103,9 +1140,10 @@ GROUPED_PAGES = (16, 32, 64)
 # 64k count as 64): all it takes. Emptied (config_ab's `SEESAW_FP8_GROUPED_PAGES=()`), the chunk boxes for A/B runs
 SEESAW_FP8_GROUPED_PAGES = (16, 32, 64)
 # e4m3fn cache pages (64k as 64) whose tiles a loader partition converts on their way from global memory
-# (`fp8_loader`, `_fp8_loader`); on the others the warpgroups expand TMA-staged fp8 in place. Emptied
-# (config_ab's `SEESAW_FP8_LOADER_PAGES=()`), the in-place expansion everywhere for A/B runs
-SEESAW_FP8_LOADER_PAGES = (16, 32)
+# (`fp8_loader`, `_fp8_loader`): every page size the fp8 seesaw takes. Emptied (config_ab's
+# `SEESAW_FP8_LOADER_PAGES=()`), the warpgroups expand TMA-staged fp8 in place instead, for A/B runs and as the
+# loader's bits reference in the GPU tests
+SEESAW_FP8_LOADER_PAGES = (16, 32, 64)
 
 
 def page_in(kv: torch.Tensor, pages: tuple[int, ...]) -> bool:
@@ -1135,8 +1173,9 @@ def fp8_loader(kv: torch.Tensor) -> bool:
     fp8kv, us): in place on pages of 16 409.5 at (128, 4096, 128), 123.1 at (32, 4096, 128), 217.9 at
     (128, 4096, 64) (thirty-third session); through the loader (three groups in flight, thirty-fourth session) 345.3,
     103.0 and 187.6, on pages of 32 348.6 and 102.2 at the 128-head shapes. On pages of 64 the loader / in place took
-    346.7 / 347.9, 102.6 / 103.7, 186.7 / 185.5, and 107.8 / 110.4 at (64, 4096, 16) q_len 4 in one call: within
-    1-2 % both ways, so pages of 64k keep the in-place path."""
+    346.7 / 347.9, 102.6 / 103.7, 186.7 / 185.5, and 107.8 / 110.4 at (64, 4096, 16) q_len 4 in one call (within
+    1-2 %), until the loader asked the L2 for each pair's pages first (thirty-fifth session): then in place / loader
+    346.4 / 334.9, 104.1 / 99.6, 185.4 / 180.8 and 110.0 / 103.7 there, so pages of 64k take the loader too."""
     return kv.dtype == torch.float8_e4m3fn and page_in(kv, SEESAW_FP8_LOADER_PAGES)
 
 

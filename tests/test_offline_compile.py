@@ -33,7 +33,7 @@ def _compile(kernel: str, combo: str, heads: int, q_len: int = 1, page_size: int
 @pytest.mark.parametrize("kernel, combo, heads, q_len, page_size", [
     ("seesaw", "bf16", 16, 4, 64),  # bf16 MTP rows, 4 x 16 heads (128 heads at q_len 1: the grouped-layout test)
     ("seesaw", "fp8", 16, 4, 64),  # e4m3fn q, MTP rows
-    ("seesaw", "fp8kv", 128, 1, 16),  # one TMA box per page
+    ("seesaw", "fp8kv", 128, 1, 16),  # the fp8 loader partition
     ("gluon_fp8", "fp8kv", 16, 2, 64),
 ])
 def test_gluon_kernel_compiles_for_sm90(kernel, combo, heads, q_len, page_size):
@@ -112,21 +112,22 @@ def test_seesaw_stages_an_fp8_page_of_a_c_kv_half_in_one_tma_box(tmp_path):
 
 @pytest.mark.skipif(not PTXAS.exists(), reason="this triton wheel ships no ptxas")
 @pytest.mark.parametrize("combo, heads, q_len, page_size", [("fp8kv", 128, 1, 16), ("fp8", 64, 1, 32),
-                                                            ("fp8kv", 16, 4, 16)])
-def test_fp8_seesaw_loader_partition_on_small_pages(combo, heads, q_len, page_size, tmp_path):
-    """e4m3fn caches on pages of 16 and 32 (gluon_decode.SEESAW_FP8_LOADER_PAGES): the tiles come through the loader
-    partition, not TMA: no tensor copy at all (q is loaded by warpgroup 0 with an fp8 cache), the cache read with
-    plain loads (18 chunks x 4 eight-byte loads per thread and pair, three groups in flight); three partitions (the
-    loader at 112 registers, gluon_decode.LOADER_REGS); the warpgroups' MMA loops store nothing to local memory and
-    warpgroup 1's reloads at most 4 values per tile (their score operands at a runtime zero; 44 bytes of spills at
-    (200, 112), 12 with two groups in flight at (208, 96), which was 6-11 % slower on one H200). Pages of 64 keep the
-    in-place expansion (test_fp8_seesaw_at_64_and_128_heads_is_one_compile)."""
+                                                            ("fp8kv", 16, 4, 16), ("fp8kv", 128, 1, 64)])
+def test_fp8_seesaw_loader_partition(combo, heads, q_len, page_size, tmp_path):
+    """e4m3fn caches (gluon_decode.SEESAW_FP8_LOADER_PAGES: pages of 16, 32 and 64k): the tiles come through the
+    loader partition, not TMA: no tensor copy at all (q is loaded by warpgroup 0 with an fp8 cache), the cache read
+    with plain loads (18 chunks x 4 eight-byte loads per thread and pair, three groups in flight) after one bulk L2
+    prefetch per page (per tile on pages of 64k) at 4 places per tile (a thread's 4 tokens of `_prefetch_pages`);
+    three partitions (the loader at 112 registers, gluon_decode.LOADER_REGS); the warpgroups' MMA loops store nothing
+    to local memory and warpgroup 1's reloads at most 4 values per tile (their score operands at a runtime zero; 44
+    bytes of spills at (200, 112), 12 with two groups in flight at (208, 96), which was 6-11 % slower on one H200)."""
     sass = tmp_path / "loader.sass"
     report = _compile("seesaw", combo, heads, q_len, page_size, sass=sass)
     assert 0 < report["registers"] <= MAX_REGISTERS and report["spill_stores"] <= 48, report
     text = sass.read_text()
     assert not re.search(r"\bUTMALDG\b", text)
     assert len(re.findall(r"\bLDG\.E\.64\b", text)) >= 72
+    assert len(re.findall(r"\bUBLKPF\.L2\b", text)) == 8
     assert re.search(r"\bUSETMAXREG\.DEALLOC\.CTAPOOL\s+0x70\b", text)  # the loader's 112
     loops = report["mma_loops"]
     assert [loop["HGMMA"] for loop in loops] == [48, 44], loops
@@ -137,17 +138,20 @@ def test_fp8_seesaw_loader_partition_on_small_pages(combo, heads, q_len, page_si
 def test_fp8_seesaw_at_64_and_128_heads_is_one_compile(tmp_path):
     """With an e4m3fn cache the seesaw reads its head split at run time (HEAD_SPLIT=0, gluon_decode.launch_decode),
     so 64 heads (one program per worker) and 128 heads (two) at q_len 1 run the same PTX: a constexpr split gave
-    64 heads a kernel of its own that ptxas allocated worse. Here on pages of 64, the fp8 staging grouped
-    (gluon_decode.SEESAW_FP8_GROUPED_PAGES): one 4-D copy per c_kv half at the 8 places a half is issued, k_pe one
-    2-D copy at its 4 (the chunk boxes were 4 per half: 36 2-D copies)."""
+    64 heads a kernel of its own that ptxas allocated worse. Here on pages of 64, both through the loader partition
+    (plain loads: no tensor copy) and expanded in place (SEESAW_FP8_LOADER_PAGES emptied), whose fp8 staging is
+    grouped (gluon_decode.SEESAW_FP8_GROUPED_PAGES): one 4-D copy per c_kv half at the 8 places a half is issued, k_pe
+    one 2-D copy at its 4 (the chunk boxes were 4 per half: 36 2-D copies)."""
     code = {}
-    for heads in (64, 128):
-        ptx = tmp_path / f"h{heads}.ptx"
-        report = _compile("seesaw", "fp8kv", heads, ptx=ptx)
-        assert 0 < report["registers"] <= MAX_REGISTERS and report["instructions"] > 1000, report
-        code[heads] = ptx.read_text()
-    assert ".entry _mla_decode_seesaw_kernel" in code[64] and code[64] == code[128]
-    copies = [len(re.findall(rf"cp\.async\.bulk\.tensor\.{d}d", code[64])) for d in (2, 4)]
+    for in_place in (False, True):
+        for heads in (64, 128):
+            ptx = tmp_path / f"h{heads}_{in_place}.ptx"
+            report = _compile("seesaw", "fp8kv", heads, ptx=ptx, fp8_in_place=in_place)
+            assert 0 < report["registers"] <= MAX_REGISTERS and report["instructions"] > 1000, report
+            code[heads, in_place] = ptx.read_text()
+        assert ".entry _mla_decode_seesaw_kernel" in code[64, in_place] and code[64, in_place] == code[128, in_place]
+    assert "cp.async.bulk.tensor" not in code[64, False]
+    copies = [len(re.findall(rf"cp\.async\.bulk\.tensor\.{d}d", code[64, True])) for d in (2, 4)]
     assert copies == [4, 8], copies
     # one MMA loop per warpgroup (scripts/sass_loops.py), each with a tile's 36 score and 8 P.V wgmmas
     assert [loop["HGMMA"] for loop in report["mma_loops"]] == [44, 44], report["mma_loops"]

@@ -689,12 +689,12 @@ def test_gluon_kernel_rejects_what_it_cannot_take():
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(gd, constant, ())
             assert not any(gd.grouped_layout(kv) for (d, _), kv in caches.items() if d == dtype)
-    # the fp8 loader partition (gd.fp8_loader): e4m3fn caches on pages of 16 and 32 only (pages of 64k expand in
-    # place), never bf16; emptied, none
-    assert [k for k, kv in caches.items() if gd.fp8_loader(kv)] == [(fp8, 16), (fp8, 32)]
+    # the fp8 loader partition (gd.fp8_loader): e4m3fn caches on every page the seesaw takes (pages of 64k as 64),
+    # never bf16; with pages of 16 and 32 only, not 64k; emptied, none
+    assert [k for k, kv in caches.items() if gd.fp8_loader(kv)] == [(fp8, p) for p in (16, 32, 64, 128)]
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gd, "SEESAW_FP8_LOADER_PAGES", (16, 32, 64))
-        assert [k for k, kv in caches.items() if gd.fp8_loader(kv)] == [(fp8, p) for p in (16, 32, 64, 128)]
+        mp.setattr(gd, "SEESAW_FP8_LOADER_PAGES", (16, 32))
+        assert [k for k, kv in caches.items() if gd.fp8_loader(kv)] == [(fp8, 16), (fp8, 32)]
         mp.setattr(gd, "SEESAW_FP8_LOADER_PAGES", ())
         assert not any(gd.fp8_loader(kv) for kv in caches.values())
     # the config's operand dtype must be the cache's: bf16 for bf16, fp16 for e4m3fn

@@ -427,9 +427,9 @@ cases = [  # page 16 with MTP (bf16: 64-row tiles at q_len 3, per-token gather; 
     dict(seq_lens=(0, 1, 17, 700, 2049), q_lens=(1,) * 5, heads=128, page_size=16),
     # pages of 3 (no TMA kernel takes them): the Triton kernel, fp8 KV through its staged path, MTP
     dict(seq_lens=(0, 1, 65, 700), q_lens=(1, 2, 1, 1), heads=16, page_size=3),
-    # the fp8 seesaw forced (default_config gives it larger batches than these): its in-place expansion of TMA boxes
-    # staged grouped on pages of 64, its loader partition's plain loads on pages of 16 and 32, the runtime head split
-    # of 2 (128 heads) and 1 (64 heads, fp8 q), and MTP at 32 heads x 2 query rows on pages of 32
+    # the fp8 seesaw forced (default_config gives it larger batches than these): its loader partition's plain loads
+    # (after each pair's L2 prefetch) on pages of 64, 16 and 32, the runtime head split of 2 (128 heads) and 1
+    # (64 heads, fp8 q), and MTP at 32 heads x 2 query rows on pages of 32
     dict(seq_lens=(0, 1, 65, 700, 4097), q_lens=(1,) * 5, heads=128, page_size=64, kernel="seesaw",
          combos=("fp8kv",)),
     dict(seq_lens=(0, 1, 65, 700, 4097), q_lens=(1,) * 5, heads=64, page_size=64, kernel="seesaw", combos=("fp8",)),
@@ -489,8 +489,8 @@ GLUON_CASES = [  # bf16, pages of 64 or 128: zero-length requests, odd tile coun
 ]
 
 
-# the same batches with e4m3fn caches, bf16 and e4m3fn q in turn: the seesaw kernel expands each fp8 tile in place
-# (one dtype per batch: each geometry and dtype is another Gluon compile on the device)
+# the same batches with e4m3fn caches, bf16 and e4m3fn q in turn: the seesaw kernel's loader partition converts each
+# fp8 tile to fp16 (one dtype per batch: each geometry and dtype is another Gluon compile on the device)
 SEESAW_FP8_CASES = [replace(case, combo=("fp8kv", "fp8")[i % 2], seed=case.seed + 100)
                     for i, case in enumerate(GLUON_CASES)]
 
@@ -570,8 +570,8 @@ def test_gluon_seesaw_grouped_layout_gives_the_bits_of_the_standard_one(case, mo
 def test_gluon_seesaw_fp8_grouped_staging_gives_the_bits_of_per_page_boxes(case, monkeypatch):
     """e4m3fn caches on pages of 32 (bf16 q), 16 (fp8 q, MTP), 128 (fp8 q, 128 heads) and 64 (bf16 q, 64 heads),
     gluon_decode.SEESAW_FP8_GROUPED_PAGES: against the chunk boxes (per page, or per tile on pages of 64k). The
-    in-place expansion's staging: without the loader partition (SEESAW_FP8_LOADER_PAGES emptied), which takes the
-    small pages by default."""
+    in-place expansion's staging: without the loader partition (SEESAW_FP8_LOADER_PAGES emptied), which takes every
+    page by default."""
     from mla_fast import gluon_decode as gd
 
     monkeypatch.setattr(gd, "SEESAW_FP8_LOADER_PAGES", ())
@@ -585,8 +585,8 @@ def test_gluon_seesaw_fp8_grouped_staging_gives_the_bits_of_per_page_boxes(case,
 def test_gluon_seesaw_fp8_loader_gives_the_bits_of_the_in_place_expansion(case, monkeypatch):
     """e4m3fn caches through the loader partition (gluon_decode.fp8_loader: plain loads, fp16 in registers) and
     expanded in place from TMA-staged fp8: both convert exactly and feed the same MMAs in the same order, so out and
-    lse are bitwise the same. Pages of 32 and 16 (the loader's by default; MTP), 128 and 64 (forced onto the loader:
-    odd tile counts, zero-length requests, splits, MTP at 16 heads)."""
+    lse are bitwise the same. Pages of 32, 16 (MTP), 128 and 64 (odd tile counts, zero-length requests, splits, MTP
+    at 16 heads)."""
     from mla_fast import gluon_decode as gd
 
     _check_page_rule_gives_the_same_bits(case, _gluon(case.heads, max(case.q_lens), case.combo), gd,
