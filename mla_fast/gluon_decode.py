@@ -166,23 +166,25 @@ kernel took 283.3 and 84.4 us on pages of 64, our bf16's time: the loader's late
 (a serial loader, one group at a time, took 434.6; with an L2 prefetch of the next pair's tiles 373.9). Three groups in
 flight (thirty-fourth session; two / three, us): 370.1 / 345.3 at (128, 4096, 128), 110.0 / 103.0 at (32, 4096, 128),
 199.8 / 187.6 at (128, 4096, 64), 121.9 / 108.3 at MTP (64, 4096, 16) q_len 4 on pages of 16, 371.3 / 348.6 on pages of
-32; the L2 prefetch of the next pair then cost 1-6 % (355.9 vs 346.7 on pages of 64; on pages of 16, each token's
-page probed by the threads, 354.8 vs 348.1). What holds the loader (SASS, ncu): ptxas puts all of its loads on one
+32; the L2 prefetch of the next pair then cost 1-6 % (355.9 vs 346.7 on pages of 64; on pages of 16, each token's page
+probed by the threads, 354.8 vs 348.1). What holds the loader (SASS, ncu): ptxas puts all of its loads on one
 scoreboard, so each group's first conversion waits for every load issued before it; each change that issued loads
 earlier was slower (the loop rotated across pairs, two pairs per iteration, the block table a pair ahead, loads in
 blocks; thirty-fourth session, docs/perf_history.md), and so was one store per group instead of one per chunk. What
 helped (thirty-fifth session): each pair's pages asked of the L2 as soon as the block table has named them, one bulk
-prefetch per page (`_prefetch_pages`: cp.async.bulk.prefetch.L2, no registers, nothing to wait for), so that the
-groups loaded later in the pair find them there. Without / with it (config_ab, fp8kv, us): 346.2 / 337.0 at
-(128, 4096, 128), 102.7 / 99.9 at (32, 4096, 128), 187.9 / 181.1 at (128, 4096, 64), 107.9 / 103.6 at (64, 4096, 16)
-q_len 4 on pages of 16 (349.8 / 338.3 at 128 heads on pages of 32); prefetching the next pair's pages instead took
-340.4, 102.2, 185.5 and 107.7, the pair after it 349.9, 102.8, 229.9 and 126.8. With it the loader also beats the
-in-place expansion on pages of 64, which now take the loader too: in place / loader 346.4 / 334.9, 104.1 / 99.6,
-185.4 / 180.8, 110.0 / 103.7 (before it the two were within 1-2 % there). Also measured and dropped then: 16-byte
-loads of two chunks at a time (412.8 vs 348.0 us at (128, 4096, 128) on pages of 16, +18-19 % at every shape), and
-an expander partition (the warpgroups, or the partition itself, copying each freed group's fp8 bytes into its
-staging with TMA, the partition expanding them in place): 494.1 / 510.4 vs 346.1 us on pages of 16, 398.0 / 408.8 vs
-346.2 on pages of 64, since a staged copy can start only once its group is free, where plain loads start before.
+prefetch per page (`_prefetch_pages`: cp.async.bulk.prefetch.L2, no registers, nothing to wait for), so that the groups
+loaded later in the pair find them there. Without / with it (config_ab, fp8kv, us): 346.2 / 337.0 at (128, 4096, 128),
+102.7 / 99.9 at (32, 4096, 128), 187.9 / 181.1 at (128, 4096, 64), 107.9 / 103.6 at (64, 4096, 16) q_len 4 on pages of
+16 (349.8 / 338.3 at 128 heads on pages of 32); prefetching the next pair's pages instead took 340.4, 102.2, 185.5 and
+107.7, the pair after it 349.9, 102.8, 229.9 and 126.8, and the next pair's late in each pair (its block-table entries
+read with this pair's) gained 1.4-2.2 % on pages of 16 but made ptxas spill 620 bytes into the warpgroups' MMA loops on
+pages of 32 and 64 (454.3 vs 339.7 us at (128, 4096, 128)). With it the loader also beats the in-place expansion on
+pages of 64, which now take the loader too: in place / loader 346.4 / 334.9, 104.1 / 99.6, 185.4 / 180.8, 110.0 / 103.7
+(before it the two were within 1-2 % there). Also measured and dropped then: 16-byte loads of two chunks at a time
+(412.8 vs 348.0 us at (128, 4096, 128) on pages of 16, +18-19 % at every shape), and an expander partition (the
+warpgroups, or the partition itself, copying each freed group's fp8 bytes into its staging with TMA, the partition
+expanding them in place): 510.4 / 494.1 vs 346.1 us on pages of 16, 408.8 / 398.0 vs 346.2 on pages of 64, since a
+staged copy can start only once its group is free, where plain loads start before.
 
 Device only: Gluon kernels need a CUDA driver (sm_90); the interpreter cannot run them, so this kernel has GPU
 tests only (tests/test_triton_gpu.py). `mla_fast.triton_decode.launch` calls it for `KernelConfig(kernel="gluon")`,
@@ -975,7 +977,7 @@ def _fp8_loader(KV, kv_smem, kv_full, kv_empty, BLOCK_TABLE, SEQ_LENS, QO_INDPTR
             rows0, ok0 = _loader_rows(BLOCK_TABLE, b, stride_bt, t0, kv_end, PAGE_SIZE)
             rows1, ok1 = _loader_rows(BLOCK_TABLE, b, stride_bt, t0 + _TILE, kv_end, PAGE_SIZE)
             # the pair's pages asked of the L2 at once, so that the groups loaded later in the pair find them there
-            # (the next pair's instead, or the next two, were slower: the module docstring)
+            # (the next pair's instead, or the one after it, were slower: the module docstring)
             _prefetch_pages(KV, t0, rows0, ok0, PAGE_SIZE)
             _prefetch_pages(KV, t0 + _TILE, rows1, ok1, PAGE_SIZE)
             # up to three groups' loads in flight, each group's issued up to two stores before its own (ptxas puts
