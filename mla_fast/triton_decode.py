@@ -55,7 +55,8 @@ one H200 against this kernel's 443 us below (FlashMLA 243-251 us), 86 vs 131 us 
 batches (default_config), take the Gluon fp8 kernel at 16 packed rows per program (`mla_fast.gluon_fp8`,
 KernelConfig(kernel="gluon_fp8")): 180-184 vs 302 us (fp8kv) at (128, 8192, 16), 163 vs 249 us at (128, 4096, 32).
 Other e4m3fn caches with 64 packed rows per program take the seesaw kernel on fp16 operands (KernelConfig(
-kernel="gluon", mma="fp16"), each fp8 tile expanded in place): 377.3 vs 557.3 us (fp8kv) at (128, 4096, 128).
+kernel="gluon", mma="fp16"), each fp8 tile converted by its loader partition; expanded in place until the thirty-third
+session): 341.0 vs 557.3 us (fp8kv) at (128, 4096, 128) (377.3 in place, ninth session).
 
 Performance of this kernel (one H200, mla-bench, CUDA-graph replays, copy rate 4244-4269 GB/s; peers.md §2 conditions;
 docs/perf_history.md tables): bf16 h=16 takes 288-294 us at (b=128, s=8192), 97-99 % of copy (FlashInfer FA3 291-301 us), 154-157 us
@@ -966,8 +967,9 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
       and 2.3 %, and (4, 8192, 128) by 0.1 %, all at 128 heads on the threshold, where 64 heads (16, 4096, 64),
       (8, 8192, 64), (4, 16384, 64) still take 4-7 % longer on the seesaw.
     - fp8 caches with 64 packed rows (33-64) and seesaw, where the Gluon fp8 kernel is not taken: the Gluon seesaw
-      kernel on fp16 operands (kernel="gluon", mma="fp16"; each fp8 tile expanded in place). One H200, graph replays
-      (ninth session), fp8kv, the final kernel (mla-bench) against the Triton staged path (the default before):
+      kernel on fp16 operands (kernel="gluon", mma="fp16"; each fp8 tile expanded in place then, converted by its
+      loader partition since the thirty-third session: gluon_decode.fp8_loader). One H200, graph replays (ninth
+      session), fp8kv, the final kernel (mla-bench) against the Triton staged path (the default before):
       377.3 vs 557.3 us at (128, 4096, 128), 113.2 vs 153.1 at (32, 4096, 128), 67.8 vs 86.4 at (8, 8192, 128),
       210.3 vs 274.9 at (128, 4096, 64); MTP 121.3 vs 149.7 at (64, 4096, 16) q_len 4 and 49.9 vs 53.2 at
       (16, 4096, 16) q_len 4. The boundary with the Gluon fp8 kernel was measured on the first version (16-byte
