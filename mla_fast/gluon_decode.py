@@ -171,20 +171,23 @@ probed by the threads, 354.8 vs 348.1). What holds the loader (SASS, ncu): ptxas
 scoreboard, so each group's first conversion waits for every load issued before it; each change that issued loads
 earlier was slower (the loop rotated across pairs, two pairs per iteration, the block table a pair ahead, loads in
 blocks; thirty-fourth session, docs/perf_history.md), and so was one store per group instead of one per chunk. What
-helped (thirty-fifth session): each pair's pages asked of the L2 as soon as the block table has named them, one bulk
-prefetch per page (`_prefetch_pages`: cp.async.bulk.prefetch.L2, no registers, nothing to wait for), so that the groups
-loaded later in the pair find them there. Without / with it (config_ab, fp8kv, us): 346.2 / 337.0 at (128, 4096, 128),
-102.7 / 99.9 at (32, 4096, 128), 187.9 / 181.1 at (128, 4096, 64), 107.9 / 103.6 at (64, 4096, 16) q_len 4 on pages of
-16 (349.8 / 338.3 at 128 heads on pages of 32); prefetching the next pair's pages instead took 340.4, 102.2, 185.5 and
-107.7, the pair after it 349.9, 102.8, 229.9 and 126.8, and the next pair's late in each pair (its block-table entries
-read with this pair's) gained 1.4-2.2 % on pages of 16 but made ptxas spill 620 bytes into the warpgroups' MMA loops on
-pages of 32 and 64 (454.3 vs 339.7 us at (128, 4096, 128)). With it the loader also beats the in-place expansion on
-pages of 64, which now take the loader too: in place / loader 346.4 / 334.9, 104.1 / 99.6, 185.4 / 180.8, 110.0 / 103.7
-(before it the two were within 1-2 % there). Also measured and dropped then: 16-byte loads of two chunks at a time
-(412.8 vs 348.0 us at (128, 4096, 128) on pages of 16, +18-19 % at every shape), and an expander partition (the
-warpgroups, or the partition itself, copying each freed group's fp8 bytes into its staging with TMA, the partition
-expanding them in place): 510.4 / 494.1 vs 346.1 us on pages of 16, 408.8 / 398.0 vs 346.2 on pages of 64, since a
-staged copy can start only once its group is free, where plain loads start before.
+helped (thirty-fifth session): asking the L2 for the pages with bulk prefetches (cp.async.bulk.prefetch.L2: no
+registers, nothing to wait for, no scoreboard), first each pair's own at its start (`_prefetch_pages`), so that the
+groups loaded later in the pair found them there; without / with it (config_ab, fp8kv, us): 346.2 / 337.0 at (128, 4096,
+128), 102.7 / 99.9 at (32, 4096, 128), 187.9 / 181.1 at (128, 4096, 64), 107.9 / 103.6 at (64, 4096, 16) q_len 4 on
+pages of 16 (349.8 / 338.3 at 128 heads on pages of 32). Prefetching the next pair's pages at the pair's start instead
+took 340.4, 102.2, 185.5 and 107.7, the pair after it 349.9, 102.8, 229.9 and 126.8. What landed last: the next pair's
+pages asked for late in each pair, once its last loads are issued (`_next_pair_units`: 8 units of 16 tokens, one
+block-table entry each, read earlier in the pair; an item's first pair at its start): against this pair's at its start,
+339.6 / 335.9, 100.1 / 97.9, 182.3 / 179.2, 103.8 / 101.7 on pages of 16, 341.7 / 339.0 and 341.0 / 338.3 at (128, 4096,
+128) on pages of 32 and 64. Whole pages as the units (2 or 4 per pair) made ptxas spill 620 bytes into the warpgroups'
+MMA loops on pages of 32 and 64 (454.3 vs 339.7 us); 16-token units compile as pages of 16 do. With the prefetch the
+loader also beats the in-place expansion on pages of 64, which now take the loader too: in place / loader 346.4 / 334.9,
+104.1 / 99.6, 185.4 / 180.8, 110.0 / 103.7 (before it the two were within 1-2 % there). Also measured and dropped then:
+16-byte loads of two chunks at a time (412.8 vs 348.0 us at (128, 4096, 128) on pages of 16, +18-19 % at every shape),
+and an expander partition (the warpgroups, or the partition itself, copying each freed group's fp8 bytes into its
+staging with TMA, the partition expanding them in place): 510.4 / 494.1 vs 346.1 us on pages of 16, 408.8 / 398.0 vs
+346.2 on pages of 64, since a staged copy can start only once its group is free, where plain loads start before.
 
 Device only: Gluon kernels need a CUDA driver (sm_90); the interpreter cannot run them, so this kernel has GPU
 tests only (tests/test_triton_gpu.py). `mla_fast.triton_decode.launch` calls it for `KernelConfig(kernel="gluon")`,
@@ -928,6 +931,39 @@ def _prefetch_pages(KV, t0, rows, ok, PAGE_SIZE: gl.constexpr):
                               is_pure=False, pack=1)
 
 
+_UNIT = gl.constexpr(16)  # tokens per bulk prefetch of the next pair (`_next_pair_units`): 9 KB, a page of 16
+_UNIT_LAYOUT = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))  # unit i on thread i of the partition (and copies)
+
+
+@constexpr_function
+def _unit_ptx(units, rows):
+    """PTX asking the L2 for a unit (`rows` cache rows of 576 fp8 bytes) from address $1 where $2 is not 0, on the
+    partition's first `units` threads only (_UNIT_LAYOUT puts unit i on thread i, copies elsewhere); one bulk
+    prefetch. $0 is a dummy result."""
+    return ("{ .reg .pred p; .reg .b32 l; mov.u32 l, %tid.x; and.b32 l, l, 127; "
+            f"setp.lt.u32 p, l, {units}; "
+            f"setp.ne.and.u32 p, $2, 0, p; @p cp.async.bulk.prefetch.L2.global [$1], {rows * 576}; "
+            "mov.u32 $0, 0; }")
+
+
+@gluon.jit
+def _next_pair_units(KV, BLOCK_TABLE, b, stride_bt, t0, kv_end, PAGE_SIZE: gl.constexpr):
+    """The addresses of the 8 units of _UNIT tokens of the pair from token t0 (one block-table entry each: a unit
+    lies in one page, pages being 16, 32 or 64k tokens) and whether each is below kv_end (1) or not (0)."""
+    N: gl.constexpr = 2 * _TILE // _UNIT
+    tok = t0 + gl.arange(0, N, _UNIT_LAYOUT) * _UNIT  # [8] first token of each unit
+    ok = tok < kv_end
+    page = gl.load(BLOCK_TABLE + b * stride_bt + tok // PAGE_SIZE, mask=ok, other=0)
+    return KV + (page.to(gl.int64) * PAGE_SIZE + tok % PAGE_SIZE) * (_L_DIM + _R_DIM), ok.to(gl.int32)
+
+
+@gluon.jit
+def _prefetch_units(addrs, ok):
+    """Ask the L2 for the units of `_next_pair_units` (addrs, ok): one bulk prefetch each."""
+    gl.inline_asm_elementwise(_unit_ptx(2 * _TILE // _UNIT, _UNIT), "=r,l,r", [addrs, ok], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
 @gluon.jit
 def _fetch_group(KV, rows, ok, g: gl.constexpr):
     """The fp8 bytes of chunk group g of a tile (`_loader_rows`: rows, ok) from the cache: one register tensor
@@ -960,9 +996,10 @@ def _fp8_loader(KV, kv_smem, kv_full, kv_empty, BLOCK_TABLE, SEQ_LENS, QO_INDPTR
     """The loader partition (LOADER, e4m3fn caches): the program's tiles, pair by pair in the warpgroups' order,
     loaded from the cache with plain loads, converted to fp16 in registers and stored into the tile slots, so that
     the fp8 bytes never pass through shared memory (the expansion in place read 36 KB and wrote 72 KB of shared memory
-    per tile on top of the copy's 36 KB). Each pair's pages are first asked of the L2 (`_prefetch_pages`), then its
-    groups loaded and stored in the order the warpgroups free them: slot 0's E and L, slot 1's R, E and L, slot 0's
-    R."""
+    per tile on top of the copy's 36 KB). Each pair's groups are loaded and stored in the order the warpgroups free
+    them: slot 0's E and L, slot 1's R, E and L, slot 0's R. The L2 is asked for an item's first pair at its start
+    (`_prefetch_pages`) and for each next pair once the pair before has issued its last loads (`_next_pair_units`).
+    """
     worker, head_part = _program(head_split, HEAD_SPLIT)
     n0 = 0  # tiles written into slot 0 / slot 1 so far
     n1 = 0
@@ -976,10 +1013,9 @@ def _fp8_loader(KV, kv_smem, kv_full, kv_empty, BLOCK_TABLE, SEQ_LENS, QO_INDPTR
             has1 = 2 * k + 1 < n_tiles
             rows0, ok0 = _loader_rows(BLOCK_TABLE, b, stride_bt, t0, kv_end, PAGE_SIZE)
             rows1, ok1 = _loader_rows(BLOCK_TABLE, b, stride_bt, t0 + _TILE, kv_end, PAGE_SIZE)
-            # the pair's pages asked of the L2 at once, so that the groups loaded later in the pair find them there
-            # (the next pair's instead, or the one after it, were slower: the module docstring)
-            _prefetch_pages(KV, t0, rows0, ok0, PAGE_SIZE)
-            _prefetch_pages(KV, t0 + _TILE, rows1, ok1, PAGE_SIZE)
+            if k == 0:  # an item's first pair asked of the L2 at once (later pairs: below, one pair ahead)
+                _prefetch_pages(KV, t0, rows0, ok0, PAGE_SIZE)
+                _prefetch_pages(KV, t0 + _TILE, rows1, ok1, PAGE_SIZE)
             # up to three groups' loads in flight, each group's issued up to two stores before its own (ptxas puts
             # the loads on one scoreboard: a store's first conversion waits for all loads issued before it); without
             # a second tile (tokens past kv_end) slot 1's loads are masked off and its groups not written
@@ -988,11 +1024,16 @@ def _fp8_loader(KV, kv_smem, kv_full, kv_empty, BLOCK_TABLE, SEQ_LENS, QO_INDPTR
             r1 = _fetch_group(KV, rows1, ok1, _GROUP_R)
             _put_group(kv_smem, kv_full, kv_empty, 0, n0, e0, _GROUP_E)
             e1 = _fetch_group(KV, rows1, ok1, _GROUP_E)
+            # the next pair's units: their block-table entries read now, and the units asked of the L2 once this
+            # pair's last loads are issued (that wait is the one slot 1's E store would make: one scoreboard), so that
+            # the next pair's loads find them there
+            nxt, nxt_ok = _next_pair_units(KV, BLOCK_TABLE, b, stride_bt, t0 + 2 * _TILE, kv_end, PAGE_SIZE)
             _put_group(kv_smem, kv_full, kv_empty, 0, n0, l0, _GROUP_L)
             l1 = _fetch_group(KV, rows1, ok1, _GROUP_L)
             if has1:
                 _put_group(kv_smem, kv_full, kv_empty, 1, n1, r1, _GROUP_R)
             r0 = _fetch_group(KV, rows0, ok0, _GROUP_R)
+            _prefetch_units(nxt, nxt_ok)
             if has1:
                 _put_group(kv_smem, kv_full, kv_empty, 1, n1, e1, _GROUP_E)
                 _put_group(kv_smem, kv_full, kv_empty, 1, n1, l1, _GROUP_L)

@@ -116,8 +116,9 @@ def test_seesaw_stages_an_fp8_page_of_a_c_kv_half_in_one_tma_box(tmp_path):
 def test_fp8_seesaw_loader_partition(combo, heads, q_len, page_size, tmp_path):
     """e4m3fn caches (gluon_decode.SEESAW_FP8_LOADER_PAGES: pages of 16, 32 and 64k): the tiles come through the
     loader partition, not TMA: no tensor copy at all (q is loaded by warpgroup 0 with an fp8 cache), the cache read
-    with plain loads (18 chunks x 4 eight-byte loads per thread and pair, three groups in flight) after one bulk L2
-    prefetch per page (per tile on pages of 64k) at 4 places per tile (a thread's 4 tokens of `_prefetch_pages`);
+    with plain loads (18 chunks x 4 eight-byte loads per thread and pair, three groups in flight), the L2 asked for
+    the pages by bulk prefetches: 8 places for an item's first pair (a thread's 4 tokens per tile, `_prefetch_pages`)
+    and 1 for each next pair (a thread's unit of `_next_pair_units`);
     three partitions (the loader at 112 registers, gluon_decode.LOADER_REGS); the warpgroups' MMA loops store nothing
     to local memory and warpgroup 1's reloads at most 4 values per tile (their score operands at a runtime zero; 44
     bytes of spills at (200, 112), 12 with two groups in flight at (208, 96), which was 6-11 % slower on one H200)."""
@@ -127,7 +128,7 @@ def test_fp8_seesaw_loader_partition(combo, heads, q_len, page_size, tmp_path):
     text = sass.read_text()
     assert not re.search(r"\bUTMALDG\b", text)
     assert len(re.findall(r"\bLDG\.E\.64\b", text)) >= 72
-    assert len(re.findall(r"\bUBLKPF\.L2\b", text)) == 8
+    assert len(re.findall(r"\bUBLKPF\.L2\b", text)) == 9
     assert re.search(r"\bUSETMAXREG\.DEALLOC\.CTAPOOL\s+0x70\b", text)  # the loader's 112
     loops = report["mma_loops"]
     assert [loop["HGMMA"] for loop in loops] == [48, 44], loops
