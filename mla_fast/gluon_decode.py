@@ -901,24 +901,39 @@ def _warpgroup(WG: gl.constexpr, Q, q_desc, kv_desc, kvg_desc, q_smem, kv_smem, 
 
 
 @gluon.jit
-def _loader_rows(BLOCK_TABLE, b, stride_bt, t0, kv_end, PAGE_SIZE: gl.constexpr):
-    """Element offsets of the cache rows of the 64 tokens from t0 (int64, in _E4M3_BOX's token slice) and which are
-    below kv_end (the others read no block-table entry and load as 0)."""
-    tok = t0 + gl.arange(0, _TILE, gl.SliceLayout(1, _E4M3_BOX))  # [64]
+def _cache_rows(BLOCK_TABLE, b, stride_bt, tok, kv_end, PAGE_SIZE: gl.constexpr):
+    """Element offsets (int64) of the cache rows of request b's tokens `tok`, and which are below kv_end (the others
+    read no block-table entry and take page 0's offsets)."""
     ok = tok < kv_end
     page = gl.load(BLOCK_TABLE + b * stride_bt + tok // PAGE_SIZE, mask=ok, other=0)
     return (page.to(gl.int64) * PAGE_SIZE + tok % PAGE_SIZE) * (_L_DIM + _R_DIM), ok
 
 
+@gluon.jit
+def _loader_rows(BLOCK_TABLE, b, stride_bt, t0, kv_end, PAGE_SIZE: gl.constexpr):
+    """`_cache_rows` of the 64 tokens from t0, in _E4M3_BOX's token slice (tokens past kv_end load as 0)."""
+    tok = t0 + gl.arange(0, _TILE, gl.SliceLayout(1, _E4M3_BOX))  # [64]
+    return _cache_rows(BLOCK_TABLE, b, stride_bt, tok, kv_end, PAGE_SIZE)
+
+
 @constexpr_function
-def _prefetch_ptx(page_size):
-    """PTX asking the L2 for the cache rows of a page from address $1 (min(page_size, 64) rows of 576 fp8 bytes: a
-    page, or a tile of a larger one) where $2 is not 0, on lanes 0, 8, 16 and 24 only (_E4M3_BOX's token slice holds
-    each token on 8 adjacent lanes); one bulk prefetch, which holds no register and has no completion to wait for.
-    $0 is a dummy result."""
-    return ("{ .reg .pred p; .reg .b32 l; mov.u32 l, %laneid; and.b32 l, l, 7; setp.eq.u32 p, l, 0; "
-            f"setp.ne.and.u32 p, $2, 0, p; @p cp.async.bulk.prefetch.L2.global [$1], {min(page_size, TILE) * 576}; "
-            "mov.u32 $0, 0; }")
+def _bulk_prefetch_ptx(rows, issuer):
+    """PTX asking the L2 for min(rows, 64) cache rows of 576 fp8 bytes (a page, or a tile of a larger one) from
+    address $1 where $2 is not 0: one bulk prefetch, which holds no register and has no completion to wait for ($0 is
+    a dummy result). Issued once per element, by the threads `issuer` names: "token", lanes 0, 8, 16 and 24
+    (_E4M3_BOX's token slice holds each token on 8 adjacent lanes); "unit", the partition's first 2 x 64 / UNIT
+    threads (_UNIT_LAYOUT puts unit i on thread i, copies elsewhere)."""
+    select = {"token": "mov.u32 l, %laneid; and.b32 l, l, 7; setp.eq.u32 p, l, 0;",
+              "unit": f"mov.u32 l, %tid.x; and.b32 l, l, 127; setp.lt.u32 p, l, {2 * TILE // UNIT};"}[issuer]
+    return ("{ .reg .pred p; .reg .b32 l; " + select + " setp.ne.and.u32 p, $2, 0, p; "
+            f"@p cp.async.bulk.prefetch.L2.global [$1], {min(rows, TILE) * 576}; mov.u32 $0, 0; }}")
+
+
+@gluon.jit
+def _bulk_prefetch(addrs, ask, ROWS: gl.constexpr, ISSUER: gl.constexpr):
+    """Ask the L2 for the ROWS cache rows from each of `addrs` where `ask` (int32) is not 0 (`_bulk_prefetch_ptx`)."""
+    gl.inline_asm_elementwise(_bulk_prefetch_ptx(ROWS, ISSUER), "=r,l,r", [addrs, ask], dtype=gl.int32,
+                              is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -927,41 +942,27 @@ def _prefetch_pages(KV, t0, rows, ok, PAGE_SIZE: gl.constexpr):
     token below kv_end that starts a page (or a tile of a page of 64k)."""
     tok = t0 + gl.arange(0, _TILE, gl.SliceLayout(1, _E4M3_BOX))  # [64]
     first = (ok & (tok % PAGE_SIZE % _TILE == 0)).to(gl.int32)  # [64] 1 where a page (or tile) starts
-    gl.inline_asm_elementwise(_prefetch_ptx(PAGE_SIZE), "=r,l,r", [KV + rows, first], dtype=gl.int32,
-                              is_pure=False, pack=1)
+    _bulk_prefetch(KV + rows, first, PAGE_SIZE, "token")
 
 
-_UNIT = gl.constexpr(16)  # tokens per bulk prefetch of the next pair (`_next_pair_units`): 9 KB, a page of 16
+UNIT = 16  # tokens per bulk prefetch of the next pair (`_next_pair_units`): 9 KB, a page of 16
+_UNIT = gl.constexpr(UNIT)
 _UNIT_LAYOUT = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))  # unit i on thread i of the partition (and copies)
-
-
-@constexpr_function
-def _unit_ptx(units, rows):
-    """PTX asking the L2 for a unit (`rows` cache rows of 576 fp8 bytes) from address $1 where $2 is not 0, on the
-    partition's first `units` threads only (_UNIT_LAYOUT puts unit i on thread i, copies elsewhere); one bulk
-    prefetch. $0 is a dummy result."""
-    return ("{ .reg .pred p; .reg .b32 l; mov.u32 l, %tid.x; and.b32 l, l, 127; "
-            f"setp.lt.u32 p, l, {units}; "
-            f"setp.ne.and.u32 p, $2, 0, p; @p cp.async.bulk.prefetch.L2.global [$1], {rows * 576}; "
-            "mov.u32 $0, 0; }")
 
 
 @gluon.jit
 def _next_pair_units(KV, BLOCK_TABLE, b, stride_bt, t0, kv_end, PAGE_SIZE: gl.constexpr):
-    """The addresses of the 8 units of _UNIT tokens of the pair from token t0 (one block-table entry each: a unit
+    """The addresses of the 8 units of UNIT tokens of the pair from token t0 (one block-table entry each: a unit
     lies in one page, pages being 16, 32 or 64k tokens) and whether each is below kv_end (1) or not (0)."""
-    N: gl.constexpr = 2 * _TILE // _UNIT
-    tok = t0 + gl.arange(0, N, _UNIT_LAYOUT) * _UNIT  # [8] first token of each unit
-    ok = tok < kv_end
-    page = gl.load(BLOCK_TABLE + b * stride_bt + tok // PAGE_SIZE, mask=ok, other=0)
-    return KV + (page.to(gl.int64) * PAGE_SIZE + tok % PAGE_SIZE) * (_L_DIM + _R_DIM), ok.to(gl.int32)
+    tok = t0 + gl.arange(0, 2 * _TILE // _UNIT, _UNIT_LAYOUT) * _UNIT  # [8] first token of each unit
+    rows, ok = _cache_rows(BLOCK_TABLE, b, stride_bt, tok, kv_end, PAGE_SIZE)
+    return KV + rows, ok.to(gl.int32)
 
 
 @gluon.jit
 def _prefetch_units(addrs, ok):
     """Ask the L2 for the units of `_next_pair_units` (addrs, ok): one bulk prefetch each."""
-    gl.inline_asm_elementwise(_unit_ptx(2 * _TILE // _UNIT, _UNIT), "=r,l,r", [addrs, ok], dtype=gl.int32,
-                              is_pure=False, pack=1)
+    _bulk_prefetch(addrs, ok, _UNIT, "unit")
 
 
 @gluon.jit
