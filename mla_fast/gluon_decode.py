@@ -188,6 +188,13 @@ loader also beats the in-place expansion on pages of 64, which now take the load
 and an expander partition (the warpgroups, or the partition itself, copying each freed group's fp8 bytes into its
 staging with TMA, the partition expanding them in place): 510.4 / 494.1 vs 346.1 us on pages of 16, 408.8 / 398.0 vs
 346.2 on pages of 64, since a staged copy can start only once its group is free, where plain loads start before.
+Thirty-sixth session: slot 0's R group, whose loads are issued last in the pair, right before slot 1's E store waits
+for every load in flight, is asked of the L1 at the pair's start (`_l1_prefetch_group`: `prefetch.global.L1`,
+CCTL.E.PF1, which writes no register and takes no scoreboard): same bits, 331.5-332.8 vs 335.4-336.3 us at
+(128, 4096, 128) on pages of 16 and 64 in two calls, 97.0-97.3 vs 97.7-98.0 at (32, 4096, 128), 175.7-176.6 vs
+176.6-177.7 at (128, 4096, 64), level at MTP (64, 4096, 16) q_len 4. Asking the L1 for slot 1's L or E as well
+(spilled 64 bytes; 350.3-363.9 us), loads bypassing the L1 (`.cg`: 351.6) or evicted first from the L2
+(`evict_first`: 347.7) were slower.
 
 Device only: Gluon kernels need a CUDA driver (sm_90); the interpreter cannot run them, so this kernel has GPU
 tests only (tests/test_triton_gpu.py). `mla_fast.triton_decode.launch` calls it for `KernelConfig(kernel="gluon")`,
@@ -945,6 +952,23 @@ def _prefetch_pages(KV, t0, rows, ok, PAGE_SIZE: gl.constexpr):
     _bulk_prefetch(KV + rows, first, PAGE_SIZE, "token")
 
 
+@constexpr_function
+def _l1_prefetch_ptx(first, sectors):
+    """PTX asking the L1 for `sectors` 32-byte sectors from byte `first` of the cache row at $1 where $2 is not 0:
+    lane j of each token's 8 (_E4M3_BOX's token slice) asks for sector j (`prefetch.global.L1`, CCTL.E.PF1: no
+    register written, no scoreboard); $0 is a dummy result."""
+    return ("{ .reg .pred p; .reg .b32 l; .reg .b64 a; mov.u32 l, %laneid; and.b32 l, l, 7; "
+            f"setp.lt.u32 p, l, {sectors}; setp.ne.and.u32 p, $2, 0, p; mul.wide.u32 a, l, 32; add.s64 a, a, $1; "
+            f"@p prefetch.global.L1 [a + {first}]; mov.u32 $0, 0; }}")
+
+
+@gluon.jit
+def _l1_prefetch_group(KV, rows, ok, g: gl.constexpr):
+    """Ask the L1 for chunk group g (L or R: 256 bytes of each row) of a tile (`_loader_rows`: rows, ok)."""
+    gl.inline_asm_elementwise(_l1_prefetch_ptx(_group_first(g) * _CHUNK, (_group_end(g) - _group_first(g)) * 2),
+                              "=r,l,r", [KV + rows, ok.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
+
+
 UNIT = 16  # tokens per bulk prefetch of the next pair (`_next_pair_units`): 9 KB, a page of 16
 _UNIT = gl.constexpr(UNIT)
 _UNIT_LAYOUT = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))  # unit i on thread i of the partition (and copies)
@@ -999,7 +1023,8 @@ def _fp8_loader(KV, kv_smem, kv_full, kv_empty, BLOCK_TABLE, SEQ_LENS, QO_INDPTR
     the fp8 bytes never pass through shared memory (the expansion in place read 36 KB and wrote 72 KB of shared memory
     per tile on top of the copy's 36 KB). Each pair's groups are loaded and stored in the order the warpgroups free
     them: slot 0's E and L, slot 1's R, E and L, slot 0's R. The L2 is asked for an item's first pair at its start
-    (`_prefetch_pages`) and for each next pair once the pair before has issued its last loads (`_next_pair_units`).
+    (`_prefetch_pages`) and for each next pair once the pair before has issued its last loads (`_next_pair_units`);
+    the L1 for slot 0's R group at each pair's start (`_l1_prefetch_group`).
     """
     worker, head_part = _program(head_split, HEAD_SPLIT)
     n0 = 0  # tiles written into slot 0 / slot 1 so far
@@ -1023,6 +1048,9 @@ def _fp8_loader(KV, kv_smem, kv_full, kv_empty, BLOCK_TABLE, SEQ_LENS, QO_INDPTR
             e0 = _fetch_group(KV, rows0, ok0, _GROUP_E)
             l0 = _fetch_group(KV, rows0, ok0, _GROUP_L)
             r1 = _fetch_group(KV, rows1, ok1, _GROUP_R)
+            # slot 0's R, loaded last in the pair (just before slot 1's E store waits for every load in flight), asked
+            # of the L1 now, so that its loads return from there (also asking for slot 1's L or E spilled: slower)
+            _l1_prefetch_group(KV, rows0, ok0, _GROUP_R)
             _put_group(kv_smem, kv_full, kv_empty, 0, n0, e0, _GROUP_E)
             e1 = _fetch_group(KV, rows1, ok1, _GROUP_E)
             # the next pair's units: their block-table entries read now, and the units asked of the L2 once this

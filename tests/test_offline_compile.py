@@ -118,10 +118,12 @@ def test_fp8_seesaw_loader_partition(combo, heads, q_len, page_size, tmp_path):
     loader partition, not TMA: no tensor copy at all (q is loaded by warpgroup 0 with an fp8 cache), the cache read
     with plain loads (18 chunks x 4 eight-byte loads per thread and pair, three groups in flight), the L2 asked for
     the pages by bulk prefetches: 8 places for an item's first pair (a thread's 4 tokens per tile, `_prefetch_pages`)
-    and 1 for each next pair (a thread's unit of `_next_pair_units`);
+    and 1 for each next pair (a thread's unit of `_next_pair_units`); the L1 asked for slot 0's R group at each pair's
+    start (`_l1_prefetch_group`: one CCTL.E.PF1 per token of a thread, 4);
     three partitions (the loader at 112 registers, gluon_decode.LOADER_REGS); the warpgroups' MMA loops store nothing
-    to local memory and warpgroup 1's reloads at most 4 values per tile (their score operands at a runtime zero; 44
-    bytes of spills at (200, 112), 12 with two groups in flight at (208, 96), which was 6-11 % slower on one H200)."""
+    to local memory and warpgroup 1's reloads at most 4 values per tile (their score operands at a runtime zero; 36
+    bytes of spills at (200, 112), 44 before the L1 prefetch, 12 with two groups in flight at (208, 96), which was
+    6-11 % slower on one H200)."""
     sass = tmp_path / "loader.sass"
     report = _compile("seesaw", combo, heads, q_len, page_size, sass=sass)
     assert 0 < report["registers"] <= MAX_REGISTERS and report["spill_stores"] <= 48, report
@@ -129,6 +131,7 @@ def test_fp8_seesaw_loader_partition(combo, heads, q_len, page_size, tmp_path):
     assert not re.search(r"\bUTMALDG\b", text)
     assert len(re.findall(r"\bLDG\.E\.64\b", text)) >= 72
     assert len(re.findall(r"\bUBLKPF\.L2\b", text)) == 9
+    assert len(re.findall(r"\bCCTL\.E\.PF1\b", text)) == 4
     assert re.search(r"\bUSETMAXREG\.DEALLOC\.CTAPOOL\s+0x70\b", text)  # the loader's 112
     loops = report["mma_loops"]
     assert [loop["HGMMA"] for loop in loops] == [48, 44], loops
