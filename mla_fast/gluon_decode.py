@@ -964,7 +964,8 @@ def _l1_prefetch_ptx(first, sectors):
 
 @gluon.jit
 def _l1_prefetch_group(KV, rows, ok, g: gl.constexpr):
-    """Ask the L1 for chunk group g (L or R: 256 bytes of each row) of a tile (`_loader_rows`: rows, ok)."""
+    """Ask the L1 for chunk group g of a tile (`_loader_rows`: rows, ok): its bytes of each row below kv_end, at most
+    8 sectors, one per lane of the token (L and R 256 bytes, E 64)."""
     gl.inline_asm_elementwise(_l1_prefetch_ptx(_group_first(g) * _CHUNK, (_group_end(g) - _group_first(g)) * 2),
                               "=r,l,r", [KV + rows, ok.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
 
