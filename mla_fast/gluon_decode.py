@@ -1091,7 +1091,7 @@ def _mla_decode_seesaw_kernel(
     num_heads, stride_qt, stride_qh, stride_bt, stride_ot, stride_oh, stride_lt, stride_pt, stride_ph, stride_plt,
     head_split,  # programs per worker, read when HEAD_SPLIT is 0 (fp8 caches: the module docstring)
     PAGE_SIZE: gl.constexpr, HEAD_SPLIT: gl.constexpr, HEAD_GROUP: gl.constexpr, PDL: gl.constexpr,
-    KV_FP8: gl.constexpr,  # e4m3fn cache ([64, 64] boxes), bf16 or e4m3fn q: fp16 operands, expanded in place
+    KV_FP8: gl.constexpr,  # e4m3fn cache, bf16 or e4m3fn q: fp16 operands (expanded in place without LOADER)
     ONE_ITEM: gl.constexpr,  # WorkPlan.one_item_per_worker
     GROUPED: gl.constexpr,  # `grouped_layout`: the c_kv halves (bf16), or their fp8 staging (KV_FP8), grouped
     KV,  # the cache [pages, page_size, 576] (LOADER: read by the loader partition)

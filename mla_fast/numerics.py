@@ -40,9 +40,9 @@ instead of p), fp32 row sums from unrounded P, one 64-token P.V MMA per tile and
 accumulator half per tile on average (four per pair of tiles).
 
 On e4m3fn caches the seesaw kernel (KV_FP8) has the rounding points of `KERNEL_NUMERICS["fp8kv"]` / `["fp8"]`
-(mma="fp16"): each fp8 tile expanded to fp16 in shared memory (exact; on pages of 16 and 32 converted in registers by
-its loader partition and stored, the same values), q cast to fp16, the same chains, P rounded to fp16 once (p0' as
-above), scales folded as in point 1.
+(mma="fp16"): each fp8 tile converted to fp16 (exact; in registers by its loader partition on pages of 16, 32 and
+64k, `gluon_decode.fp8_loader`, else expanded in shared memory: the same values), q cast to fp16, the same chains,
+P rounded to fp16 once (p0' as above), scales folded as in point 1.
 
 The Gluon fp8 kernel (mla_fast/gluon_fp8.py, e4m3fn caches at 16 packed rows per program) with bf16 q, or with
 e4m3fn q and qk_fp8=False, has the rounding points of `KERNEL_NUMERICS["fp8kv"]` / `["fp8"]` (mma="fp16"): fp8
