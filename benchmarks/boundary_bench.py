@@ -2,23 +2,22 @@
 Gluon fp8 kernel (16 rows per program, head_split programs per worker) and the seesaw kernel on fp16 operands (64
 rows), each forced whatever the batch size, beside the default config (`batch_config`) and our bf16 default, CUDA-graph
 replays as in `mla-bench`. This is the measurement behind `default_config`'s boundary between the two
-(programs per worker x the batch's cache tokens <= GLUON_FP8_MAX_PROGRAM_TOKENS, or _FP8_Q for e4m3fn q;
-docs/perf_history.md, eleventh and twenty-third sessions).
+(programs per worker x the batch's cache tokens <= GLUON_FP8_MAX_PROGRAM_TOKENS, or _FP8_Q for e4m3fn q on pages
+other than 16; docs/perf_history.md, eleventh, twenty-third and thirty-seventh sessions).
 
-    python benchmarks/boundary_bench.py --json boundary.json
+    python benchmarks/boundary_bench.py --json boundary.json --csv boundary.csv
     python benchmarks/boundary_bench.py --page-size 16 --combo fp8 --json boundary16.json
 
 Prints one line per shape with µs per kernel and the largest |out| difference of each forced kernel to the default
-(each is checked against the fp64 oracle within its bound by tests/test_triton_gpu.py). The eleventh session's run
-of SHAPES is benchmarks/boundary_h200.csv, the twenty-third session's with --combo fp8 (the Gluon fp8 kernel's fp8
-score MMAs; default_config's fp8-q threshold) benchmarks/boundary_h200_fp8.csv, both on pages of 64; the thirtieth
-session's with --page-size 16 benchmarks/boundary_h200_p16.csv and boundary_h200_fp8_p16.csv; the thirty-first
-session's fp8kv run on pages of 64 (the fp8 seesaw's staging grouped there) benchmarks/boundary_h200_p64.csv, and
-the thirty-second session's fp8 q run with those kernels benchmarks/boundary_h200_fp8_p64.csv;
-tests/test_triton_decode.py checks default_config's rule against all six.
+(each is checked against the fp64 oracle within its bound by tests/test_triton_gpu.py). The thirty-seventh session's
+runs of SHAPES on pages of 16, 32 and 64, fp8kv and fp8 q, are benchmarks/boundary_h200_{fp8kv,fp8}_p{16,32,64}.csv
+(the kernels of the thirty-sixth session: the fp8 seesaw's loader partition); tests/test_triton_decode.py checks
+default_config's rule against all six. The tables of earlier sessions, measured before that loader, are in git
+(docs/perf_history.md names them).
 """
 
 import argparse
+import csv
 import json
 
 import torch
@@ -34,13 +33,35 @@ SHAPES = [  # (b, s_k, heads, q_len): both sides of the rule at 128, 64, 32 (q_l
     # eleventh session: where the batch-size rule and the token rule disagree, and (4, 8192, 32, 2) for 32 heads
     (2, 16384, 128, 1), (1, 32768, 128, 1), (16, 1024, 128, 1), (32, 512, 128, 1), (8, 2048, 128, 1),
     (4, 16384, 64, 1), (32, 1024, 64, 1), (1, 16384, 128, 1), (16, 2048, 16, 4), (4, 8192, 32, 2),
+    # thirty-seventh session: programs x tokens = 16 x 4096 at every head count and q_len, and 24 x 4096
+    (2, 8192, 16, 4), (1, 8192, 16, 4), (2, 8192, 16, 3), (3, 8192, 16, 4), (2, 8192, 32, 2), (1, 16384, 32, 2),
+    (2, 4096, 128, 1), (3, 8192, 128, 1), (4, 4096, 64, 1), (1, 16384, 64, 1), (6, 4096, 64, 1),
 ]
+TABLE_COLUMNS = ["b", "s_k", "heads", "q_len", "gluon_fp8_us", "seesaw_us", "bf16_us"]
+
+
+def write_table(path: str, rows: list[dict], comment: str) -> None:
+    """The rows of one call as a table (TABLE_COLUMNS, one line per shape in the order measured, us to 0.1) under
+    `comment`'s lines prefixed with "# ": the form of benchmarks/boundary_h200_*.csv."""
+    shapes = {}
+    for r in rows:
+        column = "bf16_us" if r["combo"] == "bf16" else {"gluon_fp8": "gluon_fp8_us", "seesaw": "seesaw_us"}.get(
+            r["config"])
+        if column:
+            shapes.setdefault((r["b"], r["s"], r["h"], r["q_len"]), {})[column] = round(r["us"], 1)
+    with open(path, "w", newline="") as f:
+        f.writelines(f"# {line}\n" for line in comment.splitlines())
+        writer = csv.writer(f, lineterminator="\n")
+        writer.writerow(TABLE_COLUMNS)
+        for (b, s, h, q_len), us in shapes.items():
+            writer.writerow([b, s, h, q_len, us["gluon_fp8_us"], us["seesaw_us"], us["bf16_us"]])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--combo", default="fp8kv", choices=["fp8kv", "fp8"])
     parser.add_argument("--json", default=None)
+    parser.add_argument("--csv", default=None, help="also write the table of benchmarks/boundary_h200_*.csv here")
     parser.add_argument("--page-size", type=int, default=64, help="cache page size in tokens (default 64)")
     parser.add_argument("--shapes", type=parse_shapes, default=SHAPES, help='"b,s,h,q_len;..." (default: SHAPES)')
     args = parser.parse_args()
@@ -68,6 +89,9 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "rows": rows}, f, indent=1)
+    if args.csv:
+        write_table(args.csv, rows, f"benchmarks/boundary_bench.py --page-size {args.page_size} --combo {args.combo} "
+                    f"on one {torch.cuda.get_device_name()} (copy {copy_gbs:.0f} GB/s)")
 
 
 if __name__ == "__main__":

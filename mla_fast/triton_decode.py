@@ -901,10 +901,12 @@ def dtype_combo(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> str:
 
 
 SMALL_BATCH = 4  # batches up to this size (q_len 1) take no 64-row tiles (default_config)
-GLUON_FP8_MAX_PROGRAM_TOKENS = 32 * 4096  # fp8 caches with more than two Gluon fp8 programs per worker take that
-# kernel up to this many programs per worker x cache tokens of the batch (KV tile reads by 16-row programs)
-GLUON_FP8_MAX_PROGRAM_TOKENS_FP8_Q = 64 * 4096  # the same with e4m3fn q, whose fp8 score MMAs (qk_fp8) make the
-# Gluon fp8 kernel faster (benchmarks/boundary_h200_fp8.csv, twenty-third session)
+GLUON_FP8_MAX_PROGRAM_TOKENS = 24 * 4096  # fp8 caches with more than two Gluon fp8 programs per worker take that
+# kernel up to this many programs per worker x cache tokens of the batch (KV tile reads by 16-row programs); the
+# fp8 seesaw beyond (benchmarks/boundary_h200_fp8kv_p*.csv, thirty-seventh session)
+GLUON_FP8_MAX_PROGRAM_TOKENS_FP8_Q = 32 * 4096  # the same with e4m3fn q on pages of 32 and 64k, where the Gluon fp8
+# kernel's fp8 score MMAs (qk_fp8) keep it ahead longer (benchmarks/boundary_h200_fp8_p{32,64}.csv); on pages of 16
+# e4m3fn q takes GLUON_FP8_MAX_PROGRAM_TOKENS (boundary_h200_fp8_p16.csv)
 
 
 # pages smaller than a tile, rows <= 32: how each token's page is picked and up to how many pages per tile the
@@ -913,8 +915,18 @@ BF16_PAGE_GATHER = dict(page_select=2, gather_chunk_pages=8)
 FP8_PAGE_GATHER = dict(page_select=1, gather_chunk_pages=16)
 
 
+def gluon_fp8_max_program_tokens(combo: str, page_size: int | None) -> int:
+    """default_config's threshold on programs per worker x the batch's cache tokens for the Gluon fp8 kernel:
+    GLUON_FP8_MAX_PROGRAM_TOKENS_FP8_Q for e4m3fn q ("fp8") on pages other than 16 (page_size None: pages of 64),
+    else GLUON_FP8_MAX_PROGRAM_TOKENS."""
+    if combo == "fp8" and page_size != 16:
+        return GLUON_FP8_MAX_PROGRAM_TOKENS_FP8_Q
+    return GLUON_FP8_MAX_PROGRAM_TOKENS
+
+
 def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int | None = None,
-                   seesaw: bool = False, fp8_gluon: bool = False, kv_tokens: int | None = None) -> KernelConfig:
+                   seesaw: bool = False, fp8_gluon: bool = False, kv_tokens: int | None = None,
+                   page_size: int | None = None) -> KernelConfig:
     """Launch choice, the fastest correct candidate of mla-bench --candidates on one H200 (the h=16 shapes with b >= 32
     and the h = 128 shapes; see the module docstring).
 
@@ -926,46 +938,28 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
     or e4m3fn q, L = 512, R = 64, pages of a multiple of 64 tokens or of 16 or 32, contiguous cache);
     `batch_config` passes it.
     kv_tokens: the batch's cache tokens (sum of seq_lens), for the Gluon fp8 kernel's rule; `batch_config` passes it.
+    page_size: the cache's tokens per page, for the same rule (None: pages of 64); `batch_config` passes it.
     - fp8 caches with fp8_gluon at q_len <= 4: the Gluon fp8 kernel (kernel="gluon_fp8"), 16 packed rows per
       program: head_group 16 at q_len 1, 8 at q_len 2, 4 at q_len 3-4 (MTP), head_split = num_heads / head_group
       programs per worker (each KV tile read once from HBM, the rest from L2), two programs per SM with two tile
       slots each; taken when head_split <= 2 (16 or 32 heads at q_len 1, 16 at q_len 2) or head_split x kv_tokens
-      <= GLUON_FP8_MAX_PROGRAM_TOKENS (32 x 4096: at s_k = 4096 the batch x heads <= 512 rule it replaced, eleventh
-      session). That rule ignored s_k; with the seesaw 2-3 % faster on fp8 caches it picked the slower kernel at 5
-      of 24 shapes on its boundary at s_k = 8192 (by 4-8 %: 51.7 vs 48.2 us at (4, 8192, 128)), and at 8 of 9 shapes
-      off that grid (by 5.5-19 %: 52.0 vs 46.8 at (2, 16384, 128), 35.5 vs 29.8 at (32, 512, 128), 39.0 vs 34.5 at
-      (32, 1024, 64), 37.2 vs 33.9 at (16, 2048, 16) q_len 4); the token rule picks the faster kernel at all 34
-      (docs/perf_history.md, benchmarks/boundary_bench.py). One H200, graph replays, fp8kv, against this module's staged path
-      (sixth session):
-      213.5 vs 302 us at (128, 8192, 16), 117 vs 157 at (128, 4096, 16), 117 vs 159 at (32, 16384, 16), 68 vs 87
-      at (64, 4096, 16), 45.2 vs 50.6 at (32, 4096, 16), 16.1 vs 17.5 at (1, 8192, 16); one program with four slots
-      (before the operand reordering, against 222, 122, 122, 71, 46.6, 16.4 for two programs): 249, 132, 135, 77,
-      46.8, 16.2 us. More heads (seventh session, after the slot fix): 32 heads 54.3 vs 75.9 us at (32, 4096),
-      93.2 vs 134.6 at (64, 4096), 163.1 vs 249.2 at (128, 4096), 17.3 vs 21.4 at (1, 8192), 35.6 vs 46.6 at
-      (16, 4096); 64 heads 19.9 vs 23.3 at (1, 8192), 35.6 vs 47.8 at (4, 8192), 53.1 vs 57.9 at (8, 8192), 52.4
-      vs 54.8 at (16, 4096), but 89.7 vs 87.4 at (16, 8192), 90.7 vs 85.8 at (32, 4096), 160.9 vs 150.3 at
-      (64, 4096); 128 heads 24.6 vs 31.0 at (1, 8192), 34.8 vs 46.8 at (2, 8192), 52.2 vs 74.5 at (4, 8192), 52.1
-      vs 55.1 at (8, 4096), 89.0 vs 88.5 at (8, 8192), but 90.0 vs 86.8 at (16, 4096), 160.4 vs 156.2 at
-      (32, 4096), 614.8 vs 547.5 at (128, 4096): hence that rule (seventh session). MTP at 16 heads (eighth session,
-      benchmarks/mtp_bench.py): q_len 2 (two programs of 8 heads x 2 rows) 18.8 vs 22.4 us at (1, 8192), 55.1 vs
-      76.2 at (32, 4096), 95.3 vs 135.6 at (64, 4096), 167.8 vs 249.6 at (128, 4096), 320.2 vs 485.0 at
-      (128, 8192); q_len 3-4 (four programs of 4 heads x 4 rows) 35.0 vs 37.8 at (4, 8192) q_len 3, 54.6 vs 58.8
-      at (8, 8192) q_len 4, 54.0 vs 55.5 at (16, 4096), but 165.7 vs 150.9 at (64, 4096) against the 64-row
-      tile: the threshold holds there too. With e4m3fn q the threshold is GLUON_FP8_MAX_PROGRAM_TOKENS_FP8_Q (64 x
-      4096; benchmarks/boundary_h200_fp8.csv, the same 34 shapes with fp8 q, twenty-third session): at 64 x 4096
-      the Gluon fp8 kernel was faster at 10 of 12 shapes (the seesaw took 0.7-10.3 % longer; the seesaw was faster
-      by 2.0 and 2.6 % at (2, 16384, 128) and (8, 4096, 128)), at 128 x 4096 and beyond the seesaw at all 6 (the
-      Gluon fp8 kernel took 11-34 % longer), at 32 x 4096 and below the Gluon fp8 kernel at all 16. With e4m3fn q
-      ("fp8") its scores run as fp8 MMAs (qk_fp8; twenty-third session, one H200, against fp16 score operands):
-      166.2 vs 184.5 us at (128, 8192, 16), 93.8 vs 99.7 at (128, 4096, 16), 38.2 vs 39.4 at (32, 4096, 16), 140.1
-      vs 161.3 at (128, 4096, 32), 79.0 vs 91.9 at (64, 4096, 16) q_len 2, 21.1 vs 22.7 at (1, 8192, 128)
-      (numerics: `numerics.gluon_fp8_qk_numerics`). Both thresholds ignore the page size: on pages of 16 (thirtieth
-      session, both kernels in their grouped layouts; benchmarks/boundary_h200_p16.csv, boundary_h200_fp8_p16.csv)
-      they picked the faster kernel at all 34 shapes with fp8kv and at 32 of 34 with fp8 q (the same two shapes
-      lost as on pages of 64, by 0.9 and 1.6 %). Re-run on pages of 64 with the thirty-first session's kernels
-      (boundary_h200_p64.csv, boundary_h200_fp8_p64.csv): all 34 with fp8kv; with fp8 q the same two lost, by 2.7
-      and 2.3 %, and (4, 8192, 128) by 0.1 %, all at 128 heads on the threshold, where 64 heads (16, 4096, 64),
-      (8, 8192, 64), (4, 16384, 64) still take 4-7 % longer on the seesaw.
+      <= gluon_fp8_max_program_tokens(combo, page_size): 24 x 4096 (GLUON_FP8_MAX_PROGRAM_TOKENS) for fp8kv on
+      every page and for e4m3fn q on pages of 16, 32 x 4096 (_FP8_Q) for e4m3fn q on pages of 32 and 64k, whose
+      fp8 score MMAs (qk_fp8; numerics: `numerics.gluon_fp8_qk_numerics`) keep the Gluon fp8 kernel ahead longer.
+      Beyond, the fp8 seesaw. Measured in the thirty-seventh session (benchmarks/boundary_bench.py, 45 shapes at
+      16-128 heads and q_len 1-4, one H200, graph replays; benchmarks/boundary_h200_{fp8kv,fp8}_p{16,32,64}.csv):
+      the Gluon fp8 kernel is faster at every shape up to 24 x 4096 (13 shapes per table; 23.7 vs 27.0 us at
+      (1, 8192, 128) fp8kv on pages of 16, 29.1 vs 33.2 at (6, 4096, 64) on pages of 64) except (3, 8192, 16)
+      q_len 4 fp8kv on pages of 16 (32.9 vs 32.3); at 32 x 4096 the fp8 seesaw wins 10-12 of 13 shapes with
+      fp8kv (by up to 26 %: 30.6 vs 38.7 us at (4, 8192, 16) q_len 3 on pages of 16) and with e4m3fn q on pages of
+      16, the Gluon fp8 kernel 9-12 of 13 with e4m3fn q on pages of 32 and 64 (25.2 vs 29.9 at (32, 512, 128));
+      from 48 x 4096 on the seesaw wins or ties (38.0 vs 38.0 us at (3, 8192, 128) with e4m3fn q on pages of 64;
+      58.9 vs 97.5 at (8, 8192, 128) fp8kv on pages of 16). The
+      rule loses at 2-4 shapes per table, by at most 9.9 % ((32, 512, 128) with e4m3fn q on pages of 16: short
+      sequences favour the Gluon fp8 kernel at any programs x tokens); the rule test names each loss. Before the
+      seesaw's fp8 loader partition (thirty-third to thirty-sixth sessions: 410 -> 331.5 us at (128, 4096, 128) on
+      pages of 16) the thresholds were 32 x 4096 and 64 x 4096 for every page (eleventh and twenty-third sessions;
+      docs/perf_history.md).
     - fp8 caches with 64 packed rows (33-64) and seesaw, where the Gluon fp8 kernel is not taken: the Gluon seesaw
       kernel on fp16 operands (kernel="gluon", mma="fp16"; each fp8 tile expanded in place then, converted by its
       loader partition since the thirty-third session: gluon_decode.fp8_loader). One H200, graph replays (ninth
@@ -1064,7 +1058,7 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
     fp8_group = _gluon_fp8_head_group(max_q_len) if fp8_kv and fp8_gluon else None
     if fp8_group and num_heads % fp8_group == 0:
         programs = num_heads // fp8_group  # per worker
-        max_tokens = GLUON_FP8_MAX_PROGRAM_TOKENS_FP8_Q if combo == "fp8" else GLUON_FP8_MAX_PROGRAM_TOKENS
+        max_tokens = gluon_fp8_max_program_tokens(combo, page_size)
         if programs <= 2 or (kv_tokens is not None and programs * kv_tokens <= max_tokens):
             return KernelConfig(block_n=64, mma=mma, head_group=fp8_group, head_split=programs, num_stages=2,
                                 workers_per_sm=2, kernel="gluon_fp8", qk_fp8=combo == "fp8")
@@ -1147,7 +1141,8 @@ def batch_config(batch, max_q_len: int) -> KernelConfig:
 
     combo = dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
     return default_config(combo, batch.num_heads, max_q_len, batch.batch_size, seesaw=gluon_decode.supported(batch),
-                          fp8_gluon=gluon_fp8.supported(batch), kv_tokens=int(batch.seq_lens.sum()))
+                          fp8_gluon=gluon_fp8.supported(batch), kv_tokens=int(batch.seq_lens.sum()),
+                          page_size=batch.page_size)
 
 
 def effective_split_l(config: KernelConfig, kv_lora_rank: int) -> int:
