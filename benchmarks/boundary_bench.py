@@ -11,8 +11,9 @@ other than 16; docs/perf_history.md, eleventh, twenty-third and thirty-seventh s
 Prints one line per shape with µs per kernel and the largest |out| difference of each forced kernel to the default
 (each is checked against the fp64 oracle within its bound by tests/test_triton_gpu.py). The thirty-seventh session's
 runs of SHAPES on pages of 16, 32 and 64, fp8kv and fp8 q, are benchmarks/boundary_h200_{fp8kv,fp8}_p{16,32,64}.csv
-(the kernels of the thirty-sixth session: the fp8 seesaw's loader partition); tests/test_triton_decode.py checks
-default_config's rule against all six. The tables of earlier sessions, measured before that loader, are in git
+and of MTP_SHAPES (--shapes mtp) on pages of 16 and 64 boundary_h200_{fp8kv,fp8}_p{16,64}_mtp.csv (the kernels of
+the thirty-sixth session: the fp8 seesaw's loader partition); tests/test_triton_decode.py checks default_config's
+rule against all ten. The tables of earlier sessions, measured before that loader, are in git
 (docs/perf_history.md names them).
 """
 
@@ -36,6 +37,10 @@ SHAPES = [  # (b, s_k, heads, q_len): both sides of the rule at 128, 64, 32 (q_l
     # thirty-seventh session: programs x tokens = 16 x 4096 at every head count and q_len, and 24 x 4096
     (2, 8192, 16, 4), (1, 8192, 16, 4), (2, 8192, 16, 3), (3, 8192, 16, 4), (2, 8192, 32, 2), (1, 16384, 32, 2),
     (2, 4096, 128, 1), (3, 8192, 128, 1), (4, 4096, 64, 1), (1, 16384, 64, 1), (6, 4096, 64, 1),
+]
+MTP_SHAPES = [  # thirty-seventh session: MTP at 32-128 heads (8-32 Gluon fp8 programs per worker), 16-32 x 4096
+    (1, 4096, 128, 2), (1, 6144, 128, 2), (1, 8192, 128, 2), (2, 4096, 64, 2), (3, 4096, 64, 2), (4, 4096, 64, 2),
+    (1, 4096, 64, 4), (2, 4096, 32, 4), (4, 4096, 32, 3), (1, 2048, 128, 4), (1, 3072, 128, 4), (1, 4096, 128, 4),
 ]
 TABLE_COLUMNS = ["b", "s_k", "heads", "q_len", "gluon_fp8_us", "seesaw_us", "bf16_us"]
 
@@ -63,7 +68,8 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--csv", default=None, help="also write the table of benchmarks/boundary_h200_*.csv here")
     parser.add_argument("--page-size", type=int, default=64, help="cache page size in tokens (default 64)")
-    parser.add_argument("--shapes", type=parse_shapes, default=SHAPES, help='"b,s,h,q_len;..." (default: SHAPES)')
+    parser.add_argument("--shapes", type=lambda text: MTP_SHAPES if text == "mtp" else parse_shapes(text),
+                        default=SHAPES, help='"b,s,h,q_len;..." or "mtp" (MTP_SHAPES; default: SHAPES)')
     args = parser.parse_args()
     copy_gbs = copy_bandwidth_gbs()
     rows = []

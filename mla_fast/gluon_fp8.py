@@ -88,8 +88,8 @@ Performance (one H200, mla-bench, CUDA-graph replays, seventh session; docs/perf
 183.5 at (128, 8192, 16) (our bf16 293.9, FlashMLA's fp8 219.2, the Triton kernel's staged path 302), 101.6 / 103.4 at
 (128, 4096, 16), 101.2 / 102.8 at (32, 16384, 16), 61.2 / 61.5 at (64, 4096, 16), 41.6 / 42.2 at (32, 4096, 16), 16.2 /
 16.1 at (1, 8192, 16). More heads run as head_split programs of 16 (default_config: 32 heads, or up to programs x cache
-tokens = 24 x 4096, GLUON_FP8_MAX_PROGRAM_TOKENS; 32 x 4096 with e4m3fn q on pages of 32 and 64k): 164.3 us at
-(128, 4096, 32), 24.4 at (1, 8192, 128) (seventh session).
+tokens = 24 x 4096, GLUON_FP8_MAX_PROGRAM_TOKENS; 32 x 4096 with e4m3fn q; each 8 x 4096 less on pages of 16):
+164.3 us at (128, 4096, 32), 24.4 at (1, 8192, 128) (seventh session).
 History (fp8kv at (128, 8192, 16), each step against the one before in the same device call): first version (one
 program, five slots) 260 us against the staged path's 302; two programs per SM with two slots 222; each score chunk's
 operand loaded before the previous chunk's MMA is issued, V's first quarter before the softmax 211.8; every slot kept

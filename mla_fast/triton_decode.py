@@ -904,9 +904,10 @@ SMALL_BATCH = 4  # batches up to this size (q_len 1) take no 64-row tiles (defau
 GLUON_FP8_MAX_PROGRAM_TOKENS = 24 * 4096  # fp8 caches with more than two Gluon fp8 programs per worker take that
 # kernel up to this many programs per worker x cache tokens of the batch (KV tile reads by 16-row programs); the
 # fp8 seesaw beyond (benchmarks/boundary_h200_fp8kv_p*.csv, thirty-seventh session)
-GLUON_FP8_MAX_PROGRAM_TOKENS_FP8_Q = 32 * 4096  # the same with e4m3fn q on pages of 32 and 64k, where the Gluon fp8
-# kernel's fp8 score MMAs (qk_fp8) keep it ahead longer (benchmarks/boundary_h200_fp8_p{32,64}.csv); on pages of 16
-# e4m3fn q takes GLUON_FP8_MAX_PROGRAM_TOKENS (boundary_h200_fp8_p16.csv)
+GLUON_FP8_MAX_PROGRAM_TOKENS_FP8_Q = 32 * 4096  # the same with e4m3fn q, whose fp8 score MMAs (qk_fp8) keep the
+# Gluon fp8 kernel ahead longer (benchmarks/boundary_h200_fp8_p*.csv)
+GLUON_FP8_PAGE_16_LESS_TOKENS = 8 * 4096  # on pages of 16 both thresholds are this much lower (four TMA boxes per
+# tile and program there; the *_p16*.csv tables)
 
 
 # pages smaller than a tile, rows <= 32: how each token's page is picked and up to how many pages per tile the
@@ -917,11 +918,10 @@ FP8_PAGE_GATHER = dict(page_select=1, gather_chunk_pages=16)
 
 def gluon_fp8_max_program_tokens(combo: str, page_size: int | None) -> int:
     """default_config's threshold on programs per worker x the batch's cache tokens for the Gluon fp8 kernel:
-    GLUON_FP8_MAX_PROGRAM_TOKENS_FP8_Q for e4m3fn q ("fp8") on pages other than 16 (page_size None: pages of 64),
-    else GLUON_FP8_MAX_PROGRAM_TOKENS."""
-    if combo == "fp8" and page_size != 16:
-        return GLUON_FP8_MAX_PROGRAM_TOKENS_FP8_Q
-    return GLUON_FP8_MAX_PROGRAM_TOKENS
+    GLUON_FP8_MAX_PROGRAM_TOKENS_FP8_Q for e4m3fn q ("fp8"), GLUON_FP8_MAX_PROGRAM_TOKENS for bf16 q, each
+    GLUON_FP8_PAGE_16_LESS_TOKENS lower on pages of 16 (page_size None: pages of 64)."""
+    tokens = GLUON_FP8_MAX_PROGRAM_TOKENS_FP8_Q if combo == "fp8" else GLUON_FP8_MAX_PROGRAM_TOKENS
+    return tokens - GLUON_FP8_PAGE_16_LESS_TOKENS if page_size == 16 else tokens
 
 
 def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int | None = None,
@@ -943,23 +943,24 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
       program: head_group 16 at q_len 1, 8 at q_len 2, 4 at q_len 3-4 (MTP), head_split = num_heads / head_group
       programs per worker (each KV tile read once from HBM, the rest from L2), two programs per SM with two tile
       slots each; taken when head_split <= 2 (16 or 32 heads at q_len 1, 16 at q_len 2) or head_split x kv_tokens
-      <= gluon_fp8_max_program_tokens(combo, page_size): 24 x 4096 (GLUON_FP8_MAX_PROGRAM_TOKENS) for fp8kv on
-      every page and for e4m3fn q on pages of 16, 32 x 4096 (_FP8_Q) for e4m3fn q on pages of 32 and 64k, whose
-      fp8 score MMAs (qk_fp8; numerics: `numerics.gluon_fp8_qk_numerics`) keep the Gluon fp8 kernel ahead longer.
-      Beyond, the fp8 seesaw. Measured in the thirty-seventh session (benchmarks/boundary_bench.py, 45 shapes at
-      16-128 heads and q_len 1-4, one H200, graph replays; benchmarks/boundary_h200_{fp8kv,fp8}_p{16,32,64}.csv):
-      the Gluon fp8 kernel is faster at every shape up to 24 x 4096 (13 shapes per table; 23.7 vs 27.0 us at
-      (1, 8192, 128) fp8kv on pages of 16, 29.1 vs 33.2 at (6, 4096, 64) on pages of 64) except (3, 8192, 16)
-      q_len 4 fp8kv on pages of 16 (32.9 vs 32.3); at 32 x 4096 the fp8 seesaw wins 10-12 of 13 shapes with
-      fp8kv (by up to 26 %: 30.6 vs 38.7 us at (4, 8192, 16) q_len 3 on pages of 16) and with e4m3fn q on pages of
-      16, the Gluon fp8 kernel 9-12 of 13 with e4m3fn q on pages of 32 and 64 (25.2 vs 29.9 at (32, 512, 128));
-      from 48 x 4096 on the seesaw wins or ties (38.0 vs 38.0 us at (3, 8192, 128) with e4m3fn q on pages of 64;
-      58.9 vs 97.5 at (8, 8192, 128) fp8kv on pages of 16). The
-      rule loses at 2-4 shapes per table, by at most 9.9 % ((32, 512, 128) with e4m3fn q on pages of 16: short
-      sequences favour the Gluon fp8 kernel at any programs x tokens); the rule test names each loss. Before the
-      seesaw's fp8 loader partition (thirty-third to thirty-sixth sessions: 410 -> 331.5 us at (128, 4096, 128) on
-      pages of 16) the thresholds were 32 x 4096 and 64 x 4096 for every page (eleventh and twenty-third sessions;
-      docs/perf_history.md).
+      <= gluon_fp8_max_program_tokens(combo, page_size): 24 x 4096 for fp8kv, 32 x 4096 for e4m3fn q, whose fp8
+      score MMAs (qk_fp8; numerics: `numerics.gluon_fp8_qk_numerics`) keep the Gluon fp8 kernel ahead longer; on
+      pages of 16 each 8 x 4096 lower. Beyond, the fp8 seesaw. Measured in the thirty-seventh session
+      (benchmarks/boundary_bench.py, one H200, graph replays): SHAPES, 45 shapes at 16-128 heads and q_len 1-4 with
+      up to 8 programs per worker, on pages of 16, 32 and 64 (benchmarks/boundary_h200_{fp8kv,fp8}_p{16,32,64}.csv),
+      and MTP_SHAPES, 12 shapes at 32-128 heads and q_len 2-4 with 8-32 programs, on pages of 16 and 64 (*_mtp.csv).
+      At 16 x 4096 and below the Gluon fp8 kernel wins at every SHAPES shape (23.7 vs 27.0 us at (1, 8192, 128)
+      fp8kv on pages of 16); at 24 x 4096 too except (3, 8192, 16) q_len 4 fp8kv on pages of 16, but among
+      MTP_SHAPES on pages of 16 the seesaw wins at 24 x 4096 with fp8kv (29.2 vs 32.9 us at (1, 6144, 128) q_len 2,
+      29.0 vs 31.7 at (1, 3072, 128) q_len 4; the lower page-16 threshold); at 32 x 4096 the fp8 seesaw wins 10-12
+      of 13 SHAPES shapes with fp8kv (by up to 26 %: 30.6 vs 38.7 us at (4, 8192, 16) q_len 3 on pages of 16) and
+      with e4m3fn q on pages of 16, the Gluon fp8 kernel 9-12 of 13 with e4m3fn q on pages of 32 and 64 (25.2 vs
+      29.9 at (32, 512, 128)); from 48 x 4096 on the seesaw wins or ties (38.0 vs 38.0 us at (3, 8192, 128) with
+      e4m3fn q on pages of 64; 58.9 vs 97.5 at (8, 8192, 128) fp8kv on pages of 16). The rule loses at 0-4 shapes
+      per table, by at most 9.9 % ((32, 512, 128) with e4m3fn q on pages of 16: short sequences favour the Gluon fp8
+      kernel at any programs x tokens); the rule test names each loss. Before the seesaw's fp8 loader partition
+      (thirty-third to thirty-sixth sessions: 410 -> 331.5 us at (128, 4096, 128) on pages of 16) the thresholds
+      were 32 x 4096 and 64 x 4096 for every page (eleventh and twenty-third sessions; docs/perf_history.md).
     - fp8 caches with 64 packed rows (33-64) and seesaw, where the Gluon fp8 kernel is not taken: the Gluon seesaw
       kernel on fp16 operands (kernel="gluon", mma="fp16"; each fp8 tile expanded in place then, converted by its
       loader partition since the thirty-third session: gluon_decode.fp8_loader). One H200, graph replays (ninth

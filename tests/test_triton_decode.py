@@ -591,30 +591,39 @@ def test_boundary_bench_times_both_kernels_on_both_sides_of_the_rule():
 
 
 # where default_config's rule picks the slower of the two kernels in each boundary_bench table of the thirty-seventh
-# session (benchmarks/boundary_h200_{combo}_p{page}.csv), (b, s_k, heads, q_len) -> (chosen, other) us: (32, 512, 128),
-# whose short sequences the Gluon fp8 kernel runs faster at any programs x tokens, and shapes next to the threshold
+# session (benchmarks/boundary_h200_{combo}_p{page}[_mtp].csv), (b, s_k, heads, q_len) -> (chosen, other) us:
+# (32, 512, 128), whose short sequences the Gluon fp8 kernel runs faster at any programs x tokens, and shapes next to
+# a threshold (on pages of 16 with fp8kv, 24 x 4096 would lose less among SHAPES and more among MTP_SHAPES)
 BOUNDARY_LOSSES = {
-    ("fp8kv", 16): {(3, 8192, 16, 4): (32.9, 32.3)},
-    ("fp8kv", 32): {(32, 512, 128, 1): (31.0, 29.8)},
-    ("fp8kv", 64): {(8, 4096, 64, 1): (33.3, 32.5), (32, 512, 128, 1): (31.1, 29.1)},
-    ("fp8", 16): {(8, 4096, 64, 1): (32.4, 31.6), (32, 512, 128, 1): (30.1, 27.4)},
-    ("fp8", 32): {(2, 8192, 128, 1): (30.9, 30.6), (4, 8192, 16, 3): (30.8, 30.1), (16, 1024, 128, 1): (29.8, 29.4),
-                  (8, 2048, 128, 1): (29.5, 29.4)},
-    ("fp8", 64): {},
+    ("fp8kv", 16, "SHAPES"): {(6, 4096, 64, 1): (33.6, 30.7)},
+    ("fp8kv", 16, "MTP_SHAPES"): {(1, 4096, 128, 2): (26.1, 25.7), (2, 4096, 64, 2): (26.7, 26.1),
+                                  (1, 4096, 64, 4): (27.0, 25.9), (2, 4096, 32, 4): (26.8, 26.2)},
+    ("fp8kv", 32, "SHAPES"): {(32, 512, 128, 1): (31.0, 29.8)},
+    ("fp8kv", 64, "SHAPES"): {(8, 4096, 64, 1): (33.3, 32.5), (32, 512, 128, 1): (31.1, 29.1)},
+    ("fp8kv", 64, "MTP_SHAPES"): {(1, 6144, 128, 2): (29.2, 29.1)},
+    ("fp8", 16, "SHAPES"): {(8, 4096, 64, 1): (32.4, 31.6), (32, 512, 128, 1): (30.1, 27.4)},
+    ("fp8", 16, "MTP_SHAPES"): {(4, 4096, 64, 2): (31.9, 31.7)},
+    ("fp8", 32, "SHAPES"): {(2, 8192, 128, 1): (30.9, 30.6), (4, 8192, 16, 3): (30.8, 30.1),
+                            (16, 1024, 128, 1): (29.8, 29.4), (8, 2048, 128, 1): (29.5, 29.4)},
+    ("fp8", 64, "SHAPES"): {},
+    ("fp8", 64, "MTP_SHAPES"): {},
 }
 
 
-@pytest.mark.parametrize("combo, page_size", sorted(BOUNDARY_LOSSES))
-def test_boundary_rule_picks_the_faster_kernel_on_every_measured_shape(combo, page_size):
+@pytest.mark.parametrize("combo, page_size, shapes", sorted(BOUNDARY_LOSSES))
+def test_boundary_rule_picks_the_faster_kernel_on_every_measured_shape(combo, page_size, shapes):
     """default_config's choice between the Gluon fp8 kernel and the fp8 seesaw (batch_config on an H200: both
     offered, the batch's page size passed) is the faster of the two at every shape of the thirty-seventh session's
-    boundary_bench call on pages of `page_size` (benchmarks/boundary_h200_{combo}_p{page_size}.csv), except at the
-    shapes BOUNDARY_LOSSES names with their times, so that a change to the rule or a new table shows which measured
-    shapes it gets wrong. At 0.1 us resolution, a tie is not a loss."""
+    boundary_bench call of `shapes` (boundary_bench.SHAPES or MTP_SHAPES) on pages of `page_size`
+    (benchmarks/boundary_h200_{combo}_p{page_size}[_mtp].csv), except at the shapes BOUNDARY_LOSSES names with their
+    times, so that a change to the rule or a new table shows which measured shapes it gets wrong. At the tables'
+    0.1 us, a tie is not a loss."""
     td = pytest.importorskip("mla_fast.triton_decode")
-    table = HERE.parent / "benchmarks" / f"boundary_h200_{combo}_p{page_size}.csv"
+    suffix = "_mtp" if shapes == "MTP_SHAPES" else ""
+    table = HERE.parent / "benchmarks" / f"boundary_h200_{combo}_p{page_size}{suffix}.csv"
     rows = list(csv.DictReader(ln for ln in table.read_text().splitlines() if not ln.startswith("#")))
-    assert [tuple(int(r[k]) for k in ("b", "s_k", "heads", "q_len")) for r in rows] == _boundary_bench().SHAPES
+    assert [tuple(int(r[k]) for k in ("b", "s_k", "heads", "q_len")) for r in rows] == getattr(_boundary_bench(),
+                                                                                                shapes)
     us = {"gluon_fp8": "gluon_fp8_us", "gluon": "seesaw_us"}  # kernel -> its column
     losses = {}
     for row in rows:
@@ -626,7 +635,7 @@ def test_boundary_rule_picks_the_faster_kernel_on_every_measured_shape(combo, pa
         chosen, alternative = float(row[us[config.kernel]]), float(row[us[other]])
         if chosen > alternative:
             losses[shape] = (chosen, alternative)
-    assert losses == BOUNDARY_LOSSES[combo, page_size]
+    assert losses == BOUNDARY_LOSSES[combo, page_size, shapes]
 
 
 def test_seesaw_fp8_boxes_land_where_the_in_place_expansion_is_safe():
@@ -713,17 +722,18 @@ def test_gluon_kernel_rejects_what_it_cannot_take():
 def test_gluon_fp8_kernel_is_chosen_only_where_it_runs():
     """default_config takes the Gluon fp8 kernel (16 packed rows per program: head_group 16 / 8 / 4 at q_len 1 / 2 /
     3-4) for fp8 caches when at most two programs per worker cover the heads, or programs x the batch's cache tokens
-    <= GLUON_FP8_MAX_PROGRAM_TOKENS (_FP8_Q with e4m3fn q on pages other than 16), and only with fp8_gluon=True,
-    which batch_config sets from gluon_fp8.supported (never on this CPU)."""
+    <= GLUON_FP8_MAX_PROGRAM_TOKENS (_FP8_Q with e4m3fn q; both GLUON_FP8_PAGE_16_LESS_TOKENS lower on pages of 16),
+    and only with fp8_gluon=True, which batch_config sets from gluon_fp8.supported (never on this CPU)."""
     td = pytest.importorskip("mla_fast.triton_decode")
     g8 = pytest.importorskip("mla_fast.gluon_fp8")
     limit, limit_fp8_q = td.GLUON_FP8_MAX_PROGRAM_TOKENS, td.GLUON_FP8_MAX_PROGRAM_TOKENS_FP8_Q
-    assert (limit, limit_fp8_q) == (24 * 4096, 32 * 4096)  # the rule's thresholds, measured (default_config)
-    for page_size, fp8_q_limit in ((None, limit_fp8_q), (64, limit_fp8_q), (128, limit_fp8_q), (32, limit_fp8_q),
-                                   (16, limit)):  # e4m3fn q: its own threshold except on pages of 16
-        assert td.gluon_fp8_max_program_tokens("fp8", page_size) == fp8_q_limit
-        assert td.gluon_fp8_max_program_tokens("fp8kv", page_size) == limit
-        for combo, max_tokens in (("fp8", fp8_q_limit), ("fp8kv", limit)):  # 8 programs at 128 heads
+    less = td.GLUON_FP8_PAGE_16_LESS_TOKENS
+    assert (limit, limit_fp8_q, less) == (24 * 4096, 32 * 4096, 8 * 4096)  # the rule's thresholds (default_config)
+    for page_size in (None, 16, 32, 64, 128):  # both thresholds lower on pages of 16 only
+        page_less = less if page_size == 16 else 0
+        assert td.gluon_fp8_max_program_tokens("fp8", page_size) == limit_fp8_q - page_less
+        assert td.gluon_fp8_max_program_tokens("fp8kv", page_size) == limit - page_less
+        for combo, max_tokens in (("fp8", limit_fp8_q - page_less), ("fp8kv", limit - page_less)):  # 8 programs
             at = td.default_config(combo, 128, 1, 4, fp8_gluon=True, kv_tokens=max_tokens // 8, page_size=page_size)
             past = td.default_config(combo, 128, 1, 4, fp8_gluon=True, kv_tokens=max_tokens // 8 + 1,
                                      page_size=page_size)
@@ -758,6 +768,23 @@ def test_gluon_fp8_kernel_is_chosen_only_where_it_runs():
     batch = TritonCase((70,), (1,), heads=16, page_size=64, L=512, R=64, combo="fp8kv").batch()
     assert not g8.supported(batch)
     assert td.batch_config(batch, 1).kernel == "triton"
+
+
+def test_batch_config_passes_the_page_size_to_the_rule(monkeypatch):
+    """batch_config gives default_config the batch's page size: with both Gluon kernels offered (their `supported`
+    patched, as on an H200), 16 programs per worker x 6144 tokens = 24 x 4096 take the Gluon fp8 kernel on pages of
+    64 and the seesaw on pages of 16, whose threshold is GLUON_FP8_PAGE_16_LESS_TOKENS lower."""
+    td = pytest.importorskip("mla_fast.triton_decode")
+    g8 = pytest.importorskip("mla_fast.gluon_fp8")
+    gd = pytest.importorskip("mla_fast.gluon_decode")
+    monkeypatch.setattr(g8, "supported", lambda batch: True)
+    monkeypatch.setattr(gd, "supported", lambda batch: True)
+    kernels = {}
+    for page_size in (16, 64):
+        batch = TritonCase((6144,), (2,), heads=128, page_size=page_size, L=512, R=64, combo="fp8kv").batch()
+        kernels[page_size] = td.batch_config(batch, 2).kernel
+    assert 16 * 6144 == td.GLUON_FP8_MAX_PROGRAM_TOKENS  # head_group 8 at q_len 2: 16 programs
+    assert kernels == {16: "gluon", 64: "gluon_fp8"}
 
 
 def test_gluon_fp8_kernel_rejects_what_it_cannot_take():
