@@ -906,8 +906,8 @@ GLUON_FP8_MAX_PROGRAM_TOKENS = 24 * 4096  # fp8 caches with more than two Gluon 
 # fp8 seesaw beyond (benchmarks/boundary_h200_fp8kv_p*.csv, thirty-seventh session)
 GLUON_FP8_MAX_PROGRAM_TOKENS_FP8_Q = 32 * 4096  # the same with e4m3fn q, whose fp8 score MMAs (qk_fp8) keep the
 # Gluon fp8 kernel ahead longer (benchmarks/boundary_h200_fp8_p*.csv)
-GLUON_FP8_PAGE_16_LESS_TOKENS = 8 * 4096  # on pages of 16 both thresholds are this much lower (four TMA boxes per
-# tile and program there; the *_p16*.csv tables)
+GLUON_FP8_PAGE_16_LESS_TOKENS = 8 * 4096  # on pages of 16 both thresholds are this much lower (measured: the
+# *_p16*.csv tables; the Gluon fp8 kernel copies four TMA boxes per tile and program there, one on pages of 64)
 
 
 # pages smaller than a tile, rows <= 32: how each token's page is picked and up to how many pages per tile the
