@@ -2,8 +2,9 @@
 Gluon fp8 kernel (16 rows per program, head_split programs per worker) and the seesaw kernel on fp16 operands (64
 rows), each forced whatever the batch size, beside the default config (`batch_config`) and our bf16 default, CUDA-graph
 replays as in `mla-bench`. This is the measurement behind `default_config`'s boundary between the two
-(programs per worker x the batch's cache tokens <= GLUON_FP8_MAX_PROGRAM_TOKENS, or _FP8_Q for e4m3fn q on pages
-other than 16; docs/perf_history.md, eleventh, twenty-third and thirty-seventh sessions).
+(programs per worker x the batch's cache tokens <= `triton_decode.gluon_fp8_max_program_tokens`:
+GLUON_FP8_MAX_PROGRAM_TOKENS, or _FP8_Q for e4m3fn q, both GLUON_FP8_PAGE_16_LESS_TOKENS lower on pages of 16;
+docs/perf_history.md, eleventh, twenty-third and thirty-seventh sessions).
 
     python benchmarks/boundary_bench.py --json boundary.json --csv boundary.csv
     python benchmarks/boundary_bench.py --page-size 16 --combo fp8 --json boundary16.json
@@ -34,7 +35,8 @@ SHAPES = [  # (b, s_k, heads, q_len): both sides of the rule at 128, 64, 32 (q_l
     # eleventh session: where the batch-size rule and the token rule disagree, and (4, 8192, 32, 2) for 32 heads
     (2, 16384, 128, 1), (1, 32768, 128, 1), (16, 1024, 128, 1), (32, 512, 128, 1), (8, 2048, 128, 1),
     (4, 16384, 64, 1), (32, 1024, 64, 1), (1, 16384, 128, 1), (16, 2048, 16, 4), (4, 8192, 32, 2),
-    # thirty-seventh session: programs x tokens = 16 x 4096 at every head count and q_len, and 24 x 4096
+    # thirty-seventh session: programs x tokens = 16 x 4096 at every head count and q_len, 24 x 4096 at 16 and 64
+    # heads, and 8 and 48 x 4096
     (2, 8192, 16, 4), (1, 8192, 16, 4), (2, 8192, 16, 3), (3, 8192, 16, 4), (2, 8192, 32, 2), (1, 16384, 32, 2),
     (2, 4096, 128, 1), (3, 8192, 128, 1), (4, 4096, 64, 1), (1, 16384, 64, 1), (6, 4096, 64, 1),
 ]
@@ -47,19 +49,26 @@ TABLE_COLUMNS = ["b", "s_k", "heads", "q_len", "gluon_fp8_us", "seesaw_us", "bf1
 
 def write_table(path: str, rows: list[dict], comment: str) -> None:
     """The rows of one call as a table (TABLE_COLUMNS, one line per shape in the order measured, us to 0.1) under
-    `comment`'s lines prefixed with "# ": the form of benchmarks/boundary_h200_*.csv."""
+    `comment`'s lines prefixed with "# ": the form of benchmarks/boundary_h200_*.csv. A kernel not timed (its
+    measurement failed, or the shape has too few rows for it) leaves its cell empty."""
     shapes = {}
     for r in rows:
         column = "bf16_us" if r["combo"] == "bf16" else {"gluon_fp8": "gluon_fp8_us", "seesaw": "seesaw_us"}.get(
             r["config"])
-        if column:
-            shapes.setdefault((r["b"], r["s"], r["h"], r["q_len"]), {})[column] = round(r["us"], 1)
+        cells = shapes.setdefault((r["b"], r["s"], r["h"], r["q_len"]), {})
+        if column and r.get("us") is not None:
+            cells[column] = round(r["us"], 1)
     with open(path, "w", newline="") as f:
         f.writelines(f"# {line}\n" for line in comment.splitlines())
         writer = csv.writer(f, lineterminator="\n")
         writer.writerow(TABLE_COLUMNS)
         for (b, s, h, q_len), us in shapes.items():
-            writer.writerow([b, s, h, q_len, us["gluon_fp8_us"], us["seesaw_us"], us["bf16_us"]])
+            writer.writerow([b, s, h, q_len, *(us.get(column, "") for column in TABLE_COLUMNS[4:])])
+
+
+def shapes_arg(text: str) -> list[tuple]:
+    """--shapes: "mtp" for MTP_SHAPES, else "b,s,h,q_len;..." (`mla_fast.bench.parse_shapes`)."""
+    return MTP_SHAPES if text == "mtp" else parse_shapes(text)
 
 
 def main() -> None:
@@ -68,8 +77,8 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--csv", default=None, help="also write the table of benchmarks/boundary_h200_*.csv here")
     parser.add_argument("--page-size", type=int, default=64, help="cache page size in tokens (default 64)")
-    parser.add_argument("--shapes", type=lambda text: MTP_SHAPES if text == "mtp" else parse_shapes(text),
-                        default=SHAPES, help='"b,s,h,q_len;..." or "mtp" (MTP_SHAPES; default: SHAPES)')
+    parser.add_argument("--shapes", type=shapes_arg, default=SHAPES,
+                        help='"b,s,h,q_len;..." or "mtp" (MTP_SHAPES; default: SHAPES)')
     args = parser.parse_args()
     copy_gbs = copy_bandwidth_gbs()
     rows = []
@@ -96,8 +105,10 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "rows": rows}, f, indent=1)
     if args.csv:
-        write_table(args.csv, rows, f"benchmarks/boundary_bench.py --page-size {args.page_size} --combo {args.combo} "
-                    f"on one {torch.cuda.get_device_name()} (copy {copy_gbs:.0f} GB/s)")
+        shapes = "" if args.shapes == SHAPES else " --shapes " + (
+            "mtp" if args.shapes == MTP_SHAPES else ";".join(",".join(map(str, shape)) for shape in args.shapes))
+        write_table(args.csv, rows, f"benchmarks/boundary_bench.py --page-size {args.page_size} --combo {args.combo}"
+                    f"{shapes} on one {torch.cuda.get_device_name()} (copy {copy_gbs:.0f} GB/s)")
 
 
 if __name__ == "__main__":

@@ -952,10 +952,10 @@ def default_config(combo: str, num_heads: int, max_q_len: int, batch_size: int |
       At 16 x 4096 and below the Gluon fp8 kernel wins at every SHAPES shape (23.7 vs 27.0 us at (1, 8192, 128)
       fp8kv on pages of 16); at 24 x 4096 too except (3, 8192, 16) q_len 4 fp8kv on pages of 16, but among
       MTP_SHAPES on pages of 16 the seesaw wins at 24 x 4096 with fp8kv (29.2 vs 32.9 us at (1, 6144, 128) q_len 2,
-      29.0 vs 31.7 at (1, 3072, 128) q_len 4; the lower page-16 threshold); at 32 x 4096 the fp8 seesaw wins 10-12
+      29.0 vs 31.7 at (1, 3072, 128) q_len 4; the lower page-16 threshold); at 32 x 4096 the fp8 seesaw wins 11-12
       of 13 SHAPES shapes with fp8kv (by up to 26 %: 30.6 vs 38.7 us at (4, 8192, 16) q_len 3 on pages of 16) and
-      with e4m3fn q on pages of 16, the Gluon fp8 kernel 9-12 of 13 with e4m3fn q on pages of 32 and 64 (25.2 vs
-      29.9 at (32, 512, 128)); from 48 x 4096 on the seesaw wins or ties (38.0 vs 38.0 us at (3, 8192, 128) with
+      10 with e4m3fn q on pages of 16, the Gluon fp8 kernel 8-12 of 13 with e4m3fn q on pages of 32 and 64 (25.2 vs
+      29.9 at (32, 512, 128); a tie at 0.1 us counted for neither); from 48 x 4096 on the seesaw wins or ties (38.0 vs 38.0 us at (3, 8192, 128) with
       e4m3fn q on pages of 64; 58.9 vs 97.5 at (8, 8192, 128) fp8kv on pages of 16). The rule loses at 0-4 shapes
       per table, by at most 9.9 % ((32, 512, 128) with e4m3fn q on pages of 16: short sequences favour the Gluon fp8
       kernel at any programs x tokens); the rule test names each loss. Before the seesaw's fp8 loader partition

@@ -590,6 +590,28 @@ def test_boundary_bench_times_both_kernels_on_both_sides_of_the_rule():
     assert all(p == {"gluon_fp8", "seesaw"} for p in picks.values()), picks
 
 
+def test_boundary_bench_writes_its_table_and_takes_the_mtp_shapes(tmp_path):
+    """boundary_bench.write_table gives the committed tables' form (comment lines, TABLE_COLUMNS, one line per shape
+    in the order measured, us rounded to 0.1) and leaves a kernel's cell empty where it was not timed (a failed
+    measurement, or no seesaw at 32 rows or fewer); --shapes takes "mtp" for MTP_SHAPES."""
+    bb = _boundary_bench()
+    rows = [  # (2, 8192, 128): all timed; (4, 8192, 32): the seesaw left out, the bf16 measurement failed
+        dict(b=2, s=8192, h=128, q_len=1, combo="fp8kv", config="default", us=30.94),
+        dict(b=2, s=8192, h=128, q_len=1, combo="fp8kv", config="gluon_fp8", us=35.75),
+        dict(b=2, s=8192, h=128, q_len=1, combo="fp8kv", config="seesaw", us=31.04),
+        dict(b=2, s=8192, h=128, q_len=1, combo="bf16", config="default", us=28.96),
+        dict(b=4, s=8192, h=32, q_len=1, combo="fp8kv", config="gluon_fp8", us=39.41),
+        dict(b=4, s=8192, h=32, q_len=1, combo="bf16", config="default", status="error: out of memory"),
+    ]
+    path = tmp_path / "table.csv"
+    bb.write_table(str(path), rows, "first line\nsecond line")
+    assert path.read_text().splitlines() == [
+        "# first line", "# second line", ",".join(bb.TABLE_COLUMNS),
+        "2,8192,128,1,35.8,31.0,29.0", "4,8192,32,1,39.4,,"]
+    assert bb.shapes_arg("mtp") == bb.MTP_SHAPES
+    assert bb.shapes_arg("1,8192,128,2;4,4096,64,1") == [(1, 8192, 128, 2), (4, 4096, 64, 1)]
+
+
 # where default_config's rule picks the slower of the two kernels in each boundary_bench table of the thirty-seventh
 # session (benchmarks/boundary_h200_{combo}_p{page}[_mtp].csv), (b, s_k, heads, q_len) -> (chosen, other) us:
 # (32, 512, 128), whose short sequences the Gluon fp8 kernel runs faster at any programs x tokens, and shapes next to
