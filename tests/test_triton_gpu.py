@@ -537,18 +537,18 @@ def test_gluon_seesaw_bench_grid_within_kernel_bound(shape, combo):
     assert r["finite"] and r["out_ratio"] <= 1.0 and r["lse_ratio"] <= 1.0, r
 
 
-def _check_page_rule_gives_the_same_bits(case, overrides: dict, module, constant: str, monkeypatch, pages=None,
+def _check_page_rule_gives_the_same_bits(case, overrides: dict, module, constant: str, monkeypatch,
                                          rule: str = "grouped_layout"):
-    """The batch decoded with KernelConfig(**overrides) with a per-page-size path on (module.<constant> = pages, by
-    default its value: module.<rule>, e.g. the grouped layout, is taken for the case's page size) and off (the
-    constant emptied, as config_ab's A/B does): the same values reach the same MMA steps in the same order, so out and
-    lse are bitwise the same."""
+    """The batch decoded with KernelConfig(**overrides) with a per-page-size path on (module.<constant> at its value:
+    module.<rule>, e.g. the grouped layout, is taken for the case's page size) and off (the constant emptied, as
+    config_ab's A/B does): the same values reach the same MMA steps in the same order, so out and lse are bitwise
+    the same."""
     from mla_fast import triton_decode as td
 
     config = td.KernelConfig(**overrides)
     batch = case.batch("cuda")
     results = []
-    for value in (getattr(module, constant) if pages is None else pages, ()):
+    for value in (getattr(module, constant), ()):
         monkeypatch.setattr(module, constant, value)
         assert getattr(module, rule)(batch.kv_cache) == bool(value)
         results.append(td.decode(batch, plan=td.make_plan(batch, config), config=config))
@@ -590,7 +590,7 @@ def test_gluon_seesaw_fp8_loader_gives_the_bits_of_the_in_place_expansion(case, 
     from mla_fast import gluon_decode as gd
 
     _check_page_rule_gives_the_same_bits(case, _gluon(case.heads, max(case.q_lens), case.combo), gd,
-                                         "SEESAW_FP8_LOADER_PAGES", monkeypatch, pages=(16, 32, 64), rule="fp8_loader")
+                                         "SEESAW_FP8_LOADER_PAGES", monkeypatch, rule="fp8_loader")
 
 
 def _check_small_pages_give_the_bits_of_pages_of_64(case, overrides: dict):
