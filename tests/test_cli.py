@@ -70,8 +70,8 @@ def test_help_lists_every_flag(capsys):
     code, out, _ = run(capsys, "--help")
     assert code == 0
     for flag in ["--dtype", "--fp8-format", "--backend", "--impl", "--cases", "--seed", "--max-seq-len", "--heads",
-                 "--page-size", "--profile", "--device", "--json", "--plot", "--case", "--jobs", "--exitfirst",
-                 "exit codes", "plug-in contract", "model"]:
+                 "--page-size", "--profile", "--device", "--json", "--plot", "--case", "--jobs", "--time-limit",
+                 "--exitfirst", "exit codes", "plug-in contract", "model"]:
         assert flag in out, flag
 
 
@@ -286,3 +286,20 @@ def test_plot_without_matplotlib_is_a_usage_error(capsys, monkeypatch, tmp_path)
     code, _, err = run(capsys, "--backend", "ref", "--cases", "2", "--plot", str(png))
     assert code == cli.EXIT_USAGE and "--plot needs matplotlib" in err and "cases:" not in err
     assert not png.exists()
+
+
+@pytest.mark.parametrize("profile", ["ci", "search"])
+def test_time_limit_stops_starting_cases_and_reports_the_rest(capsys, tmp_path, profile):
+    """--time-limit: a campaign past its limit starts no further case; the report counts the cases not run and says
+    why, and the exit code is that of the cases that ran (here all held). A limit shorter than any case stops after
+    the first, in one process and in the search's."""
+    path = tmp_path / "r.json"
+    code, _, err = run(capsys, "--backend", "ref", "--profile", profile, "--cases", "4", "--max-seq-len", "64",
+                       "--seed", "1", "--jobs", "1", "--time-limit", "1e-9", "--json", str(path))
+    assert code == cli.EXIT_OK, err
+    report = json.loads(path.read_text())
+    assert report["cases"] == 1 and report["not_run"] == 3 and report["failed"] == 0
+    assert report["stopped"]["reason"].startswith("time limit") and "repro" not in report["stopped"]
+    assert "STOPPED by the time limit" in err and "3 cases not run" in err
+    code, _, err = run(capsys, "--backend", "ref", "--cases", "2", "--time-limit", "0")
+    assert code == cli.EXIT_USAGE and "--time-limit" in err and "got 0" in err

@@ -53,7 +53,8 @@ plug-in contract (--impl package.module:function):
 outcomes:
   passed / failed / unsupported per case, counted in the summary and the JSON (unsupported: reason -> cases).
   A CUDA/HIP error (e.g. an illegal memory access) stops the campaign at the faulting case, printing its repro;
-  the remaining cases are reported as not run.
+  the remaining cases are reported as not run. So does --time-limit S once S seconds have passed, and the exit
+  code is then that of the cases that ran.
 
 exit codes:
   0 every check held (unsupported cases aside)   1 a check failed or a device fault stopped the campaign
@@ -79,6 +80,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected finite seconds > 0, got {text}")
     return value
 
 
@@ -109,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=_positive_int, metavar="P", help="fix the page size (default drawn)")
     p.add_argument("--profile", choices=tuple(DEFAULT_CASES), default="ci", help="case generation profile (below)")
     p.add_argument("--device", help="torch device for the cases (default cuda if available, else cpu)")
+    p.add_argument("--time-limit", type=_positive_seconds, metavar="S",
+                   help="start no case after S seconds of the campaign (wall clock); the cases not run are reported "
+                        "(not_run, stopped), the exit code is that of the cases that ran")
     p.add_argument("--jobs", type=_positive_int, metavar="N",
                    help="worker processes (default: the usable cores on a CPU, min(14, cores) spawned processes "
                         "sharing one GPU; --profile search and --case run in one process)")
@@ -545,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
 
     shape = dict(fp8_format=args.fp8_format, max_seq_len=args.max_seq_len, heads=args.heads, page_size=args.page_size)
     results: list[CaseResult] = []
-    stopped: dict = {}  # why the campaign ended early (a device fault), for the report
+    stopped: dict = {}  # why the campaign ended early (a device fault, --time-limit), for the report
     t0 = time.perf_counter()
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -571,6 +585,13 @@ def main(argv: list[str] | None = None) -> int:
                 progress.console.print(f"mla-verify: STOPPED at case {len(results)} of {n} by a device fault; the "
                                        f"other {n - len(results)} cases are not run.\n  {r.failed[0].detail}\n"
                                        f"  repro: {r.case.repro(flags)}", markup=False, highlight=False)
+                return False
+            if args.time_limit is not None and len(results) < n and time.perf_counter() - t0 > args.time_limit:
+                stopped.update(reason=f"time limit: --time-limit {args.time_limit:g} s passed after {len(results)} "
+                                      f"of {n} cases")
+                progress.console.print(f"mla-verify: STOPPED by the time limit ({args.time_limit:g} s) after case "
+                                       f"{len(results)} of {n}; the other {n - len(results)} cases are not run",
+                                       markup=False, highlight=False)
                 return False
             return r.status != "failed" or not args.exitfirst
 
@@ -598,8 +619,9 @@ def main(argv: list[str] | None = None) -> int:
     if results:
         _print_summary(console, summary, results, seconds, flags, not_run)
     if stopped:
-        console.print(f"mla-verify: stopped early, {not_run} cases not run: {stopped['reason']}; faulting case:\n"
-                      f"  {stopped['repro']}", markup=False, highlight=False)
+        faulting = f"; faulting case:\n  {stopped['repro']}" if "repro" in stopped else ""
+        console.print(f"mla-verify: stopped early, {not_run} cases not run: {stopped['reason']}{faulting}",
+                      markup=False, highlight=False)
     if args.profile == "search" and results:
         console.print("worst cases (paste into a test as regressions):", markup=False)
         for line in _example_lines(results):
