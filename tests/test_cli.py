@@ -60,6 +60,16 @@ def faults_on_two_heads(batch):
     return correct(batch)
 
 
+CALLS = [0]
+
+
+def wrong_from_the_150th_call(batch):
+    """Right for the first 149 calls of this process, then out doubled: a failure late in a search."""
+    CALLS[0] += 1
+    out, lse = correct(batch)
+    return (out * 2 if CALLS[0] >= 150 else out), lse
+
+
 def run(capsys, *argv):
     code = cli.main(list(argv))
     captured = capsys.readouterr()
@@ -303,3 +313,17 @@ def test_time_limit_stops_starting_cases_and_reports_the_rest(capsys, tmp_path, 
     assert "STOPPED by the time limit" in err and "3 cases not run" in err
     code, _, err = run(capsys, "--backend", "ref", "--cases", "2", "--time-limit", "0")
     assert code == cli.EXIT_USAGE and "--time-limit" in err and "got 0" in err
+
+
+def test_search_stopped_in_its_target_phase_reports_the_cases_that_ran(capsys, tmp_path):
+    """A search stopped late (here by --exitfirst at a failure in the 150th case, in Hypothesis's target phase; a time
+    limit stops the same way) ends with the report of the cases that ran, not with Hypothesis's ExceptionGroup of
+    the stop raised by the calls it still makes after it (report_multiple_bugs=False)."""
+    CALLS[0] = 0
+    path = tmp_path / "r.json"
+    code, _, err = run(capsys, "--impl", "tests.test_cli:wrong_from_the_150th_call", "--profile", "search", "--cases",
+                       "200", "--max-seq-len", "64", "--seed", "1", "--exitfirst", "--json", str(path))
+    assert code == cli.EXIT_FAILED, err
+    report = json.loads(path.read_text())
+    assert report["cases"] == 150 and report["failed"] == 1 and report["not_run"] == 50
+    assert "worst cases" in err and "ExceptionGroup" not in err

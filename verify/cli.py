@@ -201,8 +201,10 @@ def _search(strategy, n: int, seed: int, on_result) -> None:
         return
 
     @hyp_seed(seed)
+    # quiet: _Stop is no "failure"; report_multiple_bugs off: after a stop in the target phase Hypothesis still
+    # calls hunt, whose _Stop from another line would count as a second bug and come back as an ExceptionGroup
     @settings(max_examples=n, database=None, deadline=None, phases=[Phase.generate, Phase.target],
-              suppress_health_check=list(HealthCheck), verbosity=Verbosity.quiet)  # quiet: _Stop is no "failure"
+              suppress_health_check=list(HealthCheck), verbosity=Verbosity.quiet, report_multiple_bugs=False)
     @given(strategy)
     def hunt(case):
         if stopped:  # Hypothesis replays a "failing" example once more: do not run it again
