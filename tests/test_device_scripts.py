@@ -1,0 +1,40 @@
+"""The device scripts (scripts/device_*.sh) parse as bash, and every `python3 -m verify` command in them uses only
+flags that mla-verify has: they run only on the device, so a renamed flag would otherwise surface there, as a usage
+error (exit 2) that costs a device call."""
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from verify import cli
+
+SCRIPTS = sorted((Path(__file__).resolve().parents[1] / "scripts").glob("device_*.sh"))
+VERIFY_FLAGS = {s for a in cli.build_parser()._actions for s in a.option_strings}
+
+
+def verify_commands(text: str) -> list[str]:
+    """Each `python3 -m verify ...` command of a script, its continuation lines joined, up to its redirections."""
+    joined = text.replace("\\\n", " ")
+    commands = [re.split(r"\s(?:2>&1|>|\|)", m.group(1))[0] for m in re.finditer(r"python3 -m verify (.*)", joined)]
+    return [" ".join(c.split()) for c in commands]
+
+
+def test_there_are_device_scripts_that_run_mla_verify():
+    assert len(SCRIPTS) >= 5
+    assert sum(len(verify_commands(p.read_text())) for p in SCRIPTS) >= 4
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_device_script_parses_and_uses_known_verify_flags(script):
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    for command in verify_commands(script.read_text()):
+        flags = set(re.findall(r"(?<!\S)--[a-z][a-z0-9-]*", command))
+        assert flags <= VERIFY_FLAGS, f"{script.name}: {command!r} uses {sorted(flags - VERIFY_FLAGS)}"
+
+
+def test_an_unknown_flag_is_caught():
+    command = verify_commands('timeout 9 python3 -m verify --backend triton --time-limt 5 \\\n  --json x 2>&1 | tail')
+    assert command == ["--backend triton --time-limt 5 --json x"]
+    assert not set(re.findall(r"(?<!\S)--[a-z][a-z0-9-]*", command[0])) <= VERIFY_FLAGS
