@@ -298,14 +298,15 @@ def test_plot_without_matplotlib_is_a_usage_error(capsys, monkeypatch, tmp_path)
     assert not png.exists()
 
 
-@pytest.mark.parametrize("profile", ["ci", "search"])
-def test_time_limit_stops_starting_cases_and_reports_the_rest(capsys, tmp_path, profile):
+@pytest.mark.parametrize("profile, jobs", [("ci", "1"), ("ci", "2"), ("search", "1")])
+def test_time_limit_stops_starting_cases_and_reports_the_rest(capsys, tmp_path, profile, jobs):
     """--time-limit: a campaign past its limit starts no further case; the report counts the cases not run and says
     why, and the exit code is that of the cases that ran (here all held). A limit shorter than any case stops after
-    the first, in one process and in the search's."""
+    the first, in one process, in a pool of workers (the rest of the pool's work dropped) and with the search profile
+    (in its smoke prefix, which runs first; a stop inside the search itself: the target-phase test below)."""
     path = tmp_path / "r.json"
     code, _, err = run(capsys, "--backend", "ref", "--profile", profile, "--cases", "4", "--max-seq-len", "64",
-                       "--seed", "1", "--jobs", "1", "--time-limit", "1e-9", "--json", str(path))
+                       "--seed", "1", "--jobs", jobs, "--time-limit", "1e-9", "--json", str(path))
     assert code == cli.EXIT_OK, err
     report = json.loads(path.read_text())
     assert report["cases"] == 1 and report["not_run"] == 3 and report["failed"] == 0
