@@ -328,3 +328,17 @@ def test_search_stopped_in_its_target_phase_reports_the_cases_that_ran(capsys, t
     report = json.loads(path.read_text())
     assert report["cases"] == 150 and report["failed"] == 1 and report["not_run"] == 50
     assert "worst cases" in err and "ExceptionGroup" not in err
+
+
+def test_summary_table_is_whole_in_a_log(capsys, monkeypatch):
+    """stderr captured (a log, CI): the summary table keeps every header and check name whole instead of rich's
+    80-column cut ("cas…", "median err/bou…"); $COLUMNS, when set, still rules."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    code, _, err = run(capsys, "--backend", "ref", "--dtype", "fp8", "--cases", "2", "--jobs", "1")
+    assert code == 0, err
+    for header in ("cases", "median err/bound", "max err/bound", "worst case", "tier2.post.out"):
+        assert f" {header} " in err, header
+    assert "…" not in err
+    monkeypatch.setenv("COLUMNS", "80")
+    code, _, err = run(capsys, "--backend", "ref", "--dtype", "fp8", "--cases", "2", "--jobs", "1")
+    assert code == 0 and "…" in err

@@ -29,6 +29,7 @@ from verify.cases import FP8_FORMATS, Case
 from verify.checks import CaseResult, CheckResult, is_device_fault, json_number
 
 SCHEMA_VERSION = 1
+LOG_WIDTH = 140  # console columns when stderr is not a terminal (and $COLUMNS unset): the summary table whole
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOTHING_RAN = 0, 1, 2, 5
 BACKENDS = ("auto", *REGISTRY)  # --backend choices: the registry's names, "auto" first
 DEFAULT_CASES = {"ci": 200, "dev": 200, "search": 2000}
@@ -473,6 +474,8 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
     console = Console(stderr=True, soft_wrap=True)  # messages stay on one line; tables use the console width
+    if not console.is_terminal and "COLUMNS" not in os.environ:  # a log or CI: rich's 80 columns would cut the table
+        console.width = LOG_WIDTH
 
     def usage(msg: str) -> int:
         console.print(f"mla-verify: error: {msg}", markup=False, highlight=False)
