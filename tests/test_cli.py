@@ -276,16 +276,93 @@ def test_search_prints_pasteable_examples(capsys):
         assert isinstance(eval(expr, {"Case": Case}), Case)
 
 
-def test_search_runs_in_one_process(capsys, tmp_path):
-    """--profile search draws each case from the results before it, so it runs in this process: the report says
-    jobs 1 (not the usable cores), and --jobs > 1 with it is a usage error instead of being ignored."""
+def test_search_runs_in_one_process_by_default(capsys, tmp_path):
+    """--profile search draws each case from the results before it, so by default it is one search in this process:
+    the report says jobs 1 (not the usable cores)."""
     path = tmp_path / "r.json"
     code, _, err = run(capsys, "--profile", "search", "--cases", "3", "--max-seq-len", "64", "--seed", "1",
                        "--json", str(path))
     assert code == 0, err
-    assert json.loads(path.read_text())["jobs"] == 1
-    code, _, err = run(capsys, "--profile", "search", "--cases", "3", "--jobs", "2")
-    assert code == cli.EXIT_USAGE and "--jobs" in err and "got 2" in err
+    assert json.loads(path.read_text())["jobs"] == 1 and "searches" not in err
+
+
+def wrong_on_one_head(batch):
+    """out doubled at 1 head (drawn, but never a smoke case's head count), right otherwise."""
+    out, lse = correct(batch)
+    return (out * 2 if batch.num_heads == 1 else out), lse
+
+
+def test_search_jobs_run_searches_side_by_side(capsys, tmp_path, monkeypatch):
+    """--profile search --jobs 2: two searches in worker processes (seeds S and S + 1), all cases reported; with
+    --exitfirst the first failure stops both, and what they had in flight is dropped (one failure reported)."""
+    path = tmp_path / "r.json"
+    code, _, err = run(capsys, "--backend", "ref", "--profile", "search", "--cases", "40", "--max-seq-len", "64",
+                       "--seed", "5", "--jobs", "2", "--json", str(path))
+    assert code == 0, err
+    report = json.loads(path.read_text())
+    assert report["cases"] == 40 and report["jobs"] == 2 and "2 searches, seeds 5..6" in err
+    assert "@example(case=Case(" in err
+    code, _, err = run(capsys, "--impl", "tests.test_cli:wrong_on_one_head", "--profile", "search", "--cases", "300",
+                       "--max-seq-len", "64", "--seed", "5", "--jobs", "2", "--exitfirst", "--json", str(path))
+    report = json.loads(path.read_text())
+    assert code == cli.EXIT_FAILED and report["failed"] == 1 and report["not_run"] > 0, err
+    assert report["failures"][0]["case"]["heads"] == 1 and report["cases"] < 300
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_search_jobs_are_the_searches_of_their_seeds(capsys, tmp_path, monkeypatch, method):
+    """--jobs 2 runs the same searches as two one-process runs with seeds S and S + 1, each with its share of the
+    cases (after the common smoke prefix): the same cases and results, in another order. Spawned workers (the GPU
+    path) forced on the CPU resolve the kernel themselves."""
+    monkeypatch.setattr(cli, "_start_method", lambda device: method)
+
+    def cases(*argv):
+        path = tmp_path / "r.json"
+        code, _, err = run(capsys, "--backend", "ref", "--profile", "search", "--max-seq-len", "64", "--json",
+                           str(path), *argv)
+        assert code == 0, err
+        return [(json.dumps(r["case"], sort_keys=True), json.dumps(r["err_over_bound"])) for r in
+                json.loads(path.read_text())["results"][6:]]  # after the 6 smoke cases
+
+    both = cases("--cases", "26", "--seed", "5", "--jobs", "2")  # 6 smoke + 10 per search
+    one_by_one = cases("--cases", "16", "--seed", "5") + cases("--cases", "16", "--seed", "6")
+    assert len(both) == 20 and sorted(both) == sorted(one_by_one)
+
+
+def test_search_jobs_stop_at_the_time_limit(capsys, tmp_path, monkeypatch):
+    """A time limit inside parallel searches (no smoke prefix here) stops both after the first result."""
+    import verify.strategies
+
+    monkeypatch.setattr(verify.strategies, "smoke_cases", lambda *a, **k: [])
+    path = tmp_path / "r.json"
+    code, _, err = run(capsys, "--backend", "ref", "--profile", "search", "--cases", "50", "--max-seq-len", "64",
+                       "--seed", "5", "--jobs", "2", "--time-limit", "1e-9", "--json", str(path))
+    report = json.loads(path.read_text())
+    assert code == 0 and report["cases"] == 1 and report["not_run"] == 49, err
+    assert report["stopped"]["reason"].startswith("time limit")
+
+
+def _search_raises(strategy, n, seed, on_result):
+    raise ValueError("hypothesis broke")
+
+
+def _search_dies(strategy, n, seed, on_result):
+    import os
+
+    os._exit(3)
+
+
+@pytest.mark.parametrize("search, message", [(_search_raises, "hypothesis broke"),
+                                             (_search_dies, "exited with code 3 without reporting")])
+def test_a_search_worker_that_fails_is_an_error_not_an_end(capsys, monkeypatch, search, message):
+    """A worker whose search raises, or that dies without a word, stops the campaign with the reason instead of
+    being taken for a search that ran out of cases (forked workers inherit the patched function)."""
+    import verify.strategies
+
+    monkeypatch.setattr(verify.strategies, "smoke_cases", lambda *a, **k: [])
+    monkeypatch.setattr(cli, "_search", search)
+    with pytest.raises(RuntimeError, match=message):
+        cli.main(["--backend", "ref", "--profile", "search", "--cases", "6", "--jobs", "2"])
 
 
 def test_plot_without_matplotlib_is_a_usage_error(capsys, monkeypatch, tmp_path):

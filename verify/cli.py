@@ -39,7 +39,8 @@ profiles:
   ci      the same cases on every run (--seed, default 0); default 200 cases
   dev     a fresh random seed each run (printed; pass --seed to replay); default 200 cases
   search  hunts the worst err/bound: Hypothesis target() on every check, no shrinking; default 2000 cases;
-          prints each check's worst case as a ready-to-paste @example(...) line
+          prints each check's worst case as a ready-to-paste @example(...) line; one search in this process,
+          or with --jobs N, N searches side by side (seeds SEED..SEED+N-1, the cases split between them)
 
 plug-in contract (--impl package.module:function):
   function(batch: mla_ref.decode.DecodeBatch) -> out  or  (out, lse)
@@ -126,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(not_run, stopped), the exit code is that of the cases that ran")
     p.add_argument("--jobs", type=_positive_int, metavar="N",
                    help="worker processes (default: the usable cores on a CPU, min(14, cores) spawned processes "
-                        "sharing one GPU; --profile search and --case run in one process)")
+                        "sharing one GPU; --case runs in one process; --profile search runs one search unless N > 1, "
+                        "then N independent searches with seeds SEED..SEED+N-1)")
     p.add_argument("--json", metavar="PATH", help="write the JSON report to PATH ('-' = stdout)")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of err/bound per case and check (needs matplotlib)")
     p.add_argument("--case", metavar="JSON", help="replay one case (the JSON of a repro line) and show every check")
@@ -228,7 +230,69 @@ def _search(strategy, n: int, seed: int, on_result) -> None:
 
 
 class _Stop(Exception):
-    """Raised inside the search to end it early (--exitfirst)."""
+    """Raised inside the search to end it early (--exitfirst, --time-limit, a device fault)."""
+
+
+def _search_worker(index: int, n: int, seed: int, dtype: str, shape: dict, init: tuple, messages, stop) -> None:
+    """Search number `index` of `--profile search --jobs N`, in a process of its own: n cases from Hypothesis seed
+    `seed`, each result put on `messages` as ("result", index, CaseResult); then ("done", index, None), or ("error",
+    index, traceback) if the search itself raised. Stops after the case in flight once `stop` is set."""
+    try:
+        _worker_init(*init)
+        from verify.strategies import cases as case_strategy
+
+        def on_result(r: CaseResult) -> bool:
+            messages.put(("result", index, r))
+            return not stop.is_set()
+
+        _search(case_strategy(dtype, **shape), n, seed, on_result)
+    except BaseException:  # reported to the parent, which raises it: a search that dies must not look finished
+        messages.put(("error", index, traceback.format_exc()))
+    else:
+        messages.put(("done", index, None))
+
+
+def _search_parallel(dtype: str, shape: dict, n: int, seed: int, jobs: int, on_result,
+                     kernel_spec: tuple[str, str] | None) -> None:
+    """--profile search --jobs N: N independent searches in worker processes (forked on a CPU, spawned on a GPU as in
+    `_run_all`), search i with Hypothesis seed `seed + i` and its share of the n cases; each steers its own target
+    phase. Results reach on_result as they arrive (their order varies from run to run; each case's own seed makes
+    it replayable). on_result -> False stops them all: each ends after its case in flight, whose result is dropped.
+    A worker whose search raises, or that dies without reporting, raises RuntimeError here."""
+    import queue
+
+    method = _start_method(_DEVICE)
+    ctx = multiprocessing.get_context(method)
+    init = (max(1, _usable_cores() // jobs), kernel_spec if method == "spawn" else None, _DEVICE)
+    messages, stop = ctx.Queue(), ctx.Event()
+    shares = [n // jobs + (i < n % jobs) for i in range(jobs)]
+    workers = {i: ctx.Process(target=_search_worker, args=(i, share, seed + i, dtype, shape, init, messages, stop),
+                              daemon=True) for i, share in enumerate(shares) if share > 0}
+    for w in workers.values():
+        w.start()
+    running = set(workers)
+    try:
+        while running:
+            try:
+                kind, index, payload = messages.get(timeout=1.0)
+            except queue.Empty:
+                dead = [i for i in running if workers[i].exitcode is not None and messages.empty()]
+                if dead:
+                    raise RuntimeError(f"search worker {dead[0]} exited with code {workers[dead[0]].exitcode} "
+                                       "without reporting its end") from None
+                continue
+            if kind == "error":
+                raise RuntimeError(f"search worker {index} (seed {seed + index}) failed:\n{payload}")
+            if kind == "done":
+                running.discard(index)
+            elif not stop.is_set() and not on_result(payload):
+                stop.set()
+    finally:
+        stop.set()
+        for w in workers.values():
+            w.join(timeout=60)
+            if w.is_alive():
+                w.terminate()
 
 
 def mps_running() -> bool:
@@ -486,9 +550,6 @@ def main(argv: list[str] | None = None) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             return usage("--plot needs matplotlib (pip install 'mla-verify[plot]')")
-    if args.profile == "search" and args.jobs not in (None, 1):
-        return usage(f"--jobs: --profile search runs its cases in one process (Hypothesis's target phase draws each "
-                     f"case from the results before it), got {args.jobs}")
     replay = None
     if args.case is not None:
         try:
@@ -542,13 +603,17 @@ def main(argv: list[str] | None = None) -> int:
         seed = 0 if args.profile == "ci" else int.from_bytes(os.urandom(4), "little")
     n = 1 if replay else (args.cases or DEFAULT_CASES[args.profile])
     cores = _usable_cores()
-    if replay or args.profile == "search":  # one case, or Hypothesis's target phase steering each case from the last
+    if replay:
         jobs = 1
+    elif args.profile == "search":  # default one search; --jobs N: N searches side by side (_search_parallel)
+        jobs = args.jobs or 1
     else:
         jobs = args.jobs or (cores if device.type == "cpu" else min(GPU_JOBS, cores))
     kernel_spec = ("impl", args.impl) if args.impl else ("backend", kernel.name)
     report.update(seed=seed, jobs=jobs)
     what = f"replaying {replay.describe()}" if replay else f"profile {args.profile}, seed {seed}, {n} cases"
+    if args.profile == "search" and jobs > 1 and not replay:
+        what += f" ({jobs} searches, seeds {seed}..{seed + jobs - 1})"
     what += "" if replay else f", {args.dtype}"
     console.print(f"mla-verify: kernel {kernel.name} ({kernel.reason}); device {device}; {what}", markup=False,
                   highlight=False)
@@ -607,9 +672,12 @@ def main(argv: list[str] | None = None) -> int:
                 smoke = smoke_cases(args.dtype, **shape)[:n]
                 strategy = case_strategy(args.dtype, **shape)
                 if args.profile == "search":
-                    _run_all(smoke, 1, on_result)
+                    _run_all(smoke, jobs, on_result, kernel_spec)
                     if not stopped and not (args.exitfirst and any(r.status == "failed" for r in results)):
-                        _search(strategy, n - len(smoke), seed, on_result)
+                        if jobs > 1:
+                            _search_parallel(args.dtype, shape, n - len(smoke), seed, jobs, on_result, kernel_spec)
+                        else:
+                            _search(strategy, n - len(smoke), seed, on_result)
                 else:
                     _run_all(smoke + _draw(strategy, n - len(smoke), seed), jobs, on_result, kernel_spec)
         except KeyboardInterrupt:
