@@ -15,9 +15,13 @@ VERIFY_FLAGS = {s for a in cli.build_parser()._actions for s in a.option_strings
 
 
 def verify_commands(text: str) -> list[str]:
-    """Each `python3 -m verify ...` command of a script, its continuation lines joined, up to its redirections."""
+    """Each `python3 -m verify ...` command of a script, its continuation lines joined, up to its redirections; and
+    the arguments of each call of a shell function that passes its own ("$@") to such a command."""
     joined = text.replace("\\\n", " ")
     commands = [re.split(r"\s(?:2>&1|>|\|)", m.group(1))[0] for m in re.finditer(r"python3 -m verify (.*)", joined)]
+    for name, body in re.findall(r"^(\w+)\(\)\s*\{(.*?)^\}", joined, re.M | re.S):
+        if "python3 -m verify" in body and '"$@"' in body:
+            commands += [m.group(1) for m in re.finditer(rf"^\s*{name} (.*?)\s*&?\s*$", joined, re.M)]
     return [" ".join(c.split()) for c in commands]
 
 
@@ -32,6 +36,11 @@ def test_device_script_parses_and_uses_known_verify_flags(script):
     for command in verify_commands(script.read_text()):
         flags = set(re.findall(r"(?<!\S)--[a-z][a-z0-9-]*", command))
         assert flags <= VERIFY_FLAGS, f"{script.name}: {command!r} uses {sorted(flags - VERIFY_FLAGS)}"
+
+
+def test_a_wrapper_functions_arguments_are_checked_too():
+    script = 'campaign() {\n  python3 -m verify --json x "$@" > log\n}\ncampaign a --dtype fp8 --hedas 2 &\n'
+    assert verify_commands(script) == ['--json x "$@"', "a --dtype fp8 --hedas 2"]
 
 
 def test_an_unknown_flag_is_caught():
