@@ -6,7 +6,9 @@ JSON report goes to ``--json PATH`` (``-`` = stdout), written atomically.
 
 Each case passes, fails, or is unsupported (the kernel raised `mla_fast.backends.Unsupported`: counted per reason,
 neither passed nor failed). A device fault (CUDA/HIP error) stops the campaign at that case: the process's GPU context
-is lost, so the remaining cases are reported as not run instead of as follow-on failures.
+is lost, so the remaining cases are reported as not run instead of as follow-on failures. ``--time-limit`` stops a
+campaign the same way, without a failure. ``--profile search`` runs one Hypothesis search (`_search`), or with
+``--jobs N`` N of them in worker processes (`_search_parallel`).
 """
 
 from __future__ import annotations
