@@ -674,7 +674,7 @@ def main(argv: list[str] | None = None) -> int:
                 smoke = smoke_cases(args.dtype, **shape)[:n]
                 strategy = case_strategy(args.dtype, **shape)
                 if args.profile == "search":
-                    _run_all(smoke, jobs, on_result, kernel_spec)
+                    _run_all(smoke, 1, on_result)  # a handful of cases: a pool's start-up would cost more
                     if not stopped and not (args.exitfirst and any(r.status == "failed" for r in results)):
                         if jobs > 1:
                             _search_parallel(args.dtype, shape, n - len(smoke), seed, jobs, on_result, kernel_spec)
