@@ -23,18 +23,22 @@ _PAIR = re.compile(r"/\*([0-9a-f]+)\*/\s+(.*?)\s*;\s*/\* 0x([0-9a-f]{16}) \*/\s*
 NONE = 7  # barrier field value: no barrier
 
 
-def controls(sass: str) -> list[dict]:
-    """[{address, text, stall, wr, rd, wait, reuse}, ...] per instruction of a cuobjdump -sass listing: wr / rd
-    the barrier index or None, wait the sorted barrier indices waited for, reuse the operand letters flagged."""
+def controls(sass: str, lo: int = 0, hi: int | None = None) -> list[dict]:
+    """[{address, text, stall, wr, rd, wait, reuse}, ...] per instruction of a cuobjdump -sass listing at addresses
+    lo..hi (hi None: to the end): wr / rd the barrier index or None, wait the sorted barrier indices waited for, reuse
+    the operand letters flagged."""
     out = []
     for m in _PAIR.finditer(sass):
-        hi = int(m.group(4), 16)
-        wr, rd = (hi >> 46) & 7, (hi >> 49) & 7
-        out.append({"address": int(m.group(1), 16), "text": " ".join(m.group(2).split()),
-                    "stall": (hi >> 41) & 0xF,
+        address = int(m.group(1), 16)
+        if address < lo or (hi is not None and address > hi):
+            continue
+        word = int(m.group(4), 16)
+        wr, rd = (word >> 46) & 7, (word >> 49) & 7
+        out.append({"address": address, "text": " ".join(m.group(2).split()),
+                    "stall": (word >> 41) & 0xF,
                     "wr": None if wr == NONE else wr, "rd": None if rd == NONE else rd,
-                    "wait": [b for b in range(6) if (hi >> (52 + b)) & 1],
-                    "reuse": "".join(c for b, c in enumerate("abcd") if (hi >> (58 + b)) & 1)})
+                    "wait": [b for b in range(6) if (word >> (52 + b)) & 1],
+                    "reuse": "".join(c for b, c in enumerate("abcd") if (word >> (58 + b)) & 1)})
     return out
 
 
@@ -46,9 +50,7 @@ def opcode(text: str) -> str:
 
 def write_barriers(sass: str, prefix: str, lo: int = 0, hi: int | None = None) -> Counter:
     """{barrier (None: none): count} over the instructions whose opcode starts with prefix, addresses lo..hi."""
-    return Counter(c["wr"] for c in controls(sass)
-                   if opcode(c["text"]).startswith(prefix) and lo <= c["address"] <= (hi if hi is not None else
-                                                                                         c["address"]))
+    return Counter(c["wr"] for c in controls(sass, lo, hi) if opcode(c["text"]).startswith(prefix))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -65,11 +67,10 @@ def main(argv: list[str] | None = None) -> None:
         print({("none" if b is None else b): n for b, n in sorted(counts.items(), key=lambda kv: (kv[0] is None,
                                                                                                 kv[0] or 0))})
         return
-    for c in controls(sass):
-        if args.lo <= c["address"] <= (args.hi if args.hi is not None else c["address"]):
-            bar = lambda b: "-" if b is None else str(b)  # noqa: E731
-            print(f"{c['address']:6x} stall {c['stall']:2d} wr {bar(c['wr'])} "
-                  f"rd {bar(c['rd'])} wait {''.join(map(str, c['wait'])):6s} {c['text']}")
+    bar = lambda b: "-" if b is None else str(b)  # noqa: E731
+    for c in controls(sass, args.lo, args.hi):
+        print(f"{c['address']:6x} stall {c['stall']:2d} wr {bar(c['wr'])} rd {bar(c['rd'])} "
+              f"wait {''.join(map(str, c['wait'])):6s} {c['text']}")
 
 
 if __name__ == "__main__":
