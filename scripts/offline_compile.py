@@ -6,6 +6,7 @@ instruction counts.
     python scripts/offline_compile.py gluon_fp8 --combo fp8 --heads 16 --q-len 2 --sass /tmp/gluon_fp8.sass
     python scripts/offline_compile.py triton_pair --combo bf16 --heads 16
     python scripts/offline_compile.py seesaw --combo fp8kv --page-size 16 --fp8-in-place  # no loader partition
+    python scripts/offline_compile.py seesaw --combo fp8kv --page-size 16 --shared  # where each buffer lies
 
 A stand-in CUDA driver (sm_90, never asked to launch) lets Triton compile, and the launch is made a warm-up, so
 nothing runs. Gluon kernels cannot run in the interpreter, and neither can the Triton kernel's pair merge (2-CTA
@@ -18,9 +19,15 @@ To check that a change leaves a kernel as it was, compare its PTX (--ptx: the co
 name source lines and files), not its SASS: the PTX is the same from run to run, but ptxas 12.8 (the triton 3.6
 wheel's) may number registers differently between runs on the same PTX (seen on the Gluon fp8 kernel at page 16; the
 SASS then differs only in register names).
+
+--shared adds where the kernel's shared-memory buffers lie (`shared_allocations`): Gluon (triton 3.6) gives a buffer
+no address, so inline PTX that addresses one through the `global_smem` symbol (a bulk copy or `st.async` into a
+cluster partner's shared memory, say) needs these byte offsets. The thirty-ninth session's 2-CTA experiments in the
+seesaw took them from here (docs/perf_history.md).
 """
 
 import argparse
+import math
 import os
 import re
 import subprocess
@@ -125,6 +132,45 @@ def compile_kernel(kernel: str, combo: str, heads: int, q_len: int, page_size: i
     return compiled[0]
 
 
+_ELEMENT_BITS = {"f16": 16, "bf16": 16, "f32": 32, "i64": 64, "i32": 32, "i8": 8, "f8E4M3FN": 8, "f8E5M2": 8}
+
+
+def shared_allocations(compiled) -> list[dict]:
+    """The compiled kernel's shared-memory buffers where the NVIDIA backend places them, by offset: each
+    {"offset": bytes from `global_smem`, "bytes": its size, "type": its memdesc}. Triton's own allocation pass
+    (`allocate_shared_memory_nv`, after the passes make_llir runs before it) is run here on the kernel's TTGIR, whose
+    buffers it places deterministically (the same source and constexprs, the same offsets)."""
+    from triton._C.libtriton import ir, nvidia, passes
+    from triton.backends.nvidia.compiler import CUDABackend, get_ptx_version_from_options
+
+    backend = CUDABackend(GPUTarget("cuda", 90, 32))
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.ttgir"
+        path.write_text(compiled.asm["ttgir"])
+        module = ir.parse_mlir_module(str(path), context)
+    module.context = context
+    manager = ir.pass_manager(context)
+    passes.ttgpuir.add_combine_tensor_select_and_if(manager)
+    passes.ttgpuir.add_allocate_warp_groups(manager)
+    passes.convert.add_scf_to_cf(manager)
+    passes.gluon.add_inliner(manager)
+    ptx_version = get_ptx_version_from_options(backend.parse_options({}), 90)
+    nvidia.passes.ttgpuir.add_allocate_shared_memory_nv(manager, 90, ptx_version)
+    manager.run(module, "shared_allocations")
+    buffers = []
+    for line in str(module).splitlines():
+        found = re.search(r"allocation\.offset = (\d+).*!ttg\.memdesc<([^>]*)>", line)
+        if "ttg.local_alloc" in line and found:
+            memdesc = found.group(2)
+            *dims, element = memdesc.split(",")[0].split("x")
+            size = math.prod(int(d) for d in dims) * _ELEMENT_BITS[element] // 8
+            buffers.append({"offset": int(found.group(1)), "bytes": size, "type": memdesc.split(",")[0]})
+    return sorted(buffers, key=lambda b: b["offset"])
+
+
 def code_ptx(ptx: str) -> str:
     """The PTX without its debug records: no `.loc` / `.file` lines and nothing from the first `.debug` section on
     (source lines and paths move with edits that do not change the code)."""
@@ -167,6 +213,8 @@ def main(argv=None) -> None:
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--sass", help="write the SASS here")
     parser.add_argument("--ptx", help="write the PTX here, without its debug records (`code_ptx`)")
+    parser.add_argument("--shared", action="store_true",
+                        help="also report the shared-memory buffers' offsets and sizes (`shared_allocations`)")
     parser.add_argument("--fp8-in-place", action="store_true",
                         help="the seesaw expands e4m3fn tiles in place on every page size (gluon_decode."
                              "SEESAW_FP8_LOADER_PAGES emptied: no loader partition)")
@@ -179,9 +227,10 @@ def main(argv=None) -> None:
     if args.ptx:
         Path(args.ptx).write_text(code_ptx(compiled.asm["ptx"]))
     report = ptxas_report(compiled.asm["ptx"], args.sass)
+    shared = {"shared_allocations": shared_allocations(compiled)} if args.shared else {}
     print({"kernel": args.kernel, "combo": args.combo, "heads": args.heads, "q_len": args.q_len,
            "page_size": args.page_size,
-           "shared_bytes": compiled.metadata.shared, **report})
+           "shared_bytes": compiled.metadata.shared, **report, **shared})
 
 
 if __name__ == "__main__":

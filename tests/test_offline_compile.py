@@ -18,12 +18,14 @@ MAX_REGISTERS = 255  # sm_90: registers per thread an instruction can name
 
 
 def _compile(kernel: str, combo: str, heads: int, q_len: int = 1, page_size: int = 64, sass=None, ptx=None,
-             fp8_in_place: bool = False) -> dict:
+             fp8_in_place: bool = False, shared: bool = False) -> dict:
     """scripts/offline_compile.py in a process of its own -> its report (the SASS / PTX written to `sass` / `ptx` if
-    given; fp8_in_place: the seesaw without its fp8 loader partition on any page size)."""
+    given; fp8_in_place: the seesaw without its fp8 loader partition on any page size; shared: with the
+    shared-memory buffers' offsets)."""
     cmd = [sys.executable, str(ROOT / "scripts" / "offline_compile.py"), kernel, "--combo", combo, "--heads",
            str(heads), "--q-len", str(q_len), "--page-size", str(page_size)] + (["--sass", str(sass)] if sass else [])
     cmd += (["--ptx", str(ptx)] if ptx else []) + (["--fp8-in-place"] if fp8_in_place else [])
+    cmd += ["--shared"] if shared else []
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return ast.literal_eval(proc.stdout.strip().splitlines()[-1])
@@ -41,6 +43,24 @@ def test_gluon_kernel_compiles_for_sm90(kernel, combo, heads, q_len, page_size):
     assert (report["kernel"], report["combo"]) == (kernel, combo)
     assert 0 < report["registers"] <= MAX_REGISTERS, report
     assert report["opcodes"] and report["instructions"] > 1000, report  # a real kernel, not an empty stub
+
+
+@pytest.mark.skipif(not PTXAS.exists(), reason="this triton wheel ships no ptxas")
+def test_shared_allocations_place_every_seesaw_buffer_apart_inside_its_shared_memory():
+    """`--shared` (Triton's allocation pass on the compiled TTGIR): the fp8 seesaw allocates every buffer once, for
+    the whole kernel, so the offsets must keep all of them apart and inside the shared memory the kernel launches
+    with; its two tile slots (c_kv [2, 64, 512] fp16, 128 KB) and its three barrier arrays of [slot x 3 + group] are
+    among them."""
+    report = _compile("seesaw", "fp8kv", 128, 1, 16, shared=True)
+    buffers = report["shared_allocations"]
+    assert [b["offset"] for b in buffers] == sorted(b["offset"] for b in buffers)
+    for before, after in zip(buffers, buffers[1:]):
+        assert before["offset"] + before["bytes"] <= after["offset"], (before, after)
+    assert buffers[-1]["offset"] + buffers[-1]["bytes"] <= report["shared_bytes"]
+    types = [b["type"] for b in buffers]
+    assert {"type": "2x64x512xf16", "bytes": 2 * 64 * 512 * 2} in [{k: b[k] for k in ("type", "bytes")}
+                                                                  for b in buffers]
+    assert types.count("6x1xi64") == 3, types  # kv_full, xbar, kv_empty
 
 
 @pytest.mark.skipif(not PTXAS.exists(), reason="this triton wheel ships no ptxas")
