@@ -151,7 +151,7 @@ def shared_allocations(compiled) -> list[dict]:
         path = Path(tmp) / "kernel.ttgir"
         path.write_text(compiled.asm["ttgir"])
         module = ir.parse_mlir_module(str(path), context)
-    module.context = context
+    module.context = context  # held by the module, as triton's compile does
     manager = ir.pass_manager(context)
     passes.ttgpuir.add_combine_tensor_select_and_if(manager)
     passes.ttgpuir.add_allocate_warp_groups(manager)
@@ -164,10 +164,12 @@ def shared_allocations(compiled) -> list[dict]:
     for line in str(module).splitlines():
         found = re.search(r"allocation\.offset = (\d+).*!ttg\.memdesc<([^>]*)>", line)
         if "ttg.local_alloc" in line and found:
-            memdesc = found.group(2)
-            *dims, element = memdesc.split(",")[0].split("x")
+            shape = found.group(2).split(",")[0]  # e.g. 2x64x512xf16
+            *dims, element = shape.split("x")
+            if element not in _ELEMENT_BITS:
+                raise ValueError(f"shared_allocations: no size known for element type {element!r} of {shape}")
             size = math.prod(int(d) for d in dims) * _ELEMENT_BITS[element] // 8
-            buffers.append({"offset": int(found.group(1)), "bytes": size, "type": memdesc.split(",")[0]})
+            buffers.append({"offset": int(found.group(1)), "bytes": size, "type": shape})
     return sorted(buffers, key=lambda b: b["offset"])
 
 

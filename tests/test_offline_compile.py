@@ -52,8 +52,7 @@ def test_shared_allocations_place_every_seesaw_buffer_apart_inside_its_shared_me
     with; its two tile slots (c_kv [2, 64, 512] fp16, 128 KB) and its three barrier arrays of [slot x 3 + group] are
     among them."""
     report = _compile("seesaw", "fp8kv", 128, 1, 16, shared=True)
-    buffers = report["shared_allocations"]
-    assert [b["offset"] for b in buffers] == sorted(b["offset"] for b in buffers)
+    buffers = report["shared_allocations"]  # by offset
     for before, after in zip(buffers, buffers[1:]):
         assert before["offset"] + before["bytes"] <= after["offset"], (before, after)
     assert buffers[-1]["offset"] + buffers[-1]["bytes"] <= report["shared_bytes"]
