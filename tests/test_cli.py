@@ -231,6 +231,35 @@ def test_spawned_workers_match_one_process(capsys, tmp_path, monkeypatch):
     assert [r["err_over_bound"] for r in reports[0]["results"]] == [r["err_over_bound"] for r in reports[1]["results"]]
 
 
+def test_a_cpu_without_fork_spawns_the_workers(capsys, tmp_path, monkeypatch):
+    """Where the platform cannot fork (Windows), both pools spawn their workers on a CPU instead of raising or
+    falling back to one process: --jobs 2 gives the cases and results of one process."""
+    import multiprocessing
+
+    methods = multiprocessing.get_all_start_methods()
+    monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: [m for m in methods if m != "fork"])
+    assert cli._start_method("cpu") == "spawn" and cli._start_method("cuda:0") == "spawn"
+    spawned = []
+    get_context = multiprocessing.get_context
+    monkeypatch.setattr(multiprocessing, "get_context", lambda method: spawned.append(method) or get_context(method))
+    reports = []
+    for argv in (("--cases", "3", "--jobs", "1"), ("--cases", "3", "--jobs", "2"),
+                 ("--profile", "search", "--cases", "10", "--seed", "5", "--jobs", "2")):
+        path = tmp_path / "r.json"
+        code, _, err = run(capsys, "--backend", "ref", "--max-seq-len", "64", "--json", str(path), *argv)
+        assert code == 0, err
+        reports.append(json.loads(path.read_text()))
+    assert spawned == ["spawn", "spawn"]  # the --jobs 2 pool and the parallel search
+    assert [r["case"] for r in reports[0]["results"]] == [r["case"] for r in reports[1]["results"]]
+    assert reports[2]["jobs"] == 2 and reports[2]["cases"] == 10
+
+
+def test_run_all_spawning_needs_the_kernel_spec(monkeypatch):
+    monkeypatch.setattr(cli, "_start_method", lambda device: "spawn")
+    with pytest.raises(ValueError, match="kernel_spec"):
+        cli._run_all([SMALL, SMALL], 2, lambda r: True)
+
+
 def test_mps_detection_needs_a_daemon_behind_the_control_socket(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
     assert not cli.mps_running()  # no control socket

@@ -256,7 +256,7 @@ def _search_worker(index: int, n: int, seed: int, dtype: str, shape: dict, init:
 
 def _search_parallel(dtype: str, shape: dict, n: int, seed: int, jobs: int, on_result,
                      kernel_spec: tuple[str, str] | None) -> None:
-    """--profile search --jobs N: N independent searches in worker processes (forked on a CPU, spawned on a GPU as in
+    """--profile search --jobs N: N independent searches in worker processes (started as `_start_method` says, as in
     `_run_all`), search i with Hypothesis seed `seed + i` and its share of the n cases; each steers its own target
     phase. Results reach on_result as they arrive (their order varies from run to run; each case's own seed makes
     it replayable). on_result -> False stops them all: each ends after its case in flight, whose result is dropped.
@@ -323,26 +323,27 @@ def _usable_cores() -> int:
 
 
 def _start_method(device: str) -> str:
-    """How pool workers start: "fork" on a CPU, "spawn" on a GPU (CUDA cannot be used in a forked child)."""
-    return "fork" if device == "cpu" else "spawn"
+    """How pool workers start: "fork" on a CPU where the platform has it (the workers inherit the kernel), else
+    "spawn" (on a GPU, since CUDA cannot be used in a forked child; on a CPU-only platform without fork, e.g.
+    Windows): spawned workers resolve the kernel from its spec themselves (`_worker_init`)."""
+    return "fork" if device == "cpu" and "fork" in multiprocessing.get_all_start_methods() else "spawn"
 
 
 def _run_all(cases: list[Case], jobs: int, on_result, kernel_spec: tuple[str, str] | None = None) -> None:
     """Run cases in order; on_result(result) -> False stops.
 
     jobs > 1: a pool of worker processes, results still in case order. On a CPU the workers are forked (they inherit
-    the kernel). On a GPU they are spawned (a forked child cannot use its parent's CUDA context), each resolving
-    ``kernel_spec`` itself and holding its own CUDA context: one GPU is then fed by several Python processes, which
-    is what makes a GPU campaign fast, since a case is many small launches and host syncs, not FLOPs.
+    the kernel; spawned where the platform cannot fork). On a GPU they are spawned (a forked child cannot use its
+    parent's CUDA context), each resolving ``kernel_spec`` itself and holding its own CUDA context: one GPU is then
+    fed by several Python processes, which is what makes a GPU campaign fast, since a case is many small launches
+    and host syncs, not FLOPs. Spawned workers need ``kernel_spec`` (ValueError without it).
     """
-    ctx = None
     if jobs > 1 and len(cases) > 1:
         method = _start_method(_DEVICE)
-        if method == "spawn" and kernel_spec is not None:
-            ctx, init = multiprocessing.get_context("spawn"), (max(1, _usable_cores() // jobs), kernel_spec, _DEVICE)
-        elif method == "fork" and "fork" in multiprocessing.get_all_start_methods():
-            ctx, init = multiprocessing.get_context("fork"), (1,)
-    if ctx is not None:
+        if method == "spawn" and kernel_spec is None:
+            raise ValueError("kernel_spec: spawned workers need the kernel's spec to resolve it; got None")
+        ctx = multiprocessing.get_context(method)
+        init = (max(1, _usable_cores() // jobs), kernel_spec, _DEVICE) if method == "spawn" else (1,)
         with ctx.Pool(jobs, initializer=_worker_init, initargs=init) as pool:
             for result in pool.imap(_run_one, cases):
                 if not on_result(result):
