@@ -36,14 +36,18 @@ class YaRN:
     mscale_all_dim: float = 1.0
 
     def __post_init__(self):
-        if not self.factor > 0:
-            raise ValueError(f"YaRN.factor must be > 0, got {self.factor}")
-        if self.original_max_position_embeddings <= 0:
-            raise ValueError(
-                f"YaRN.original_max_position_embeddings must be > 0, got {self.original_max_position_embeddings}"
-            )
-        if not self.beta_fast > self.beta_slow > 0:
-            raise ValueError(f"YaRN needs beta_fast > beta_slow > 0, got {self.beta_fast}, {self.beta_slow}")
+        if not (math.isfinite(self.factor) and self.factor > 0):
+            raise ValueError(f"YaRN.factor must be finite and > 0, got {self.factor}")
+        n = self.original_max_position_embeddings
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise ValueError(f"YaRN.original_max_position_embeddings must be an int > 0, got {n!r}")
+        if not (math.isfinite(self.beta_fast) and self.beta_fast > self.beta_slow > 0):
+            raise ValueError(f"YaRN needs finite beta_fast > beta_slow > 0, got {self.beta_fast}, {self.beta_slow}")
+        for name in ("mscale", "mscale_all_dim"):  # m(f, x) scales the rope amplitude and (squared) the softmax
+            x = getattr(self, name)
+            if not (math.isfinite(x) and yarn_get_mscale(self.factor, x) > 0):
+                raise ValueError(f"YaRN.{name} must be finite with 0.1 * {name} * ln(factor) + 1 > 0 (factor "
+                                 f"{self.factor}), got {x}")
 
 
 @dataclass(frozen=True)

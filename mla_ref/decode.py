@@ -160,9 +160,9 @@ class DecodeBatch:
                 raise _field_error(name, f"a tensor on {q.device} (as q)", t.device)
         if kv.device != q.device:
             raise _field_error("kv_cache", f"a tensor on {q.device} (as q)", kv.device)
-        B = self.seq_lens.shape[0]
         if self.seq_lens.dim() != 1:
             raise _field_error("seq_lens", "a 1-D tensor [B]", tuple(self.seq_lens.shape))
+        B = self.seq_lens.shape[0]
         if self.q_lens.shape != (B,):
             raise _field_error("q_lens", f"shape ({B},) like seq_lens", tuple(self.q_lens.shape))
         if self.block_table.dim() != 2 or self.block_table.shape[0] != B:

@@ -193,14 +193,17 @@ def quantize(x: torch.Tensor, fmt="e4m3fn", granularity: str = "tensor", scale=N
 def dequantize(x_fp8: torch.Tensor, scale, granularity: str = "tensor", dtype: torch.dtype = torch.float64):
     """real = x_fp8 * scale, the product computed exactly in fp64 and rounded once to dtype.
 
-    scale: python number (any granularity) or a tensor of the group shape of `quantize`.
+    x_fp8: a tensor of an fp8 format (`FORMATS`). scale: python number (any granularity) or a tensor of the group
+    shape of `quantize`, finite and > 0 after rounding to fp32 (as `quantize` requires of a static scale).
     """
+    if not isinstance(x_fp8, torch.Tensor) or x_fp8.dtype not in {f.torch_dtype for f in FORMATS.values()}:
+        got = x_fp8.dtype if isinstance(x_fp8, torch.Tensor) else type(x_fp8).__name__
+        raise ValueError(f"x_fp8 must be a tensor of an fp8 format {sorted(FORMATS)}, got {got}")
     shape = _group_shape(x_fp8, granularity)
-    if isinstance(scale, torch.Tensor):
-        if tuple(scale.shape) != shape:
-            raise ValueError(f"scale must have shape {shape} for granularity={granularity!r}, got {tuple(scale.shape)}")
-        scale = _expand(scale.to(x_fp8.device, torch.float64), granularity, x_fp8)
-    return (x_fp8.double() * scale).to(dtype)  # [..., D]; fp8 (4 bits) x fp32 (24 bits) is exact in fp64
+    if isinstance(scale, torch.Tensor) and tuple(scale.shape) != shape:
+        raise ValueError(f"scale must have shape {shape} for granularity={granularity!r}, got {tuple(scale.shape)}")
+    s = _static_scale(scale, shape, x_fp8.device)  # [groups] fp32, finite and > 0
+    return (x_fp8.double() * _expand(s.double(), granularity, x_fp8)).to(dtype)  # [..., D]; fp8 x fp32 exact in fp64
 
 
 def round_p(p: torch.Tensor, fmt=None, p_scale: float = 1.0) -> torch.Tensor:

@@ -97,6 +97,11 @@ def test_config_rejects_bad_fields():
         dataclasses.replace(v3, q_lora_rank=0)
     with pytest.raises(ValueError, match="beta"):
         YaRN(factor=40.0, original_max_position_embeddings=4096, beta_fast=1.0, beta_slow=32.0)
+    for field, value in [("factor", math.inf), ("original_max_position_embeddings", 4096.0),
+                         ("mscale", math.nan), ("mscale_all_dim", math.nan),
+                         ("mscale_all_dim", -1 / (0.1 * math.log(40.0)))]:  # m(40, x) = 0: a zero softmax scale
+        with pytest.raises(ValueError, match=f"YaRN.{field}"):
+            dataclasses.replace(v3.rope_scaling, **{field: value})
 
 
 def test_from_hf_rejects_unsupported_rope_type():

@@ -205,6 +205,7 @@ def good_batch():
         ("kv_lora_rank", lambda b: {"kv_lora_rank": 49}),
         ("block_table", lambda b: {"block_table": b.block_table.long()}),  # non-int32 indices
         ("seq_lens", lambda b: {"seq_lens": b.seq_lens.long()}),
+        ("seq_lens", lambda b: {"seq_lens": b.seq_lens[0]}),  # 0-d
         ("q_lens", lambda b: {"q_lens": b.q_lens.long()}),
         ("block_table", lambda b: {"block_table": torch.full_like(b.block_table, b.kv_cache.shape[0])}),  # outside
         ("block_table", lambda b: {"block_table": b.block_table[:1]}),  # wrong row count

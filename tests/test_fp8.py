@@ -312,6 +312,11 @@ def test_bad_inputs():
         dequantize(q, s[:, :2], "tile128")
     with pytest.raises(ValueError, match="granularity"):
         dequantize(q, s, "block")
+    for scale in (math.nan, math.inf, -0.25, 0.0):  # what quantize refuses, dequantize refuses: no NaN comes back
+        with pytest.raises(ValueError, match="scale"):
+            dequantize(q, scale, "tile128")
+    with pytest.raises(ValueError, match="x_fp8"):
+        dequantize(torch.tensor([1.3, 2.7]), 2.0)  # not fp8 codes
 
 
 # ---------------------------------------------------------------- round_p
