@@ -38,6 +38,7 @@ from mla_fast.planner import (
     QO_END,
     QO_START,
     WorkPlan,
+    check_plan,
 )
 from mla_ref.decode import DecodeBatch, is_fp8
 
@@ -53,7 +54,7 @@ def run_plan_reference(
         out [T, H, L] and lse [T, H] (natural log, sm_scale included), both in ``dtype``.
     """
     batch.validate()
-    _check_plan(batch, plan)
+    check_plan(plan, batch.seq_lens, batch.q_lens, batch.num_heads)
     device, L, H = batch.device, batch.kv_lora_rank, batch.num_heads
     q = batch.dequantized_q(dtype)  # [T, H, L+R]
     out = torch.full((batch.num_tokens, H, L), math.nan, dtype=dtype, device=device)  # [T, H, L]
@@ -69,14 +70,6 @@ def run_plan_reference(
     _reduce(plan, out, lse, ws_o, ws_lse)
     return out, lse
 
-
-def _check_plan(batch: DecodeBatch, plan: WorkPlan) -> None:
-    if plan.num_heads != batch.num_heads:
-        raise ValueError(f"plan.num_heads must equal batch.num_heads ({batch.num_heads}), got {plan.num_heads}")
-    for name in ("seq_lens", "q_lens"):
-        got, want = getattr(plan, name).cpu(), getattr(batch, name).cpu()
-        if not torch.equal(got.long(), want.long()):
-            raise ValueError(f"plan.{name} must equal batch.{name} {want.tolist()}, got {got.tolist()}")
 
 
 def _chunks(lengths: list[int]) -> list[slice]:

@@ -275,6 +275,18 @@ class WorkPlan:
         }
 
 
+def check_plan(plan: WorkPlan, seq_lens: torch.Tensor, q_lens: torch.Tensor, num_heads: int) -> None:
+    """Raise ValueError when `plan` was not made for these lengths and heads: a plan for other lengths (e.g. the
+    previous step's) would drop or invent KV tokens without an error. seq_lens, q_lens: int tensors [B] (read on the
+    host: one sync each for device tensors)."""
+    if plan.num_heads != num_heads:
+        raise ValueError(f"plan.num_heads must equal the batch's num_heads ({num_heads}), got {plan.num_heads}")
+    for name, want in (("seq_lens", seq_lens), ("q_lens", q_lens)):
+        got, want = getattr(plan, name).cpu().long(), want.cpu().long()
+        if not torch.equal(got, want):
+            raise ValueError(f"plan.{name} must equal the batch's {name} {want.tolist()}, got {got.tolist()}")
+
+
 def plan_decode(
     seq_lens,
     q_lens,
@@ -356,6 +368,9 @@ def _line(seq_lens, q_lens, num_heads, num_workers, block_n, fixed_overhead, max
         raise ValueError("seq_lens must be >= 0")
     if bool((qlen < 1).any()):
         raise ValueError("q_lens must be >= 1")
+    if seq.size and (int(seq.max()) >= 2**31 or int(qlen.sum()) >= 2**31):
+        raise ValueError("seq_lens values and the sum of q_lens must be < 2**31 (the plan is int32), got max "
+                         f"seq_len {int(seq.max())}, sum of q_lens {int(qlen.sum())}")
     _check_int(num_heads, "num_heads", 1)
     _check_int(num_workers, "num_workers", 1)
     _check_int(block_n, "block_n", 1)
@@ -503,6 +518,8 @@ def _build(line: _Line, c: _Cut) -> WorkPlan:
     )  # [T, 8]
 
     def out(x: np.ndarray) -> torch.Tensor:
+        if x.size and not -(2**31) <= int(x.min()) <= int(x.max()) < 2**31:  # never wrap silently
+            raise ValueError(f"plan values must fit int32, got the range [{int(x.min())}, {int(x.max())}]")
         return torch.from_numpy(x.astype(np.int32))  # on the CPU; plan_decode moves the plan it returns
 
     return WorkPlan(

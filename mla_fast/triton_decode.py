@@ -1424,19 +1424,29 @@ def decode(batch, *, plan=None, out=None, lse=None, config: KernelConfig | None 
     q_len on its device; on an H200 bf16 batches with more than 16 packed rows per program take the Gluon kernel).
     reduce_pieces: split pieces merged per step of the reduce (None: `plan_reduce_pieces`; a `TritonMLADecode`'s
     reduce_pieces gives its bits).
+
+    Eager entry point: it validates every field of the batch, values included (`DecodeBatch.validate`, one host
+    sync; a block-table entry outside the cache would otherwise fault the kernel), and a given plan against the
+    batch's lengths and heads (`planner.check_plan`): ValueError naming the field. A batch of no requests gives
+    empty out and lse. The graph-capturable path (`TritonMLADecode.run`, `launch`) checks nothing on the device.
     """
+    batch.validate()
     check_batch(batch)
     T, H, L = batch.q.shape[0], batch.num_heads, batch.kv_lora_rank
+    device = batch.q.device
+    out = out if out is not None else torch.empty(T, H, L, dtype=torch.bfloat16, device=device)
+    lse = lse if lse is not None else torch.empty(T, H, dtype=torch.float32, device=device)
+    if batch.batch_size == 0:
+        return out, lse
     max_q_len = _max_q_len(batch)
     config = config or batch_config(batch, max_q_len)
     if max_q_len * config.head_group > MAX_ROWS:
         raise ValueError(f"q_len x head_group must be <= {MAX_ROWS}, got {max_q_len} x {config.head_group}")
-    plan = plan if plan is not None else make_plan(batch, config, num_workers)
-    device = batch.q.device
-    out = out if out is not None else torch.empty(T, H, L, dtype=torch.bfloat16, device=device)
-    lse = lse if lse is not None else torch.empty(T, H, dtype=torch.float32, device=device)
-    if T > 0:
-        launch(batch, plan, out, lse, config, max_rows=max_q_len * config.head_group, reduce_pieces=reduce_pieces)
+    if plan is None:
+        plan = make_plan(batch, config, num_workers)
+    else:
+        planner.check_plan(plan, batch.seq_lens, batch.q_lens, H)
+    launch(batch, plan, out, lse, config, max_rows=max_q_len * config.head_group, reduce_pieces=reduce_pieces)
     return out, lse
 
 
@@ -1472,6 +1482,7 @@ class TritonMLADecode:
     def __init__(self, batch, *, max_q_len: int = 1, num_workers: int | None = None, config: KernelConfig | None = None,
                  max_items: int | None = None, max_partial_rows: int | None = None,
                  reduce_pieces: int | None = None):
+        batch.validate()
         check_batch(batch)
         if reduce_pieces is not None:
             planner._check_int(reduce_pieces, "reduce_pieces", 1)
@@ -1517,12 +1528,15 @@ class TritonMLADecode:
         seq_lens, q_lens: host copies (CPU int tensors [B]) of the lengths that the kernels will read from the
         batch. Given, plan() reads nothing from the device and does not wait for queued work: the plan goes to the
         static buffers by one asynchronous copy, ordered on the current stream before the next run(). None: they
-        are read from the batch (one host sync, which waits for the work queued before).
+        are read from the batch (a host sync, which waits for the work queued before), after `DecodeBatch.validate`
+        has checked every field. With host copies only the lengths are checked (against the block table's capacity
+        and q's rows), not the block table's entries: those would have to be read from the device.
         """
         batch = batch or self.batch
         if (seq_lens is None) != (q_lens is None):
             raise ValueError("plan: give both seq_lens and q_lens (host copies), or neither")
         if seq_lens is None:
+            batch.validate()
             seq_lens, q_lens = torch.stack([batch.seq_lens, batch.q_lens]).cpu()  # [2, B]: one sync
         for name, x in (("seq_lens", seq_lens), ("q_lens", q_lens)):
             if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or tuple(x.shape) != (batch.batch_size,):
@@ -1530,6 +1544,12 @@ class TritonMLADecode:
                        else type(x).__name__)
                 raise ValueError(f"plan: {name} must be a CPU tensor of shape ({batch.batch_size},) (the host copy "
                                  f"of batch.{name}), got {got}")
+        capacity = batch.block_table.shape[1] * batch.page_size
+        if seq_lens.numel() and int(seq_lens.max()) > capacity:
+            raise ValueError(f"plan: seq_lens must be <= the block table's capacity {capacity} (max_pages x "
+                             f"page_size), got {seq_lens.tolist()}")
+        if int(q_lens.sum()) != batch.q.shape[0]:
+            raise ValueError(f"plan: q_lens must add up to q's rows {batch.q.shape[0]}, got {q_lens.tolist()}")
         p = make_plan(batch, self.config, self.num_workers, seq_lens=seq_lens, q_lens=q_lens)  # on the CPU
         n, t = p.work_items.shape[0], p.reduce_final.shape[0]
         if n > self.work_items.shape[0] or t > self.reduce_final.shape[0]:

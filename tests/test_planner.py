@@ -432,3 +432,11 @@ def test_gpu_plan_equals_cpu_plan(case: PlanCase):
     for name in ("work_items", "worker_indptr", "reduce_indptr", "reduce_final", "reduce_partial_map", "split_final"):
         assert getattr(gpu, name).is_cuda
         assert torch.equal(getattr(cpu, name), getattr(gpu, name).cpu())
+
+
+def test_lengths_beyond_int32_raise_instead_of_wrapping():
+    """The plan is int32: a length of 2^31 wrapped to a negative one (found by a review)."""
+    with pytest.raises(ValueError, match="< 2\\*\\*31"):
+        plan_decode(torch.tensor([2**31 + 100]), torch.tensor([1]), 16, num_workers=4)
+    with pytest.raises(ValueError, match="< 2\\*\\*31"):
+        plan_decode(torch.tensor([5, 5]), torch.tensor([2**30, 2**30]), 16, num_workers=4)

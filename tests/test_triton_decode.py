@@ -440,7 +440,7 @@ def test_graph_step_plans_from_host_lengths():
     allocation (4 workers: worker_indptr has 5 words, so the next view needs padding); bad host lengths raise
     ValueError."""
     td = pytest.importorskip("mla_fast.triton_decode")
-    batch = TritonCase((300, 5, 0), (1, 2, 1), heads=16).batch()
+    batch = TritonCase((300, 129, 7), (1, 2, 1), heads=16).batch()  # pages for every length set below
     config = td.KernelConfig(head_group=16, head_split=1)
     steps = [td.TritonMLADecode(batch, max_q_len=2, num_workers=4, config=config) for _ in range(2)]
     for lens in ((300, 5, 0), (64, 129, 7), (0, 0, 0)):
@@ -521,6 +521,40 @@ def test_bad_batches_raise_value_error():
         td.launch(batch, plan, None, None, config, pdl=True)
     with pytest.raises(ValueError, match="reduce_pieces"):
         td.TritonMLADecode(batch, reduce_pieces=0)
+
+
+def test_decode_validates_values_and_a_given_plan():
+    """decode checks what the kernel would otherwise read wrongly or fault on, before any launch (found by a review:
+    a block-table entry of 10^6 segfaulted, q_lens not adding up to T corrupted the heap, a plan for other lengths
+    dropped tokens): ValueError naming the field. A batch of no requests gives empty outputs."""
+    td = pytest.importorskip("mla_fast.triton_decode")
+    batch = TritonCase((40, 5), (1, 1), page_size=16).batch()  # block table capacity: 3 pages x 16
+    used = batch.block_table.clone()
+    used[0, 0] = 10**6
+    bad = {
+        r"DecodeBatch\.seq_lens:": batch.replace(seq_lens=torch.tensor([49, 5], dtype=torch.int32)),
+        r"DecodeBatch\.q_lens:": batch.replace(q_lens=torch.tensor([1, 2], dtype=torch.int32)),
+        r"DecodeBatch\.block_table:": batch.replace(block_table=used),
+        r"DecodeBatch\.sm_scale:": batch.replace(sm_scale=float("nan")),
+    }
+    for match, b in bad.items():
+        with pytest.raises(ValueError, match=match):
+            td.decode(b)
+        with pytest.raises(ValueError, match=match):
+            td.TritonMLADecode(b)
+    config = td.KernelConfig(head_group=16, head_split=1)
+    other = batch.replace(seq_lens=torch.tensor([16, 5], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"plan\.seq_lens must equal the batch's seq_lens \[40, 5\], got \[16, 5\]"):
+        td.decode(batch, plan=td.make_plan(other, config, 2), config=config)
+    step = td.TritonMLADecode(batch, num_workers=2, config=config)
+    with pytest.raises(ValueError, match="capacity 48"):
+        step.plan(seq_lens=torch.tensor([49, 5], dtype=torch.int32), q_lens=batch.q_lens.clone())
+    with pytest.raises(ValueError, match="add up to q's rows 2"):
+        step.plan(seq_lens=batch.seq_lens.clone(), q_lens=torch.tensor([1, 2], dtype=torch.int32))
+    none = batch.replace(q=batch.q[:0], seq_lens=batch.seq_lens[:0], q_lens=batch.q_lens[:0],
+                         block_table=batch.block_table[:0])
+    out, lse = td.decode(none)
+    assert out.shape == (0, 16, 64) and lse.shape == (0, 16)
 
 
 def test_gluon_kernel_is_chosen_only_where_it_runs():
