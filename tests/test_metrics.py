@@ -78,6 +78,24 @@ def test_ulp_distance_signed_zero_rounding_and_nan():
         ulp_distance(z, w, torch.int32)
 
 
+@pytest.mark.parametrize("dtype", list(_NP_TYPES))
+def test_ulp_distance_rounds_fp64_once(dtype):
+    """An fp64 value just past a tie of the target format rounds away from the tie's even neighbour; torch's cast
+    (through fp32, which lands on the tie) rounded it to the even one, so a correctly rounded kernel output read 1
+    ulp from its fp64 reference (found by a review). ml_dtypes casts fp64 with one rounding: the oracle here."""
+    grid = _sorted_grid(dtype)
+    grid = grid[np.isfinite(grid)]
+    lo, hi = grid[:-1], grid[1:]
+    tie = (lo + hi) / 2  # exact in fp64: every format here has at most 11 significant bits
+    past = tie + np.abs(tie) * 2.0**-40 * np.sign(hi - lo)  # toward hi, below fp32's resolution
+    want = past.astype(_NP_TYPES[dtype]).astype(np.float64)  # one rounding: hi
+    assert np.array_equal(want, hi)
+    d = ulp_distance(torch.from_numpy(want), torch.from_numpy(past), dtype)
+    assert int(d.max()) == 0
+    codes = torch.from_numpy(want).to(dtype)  # fp8 / bf16 inputs themselves (fp8 has no isfinite in torch)
+    assert int(ulp_distance(codes, codes, dtype).max()) == 0
+
+
 @pytest.mark.parametrize("np_type, dtype", [(np.float32, torch.float32), (np.float64, torch.float64)])
 def test_ulp_distance_counts_nextafter_steps(np_type, dtype):
     """fp32 / fp64: walk k steps with np.nextafter (independent of the bit mapping), across zero too."""

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mla_ref.fp8 import round_p
+
 NAN_ULP = torch.iinfo(torch.int64).max  # ulp_distance where exactly one side is NaN
 
 # bit width -> signed integer dtype to view the bits as (sign bit set <=> negative integer)
@@ -40,9 +42,10 @@ def _ordered(x: torch.Tensor) -> torch.Tensor:
 def ulp_distance(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Elementwise distance in units in the last place of ``dtype``: how many ``dtype`` values lie between.
 
-    a and b (any float dtypes, broadcastable) are first rounded to ``dtype`` with torch's round-to-nearest cast,
-    so a correctly rounded result is 0 ulp from its fp64 reference. For fp8 targets, finite values are saturated
-    to ±max first (the saturating cast kernels use, numerics.md §4); ±inf then becomes NaN in formats without inf.
+    a and b (any float dtypes, fp8 included, broadcastable) are first rounded once to nearest-even on ``dtype``'s
+    grid (`_to_grid`), so a correctly rounded result is 0 ulp from its fp64 reference. For fp8 targets, finite
+    values are saturated to ±max first (the saturating cast kernels use, numerics.md §4); ±inf then becomes NaN in
+    formats without inf.
     Bits are mapped to ordered integers (sign-magnitude -> two's-complement order) and subtracted, so the distance
     crosses zero naturally (+0 and -0 are the same point, the smallest subnormals are 1 ulp from 0) and ±inf is
     1 ulp beyond ±max.
@@ -57,12 +60,12 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.
     """
     if not (dtype.is_floating_point and _bit_width(dtype) in _INT_VIEW):
         raise ValueError(f"dtype must be a float dtype of 8, 16, 32 or 64 bits, got {dtype}")
-    a, b = torch.broadcast_tensors(a, b)
+    a, b = torch.broadcast_tensors(a.double(), b.double())  # fp64 holds every input exactly (fp8: no isfinite)
     if _bit_width(dtype) == 8:
         top = torch.finfo(dtype).max
         a = torch.where(torch.isfinite(a), a.clamp(-top, top), a)  # saturate finite values
         b = torch.where(torch.isfinite(b), b.clamp(-top, top), b)
-    a_t, b_t = a.to(dtype), b.to(dtype)  # round once to the target grid
+    a_t, b_t = _to_grid(a, dtype), _to_grid(b, dtype)  # round once to the target grid
     oa, ob = _ordered(a_t), _ordered(b_t)  # [...] int64
     # |oa - ob| overflows int64 only for fp64 of opposite signs beyond ±2: saturate at NAN_ULP - 1
     overflow = (oa.sign() * ob.sign() < 0) & (oa.abs() > NAN_ULP - ob.abs())
@@ -70,6 +73,18 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.
     nan_a, nan_b = torch.isnan(a_t), torch.isnan(b_t)
     dist = torch.where(nan_a & nan_b, 0, dist)
     return torch.where(nan_a ^ nan_b, NAN_ULP, dist)
+
+
+def _to_grid(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp64 x rounded once to nearest-even in ``dtype``. torch's fp64 -> bf16 / fp16 / fp8 casts go through fp32 and
+    round twice (1 + 2^-8 + 2^-40 -> 1 + 2^-8 in fp32, a bf16 tie -> 1.0 instead of 1 + 2^-7), so values in range are
+    first snapped to the grid in fp64 (`mla_ref.fp8.round_p`, one rounding), which makes the cast exact; values
+    beyond ±max and NaN take the cast (to ±inf, or NaN in fp8 formats without inf)."""
+    if dtype in (torch.float64, torch.float32):  # fp64 -> fp32 is one rounding
+        return x.to(dtype)
+    fmt = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, dtype)  # else an fp8 dtype
+    in_range = x.abs() <= torch.finfo(dtype).max  # [...] False for NaN and inf
+    return torch.where(in_range, round_p(x, fmt), x).to(dtype)
 
 
 def cos_diff(a: torch.Tensor, b: torch.Tensor) -> float:

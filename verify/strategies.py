@@ -28,6 +28,8 @@ SHORT_MAX = 512  # the bulk of drawn sequence lengths
 def _seq_len(page: int, short_max: int) -> st.SearchStrategy[int]:
     """A KV length: an edge (0, 1, page ±1, 2 pages ±1) or a uniform short length."""
     edges = sorted({n for n in (0, 1, page - 1, page, page + 1, 2 * page - 1, 2 * page + 1) if 0 <= n <= short_max})
+    if short_max < 2:  # only the edges 0 and 1 fit
+        return st.sampled_from(edges)
     return st.one_of(st.sampled_from(edges), st.integers(2, short_max), st.integers(2, short_max))
 
 
@@ -51,8 +53,10 @@ def cases(
     """
     if dtype not in ("bf16", "fp8"):
         raise ValueError(f"cases.dtype: expected 'bf16' or 'fp8', got {dtype!r}")
+    if max_seq_len < 1:
+        raise ValueError(f"cases.max_seq_len: expected an int >= 1, got {max_seq_len!r}")
     page = page_size or draw(st.sampled_from(PAGE_SIZES), label="page_size")
-    short_max = max(2, min(SHORT_MAX, max_seq_len))
+    short_max = min(SHORT_MAX, max_seq_len)
     n_req = draw(st.integers(1, max_batch), label="batch")
     seq_lens = [draw(_seq_len(page, short_max)) for _ in range(n_req)]
     if max_seq_len > short_max and draw(st.sampled_from((False, False, False, True)), label="one_long"):

@@ -46,7 +46,7 @@ def mla_property_test(
     """
     kernel = from_callable(fn)
     shape = dict(fp8_format=fp8_format, max_seq_len=max_seq_len, heads=heads, page_size=page_size)
-    flags = f"--impl {kernel.name}"
+    flags = f"--impl {kernel.name}" + (f" --device {device}" if device else "")  # the repro replays where it ran
 
     def test(case: Case) -> None:
         import torch
