@@ -14,12 +14,15 @@ partial rows in KV order (max-shifted, as aiter's ``mla_reduce_v1``)::
 
     M = max_S lse_S,   lse = M + ln Σ_S exp(lse_S - M),   out = Σ_S exp(lse_S - lse) · o_S
 
-with NaN partial LSEs treated as empty and an all-empty merge giving out 0, lse -inf.
+with -inf partial LSEs empty (weight 0) and an all-empty merge giving out 0, lse -inf. A NaN partial (a NaN in a
+valid input, or a workspace row the plan never wrote: the workspace starts as NaN) is not empty: the merged row is
+NaN, as the kernels' reduce gives it.
 
 KV rows are gathered through the block table, token by token, only inside ``[kv_start, kv_end)``: unused cache
 slots (NaN in built batches) are never read. Items are batched by gathering their KV into a zero-padded
 ``[items, max_len, L+R]`` tensor, a chunk of about ``CHUNK_TOKENS`` padded tokens at a time (items sorted by
-length, so padding stays small). ``out`` and ``lse`` start as NaN, so a (row, head) the plan never writes shows up.
+length, so padding stays small). Only the items of the workers' ranges (``worker_indptr``) run, as on the device.
+``out`` and ``lse`` start as NaN, so a (row, head) the plan never writes shows up.
 """
 
 from __future__ import annotations
@@ -63,6 +66,11 @@ def run_plan_reference(
     ws_lse = torch.full((plan.num_partial_rows, H), math.nan, dtype=dtype, device=device)  # [rows, H]
 
     items = plan.work_items.to(device).long()  # [N, 8]
+    indptr = plan.worker_indptr.cpu().long()  # [W + 1] worker w runs items [indptr[w], indptr[w + 1])
+    ran = torch.zeros(items.shape[0], dtype=torch.bool)  # [N]
+    for w in range(plan.num_workers):
+        ran[indptr[w] : indptr[w + 1]] = True
+    items = items[ran.to(device)]  # [N'] items no worker runs are never executed
     kv_len = items[:, KV_END] - items[:, KV_START]  # [N]
     order = torch.sort(kv_len, descending=True, stable=True).indices  # longest first: chunks of similar length
     for chunk in _chunks(kv_len[order].tolist()):
@@ -168,8 +176,8 @@ def _reduce(plan: WorkPlan, out, lse, ws_o, ws_lse) -> None:
         src = pmap[torch.where(ok, indptr[tk, None] + j, 0)] + rk[:, None]  # [K, Sm] workspace rows
         heads = final[tk, 2, None] + torch.arange(Hg, device=device)  # [K, Hg]
         lse_s = ws_lse[src[:, :, None], heads[:, None, :]]  # [K, Sm, Hg]
-        lse_s = torch.where(ok[:, :, None] & ~torch.isnan(lse_s), lse_s, -math.inf)  # NaN or padding: empty
-        M = lse_s.amax(dim=1)  # [K, Hg]
+        lse_s = torch.where(ok[:, :, None], lse_s, -math.inf)  # padding: empty; NaN stays NaN
+        M = lse_s.amax(dim=1)  # [K, Hg] NaN if a piece is NaN (amax propagates it)
         empty = torch.isneginf(M)  # [K, Hg] no split saw a token
         M = torch.where(empty, 0.0, M)
         lse_k = torch.where(empty, -math.inf, M + torch.log(torch.exp(lse_s - M[:, None]).sum(dim=1)))  # [K, Hg]

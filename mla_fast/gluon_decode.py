@@ -693,7 +693,7 @@ def _store_half(acc, l_sum, m_i, kv_scale, partial_row, qo_start, n_q, head_star
     Packed row m is query row qo_start + m // HEAD_GROUP, head head_start + m % HEAD_GROUP (rows past the item's
     n_q query rows are not written)."""
     row_l: gl.constexpr = gl.SliceLayout(1, o_layout)
-    has_tok = l_sum > 0.0
+    has_tok = l_sum != 0.0  # l >= 0, or NaN from a NaN input: then lse is NaN too, not -inf
     o_scale = kv_scale / gl.where(has_tok, l_sum, 1.0)  # [M]
     o = acc * gl.convert_layout(o_scale, row_l)[:, None]
     m = gl.arange(0, _ROWS, row_l)  # [M]

@@ -547,7 +547,7 @@ def _mla_decode_fp8_kernel(
             g += 1
 
         l_sum = gl.sum(l_t, 0)  # [16]
-        has_tok = l_sum > 0.0
+        has_tok = l_sum != 0.0  # l >= 0, or NaN from a NaN input: then lse is NaN too, not -inf
         o_scale = kv_scale / gl.where(has_tok, l_sum, 1.0)
         lse = gl.where(has_tok, (m_i + gl.log2(gl.where(has_tok, l_sum, 1.0))) * _LN2, float("-inf"))
         h = head_start + m % HEAD_GROUP  # [16]

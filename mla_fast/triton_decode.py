@@ -93,6 +93,7 @@ from mla_fast.numerics import DEFAULT_MMA, KernelNumerics, gluon_fp8_qk_numerics
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once at import, like triton itself
 UPCAST_BF16 = INTERPRET  # Triton 3.6's interpreter computes bf16 tl.dot wrongly: feed it fp32 (exact for bf16)
+_INTERPRET = tl.constexpr(INTERPRET)  # `_mma_operand`'s e4m3fn NaN fix, taken only by the interpreter
 LOG2E = tl.constexpr(1.4426950408889634)  # = 1 / ln(2): natural-log units -> log2 units
 LN2 = tl.constexpr(0.6931471805599453)  # log2 units -> natural log
 
@@ -116,14 +117,19 @@ _PARTIAL_BASE = tl.constexpr(planner.PARTIAL_BASE)
 
 @triton.jit
 def _mma_operand(x, MMA: tl.constexpr, UPCAST_BF16: tl.constexpr):
-    """Cast a tile to the dtype the MMA sees; fp32 instead of bf16 in the interpreter (its bf16 dot is wrong)."""
+    """Cast a tile to the dtype the MMA sees; fp32 instead of bf16 in the interpreter (its bf16 dot is wrong), and
+    there e4m3fn NaN codes made NaN explicitly (its cast reads 0x7F / 0xFF as +-480)."""
     if MMA == "bf16":
         if UPCAST_BF16:
             x = x.to(tl.float32)  # bf16 values are exact in fp32: same products, fp32 sums
         else:
             x = x.to(tl.bfloat16)
     elif MMA == "fp16":
-        x = x.to(tl.float16)
+        if _INTERPRET and x.dtype == tl.float8e4nv:  # Triton 3.6's interpreter reads e4m3fn's NaN (0x7F) as 480
+            nan = (x.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F
+            x = tl.where(nan, float("nan"), x.to(tl.float32)).to(tl.float16)  # the device's cvt gives NaN
+        else:
+            x = x.to(tl.float16)
     return x
 
 
@@ -541,7 +547,7 @@ def _normaliser(m_i, l_i, kv_scale, LAZY_L: tl.constexpr):
     unscaled, lse the natural-log LSE; a row that saw no token gets lse = -inf (and acc = 0)."""
     if LAZY_L:
         l_i = tl.sum(l_i, 1)  # [M]
-    has_tok = l_i > 0.0
+    has_tok = l_i != 0.0  # l >= 0, or NaN from a NaN input: then lse is NaN too, not -inf
     o_scale = (kv_scale / tl.where(has_tok, l_i, 1.0))[:, None]  # [M, 1]
     lse = tl.where(has_tok, (m_i + tl.log2(tl.where(has_tok, l_i, 1.0))) * LN2, float("-inf"))  # [M]
     return o_scale, lse
@@ -605,7 +611,7 @@ def _store_pair(m_i, l_i, acc, kv_scale, rank, qo, h, row_ok, OUT, LSE, stride_o
     w_0 = tl.exp2(lse_0 - m_use)  # [M], 0 for an empty piece
     w_1 = tl.exp2(lse_1 - m_use)
     w_sum = w_0 + w_1
-    has = w_sum > 0.0
+    has = w_sum != 0.0  # NaN (a NaN piece) propagates to lse_out, as an empty piece (0) does not
     lse_out = tl.where(has, (m_use + tl.log2(tl.where(has, w_sum, 1.0))) * LN2, float("-inf"))
     merged = ()
     for j in tl.static_range(HALF):  # this piece's slices rank x HALF + j
@@ -643,6 +649,7 @@ def _mla_reduce_kernel(
 
     Online form of numerics.md §3 in base 2: M = max_S L_S, O = Σ_S 2^(L_S - M) O_S / Σ_S 2^(L_S - M),
     L = M + log2 Σ_S 2^(L_S - M); empty partials (L_S = -inf) weigh 0: their O_S is selected away, not multiplied by 0.
+    A NaN partial (from a NaN in a valid input) is not empty: its weight is NaN, and so are O and L.
     """
     tile = tl.program_id(0)
     r = tl.program_id(1)
@@ -690,7 +697,7 @@ def _mla_reduce_kernel(
             w_sum = w_sum * rescale + tl.sum(w, 0)
             m = m_new
             i += BLOCK_S
-        has_tok = w_sum > 0.0
+        has_tok = w_sum != 0.0  # a NaN partial (a NaN input) makes w_sum NaN: out and lse NaN, not -inf
         o = acc / tl.where(has_tok, w_sum, 1.0)
         m_out = tl.where(m == float("-inf"), 0.0, m)
         lse = tl.where(has_tok, (m_out + tl.log2(tl.where(has_tok, w_sum, 1.0))) * LN2, float("-inf"))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -197,15 +197,32 @@ def test_fp8_inputs_with_power_of_two_scales():
     check_against_oracle(batch, plan)
 
 
-def test_all_nan_merge_gives_zero_and_neg_inf():
+@pytest.mark.parametrize("workers", [1, 4])
+def test_a_nan_input_gives_nan_split_or_not(workers):
+    """A NaN in one valid cache token makes out and lse NaN in the rows that read it, as mla_decode_ref gives them,
+    whether the plan splits its request or not; the other request stays finite. (Until the thirty-ninth session the
+    merge treated NaN partials as empty, as aiter's reduce does: a split request then came out finite and wrong.)"""
     batch = build_batch((256, 40), (1, 1), 16, 16, seed=3)
-    pages = batch.block_table[0, :16].long()  # request 0's pages
-    batch.kv_cache[pages] = float("nan")  # every token of request 0: all of its partial LSEs are NaN
-    plan = plan_decode(batch.seq_lens, batch.q_lens, 16, 4, block_n=16, fixed_overhead=0)
-    assert int(torch.diff(plan.reduce_indptr)[0]) > 1  # request 0 is split
+    page = batch.block_table[0, 200 // 16].long()
+    batch.kv_cache[page, 200 % 16, 7] = float("nan")  # token 200 of request 0
+    plan = plan_decode(batch.seq_lens, batch.q_lens, 16, workers, block_n=16, fixed_overhead=0)
+    assert (int(torch.diff(plan.reduce_indptr)[0]) > 1) == (workers > 1)  # request 0 split with 4 workers
     out, lse = run_plan_reference(batch, plan)
-    assert bool((out[0] == 0).all()) and bool(torch.isneginf(lse[0]).all())
-    assert bool(torch.isfinite(out[1]).all())
+    ref_out, ref_lse = mla_decode_ref(batch)
+    assert torch.equal(torch.isnan(out), torch.isnan(ref_out)) and torch.equal(torch.isnan(lse), torch.isnan(ref_lse))
+    assert bool(torch.isnan(lse[0]).all()) and bool(torch.isfinite(out[1]).all())
+
+
+def test_a_piece_no_worker_runs_shows_up_as_nan():
+    """Items outside every worker's range are not run, and the merge does not take their unwritten (NaN) partials
+    for empty ones: a plan that loses a piece gives NaN, not a finite answer short of its tokens."""
+    batch = build_batch((256,), (1,), 16, 16, seed=5)
+    plan = plan_decode(batch.seq_lens, batch.q_lens, 16, 4, block_n=16, fixed_overhead=0)
+    assert plan.num_items == 4 and torch.equal(plan.worker_indptr, torch.arange(5, dtype=torch.int32))
+    lost = replace(plan, worker_indptr=torch.tensor([0, 1, 2, 3, 3], dtype=torch.int32))  # worker 3 runs nothing
+    out, lse = run_plan_reference(batch, lost)
+    assert bool(torch.isnan(out).all()) and bool(torch.isnan(lse).all())
+    assert bool(torch.isfinite(run_plan_reference(batch, plan)[0]).all())
 
 
 def test_plan_for_another_batch_is_rejected():

@@ -232,7 +232,54 @@ def _worker() -> dict:
         ref_out, ref_lse = td.decode(batch, plan=plan, config=config, reduce_pieces=step.reduce_pieces)
         report["step_equals_decode"].append(bool(torch.equal(out, ref_out) and torch.equal(lse, ref_lse))
                                             and plan.num_partial_rows > 0)
+    report["nan_input"] = _nan_input_masks(td)
+    report["interpreter_e4m3_nan"] = _interpreter_e4m3_nan()
     return report
+
+
+def nan_input_batch(combo: str, device="cpu"):
+    """A batch whose request 0 (256 tokens, q_len 2) holds a NaN in channel 5 of token 210, which both of its query
+    rows see; request 1 (40 tokens) is clean. mla_decode_ref gives NaN out and lse in request 0's rows only."""
+    batch = TritonCase((256, 40), (2, 1), heads=4, page_size=16, combo=combo).batch(device)
+    kv = batch.kv_cache.clone()
+    kv[batch.block_table[0, 210 // 16].long(), 210 % 16, 5] = float("nan")  # e4m3fn: the NaN code 0x7F
+    return batch.replace(kv_cache=kv)
+
+
+def _nan_input_masks(td) -> dict:
+    """For each combo, unsplit (1 worker) and split (4 workers): do out's and lse's NaN masks equal the oracle's?"""
+    from mla_ref.decode import mla_decode_ref
+
+    masks = {}
+    for combo in ("bf16", "fp8kv", "fp8"):
+        batch = nan_input_batch(combo)
+        ref_out, ref_lse = mla_decode_ref(batch)
+        config = td.KernelConfig(head_group=4, head_split=1, block_n=BLOCK_N, plan_block_n=PLAN_BLOCK_N,
+                                 mma=td.DEFAULT_MMA[combo], fixed_overhead=1)
+        for workers in (1, 4):
+            plan = td.make_plan(batch, config, workers)
+            out, lse = td.decode(batch, plan=plan, config=config)
+            masks[f"{combo}_w{workers}"] = {
+                "split": plan.num_partial_rows > 0,
+                "out": bool(torch.equal(torch.isnan(out), torch.isnan(ref_out))),
+                "lse": bool(torch.equal(torch.isnan(lse), torch.isnan(ref_lse))),
+                "nan_rows": int(torch.isnan(lse).all(-1).sum()),
+            }
+    return masks
+
+
+def _interpreter_e4m3_nan() -> float:
+    """What Triton 3.6's interpreter makes of e4m3fn's NaN code with a plain cast (the device's cvt gives NaN)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def cast(X, Y):
+        tl.store(Y, tl.load(X).to(tl.float16))
+
+    y = torch.empty(1, dtype=torch.float16)
+    cast[(1,)](torch.tensor([float("nan")]).to(torch.float8_e4m3fn), y)
+    return float(y)
 
 
 @pytest.fixture(scope="module")
@@ -254,6 +301,17 @@ def test_interpreter_matches_oracle_within_kernel_bound(report, name):
     assert r["num_workers"] == CASES[name].num_workers
     over = CONFIG_OVERRIDES.get(name, {})
     assert r["plan_head_group"] == over.get("head_group", r["plan_head_group"]) * over.get("head_split", 1)
+
+
+def test_a_nan_input_gives_nan_out_and_lse_split_or_not(report):
+    """A NaN in a valid cache token gives NaN out and lse in the rows that read it, as the oracle does, on every
+    dtype combination, in one piece and split (the reduce). Before, the epilogues took a NaN row sum for an empty
+    row (lse -inf) and the reduce then merged that partial as empty: a split request came out finite and wrong.
+    fp8 caches need the interpreter's e4m3fn NaN fix (`_mma_operand`): its plain cast reads the NaN code as 480."""
+    for key, r in report["nan_input"].items():
+        assert r["out"] and r["lse"] and r["nan_rows"] == 2, (key, r)  # request 0's two query rows, all heads
+        assert r["split"] == key.endswith("_w4"), (key, r)
+    assert report["interpreter_e4m3_nan"] == 480.0  # the bug the fix works around; NaN here: drop the fix
 
 
 def test_default_config_takes_the_new_paths(report):
