@@ -125,6 +125,16 @@ def test_ref_backend_is_the_oracle():
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
 
 
+def test_emulated_takes_a_batch_of_no_requests():
+    """As the oracle: empty outputs (the planner needs a request; found by a review)."""
+    batch = _batch()
+    none = batch.replace(q=batch.q[:0], seq_lens=batch.seq_lens[:0], q_lens=batch.q_lens[:0],
+                         block_table=batch.block_table[:0])
+    out, lse = backends.get_backend("emulated")(none)
+    ref_out, ref_lse = mla_decode_ref(none)
+    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape and out.numel() == 0
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_emulated_within_its_declared_bound(dtype):
     from verify.bounds import kernel_bound, merge_bound
