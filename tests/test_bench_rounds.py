@@ -50,8 +50,8 @@ def test_pooled_quantiles_and_round_medians():
     pooled = np.array([t for r in rounds for t in r])
     assert (m["us"], m["us_p20"], m["us_p80"]) == tuple(np.quantile(pooled, [0.5, 0.2, 0.8]))
     assert m["us_rounds"] == [11.0, 21.5, 30.0]
-    assert m["gbs"] == pytest.approx(2 * 10**6 / (m["us"] * 1e-6) / 1e9)
-    assert m["pct_copy"] == pytest.approx(m["gbs"])  # copy rate 100 GB/s: % of it equals GB/s
+    assert m["gbs"] == pytest.approx(2 * 10**6 / (m["us"] * 1e-6) / 1e9, rel=4 * 2**-52)  # 3 fp64 ops, any order
+    assert m["pct_copy"] == pytest.approx(m["gbs"], rel=2 * 2**-52)  # copy rate 100 GB/s: % of it is GB/s (x 100 / 100)
     assert m["status"] == "ok" and m["timing"] == "eager"
 
 

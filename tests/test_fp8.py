@@ -264,7 +264,8 @@ def test_dynamic_scale_floor_for_tiny_inputs():
     q, s = quantize(x, "e4m3fn")
     assert s.item() == torch.finfo(torch.float32).tiny  # floored at 2^-126
     err = (x.double() - dequantize(q, s)).abs()
-    assert (err <= 2**-4 * x.double().abs() + 2**-10 * s.double()).all()  # element error model, numerics.md §4
+    f = FORMATS["e4m3fn"]  # u = 2^-4, eta = 2^-10
+    assert (err <= f.u * x.double().abs() + f.eta * s.double()).all()  # element error model, numerics.md §4
     with pytest.raises(ValueError, match="overflows"):
         quantize(torch.tensor([1e300], dtype=torch.float64), "e4m3fn")  # amax / 448 is not an fp32
 
@@ -354,7 +355,7 @@ def test_round_p_wide_formats_match_torch_casts(fmt, dtype):
 
 
 def test_round_p_bad_arguments():
-    p = torch.rand(4)
+    p = torch.tensor([0.1, 0.5, 0.9, 1.0])
     with pytest.raises(ValueError, match="fmt"):
         round_p(p, "fp8")
     with pytest.raises(ValueError, match="p_scale"):

@@ -164,6 +164,7 @@ def _worker() -> dict:
         result["lazy_l"] = config.lazy_l
         result["unchain"] = config.unchain  # the UNCHAIN constexpr
         result["head_group"] = config.head_group
+        result["head_split"] = config.head_split
         result["rows"] = config.head_group * max(case.q_lens)
         rows = td.reduce_rows(config, config.head_group * max(case.q_lens))  # as launch
         pieces = REDUCE_PIECES.get(name) or td.plan_reduce_pieces(plan, rows, case.L, td.num_sms(batch.q.device))
@@ -299,8 +300,10 @@ def test_interpreter_matches_oracle_within_kernel_bound(report, name):
     assert r["out_ratio"] <= 1.0, f"{name}: out error above the §5(f) kernel bound {r} case={asdict(CASES[name])}"
     assert r["lse_ratio"] <= 1.0, f"{name}: lse error above its bound {r} case={asdict(CASES[name])}"
     assert r["num_workers"] == CASES[name].num_workers
+    assert r["plan_head_group"] == r["head_group"] * r["head_split"]  # a worker's programs plan as one head group
     over = CONFIG_OVERRIDES.get(name, {})
-    assert r["plan_head_group"] == over.get("head_group", r["plan_head_group"]) * over.get("head_split", 1)
+    assert (r["head_group"], r["head_split"]) == (over.get("head_group", r["head_group"]),
+                                                  over.get("head_split", r["head_split"]))  # overrides reach it
 
 
 def test_a_nan_input_gives_nan_out_and_lse_split_or_not(report):
