@@ -88,7 +88,7 @@ def main() -> None:
         line, outs = f"({b}, {s}, {h}) q_len {q_len} page {args.page_size}:", {}
         for name, config in {"default": default, **forced_fp8_kernels(args.combo, h, q_len)}.items():
             fn, info = ours(batch, config)
-            m = measure(fn, bytes_moved(b, s, h, args.combo), copy_gbs)
+            m = measure(fn, bytes_moved(b, s, h, args.combo, q_len), copy_gbs)
             outs[name] = fn.outputs[0].float().clone()
             rows.append({"b": b, "s": s, "h": h, "q_len": q_len, "page_size": args.page_size, "combo": args.combo,
                          "config": name,
@@ -96,7 +96,7 @@ def main() -> None:
                          **m, **info})
             line += f" {name} ({config.kernel}) {m.get('us', float('nan')):.1f}"
         fn, _ = ours(build_batch(b, s, h, "bf16", page_size=args.page_size, q_len=q_len))
-        m = measure(fn, bytes_moved(b, s, h, "bf16"), copy_gbs)
+        m = measure(fn, bytes_moved(b, s, h, "bf16", q_len), copy_gbs)
         rows.append({"b": b, "s": s, "h": h, "q_len": q_len, "page_size": args.page_size, "combo": "bf16",
                      "config": "default", **m})
         diffs = {k: float((o - outs["default"]).abs().max()) for k, o in outs.items() if k != "default"}

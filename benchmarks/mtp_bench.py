@@ -49,7 +49,7 @@ def main() -> None:
             if name != "default" and config == outs.get("default", (None,))[0]:
                 continue  # the default already
             fn, info = ours(batch, config)
-            m = measure(fn, bytes_moved(b, s, h, combo), copy_gbs)
+            m = measure(fn, bytes_moved(b, s, h, combo, q_len), copy_gbs)
             outs[name] = (config, fn.outputs[0].float().clone())
             rows.append({"b": b, "s": s, "h": h, "q_len": q_len, "combo": combo, "config": name,
                          "kernel": config.kernel, "head_group": config.head_group, "head_split": config.head_split,

@@ -93,10 +93,12 @@ def cache_bytes(b: int, s: int, combo: str) -> int:
     return b * s * (L + R) * (1 if combo in ("fp8kv", "fp8") else 2)
 
 
-def bytes_moved(b: int, s: int, h: int, combo: str) -> int:
-    """Cache bytes read + q bytes read + bf16 out bytes written (peers.md §2 effective GB/s)."""
+def bytes_moved(b: int, s: int, h: int, combo: str, q_len: int = 1) -> int:
+    """Cache bytes read + q bytes read + bf16 out bytes written (peers.md §2 effective GB/s); q_len query rows per
+    request (MTP) read q and write out q_len times."""
     q_bytes = 1 if combo == "fp8" else 2
-    return cache_bytes(b, s, combo) + b * h * (L + R) * q_bytes + b * h * L * 2
+    rows = b * q_len * h
+    return cache_bytes(b, s, combo) + rows * (L + R) * q_bytes + rows * L * 2
 
 
 FLUSHES = ("zero", "read")  # how the L2 is flushed before each timed call (--flush)
@@ -543,17 +545,17 @@ PRECOMPILE_TOKENS = 1024  # per request: 16 pages of 64 (a block-table stride di
 
 
 def _precompile_one(task):
-    """Worker process: compile one (b, h, combo, override) config by launching it on a short batch of b requests (the
-    default config depends on the batch size; the Triton specialisation on the block-table stride, kept by
-    PRECOMPILE_TOKENS), so the bench finds it in Triton's on-disk cache."""
+    """Worker process: compile one (b, h, combo, override, page_size) config by launching it on a short batch of b
+    requests (the default config depends on the batch size; the Triton specialisation on the block-table stride, kept
+    by PRECOMPILE_TOKENS; PAGE_SIZE is a constexpr), so the bench finds it in Triton's on-disk cache."""
     from dataclasses import replace
 
     from mla_fast import triton_decode as td
 
-    b, h, combo, o = task
+    b, h, combo, o, page_size = task
     t0 = time.time()
     try:
-        batch = build_batch(b, PRECOMPILE_TOKENS, h, combo)
+        batch = build_batch(b, PRECOMPILE_TOKENS, h, combo, page_size)
         fn, _ = ours(batch, replace(td.batch_config(batch, 1), **o))
         torch.cuda.synchronize()
         return f"compiled b={b} h={h} {combo} {o} in {time.time() - t0:.1f}s"
@@ -561,12 +563,12 @@ def _precompile_one(task):
         return f"FAILED b={b} h={h} {combo} {o}: {type(e).__name__}: {str(e)[:200]}"
 
 
-def precompile(sizes, combos, processes: int) -> None:
-    """Compile every candidate config of the grid (sizes: its (batch, heads) pairs) in `processes` spawned processes
-    (Triton compiles on one core)."""
+def precompile(sizes, combos, processes: int, page_size: int = 64) -> None:
+    """Compile every candidate config of the grid (sizes: its (batch, heads) pairs, on pages of page_size) in
+    `processes` spawned processes (Triton compiles on one core)."""
     import multiprocessing as mp
 
-    tasks = [(b, h, c, o) for b, h in sizes for c in combos for o in [{}] + CANDIDATES.get((c, h), [])]
+    tasks = [(b, h, c, o, page_size) for b, h in sizes for c in combos for o in [{}] + CANDIDATES.get((c, h), [])]
     from mla_fast import bench  # pickled by module name, also when this file runs as __main__
 
     with mp.get_context("spawn").Pool(processes) as pool:
@@ -625,7 +627,8 @@ def print_table(result: dict) -> None:
         floor = r.get("read_floor", {"status": "—"})
         ours_cell = f"{o['us']:.1f} ({o['us_p20']:.1f}–{o['us_p80']:.1f})" if us(o) is not None else o["status"]
         table.add_row(str(r["b"]), str(r["s"]), str(r["h"]), r["combo"], ours_cell,
-                      f"{o.get('gbs', 0):.0f}", f"{o.get('pct_copy', 0):.0f}", cell(floor),
+                      *((f"{o['gbs']:.0f}", f"{o['pct_copy']:.0f}") if us(o) is not None else ("—", "—")),
+                      cell(floor),
                       ratio(us(o), us(floor)), cell(r["flashinfer"]), cell(r["flashmla"]),
                       ratio(us(o), min(peers, default=None)), cell(r["vllm"]), ratio(us(r["vllm"]), us(o)),
                       cell(r.get("step", {"status": ""})), cell(r["candidates"][0]) if "candidates" in r else "",
@@ -679,15 +682,20 @@ def main(argv=None) -> None:
     peers = [] if args.no_peers else args.peers.split(",")
     if set(peers) - set(PEERS):
         parser.error(f"--peers must be a comma list of {list(PEERS)}, got {args.peers!r}")
+    dtypes = args.dtypes.split(",")
+    if not dtypes or set(dtypes) - set(COMBOS):
+        parser.error(f"--dtypes must be a comma list of {list(COMBOS)}, got {args.dtypes!r}")
+    if any(len(shape) != 3 for shape in args.shapes):
+        parser.error(f"--shapes must be b,s,h triples separated by ';', got {args.shapes}")
     if not torch.cuda.is_available():
         raise SystemExit("mla-bench needs a CUDA GPU")
     t0 = time.time()
     if args.candidates and args.precompile:
-        precompile(sorted({(b, h) for b, _, h in args.shapes}), args.dtypes.split(","), args.precompile)
+        precompile(sorted({(b, h) for b, _, h in args.shapes}), dtypes, args.precompile, args.page_size)
         print(f"precompiled in {time.time() - t0:.1f}s", flush=True)
     dev = torch.cuda.current_device()
     with ClockSampler(smi_id(dev, getattr(torch.cuda.get_device_properties(dev), "uuid", None))) as clocks:
-        result = run_grid(args.shapes, args.dtypes.split(","), peers=peers, candidates=args.candidates,
+        result = run_grid(args.shapes, dtypes, peers=peers, candidates=args.candidates,
                           json_path=args.json, floor=not args.no_floor, shared_pages=args.shared_pages,
                           step=args.step, rounds=args.rounds, page_size=args.page_size)
     add_clocks(result, clocks)

@@ -170,3 +170,35 @@ def test_config_ab_variant_runs_another_version_of_a_gluon_module(tmp_path):
     # a constant of another module still may go with it
     assert list(ab.parse_variant(f"y:gluon_decode={version},GATHER_CHUNK_MAX_ROWS=64")[2]) == [
         "gluon_decode.launch_decode", "GATHER_CHUNK_MAX_ROWS"]
+
+
+def test_bench_usage_errors_come_before_any_cuda_work(capsys):
+    """--dtypes and --shapes are checked with the other flags (exit 2), not after the copy-rate measurement and the
+    first rows (found by a review: a traceback there)."""
+    for argv, words in [(["--dtypes", "bf16,fp16"], "--dtypes must be"), (["--dtypes", "bf16,"], "--dtypes must be"),
+                        (["--shapes", "1,8192"], "--shapes must be"), (["--shapes", "1,8192,16,2"], "--shapes must be")]:
+        with pytest.raises(SystemExit) as exit_info:
+            bench.main(argv)
+        assert exit_info.value.code == 2 and words in capsys.readouterr().err, argv
+
+
+def test_bytes_moved_counts_every_query_row():
+    """q read and out written once per query row: q_len rows per request under MTP (the MTP benchmarks' GB/s counted
+    one, 36 % low at (1, 2048, 128) q_len 4; found by a review). Against the tensors of the batch itself."""
+    for combo in bench.COMBOS:
+        for q_len in (1, 4):
+            batch = bench.build_batch(2, 256, 16, combo, q_len=q_len, device="cpu")
+            want = (bench.cache_bytes(2, 256, combo) + batch.q.numel() * batch.q.element_size()
+                    + batch.q.shape[0] * 16 * bench.L * 2)  # bf16 out [T, H, L]
+            assert bench.bytes_moved(2, 256, 16, combo, q_len) == want, (combo, q_len)
+
+
+def test_a_failed_row_shows_no_bandwidth(capsys):
+    """An error row prints dashes for GB/s and % of copy, not real-looking zeros (found by a review)."""
+    failed = {"status": "error: boom"}
+    row = {"b": 1, "s": 8192, "h": 16, "combo": "bf16", "ours": failed, "flashinfer": failed, "flashmla": failed,
+           "vllm": failed}
+    bench.print_table({"device": "test", "copy_gbs": 1.0, "rows": [row]})
+    line = next(t for t in capsys.readouterr().out.splitlines() if "bf16" in t)
+    cells = [c.strip() for c in line.split("│")]
+    assert cells[6:8] == ["—", "—"], cells
