@@ -176,7 +176,8 @@ def test_bench_usage_errors_come_before_any_cuda_work(capsys):
     """--dtypes and --shapes are checked with the other flags (exit 2), not after the copy-rate measurement and the
     first rows (found by a review: a traceback there)."""
     for argv, words in [(["--dtypes", "bf16,fp16"], "--dtypes must be"), (["--dtypes", "bf16,"], "--dtypes must be"),
-                        (["--shapes", "1,8192"], "--shapes must be"), (["--shapes", "1,8192,16,2"], "--shapes must be")]:
+                        (["--shapes", "1,8192"], "--shapes must be"),
+                        (["--shapes", "1,8192,16,2"], "--shapes must be")]:
         with pytest.raises(SystemExit) as exit_info:
             bench.main(argv)
         assert exit_info.value.code == 2 and words in capsys.readouterr().err, argv
