@@ -2,6 +2,7 @@
 repro line, the JSON report (schema, allow_nan=False, atomic), broken plug-ins as failed cases, unsupported cases
 (counted per reason; exit 5 when all are), a CUDA fault stopping the campaign, the model subcommand."""
 
+import dataclasses
 import json
 import shlex
 import socket
@@ -15,6 +16,7 @@ from mla_fast.backends import Unsupported
 from verify import cli
 from verify.cases import Case
 from verify.checks import is_device_fault
+from verify.kernels import DEFAULT_NUMERICS
 from verify.mutants import correct
 
 SMALL = Case(seq_lens=(0, 70), q_lens=(2, 1), heads=2, seed=3)
@@ -448,3 +450,25 @@ def test_summary_table_is_whole_in_a_log(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "80")
     code, _, err = run(capsys, "--backend", "ref", "--dtype", "fp8", "--cases", "2", "--jobs", "1")
     assert code == 0 and "…" in err
+
+
+def fp8_out(batch):
+    """A correct kernel whose out is e4m3fn (the contract takes any float dtype), declaring that rounding."""
+    out, lse = correct(batch)
+    return out.float().to(torch.float8_e4m3fn), lse
+
+
+fp8_out.numerics = dataclasses.replace(DEFAULT_NUMERICS, out_dtype=torch.float8_e4m3fn)
+
+
+def test_an_fp8_output_is_checked_not_crashed_on():
+    """out in e4m3fn: the finite and empty checks widen it (torch has no isfinite for fp8: every case failed as a
+    verifier error), and tier 1 charges the output's absolute rounding below e4m3fn's normal range (an output
+    rounded to 0 from a tiny expected value read 8x its relative-only bound). Found by a review."""
+    from verify.checks import run_case
+    from verify.kernels import from_callable
+
+    case = Case(seq_lens=(0, 1, 63, 300), q_lens=(1, 2, 1, 3), heads=4, dist="gauss1", seed=2)
+    result = run_case(case, from_callable(fp8_out), "cpu")
+    assert result.ok, result.describe()
+    assert {c.name for c in result.checks} >= {"tier1.out", "empty", "finite"}

@@ -229,6 +229,7 @@ def _rounding_bound(
     o: torch.Tensor,
     *,
     u_out: float,
+    eta_out: float = 0.0,
     u_p: float,
     eta_p: float,
     gamma_qk: float,
@@ -252,7 +253,8 @@ def _rounding_bound(
         P_j = round(p̃_j)                  |P_j - p̃_j| <= u_p p̃_j + min(eta_p, p̃_j)   (underflow flushes to 0)
         o = fl(Σ_j P_j ṽ_j) / fl(Σ_j p̃_j) |ṽ_jc - v̂_jc| <= (relative part, in gamma_pv) + eta_v; accumulation
                                           errors gamma_pv Σ P|v| and gamma_pv · l
-        out = round_out(o)                 |out - o| <= u_out |o|
+        out = round_out(o)                 |out - o| <= u_out |o| + eta_out   (eta_out: below the out dtype's normal
+                                          range, half its min subnormal; fp8 and fp16 outputs)
     Score errors, including exp's ε_j (a factor (1+ε_j) on p_j is a shift ln(1+ε_j) of s_j), perturb the
     softmax with spread <= ω = ω_qk + ω_own, bounded by the hull term (§5(b), (c)):
         ω_qk  = 2 (gamma_qk max_j A_j + score_abs)                   the dot products and their operands
@@ -290,7 +292,8 @@ def _rounding_bound(
     hull_omega = omega_own if shared_scores else omega  # [B, N, H] score errors not common to the compared results
     o_mag = o.abs() + (_hull_term(omega_qk, R, pv) if shared_scores else 0.0)  # [B, N, H, L] |ô|, or |o*|
     inner = (
-        u_out * o_mag  # output rounding
+        u_out * o_mag  # output rounding: relative, and absolute below the normal range on rows that see a token
+        + torch.where(seen[..., None], eta_out, 0.0)  # (an empty row's 0 is exact)
         + growth * c_pv * pv  # P rounding and P·V accumulation
         + growth * (1 + c_pv) * (flush_v + _col(eta_v))  # P underflow (η_P), absolute V operand rounding (η_v)
         + _col(gamma_pv) * o_mag  # fp32 row sum l
@@ -358,7 +361,8 @@ def _kernel_grid(bucket: Bucket, numerics, ref: tuple[torch.Tensor, torch.Tensor
         u_p = (1 + u_p) * (1 + _unit_roundoff(numerics.pv_operand)) - 1
         eta_p += _half_min_subnormal(numerics.pv_operand)
     eta_p = eta_p / numerics.p_scale + FTZ_P  # [] absolute, in units of p (<= 1)
-    common = dict(u_out=_unit_roundoff(numerics.out_dtype), u_p=u_p, eta_p=eta_p, exp_rel=EXP32_REL, u_arith=U32)
+    common = dict(u_out=_unit_roundoff(numerics.out_dtype), eta_out=_half_min_subnormal(numerics.out_dtype), u_p=u_p,
+                  eta_p=eta_p, exp_rel=EXP32_REL, u_arith=U32)
     mask = grid.mask  # [B, N, S]
 
     # operand values as the MMA gets them (fed) and the factor from their units to real units
@@ -443,7 +447,7 @@ def split_bound(batch: DecodeBatch, numerics, num_splits: int) -> Bound:
     Each run is within the §5(f) bound with the score errors shared (``_rounding_bound(shared_scores=True)``, no
     output rounding) plus ``merge_bound(num_splits)`` of the same o* = Σ_j softmax(s̃)_j v̂_j, lse* = ln Σ_j e^s̃_j:
         |a - b| <= 2 [shared-score §5(f) bound + merge_bound]        (out [T, H, L] and lse [T, H])
-    For outputs rounded to out_dtype add u_out (|round a| + |round b|)(1 + u_out). Without the shared scores the
+    For outputs rounded to out_dtype add u_out (|round a| + |round b|)(1 + u_out) + 2 eta_out. Without the shared scores the
     runs could differ by the score term tanh(ω_acc/4) R̂, most of kernel_bound on peaky rows; with them P rounding
     (u_P Σ p̂|v̂|, η_P), exp and accumulation remain, which a bound of 2 merge_bound alone misses: fp16 or bf16 P
     rounded under different maxima already differs by ~u_P p̂_j per token.
@@ -453,7 +457,7 @@ def split_bound(batch: DecodeBatch, numerics, num_splits: int) -> Bound:
 
     def bucket_bound(bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
         st, A_max, V, o, kw = _kernel_grid(bucket, numerics, None, q_operand)
-        kw["u_out"] = 0.0  # before output rounding
+        kw["u_out"] = kw["eta_out"] = 0.0  # before output rounding
         out, lse = _rounding_bound(st, A_max, V, o, **kw, shared_scores=True)  # [B, N, H, L], [B, N, H]
         return bucket.grid.unpad(out), bucket.grid.unpad(lse)  # [t, H, L], [t, H]
 

@@ -178,8 +178,9 @@ def check_split(batch: DecodeBatch, kernel: Kernel, numerics, first: tuple, work
 
     Both runs compute the same scores; P rounding under each piece's running max, exp, accumulation and the merge
     differ: within bounds.split_bound before output rounding (numerics.md §5(f,g)). For out of dtype u_out,
-    |round(x) - round(y)| <= |x - y| + u_out (|round(x)| + |round(y)|) (1 + u_out); so the bound is
-    split + u_out (|a| + |b|) (1 + u_out) for out and split for lse.
+    |round(x) - round(y)| <= |x - y| + u_out (|round(x)| + |round(y)|) (1 + u_out) + 2 eta_out (eta_out: half the
+    out dtype's min subnormal, the error below its normal range); so the bound is
+    split + u_out (|a| + |b|) (1 + u_out) + 2 eta_out for out and split for lse.
     """
     other = 1 if workers > 1 else ALT_WORKERS
     second, exc = _call(kernel.run_workers, batch, other, device=batch.device)
@@ -188,6 +189,7 @@ def check_split(batch: DecodeBatch, kernel: Kernel, numerics, first: tuple, work
     if exc is not None:
         return [CheckResult("split.out", False, detail=f"{other}-worker run raised {error_message(exc)}")]
     u_out = torch.finfo(numerics.out_dtype).eps / 2  # unit roundoff of the output dtype
+    eta_out = bounds._half_min_subnormal(numerics.out_dtype)  # its absolute error below the normal range
     split = bounds.split_bound(batch, numerics, kernel.max_splits(batch))  # [T, H, L], [T, H] before output rounding
     results = []
     for i, (name, out_dtype) in enumerate((("split.out", numerics.out_dtype), ("split.lse", torch.float32))):
@@ -195,7 +197,8 @@ def check_split(batch: DecodeBatch, kernel: Kernel, numerics, first: tuple, work
         b = second[i].detach().to(a.device).double()
         if i == 0:
             both = torch.isfinite(a) & torch.isfinite(b)
-            bound = split.out.to(a.device) + torch.where(both, u_out * (a.abs() + b.abs()) * (1 + u_out), 0.0)
+            bound = split.out.to(a.device) + torch.where(both, u_out * (a.abs() + b.abs()) * (1 + u_out) + 2 * eta_out,
+                                                         0.0)
         else:
             bound = split.lse.to(a.device)
         r = _bounded(name, a, b, bound, out_dtype)
@@ -204,11 +207,17 @@ def check_split(batch: DecodeBatch, kernel: Kernel, numerics, first: tuple, work
     return results
 
 
+def _floating(x: torch.Tensor) -> torch.Tensor:
+    """x detached, fp8 widened to fp32 (exact; torch has no isfinite / isneginf for fp8 dtypes)."""
+    x = x.detach()
+    return x.float() if x.element_size() == 1 else x
+
+
 def check_empty(batch: DecodeBatch, out: torch.Tensor, lse: torch.Tensor | None) -> CheckResult:
     """Rows that see no KV token: out exactly 0 and lse exactly -inf (docs/architecture.md)."""
     empty = (batch.visible_tokens() == 0).to(out.device)  # [T]
-    bad_rows = (out.detach() != 0).flatten(1).any(dim=1) & empty  # [T] NaN != 0 too
-    bad_lse_rows = (~torch.isneginf(lse.detach())).any(dim=1) & empty if lse is not None else torch.zeros_like(empty)
+    bad_rows = (_floating(out) != 0).flatten(1).any(dim=1) & empty  # [T] NaN != 0 too
+    bad_lse_rows = (~torch.isneginf(_floating(lse))).any(dim=1) & empty if lse is not None else torch.zeros_like(empty)
     n, bad_out, bad_lse = torch.stack([empty.sum(), bad_rows.sum(), bad_lse_rows.sum()]).tolist()  # one sync
     if not n:
         return CheckResult("empty", True, detail="no empty rows in this case")
@@ -225,8 +234,8 @@ def check_empty(batch: DecodeBatch, out: torch.Tensor, lse: torch.Tensor | None)
 def check_finite(batch: DecodeBatch, out: torch.Tensor, lse: torch.Tensor | None) -> CheckResult:
     """Rows that see at least one token give finite out and lse (every generated input is finite)."""
     seen = (batch.visible_tokens() > 0).to(out.device)  # [T]
-    bad_out = ~torch.isfinite(out.detach()) & seen[:, None, None]  # [T, H, L]
-    bad_lse = ~torch.isfinite(lse.detach()) & seen[:, None] if lse is not None else torch.zeros_like(seen)  # [T, H]
+    bad_out = ~torch.isfinite(_floating(out)) & seen[:, None, None]  # [T, H, L]
+    bad_lse = ~torch.isfinite(_floating(lse)) & seen[:, None] if lse is not None else torch.zeros_like(seen)  # [T, H]
     n_seen, n_out, n_lse = torch.stack([seen.sum(), bad_out.sum(), bad_lse.sum()]).tolist()  # one sync
     if n_out or n_lse:
         return CheckResult("finite", False, detail=f"non-finite values on rows that see tokens: {n_out} in out, "
