@@ -447,10 +447,10 @@ def split_bound(batch: DecodeBatch, numerics, num_splits: int) -> Bound:
     Each run is within the §5(f) bound with the score errors shared (``_rounding_bound(shared_scores=True)``, no
     output rounding) plus ``merge_bound(num_splits)`` of the same o* = Σ_j softmax(s̃)_j v̂_j, lse* = ln Σ_j e^s̃_j:
         |a - b| <= 2 [shared-score §5(f) bound + merge_bound]        (out [T, H, L] and lse [T, H])
-    For outputs rounded to out_dtype add u_out (|round a| + |round b|)(1 + u_out) + 2 eta_out. Without the shared scores the
-    runs could differ by the score term tanh(ω_acc/4) R̂, most of kernel_bound on peaky rows; with them P rounding
-    (u_P Σ p̂|v̂|, η_P), exp and accumulation remain, which a bound of 2 merge_bound alone misses: fp16 or bf16 P
-    rounded under different maxima already differs by ~u_P p̂_j per token.
+    For outputs rounded to out_dtype add u_out (|round a| + |round b|)(1 + u_out) + 2 eta_out. Without the shared
+    scores the runs could differ by the score term tanh(ω_acc/4) R̂, most of kernel_bound on peaky rows; with them P
+    rounding (u_P Σ p̂|v̂|, η_P), exp and accumulation remain, which a bound of 2 merge_bound alone misses: fp16 or
+    bf16 P rounded under different maxima already differs by ~u_P p̂_j per token.
     """
     _check_numerics(batch, numerics)
     q_operand = _q_operand(batch, numerics)  # batch-wide
