@@ -385,15 +385,70 @@ def _search_dies(strategy, n, seed, on_result):
 
 @pytest.mark.parametrize("search, message", [(_search_raises, "hypothesis broke"),
                                              (_search_dies, "exited with code 3 without reporting")])
-def test_a_search_worker_that_fails_is_an_error_not_an_end(capsys, monkeypatch, search, message):
-    """A worker whose search raises, or that dies without a word, stops the campaign with the reason instead of
-    being taken for a search that ran out of cases (forked workers inherit the patched function)."""
+def test_a_search_worker_that_fails_stops_the_campaign_with_its_report(capsys, monkeypatch, tmp_path, search,
+                                                                       message):
+    """A worker whose search raises, or that dies without a word, stops the campaign (exit 1) with the reason in the
+    report, instead of being taken for a search that ran out of cases; the cases that ran are reported (until the
+    fortieth session it raised, and every result was lost). Forked workers inherit the patched function."""
     import verify.strategies
 
     monkeypatch.setattr(verify.strategies, "smoke_cases", lambda *a, **k: [])
     monkeypatch.setattr(cli, "_search", search)
-    with pytest.raises(RuntimeError, match=message):
-        cli.main(["--backend", "ref", "--profile", "search", "--cases", "6", "--jobs", "2"])
+    path = tmp_path / "r.json"
+    code, _, err = run(capsys, "--backend", "ref", "--profile", "search", "--cases", "6", "--jobs", "2", "--json",
+                       str(path))
+    report = json.loads(path.read_text())
+    assert code == cli.EXIT_FAILED and message in report["stopped"]["reason"] and report["not_run"] == 6, err
+    assert "STOPPED" in err
+
+
+def dies_on_page_16(batch):
+    """A kernel that crashes its process (as a segfault does) on pages of 16, right otherwise."""
+    import os
+
+    if batch.page_size == 16:
+        os._exit(11)
+    return correct(batch)
+
+
+def test_a_pool_worker_the_kernel_crashes_stops_the_campaign(capsys, tmp_path):
+    """--jobs 2: a kernel that kills its worker process stops the campaign with a reason and exit 1, reporting the
+    cases before it. A multiprocessing Pool replaced the dead worker and waited for its result forever (found by a
+    review); the executor breaks instead."""
+    path = tmp_path / "r.json"
+    code, _, err = run(capsys, "--impl", "tests.test_cli:dies_on_page_16", "--cases", "20", "--max-seq-len", "128",
+                       "--jobs", "2", "--json", str(path))
+    report = json.loads(path.read_text())
+    assert code == cli.EXIT_FAILED and "worker died" in report["stopped"]["reason"], err
+    assert report["not_run"] > 0 and report["cases"] + report["not_run"] == 20
+
+
+def test_exitfirst_says_why_the_campaign_stopped(capsys, tmp_path):
+    path = tmp_path / "r.json"
+    code, _, _ = run(capsys, "--impl", "verify.mutants:wrong_scale", "--cases", "10", "--max-seq-len", "64",
+                     "--jobs", "1", "-x", "--json", str(path))
+    report = json.loads(path.read_text())
+    assert code == cli.EXIT_FAILED and report["stopped"]["reason"] == "--exitfirst: case 1 of 10 failed"
+    assert report["cases"] == 1 and report["not_run"] == 9
+
+
+def numerics_refuses(batch):
+    return correct(batch)
+
+
+def _refuse(batch):
+    raise Unsupported("no numerics for this batch")
+
+
+numerics_refuses.numerics = _refuse
+
+
+def test_numerics_that_raise_unsupported_make_unsupported_cases(capsys):
+    """A plug-in's numerics(batch) may refuse a batch as its kernel would: unsupported, not a verifier failure."""
+    code, out, err = run(capsys, "--impl", "tests.test_cli:numerics_refuses", "--cases", "3", "--max-seq-len", "64",
+                         "--jobs", "1")
+    assert code == cli.EXIT_NOTHING_RAN, out + err
+    assert "no numerics for this batch" in out + err
 
 
 def test_plot_without_matplotlib_is_a_usage_error(capsys, monkeypatch, tmp_path):

@@ -118,6 +118,18 @@ def test_backend_that_cannot_run_exits_5(monkeypatch, capsys):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert mc.main(["--steps", "1", "--batch", "1", "--backend", "triton"]) == 5
     assert "cannot run here" in capsys.readouterr().err
+    assert mc.main(["--steps", "1", "--batch", "1", "--device", "cuda", "--backend", "emulated"]) == 5
+    assert "cannot run here: no CUDA device" in capsys.readouterr().err
+
+
+def test_model_usage_errors_return_2(capsys):
+    """A bad --device or flag is a usage error (exit 2), returned by main as mla-verify's own parser does (found by
+    a review: a traceback, and SystemExit out of verify.cli.main)."""
+    from verify import cli
+
+    assert mc.main(["--device", "foo"]) == 2
+    assert "--device: expected a torch device" in capsys.readouterr().err
+    assert cli.main(["model", "--bogus"]) == 2
 
 
 def test_attention_path_rejects_unknown_format():

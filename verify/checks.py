@@ -253,7 +253,12 @@ def run_case(case: Case, kernel: Kernel, device: str = "cpu", *, tier2: bool = T
     t0 = time.perf_counter()
     result = CaseResult(case)
     batch, batch_exact = case.materialize(device)
-    numerics = kernel.numerics(batch)
+    try:
+        numerics = kernel.numerics(batch)
+    except Unsupported as e:  # a plug-in's numerics(batch) may refuse the batch as its kernel would
+        result.unsupported = str(e)
+        result.seconds = time.perf_counter() - t0
+        return result
     if kernel.run_workers is not None:
         raw, exc = _call(kernel.run_workers, batch, case.num_workers, device=batch.device)
     else:

@@ -24,6 +24,8 @@ import statistics
 import sys
 import time
 import traceback
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from importlib import metadata
 
 from mla_fast.backends import BACKENDS as REGISTRY
@@ -57,8 +59,9 @@ plug-in contract (--impl package.module:function):
 outcomes:
   passed / failed / unsupported per case, counted in the summary and the JSON (unsupported: reason -> cases).
   A CUDA/HIP error (e.g. an illegal memory access) stops the campaign at the faulting case, printing its repro;
-  the remaining cases are reported as not run. So does --time-limit S once S seconds have passed, and the exit
-  code is then that of the cases that ran.
+  the remaining cases are reported as not run. So does a worker process that dies (a kernel that crashes its
+  process, exit 1; --jobs 1 runs the cases in order in this process), and --time-limit S once S seconds have
+  passed, and -x at a failure, the exit code then that of the cases that ran. The JSON's "stopped" says why.
 
 exit codes:
   0 every check held (unsupported cases aside)   1 a check failed or a device fault stopped the campaign
@@ -144,6 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
 GPU_JOBS = 14  # default processes feeding one GPU (each holds a CUDA context, ~0.5 GiB); 12 ran 1800 cases/min
 _KERNEL = None  # the kernel of this process (inherited by forked workers)
 _DEVICE = "cpu"
+
+
+class WorkerDied(RuntimeError):
+    """A worker process ended without its results: the kernel crashed it (a segfault, os._exit) or, in a search, the
+    verifier raised there. The campaign stops and reports the cases that ran (exit 1)."""
 
 
 def _run_one(case: Case) -> CaseResult:
@@ -260,7 +268,7 @@ def _search_parallel(dtype: str, shape: dict, n: int, seed: int, jobs: int, on_r
     `_run_all`), search i with Hypothesis seed `seed + i` and its share of the n cases; each steers its own target
     phase. Results reach on_result as they arrive (their order varies from run to run; each case's own seed makes
     it replayable). on_result -> False stops them all: each ends after its case in flight, whose result is dropped.
-    A worker whose search raises, or that dies without reporting, raises RuntimeError here."""
+    A worker whose search raises, or that dies without reporting, raises WorkerDied here."""
     import queue
 
     method = _start_method(_DEVICE)
@@ -280,11 +288,11 @@ def _search_parallel(dtype: str, shape: dict, n: int, seed: int, jobs: int, on_r
             except queue.Empty:
                 dead = [i for i in running if workers[i].exitcode is not None and messages.empty()]
                 if dead:
-                    raise RuntimeError(f"search worker {dead[0]} exited with code {workers[dead[0]].exitcode} "
-                                       "without reporting its end") from None
+                    raise WorkerDied(f"search worker {dead[0]} (seed {seed + dead[0]}) exited with code "
+                                     f"{workers[dead[0]].exitcode} without reporting its end") from None
                 continue
             if kind == "error":
-                raise RuntimeError(f"search worker {index} (seed {seed + index}) failed:\n{payload}")
+                raise WorkerDied(f"search worker {index} (seed {seed + index}) failed:\n{payload}")
             if kind == "done":
                 running.discard(index)
             elif not stop.is_set() and not on_result(payload):
@@ -332,11 +340,12 @@ def _start_method(device: str) -> str:
 def _run_all(cases: list[Case], jobs: int, on_result, kernel_spec: tuple[str, str] | None = None) -> None:
     """Run cases in order; on_result(result) -> False stops.
 
-    jobs > 1: a pool of worker processes, results still in case order. On a CPU the workers are forked (they inherit
-    the kernel; spawned where the platform cannot fork). On a GPU they are spawned (a forked child cannot use its
-    parent's CUDA context), each resolving ``kernel_spec`` itself and holding its own CUDA context: one GPU is then
-    fed by several Python processes, which is what makes a GPU campaign fast, since a case is many small launches
-    and host syncs, not FLOPs. Spawned workers need ``kernel_spec`` (ValueError without it).
+    jobs > 1: a pool of worker processes, results still in case order; a worker that dies raises WorkerDied. On a
+    CPU the workers are forked (they inherit the kernel; spawned where the platform cannot fork). On a GPU they are
+    spawned (a forked child cannot use its parent's CUDA context), each resolving ``kernel_spec`` itself and holding
+    its own CUDA context: one GPU is then fed by several Python processes, which is what makes a GPU campaign fast,
+    since a case is many small launches and host syncs, not FLOPs. Spawned workers need ``kernel_spec`` (ValueError
+    without it).
     """
     if jobs > 1 and len(cases) > 1:
         method = _start_method(_DEVICE)
@@ -344,11 +353,17 @@ def _run_all(cases: list[Case], jobs: int, on_result, kernel_spec: tuple[str, st
             raise ValueError("kernel_spec: spawned workers need the kernel's spec to resolve it; got None")
         ctx = multiprocessing.get_context(method)
         init = (max(1, _usable_cores() // jobs), kernel_spec, _DEVICE) if method == "spawn" else (1,)
-        with ctx.Pool(jobs, initializer=_worker_init, initargs=init) as pool:
-            for result in pool.imap(_run_one, cases):
+        # an executor, not a Pool: a Pool replaces a worker the kernel crashed and waits for its result forever
+        executor = ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init, initargs=init)
+        try:
+            for result in executor.map(_run_one, cases):
                 if not on_result(result):
-                    pool.terminate()
                     return
+        except BrokenProcessPool:
+            raise WorkerDied("a worker process died without returning its case's result (the kernel crashed it, "
+                             "e.g. a segfault; --jobs 1 runs the cases in order in this process)") from None
+        finally:
+            executor.shutdown(wait=False, cancel_futures=True)  # the cases in flight finish, the queued ones do not
         return
     for case in cases:
         if not on_result(_run_one(case)):
@@ -666,7 +681,11 @@ def main(argv: list[str] | None = None) -> int:
                                        f"{len(results)} of {n}; the other {n - len(results)} cases are not run",
                                        markup=False, highlight=False)
                 return False
-            return r.status != "failed" or not args.exitfirst
+            if r.status == "failed" and args.exitfirst:
+                if len(results) < n:
+                    stopped.update(reason=f"--exitfirst: case {len(results)} of {n} failed")
+                return False
+            return True
 
         try:
             if replay:
@@ -676,7 +695,7 @@ def main(argv: list[str] | None = None) -> int:
                 strategy = case_strategy(args.dtype, **shape)
                 if args.profile == "search":
                     _run_all(smoke, 1, on_result)  # a handful of cases: a pool's start-up would cost more
-                    if not stopped and not (args.exitfirst and any(r.status == "failed" for r in results)):
+                    if not stopped:
                         if jobs > 1:
                             _search_parallel(args.dtype, shape, n - len(smoke), seed, jobs, on_result, kernel_spec)
                         else:
@@ -685,6 +704,10 @@ def main(argv: list[str] | None = None) -> int:
                     _run_all(smoke + _draw(strategy, n - len(smoke), seed), jobs, on_result, kernel_spec)
         except KeyboardInterrupt:
             console.print("mla-verify: interrupted; reporting the cases that ran")
+        except WorkerDied as e:
+            stopped.update(reason=f"worker died: {e}", fault=True)
+            progress.console.print(f"mla-verify: STOPPED after case {len(results)} of {n}: {e}", markup=False,
+                                   highlight=False)
     seconds = time.perf_counter() - t0
 
     if replay and results:
@@ -717,10 +740,10 @@ def main(argv: list[str] | None = None) -> int:
         _write_json(args.json, report)
     if args.plot and results:
         _plot(args.plot, results, f"{kernel.name}, {args.dtype}, {len(results)} cases")
+    if failed or stopped.get("fault"):
+        return EXIT_FAILED
     if not results:
         return EXIT_NOTHING_RAN
-    if failed:
-        return EXIT_FAILED
     if len(results) == sum(len(group) for group in unsupported.values()):
         console.print(f"mla-verify: nothing ran: the kernel declared all {len(results)} cases unsupported",
                       markup=False, highlight=False)

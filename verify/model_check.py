@@ -442,7 +442,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def run_model_check(args: argparse.Namespace) -> dict:
     """Build or load the model, calibrate fp8 scales, decode both paths; the JSON report as a dict."""
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError as e:  # not a device string
+        raise ValueError(f"--device: expected a torch device such as cpu or cuda:0, got {args.device!r} "
+                         f"({e})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: cannot run here: no CUDA device")
     size = SIZES[args.size]
     steps, batch = args.steps or size.steps, args.batch or size.batch
     backend = args.backend if args.backend != "auto" else ("triton" if device.type == "cuda" else "emulated")
@@ -559,10 +565,13 @@ def _write_json(report: dict, path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     """`mla-verify model ...`; returns the exit code (module docstring)."""
     parser = _parser()
-    args = parser.parse_args(argv)
-    for name in ("steps", "batch"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            parser.error(f"--{name}: expected an integer >= 1, got {getattr(args, name)}")
+    try:
+        args = parser.parse_args(argv)
+        for name in ("steps", "batch"):
+            if getattr(args, name) is not None and getattr(args, name) < 1:
+                parser.error(f"--{name}: expected an integer >= 1, got {getattr(args, name)}")
+    except SystemExit as e:  # --help (0) or a usage error (2, message already printed): returned, as mla-verify does
+        return int(e.code or 0)
     try:
         report = run_model_check(args)
     except ValueError as e:
