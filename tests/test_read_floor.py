@@ -113,7 +113,8 @@ def test_bench_table_ratios_take_the_faster_peer_and_dash_what_did_not_run(capsy
     cells = _table_cells(capsys, [row, failed])
     assert "0.40" in cells["bf16"] and "0.25" not in cells["bf16"]  # ours / the faster peer (25 µs), not the slower
     assert cells["bf16"].count("—") == 2  # ours / floor and vLLM / ours: the floor and vLLM did not run
-    assert cells["fp8kv"].count("—") == 3 and "error: boom" in cells["fp8kv"]  # no ratio without our time
+    assert cells["fp8kv"].count("—") == 5 and "error: boom" in cells["fp8kv"]  # no GB/s, % copy or ratio without
+    # our time
 
 
 def test_bench_diff_vs_ours_only_for_callables_that_hand_out_their_output():
