@@ -127,8 +127,17 @@ def test_length_buckets_partition_the_batch_and_equal_one_grid():
     assert (out - out_d).abs().max() <= FP64_BAR and (lse[seen] - lse_d[seen]).abs().max() <= FP64_BAR
 
 
-@given(dense_cases(), st.integers(1, 8))
-def test_merge_partials_of_random_partition_equals_whole(case, num_splits):
+@dataclass(frozen=True)
+class SplitCase:
+    """A dense case cut into num_splits pieces per request (cut points drawn from the case's seed + 1)."""
+
+    dense: DenseCase
+    num_splits: int
+
+
+@given(st.builds(SplitCase, dense_cases(), st.integers(1, 8)))
+def test_merge_partials_of_random_partition_equals_whole(split):
+    case, num_splits = split.dense, split.num_splits
     batch, q, kvs = build(case)
     out, lse = mla_decode_ref(batch)
     g = torch.Generator().manual_seed(case.seed + 1)

@@ -5,6 +5,7 @@ ml_dtypes, never by torch) and picks the nearest one in numpy, ties to the even 
 """
 
 import math
+from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
@@ -179,18 +180,31 @@ def test_quantize_fp32_input_has_no_double_rounding(name):
 # ---------------------------------------------------------------- element error model (numerics.md §4)
 
 
-@given(
-    seed=st.integers(0, 2**31 - 1),
-    name=st.sampled_from(NAMES),
-    granularity=st.sampled_from(GRANULARITIES),
-    log2_mag=st.integers(-140, 100),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-    rows=st.integers(1, 3),
-    d=st.integers(1, 300),
-)
-def test_quantize_error_model(seed, name, granularity, log2_mag, dtype, rows, d):
+@dataclass(frozen=True)
+class QuantCase:
+    """One quantize input: a [rows, d] tensor of ``dtype`` with magnitudes around 2^log2_mag (down 24 binades per
+    element), drawn from ``seed``."""
+
+    name: str
+    granularity: str
+    log2_mag: int
+    dtype: torch.dtype
+    rows: int
+    d: int
+    seed: int
+
+
+QUANT_CASES = st.builds(QuantCase, name=st.sampled_from(NAMES), granularity=st.sampled_from(GRANULARITIES),
+                        log2_mag=st.integers(-140, 100), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+                        rows=st.integers(1, 3), d=st.integers(1, 300), seed=st.integers(0, 2**31 - 1))
+
+
+@given(QUANT_CASES)
+def test_quantize_error_model(case):
+    name, granularity, log2_mag, dtype, rows, d = (case.name, case.granularity, case.log2_mag, case.dtype, case.rows,
+                                                   case.d)
     f = FORMATS[name]
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(case.seed)
     spread = torch.randint(-24, 1, (rows, d), generator=g).double()  # per-element magnitudes into the subnormals
     x = (torch.randn(rows, d, generator=g, dtype=torch.float64) * torch.exp2(spread + log2_mag)).to(dtype)  # [r, d]
     q, s = quantize(x, name, granularity)
