@@ -1,7 +1,8 @@
 """Shared test configuration: Hypothesis profiles and hardware markers.
 
 Profiles (select with HYPOTHESIS_PROFILE or --hypothesis-profile):
-- ``ci``     derandomized, no deadline, no example database: the same examples on every run (default when CI is set).
+- ``ci``     derandomized, no deadline, no example database: the same examples on every run (the default,
+  with or without CI set).
 - ``dev``    random, more examples, database on: for local exploration.
 - ``search`` many examples, target() phase, no shrinking: hunts worst err/bound cases (see verify.strategies).
 """
