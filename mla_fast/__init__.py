@@ -16,9 +16,10 @@ def decode(batch, *, backend: str = "triton", plan=None, out=None, lse=None):
 
     backend: "triton" (the persistent split-KV kernels, with the batch's default config `triton_decode.batch_config`:
     on an H100/H200 bf16 batches with more than 16 packed rows per program run the Gluon seesaw kernel,
-    mla_fast.gluon_decode, fp8 caches at q_len <= 4 with 16 heads (32 at q_len 1; more heads at small batches)
-    the Gluon fp8 kernel, mla_fast.gluon_fp8, with fp8 score MMAs for fp8 q, and other fp8 caches with 64 packed
-    rows the seesaw kernel on fp16 operands). plan: a WorkPlan from triton_decode.make_plan(batch, batch_config(batch,
+    mla_fast.gluon_decode; fp8 caches at q_len <= 4 the Gluon fp8 kernel, mla_fast.gluon_fp8, with fp8 score MMAs
+    for fp8 q, where it needs at most 2 programs of 16 packed rows per worker (16 or 32 heads at q_len 1, 16 at q_len
+    2) or its programs x cache tokens stay under `triton_decode.gluon_fp8_max_program_tokens`; other fp8 caches with
+    64 packed rows the seesaw kernel on fp16 operands). plan: a WorkPlan from triton_decode.make_plan(batch, batch_config(batch,
     max q_len)) (None: planned here, one host sync). out / lse: optional preallocated outputs.
     """
     if backend != "triton":

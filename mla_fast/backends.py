@@ -10,7 +10,8 @@ a `KernelNumerics` read by verify's kernel bound, numerics.md §5(f)).
 | emulated   | `plan_decode` + `run_plan_reference` in fp32, bf16 out  | nothing                                  |
 | triton     | mla_fast's persistent split-KV Triton kernel (Gluon     | a GPU, or TRITON_INTERPRET=1 (CPU, slow) |
 |            | seesaw kernel for bf16 above 16 rows on sm_90, Gluon    |                                          |
-|            | fp8 kernel for fp8 caches at 16 heads (32 at q_len 1),  |                                          |
+|            | fp8 kernel for fp8 caches at <= 2 programs of 16 rows,  |                                          |
+|            | or more under its programs x cache tokens rule,         |                                          |
 |            | seesaw kernel for other fp8 caches at 64 rows)          |                                          |
 | seesaw     | `triton` with the Gluon seesaw kernel pinned (bf16 >16  | CUDA sm_90 (no interpreter)              |
 |            | rows, fp8 caches >32 rows; else Unsupported)            |                                          |

@@ -13,8 +13,9 @@ Conventions:
 - real = fp8 * scale; scales are fp32. Element error model (numerics.md §4), for a group with scale s:
   |x - dequantize(quantize(x))| <= u * |x| + eta * s whenever |x| <= max * s (no saturation).
 - Quantization always saturates: (x / s).clamp(-max, max), then one round-to-nearest-even to the fp8 grid.
-  Finite input never gives NaN; +-inf gives +-max; NaN stays NaN. (A plain torch `.to(fp8)` does not saturate:
-  e4m3fn gives NaN above 464.)
+  Finite input never gives NaN; +-inf gives +-max; NaN stays NaN. (A plain torch `.to(fp8)` depends on the
+  version and format: torch 2.11 gives NaN above 464 for e4m3fn; torch 2.13's CPU cast saturates e4m3fn, +-inf too,
+  but gives NaN for e4m3fnuz beyond its max and +-inf for e5m2.)
 - x / s is computed in fp64 and rounded to the fp8 grid by this module, not by torch's cast: torch (and ml_dtypes)
   convert fp64 -> fp8 through fp32, which double-rounds (1.0625 + 2^-40 -> 1.0 instead of 1.125). For inputs with a
   significand of at most 24 bits (fp32, bf16, fp16) and an fp32 scale, the fp64 quotient is never within 2^-53 of

@@ -21,3 +21,23 @@ def test_a_failing_property_test_prints_a_repro_for_its_device():
     test = mla_property_test(wrong_scale, dtype="bf16", max_seq_len=64, device="cpu")
     with pytest.raises(AssertionError, match=r"repro: mla-verify --case '.*' --impl \S+wrong_scale --device cpu"):
         test()
+
+
+def test_property_tests_have_no_deadline_and_the_profiles_register(monkeypatch):
+    """Outside this project no conftest sets a profile: Hypothesis' 200 ms default deadline failed every case (the
+    checks run the fp64 oracle; found by a review), and HYPOTHESIS_PROFILE=search did nothing. mla_property_test sets
+    no deadline itself; register_profiles() registers ci / dev / search and loads $HYPOTHESIS_PROFILE."""
+    from hypothesis import Phase, settings
+
+    from verify.testing import register_profiles
+
+    test = mla_property_test(emulated, dtype="bf16")
+    assert test._hypothesis_internal_use_settings.deadline is None
+    try:
+        monkeypatch.setenv("HYPOTHESIS_PROFILE", "search")
+        assert register_profiles() == "search"
+        assert Phase.target in settings.default.phases and Phase.shrink not in settings.default.phases
+        assert mla_property_test(emulated, dtype="fp8")._hypothesis_internal_use_settings.max_examples == 5_000
+    finally:
+        monkeypatch.delenv("HYPOTHESIS_PROFILE")
+        assert register_profiles() == "ci" and settings.default.derandomize

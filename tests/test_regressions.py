@@ -9,14 +9,14 @@ the score change itself) are left out: they test nothing but floating-point ties
 
 import pytest
 import torch
-from hypothesis import Phase, settings
+from hypothesis import Phase
 
 from mla_fast.backends import BACKENDS
 from verify.cases import Case
 from verify.testing import mla_property_test
 
 emulated = BACKENDS["emulated"]
-explicit_only = settings(phases=[Phase.explicit])
+explicit_only = dict(hypothesis_settings=dict(phases=[Phase.explicit]))  # run the pinned examples only
 fp8 = dict(q_dtype="fp8", kv_dtype="fp8")
 
 FP8_WORST = [
@@ -90,22 +90,22 @@ on_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="the default d
 seesaw = BACKENDS["seesaw"]
 seesaw_runs, seesaw_why = seesaw.probe()
 
-test_search_regressions_fp8 = explicit_only(mla_property_test(emulated, "fp8", smoke=False, examples=FP8_WORST))
-test_search_regressions_bf16 = explicit_only(mla_property_test(emulated, "bf16", smoke=False, examples=BF16_WORST))
+test_search_regressions_fp8 = mla_property_test(emulated, "fp8", smoke=False, examples=FP8_WORST, **explicit_only)
+test_search_regressions_bf16 = mla_property_test(emulated, "bf16", smoke=False, examples=BF16_WORST, **explicit_only)
 test_search_regressions_seesaw_fp8 = pytest.mark.skipif(not seesaw_runs, reason=str(seesaw_why))(
-    explicit_only(mla_property_test(seesaw, "fp8", heads=128, page_size=64, smoke=False, examples=SEESAW_FP8_WORST)))
+    mla_property_test(seesaw, "fp8", heads=128, page_size=64, smoke=False, examples=SEESAW_FP8_WORST, **explicit_only))
 
-test_search_regressions_triton_fp8 = on_gpu(explicit_only(mla_property_test(triton, "fp8", smoke=False,
-                                                                            examples=TRITON_FP8_WORST)))
-test_search_regressions_triton_bf16 = on_gpu(explicit_only(mla_property_test(triton, "bf16", smoke=False,
-                                                                             examples=TRITON_BF16_WORST)))
+test_search_regressions_triton_fp8 = on_gpu(mla_property_test(triton, "fp8", smoke=False, examples=TRITON_FP8_WORST,
+                                                               **explicit_only))
+test_search_regressions_triton_bf16 = on_gpu(mla_property_test(triton, "bf16", smoke=False, examples=TRITON_BF16_WORST,
+                                                                **explicit_only))
 
 
 def test_regressions_run_and_can_fail():
     """The pinned examples really run: the same cases fail for a planted bug."""
     from verify.mutants import out_gain
 
-    bad = explicit_only(mla_property_test(out_gain, "bf16", smoke=False, examples=BF16_WORST[1:]))
+    bad = mla_property_test(out_gain, "bf16", smoke=False, examples=BF16_WORST[1:], **explicit_only)
     try:
         bad()
     except AssertionError as e:

@@ -18,7 +18,7 @@ Data distributions (numerics.md §5.1, §8.2), each with q scaled so that scores
 | outlier  | N(0, 1), two latent channels × 3000 (q there ÷ 3000)  | 1         | the rest in fp8 subnormals      |
 | sink     | N(0, 1); token 0 of each request gets a +12 logit     | ~1.4      | one dominant token              |
 | coherent | 4 repeated rows of ±1.0625, q = ±0.296875 (fp8 ties)  | ~1        | rounding errors that add up     |
-| near_max | N(0, 1), a few entries at s·(448, 464] (static s)     | 1         | saturation, torch's NaN trap    |
+| near_max | N(0, 1), a few entries at s·(448, 464] (static s)     | 1         | saturation (torch's NaN trap)   |
 
 fp8 scale modes (per tensor, q and KV alike):
 
@@ -250,7 +250,7 @@ def _signs(shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
 def _place_near_max(x: torch.Tensor, scale: float, fmt: str, g: torch.Generator) -> torch.Tensor:
     """Set a few entries of x to ±scale·v with v beyond the fp8 max where torch's cast still gives ±max.
 
-    v is drawn from NEAR_MAX[fmt]: (448, 464] for e4m3fn (above 464 torch gives NaN), (240, 248) for e4m3fnuz.
+    v is drawn from NEAR_MAX[fmt]: (448, 464] for e4m3fn (above 464 torch 2.11 gives NaN), (240, 248) for e4m3fnuz.
     v is an even integer (exact in bf16 at this magnitude) and scale a power of two: the bf16 value is scale·v.
     """
     values = torch.tensor(NEAR_MAX[fmt])  # [k]

@@ -7,21 +7,48 @@
     test_my_kernel_fp8 = mla_property_test(decode, dtype="fp8")
     test_my_kernel_bf16 = mla_property_test(decode, dtype="bf16")
 
+    # tests/conftest.py
+    from verify.testing import register_profiles
+    register_profiles()                   # ci (default) / dev / search, chosen by $HYPOTHESIS_PROFILE
+
 Each is a Hypothesis test: the smoke prefix (`verify.strategies.smoke_cases`) runs first as explicit examples, then
-cases drawn by `verify.strategies.cases`. Settings come from the active Hypothesis profile (``--hypothesis-profile``
-or HYPOTHESIS_PROFILE; the project's ci / dev / search profiles in tests/conftest.py): under a profile with the
-target phase (search) every check's err/bound is a ``target()``, so generation climbs toward the worst cases.
-A failure shows every failed check and a one-line ``mla-verify --case ...`` repro.
+cases drawn by `verify.strategies.cases`. Settings come from the active Hypothesis profile (`register_profiles`,
+or ``--hypothesis-profile``), with no deadline whatever the profile (a case's checks run the fp64 oracle: far above
+Hypothesis' 200 ms default, whatever the kernel's speed). Under a profile with the target phase (search) every
+check's err/bound is a ``target()``, so generation climbs toward the worst cases. A failure shows every failed check
+and a one-line ``mla-verify --case ...`` repro.
 """
 
 from __future__ import annotations
 
-from hypothesis import example, given, note, target
+import os
+
+from hypothesis import HealthCheck, Phase, example, given, note, settings, target
 
 from verify.cases import Case
 from verify.checks import run_case
 from verify.kernels import from_callable
 from verify.strategies import cases, smoke_cases
+
+PROFILES = {  # Hypothesis profiles for kernel property tests (this project's tests/conftest.py registers them too)
+    "ci": dict(derandomize=True, deadline=None, database=None, print_blob=True, max_examples=25,
+               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]),  # the same cases every run
+    "dev": dict(deadline=None, max_examples=200, suppress_health_check=[HealthCheck.too_slow]),  # random, database
+    "search": dict(deadline=None, max_examples=5_000, phases=[Phase.explicit, Phase.reuse, Phase.generate,
+                                                              Phase.target],
+                   suppress_health_check=list(HealthCheck)),  # many examples, target(), no shrinking
+}
+
+
+def register_profiles(default: str = "ci") -> str:
+    """Register the ci / dev / search profiles (`PROFILES`) with Hypothesis and load $HYPOTHESIS_PROFILE, else
+    ``default``; returns the loaded name. Call it from your conftest.py (Hypothesis reads no environment variable
+    itself)."""
+    for name, kwargs in PROFILES.items():
+        settings.register_profile(name, **kwargs)
+    name = os.environ.get("HYPOTHESIS_PROFILE", default)
+    settings.load_profile(name)
+    return name
 
 
 def mla_property_test(
@@ -35,13 +62,16 @@ def mla_property_test(
     device: str | None = None,
     smoke: bool = True,
     examples: tuple[Case, ...] | list[Case] = (),
+    hypothesis_settings: dict | None = None,
 ):
     """A pytest test function checking ``fn`` on Hypothesis-drawn `Case`s of ``dtype`` ("bf16" or "fp8").
 
     fn follows the plug-in contract of `verify.kernels` (``fn(batch) -> out | (out, lse)``, optional
     ``fn.numerics``). device: where cases are built (default cuda if available, else cpu). smoke: run the fixed smoke
     prefix first. examples: more `Case`s to run first as explicit examples (pinned regressions, e.g. the
-    ``@example`` lines of ``mla-verify --profile search``). The other arguments shape the drawn cases as the
+    ``@example`` lines of ``mla-verify --profile search``). hypothesis_settings: more Hypothesis settings for this
+    test, e.g. ``dict(phases=[Phase.explicit])`` to run the examples only (the test already carries one settings
+    decoration, deadline=None, which Hypothesis allows once). The other arguments shape the drawn cases as the
     `mla-verify` flags of the same names.
     """
     kernel = from_callable(fn)
@@ -64,6 +94,7 @@ def mla_property_test(
     for c in reversed(explicit):
         test = example(case=c)(test)
     test = given(case=cases(dtype, **shape))(test)
+    test = settings(deadline=None, **(hypothesis_settings or {}))(test)  # over the active profile (module docstring)
     name = getattr(fn, "__name__", None) or kernel.name.rsplit(":", 1)[-1].replace(".", "_")
     test.__name__ = test.__qualname__ = f"test_{name}_{dtype}"
     return test
