@@ -19,8 +19,8 @@ def decode(batch, *, backend: str = "triton", plan=None, out=None, lse=None):
     mla_fast.gluon_decode; fp8 caches at q_len <= 4 the Gluon fp8 kernel, mla_fast.gluon_fp8, with fp8 score MMAs
     for fp8 q, where it needs at most 2 programs of 16 packed rows per worker (16 or 32 heads at q_len 1, 16 at q_len
     2) or its programs x cache tokens stay under `triton_decode.gluon_fp8_max_program_tokens`; other fp8 caches with
-    64 packed rows the seesaw kernel on fp16 operands). plan: a WorkPlan from triton_decode.make_plan(batch, batch_config(batch,
-    max q_len)) (None: planned here, one host sync). out / lse: optional preallocated outputs.
+    64 packed rows the seesaw kernel on fp16 operands). plan: a WorkPlan from triton_decode.make_plan(batch,
+    batch_config(batch, max q_len)) (None: planned here, one host sync). out / lse: optional preallocated outputs.
     """
     if backend != "triton":
         raise ValueError(f"backend must be 'triton', got {backend!r}")
