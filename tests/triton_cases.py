@@ -57,6 +57,21 @@ def same_bits(a: tuple, b: tuple) -> bool:
                 and torch.equal(a[1].view(torch.int32), b[1].view(torch.int32)))
 
 
+def with_nan_token(batch, request: int, token: int, channel: int = 5):
+    """`batch` with a NaN in one channel of a valid cache token of `request` (e4m3fn caches: the NaN code 0x7F),
+    located through the batch's own paging (`DecodeBatch.token_slots`)."""
+    pages, slots = batch.token_slots(request)  # [s_b], [s_b]
+    kv = batch.kv_cache.clone()
+    kv[pages[token], slots[token], channel] = float("nan")
+    return batch.replace(kv_cache=kv)
+
+
+def nan_masks_match(out, lse, ref_out, ref_lse) -> bool:
+    """out and lse are NaN exactly where the oracle's are (compared on the oracle's device)."""
+    return bool(torch.equal(torch.isnan(out).to(ref_out.device), torch.isnan(ref_out))
+                and torch.equal(torch.isnan(lse).to(ref_lse.device), torch.isnan(ref_lse)))
+
+
 def check(out, lse, batch, numerics, num_splits: int = 1) -> dict:
     """Kernel output against the fp64 oracle on the same inputs, bound = verify.bounds.kernel_bound (numerics.md
     §5(f), from the kernel's declared KernelNumerics) + merge_bound (§5(g), `num_splits` = most pieces of a tile).
