@@ -278,13 +278,14 @@ class WorkPlan:
 def check_plan(plan: WorkPlan, seq_lens: torch.Tensor, q_lens: torch.Tensor, num_heads: int) -> None:
     """Raise ValueError when `plan` was not made for these lengths and heads: a plan for other lengths (e.g. the
     previous step's) would drop or invent KV tokens without an error. seq_lens, q_lens: int tensors [B] (read on the
-    host: one sync each for device tensors)."""
+    host: one sync for the batch's device tensors, one for the plan's)."""
     if plan.num_heads != num_heads:
         raise ValueError(f"plan.num_heads must equal the batch's num_heads ({num_heads}), got {plan.num_heads}")
-    for name, want in (("seq_lens", seq_lens), ("q_lens", q_lens)):
-        got, want = getattr(plan, name).cpu().long(), want.cpu().long()
-        if not torch.equal(got, want):
-            raise ValueError(f"plan.{name} must equal the batch's {name} {want.tolist()}, got {got.tolist()}")
+    got = torch.stack([plan.seq_lens, plan.q_lens]).long().cpu()  # [2, B_plan]
+    want = torch.stack([seq_lens, q_lens]).long().cpu()  # [2, B]
+    for i, name in enumerate(("seq_lens", "q_lens")):
+        if not torch.equal(got[i], want[i]):
+            raise ValueError(f"plan.{name} must equal the batch's {name} {want[i].tolist()}, got {got[i].tolist()}")
 
 
 def plan_decode(

@@ -188,7 +188,7 @@ def check_split(batch: DecodeBatch, kernel: Kernel, numerics, first: tuple, work
         raise exc  # run_case reports it as this case's device fault
     if exc is not None:
         return [CheckResult("split.out", False, detail=f"{other}-worker run raised {error_message(exc)}")]
-    u_out = torch.finfo(numerics.out_dtype).eps / 2  # unit roundoff of the output dtype
+    u_out = bounds._unit_roundoff(numerics.out_dtype)  # unit roundoff of the output dtype, as the bounds take it
     eta_out = bounds._half_min_subnormal(numerics.out_dtype)  # its absolute error below the normal range
     split = bounds.split_bound(batch, numerics, kernel.max_splits(batch))  # [T, H, L], [T, H] before output rounding
     results = []
