@@ -23,6 +23,7 @@ from benchmark_scripts import benchmark_module
 from triton_cases import TritonCase, nan_masks_match, same_bits, with_nan_token
 
 HERE = Path(__file__).resolve().parent
+NEEDS_TRITON = "needs triton (pip install triton==3.6.0, as .ci/run does)"
 
 CASES = {
     # bf16: page sizes 16 / 1 / 3, q_len 1-2, empty sequences, 1 / 3 / 8 workers
@@ -281,6 +282,7 @@ def _interpreter_e4m3_nan() -> float:
 
 @pytest.fixture(scope="module")
 def report():
+    pytest.importorskip("triton", reason=NEEDS_TRITON)
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE)]))
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker"], capture_output=True,
                           text=True, env=env, timeout=600)
@@ -396,6 +398,7 @@ def test_block_table_chunks_cover_whole_tiles():
     tile on tiles of at most 32 rows, at least one tile's pages (so a chunk of pages ends on a tile boundary); 0
     (the block table read in the loop) for smaller pages, pages that do not divide a tile, 64-row tiles, item starts
     off tile boundaries, or page_chunk=0."""
+    pytest.importorskip("triton", reason=NEEDS_TRITON)
     from mla_fast.triton_decode import KernelConfig, launch_page_chunk
 
     config = KernelConfig(block_n=64, page_chunk=32)
@@ -415,6 +418,7 @@ def test_default_configs_take_block_table_chunks_per_cache_dtype():
     """default_config at 16 heads (16 rows, 64-token tiles): bf16 picks each token's page in two steps and takes
     chunks down to pages of 8; fp8 caches pick in one step and take them down to pages of 4 (the H200 A/B in its
     docstring). Neither takes them at 32 or more pages per tile."""
+    pytest.importorskip("triton", reason=NEEDS_TRITON)
     from mla_fast.triton_decode import default_config, launch_page_chunk
 
     chunks = {}
@@ -656,6 +660,7 @@ def test_gluon_kernel_is_chosen_only_where_it_runs():
 
 def _boundary_bench():
     """benchmarks/boundary_bench.py as a module."""
+    pytest.importorskip("triton", reason=NEEDS_TRITON)
     return benchmark_module("boundary_bench")
 
 
