@@ -37,3 +37,20 @@ def test_fp8_mutant_is_harmless_without_fp8(name):
 
 def test_enough_mutants():
     assert len(MUTANTS) >= 10
+
+
+@pytest.mark.parametrize(("name", "tensor"), [("seq_lens_cleared", "seq_lens"), ("cache_padding_written", "kv_cache")])
+def test_a_kernel_that_writes_its_inputs_fails_the_inputs_check(name, tensor):
+    """The oracle runs before the kernel and the inputs are compared byte for byte after it: a kernel that zeroed
+    seq_lens and returned empty rows passed every check when the oracle ran after it (found by a review). Writing
+    only the unused (NaN) cache slots changes no output: the inputs check alone catches it."""
+    from verify import mutants
+    from verify.checks import run_case
+    from verify.kernels import from_callable
+
+    case = smoke_cases("bf16")[0]
+    result = run_case(case, from_callable(getattr(mutants, name)), "cpu")
+    failed = {c.name: c.detail for c in result.checks if not c.ok}
+    assert "inputs" in failed and tensor in failed["inputs"], result.describe()
+    if name == "cache_padding_written":
+        assert set(failed) == {"inputs"}, result.describe()

@@ -246,10 +246,35 @@ def check_finite(batch: DecodeBatch, out: torch.Tensor, lse: torch.Tensor | None
 # ---- one case -----------------------------------------------------------------------------------------------------
 
 
+_INPUTS = ("q", "kv_cache", "block_table", "seq_lens", "q_lens")  # the DecodeBatch tensors a kernel reads
+
+
+def input_snapshot(batch: DecodeBatch) -> dict[str, torch.Tensor]:
+    """Byte copies of the batch's input tensors, to tell afterwards whether a kernel wrote into them."""
+    return {name: _bytes(t).clone() for name in _INPUTS if (t := getattr(batch, name)) is not None}
+
+
+def check_inputs(batch: DecodeBatch, before: dict[str, torch.Tensor]) -> CheckResult:
+    """The kernel left its inputs as they were, byte for byte (NaN padding included): a kernel that writes into q,
+    the cache, the block table or the lengths corrupts the next decode step, and would make any comparison with an
+    oracle computed afterwards meaningless."""
+    changed = [f"{name} ({int((_bytes(getattr(batch, name)) != b).sum())} bytes)" for name, b in before.items()
+               if not torch.equal(_bytes(getattr(batch, name)), b)]
+    if changed:
+        return CheckResult("inputs", False, detail="the kernel wrote into its inputs: " + ", ".join(changed))
+    return CheckResult("inputs", True, detail=f"{', '.join(before)} unchanged")
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's values as raw bytes (NaN == NaN), [numel * itemsize] uint8."""
+    return t.detach().contiguous().view(-1).view(torch.uint8)
+
+
 def run_case(case: Case, kernel: Kernel, device: str = "cpu", *, tier2: bool = True, split: bool = True) -> CaseResult:
     """Materialize ``case`` on ``device``, run ``kernel`` on it and apply every check. Never raises for kernel
     failures (they are failed checks; `Unsupported` makes an unsupported case; a device fault fails the case and sets
-    ``device_fault``); raises only if the verifier itself breaks."""
+    ``device_fault``); raises only if the verifier itself breaks. The oracle runs before the kernel, on the inputs as
+    built, and the ``inputs`` check fails a kernel that wrote into them (split runs included)."""
     t0 = time.perf_counter()
     result = CaseResult(case)
     batch, batch_exact = case.materialize(device)
@@ -259,6 +284,8 @@ def run_case(case: Case, kernel: Kernel, device: str = "cpu", *, tier2: bool = T
         result.unsupported = str(e)
         result.seconds = time.perf_counter() - t0
         return result
+    ref = mla_decode_ref(batch)  # fp64 oracle on the kernel's (dequantized) inputs, before the kernel can touch them
+    before = input_snapshot(batch)
     if kernel.run_workers is not None:
         raw, exc = _call(kernel.run_workers, batch, case.num_workers, device=batch.device)
     else:
@@ -282,7 +309,6 @@ def run_case(case: Case, kernel: Kernel, device: str = "cpu", *, tier2: bool = T
     result.checks.append(CheckResult("contract", True, detail=f"out {out.dtype}, {given}"))
 
     try:
-        ref = mla_decode_ref(batch)  # fp64 oracle on the kernel's (dequantized) inputs
         out_d, lse_d = out.detach().to(ref[0].device), (lse.detach().to(ref[0].device) if lse is not None else None)
         merge = bounds.merge_bound(batch, kernel.max_splits(batch))  # the kernel may split rows up to max_splits times
         result.checks += check_tier1(batch, out_d, lse_d, ref, numerics, merge)
@@ -292,6 +318,7 @@ def run_case(case: Case, kernel: Kernel, device: str = "cpu", *, tier2: bool = T
             result.checks += check_tier2(batch, batch_exact, ref)
         if split and kernel.run_workers is not None:
             result.checks += check_split(batch, kernel, numerics, (out_d, lse_d), case.num_workers)
+        result.checks.append(check_inputs(batch, before))
     except Exception as e:
         if not is_device_fault(e):
             raise

@@ -18,6 +18,8 @@ turns one knob, the way such bugs happen in real kernels:
 | nan_empty             | an empty row divides 0 by 0: out NaN                         | empty (seq_len 0)             |
 | out_gain              | out · (1 + 2^-7): a 2-ulp bias no cosine check sees          | tier1.out (any)               |
 | bf16_accumulation     | running softmax sum and output kept in bf16 across KV blocks | tier1.out (long request)      |
+| seq_lens_cleared      | zeroes batch.seq_lens in place, then decodes: all rows empty | tier1 / inputs (any)          |
+| cache_padding_written | correct output, then writes 0 into the unused cache slots    | inputs (any)                  |
 """
 
 from __future__ import annotations
@@ -195,8 +197,26 @@ def bf16_accumulation(batch):
     return _decode(batch, acc_dtype=torch.bfloat16)
 
 
+def seq_lens_cleared(batch):
+    """Writes its input: zeroes batch.seq_lens, then decodes what is left (every row empty: out 0, lse -inf). An
+    oracle computed after the kernel would agree with it."""
+    batch.seq_lens.zero_()
+    return _decode(batch)
+
+
+def cache_padding_written(batch):
+    """A correct output, but the kernel then writes 0 into the cache slots no token uses (NaN in built batches): a
+    write into its inputs that no output comparison sees."""
+    out = _decode(batch)
+    kv = batch.kv_cache  # [P, page_size, D]
+    raw = kv.view(torch.uint8).view(*kv.shape, kv.element_size())  # [P, page_size, D, bytes]
+    raw[torch.isnan(kv.float())] = 0
+    return out
+
+
 MUTANTS = (
     "wrong_scale", "drop_rope", "page_off_by_one", "last_page_unmasked", "lse_base2", "kv_scale_ignored",
     "q_scale_ignored", "average_splits", "mtp_causal_off_by_one", "nan_empty", "out_gain", "bf16_accumulation",
+    "seq_lens_cleared", "cache_padding_written",
 )  # fmt: skip
 FP8_ONLY = ("kv_scale_ignored", "q_scale_ignored")  # need fp8 inputs with a scale != 1
