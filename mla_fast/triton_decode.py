@@ -805,6 +805,12 @@ class KernelConfig:
     def __post_init__(self):
         if self.kernel not in ("triton", "gluon", "gluon_fp8"):
             raise ValueError(f"kernel must be 'triton', 'gluon' or 'gluon_fp8', got {self.kernel!r}")
+        if self.mma not in ("bf16", "fp16"):
+            raise ValueError(f"mma must be 'bf16' or 'fp16', got {self.mma!r}")
+        if not isinstance(self.block_n, int) or self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n!r}")
+        for name in ("num_warps", "head_group", "head_split", "workers_per_sm", "plan_block_n"):
+            planner._check_int(getattr(self, name), name, 1)
         if self.kernel == "gluon" and (self.mma not in ("bf16", "fp16") or self.block_n != 64):
             raise ValueError("kernel='gluon' (mla_fast.gluon_decode) takes mma='bf16' (bf16 cache) or 'fp16' (fp8 "
                              f"cache) and block_n=64, got {self.mma!r}, {self.block_n}")
@@ -1248,8 +1254,30 @@ def check_batch(batch) -> None:
         raise ValueError(f"kv_cache last dim must equal q's head_dim {D}, got {batch.kv_cache.shape[-1]}")
     if batch.q.stride(-1) != 1 or batch.kv_cache.stride(-1) != 1:
         raise ValueError("q and kv_cache must be contiguous in the last dim")
+    if batch.block_table.stride(-1) != 1:  # the kernels take the row stride only
+        raise ValueError(f"block_table must be contiguous in its last dim (stride 1), got strides "
+                         f"{batch.block_table.stride()}")
+    for name in ("seq_lens", "q_lens"):  # read as dense arrays
+        t = getattr(batch, name)
+        if t.numel() > 1 and t.stride(0) != 1:
+            raise ValueError(f"{name} must be contiguous (stride 1), got stride {t.stride(0)}")
     if batch.q.device != batch.kv_cache.device:
         raise ValueError(f"q and kv_cache must be on one device, got {batch.q.device} and {batch.kv_cache.device}")
+
+
+def check_outputs(batch, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Raise ValueError naming `out` or `lse` when a preallocated output cannot take the batch's result: out must be
+    bf16 [T, H, L] and lse fp32 [T, H], on q's device, each contiguous in its last dim (the kernels take the other
+    strides)."""
+    T, H, L = batch.q.shape[0], batch.num_heads, batch.kv_lora_rank
+    for name, t, shape, dtype in (("out", out, (T, H, L), torch.bfloat16), ("lse", lse, (T, H), torch.float32)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if tuple(t.shape) != shape or t.dtype != dtype or t.device != batch.q.device:
+            raise ValueError(f"{name} must be a {dtype} tensor of shape {shape} on {batch.q.device}, got {t.dtype} "
+                             f"{tuple(t.shape)} on {t.device}")
+        if t.numel() and t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim (stride 1), got strides {t.stride()}")
 
 
 def make_plan(batch, config: KernelConfig, num_workers: int | None = None, seq_lens=None, q_lens=None):
@@ -1427,7 +1455,7 @@ def decode(batch, *, plan=None, out=None, lse=None, config: KernelConfig | None 
     """Triton MLA decode of a `DecodeBatch` -> (out [T, H, L] bf16, lse [T, H] fp32 natural log).
 
     plan: a `WorkPlan` from `make_plan` (computed here when None: one host sync). out / lse: optional preallocated
-    outputs. config: launch choices (default `batch_config`: `default_config` for the batch's dtypes, heads, size and
+    outputs (`check_outputs`: bf16 [T, H, L], fp32 [T, H], last dim contiguous). config: launch choices (default `batch_config`: `default_config` for the batch's dtypes, heads, size and
     q_len on its device; on an H200 bf16 batches with more than 16 packed rows per program take the Gluon kernel).
     reduce_pieces: split pieces merged per step of the reduce (None: `plan_reduce_pieces`; a `TritonMLADecode`'s
     reduce_pieces gives its bits).
@@ -1443,6 +1471,7 @@ def decode(batch, *, plan=None, out=None, lse=None, config: KernelConfig | None 
     device = batch.q.device
     out = out if out is not None else torch.empty(T, H, L, dtype=torch.bfloat16, device=device)
     lse = lse if lse is not None else torch.empty(T, H, dtype=torch.float32, device=device)
+    check_outputs(batch, out, lse)
     if batch.batch_size == 0:
         return out, lse
     max_q_len = _max_q_len(batch)
@@ -1455,6 +1484,9 @@ def decode(batch, *, plan=None, out=None, lse=None, config: KernelConfig | None 
         planner.check_plan(plan, batch.seq_lens, batch.q_lens, H)
     launch(batch, plan, out, lse, config, max_rows=max_q_len * config.head_group, reduce_pieces=reduce_pieces)
     return out, lse
+
+
+_STEP_TENSORS = ("q", "kv_cache", "block_table", "seq_lens", "q_lens")  # a TritonMLADecode's static inputs
 
 
 class TritonMLADecode:
@@ -1472,7 +1504,7 @@ class TritonMLADecode:
     Args:
         batch: a DecodeBatch whose tensors (q, kv_cache, block_table, seq_lens, q_lens) are the static buffers the
             graph reads; refill them in place between replays, then call `plan(batch)` again.
-        max_q_len: largest q_len any later step uses.
+        max_q_len: largest q_len any later step uses (plan() refuses larger ones: ValueError).
         config: launch choices, fixed for every step; default `batch_config` of the batch given here (its size and
             cache tokens then: the Gluon fp8 kernel's rule counts tokens, so build it with representative lengths
             or pass a config).
@@ -1493,7 +1525,12 @@ class TritonMLADecode:
         check_batch(batch)
         if reduce_pieces is not None:
             planner._check_int(reduce_pieces, "reduce_pieces", 1)
+        planner._check_int(max_q_len, "max_q_len", 1)
+        if batch.batch_size and _max_q_len(batch) > max_q_len:
+            raise ValueError(f"max_q_len must be >= the batch's largest q_len {_max_q_len(batch)}, got {max_q_len}")
         self.batch = batch
+        self.max_q_len = max_q_len
+        self._planned = False  # run() needs a plan in the static buffers
         device = batch.q.device
         H, L, B = batch.num_heads, batch.kv_lora_rank, batch.batch_size
         self.config = config or batch_config(batch, max_q_len)
@@ -1540,6 +1577,11 @@ class TritonMLADecode:
         and q's rows), not the block table's entries: those would have to be read from the device.
         """
         batch = batch or self.batch
+        if batch is not self.batch and any(
+                getattr(batch, n).data_ptr() != getattr(self.batch, n).data_ptr()
+                or getattr(batch, n).shape != getattr(self.batch, n).shape for n in _STEP_TENSORS):
+            raise ValueError(f"plan: batch must hold the step's own tensors ({', '.join(_STEP_TENSORS)}: the buffers "
+                             "run() reads); refill them in place instead of passing another batch")
         if (seq_lens is None) != (q_lens is None):
             raise ValueError("plan: give both seq_lens and q_lens (host copies), or neither")
         if seq_lens is None:
@@ -1557,6 +1599,8 @@ class TritonMLADecode:
                              f"page_size), got {seq_lens.tolist()}")
         if int(q_lens.sum()) != batch.q.shape[0]:
             raise ValueError(f"plan: q_lens must add up to q's rows {batch.q.shape[0]}, got {q_lens.tolist()}")
+        if q_lens.numel() and int(q_lens.max()) > self.max_q_len:
+            raise ValueError(f"plan: q_lens must be <= this step's max_q_len {self.max_q_len}, got {q_lens.tolist()}")
         p = make_plan(batch, self.config, self.num_workers, seq_lens=seq_lens, q_lens=q_lens)  # on the CPU
         n, t = p.work_items.shape[0], p.reduce_final.shape[0]
         if n > self.work_items.shape[0] or t > self.reduce_final.shape[0]:
@@ -1582,9 +1626,13 @@ class TritonMLADecode:
             self.q_scale.copy_(_scale_tensor(batch.q_scale, self.q_scale.device))
         if batch.kv_scale is not None:
             self.kv_scale.copy_(_scale_tensor(batch.kv_scale, self.kv_scale.device))
+        self._planned = True
 
     def run(self):
-        """Launch decode + reduce on the static buffers -> (out, lse) (the same tensors every call)."""
+        """Launch decode + reduce on the static buffers -> (out, lse) (the same tensors every call). RuntimeError
+        before the first plan()."""
+        if not self._planned:
+            raise RuntimeError("TritonMLADecode.run() before plan(): the static plan buffers hold no plan yet")
         launch(self.batch, _StaticPlan(self), self.out, self.lse, self.config, workspace=self.workspace,
                q_scale=self.q_scale, kv_scale=self.kv_scale, max_rows=self.max_rows, qo_indptr=self.qo_indptr)
         return self.out, self.lse

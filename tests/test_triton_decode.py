@@ -618,6 +618,57 @@ def test_decode_validates_values_and_a_given_plan():
     assert out.shape == (0, 16, 64) and lse.shape == (0, 16)
 
 
+def test_decode_refuses_strided_inputs_and_bad_output_buffers():
+    """The kernels take the row strides only: a block table or seq_lens viewed with a stride gave wrong outputs (a
+    transposed block table segfaulted), and out / lse buffers of the wrong shape, dtype or layout were written out of
+    bounds (heap corruption) or truncated (found by a review): ValueError naming the tensor, before any launch."""
+    td = pytest.importorskip("mla_fast.triton_decode")
+    batch = TritonCase((40, 5), (1, 1), page_size=16).batch()
+    T, H, L = batch.q.shape[0], batch.num_heads, batch.kv_lora_rank
+    wide = torch.stack([batch.block_table, batch.block_table], dim=-1)  # [B, pages, 2]
+    lens = torch.stack([batch.seq_lens, batch.seq_lens], dim=-1)  # [B, 2]
+    assert torch.equal(wide[..., 0], batch.block_table) and torch.equal(lens[:, 0], batch.seq_lens)  # same values
+    for match, b in {"block_table must be contiguous": batch.replace(block_table=wide[..., 0]),
+                     "seq_lens must be contiguous": batch.replace(seq_lens=lens[:, 0])}.items():
+        with pytest.raises(ValueError, match=match):
+            td.decode(b)
+    good_out = torch.empty(T, H, L, dtype=torch.bfloat16)
+    good_lse = torch.empty(T, H, dtype=torch.float32)
+    bad = {
+        "out must be a torch.bfloat16 tensor of shape": dict(out=torch.empty(1, H, L, dtype=torch.bfloat16)),
+        "out must be a torch.bfloat16": dict(out=torch.empty(T, H, L, dtype=torch.float32)),
+        "out must be contiguous in its last dim": dict(out=torch.empty(T, H, 2 * L, dtype=torch.bfloat16)[..., ::2]),
+        "lse must be a torch.float32 tensor of shape": dict(lse=torch.empty(T * H, dtype=torch.float32)),
+        "lse must be contiguous in its last dim": dict(lse=torch.empty(H, T, dtype=torch.float32).t()),
+    }
+    for match, kw in bad.items():
+        with pytest.raises(ValueError, match=match):
+            td.decode(batch, **{"out": good_out, "lse": good_lse, **kw})
+
+
+def test_graph_step_refuses_misuse():
+    """TritonMLADecode: run() before plan() read uninitialised plan buffers, plan() with another batch planned it
+    while run() read the step's own, and q_lens above max_q_len left rows unwritten (found by a review)."""
+    td = pytest.importorskip("mla_fast.triton_decode")
+    config = td.KernelConfig(head_group=16, head_split=1)
+    batch = TritonCase((40, 5), (1, 2), page_size=16).batch()
+    with pytest.raises(ValueError, match="max_q_len must be >= the batch's largest q_len 2"):
+        td.TritonMLADecode(batch, num_workers=2, config=config)
+    step = td.TritonMLADecode(batch, max_q_len=2, num_workers=2, config=config)
+    with pytest.raises(RuntimeError, match="before plan"):
+        step.run()
+    with pytest.raises(ValueError, match="max_q_len 2"):
+        step.plan(seq_lens=batch.seq_lens.clone(), q_lens=torch.tensor([3, 0], dtype=torch.int32))
+    other = TritonCase((40, 5), (1, 2), page_size=16).batch()  # the same values in other tensors
+    with pytest.raises(ValueError, match="the step's own tensors"):
+        step.plan(other)
+    step.plan(batch.replace(sm_scale=batch.sm_scale))  # another DecodeBatch over the same tensors is the same step
+    with pytest.raises(ValueError, match="block_n must be a power of two"):
+        td.KernelConfig(block_n=7)
+    with pytest.raises(ValueError, match="mma must be"):
+        td.KernelConfig(mma="fp32")
+
+
 def test_gluon_kernel_is_chosen_only_where_it_runs():
     """default_config takes the Gluon seesaw kernel for bf16 with more than 16 packed rows (q_len x head_group; one
     request too), and only with seesaw=True, which batch_config sets from gluon_decode.supported (never on this
