@@ -41,6 +41,14 @@ def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in FP8_DTYPES
 
 
+def _fp32_positive(x) -> bool:
+    """x is a python number (not a bool) that stays finite and > 0 when rounded to fp32."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    x32 = torch.tensor(float(x), dtype=torch.float64).float().item()  # 1e39 -> inf, 1e-46 -> 0
+    return math.isfinite(x32) and x32 > 0
+
+
 def _field_error(field: str, expectation: str, got: object) -> ValueError:
     return ValueError(f"DecodeBatch.{field}: expected {expectation}, got {got}")
 
@@ -122,7 +130,7 @@ class DecodeBatch:
     @property
     def pages_per_request(self) -> torch.Tensor:
         """[B] int32 pages each request uses: ceil(seq_len / page_size)."""
-        return ((self.seq_lens + self.page_size - 1) // self.page_size).to(torch.int32)
+        return ((self.seq_lens.long() + self.page_size - 1) // self.page_size).to(torch.int32)  # int64: no wrap
 
     def to(self, device: torch.device | str) -> DecodeBatch:
         moved = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -150,7 +158,10 @@ class DecodeBatch:
             raise _field_error("kv_cache", f"last dim equal to q's ({q.shape[2]})", tuple(kv.shape))
         if kv.shape[1] < 1:
             raise _field_error("kv_cache", "page_size >= 1", tuple(kv.shape))
-        if not isinstance(self.kv_lora_rank, int) or not 0 < self.kv_lora_rank <= q.shape[2]:
+        if q.shape[1] < 1:
+            raise _field_error("q", "at least one head (shape [T, H >= 1, L+R])", tuple(q.shape))
+        if isinstance(self.kv_lora_rank, bool) or not isinstance(self.kv_lora_rank, int) \
+                or not 0 < self.kv_lora_rank <= q.shape[2]:
             raise _field_error("kv_lora_rank", f"an int in [1, {q.shape[2]}]", self.kv_lora_rank)
         for name in ("block_table", "seq_lens", "q_lens"):
             t = getattr(self, name)
@@ -194,17 +205,21 @@ class DecodeBatch:
         if page_min < 0 or page_max >= kv.shape[0]:
             pages = self.block_table[used]  # the used entries, for the message
             raise _field_error("block_table", f"used entries in [0, {kv.shape[0]}) (kv_cache pages)", pages.tolist())
-        if not (isinstance(self.sm_scale, (int, float)) and math.isfinite(self.sm_scale) and self.sm_scale > 0):
-            raise _field_error("sm_scale", "a finite float > 0", self.sm_scale)
+        if not _fp32_positive(self.sm_scale):
+            raise _field_error("sm_scale", "a float, finite and > 0 in fp32 (kernels scale in fp32)", self.sm_scale)
         for name, tensor in (("q_scale", q), ("kv_scale", kv)):
             scale = getattr(self, name)
             if is_fp8(tensor.dtype):
                 if scale is None:
                     raise _field_error(name, f"a float scale because the input is {tensor.dtype}", None)
-                if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
-                    raise _field_error(name, "a finite float > 0", scale)
+                if not _fp32_positive(scale):
+                    raise _field_error(name, "a float, finite and > 0 in fp32 (kernels scale in fp32)", scale)
             elif scale is not None:
                 raise _field_error(name, f"None because the input is {tensor.dtype}, not fp8", scale)
+        score_scale = self.sm_scale * (self.q_scale or 1.0) * (self.kv_scale or 1.0) * math.log2(math.e)
+        if not _fp32_positive(score_scale):  # the kernels fold it into one fp32 factor of the scores
+            raise _field_error("sm_scale", "sm_scale x q_scale x kv_scale x log2(e) finite and > 0 in fp32",
+                               f"{self.sm_scale} x {self.q_scale} x {self.kv_scale}")
         return self
 
     # ---- what the oracle sees ------------------------------------------------------------------------------

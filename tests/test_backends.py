@@ -134,6 +134,9 @@ def test_emulated_takes_a_batch_of_no_requests():
     out, lse = backends.get_backend("emulated")(none)
     ref_out, ref_lse = mla_decode_ref(none)
     assert out.shape == ref_out.shape and lse.shape == ref_lse.shape and out.numel() == 0
+    rows = none.replace(q=batch.q)  # no requests but q rows: a bad batch (it returned uninitialised rows)
+    with pytest.raises(ValueError, match=r"DecodeBatch\.q_lens:"):
+        backends.get_backend("emulated")(rows)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])

@@ -230,6 +230,15 @@ def good_batch():
         ("kv_scale", lambda b: {"kv_cache": b.kv_cache.to(torch.float8_e4m3fn)}),
         ("kv_scale", lambda b: {"kv_cache": b.kv_cache.to(torch.float8_e4m3fn), "kv_scale": float("nan")}),
         ("q_scale", lambda b: {"q_scale": 2.0}),  # a scale on a non-fp8 input is ambiguous
+        # found by a review: values fine as python floats that the kernels' fp32 scale overflows or flushes
+        ("sm_scale", lambda b: {"sm_scale": 1e39}),
+        ("sm_scale", lambda b: {"sm_scale": True}),
+        ("kv_scale", lambda b: {"kv_cache": b.kv_cache.to(torch.float8_e4m3fn), "kv_scale": 1e39}),
+        ("kv_scale", lambda b: {"kv_cache": b.kv_cache.to(torch.float8_e4m3fn), "kv_scale": 1e-46}),
+        ("sm_scale", lambda b: {"q": b.q.to(torch.float8_e4m3fn), "q_scale": 1e20,  # product above fp32's max
+                                "kv_cache": b.kv_cache.to(torch.float8_e4m3fn), "kv_scale": 1e20}),
+        ("q", lambda b: {"q": b.q[:, :0]}),  # no heads
+        ("kv_lora_rank", lambda b: {"kv_lora_rank": True}),
     ],
 )
 def test_validation_names_the_field(field, change):
@@ -238,6 +247,15 @@ def test_validation_names_the_field(field, change):
         bad.validate()
     with pytest.raises(ValueError, match=rf"DecodeBatch\.{field}:"):
         mla_decode_ref(bad)
+
+
+def test_pages_per_request_does_not_wrap_int32():
+    """ceil(seq_len / page_size) in int64: seq_len 2^31 - 1 on pages of 64 gave -33554432 pages in int32, and
+    validate() then passed a block table of out-of-range ids (found by a review)."""
+    batch = good_batch().replace(seq_lens=torch.tensor([2**31 - 1, 5], dtype=torch.int32))
+    assert batch.pages_per_request.tolist() == [-(-(2**31 - 1) // 4), 2]
+    with pytest.raises(ValueError, match=r"DecodeBatch\.seq_lens:"):
+        batch.validate()
 
 
 def test_unused_block_table_entries_may_hold_garbage():
