@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mla_fast.numerics import KERNEL_NUMERICS, KernelNumerics
+from mla_fast.numerics import HOPPER_PV_PER_TOKEN, KERNEL_NUMERICS, KernelNumerics
 from mla_ref.decode import DecodeBatch, is_fp8
 
 AUTO_ORDER = ("triton", "flashmla", "flashinfer", "aiter", "emulated")  # "auto": our kernel first, ref never
@@ -77,19 +77,21 @@ class Backend:
 
 # ---- declared numerics -------------------------------------------------------------------------------------------
 _F32 = 2**-23  # one chopped fp32 addition per accumulated term (as mla_fast.numerics charges its own kernel)
-_FP8_MMA = 1.1e-3  # Hopper fp8 MMA accumulation, max |err| / Σ|ab| at K = 576, same-sign data (numerics.md §4.2)
-_MAX_TILES = 2**18 // 64  # 64-token KV tiles of the longest request the gammas cover (as mla_fast.numerics)
+_FP8_MMA = 1.0e-2  # Hopper fp8 MMA chain, max |err| / Σ|ab| at K = 576, same sign, no fp32 promotion (numerics.md §4.2)
+_FP8_PV_PER_TOKEN = 7.6e-2 / 4096  # the same at K = 4096 (7.6e-2), per term: an fp8 P.V chain over the tokens
 
 
 def _hopper_16bit(dtype: torch.dtype) -> KernelNumerics:
-    """16-bit MMAs with fp32 accumulation, P rounded to the operand dtype, 64-token KV tiles (FA3, FlashMLA)."""
+    """16-bit MMAs with fp32 accumulation into the running output, P rounded to the operand dtype, 64-token KV tiles
+    (FA3, FlashMLA): charged as mla_fast.numerics charges its own kernel (point 5 there)."""
     return KernelNumerics(
         p_fmt="bf16" if dtype == torch.bfloat16 else "fp16",
         p_scale=1.0,
         qk_operand=dtype,
         pv_operand=dtype,
         gamma_qk=(512 + 64 + 1) * _F32,  # L + R terms + the scale multiply
-        gamma_pv=(64 + _MAX_TILES + 4) * _F32,  # per-tile MMA + running rescale + epilogue
+        gamma_pv=4 * _F32,  # epilogue
+        gamma_pv_per_token=HOPPER_PV_PER_TOKEN + (_F32 + 4 * _F32) / 64,  # MMA into C; per tile rescale, alpha
         out_dtype=dtype,
     )
 
@@ -102,7 +104,8 @@ def _fp8_mma(p_fmt: str, operand: torch.dtype) -> KernelNumerics:
         qk_operand=operand,
         pv_operand=operand,
         gamma_qk=_FP8_MMA,
-        gamma_pv=_FP8_MMA + (_MAX_TILES + 4) * _F32,
+        gamma_pv=4 * _F32,
+        gamma_pv_per_token=_FP8_PV_PER_TOKEN + (_F32 + 4 * _F32) / 64,
         out_dtype=torch.bfloat16,
     )
 
@@ -113,7 +116,8 @@ def _ref_numerics(batch: DecodeBatch) -> KernelNumerics:
 
 def _emulated_numerics(batch: DecodeBatch) -> KernelNumerics:
     # torch fp32 matmuls (round-to-nearest, pairwise or blocked): charged like a chopped fp32 sum, fp32 P
-    return KernelNumerics(None, 1.0, torch.float32, torch.float32, (576 + 1) * _F32, (_MAX_TILES + 64 + 4) * _F32)
+    return KernelNumerics(None, 1.0, torch.float32, torch.float32, (576 + 1) * _F32, 4 * _F32,
+                          gamma_pv_per_token=2 * _F32)  # a chopped fp32 add and rescale per token
 
 
 def _triton_numerics(batch: DecodeBatch) -> KernelNumerics:
@@ -190,8 +194,10 @@ def _run_emulated(batch: DecodeBatch):
 
 
 def _run_triton(batch: DecodeBatch):
-    from mla_fast.triton_decode import decode
+    from mla_fast.triton_decode import decode, fnuz_unsupported
 
+    if reason := fnuz_unsupported(batch):  # a format this platform's Triton cannot compile: no case to check
+        raise Unsupported(reason)
     return decode(batch)
 
 
@@ -203,6 +209,8 @@ def _run_forced(kernel: str) -> Callable[[DecodeBatch], tuple[torch.Tensor, torc
         from mla_fast import triton_decode as td
 
         _, q_len, config = _forced_config(batch, kernel)
+        if reason := td.fnuz_unsupported(batch):
+            raise Unsupported(reason)
         if config is None:
             raise Unsupported(f"default_config has no {kernel} geometry for these dtypes, heads and q_len")
         reason = td.gluon_unsupported(batch, config, q_len * config.head_group)  # launch's check, as Unsupported

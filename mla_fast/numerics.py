@@ -26,10 +26,18 @@ Rounding points of `_mla_decode_kernel` (per query row, per KV tile of BLOCK_N t
    2^-22 term of §5(f). Row sums l in fp32 from unrounded P (with lazy_l one running sum per tile column, each
    rescaled by alpha per tile like the row sum, added up once at the end: another order of the same fp32 sum).
 4. P: rounded to `p_fmt` (bf16 or fp16, no scale: p <= 1) before the P.V MMA.
-5. PV: per tile one MMA over BLOCK_N tokens (charged BLOCK_N * 2^-23, chopped) added into the fp32 running
-   accumulator after its rescale by alpha (2 fp32 roundings per tile, 2^-24 each): over a request of at most
-   MAX_KV_TOKENS tokens, T = MAX_KV_TOKENS / BLOCK_N tiles, gamma_pv = (BLOCK_N + T + 4) * 2^-23 (the 4 covers the
-   final 1/l, kv_scale, and the split merge's weight and division).
+5. PV: per tile one MMA over BLOCK_N tokens whose accumulator operand C is the running output, rescaled by alpha
+   first. A Hopper tensor core aligns each product to the largest exponent among the products and C and truncates
+   it below 2^-25 of that (measured on one H200, forty-first session: 16 products of 1.5 x 2^-25 added onto 1.0 gave
+   4 x 2^-23, not 6 x 2^-23; products of 1.5 x 2^-26 vanished), then rounds the sum into fp32 once per k16
+   instruction: per token at most 2^-25 + 2^-23 / 16 < 2^-24 of the running output, which is <= Σ p|v| in the final
+   units, so the error grows with the request's length: numerics.md §5(f)'s γ = n 2^-24. A chain of 4096 tiles of
+   same-sign products measured 1.62e-3 relative (0.52 x 2^-24 per token). Per tile also: the fp32 rescale of the
+   accumulator (2^-23, chopped) and alpha's ex2 approximation (2^-22), which weights earlier tiles against later
+   ones (charged twice). So gamma_pv_per_token = 2^-24 + (2^-23 + 2^-21) / BLOCK_N, times the request's seq_len,
+   plus gamma_pv = 4 * 2^-23 (the final 1/l, kv_scale, and the split merge's weight and division). (Until the
+   forty-first session the tile's MMA was charged as a sum from zero, BLOCK_N * 2^-23, for requests up to 2^18
+   tokens: a crafted request of 2^18 tokens measured 2.07x that.)
 6. Split merge (reduce kernel): fp32, exact LSE merge in base 2 (numerics.md §3, §5(g): <= 1.1e-5 Σp|v| measured).
 7. Output: bf16, one rounding (the 2^-8 |o| term of §5(f)); lse fp32 natural log.
 
@@ -76,7 +84,7 @@ from dataclasses import dataclass, replace
 import torch
 
 BLOCK_N = 64  # KV tokens per tile in the launcher's configs (mla_fast.triton_decode.default_config)
-MAX_KV_TOKENS = 2**18  # largest request the declared gamma_pv covers (DeepSeek-V3: 163840 tokens)
+HOPPER_PV_PER_TOKEN = 2**-24  # MMA accumulation into the running output, per token (point 5 above)
 _QK_TERMS = 512 + 64 + 1  # L + R additions + the scale multiply, DeepSeek-V3 shapes (smaller L, R: fewer terms)
 
 
@@ -90,7 +98,10 @@ class KernelNumerics:
         qk_operand: dtype the Q.K MMA sees (inputs are exact in it: see module docstring).
         pv_operand: dtype the P.V MMA sees for V (P is `p_fmt`).
         gamma_qk: accumulation error of the scores per unit of σ Σ|q||k| (relative to the exact dot product).
-        gamma_pv: accumulation error of the output per unit of Σ p|v|.
+        gamma_pv: accumulation error of the output per unit of Σ p|v|, the part that does not grow with the
+            request's length.
+        gamma_pv_per_token: the part that does, per KV token of the request (verify.bounds charges
+            gamma_pv + gamma_pv_per_token x seq_len per request).
         out_dtype: dtype of `out` (lse is always fp32, natural log).
         scale_then_round: the kernel multiplies fp8 codes by their per-tensor scale (in fp32) and rounds the product
             to the operand dtype (qk_operand / pv_operand) before the MMAs, instead of folding the scales into the
@@ -108,6 +119,15 @@ class KernelNumerics:
     gamma_pv: float
     out_dtype: torch.dtype = torch.bfloat16
     scale_then_round: bool = False
+    gamma_pv_per_token: float = 0.0
+
+    def __post_init__(self):
+        for name in ("p_scale", "gamma_qk", "gamma_pv", "gamma_pv_per_token"):
+            x = getattr(self, name)
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not x >= 0 or x == float("inf"):
+                raise ValueError(f"KernelNumerics.{name} must be a finite float >= 0, got {x!r}")
+        if self.p_scale <= 0:
+            raise ValueError(f"KernelNumerics.p_scale must be > 0, got {self.p_scale!r}")
 
 
 def triton_numerics(mma: str, block_n: int = BLOCK_N) -> KernelNumerics:
@@ -115,14 +135,14 @@ def triton_numerics(mma: str, block_n: int = BLOCK_N) -> KernelNumerics:
     operand = {"bf16": torch.bfloat16, "fp16": torch.float16}
     if mma not in operand:
         raise ValueError(f"mma must be 'bf16' or 'fp16', got {mma!r}")
-    tiles = MAX_KV_TOKENS // block_n
     return KernelNumerics(
         p_fmt=mma,
         p_scale=1.0,
         qk_operand=operand[mma],
         pv_operand=operand[mma],
         gamma_qk=_QK_TERMS * 2**-23,  # chopped fp32 accumulation over L + R terms, + scale multiply
-        gamma_pv=(block_n + tiles + 4) * 2**-23,  # per-tile MMA + running rescale/add + epilogue
+        gamma_pv=4 * 2**-23,  # epilogue: 1/l, kv_scale, the split merge's weight and division
+        gamma_pv_per_token=HOPPER_PV_PER_TOKEN + (2**-23 + 2**-21) / block_n,  # MMA into C; per tile rescale, alpha
         out_dtype=torch.bfloat16,
     )
 

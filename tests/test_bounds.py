@@ -323,6 +323,47 @@ def test_kernel_bound_scale_then_round():
     assert not reps[False].ok
 
 
+def test_per_token_pv_charge_follows_each_requests_length():
+    """gamma_pv_per_token is charged times each request's own seq_len (the P.V accumulation into the running output
+    grows with the request, mla_fast/numerics.py point 5): the same as a fixed gamma_pv of that product, request by
+    request, and a longer request gets the larger bound."""
+    import dataclasses
+
+    batch = _bf16_batch("gauss1", seq=(37, 300), q_lens=(1, 1))
+    base = _fp32_numerics(batch)
+    g = 2**-24
+    per_token = kernel_bound(batch, dataclasses.replace(base, gamma_pv_per_token=g))
+    for b, n in enumerate((37, 300)):
+        fixed = kernel_bound(batch, dataclasses.replace(base, gamma_pv=base.gamma_pv + g * n))
+        assert torch.equal(per_token.out[b], fixed.out[b]) and torch.equal(per_token.lse[b], fixed.lse[b]), b
+    plain = kernel_bound(batch, base)
+    grown = (per_token.out - plain.out).abs() / plain.out.abs().clamp_min(1e-300)  # [T, H, L] relative growth
+    assert (per_token.out >= plain.out).all() and grown[1].max() > grown[0].max()
+
+
+@pytest.mark.parametrize("field, value", [("gamma_pv", -1e-3), ("gamma_qk", float("nan")), ("p_scale", 0.0),
+                                          ("gamma_pv_per_token", float("inf")), ("gamma_pv", True)])
+def test_kernel_numerics_refuses_bad_values(field, value):
+    import dataclasses
+
+    with pytest.raises(ValueError, match=f"KernelNumerics.{field}"):
+        dataclasses.replace(_fp32_numerics(_bf16_batch("gauss1")), **{field: value})
+
+
+def test_declared_pv_charge_covers_the_hopper_truncation_model():
+    """The Triton kernel's declared P.V charge per token covers the model its docstring derives: each product
+    truncated below 2^-25 of the running sum, one fp32 rounding (2^-23) per k16 instruction; and the old fixed
+    charge (one 64-token MMA from zero per tile, for requests up to 2^18 tokens) did not at 2^18 tokens."""
+    from mla_fast.numerics import HOPPER_PV_PER_TOKEN, triton_numerics
+
+    model = 2**-25 + 2**-23 / 16  # per token, relative to the running output (<= Σ p|v|)
+    for mma in ("bf16", "fp16"):
+        declared = triton_numerics(mma)
+        assert declared.gamma_pv_per_token >= HOPPER_PV_PER_TOKEN > model
+    old_fixed = (64 + 2**18 // 64 + 4) * 2**-23
+    assert model * 2**18 > old_fixed  # what the review found: 2.07x on one H200
+
+
 def test_spread_equals_max_minus_min_over_each_rows_tokens():
     """_spread (a max over the shared prefix, running max after it) = max - min over each row's own prefix, for
     requests of different lengths and query lengths (MTP diagonal, q_len > seq_len) on one zero-padded grid."""

@@ -851,3 +851,67 @@ def test_gluon_fp8_bench_grid_within_kernel_bound(shape, combo):
 def test_gluon_fp8_deterministic_and_graph_replay_equals_eager(index, lens_list):
     case = GLUON_FP8_CASES[index]
     _check_10_runs_and_graph_replays(case, _gluon_fp8(case.heads, max(case.q_lens), case.combo), lens_list)
+
+
+def test_mma_accumulating_into_its_output_truncates_small_products():
+    """The hardware fact behind numerics.HOPPER_PV_PER_TOKEN (mla_fast/numerics.py, point 5): an MMA whose
+    accumulator operand C is the running sum truncates each product below 2^-25 of the largest magnitude among the
+    products and C, so 16 products of 1.5 x 2^-25 added onto 1.0 give 4 x 2^-23, not 6 x 2^-23 (round to nearest
+    would give 6), and the loss per product stays below 2^-24 of the sum (the declared charge per token)."""
+    import triton
+    import triton.language as tl
+
+    from mla_fast.numerics import HOPPER_PV_PER_TOKEN
+
+    @triton.jit
+    def mma_onto(A, B, C, O, M: tl.constexpr):
+        m, n = tl.arange(0, M), tl.arange(0, 16)  # rows; columns (also the 16 products of each sum)
+        c = tl.load(C + m[:, None] * 16 + n[None, :])
+        c = tl.dot(tl.load(A + m[:, None] * 16 + n[None, :]), tl.load(B + n[:, None] * 16 + n[None, :]), c)
+        tl.store(O + m[:, None] * 16 + n[None, :], c)
+
+    M, x = 64, 1.5 * 2**-25  # x is exact in bf16
+    a = torch.full((M, 16), x, dtype=torch.bfloat16, device="cuda")  # [M, 16] 16 products per output
+    b = torch.zeros(16, 16, dtype=torch.bfloat16, device="cuda")
+    b[:, 0] = 1  # [16, 16] column 0 sums the row of a
+    c = torch.ones(M, 16, dtype=torch.float32, device="cuda")
+    o = torch.empty_like(c)
+    mma_onto[(1,)](a, b, c, o, M=M, num_warps=4)
+    gained = (o[:, 0].double() - 1) / 2**-23  # [M] in fp32 units at 1.0
+    assert torch.all(gained == 4), gained.unique()  # each product truncated to 2^-25 (16 x 2^-25 = 4 x 2^-23)
+    lost_per_product = (16 * x - gained[0].item() * 2**-23) / 16  # of a running sum of 1.0
+    assert 0 < lost_per_product <= HOPPER_PV_PER_TOKEN
+
+
+@pytest.mark.parametrize("combo", ["bf16", "fp8kv"])
+def test_long_same_sign_accumulation_within_kernel_bound(combo):
+    """A 2^18-token request whose output cancels (V = +1 on 16/17 of the tokens, -16 on the rest, equal scores), so
+    the P.V accumulation error, which grows with the length (every product truncated against the running output),
+    is most of the error: within the kernel bound, unsplit (one worker) and as decode plans it. Measured on one H200
+    (forty-first session, fp8kv): err / Σp|v| 1.03e-3, 2.07x the charge of the old fixed gamma_pv, which counted one
+    64-token MMA from zero per tile."""
+    from mla_fast import triton_decode as td
+    from mla_ref.decode import make_decode_batch, mla_decode_ref
+    from verify.bounds import kernel_bound, merge_bound
+
+    N, L, D = 2**18, 512, 576
+    n_neg = (N - 4) // 17
+    kv = torch.zeros(N, D)
+    kv[: N - n_neg, :L], kv[N - n_neg:, :L] = 1.0, -16.0  # [N, D] V: exact in bf16 and e4m3fn
+    kv[:, L] = 1.0  # k_pe channel 0: every score equal but the first token's
+    kv[0, L] = 1.125
+    q = torch.zeros(1, 16, D)
+    q[:, :, L] = 7.0e-4 / (0.1352338 * 1.4426950408889634 * 0.125)  # [1, 16, D] scores ~1e-3 apart at most
+    cache = kv.bfloat16() if combo == "bf16" else kv.to(torch.float8_e4m3fn)
+    batch = make_decode_batch(q.bfloat16(), [cache], sm_scale=0.1352338, kv_lora_rank=L, page_size=64,
+                              generator=torch.Generator().manual_seed(0),
+                              kv_scale=None if combo == "bf16" else 1.0).to("cuda")
+    ref = mla_decode_ref(batch)
+    for num_workers in (1, None):
+        config = td.batch_config(batch, 1)
+        out, lse = td.decode(batch, config=config, num_workers=num_workers)
+        numerics = td.kernel_numerics(config, td.dtype_combo(batch.q.dtype, batch.kv_cache.dtype))
+        bound = kernel_bound(batch, numerics, ref=ref) + merge_bound(batch, -(-N // 64))
+        ratio = float(((out.double() - ref[0]).abs() / bound.out).max())
+        lse_ratio = float(((lse.double() - ref[1]).abs() / bound.lse).max())
+        assert ratio <= 1.0 and lse_ratio <= 1.0, (num_workers, config.kernel, ratio, lse_ratio)

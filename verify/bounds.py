@@ -391,10 +391,12 @@ def _kernel_grid(bucket: Bucket, numerics, ref: tuple[torch.Tensor, torch.Tensor
     ).expand_as(A)  # [B, N, H, S] 0 when every operand value is exact or normal (η_q = η_k = 0)
     score_abs = (1 + numerics.gamma_qk) * sigma * _masked_max(per_token, mask)  # [B, N, H]
     o = grid.pad(ref[0].to(F64)) if ref is not None else torch.einsum("bnhs,bsc->bnhc", st.p, V)  # [B, N, H, L] ô
+    seq = batch.seq_lens.to(device=u_v.device, dtype=F64)  # [B] tokens each request's accumulation runs over
     kw = dict(
         common,
         gamma_qk=(1 + u_q) * (1 + u_k) * (1 + numerics.gamma_qk) - 1,  # [B] rounded operands, then accumulation
-        gamma_pv=(1 + u_v) * (1 + numerics.gamma_pv) - 1,  # [B] V operand rounding, then accumulation
+        gamma_pv=(1 + u_v) * (1 + numerics.gamma_pv + numerics.gamma_pv_per_token * seq) - 1,  # [B] V operand
+        # rounding, then accumulation, part of it growing with the request's length
         score_abs=score_abs,
         eta_v=eta_v,  # [B]
     )
@@ -408,7 +410,8 @@ def kernel_bound(batch: DecodeBatch, numerics, *, ref: tuple[torch.Tensor, torch
     Read from ``numerics``: p_fmt / p_scale (u_P, η_P = η(p_fmt) / p_scale + 2^-126 for flushed fp32 P);
     qk_operand and pv_operand (operand rounding u|x| + η, η = half the format's min subnormal: 0 when the values the
     MMAs see are exact in them; P rounds once more when pv_operand is coarser than p_fmt); scale_then_round (the
-    MMAs see code · scale rounded to the operand dtype, not the codes); gamma_qk, gamma_pv; out_dtype (u_out).
+    MMAs see code · scale rounded to the operand dtype, not the codes); gamma_qk, gamma_pv + gamma_pv_per_token x
+    seq_len (per request); out_dtype (u_out).
     Derivation in ``_kernel_grid`` and ``_rounding_bound``. Assumes the row sum l is accumulated from
     unrounded P (vLLM FlashMLA, mla_fast): a kernel that sums the rounded P needs another (u_P + η_P/l̂)·|ô| term.
     The fp32 split-KV merge is not included: add ``merge_bound`` for split kernels.
