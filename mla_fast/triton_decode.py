@@ -1242,9 +1242,21 @@ def _scale_tensor(scale, device: torch.device) -> torch.Tensor:
     return torch.full((1,), float(scale), dtype=torch.float32, device=device)
 
 
+def fnuz_unsupported(batch) -> str | None:
+    """Why the kernels cannot take the batch's e4m3fnuz q or cache here, or None: Triton compiles e4m3fnuz
+    (fp8e4b8) for AMD CDNA3 only; CUDA devices and Triton 3.6's interpreter refuse the type."""
+    if torch.version.hip is None:
+        for name in ("q", "kv_cache"):
+            if getattr(batch, name).dtype == torch.float8_e4m3fnuz:
+                return f"{name}: e4m3fnuz runs on ROCm only (Triton's fp8e4b8), not on CUDA or the interpreter"
+    return None
+
+
 def check_batch(batch) -> None:
     """Raise ValueError naming the field when the kernel cannot take `batch`."""
     dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
+    if reason := fnuz_unsupported(batch):
+        raise ValueError(reason)
     L, D = batch.kv_lora_rank, batch.q.shape[-1]
     R = D - L
     for name, n in (("kv_lora_rank", L), ("rope_dim", R)):

@@ -646,6 +646,23 @@ def test_decode_refuses_strided_inputs_and_bad_output_buffers():
             td.decode(batch, **{"out": good_out, "lse": good_lse, **kw})
 
 
+def test_e4m3fnuz_is_refused_off_rocm():
+    """Triton compiles e4m3fnuz for AMD CDNA3 only: on CUDA and in the interpreter decode says so (ValueError naming
+    the tensor) and the triton backend makes the case unsupported (a verifier campaign reported it as a contract
+    failure; found by a review)."""
+    td = pytest.importorskip("mla_fast.triton_decode")
+    from mla_fast.backends import BACKENDS, Unsupported
+
+    batch = TritonCase((40, 5), (1, 1), page_size=16, combo="fp8kv").batch()
+    fnuz = batch.replace(kv_cache=batch.kv_cache.view(torch.uint8).clamp(max=0x77).view(torch.float8_e4m3fn)
+                         .float().to(torch.float8_e4m3fnuz))  # finite codes, exact in e4m3fnuz
+    with pytest.raises(ValueError, match="kv_cache: e4m3fnuz runs on ROCm only"):
+        td.decode(fnuz)
+    for name in ("triton", "seesaw", "gluon_fp8"):
+        with pytest.raises(Unsupported, match="e4m3fnuz runs on ROCm only"):
+            BACKENDS[name].run(fnuz)  # refused before any launch (this process does not interpret)
+
+
 def test_graph_step_refuses_misuse():
     """TritonMLADecode: run() before plan() read uninitialised plan buffers, plan() with another batch planned it
     while run() read the step's own, and q_lens above max_q_len left rows unwritten (found by a review)."""
