@@ -90,7 +90,10 @@ def test_help_lists_every_flag(capsys):
 @pytest.mark.parametrize(
     "argv", [["--bogus"], ["--dtype", "fp4"], ["--cases", "0"], ["--impl", "nocolon"], ["--impl", "no_such_pkg.x:f"],
              ["--impl", "tests.test_cli:not_callable"], ["--impl", "verify.mutants:no_such_fn"],
-             ["--case", "{not json"], ["--case", '{"heads": 0}'], ["--device", "nonsense"]],
+             ["--case", "{not json"], ["--case", '{"heads": 0}'], ["--device", "nonsense"],
+             # found by a review: checked before the campaign (it ran, then lost its report, exit 1)
+             ["--json", "/no/such/folder/report.json"], ["--plot", "/no/such/folder/p.png"], ["--json", "/tmp"],
+             ["--max-seq-len", str(2**18 + 1)]],
 )
 def test_bad_usage_exits_2_with_one_line(capsys, argv):
     code, out, err = run(capsys, *argv)

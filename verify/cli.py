@@ -90,6 +90,29 @@ def _positive_int(text: str) -> int:
     return value
 
 
+MAX_SEQ_LEN = 2**18  # longest --max-seq-len (DeepSeek-V3 serves 163840 tokens): the fp64 oracle and bounds of such a
+# case hold a few GB; far longer ones fail to allocate, which a campaign would report as a failed case
+
+
+def _seq_len(text: str) -> int:
+    value = _positive_int(text)
+    if value > MAX_SEQ_LEN:
+        raise argparse.ArgumentTypeError(f"expected an integer <= {MAX_SEQ_LEN}, got {value}")
+    return value
+
+
+def _writable(path: str) -> str | None:
+    """Why `path` cannot be written (its folder is missing or read-only, or it is a folder), or None."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"{path} is a folder"
+    if not os.path.isdir(folder):
+        return f"folder {folder} does not exist"
+    if not os.access(folder, os.W_OK):
+        return f"folder {folder} is not writable"
+    return None
+
+
 def _positive_seconds(text: str) -> float:
     try:
         value = float(text)
@@ -121,8 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cases", type=_positive_int, metavar="N",
                    help="cases to run, smoke prefix included (default: 200, or 2000 with --profile search)")
     p.add_argument("--seed", type=int, help="Hypothesis seed (default 0 for ci, random for dev/search)")
-    p.add_argument("--max-seq-len", type=_positive_int, default=4096, metavar="N",
-                   help="longest KV sequence drawn (default 4096)")
+    p.add_argument("--max-seq-len", type=_seq_len, default=4096, metavar="N",
+                   help=f"longest KV sequence drawn (default 4096, at most {MAX_SEQ_LEN})")
     p.add_argument("--heads", type=_positive_int, metavar="H", help="fix the number of query heads (default drawn)")
     p.add_argument("--page-size", type=_positive_int, metavar="P", help="fix the page size (default drawn)")
     p.add_argument("--profile", choices=tuple(DEFAULT_CASES), default="ci", help="case generation profile (below)")
@@ -563,6 +586,9 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"mla-verify: error: {msg}", markup=False, highlight=False)
         return EXIT_USAGE
 
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):  # before the campaign, not after it
+        if path is not None and path != "-" and (why := _writable(path)):
+            return usage(f"{flag}: cannot write {path}: {why}")
     if args.plot:  # before the campaign, not after it
         try:
             import matplotlib  # noqa: F401
