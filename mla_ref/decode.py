@@ -569,8 +569,18 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor
         lses: [S, ...] per-split natural-log LSEs; an empty split has lse = -inf (its out is ignored).
     Returns:
         (out [..., L], lse [...]): M = max_S L_S, L = M + ln Σ_S exp(L_S − M), O = Σ_S exp(L_S − L) O_S;
-        all splits empty gives out 0, lse -inf.
+        all splits empty gives out 0, lse -inf. Only an empty split's out is ignored: a NaN in the out of a split
+        that saw tokens gives NaN, however small its weight.
+    Raises:
+        ValueError naming outs or lses: not floating tensors, no split, or shapes that are not [S, ..., L] and
+        [S, ...] with the same leading dims.
     """
+    for name, t in (("outs", outs), ("lses", lses)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise ValueError(f"merge_partials: {name} must be a floating tensor, got {_describe(t)}")
+    if outs.dim() < 2 or outs.shape[0] < 1 or tuple(lses.shape) != tuple(outs.shape[:-1]):
+        raise ValueError(f"merge_partials: outs must be [S >= 1, ..., L] and lses [S, ...] (outs' shape without L), "
+                         f"got outs {tuple(outs.shape)} and lses {tuple(lses.shape)}")
     M = lses.amax(dim=0)  # [...]
     empty = torch.isneginf(M)  # [...] no split saw a token
     M_safe = torch.where(empty, 0.0, M)  # [...]
@@ -578,5 +588,6 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor
     total = w.sum(dim=0)  # [...]
     lse = torch.where(empty, -math.inf, M_safe + torch.log(total))  # [...]
     weights = torch.where(empty, 0.0, w / torch.where(empty, 1.0, total))  # [S, ...]
-    safe_outs = torch.where(weights[..., None] > 0, outs, 0.0)  # [S, ..., L] an empty split's out is never read
+    safe_outs = torch.where(torch.isneginf(lses)[..., None], 0.0, outs)  # [S, ..., L] an empty split's out is never
+    # read; one that saw tokens is, even where its weight underflows to 0 (0 x NaN = NaN)
     return (weights[..., None] * safe_outs).sum(dim=0), lse

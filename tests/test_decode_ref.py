@@ -173,6 +173,27 @@ def test_merge_of_all_empty_is_zero_and_neg_inf():
     assert (o == 0).all() and torch.isneginf(l).all()
 
 
+def test_merge_propagates_a_nan_split_whose_weight_underflows():
+    """A split that saw tokens but holds NaN makes the merge NaN even where its weight exp(lse - L) underflows to 0
+    (it was dropped: out finite, as if the NaN input were never read; found by a review). An empty split (lse -inf)
+    is still ignored, NaN out or not."""
+    outs = torch.tensor([[[1.0, 2.0]], [[float("nan"), 0.0]], [[float("nan"), float("nan")]]])  # [S=3, 1, L=2]
+    lses = torch.tensor([[0.0], [-1000.0], [-math.inf]])  # [3, 1]: split 1's weight e^-1000 underflows
+    o, l = merge_partials(outs, lses)
+    assert torch.isnan(o[0, 0]) and o[0, 1] == 2.0 and l[0] == 0.0
+
+
+@pytest.mark.parametrize("outs, lses, match", [
+    (torch.zeros(2, 3, 4), torch.zeros(2, 1), "outs must be"),  # lses would broadcast
+    (torch.zeros(0, 3, 4), torch.zeros(0, 3), "outs must be"),  # no split
+    (torch.zeros(2, 3, 4, dtype=torch.int32), torch.zeros(2, 3), "outs must be a floating tensor"),
+    (torch.zeros(2, 3, 4), [0.0, 0.0], "lses must be a floating tensor"),
+])
+def test_merge_partials_refuses_bad_shapes(outs, lses, match):
+    with pytest.raises(ValueError, match=match):
+        merge_partials(outs, lses)
+
+
 def test_fp8_inputs_are_dequantized_with_their_scales():
     case = DenseCase(seq_lens=(5, 9), q_lens=(1, 2), heads=2, page_size=4, L=32, R=16, seed=3)
     q, kvs, g = dense_inputs(case)
