@@ -173,6 +173,14 @@ def test_quantization_bounds_validate_the_pair():
         quantization_bounds(batch_q, _fp8_pair("gauss1", seq=(5, 8), q_lens=(1, 1))[1])
     with pytest.raises(ValueError, match="sm_scale"):
         quantization_bounds(batch_q, batch_exact.replace(sm_scale=0.5))
+    out, lse = mla_decode_ref(batch_exact)
+    for bad in [(out[:1], lse), (out, lse[:, :1]), (out,), "out"]:  # lse [T, 1] broadcast silently
+        with pytest.raises(ValueError, match="ref_exact: expected"):
+            quantization_bounds(batch_q, batch_exact, ref_exact=bad)
+    with pytest.raises(ValueError, match="ref: expected"):
+        kernel_bound(batch_exact, _fp32_numerics(batch_exact), ref=(out, lse[:, :1]))
+    with pytest.raises(ValueError, match="numerics: expected a mla_fast.numerics.KernelNumerics"):
+        kernel_bound(batch_exact, None)
 
 
 # ---- (2) soundness of the kernel bound: fp32 emulation with P rounded as declared ---------------------------------

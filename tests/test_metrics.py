@@ -186,3 +186,5 @@ def test_compare_rejects_bad_input():
         compare(x, torch.zeros(3, 2))
     with pytest.raises(ValueError, match="bound"):
         compare(x, x.double(), bound=-1.0)
+    with pytest.raises(ValueError, match=r"bound: expected a float or a tensor broadcastable to \(2, 3\)"):
+        compare(x, x.double(), bound=torch.ones(3, 2))  # was a RuntimeError from expand (found by a review)

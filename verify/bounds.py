@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mla_fast.numerics import KernelNumerics
 from mla_ref.decode import Bucket, DecodeBatch, RequestGrid, by_bucket, is_fp8
 from mla_ref.fp8 import fp8_format
 
@@ -320,8 +321,8 @@ def _fp64_slack(st: _Softmax, A_max: torch.Tensor, V: torch.Tensor, o: torch.Ten
 
 def _check_numerics(batch: DecodeBatch, numerics) -> None:
     batch.validate()
-    if not (math.isfinite(numerics.p_scale) and numerics.p_scale > 0):
-        raise ValueError(f"numerics.p_scale: expected a finite float > 0, got {numerics.p_scale}")
+    if not isinstance(numerics, KernelNumerics):  # KernelNumerics checks its own values
+        raise ValueError(f"numerics: expected a mla_fast.numerics.KernelNumerics, got {type(numerics).__name__}")
 
 
 def _q_operand(batch: DecodeBatch, numerics):
@@ -403,6 +404,18 @@ def _kernel_grid(bucket: Bucket, numerics, ref: tuple[torch.Tensor, torch.Tensor
     return st, _masked_max(A, mask), V, o, kw
 
 
+def _check_ref(batch: DecodeBatch, ref, name: str) -> None:
+    """ValueError naming `name` unless ref is None or (out [T, H, L], lse [T, H]) of the batch."""
+    T, H, L = batch.num_tokens, batch.num_heads, batch.kv_lora_rank
+    if ref is None:
+        return
+    if (not isinstance(ref, (tuple, list)) or len(ref) != 2 or not all(isinstance(r, torch.Tensor) for r in ref)
+            or tuple(ref[0].shape) != (T, H, L) or tuple(ref[1].shape) != (T, H)):
+        got = [tuple(r.shape) if isinstance(r, torch.Tensor) else type(r).__name__ for r in ref] \
+            if isinstance(ref, (tuple, list)) else type(ref).__name__
+        raise ValueError(f"{name}: expected (out [{T}, {H}, {L}], lse [{T}, {H}]) of mla_decode_ref, got {got}")
+
+
 def kernel_bound(batch: DecodeBatch, numerics, *, ref: tuple[torch.Tensor, torch.Tensor] | None = None) -> Bound:
     """Tier-1 bound (numerics.md §5(f)): |kernel(batch) - mla_decode_ref(batch)| elementwise, both on the same
     (dequantized) inputs, for a kernel that rounds as ``numerics`` (an ``mla_fast.numerics.KernelNumerics``) says.
@@ -423,9 +436,8 @@ def kernel_bound(batch: DecodeBatch, numerics, *, ref: tuple[torch.Tensor, torch
         Bound(out [T, H, L], lse [T, H]) in fp64.
     """
     _check_numerics(batch, numerics)
-    L, D, H, T = batch.kv_lora_rank, batch.head_dim, batch.num_heads, batch.num_tokens
-    if ref is not None and (tuple(ref[0].shape) != (T, H, L) or tuple(ref[1].shape) != (T, H)):
-        raise ValueError(f"ref: expected (out [{T}, {H}, {L}], lse [{T}, {H}]), got {[tuple(r.shape) for r in ref]}")
+    _check_ref(batch, ref, "ref")
+    D = batch.head_dim
     q_operand = _q_operand(batch, numerics)  # batch-wide
 
     def bucket_bound(bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
@@ -597,6 +609,7 @@ def quantization_bounds(
         ref_exact: (out, lse) of ``mla_decode_ref(batch_exact)`` if already computed: p is then exp(s - lse).
     """
     _check_pair(batch_q, batch_exact)
+    _check_ref(batch_exact, ref_exact, "ref_exact")
     saturated = []  # [] int64 per bucket
     parts = by_bucket(batch_q.buckets(), lambda bucket: _quant_bucket(bucket, batch_exact, ref_exact, saturated))
     return QuantBounds(*parts, saturated=int(sum(saturated)))

@@ -284,7 +284,12 @@ def compare(
     a, e = actual.double().flatten(), expected.to(actual.device).double().flatten()  # [N] fp64
     b = None
     if bound is not None:
-        b = torch.as_tensor(bound, dtype=torch.float64, device=a.device).expand(shape).flatten()  # [N]
+        b = torch.as_tensor(bound, dtype=torch.float64, device=a.device)
+        try:
+            b = b.expand(shape).flatten()  # [N]
+        except RuntimeError:
+            raise ValueError(f"bound: expected a float or a tensor broadcastable to {shape}, got shape "
+                             f"{tuple(b.shape)}") from None
     if a.numel() == 0:
         return _empty_report(name, shape, b, out_dtype)
 
