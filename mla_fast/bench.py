@@ -685,8 +685,10 @@ def main(argv=None) -> None:
     dtypes = args.dtypes.split(",")
     if not dtypes or set(dtypes) - set(COMBOS):
         parser.error(f"--dtypes must be a comma list of {list(COMBOS)}, got {args.dtypes!r}")
-    if any(len(shape) != 3 for shape in args.shapes):
-        parser.error(f"--shapes must be b,s,h triples separated by ';', got {args.shapes}")
+    if not args.shapes or any(len(shape) != 3 or min(shape) < 1 for shape in args.shapes):
+        parser.error(f"--shapes must be b,s,h triples of ints >= 1 separated by ';', got {args.shapes}")
+    if args.precompile < 0:
+        parser.error(f"--precompile must be >= 0, got {args.precompile}")
     if not torch.cuda.is_available():
         raise SystemExit("mla-bench needs a CUDA GPU")
     t0 = time.time()

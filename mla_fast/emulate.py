@@ -51,11 +51,14 @@ CHUNK_TOKENS = 8192  # padded KV tokens (or reduce rows x splits) per batched st
 def run_plan_reference(
     batch: DecodeBatch, plan: WorkPlan, dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Execute ``plan`` on ``batch`` with torch ops in ``dtype``, then reduce through the plan's reduce map.
+    """Execute ``plan`` on ``batch`` with torch ops in ``dtype`` (fp32 or fp64), then reduce through the plan's
+    reduce map.
 
     Returns:
         out [T, H, L] and lse [T, H] (natural log, sm_scale included), both in ``dtype``.
     """
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"dtype must be torch.float32 or torch.float64 (the emulation's arithmetic), got {dtype}")
     batch.validate()
     check_plan(plan, batch.seq_lens, batch.q_lens, batch.num_heads)
     device, L, H = batch.device, batch.kv_lora_rank, batch.num_heads

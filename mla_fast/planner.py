@@ -279,10 +279,12 @@ def check_plan(plan: WorkPlan, seq_lens: torch.Tensor, q_lens: torch.Tensor, num
     """Raise ValueError when `plan` was not made for these lengths and heads: a plan for other lengths (e.g. the
     previous step's) would drop or invent KV tokens without an error. seq_lens, q_lens: int tensors [B] (read on the
     host: one sync for the batch's device tensors, one for the plan's)."""
+    if not isinstance(plan, WorkPlan):
+        raise ValueError(f"plan must be a WorkPlan (planner.plan_decode), got {type(plan).__name__}")
     if plan.num_heads != num_heads:
         raise ValueError(f"plan.num_heads must equal the batch's num_heads ({num_heads}), got {plan.num_heads}")
     got = torch.stack([plan.seq_lens, plan.q_lens]).long().cpu()  # [2, B_plan]
-    want = torch.stack([seq_lens, q_lens]).long().cpu()  # [2, B]
+    want = torch.stack([_as_lengths(seq_lens, "seq_lens"), _as_lengths(q_lens, "q_lens")]).long().cpu()  # [2, B]
     for i, name in enumerate(("seq_lens", "q_lens")):
         if not torch.equal(got[i], want[i]):
             raise ValueError(f"plan.{name} must equal the batch's {name} {want[i].tolist()}, got {got[i].tolist()}")

@@ -71,12 +71,15 @@ class MLAConfig:
     rms_norm_eps: float = 1e-6
 
     def __post_init__(self):
+        def is_int(x) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
         for name in ("hidden_size", "num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"MLAConfig.{name} must be > 0, got {getattr(self, name)}")
-        if self.q_lora_rank is not None and self.q_lora_rank <= 0:
-            raise ValueError(f"MLAConfig.q_lora_rank must be None or > 0, got {self.q_lora_rank}")
-        if self.qk_rope_head_dim <= 0 or self.qk_rope_head_dim % 2:
+            if not is_int(getattr(self, name)) or getattr(self, name) <= 0:
+                raise ValueError(f"MLAConfig.{name} must be an int > 0, got {getattr(self, name)!r}")
+        if self.q_lora_rank is not None and (not is_int(self.q_lora_rank) or self.q_lora_rank <= 0):
+            raise ValueError(f"MLAConfig.q_lora_rank must be None or an int > 0, got {self.q_lora_rank!r}")
+        if not is_int(self.qk_rope_head_dim) or self.qk_rope_head_dim <= 0 or self.qk_rope_head_dim % 2:
             raise ValueError(f"MLAConfig.qk_rope_head_dim must be even and > 0, got {self.qk_rope_head_dim}")
         if not self.rope_theta > 1:
             raise ValueError(f"MLAConfig.rope_theta must be > 1, got {self.rope_theta}")

@@ -226,7 +226,8 @@ def round_p(p: torch.Tensor, fmt=None, p_scale: float = 1.0) -> torch.Tensor:
                 f"fmt must be None, one of {sorted(_WIDE_FORMATS)} or {sorted(FORMATS)}, got {fmt!r}"
             ) from None
         mantissa_bits, emin, max_value = f.mantissa_bits, f.emin, f.max
-    if not (math.isfinite(p_scale) and p_scale > 0):
-        raise ValueError(f"p_scale must be finite and > 0, got {p_scale!r}")
+    if isinstance(p_scale, bool) or not isinstance(p_scale, (int, float)) or not (math.isfinite(p_scale)
+                                                                                  and p_scale > 0):
+        raise ValueError(f"p_scale must be a float, finite and > 0, got {p_scale!r}")
     y = _round_rne(p.double() * p_scale, mantissa_bits, emin, max_value)  # [...] fp64 on fmt's grid
     return (y / p_scale).to(p.dtype)

@@ -177,7 +177,9 @@ def test_bench_usage_errors_come_before_any_cuda_work(capsys):
     first rows (found by a review: a traceback there)."""
     for argv, words in [(["--dtypes", "bf16,fp16"], "--dtypes must be"), (["--dtypes", "bf16,"], "--dtypes must be"),
                         (["--shapes", "1,8192"], "--shapes must be"),
-                        (["--shapes", "1,8192,16,2"], "--shapes must be")]:
+                        (["--shapes", "1,8192,16,2"], "--shapes must be"),
+                        (["--shapes", "0,-5,16"], "--shapes must be"), (["--shapes", ";;"], "--shapes must be"),
+                        (["--precompile", "-3"], "--precompile must be")]:
         with pytest.raises(SystemExit) as exit_info:
             bench.main(argv)
         assert exit_info.value.code == 2 and words in capsys.readouterr().err, argv

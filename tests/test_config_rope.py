@@ -95,6 +95,9 @@ def test_config_rejects_bad_fields():
         dataclasses.replace(v3, qk_rope_head_dim=63)
     with pytest.raises(ValueError, match="q_lora_rank"):
         dataclasses.replace(v3, q_lora_rank=0)
+    for field, value in [("num_heads", 2.5), ("kv_lora_rank", True), ("q_lora_rank", 1536.0)]:  # found by a review
+        with pytest.raises(ValueError, match=f"MLAConfig.{field}"):
+            dataclasses.replace(v3, **{field: value})
     with pytest.raises(ValueError, match="beta"):
         YaRN(factor=40.0, original_max_position_embeddings=4096, beta_fast=1.0, beta_slow=32.0)
     for field, value in [("factor", math.inf), ("original_max_position_embeddings", 4096.0),

@@ -232,3 +232,23 @@ def test_plan_for_another_batch_is_rejected():
     plan = plan_decode(batch.seq_lens, batch.q_lens, 32, 4)
     with pytest.raises(ValueError, match="num_heads"):
         run_plan_reference(batch, plan)
+
+
+def test_bad_arguments_name_the_field():
+    """Found by a review: an int or fp8 dtype failed inside torch, check_plan given lists raised TypeError, a
+    non-plan AttributeError, round_p a string p_scale TypeError."""
+    from mla_fast.planner import check_plan
+    from mla_ref.fp8 import round_p
+
+    batch = build_batch((10, 20), (1, 1), 16, 16, seed=4)
+    plan = plan_decode(batch.seq_lens, batch.q_lens, 16, 4)
+    for dtype in (torch.int32, torch.float8_e4m3fn, torch.bfloat16):
+        with pytest.raises(ValueError, match="dtype must be torch.float32 or torch.float64"):
+            run_plan_reference(batch, plan, dtype)
+    check_plan(plan, [10, 20], [1, 1], 16)  # lists are lengths too
+    with pytest.raises(ValueError, match=r"plan\.seq_lens must equal"):
+        check_plan(plan, [10, 21], [1, 1], 16)
+    with pytest.raises(ValueError, match="plan must be a WorkPlan"):
+        check_plan(None, batch.seq_lens, batch.q_lens, 16)
+    with pytest.raises(ValueError, match="p_scale must be a float"):
+        round_p(torch.ones(2), "bf16", p_scale="2")
