@@ -120,8 +120,10 @@ def _mma_operand(x, MMA: tl.constexpr, UPCAST_BF16: tl.constexpr):
     """Cast a tile to the dtype the MMA sees; fp32 instead of bf16 in the interpreter (its bf16 dot is wrong), and
     there e4m3fn NaN codes made NaN explicitly (its cast reads 0x7F / 0xFF as +-480)."""
     if MMA == "bf16":
-        if UPCAST_BF16:
-            x = x.to(tl.float32)  # bf16 values are exact in fp32: same products, fp32 sums
+        if UPCAST_BF16:  # bf16 values are exact in fp32: same products, fp32 sums
+            if x.dtype == tl.float32:  # P: rounded to bf16 as on the device (the interpreter's cast truncates)
+                x = _round_to_bf16(x)
+            x = x.to(tl.float32)
         else:
             x = x.to(tl.bfloat16)
     elif MMA == "fp16":
@@ -142,10 +144,17 @@ def _to_out(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
     lowest kept bit, then clearing the 16 dropped bits, is round-to-nearest-even for finite x; the cast is then exact.
     """
     if INTERPRET and DTYPE == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-        x = bits.to(tl.float32, bitcast=True)
+        x = _round_to_bf16(x)
     return x.to(DTYPE)
+
+
+@triton.jit
+def _round_to_bf16(x):
+    """fp32 x rounded to the nearest bf16, ties to even, kept in fp32 (finite x; the interpreter's paths, whose
+    fp32 -> bf16 cast truncates): add 0x7FFF plus the lowest kept bit, then clear the 16 dropped bits."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -1279,15 +1288,16 @@ def check_batch(batch) -> None:
 
 def check_outputs(batch, out: torch.Tensor, lse: torch.Tensor) -> None:
     """Raise ValueError naming `out` or `lse` when a preallocated output cannot take the batch's result: out must be
-    bf16 [T, H, L] and lse fp32 [T, H], on q's device, each contiguous in its last dim (the kernels take the other
-    strides)."""
+    bf16 [T, H, L] (or fp32: the Triton kernel then rounds once to fp32; `decode` refuses it for the Gluon kernels)
+    and lse fp32 [T, H], on q's device, each contiguous in its last dim (the kernels take the other strides)."""
     T, H, L = batch.q.shape[0], batch.num_heads, batch.kv_lora_rank
-    for name, t, shape, dtype in (("out", out, (T, H, L), torch.bfloat16), ("lse", lse, (T, H), torch.float32)):
+    for name, t, shape, dtypes in (("out", out, (T, H, L), (torch.bfloat16, torch.float32)),
+                                   ("lse", lse, (T, H), (torch.float32,))):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if tuple(t.shape) != shape or t.dtype != dtype or t.device != batch.q.device:
-            raise ValueError(f"{name} must be a {dtype} tensor of shape {shape} on {batch.q.device}, got {t.dtype} "
-                             f"{tuple(t.shape)} on {t.device}")
+        if tuple(t.shape) != shape or t.dtype not in dtypes or t.device != batch.q.device:
+            raise ValueError(f"{name} must be a {' or '.join(map(str, dtypes))} tensor of shape {shape} on "
+                             f"{batch.q.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
         if t.numel() and t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dim (stride 1), got strides {t.stride()}")
 
@@ -1490,6 +1500,8 @@ def decode(batch, *, plan=None, out=None, lse=None, config: KernelConfig | None 
     config = config or batch_config(batch, max_q_len)
     if max_q_len * config.head_group > MAX_ROWS:
         raise ValueError(f"q_len x head_group must be <= {MAX_ROWS}, got {max_q_len} x {config.head_group}")
+    if out.dtype != torch.bfloat16 and config.kernel != "triton":
+        raise ValueError(f"out must be torch.bfloat16 for kernel {config.kernel!r} (it writes bf16), got {out.dtype}")
     if plan is None:
         plan = make_plan(batch, config, num_workers)
     else:

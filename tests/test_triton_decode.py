@@ -236,7 +236,24 @@ def _worker() -> dict:
                                             and plan.num_partial_rows > 0)
     report["nan_input"] = _nan_input_masks(td)
     report["interpreter_e4m3_nan"] = _interpreter_e4m3_nan()
+    report["p_rounding"] = _p_rounding(td)
     return report
+
+
+def _p_rounding(td) -> dict:
+    """For each combo, through the public decode (mla_fast.decode, default config): the P rounding its output
+    shows (triton_cases.p_rounding_batch) and the one the kernel declares (kernel_numerics of that config)."""
+    from triton_cases import observed_p_fmt, p_rounding_batch
+
+    import mla_fast
+
+    seen = {}
+    for combo in ("bf16", "fp8kv", "fp8"):
+        batch, predicted = p_rounding_batch(combo)
+        out, _ = mla_fast.decode(batch)
+        declared = td.kernel_numerics(td.batch_config(batch, 1), combo).p_fmt
+        seen[combo] = {"observed": observed_p_fmt(out, predicted), "declared": declared}
+    return seen
 
 
 def nan_input_batch(combo: str, device="cpu"):
@@ -313,6 +330,16 @@ def test_a_nan_input_gives_nan_out_and_lse_split_or_not(report):
         assert r["masks"] and r["nan_rows"] == 2, (key, r)  # request 0's two query rows, all heads
         assert r["split"] == key.endswith("_w4"), (key, r)
     assert report["interpreter_e4m3_nan"] == 480.0  # the bug the fix works around; NaN here: drop the fix
+
+
+def test_p_is_rounded_as_the_kernel_declares(report):
+    """The output of a two-token decode whose bf16 result differs by 2 ulps between P rounded to bf16 and to fp16
+    shows the rounding KERNEL_NUMERICS declares: bf16 for bf16 caches, fp16 for fp8 caches (the bound's u_P; a
+    kernel that rounded P to bf16 while declaring fp16 passed every bound test, found by a review). In the
+    interpreter P is rounded to bf16 as on the device before the fp32 upcast (it was not rounded at all)."""
+    for combo, r in report["p_rounding"].items():
+        assert r["observed"] is not None and r["observed"] == r["declared"], (combo, r)
+    assert {r["declared"] for r in report["p_rounding"].values()} == {"bf16", "fp16"}
 
 
 def test_default_config_takes_the_new_paths(report):
@@ -635,8 +662,9 @@ def test_decode_refuses_strided_inputs_and_bad_output_buffers():
     good_out = torch.empty(T, H, L, dtype=torch.bfloat16)
     good_lse = torch.empty(T, H, dtype=torch.float32)
     bad = {
-        "out must be a torch.bfloat16 tensor of shape": dict(out=torch.empty(1, H, L, dtype=torch.bfloat16)),
-        "out must be a torch.bfloat16": dict(out=torch.empty(T, H, L, dtype=torch.float32)),
+        "out must be a torch.bfloat16 or torch.float32 tensor of shape": dict(out=torch.empty(1, H, L,
+                                                                                           dtype=torch.bfloat16)),
+        "out must be a torch.bfloat16 or torch.float32": dict(out=torch.empty(T, H, L, dtype=torch.int32)),
         "out must be contiguous in its last dim": dict(out=torch.empty(T, H, 2 * L, dtype=torch.bfloat16)[..., ::2]),
         "lse must be a torch.float32 tensor of shape": dict(lse=torch.empty(T * H, dtype=torch.float32)),
         "lse must be contiguous in its last dim": dict(lse=torch.empty(H, T, dtype=torch.float32).t()),
@@ -899,7 +927,7 @@ def test_gluon_kernel_rejects_what_it_cannot_take():
         td.decode(ok, config=td.KernelConfig(kernel="gluon", head_group=64, head_split=1))
     with pytest.raises(ValueError, match="kernel must be"):
         td.KernelConfig(kernel="cuda")
-    with pytest.raises(ValueError, match="mma='bf16' .bf16 cache. or 'fp16'"):
+    with pytest.raises(ValueError, match="mma must be 'bf16' or 'fp16'"):
         td.KernelConfig(kernel="gluon", mma="fp32")
     with pytest.raises(ValueError, match="block_n=64"):
         td.KernelConfig(kernel="gluon", block_n=32)

@@ -915,3 +915,21 @@ def test_long_same_sign_accumulation_within_kernel_bound(combo):
         ratio = float(((out.double() - ref[0]).abs() / bound.out).max())
         lse_ratio = float(((lse.double() - ref[1]).abs() / bound.lse).max())
         assert ratio <= 1.0 and lse_ratio <= 1.0, (num_workers, config.kernel, ratio, lse_ratio)
+
+
+@pytest.mark.parametrize("combo", ["bf16", "fp8kv", "fp8"])
+@pytest.mark.parametrize("heads", [16, 64, 128])
+def test_p_is_rounded_as_the_dispatched_kernel_declares(combo, heads):
+    """On the device, through mla_fast.decode's default dispatch (the Triton kernel, the seesaw or the Gluon fp8
+    kernel by dtypes and heads): the two-token decode of triton_cases.p_rounding_batch shows the P rounding that
+    kernel_numerics declares for the config (bf16 P on bf16 caches, fp16 on fp8 caches)."""
+    from triton_cases import observed_p_fmt, p_rounding_batch
+
+    import mla_fast
+    from mla_fast import triton_decode as td
+
+    batch, predicted = p_rounding_batch(combo, L=512, R=64, heads=heads, device="cuda")
+    out, _ = mla_fast.decode(batch)
+    config = td.batch_config(batch, 1)
+    declared = td.kernel_numerics(config, combo).p_fmt
+    assert observed_p_fmt(out, predicted) == declared, (config.kernel, declared, out[0, :4, 0].tolist(), predicted)

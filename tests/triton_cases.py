@@ -109,3 +109,72 @@ def split_pair(out_a, out_b, batch, numerics, num_splits: int) -> dict:
         "merge_only_ratio": float((diff / (2 * merge).clamp(min=1e-300)).amax()),
         "max_abs_diff": float(diff.amax()),
     }
+
+
+def _bf16_rne(x: float) -> float:
+    return torch.tensor(x, dtype=torch.float64).float().bfloat16().double().item() if math.isfinite(x) else x
+
+
+def _rounded(x: float, fmt: str) -> float:
+    """x (fp64) rounded once, to nearest even, to bf16 or fp16."""
+    from mla_ref.fp8 import round_p
+
+    return round_p(torch.tensor([x], dtype=torch.float64), fmt).item()
+
+
+def _margin(x: float, fmt: str) -> float:
+    """Relative distance of x to the nearest rounding midpoint of fmt (bf16 or fp16): how far x may move before
+    its rounding changes."""
+    bits = {"bf16": 8, "fp16": 11}[fmt]
+    ulp = 2.0 ** (math.floor(math.log2(abs(x))) - bits + 1)
+    frac = (abs(x) / ulp) % 1.0
+    return abs(frac - 0.5) * ulp / abs(x)
+
+
+def p_rounding_batch(combo: str, L: int = 64, R: int = 32, heads: int = 16, device="cpu"):
+    """(batch, {p_fmt: predicted out[:, :, 0]}) of a decode whose bf16 output tells how P was rounded before P.V.
+
+    Two tokens: token 0 all zeros (score 0, value 0), token 1 with c_kv channel 0 = 1 and k_pe channel 0 = 1, q with
+    k_pe channel 0 = -x: p_1 = exp(-x σ) < 1 = p_0, and out[..., 0] = bf16(rnd(p_1) / (1 + p_1)) with the row sum
+    from unrounded P. x (exact in e4m3fn, so fp8 q holds it) is the first value for which rounding p_1 to bf16
+    and to fp16 give different bf16 outputs, each far (relative 2^-16 and more) from a rounding midpoint, so the
+    kernel's exp2 approximation and fp32 division cannot move them. Other channels are 0.
+    """
+    sigma = 1.0
+    codes = torch.arange(0x30, 0x48, dtype=torch.uint8).view(torch.float8_e4m3fn).double()  # [24] 0.125 .. 4.5
+    for x in codes.tolist():
+        p1 = math.exp(-x * sigma)
+        pred = {fmt: _rounded(p1, fmt) / (1 + p1) for fmt in ("bf16", "fp16")}
+        out = {fmt: _bf16_rne(v) for fmt, v in pred.items()}
+        if (out["bf16"] != out["fp16"] and min(_margin(p1, f) for f in pred) > 2**-16
+                and min(_margin(v, "bf16") for v in pred.values()) > 2**-16):
+            break
+    else:
+        raise AssertionError("no discriminating x among the e4m3fn codes")
+    H, D = heads, L + R
+    q = torch.zeros(1, H, D)
+    q[:, :, L] = -x  # [1, H, D]
+    kv = torch.zeros(2, D)
+    kv[1, 0], kv[1, L] = 1.0, 1.0  # [2, D] token 1: value 1 in channel 0, key 1 on k_pe channel 0
+    kw = {}
+    if combo == "bf16":
+        q, kv = q.bfloat16(), kv.bfloat16()
+    else:
+        kv, kw["kv_scale"] = kv.to(torch.float8_e4m3fn), 1.0
+        if combo == "fp8":
+            q, kw["q_scale"] = q.to(torch.float8_e4m3fn), 1.0
+        else:
+            q = q.bfloat16()
+    batch = make_decode_batch(q, [kv], sm_scale=sigma, kv_lora_rank=L, page_size=16,
+                              generator=torch.Generator().manual_seed(0), **kw)
+    return batch.to(device), out
+
+
+def observed_p_fmt(out: torch.Tensor, predicted: dict) -> str | None:
+    """The p_fmt whose predicted output every head's out[0, h, 0] equals, or None (none, or heads disagree)."""
+    got = set(out[0, :, 0].double().cpu().tolist())
+    if len(got) != 1 or not torch.all(out[0, :, 1:] == 0):
+        return None
+    value = got.pop()
+    matches = [fmt for fmt, v in predicted.items() if v == value]
+    return matches[0] if len(matches) == 1 else None
