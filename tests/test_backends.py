@@ -165,6 +165,12 @@ def test_declared_numerics_per_backend_and_dtype():
     assert not get["flashmla"](fp8_batch).scale_then_round  # descale_q/_k multiply the fp32 scores
     assert get["flashmla"](bf16).p_fmt == "bf16" and get["flashmla"](fp8_batch).p_fmt == "e4m3fn"
     assert get["aiter"](bf16).p_fmt == "bf16" and get["aiter"](fnuz).p_fmt == "e4m3fnuz"
+
+
+def test_declared_numerics_of_our_kernels():
+    pytest.importorskip("triton", reason="our kernels' dispatch needs triton (pip install triton==3.6.0)")
+    bf16, fp8_batch = _batch("bf16"), _batch("fp8")
+    get = {name: b.numerics for name, b in backends.BACKENDS.items()}
     assert get["triton"](fp8_batch).qk_operand == torch.float16  # pages of 16: the Triton kernel, fp16 MMAs
     # the seesaw rounds as the Triton kernel; the pinned Gluon fp8 kernel multiplies fp8 q's scores in fp8 MMAs
     assert get["seesaw"](bf16) == get["triton"](bf16) and get["seesaw"](fp8_batch) == get["triton"](fp8_batch)
