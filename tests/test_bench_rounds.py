@@ -205,3 +205,23 @@ def test_a_failed_row_shows_no_bandwidth(capsys):
     line = next(t for t in capsys.readouterr().out.splitlines() if "bf16" in t)
     cells = [c.strip() for c in line.split("│")]
     assert cells[6:8] == ["—", "—"], cells
+
+
+def test_absent_peers_say_not_installed(monkeypatch):
+    """mla-bench's peer columns read "not installed" where FlashInfer or FlashMLA cannot be imported (here both are
+    hidden, as on a machine without their wheels), and the row's JSON keeps that status."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_peers(name, *args, **kwargs):
+        if name.split(".")[0] in ("flashinfer", "flash_mla"):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_peers)
+    batch = bench.build_batch(1, 128, 16, "bf16", device="cpu")
+    assert bench.flashinfer_fn(batch) == "not installed" and bench.flashmla_fn(batch) == "not installed"
+    got = bench.measure_in_rounds({"ours": timed("ours", [[1.0]]), "flashinfer": bench.flashinfer_fn(batch)},
+                                  nbytes=1, copy_gbs=1.0, rounds=1, timer=FakeTimer())
+    assert got["flashinfer"] == {"status": "not installed"}

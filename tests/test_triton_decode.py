@@ -691,6 +691,34 @@ def test_e4m3fnuz_is_refused_off_rocm():
             BACKENDS[name].run(fnuz)  # refused before any launch (this process does not interpret)
 
 
+@pytest.mark.parametrize("combo, heads", [("bf16", 16), ("bf16", 128), ("fp8kv", 16), ("fp8", 64)])
+def test_persistent_grid_is_workers_per_sm_programs_per_sm(monkeypatch, combo, heads):
+    """The decode launch is persistent: workers_per_sm x SMs programs (one per SM for the Triton kernel's default
+    configs; the Gluon fp8 kernel's take 2) rounded down to whole workers of head_split programs (132 SMs, head_split
+    8: 128 programs; at least one worker), whatever the batch, each looping over its plan items. The kernels are
+    replaced by recorders (no launch), so this runs without the interpreter; the CPU counts 4 SMs."""
+    td = pytest.importorskip("mla_fast.triton_decode")
+    launched = {}
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            launched[self.name] = grid
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(td, "_mla_decode_kernel", Recorder("decode"))
+    monkeypatch.setattr(td, "_mla_reduce_kernel", Recorder("reduce"))
+    for lens in [(5,), (3000, 0, 17, 700, 64, 1, 2, 9)]:
+        batch = TritonCase(lens, (1,) * len(lens), heads=heads, page_size=16, combo=combo).batch()
+        config = td.batch_config(batch, 1)
+        td.decode(batch, config=config)
+        slots, split = config.workers_per_sm * td.num_sms(batch.device), config.head_split
+        assert launched["decode"] == (max(1, slots // split) * split,), (lens, config)
+        assert config.workers_per_sm == (2 if config.kernel == "gluon_fp8" else 1)
+
+
 def test_graph_step_refuses_misuse():
     """TritonMLADecode: run() before plan() read uninitialised plan buffers, plan() with another batch planned it
     while run() read the step's own, and q_lens above max_q_len left rows unwritten (found by a review)."""
