@@ -372,6 +372,42 @@ def test_declared_pv_charge_covers_the_hopper_truncation_model():
     assert model * 2**18 > old_fixed  # what the review found: 2.07x on one H200
 
 
+def test_unit_roundoffs_are_half_an_ulp():
+    """u of each format the bounds read (pinned: eps instead of eps / 2 doubled every 16-bit term of tier 1 and no
+    soundness test noticed; a review's mutant)."""
+    from verify.bounds import _unit_roundoff
+
+    want = {torch.bfloat16: 2**-8, torch.float16: 2**-11, torch.float32: 2**-24, torch.float64: 2**-53,
+            torch.float8_e4m3fn: 2**-4, torch.float8_e5m2: 2**-3, "bf16": 2**-8, "fp16": 2**-11, None: 2**-24}
+    for fmt, u in want.items():
+        assert _unit_roundoff(fmt) == u, fmt
+
+
+def test_kernel_bound_holds_a_declared_p_scale_to_its_underflow_term():
+    """A kernel that declares P x 256 before its e4m3fn cast (η_P = 2^-10 / 256 = 2^-18, numerics.md §5(f)) but
+    casts P unscaled flushes every p below 2^-10 to 0: 2047 tokens with p in [2^-16, 2^-12] and v = 64 beside one
+    dominant token with v = 0 then lose most of the output. Tier 1 must fail it and pass the kernel that scales
+    (a review's mutant that dropped p_scale from η_P, 256x looser, survived every test)."""
+    import dataclasses
+
+    L, R, n = 64, 32, 2048
+    q = torch.zeros(1, 1, L + R)
+    q[0, 0, L] = 1.0  # [1, 1, D] the score is k_pe channel 0 (σ = 1)
+    kv = torch.zeros(n, L + R)
+    kv[1:, :L] = 64.0  # [n, D] V = 64 but for token 0
+    kv[1:, L] = torch.linspace(-16, -12, n - 1) * math.log(2)  # scores: p = 2^-16 .. 2^-12 (rounded to bf16)
+    batch = make_decode_batch(q.bfloat16(), [kv.bfloat16()], sm_scale=1.0, kv_lora_rank=L, page_size=16,
+                              generator=torch.Generator().manual_seed(0))
+    ref = mla_decode_ref(batch)
+    declared = dataclasses.replace(_fp32_numerics(batch), p_fmt="e4m3fn", p_scale=256.0)
+    bound = kernel_bound(batch, declared, ref=ref)
+    ratio = {}
+    for p_scale in (1.0, 256.0):
+        out, _ = _emulate(batch, "e4m3fn", p_scale)
+        ratio[p_scale] = float(((out.double() - ref[0]).abs() / bound.out).max())
+    assert ratio[256.0] <= 1.0 < ratio[1.0], ratio
+
+
 def test_spread_equals_max_minus_min_over_each_rows_tokens():
     """_spread (a max over the shared prefix, running max after it) = max - min over each row's own prefix, for
     requests of different lengths and query lengths (MTP diagonal, q_len > seq_len) on one zero-padded grid."""

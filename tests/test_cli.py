@@ -53,6 +53,14 @@ def never(batch):
     raise Unsupported("no kernel at all")
 
 
+def unsupported_then_wrong(batch):
+    """Unsupported on 8 heads (the first smoke case), wrong on 4 heads (the third)."""
+    if batch.num_heads == 8:
+        raise Unsupported("no kernel for 8 heads")
+    out, lse = correct(batch)
+    return (out * 2 if batch.num_heads == 4 else out), lse
+
+
 ILLEGAL_ADDRESS = "CUDA error: an illegal memory access was encountered"
 
 
@@ -175,6 +183,18 @@ def test_unsupported_cases_are_counted_not_failed(capsys, tmp_path):
     assert report["cases"] == 3 and report["failed"] == 0 and report["unsupported"] == {"no kernel for 4 heads": 1}
     assert [r["status"] for r in report["results"]] == ["passed", "passed", "unsupported"]
     assert "unsupported, 1 case(s) like [2]: no kernel for 4 heads" in err  # the summary shows count and reason
+
+
+def test_exitfirst_stops_at_a_failure_not_at_an_unsupported_case(capsys, tmp_path):
+    """-x: an unsupported case is no failure, so the campaign goes on to the failing third case and exits 1 (a
+    review's mutant that stopped at the unsupported first case exited 0 and survived)."""
+    path = tmp_path / "r.json"
+    code, _, err = run(capsys, "--impl", "tests.test_cli:unsupported_then_wrong", "--cases", "5", "--max-seq-len",
+                       "128", "--jobs", "1", "-x", "--json", str(path))
+    assert code == 1, err
+    report = json.loads(path.read_text())
+    assert [r["status"] for r in report["results"]] == ["unsupported", "passed", "failed"]
+    assert report["stopped"]["reason"] == "--exitfirst: case 3 of 5 failed" and report["not_run"] == 2
 
 
 def test_all_unsupported_exits_5(capsys, tmp_path):
@@ -530,3 +550,46 @@ def test_an_fp8_output_is_checked_not_crashed_on():
     result = run_case(case, from_callable(fp8_out), "cpu")
     assert result.ok, result.describe()
     assert {c.name for c in result.checks} >= {"tier1.out", "empty", "finite"}
+
+
+def test_split_check_compares_two_different_worker_counts():
+    """check_split runs the kernel a second time with another worker count (1, or ALT_WORKERS after a 1-worker run)
+    and fails a kernel whose result depends on it: here the emulated backend with σ 1 % off whenever it runs with
+    another count than the case's. (A review's mutant that reran the same count compared the run with itself and
+    survived every test.)"""
+    from verify.checks import check_split, run_case
+    from verify.kernels import from_backend
+
+    emulated = from_backend("emulated")
+    case = Case(seq_lens=(300, 5, 129), q_lens=(1, 2, 1), heads=8, num_workers=8, seed=4)
+
+    def drifting(batch, workers):
+        return emulated.run_workers(batch.replace(sm_scale=batch.sm_scale * (1.01 if workers != 8 else 1.0)), workers)
+
+    kernel = dataclasses.replace(emulated, run_workers=drifting)
+    batch, _ = case.materialize("cpu")
+    first = emulated.run_workers(batch, 8)
+    results = {r.name: r for r in check_split(batch, kernel, emulated.numerics(batch), first, 8)}
+    assert not results["split.out"].ok and not results["split.lse"].ok, results
+    assert "8 workers vs 1" in results["split.out"].detail
+    assert run_case(case, emulated, "cpu").ok  # the same case passes without the drift
+
+
+def test_json_check_summary_is_the_statistics_of_its_cases(capsys, tmp_path):
+    """Each check's summary in the JSON report is computed from the per-case err/bound: the median (the mean of the
+    middle two for an even count), the max, and the repro of the case that reached the max (review mutants that
+    reported the max as the median, or the first case as the worst, survived)."""
+    import statistics
+
+    path = tmp_path / "r.json"
+    code, _, err = run(capsys, "--backend", "emulated", "--dtype", "bf16", "--cases", "4", "--jobs", "1",
+                       "--max-seq-len", "300", "--json", str(path))
+    assert code == 0, err
+    report = json.loads(path.read_text())
+    values = [r["err_over_bound"]["tier1.lse"] for r in report["results"]]
+    summary = report["checks"]["tier1.lse"]
+    assert len(set(values)) == 4 and values.index(max(values)) > 0  # every statistic told apart, the worst not first
+    assert summary["max_err_over_bound"] == max(values)
+    assert summary["median_err_over_bound"] == statistics.median(values)
+    worst = Case.from_json(json.dumps(report["results"][values.index(max(values))]["case"]))
+    assert summary["worst_repro"] == worst.repro("--backend emulated")

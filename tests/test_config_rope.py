@@ -72,13 +72,17 @@ def test_from_hf_v2_old_rope_scaling_equals_v2_lite():
     assert MLAConfig.from_hf(hf) == MLAConfig.deepseek_v2_lite()
 
 
-def test_from_hf_softmax_scale_and_amplitude_match_hf_module():
+@pytest.mark.parametrize("mscales", [
+    dict(mscale=1.0, mscale_all_dim=0.8),  # mscale != mscale_all_dim, so the cos/sin amplitude is not 1
+    dict(mscale=None, mscale_all_dim=None),  # neither: HF's default amplitude m(f, 1) (a review's mutant survived)
+    dict(mscale=0.707, mscale_all_dim=None),  # mscale alone: also m(f, 1)
+])
+def test_from_hf_softmax_scale_and_amplitude_match_hf_module(mscales):
     transformers = pytest.importorskip("transformers")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
 
-    # mscale != mscale_all_dim, so the cos/sin amplitude is not 1
-    rope = dict(V3_YARN, mscale=1.0, mscale_all_dim=0.8)
+    rope = {k: v for k, v in {**V3_YARN, **mscales}.items() if v is not None}
     hf = transformers.DeepseekV3Config(hidden_size=64, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=16,
                                        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
                                        max_position_embeddings=163840, rope_parameters=rope)

@@ -232,6 +232,10 @@ def test_plan_for_another_batch_is_rejected():
     plan = plan_decode(batch.seq_lens, batch.q_lens, 32, 4)
     with pytest.raises(ValueError, match="num_heads"):
         run_plan_reference(batch, plan)
+    # the same lengths and rows in all, another split of the rows: a stale plan gave finite outputs 0.86 off
+    mtp = build_batch((10, 20), (1, 2), 16, 16, seed=4)
+    with pytest.raises(ValueError, match=r"plan\.q_lens must equal the batch's q_lens \[1, 2\], got \[2, 1\]"):
+        run_plan_reference(mtp, plan_decode(mtp.seq_lens, torch.tensor([2, 1]), 16, 4))
 
 
 def test_bad_arguments_name_the_field():
@@ -252,3 +256,14 @@ def test_bad_arguments_name_the_field():
         check_plan(None, batch.seq_lens, batch.q_lens, 16)
     with pytest.raises(ValueError, match="p_scale must be a float"):
         round_p(torch.ones(2), "bf16", p_scale="2")
+
+
+def test_a_nan_partial_does_not_leak_into_another_requests_merge():
+    """The merge pads each tile's pieces to the most pieces of any tile, and the padding reads some workspace row
+    (request 0's first piece here): masked as empty, so a NaN in request 0's first piece leaves request 1, split in
+    fewer pieces, finite (a review's mutant removed the mask and no test noticed)."""
+    batch = with_nan_token(build_batch((256, 100), (1, 1), 16, 16, seed=3), 0, 5, channel=7)  # in piece 0
+    plan = plan_decode(batch.seq_lens, batch.q_lens, 16, 6, block_n=16, fixed_overhead=0)
+    assert torch.diff(plan.reduce_indptr).tolist() == [4, 2]  # both split, request 1 in fewer pieces
+    out, lse = run_plan_reference(batch, plan)
+    assert bool(torch.isnan(lse[0]).all()) and bool(torch.isfinite(out[1]).all() and torch.isfinite(lse[1]).all())

@@ -161,6 +161,7 @@ def test_compare_nonfinite_masks():
     agree = torch.tensor([[0.5, -math.inf], [1.0, 2.0]])
     rep = compare(agree, expected, bound=0.0, name="lse")
     assert rep.ok and rep.nonfinite_mask_ok and rep.max_abs == 0.0 and rep.nonfinite_count == 1
+    assert rep.cos_diff == 0.0  # over the finite positions: matching -inf rows (empty rows' lse) are no difference
     nan_out = torch.tensor([[0.5, -math.inf], [float("nan"), 2.0]])
     rep = compare(nan_out, expected, bound=1.0)
     assert not rep.nonfinite_mask_ok and not rep.ok and "NaN" in rep.nonfinite_detail
