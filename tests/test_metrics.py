@@ -72,6 +72,8 @@ def test_ulp_distance_signed_zero_rounding_and_nan():
     # 1 + 2^-8 is the tie between them and rounds to even (1.0), so it is 0 ulp from 1
     assert d.tolist()[:4] == [0, 1, 1, 0]
     assert d[4] == 0 and d[5] == NAN_ULP
+    nans = torch.tensor([0x7FC0, 0xFFC1, 0x7F81], dtype=torch.int32).to(torch.int16).view(torch.bfloat16)  # payloads
+    assert ulp_distance(nans, nans.roll(1), torch.bfloat16).tolist() == [0, 0, 0]  # any NaN is the same point
     # fp8 saturates: 1e6 -> 448 (0 ulp from 448) instead of torch's NaN
     assert ulp_distance(torch.tensor(448.0), torch.tensor(1e6), torch.float8_e4m3fn) == 0
     with pytest.raises(ValueError, match="dtype"):
