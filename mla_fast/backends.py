@@ -184,10 +184,6 @@ def _run_emulated(batch: DecodeBatch):
     from mla_fast.emulate import run_plan_reference
     from mla_fast.planner import plan_decode
 
-    batch.validate()  # before the early return too: 0 requests with q rows is a bad batch, not an empty one
-    if batch.batch_size == 0:  # no requests: nothing to plan (the planner takes B >= 1), as mla_decode_ref
-        T, H, L = batch.q.shape[0], batch.num_heads, batch.kv_lora_rank
-        return torch.empty(T, H, L, dtype=torch.bfloat16, device=batch.device), torch.empty(T, H, device=batch.device)
     plan = plan_decode(batch.seq_lens, batch.q_lens, batch.num_heads, num_workers=4)  # small batches still split
     out, lse = run_plan_reference(batch, plan, torch.float32)
     return out.to(torch.bfloat16), lse

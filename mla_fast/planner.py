@@ -110,8 +110,10 @@ def _indptr(counts: np.ndarray) -> np.ndarray:
 
 def _as_lengths(x, name: str) -> torch.Tensor:
     t = torch.as_tensor(x)
-    if t.dim() != 1 or t.numel() == 0:
-        raise ValueError(f"{name} must be a non-empty 1-D tensor, got shape {tuple(t.shape)}")
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be a 1-D tensor, got shape {tuple(t.shape)}")
+    if t.numel() == 0 and t.dtype == torch.float32:  # torch.as_tensor([]): no values, so no dtype to refuse
+        t = t.long()
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
         raise ValueError(f"{name} must hold integers, got {t.dtype}")
     return t
@@ -203,7 +205,7 @@ class WorkPlan:
         """Plain-number statistics: items per worker, pieces per tile, cost balance (costs in blocks)."""
         counts = torch.diff(self.worker_indptr.cpu().long()).double()  # [W]
         pieces = torch.diff(self.reduce_indptr.cpu().long())  # [tiles], 0 = unsplit
-        pieces = torch.where(pieces == 0, 1, pieces)
+        pieces = torch.where(pieces == 0, 1, pieces) if pieces.numel() else torch.zeros(1, dtype=torch.long)
         cost = self.worker_costs().double()  # [W]
         mean = cost.mean().item()
         return {
@@ -304,7 +306,8 @@ def plan_decode(
     """Plan a persistent split-KV decode (cost model and guarantees in the module docstring).
 
     Args:
-        seq_lens: int [B], KV tokens per request (>= 0). Tensor on any device, or a sequence.
+        seq_lens: int [B], KV tokens per request (>= 0). Tensor on any device, or a sequence. B = 0 (no requests)
+            gives a plan of no items, every worker idle.
         q_lens: int [B], q rows per request (>= 1, MTP); rows of request b are contiguous.
         num_heads: query heads H.
         num_workers: persistent programs W (>= 1).
@@ -319,6 +322,8 @@ def plan_decode(
         partial rows (less reduce work), then to that order.
     """
     line = _line(seq_lens, q_lens, num_heads, num_workers, block_n, fixed_overhead, max_splits, head_group)
+    if line.tile_req.size == 0:  # no requests: no items, every worker idle
+        return _on_device(_build(line, _idle(line)), line.device)
     candidates = [_cut(line, _line_cuts(line, max_splits), split=max_splits != 1)]
     if max_splits != 1 and candidates[0].partial_rows > 0:
         candidates.append(_cut(line, _line_cuts(line, 1), split=False))
@@ -450,6 +455,14 @@ class _Cut:
     req_pieces: np.ndarray  # [B] pieces of the request's split tiles (0: none split)
     partial_rows: int
     key: tuple[int, int]  # (busiest worker's cost, partial rows): plan_decode keeps the least
+
+
+def _idle(line: _Line) -> _Cut:
+    """The cut of a line of no tiles (no requests): no items, every worker's range empty."""
+    none = np.zeros(0, dtype=np.int64)
+    return _Cut(pieces=none, first=none, item_tile=none, blk_start=none, blk_end=none,
+                worker_indptr=np.zeros(line.num_workers + 1, dtype=np.int64), req_pieces=none, partial_rows=0,
+                key=(0, 0))
 
 
 def _cut(line: _Line, cut: np.ndarray, split: bool) -> _Cut:

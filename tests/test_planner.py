@@ -406,7 +406,7 @@ def test_to_aiter_rejects_head_groups_and_unaligned_pages():
     [
         ({"seq_lens": torch.tensor([-1])}, "seq_lens"),
         ({"seq_lens": torch.tensor([1.0])}, "seq_lens"),
-        ({"seq_lens": torch.tensor([], dtype=torch.int32), "q_lens": torch.tensor([], dtype=torch.int32)}, "seq_lens"),
+        ({"seq_lens": torch.tensor([[1]]), "q_lens": torch.tensor([[1]])}, "seq_lens"),  # not 1-D
         ({"q_lens": torch.tensor([0])}, "q_lens"),
         ({"q_lens": torch.tensor([1, 1])}, "q_lens"),
         ({"num_heads": 0}, "num_heads"),
@@ -432,6 +432,20 @@ def test_gpu_plan_equals_cpu_plan(case: PlanCase):
     for name in ("work_items", "worker_indptr", "reduce_indptr", "reduce_final", "reduce_partial_map", "split_final"):
         assert getattr(gpu, name).is_cuda
         assert torch.equal(getattr(cpu, name), getattr(gpu, name).cpu())
+
+
+@pytest.mark.parametrize("max_splits", [None, 1, 4])
+def test_no_requests_give_a_plan_of_no_items(max_splits):
+    """B = 0 (a serving step with no decode requests): every worker idle, no tiles, nothing to reduce, in every
+    candidate's path; the emulator runs it to empty outputs, and it exports to aiter's layout."""
+    none = torch.tensor([], dtype=torch.int32)
+    plan = plan_decode(none, none, 16, 4, max_splits=max_splits)
+    assert plan.num_items == 0 and plan.num_tiles == 0 and plan.split_tiles == 0 and plan.num_partial_rows == 0
+    assert plan.worker_indptr.tolist() == [0] * 5 and plan.reduce_indptr.tolist() == [0]
+    assert plan.work_items.shape == (0, 8) and plan.reduce_final.shape == (0, 8) and plan.max_pieces == 0
+    assert plan.stats()["pieces_per_tile"] == {"mean": 0.0, "max": 0} and "0 requests" in plan.summary()
+    assert plan.to_aiter()["work_info_set"].shape == (0, 8)
+    assert plan_decode([], [], 16, 4).num_items == 0  # plain lists too
 
 
 def test_lengths_beyond_int32_raise_instead_of_wrapping():
