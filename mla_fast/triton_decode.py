@@ -1254,7 +1254,7 @@ def _scale_tensor(scale, device: torch.device) -> torch.Tensor:
 def fnuz_unsupported(batch) -> str | None:
     """Why the kernels cannot take the batch's e4m3fnuz q or cache here, or None: Triton compiles e4m3fnuz
     (fp8e4b8) for AMD CDNA3 only; CUDA devices and Triton 3.6's interpreter refuse the type."""
-    if torch.version.hip is None:
+    if torch.version.hip is None or INTERPRET:
         for name in ("q", "kv_cache"):
             if getattr(batch, name).dtype == torch.float8_e4m3fnuz:
                 return f"{name}: e4m3fnuz runs on ROCm only (Triton's fp8e4b8), not on CUDA or the interpreter"
@@ -1275,7 +1275,7 @@ def check_batch(batch) -> None:
         raise ValueError(f"kv_cache last dim must equal q's head_dim {D}, got {batch.kv_cache.shape[-1]}")
     if batch.q.stride(-1) != 1 or batch.kv_cache.stride(-1) != 1:
         raise ValueError("q and kv_cache must be contiguous in the last dim")
-    if batch.block_table.stride(-1) != 1:  # the kernels take the row stride only
+    if batch.block_table.shape[-1] > 1 and batch.block_table.stride(-1) != 1:  # the kernels take the row stride
         raise ValueError(f"block_table must be contiguous in its last dim (stride 1), got strides "
                          f"{batch.block_table.stride()}")
     for name in ("seq_lens", "q_lens"):  # read as dense arrays
@@ -1510,7 +1510,8 @@ def decode(batch, *, plan=None, out=None, lse=None, config: KernelConfig | None 
     return out, lse
 
 
-_STEP_TENSORS = ("q", "kv_cache", "block_table", "seq_lens", "q_lens")  # a TritonMLADecode's static inputs
+_STEP_TENSORS = ("q", "kv_cache", "block_table", "seq_lens")  # the batch tensors a TritonMLADecode's run() reads
+# (q_lens reaches it through plan()'s host copy, into its own qo_indptr)
 
 
 class TritonMLADecode:

@@ -358,6 +358,19 @@ def test_kernel_numerics_refuses_bad_values(field, value):
         dataclasses.replace(_fp32_numerics(_bf16_batch("gauss1")), **{field: value})
 
 
+def test_a_per_token_charge_above_one_gives_an_infinite_lse_bound():
+    """gamma_pv + gamma_pv_per_token x seq_len >= 1 (FlashMLA fp8's measured per-token charge past ~54k tokens)
+    leaves no finite bound on ln l: the lse bound is +inf, not the negative gamma / (1 - gamma) that compare()
+    refused, stopping a campaign (found by a review)."""
+    import dataclasses
+
+    batch = _bf16_batch("gauss1", seq=(37, 300), q_lens=(1, 1))
+    numerics = dataclasses.replace(_fp32_numerics(batch), gamma_pv_per_token=1 / 100)  # >= 1 at 300 tokens only
+    bound = kernel_bound(batch, numerics)
+    assert torch.isfinite(bound.lse[0]).all() and torch.isposinf(bound.lse[1]).all()
+    assert compare(batch.q.new_zeros(bound.lse.shape).double(), bound.lse.new_zeros(bound.lse.shape), bound.lse).ok
+
+
 def test_declared_pv_charge_covers_the_hopper_truncation_model():
     """The Triton kernel's declared P.V charge per token covers the model its docstring derives: each product
     truncated below 2^-25 of the running sum, one fp32 rounding (2^-23) per k16 instruction; and the old fixed

@@ -736,6 +736,10 @@ def test_graph_step_refuses_misuse():
     with pytest.raises(ValueError, match="the step's own tensors"):
         step.plan(other)
     step.plan(batch.replace(sm_scale=batch.sm_scale))  # another DecodeBatch over the same tensors is the same step
+    step.plan(batch.replace(q_lens=batch.q_lens.clone()))  # q_lens reach run() through plan()'s host copy only
+    wide = batch.block_table[:, :1].t().contiguous().t()  # [B, 1]: stride (1, B), contiguous for torch
+    assert wide.stride(-1) != 1 and wide.is_contiguous()
+    td.check_batch(batch.replace(block_table=wide, seq_lens=torch.tensor([16, 5], dtype=torch.int32)))
     with pytest.raises(ValueError, match="block_n must be a power of two"):
         td.KernelConfig(block_n=7)
     with pytest.raises(ValueError, match="mma must be"):

@@ -8,7 +8,8 @@ Plug-in contract::
     my_decode.numerics = mla_fast.numerics.KernelNumerics(...)   # optional: how it rounds (numerics.md §5(f))
 
 Without ``numerics`` a plug-in is assumed to round like ``DEFAULT_NUMERICS``: fp32 scores and P, fp32 accumulation
-over up to 2^18 tokens, bf16 output. ``numerics`` may also be a callable ``(batch) -> KernelNumerics``.
+(the P.V part charged per token of the request, as Hopper MMAs into a running output), bf16 output. ``numerics``
+may also be a callable ``(batch) -> KernelNumerics``.
 For an input it has no kernel for (a dtype pair, a shape), a plug-in raises ``mla_fast.backends.Unsupported(reason)``
 (a ValueError): the case is then reported as unsupported under that reason, neither passed nor failed. Any other
 exception fails the case; a CUDA/HIP error stops the campaign (verify.checks).
