@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mla_fast.numerics import HOPPER_PV_PER_TOKEN, KERNEL_NUMERICS, KernelNumerics
+from mla_fast.numerics import HOPPER_PV_PER_TOKEN, KERNEL_NUMERICS, PV_PER_TILE, KernelNumerics
 from mla_ref.decode import DecodeBatch, is_fp8
 
 AUTO_ORDER = ("triton", "flashmla", "flashinfer", "aiter", "emulated")  # "auto": our kernel first, ref never
@@ -91,7 +91,7 @@ def _hopper_16bit(dtype: torch.dtype) -> KernelNumerics:
         pv_operand=dtype,
         gamma_qk=(512 + 64 + 1) * _F32,  # L + R terms + the scale multiply
         gamma_pv=4 * _F32,  # epilogue
-        gamma_pv_per_token=HOPPER_PV_PER_TOKEN + (_F32 + 4 * _F32) / 64,  # MMA into C; per tile rescale, alpha
+        gamma_pv_per_token=HOPPER_PV_PER_TOKEN + PV_PER_TILE / 64,  # MMA into C, then per 64-token tile
         out_dtype=dtype,
     )
 
@@ -105,7 +105,7 @@ def _fp8_mma(p_fmt: str, operand: torch.dtype) -> KernelNumerics:
         pv_operand=operand,
         gamma_qk=_FP8_MMA,
         gamma_pv=4 * _F32,
-        gamma_pv_per_token=_FP8_PV_PER_TOKEN + (_F32 + 4 * _F32) / 64,
+        gamma_pv_per_token=_FP8_PV_PER_TOKEN + PV_PER_TILE / 64,
         out_dtype=torch.bfloat16,
     )
 

@@ -85,6 +85,7 @@ import torch
 
 BLOCK_N = 64  # KV tokens per tile in the launcher's configs (mla_fast.triton_decode.default_config)
 HOPPER_PV_PER_TOKEN = 2**-24  # MMA accumulation into the running output, per token (point 5 above)
+PV_PER_TILE = 2**-23 + 2**-21  # per KV tile: the accumulator's fp32 rescale (chopped) and alpha's ex2, twice (point 5)
 _QK_TERMS = 512 + 64 + 1  # L + R additions + the scale multiply, DeepSeek-V3 shapes (smaller L, R: fewer terms)
 
 
@@ -142,7 +143,7 @@ def triton_numerics(mma: str, block_n: int = BLOCK_N) -> KernelNumerics:
         pv_operand=operand[mma],
         gamma_qk=_QK_TERMS * 2**-23,  # chopped fp32 accumulation over L + R terms, + scale multiply
         gamma_pv=4 * 2**-23,  # epilogue: 1/l, kv_scale, the split merge's weight and division
-        gamma_pv_per_token=HOPPER_PV_PER_TOKEN + (2**-23 + 2**-21) / block_n,  # MMA into C; per tile rescale, alpha
+        gamma_pv_per_token=HOPPER_PV_PER_TOKEN + PV_PER_TILE / block_n,  # MMA into C, then per tile
         out_dtype=torch.bfloat16,
     )
 

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 import pytest
 import torch
 
-from mla_fast.numerics import HOPPER_PV_PER_TOKEN
+from mla_fast.numerics import HOPPER_PV_PER_TOKEN, PV_PER_TILE
 from mla_ref import fp8
 from mla_ref.decode import make_decode_batch, mla_decode_ref
 
@@ -152,8 +152,8 @@ def test_vllm_triton_decode_within_kernel_bound(case):
     out, lse = (t.double().cpu() for t in fn.outputs)
     cpu = batch.to("cpu")
     ref_out, ref_lse = mla_decode_ref(cpu)
-    numerics = dataclasses.replace(backends.get_backend("flashinfer").numerics(cpu),  # 32-token tiles:
-                                   gamma_pv_per_token=HOPPER_PV_PER_TOKEN + (2**-23 + 2**-21) / 32)  # rescale, alpha
+    numerics = dataclasses.replace(backends.get_backend("flashinfer").numerics(cpu),  # its 32-token tiles
+                                   gamma_pv_per_token=HOPPER_PV_PER_TOKEN + PV_PER_TILE / 32)
     bound = kernel_bound(cpu, numerics, ref=(ref_out, ref_lse)) + merge_bound(cpu, fn.num_kv_splits)
     lse_bound = bound.lse + ref_lse.abs() * 2**-8  # bf16 lse: one rounding, unit roundoff 2^-8
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mla_fast.numerics import HOPPER_PV_PER_TOKEN, KernelNumerics
+from mla_fast.numerics import HOPPER_PV_PER_TOKEN, PV_PER_TILE, KernelNumerics
 from mla_ref.decode import DecodeBatch
 
 _F32 = 2**-23  # one chopped fp32 addition per accumulated term (as mla_fast.numerics charges its own kernel)
@@ -36,7 +36,7 @@ DEFAULT_NUMERICS = KernelNumerics(
     pv_operand=torch.float32,
     gamma_qk=(512 + 64 + 1) * _F32,  # L + R products and the scale multiply
     gamma_pv=4 * _F32,  # epilogue
-    gamma_pv_per_token=HOPPER_PV_PER_TOKEN + 5 * _F32 / 64,  # MMA into the running output; per 64-token tile
+    gamma_pv_per_token=HOPPER_PV_PER_TOKEN + PV_PER_TILE / 64,  # MMA into the running output, then per 64-token tile
     out_dtype=torch.bfloat16,
 )
 PLAN_BACKENDS = ("emulated", "triton")  # backends whose split count the verifier can choose (split invariance)
