@@ -820,9 +820,8 @@ class KernelConfig:
             raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n!r}")
         for name in ("num_warps", "head_group", "head_split", "workers_per_sm", "plan_block_n"):
             planner._check_int(getattr(self, name), name, 1)
-        if self.kernel == "gluon" and (self.mma not in ("bf16", "fp16") or self.block_n != 64):
-            raise ValueError("kernel='gluon' (mla_fast.gluon_decode) takes mma='bf16' (bf16 cache) or 'fp16' (fp8 "
-                             f"cache) and block_n=64, got {self.mma!r}, {self.block_n}")
+        if self.kernel == "gluon" and self.block_n != 64:  # (mma 'bf16' for bf16 caches, 'fp16' for fp8: above)
+            raise ValueError(f"kernel='gluon' (mla_fast.gluon_decode) takes block_n=64, got {self.block_n}")
         if self.kernel == "gluon_fp8" and (self.mma, self.block_n) != ("fp16", 64):
             raise ValueError("kernel='gluon_fp8' (mla_fast.gluon_fp8) takes mma='fp16' and block_n=64, got "
                              f"{self.mma!r}, {self.block_n}")
@@ -1477,8 +1476,9 @@ def decode(batch, *, plan=None, out=None, lse=None, config: KernelConfig | None 
     """Triton MLA decode of a `DecodeBatch` -> (out [T, H, L] bf16, lse [T, H] fp32 natural log).
 
     plan: a `WorkPlan` from `make_plan` (computed here when None: one host sync). out / lse: optional preallocated
-    outputs (`check_outputs`: bf16 [T, H, L], fp32 [T, H], last dim contiguous). config: launch choices (default `batch_config`: `default_config` for the batch's dtypes, heads, size and
-    q_len on its device; on an H200 bf16 batches with more than 16 packed rows per program take the Gluon kernel).
+    outputs (`check_outputs`: bf16 [T, H, L], fp32 [T, H], last dim contiguous). config: launch choices (default
+    `batch_config`: `default_config` for the batch's dtypes, heads, size and q_len on its device; on an H200 bf16
+    batches with more than 16 packed rows per program take the Gluon kernel).
     reduce_pieces: split pieces merged per step of the reduce (None: `plan_reduce_pieces`; a `TritonMLADecode`'s
     reduce_pieces gives its bits).
 

@@ -301,9 +301,9 @@ def _rounding_bound(
         + torch.tanh(hull_omega / 4)[..., None] * R[:, :, None, :]  # score errors: softmax stays within TV tanh(ω/4)
     )  # [B, N, H, L]
     out = _col((1 + u_out) * (1 + gamma_pv)) * inner  # [B, N, H, L]
-    ln_l = torch.as_tensor(gamma_pv, dtype=F64) / (1 - torch.as_tensor(gamma_pv, dtype=F64))  # >= ln(1 + gamma)
-    ln_l = torch.where(ln_l >= 0, ln_l, math.inf).to(hull_omega.device)  # gamma >= 1 (a long request's per-token
-    # charge): no finite bound on l's log, so none on lse (was negative, and compare() refused it)
+    g = torch.as_tensor(gamma_pv, dtype=F64, device=hull_omega.device)  # [] or [B, 1, 1]
+    ln_l = torch.where(g < 1, g / (1 - g), math.inf)  # >= ln(1 + g); g >= 1 (a long request's per-token charge): no
+    # finite bound on l's log, so none on lse (g / (1 - g) was negative, and compare() refused it)
     lse = hull_omega / 2 + ln_l + 16 * u_arith * (st.m.abs() + torch.log(st.l))  # [B, N, H]
     return out, torch.where(seen, lse, 0.0)
 
