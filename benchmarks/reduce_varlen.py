@@ -44,7 +44,7 @@ class VarlenCase:
         raise ValueError(f"kind must be 'tail' or 'rand', got {self.kind!r}")
 
 
-CASES = [  # the README's table ("The reduce on varlen batches")
+CASES = [  # docs/kernels.md's table ("The reduce on varlen batches")
     VarlenCase("tail", 64, 32768, 16), VarlenCase("tail", 64, 32768, 16, "fp8kv"), VarlenCase("tail", 32, 32768, 128),
     VarlenCase("tail", 128, 16384, 16), VarlenCase("tail", 16, 65536, 16), VarlenCase("rand", 32, 8192, 128),
     VarlenCase("rand", 64, 8192, 16), VarlenCase("rand", 128, 8192, 16),

@@ -9,8 +9,8 @@ Per row and callable (ours, and FlashMLA / FlashInfer where they take the dtypes
 (do_bench with its zeroing flush, every call timed), a `gap` of idle seconds before each run: µs median, mean of the
 first and of the last FIRST_LAST calls (before and after the cap sets in), the SM clock (median, lowest), the
 highest power and each clock-event reason's share of the samples (`mla_fast.gpu_clocks`, every 20 ms).
-Thirty-second session, one H200 (README, "`SM MHz med (min)`"): at (128, 4096, 128) bf16 ours 288.1 µs at 1695 MHz,
-FlashMLA 255.1 at 1620, both at the cap; 262.2 vs 235.4 in the first calls.
+Thirty-second session, one H200 (docs/kernels.md, "The H200's clocks at 128 heads"): at (128, 4096, 128) bf16
+ours 288.1 µs at 1695 MHz, FlashMLA 255.1 at 1620, both at the cap; 262.2 vs 235.4 in the first calls.
 """
 
 import argparse

@@ -1,6 +1,6 @@
 """Adapter for ROCm/aiter's persistent ("PS") MLA decode: `mla_decode_fwd` + `get_mla_metadata_*_v1` (ROCm only).
 
-What aiter expects is written up in shared/notes/aiter-contract.md; the rules this adapter follows:
+What aiter expects is written up in docs/notes/aiter-contract.md; the rules this adapter follows:
 
 - aiter's argument order changed between releases, so the installed API is read once with `inspect.signature`
   (`detect_api`), falling back to the package version where a compiled op hides its signature:

@@ -329,7 +329,7 @@ def measure_in_rounds(fns: dict, nbytes: int, copy_gbs: float, rounds: int, rep_
                       timer=None) -> dict:
     """Time several callables of one row ({name: fn or reason}) in `rounds` alternating rounds of rep_ms / rounds
     each, so that a slow phase of the GPU (at 128 heads the H200 runs at its power cap and its clocks move within a
-    call: README) falls on all of them alike; round r starts at the r-th callable (rotation). -> {name:
+    call: docs/kernels.md) falls on all of them alike; round r starts at the r-th callable (rotation). -> {name:
     measurement}, with `us_rounds` per round. A callable that fails stops being timed and reports the error.
     timer(fn, rep_ms) -> [µs, ...]: default `time_samples_us`."""
     if rounds < 1:

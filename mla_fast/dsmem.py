@@ -22,8 +22,8 @@ analysis does not see):
    rank 0 also writes the LSE.
 
 Same bits as decode + reduce (GPU tests), without the reduce kernel's launch and its round trip through the L2:
-on one H200 at (64, 4096, 16), bf16, graph replays, 87.39-87.65 vs 89.50-89.66 us (README; the padded 8-byte
-staging took 0.7-0.9 us off the unpadded scalar one, 88.24-88.45 in the same call).
+on one H200 at (64, 4096, 16), bf16, graph replays, 87.39-87.65 vs 89.50-89.66 us (docs/kernels.md, "The pair
+merge"; the padded 8-byte staging took 0.7-0.9 us off the unpadded scalar one, 88.24-88.45 in the same call).
 
 Triton 3.6 has no cluster launch for a kernel compiled with num_ctas = 1 (num_ctas = 2 turns on its multi-CTA
 layouts, and this kernel does not compile that way). Its CUDA launcher does launch clusters: it reads

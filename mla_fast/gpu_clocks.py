@@ -1,7 +1,7 @@
 """SM clock, board power and the driver's clock-event reasons sampled during a benchmark (nvidia-smi): a time read
 with the clock it ran at, and why the clock was where it was.
 
-At 128 heads the H200 runs at its power cap (700 W) and lowers its SM clock within a call, by 10-20 % (README,
+At 128 heads the H200 runs at its power cap (700 W) and lowers its SM clock within a call, by 10-20 % (docs/kernels.md,
 "128 heads run at the H200's power cap"); a time measured then is not the kernel's alone. `ClockSampler` runs
 `nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,clocks_event_reasons.active -lms PERIOD` on the benchmark's
 GPU in the background; `window(t0, t1)` summarizes the samples whose nvidia-smi timestamps (local wall time, ms) fall

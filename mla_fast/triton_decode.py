@@ -1333,7 +1333,7 @@ def launch_page_chunk(config: KernelConfig, page_size: int, plan_block_n: int, b
     token's page is picked from a chunk in registers where the pages divide the tile in at most
     config.gather_chunk_pages, item starts lie on tile boundaries (plan_block_n a multiple of block_n) and programs
     have at most GATHER_CHUNK_MAX_ROWS rows (block_m); the chunk covers at least one tile, so that chunks end on tile
-    boundaries. Measured on one H200 (twenty-fourth session, README "Pages smaller than 64"):
+    boundaries. Measured on one H200 (twenty-fourth session, docs/kernels.md, "Pages smaller than 64"):
     page_chunk 32 at pages of 16 and 32, 16 and 32 rows, 0.7-26 % faster than the in-loop gather at eight shapes
     (the same bits); at 64 rows (h = 128) and at page 1 (64 pages per tile) slower. How many pages per tile
     (gather_chunk_pages) pay is set by `default_config` per cache dtype (twenty-sixth session: pages of 8 for bf16
@@ -1521,7 +1521,7 @@ class TritonMLADecode:
     A captured step must take any later plan, so it reads worker_indptr and always merges splits with the reduce
     kernel (no ONE_ITEM, no pair merge), whose grid spans the step's capacity of tiles: its programs without work
     (unsplit tiles) exit at once instead of waiting for the decode (`_mla_reduce_kernel`'s IDLE_EXIT). Graph replays
-    on one H200 against mla-bench's launch of the same batch's own plan: README, "The graph-capturable step".
+    on one H200 against mla-bench's launch of the same batch's own plan: docs/kernels.md, "The graph-capturable step".
 
     All buffers (plan, workspace, scales) are allocated once for the maximum sizes given here; `plan()` copies a new
     WorkPlan into them in place, so a graph captured around `run()` stays valid when seq_lens change.

@@ -1,7 +1,7 @@
 """MLA layer configuration: dimensions, RoPE/YaRN parameters and the softmax scale.
 
 Names follow DeepSeek-V3 `inference/model.py` and the Hugging Face `DeepseekV3Config`.
-Numbers and formulas: /work/shared/notes/numerics.md §1.1 (dimensions), §1.3 (softmax scale), §1.4 (YaRN).
+Numbers and formulas: docs/notes/numerics.md §1.1 (dimensions), §1.3 (softmax scale), §1.4 (YaRN).
 """
 
 from __future__ import annotations

@@ -1147,9 +1147,9 @@ if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
     print(json.dumps(_worker()))
 
 
-def test_reduce_varlen_bench_cases_take_the_readme_steps():
+def test_reduce_varlen_bench_cases_take_the_documented_steps():
     """benchmarks/reduce_varlen.py's cases, planned as on an H200 (132 SMs; the Gluon kernels where batch_config
-    takes them there), get the pieces per reduce step that the README's varlen table lists (after / before: the
+    takes them there), get the pieces per reduce step that docs/kernels.md's varlen table lists (after / before: the
     plan's max_pieces), and its variants hand launch those steps."""
     td = pytest.importorskip("mla_fast.triton_decode")
     reduce_varlen = benchmark_module("reduce_varlen")
