@@ -1473,10 +1473,11 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
 
 def decode(batch, *, plan=None, out=None, lse=None, config: KernelConfig | None = None, num_workers: int | None = None,
            reduce_pieces: int | None = None):
-    """Triton MLA decode of a `DecodeBatch` -> (out [T, H, L] bf16, lse [T, H] fp32 natural log).
+    """Triton MLA decode of a `DecodeBatch` -> (out [T, H, L], lse [T, H] fp32 natural log).
 
     plan: a `WorkPlan` from `make_plan` (computed here when None: one host sync). out / lse: optional preallocated
-    outputs (`check_outputs`: bf16 [T, H, L], fp32 [T, H], last dim contiguous). config: launch choices (default
+    outputs (`check_outputs`: out bf16 [T, H, L], or fp32 for the Triton kernel only, the Gluon kernels writing
+    bf16; lse fp32 [T, H]; last dim contiguous), returned as given; by default out is bf16. config: launch choices (default
     `batch_config`: `default_config` for the batch's dtypes, heads, size and q_len on its device; on an H200 bf16
     batches with more than 16 packed rows per program take the Gluon kernel).
     reduce_pieces: split pieces merged per step of the reduce (None: `plan_reduce_pieces`; a `TritonMLADecode`'s

@@ -80,6 +80,38 @@ def wrong_from_the_150th_call(batch):
     return (out * 2 if CALLS[0] >= 150 else out), lse
 
 
+def split_workers(batch, num_workers):
+    """A split-KV plug-in's run over num_workers persistent workers: the planner's plan, emulated in fp32."""
+    from mla_fast.emulate import run_plan_reference
+    from mla_fast.planner import plan_decode
+
+    plan = plan_decode(batch.seq_lens, batch.q_lens, batch.num_heads, num_workers=num_workers)
+    out, lse = run_plan_reference(batch, plan, torch.float32)  # [T, H, L], [T, H]
+    return out.to(torch.bfloat16), lse
+
+
+def split_plugin(batch):
+    return split_workers(batch, 4)
+
+
+split_plugin.run_workers = split_workers
+
+
+def drifts_unsplit(batch, num_workers):
+    """Right when split, σ 1 % off on one worker: only a second run with another worker count shows it."""
+    return split_workers(batch.replace(sm_scale=batch.sm_scale * (1.01 if num_workers == 1 else 1.0)), num_workers)
+
+
+def shrinks_unsplit(batch, num_workers):
+    out, lse = split_workers(batch, num_workers)
+    return (out[..., :-1], lse) if num_workers == 1 else (out, lse)  # [T, H, L - 1] on one worker
+
+
+def lse_when_split(batch, num_workers):
+    out, lse = split_workers(batch, num_workers)
+    return out if num_workers == 1 else (out, lse)
+
+
 def run(capsys, *argv):
     code = cli.main(list(argv))
     captured = capsys.readouterr()
@@ -593,3 +625,66 @@ def test_json_check_summary_is_the_statistics_of_its_cases(capsys, tmp_path):
     assert summary["median_err_over_bound"] == statistics.median(values)
     worst = Case.from_json(json.dumps(report["results"][values.index(max(values))]["case"]))
     assert summary["worst_repro"] == worst.repro("--backend emulated")
+
+
+def test_a_plugin_with_run_workers_gets_the_split_check(capsys, tmp_path):
+    """`decode.run_workers = fn(batch, num_workers)` opts a plug-in into split invariance: every case runs with its
+    drawn worker count and again with another (the JSON has split.out and split.lse for every case); without it no
+    split check runs (a review found the README listing the check for every kernel)."""
+    path = tmp_path / "r.json"
+    code, _, err = run(capsys, "--impl", "tests.test_cli:split_plugin", "--cases", "4", "--max-seq-len", "300",
+                       "--jobs", "1", "--json", str(path))
+    assert code == 0, err
+    report = json.loads(path.read_text())
+    assert "split invariance through .run_workers" in report["backend"]["reason"]
+    assert report["checks"]["split.out"]["cases"] == 4 and report["checks"]["split.lse"]["cases"] == 4
+    code, _, err = run(capsys, "--impl", "tests.test_cli:out_only", "--cases", "2", "--max-seq-len", "300",
+                       "--jobs", "1", "--json", str(path))
+    assert code == 0, err
+    assert not any(name.startswith("split") for name in json.loads(path.read_text())["checks"])
+
+
+@pytest.mark.parametrize("workers, failing, message", [
+    (drifts_unsplit, "split.out", "8 workers vs 1"),
+    (shrinks_unsplit, "split.out", "1-worker run: kernel out: expected shape"),
+    (lse_when_split, "split.lse", "lse returned by only one"),
+])
+def test_a_plugins_second_run_is_held_to_the_split_bound_and_the_contract(workers, failing, message):
+    """The second run of a plug-in's run_workers passes the same contract check as its first (a wrong shape is
+    named, not a crash) and must agree within split_bound: a kernel right when split and 1 % off in σ unsplit
+    passes tier 1 on the case's 8 workers and fails only the split check."""
+    from verify.checks import run_case
+    from verify.kernels import from_callable
+
+    def decode(batch):
+        return workers(batch, 8)
+
+    decode.run_workers = workers
+    case = Case(seq_lens=(300, 5, 129), q_lens=(1, 2, 1), heads=8, num_workers=8, seed=4)
+    result = run_case(case, from_callable(decode, "drift"), "cpu")
+    checks = {c.name: c for c in result.checks}
+    assert checks["tier1.out"].ok and not checks[failing].ok, result.describe()
+    assert message in checks[failing].detail
+    assert not result.ok
+
+
+def test_run_workers_must_be_callable():
+    from verify.kernels import from_callable
+
+    def decode(batch):
+        return correct(batch)
+
+    decode.run_workers = 4
+    with pytest.raises(ValueError, match=r"\.run_workers must be a callable"):
+        from_callable(decode, "x")
+
+
+def test_the_readmes_replay_line_runs_as_written(capsys):
+    """The README's `mla-verify --case '...'` example replays as written (it had held a `...` that exited 2)."""
+    import pathlib
+
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    (line,) = [ln for ln in readme.splitlines() if ln.startswith("mla-verify --case ")]
+    argv = shlex.split(line.split("  #")[0])[1:]
+    code, _, err = run(capsys, *argv, "--backend", "emulated")
+    assert code == 0, err

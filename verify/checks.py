@@ -7,8 +7,11 @@
 | tier2.*        | fp64 oracle on fp8 inputs vs on exact inputs (fp8 only): a      | quantization_bounds: B_det,    |
 |                | property of the data and the format, not of the kernel          | B_post                         |
 | split.out/.lse | the kernel under several worker counts vs one worker (no split) | split_bound + output ulps      |
+|                | (kernels with `run_workers`: emulated, triton, plug-ins that    |                                |
+|                | set it)                                                         |                                |
 | empty          | rows that see no token: out exactly 0, lse -inf                 | —                              |
 | finite         | rows that see tokens: out and lse finite (inputs are finite)    | —                              |
+| inputs         | q, cache, block table and lengths: after the kernel = before    | byte for byte                  |
 
 err/bound is the largest elementwise |actual - expected| / bound (> 1: violated); checks without a bound report
 None. A kernel that raises or breaks the contract fails the case with its message; the other checks then do not run.
@@ -188,11 +191,19 @@ def check_split(batch: DecodeBatch, kernel: Kernel, numerics, first: tuple, work
         raise exc  # run_case reports it as this case's device fault
     if exc is not None:
         return [CheckResult("split.out", False, detail=f"{other}-worker run raised {error_message(exc)}")]
+    try:
+        second = outputs(second, batch)  # a plug-in's run_workers follows the contract of its run
+    except ValueError as e:
+        return [CheckResult("split.out", False, detail=f"{other}-worker run: {e}")]
+    if (first[1] is None) != (second[1] is None):
+        return [CheckResult("split.lse", False, detail=f"lse returned by only one of the {workers}- and "
+                                                       f"{other}-worker runs")]
     u_out = bounds._unit_roundoff(numerics.out_dtype)  # unit roundoff of the output dtype, as the bounds take it
     eta_out = bounds._half_min_subnormal(numerics.out_dtype)  # its absolute error below the normal range
     split = bounds.split_bound(batch, numerics, kernel.max_splits(batch))  # [T, H, L], [T, H] before output rounding
     results = []
-    for i, (name, out_dtype) in enumerate((("split.out", numerics.out_dtype), ("split.lse", torch.float32))):
+    checked = (("split.out", numerics.out_dtype),) + ((("split.lse", torch.float32),) if first[1] is not None else ())
+    for i, (name, out_dtype) in enumerate(checked):
         a = first[i].detach().double()  # [T, H, L] or [T, H], on the bound's device
         b = second[i].detach().to(a.device).double()
         if i == 0:

@@ -15,6 +15,10 @@ For an input it has no kernel for (a dtype pair, a shape), a plug-in raises ``ml
 exception fails the case; a CUDA/HIP error stops the campaign (verify.checks).
 Plug-ins may split the KV range however they like: their tier-1 bound includes the split-merge bound for the
 largest possible number of 64-token splits.
+A plug-in that takes a worker count may say so with ``my_decode.run_workers = fn``, ``fn(batch, num_workers) -> out |
+(out, lse)`` with the KV split over that many persistent workers: each case then runs it with the case's drawn
+worker count (instead of ``my_decode``), and the split-invariance check runs it again with another count
+(``split.out`` / ``split.lse``, the latter when both runs return lse). Without it the split check does not run.
 """
 
 from __future__ import annotations
@@ -124,7 +128,12 @@ def from_callable(fn, name: str | None = None) -> Kernel:
         numerics, reason = declared, "plug-in, declared numerics (per batch)"
     else:
         raise ValueError(f"--impl {name}: .numerics must be a KernelNumerics or a callable, got {type(declared)}")
-    return Kernel(name, fn, numerics, reason=reason)
+    workers = getattr(fn, "run_workers", None)
+    if workers is not None and not callable(workers):
+        raise ValueError(f"--impl {name}: .run_workers must be a callable (batch, num_workers), got {type(workers)}")
+    if workers is not None:
+        reason += "; split invariance through .run_workers"
+    return Kernel(name, fn, numerics, workers, reason=reason)
 
 
 def outputs(result: object, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor | None]:

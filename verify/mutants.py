@@ -1,4 +1,5 @@
-"""Planted-bug decode kernels: each one must make the default `mla-verify` campaign fail (exit 1).
+"""Planted-bug decode kernels: each one must make the default `mla-verify` campaign fail (exit 1); the two scale
+mutants (``kv_scale_ignored``, ``q_scale_ignored``) need fp8 cases, ``--dtype fp8``.
 
 Use them as plug-ins, ``mla-verify --impl verify.mutants:NAME``; ``correct`` is the same kernel without a bug and
 must pass. All share one small split-KV, online-softmax decode (`_decode`) in fp32 with bf16 output; each mutant
