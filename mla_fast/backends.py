@@ -63,6 +63,9 @@ class Backend:
         run: (batch) -> (out [T, H, L], lse [T, H] fp32 natural log).
         probe: () -> (ok, reason): whether it can run in this process, and why not.
         numerics: (batch) -> KernelNumerics declared for that batch's dtypes.
+        run_workers: (batch, num_workers) -> (out, lse) with the KV split over that many persistent workers, for the
+            backends that run our planner's plans (emulated, triton, seesaw, gluon_fp8; the same checks and
+            Unsupported reasons as run); None for the others. The verifier's split-invariance check calls it.
     """
 
     name: str
@@ -70,6 +73,7 @@ class Backend:
     run: Callable[[DecodeBatch], tuple[torch.Tensor, torch.Tensor]]
     probe: Callable[[], tuple[bool, str]]
     numerics: Callable[[DecodeBatch], KernelNumerics]
+    run_workers: Callable[[DecodeBatch, int], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __call__(self, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
         return self.run(batch)
@@ -180,28 +184,28 @@ def _run_ref(batch: DecodeBatch):
     return mla_decode_ref(batch)
 
 
-def _run_emulated(batch: DecodeBatch):
+def _run_emulated(batch: DecodeBatch, num_workers: int = 4):  # 4 by default: small batches still split
     from mla_fast.emulate import run_plan_reference
     from mla_fast.planner import plan_decode
 
-    plan = plan_decode(batch.seq_lens, batch.q_lens, batch.num_heads, num_workers=4)  # small batches still split
+    plan = plan_decode(batch.seq_lens, batch.q_lens, batch.num_heads, num_workers=num_workers)
     out, lse = run_plan_reference(batch, plan, torch.float32)
     return out.to(torch.bfloat16), lse
 
 
-def _run_triton(batch: DecodeBatch):
+def _run_triton(batch: DecodeBatch, num_workers: int | None = None):
     from mla_fast.triton_decode import decode, fnuz_unsupported
 
     if reason := fnuz_unsupported(batch):  # a format this platform's Triton cannot compile: no case to check
         raise Unsupported(reason)
-    return decode(batch)
+    return decode(batch, num_workers=num_workers)
 
 
 def _run_forced(kernel: str) -> Callable[[DecodeBatch], tuple[torch.Tensor, torch.Tensor]]:
     """Runner of our decode with one Gluon kernel pinned (`triton_decode.forced_config`); Unsupported where that
     kernel takes no such rows or cannot run the batch (reasons without the case's values)."""
 
-    def run(batch: DecodeBatch):
+    def run(batch: DecodeBatch, num_workers: int | None = None):
         from mla_fast import triton_decode as td
 
         _, q_len, config = _forced_config(batch, kernel)
@@ -212,7 +216,7 @@ def _run_forced(kernel: str) -> Callable[[DecodeBatch], tuple[torch.Tensor, torc
         reason = td.gluon_unsupported(batch, config, q_len * config.head_group)  # launch's check, as Unsupported
         if reason:
             raise Unsupported(reason.split(", got")[0])
-        return td.decode(batch, config=config)
+        return td.decode(batch, config=config, num_workers=num_workers)
 
     return run
 
@@ -311,12 +315,14 @@ BACKENDS: dict[str, Backend] = {
     b.name: b
     for b in (
         Backend("ref", "fp64 oracle (mla_decode_ref)", _run_ref, _always, _ref_numerics),
-        Backend("emulated", "WorkPlan emulated with torch fp32, bf16 out", _run_emulated, _always, _emulated_numerics),
-        Backend("triton", "mla_fast persistent split-KV Triton kernel", _run_triton, _probe_triton, _triton_numerics),
+        Backend("emulated", "WorkPlan emulated with torch fp32, bf16 out", _run_emulated, _always, _emulated_numerics,
+                _run_emulated),
+        Backend("triton", "mla_fast persistent split-KV Triton kernel", _run_triton, _probe_triton, _triton_numerics,
+                _run_triton),
         Backend("seesaw", "mla_fast with the Gluon seesaw kernel pinned", _run_forced("seesaw"),
-                lambda: _probe_gluon("the seesaw kernel"), _forced_numerics("seesaw")),
+                lambda: _probe_gluon("the seesaw kernel"), _forced_numerics("seesaw"), _run_forced("seesaw")),
         Backend("gluon_fp8", "mla_fast with the Gluon fp8 kernel pinned", _run_forced("gluon_fp8"),
-                lambda: _probe_gluon("the Gluon fp8 kernel"), _forced_numerics("gluon_fp8")),
+                lambda: _probe_gluon("the Gluon fp8 kernel"), _forced_numerics("gluon_fp8"), _run_forced("gluon_fp8")),
         Backend("aiter", "ROCm/aiter persistent MLA decode", _run_aiter, _probe_aiter, _aiter_numerics),
         Backend("flashinfer", "FlashInfer MLA paged, FA3", _run_flashinfer, _probe_flashinfer, _flashinfer_numerics),
         Backend("flashmla", "FlashMLA dense decode (legacy SM90)", _run_flashmla, _probe_flashmla, _flashmla_numerics),

@@ -9,6 +9,7 @@ merge_bound (§5(g)) for the plan's split count (tests/triton_cases.py); every c
 """
 
 import csv
+import dataclasses
 import itertools
 import json
 import os
@@ -674,21 +675,31 @@ def test_decode_refuses_strided_inputs_and_bad_output_buffers():
             td.decode(batch, **{"out": good_out, "lse": good_lse, **kw})
 
 
-def test_e4m3fnuz_is_refused_off_rocm():
+def test_e4m3fnuz_is_refused_off_rocm(monkeypatch):
     """Triton compiles e4m3fnuz for AMD CDNA3 only: on CUDA and in the interpreter decode says so (ValueError naming
-    the tensor) and the triton backend makes the case unsupported (a verifier campaign reported it as a contract
-    failure; found by a review)."""
+    the tensor) and the triton backends make the case unsupported, through run and through run_workers, the path
+    the verifier takes (a verifier campaign reported it as a contract failure; found by a review; then again through
+    run_workers, which had called decode directly)."""
     td = pytest.importorskip("mla_fast.triton_decode")
     from mla_fast.backends import BACKENDS, Unsupported
+    from verify.cases import Case
+    from verify.checks import run_case
+    from verify.kernels import from_backend
 
     batch = TritonCase((40, 5), (1, 1), page_size=16, combo="fp8kv").batch()
     fnuz = batch.replace(kv_cache=batch.kv_cache.view(torch.uint8).clamp(max=0x77).view(torch.float8_e4m3fn)
                          .float().to(torch.float8_e4m3fnuz))  # finite codes, exact in e4m3fnuz
     with pytest.raises(ValueError, match="kv_cache: e4m3fnuz runs on ROCm only"):
         td.decode(fnuz)
+    case = Case(seq_lens=(40, 5), q_lens=(1, 1), heads=2, q_dtype="fp8", kv_dtype="fp8", fp8_format="e4m3fnuz")
     for name in ("triton", "seesaw", "gluon_fp8"):
         with pytest.raises(Unsupported, match="e4m3fnuz runs on ROCm only"):
             BACKENDS[name].run(fnuz)  # refused before any launch (this process does not interpret)
+        with pytest.raises(Unsupported, match="e4m3fnuz runs on ROCm only"):
+            BACKENDS[name].run_workers(fnuz, 4)
+        monkeypatch.setitem(BACKENDS, name, dataclasses.replace(BACKENDS[name], probe=lambda: (True, "test")))
+        result = run_case(case, from_backend(name), "cpu")  # the verifier's path, as on a GPU
+        assert "e4m3fnuz runs on ROCm only" in (result.unsupported or ""), result.describe()
 
 
 @pytest.mark.parametrize("combo, heads", [("bf16", 16), ("bf16", 128), ("fp8kv", 16), ("fp8", 64)])

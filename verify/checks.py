@@ -7,8 +7,8 @@
 | tier2.*        | fp64 oracle on fp8 inputs vs on exact inputs (fp8 only): a      | quantization_bounds: B_det,    |
 |                | property of the data and the format, not of the kernel          | B_post                         |
 | split.out/.lse | the kernel under several worker counts vs one worker (no split) | split_bound + output ulps      |
-|                | (kernels with `run_workers`: emulated, triton, plug-ins that    |                                |
-|                | set it)                                                         |                                |
+|                | (kernels with `run_workers`: emulated, triton, seesaw,          |                                |
+|                | gluon_fp8, plug-ins that set it)                                |                                |
 | empty          | rows that see no token: out exactly 0, lse -inf                 | —                              |
 | finite         | rows that see tokens: out and lse finite (inputs are finite)    | —                              |
 | inputs         | q, cache, block table and lengths: after the kernel = before    | byte for byte                  |

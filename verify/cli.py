@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mla-verify",
         description="Verify an MLA decode kernel (bf16 or fp8) against the fp64 oracle within derived error bounds.\n"
         "Checks per case: tier 1 (kernel vs fp64 on the same dequantized inputs), tier 2 (fp8 quantization\n"
-        "error within B_det and B_post), split invariance (emulated, triton, plug-ins with .run_workers),\n"
+        "error within B_det and B_post), split invariance (our planned backends, plug-ins with .run_workers),\n"
         "empty rows (out 0, lse -inf), finiteness, the contract (shapes, dtypes) and inputs left unwritten.\n"
         "Subcommand: 'mla-verify model ...' checks a whole MLA layer (verify.model_check).",
         epilog=EPILOG,

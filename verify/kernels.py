@@ -43,7 +43,6 @@ DEFAULT_NUMERICS = KernelNumerics(
     gamma_pv_per_token=HOPPER_PV_PER_TOKEN + PV_PER_TILE / 64,  # MMA into the running output, then per 64-token tile
     out_dtype=torch.bfloat16,
 )
-PLAN_BACKENDS = ("emulated", "triton")  # backends whose split count the verifier can choose (split invariance)
 
 
 @dataclass(frozen=True)
@@ -55,7 +54,7 @@ class Kernel:
         run: (batch) -> out or (out, lse).
         numerics: (batch) -> KernelNumerics, the rounding the tier-1 bound assumes.
         run_workers: (batch, num_workers) -> (out, lse) with the KV split over that many persistent workers, for
-            backends that take a plan; None otherwise.
+            backends that take a plan (`Backend.run_workers`) and plug-ins that set ``.run_workers``; None otherwise.
         max_splits: (batch) -> the largest number of KV splits of any row (the merge bound's S).
         reason: why this kernel was chosen (shown in the report).
     """
@@ -74,21 +73,6 @@ def _blocks(batch: DecodeBatch, block_n: int) -> int:
     return max(1, -(-longest // block_n))
 
 
-def _emulated_workers(batch: DecodeBatch, num_workers: int):
-    from mla_fast.emulate import run_plan_reference
-    from mla_fast.planner import plan_decode
-
-    plan = plan_decode(batch.seq_lens, batch.q_lens, batch.num_heads, num_workers=num_workers)
-    out, lse = run_plan_reference(batch, plan, torch.float32)  # [T, H, L], [T, H] fp32
-    return out.to(torch.bfloat16), lse  # the registry's emulated backend rounds out to bf16 too
-
-
-def _triton_workers(batch: DecodeBatch, num_workers: int):
-    from mla_fast.triton_decode import decode
-
-    return decode(batch, num_workers=num_workers)
-
-
 def from_backend(name: str) -> Kernel:
     """A registry backend ("auto" resolved); ValueError with the backend's reason when it cannot run here."""
     from mla_fast import backends
@@ -99,8 +83,7 @@ def from_backend(name: str) -> Kernel:
         status = backends.available()
         skipped = [f"{n}: {status[n][1]}" for n in backends.AUTO_ORDER if not status[n][0]]
         reason = f"auto picked {backend.name} ({reason})" + (f"; unavailable: {'; '.join(skipped)}" if skipped else "")
-    workers = {"emulated": _emulated_workers, "triton": _triton_workers}.get(backend.name)
-    return Kernel(backend.name, backend.run, backend.numerics, workers, reason=reason)
+    return Kernel(backend.name, backend.run, backend.numerics, backend.run_workers, reason=reason)
 
 
 def from_impl(spec: str) -> Kernel:
