@@ -12,9 +12,11 @@ from mla_ref.mla import MLAWeights, absorb_output, absorbed_query, latent_cache_
 from mla_ref.rope import hf_to_interleaved, interleaved_to_hf, rope_angles
 
 FP64_UNIT = 2**-52  # one float64 ulp at 1.0
-# The issue's bar for naive vs absorbed: reassociating K ≤ 1536-term fp64 dot products moves results by ≲ K·2**-53
-# ≈ 2e-13 relative (numerics.md §1.2 measured 3e-15), so 1e-10 leaves margin without hiding a wrong formula.
-NAIVE_VS_ABSORBED = 1e-10
+# Naive vs absorbed: absorption reassociates fp64 dot products of at most K = 1536 terms (q_lora_rank; the other
+# contractions are shorter), which moves results by ≲ γ_K ≈ K·2**-53 relative (numerics.md §1.2 measured 3e-15; this
+# file's tiny layers at most 8.6 units of 2**-53 over 3000 drawn layers). Issue #2 asked for 1e-10, 6e2x looser: a
+# relative 5e-11 error in absorb_output had passed it.
+NAIVE_VS_ABSORBED = 1536 * 2**-53
 # Same math, different summation order (batching, HF's op order): ≤ 1024 fp64 units, reassociation over ≤ 64-term
 # sums in ~10 chained ops
 FP64_REASSOC = 1024 * FP64_UNIT
@@ -168,7 +170,8 @@ def test_bad_inputs_raise_value_error():
 # Measured floor (positions 0..7, these tiny dims): 1.1e-7 (rope_interleave True), 1.3e-7 (False); with fp64 rope
 # tables 8.3e-8; with all three removed 4e-16. The rope-table part grows with position: 4e-7 at t ≈ 100, 3–5e-6 at
 # 1000, 2–3e-5 at 1e4, 2–3e-4 at 1e5, so the bar below holds only for positions ≲ 1000.
-HF_FP32_BAR = 1e-5  # the issue's bar, ≈ 168 fp32 units (2**-24), ~80× the measured floor
+HF_FP32_BAR = 1e-5  # issue #2's acceptance bar, ≈ 168 fp32 units (2**-24), ~80× the measured floor; the tests
+# below without HF's fp32 roundings (V3 and V2) hold the same layers to fp64 reassociation, FP64_REASSOC
 
 HF_DIMS = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
                qk_rope_head_dim=16, v_head_dim=8, max_position_embeddings=4096 * 40, num_hidden_layers=1)
@@ -289,3 +292,46 @@ def test_matches_hf_deepseek_v2_attention():
         out_hf, _ = attention(x, attention_mask=causal_mask(S), position_embeddings=freqs_cis)  # [B, S, D]
     # V2 also rotates q_pe/k_pe in complex64 (`xq.float()`); measured floor 1.3e-7 at positions 0..7
     assert rel_diff(mla_forward(x, w, cfg, positions, mode="absorbed"), out_hf) <= HF_FP32_BAR
+
+
+def test_matches_hf_v2_exactly_without_fp32_roundings(monkeypatch):
+    """V2 with HF's fp32 steps patched out (its RMSNorm cast, the eager softmax and the complex64 rotation), fed fp64
+    rope tables: fp64 agreement, so a relative error below HF_FP32_BAR in the V2 path is seen too (a review's
+    mutant, out x (1 + 5e-6), passed the fp32-floored parity test)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf
+
+    hf_config = transformers.DeepseekV2Config(
+        **HF_DIMS, q_lora_rank=None, rope_theta=10000.0,
+        rope_scaling=dict(type="yarn", factor=40.0, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
+                          mscale=0.707, mscale_all_dim=0.707),
+    )
+    hf_config._attn_implementation = "eager"
+    attention = hf.DeepseekV2Attention(hf_config, layer_idx=0).to(torch.float64).eval()
+    randomize_(attention, seed=16)
+    cfg, w = MLAConfig.from_hf(hf_config), MLAWeights.from_hf(attention)
+
+    def rms_norm_fp64(self, h):  # HF's DeepseekV2RMSNorm.forward without `.to(torch.float32)`
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    def eager_fp64(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):  # softmax in fp64
+        p = (query @ key.transpose(2, 3) * scaling + attention_mask).softmax(dim=-1)  # [B, H, S, T]
+        return (p @ value).transpose(1, 2).contiguous(), p
+
+    def rotary_fp64(xq, xk, freqs_cis):  # HF's apply_rotary_emb in complex128 instead of complex64
+        xq_ = torch.view_as_complex(xq.reshape(*xq.shape[:-1], -1, 2).contiguous())  # [B, H, S, R/2]
+        xk_ = torch.view_as_complex(xk.reshape(*xk.shape[:-1], -1, 2).contiguous())  # [B, 1, S, R/2]
+        freqs_cis = freqs_cis.unsqueeze(1)  # [B, 1, S, R/2]
+        return torch.view_as_real(xq_ * freqs_cis).flatten(3), torch.view_as_real(xk_ * freqs_cis).flatten(3)
+
+    monkeypatch.setattr(hf.DeepseekV2RMSNorm, "forward", rms_norm_fp64)
+    monkeypatch.setattr(hf, "eager_attention_forward", eager_fp64)
+    monkeypatch.setattr(hf, "apply_rotary_emb", rotary_fp64)
+    S = 8
+    x = hidden(cfg, batch=2, seq=S, seed=17)  # [B, S, D]
+    positions = torch.arange(3000, 3000 + S)  # [S]
+    cos, sin = rope_angles(positions[None].expand(2, S), cfg)  # [B, S, R/2] fp64, amplitude included
+    with torch.no_grad():
+        out_hf, _ = attention(x, attention_mask=causal_mask(S), position_embeddings=torch.complex(cos, sin))
+    for mode in ("naive", "absorbed"):
+        assert rel_diff(mla_forward(x, w, cfg, positions, mode=mode), out_hf) <= FP64_REASSOC

@@ -55,7 +55,8 @@ CASES = {
     # one request, 64 heads: the small-batch default (16-row tiles, 4 head groups per worker)
     "bf16_h64_b1_smallbatch_w3": TritonCase((90,), (1,), heads=64, page_size=16, num_workers=3, seed=33),
     "fp8kv_lazyl_splitl1_p16_w3": TritonCase((40, 0, 70), (1, 1, 1), page_size=16, combo="fp8kv", seed=29),
-    # eight latent slices (L = 128: slices of 16), fp8 KV staged as fp16, and bf16 with MTP
+    # eight latent slices (L = 128: slices of 16) on fp8 KV (its fp16 staging, FP8_STAGE, is device-only: the
+    # interpreter launches it off, test_default_config_takes_the_new_paths; GPU tests run it), and bf16 with MTP
     "fp8kv_splitl8_p16_w3": TritonCase((40, 0, 70), (1, 1, 1), page_size=16, combo="fp8kv", L=128, R=32,
                                        num_workers=3, seed=35),
     "bf16_splitl8_p3_mtp2_w3": TritonCase((50, 9), (2, 1), page_size=3, L=128, R=32, num_workers=3, seed=36),
@@ -123,7 +124,8 @@ PLAN_BLOCK_N, BLOCK_N = 16, 16  # tokens per planner block / kernel tile in the 
 
 def _decode_with_each(name: str, field: str, values: tuple) -> tuple:
     """CASES[name] decoded with KernelConfig.<field> at each of `values`, on one plan (its default_config at the
-    interpreter's tiles, with its CONFIG_OVERRIDES) -> (case, batch, config, [(out, lse), ...])."""
+    interpreter's tiles, with its CONFIG_OVERRIDES) -> (case, batch, config, [(out, lse), ...], [the launched
+    constexpr of `field`, upper-cased, per run])."""
     from mla_fast import triton_decode as td
 
     case = CASES[name]
@@ -131,8 +133,11 @@ def _decode_with_each(name: str, field: str, values: tuple) -> tuple:
     config = replace(td.default_config(case.combo, case.heads, max(case.q_lens)), block_n=BLOCK_N,
                      plan_block_n=PLAN_BLOCK_N, fixed_overhead=1, **CONFIG_OVERRIDES.get(name, {}))
     plan = td.make_plan(batch, config, case.num_workers)
-    runs = [td.decode(batch, plan=plan, config=replace(config, **{field: value})) for value in values]
-    return case, batch, config, runs
+    runs, launched = [], []
+    for value in values:
+        runs.append(td.decode(batch, plan=plan, config=replace(config, **{field: value})))
+        launched.append(td._mla_decode_kernel.launches[-1][field.upper()])
+    return case, batch, config, runs, launched
 
 
 def _worker() -> dict:
@@ -140,10 +145,12 @@ def _worker() -> dict:
     import mla_fast
 
     report = {"triton_imported_by_mla_fast": "triton" in sys.modules and bool(mla_fast.decode)}
-    from triton_cases import check, split_pair
+    from triton_cases import LaunchRecorder, check, split_pair
 
     from mla_fast import triton_decode as td
     from mla_fast.numerics import triton_numerics
+
+    td._mla_decode_kernel = LaunchRecorder(td._mla_decode_kernel)  # launch() reads the module global at each call
 
     report["interpret"] = td.INTERPRET and td.UPCAST_BF16
     report["pdl"] = td.pdl_supported(torch.device("cuda"))  # the interpreter runs no griddepcontrol PTX
@@ -155,16 +162,20 @@ def _worker() -> dict:
         config = replace(config, block_n=BLOCK_N, plan_block_n=PLAN_BLOCK_N, fixed_overhead=1,
                          **CONFIG_OVERRIDES.get(name, {}))
         plan = td.make_plan(batch, config, case.num_workers)
+        launches = len(td._mla_decode_kernel.launches)
         out, lse = td.decode(batch, plan=plan, config=config, reduce_pieces=REDUCE_PIECES.get(name))
+        assert len(td._mla_decode_kernel.launches) == launches + 1, name  # launched[...] below is this decode's
+        launched = td._mla_decode_kernel.launches[-1]  # the constexprs that decode's launch passed
         stats = plan.stats()
         result = check(out, lse, batch, triton_numerics(config.mma, config.block_n), stats["pieces_per_tile"]["max"])
         result["split_tiles"] = stats["split_tiles"]
         result["num_workers"] = plan.num_workers
         result["plan_head_group"] = plan.head_group
-        result["page_chunk"] = config.page_chunk
-        result["split_l"] = td.effective_split_l(config, case.L)  # the kernel's SPLIT_L
-        result["lazy_l"] = config.lazy_l
-        result["unchain"] = config.unchain  # the UNCHAIN constexpr
+        result["page_chunk"] = launched["PAGE_CHUNK"]
+        result["split_l"] = launched["SPLIT_L"]
+        result["lazy_l"] = launched["LAZY_L"]
+        result["unchain"] = launched["UNCHAIN"]
+        result["fp8_stage"] = launched["FP8_STAGE"]
         result["head_group"] = config.head_group
         result["head_split"] = config.head_split
         result["rows"] = config.head_group * max(case.q_lens)
@@ -215,14 +226,15 @@ def _worker() -> dict:
     # pages of a quarter of a tile (4 per 16-token tile, 32-page chunks) and of half a tile (2-page chunks) with MTP
     report["page_select_bitwise"] = {}
     for name in ("bf16_p4_chunks_w3", "fp8kv_p8_chunk4_mtp2_w3"):
-        case, batch, config, runs = _decode_with_each(name, "page_select", (1, 2))
-        report["page_select_bitwise"][name] = same_bits(*runs) and not bool(torch.isnan(runs[1][0].float()).any())
+        case, batch, config, runs, launched = _decode_with_each(name, "page_select", (1, 2))
+        report["page_select_bitwise"][name] = (same_bits(*runs) and not bool(torch.isnan(runs[1][0].float()).any())
+                                               and launched == [1, 2])
     # interleave (each slice's score dot written after its load) is program order only: bitwise the same output,
     # on 64-row tiles (the bf16 default there) and 16-row tiles with eight slices (fp8 KV, L = 128)
     report["interleave_bitwise"] = []
     for name in ("bf16_h64_splitl2_p16_w3", "fp8kv_splitl8_p16_w3"):
-        case, batch, config, runs = _decode_with_each(name, "interleave", (False, True))
-        report["interleave_bitwise"].append(same_bits(*runs))
+        case, batch, config, runs, launched = _decode_with_each(name, "interleave", (False, True))
+        report["interleave_bitwise"].append(same_bits(*runs) and launched == [False, True])
     # the graph-capturable step: plan() into its static buffers, run() launches; equal to decode() at the step's
     # reduce_pieces (its fixed reduce shape), also after seq_lens shrink in place and a re-plan (other pieces per tile)
     step = td.TritonMLADecode(batch, num_workers=3, config=config)
@@ -358,6 +370,7 @@ def test_default_config_takes_the_new_paths(report):
     assert (small["plan_head_group"], small["head_group"]) == (64, 16)  # 4 programs x 16 heads
     assert (large["plan_head_group"], large["head_group"]) == (64, 32)  # large-batch rule: 2 programs x 32 heads
     assert [report[n]["lazy_l"] for n in CASES if "lazyl" in n] == [True, True]
+    assert not any(report[n]["fp8_stage"] for n in CASES)  # device-only: the interpreter never stages fp8 tiles
     unchained = {n for n in CASES if report[n]["unchain"]}  # the 64-row bf16 default; never 16-row tiles
     assert {"bf16_h64_mtp2_p3_w3", "bf16_h64_unchain_p16_w3"} <= unchained and "bf16_p16_w1" not in unchained
 

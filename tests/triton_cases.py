@@ -178,3 +178,20 @@ def observed_p_fmt(out: torch.Tensor, predicted: dict) -> str | None:
     value = got.pop()
     matches = [fmt for fmt, v in predicted.items() if v == value]
     return matches[0] if len(matches) == 1 else None
+
+
+class LaunchRecorder:
+    """Stands in for `triton_decode._mla_decode_kernel` (interpreter or GPU): launches the kernel and keeps
+    each launch's constexprs (the upper-case keywords), i.e. what reached the kernel rather than what the config
+    asked for (a review's mutant that launched PAGE_CHUNK=0, LAZY_L=False, UNCHAIN=False, INTERLEAVE=False and
+    PAGE_SELECT=1 whatever the config passed every CPU test)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append({k: v for k, v in kwargs.items() if k.isupper()})
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
