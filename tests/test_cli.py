@@ -688,3 +688,15 @@ def test_the_readmes_replay_line_runs_as_written(capsys):
     argv = shlex.split(line.split("  #")[0])[1:]
     code, _, err = run(capsys, *argv, "--backend", "emulated")
     assert code == 0, err
+
+
+def test_a_plugin_in_the_working_directory_resolves_as_the_repro_line_names_it(tmp_path, monkeypatch):
+    """The console script `mla-verify` (unlike `python -m verify`) does not put the working directory on sys.path:
+    `mla-verify --impl mymod:decode`, and the repro line it prints for a failure, exited 2 ("No module named") for a
+    plug-in file in the working directory (found by a review)."""
+    from verify.kernels import from_impl
+
+    (tmp_path / "wd_plugin_mod.py").write_text("from verify.mutants import correct as decode\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert from_impl("wd_plugin_mod:decode").name == "wd_plugin_mod:decode"

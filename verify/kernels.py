@@ -23,7 +23,9 @@ worker count (instead of ``my_decode``), and the split-invariance check runs it 
 
 from __future__ import annotations
 
+import os
 import pkgutil
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -87,9 +89,13 @@ def from_backend(name: str) -> Kernel:
 
 
 def from_impl(spec: str) -> Kernel:
-    """Resolve ``package.module:function`` (pkgutil.resolve_name); ValueError with a one-line reason otherwise."""
+    """Resolve ``package.module:function`` (pkgutil.resolve_name), importable from the working directory as under
+    ``python -m`` (the ``mla-verify`` console script does not put it on sys.path, so the repro line it prints for a
+    plug-in in the working directory would not have run); ValueError with a one-line reason otherwise."""
     if ":" not in spec:
         raise ValueError(f"--impl: expected 'package.module:function', got {spec!r}")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         fn = pkgutil.resolve_name(spec)
     except (ImportError, AttributeError, ValueError) as e:
