@@ -130,6 +130,16 @@ class KernelNumerics:
         if self.p_scale <= 0:
             raise ValueError(f"KernelNumerics.p_scale must be > 0, got {self.p_scale!r}")
 
+    def describe(self) -> str:
+        """One line with every field, for reports: what the verifier's kernel bound assumed."""
+        def name(dtype):
+            return str(dtype).removeprefix("torch.")
+
+        p = f"P {self.p_fmt or 'fp32'}" + (f" x{self.p_scale:g}" if self.p_scale != 1 else "")
+        stage = ", fp8 scaled then rounded" if self.scale_then_round else ""
+        return (f"{p}, QK {name(self.qk_operand)} gamma {self.gamma_qk:.3g}, PV {name(self.pv_operand)} gamma "
+                f"{self.gamma_pv:.3g} + {self.gamma_pv_per_token:.3g}/token, out {name(self.out_dtype)}{stage}")
+
 
 def triton_numerics(mma: str, block_n: int = BLOCK_N) -> KernelNumerics:
     """KernelNumerics of `_mla_decode_kernel` with MMA operands in `mma` ("bf16" or "fp16") and tiles of block_n."""

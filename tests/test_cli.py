@@ -71,11 +71,15 @@ def faults_on_two_heads(batch):
 
 
 CALLS = [0]
+CASE_QS: list = []  # the q of every case seen (held, so that no later q reuses its id)
 
 
 def wrong_from_the_150th_call(batch):
-    """Right for the first 149 calls of this process, then out doubled: a failure late in a search."""
-    CALLS[0] += 1
+    """Right for the first 149 cases of this process, then out doubled: a failure late in a search. A case is a new
+    q: the nan check's second call on the same case shares it."""
+    if not any(q is batch.q for q in CASE_QS):
+        CASE_QS.append(batch.q)
+        CALLS[0] += 1
     out, lse = correct(batch)
     return (out * 2 if CALLS[0] >= 150 else out), lse
 
@@ -110,6 +114,15 @@ def shrinks_unsplit(batch, num_workers):
 def lse_when_split(batch, num_workers):
     out, lse = split_workers(batch, num_workers)
     return out if num_workers == 1 else (out, lse)
+
+
+def loose_declaration(batch):
+    """A correct kernel declaring a score error of half the scale: a declaration that loose would pass the drop_rope
+    mutant too (found by a review)."""
+    return correct(batch)
+
+
+loose_declaration.numerics = dataclasses.replace(DEFAULT_NUMERICS, gamma_qk=0.5)
 
 
 def run(capsys, *argv):
@@ -539,6 +552,7 @@ def test_search_stopped_in_its_target_phase_reports_the_cases_that_ran(capsys, t
     limit stops the same way) ends with the report of the cases that ran, not with Hypothesis's ExceptionGroup of
     the stop raised by the calls it still makes after it (report_multiple_bugs=False)."""
     CALLS[0] = 0
+    CASE_QS.clear()
     path = tmp_path / "r.json"
     code, _, err = run(capsys, "--impl", "tests.test_cli:wrong_from_the_150th_call", "--profile", "search", "--cases",
                        "200", "--max-seq-len", "64", "--seed", "1", "--exitfirst", "--json", str(path))
@@ -700,3 +714,20 @@ def test_a_plugin_in_the_working_directory_resolves_as_the_repro_line_names_it(t
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     assert from_impl("wd_plugin_mod:decode").name == "wd_plugin_mod:decode"
+
+
+def test_the_report_names_the_declared_numerics_and_warns_when_the_bound_is_vacuous(capsys, tmp_path):
+    """A kernel bound far above every error seen is a sign of a declaration looser than the kernel: the report
+    prints what the bound assumed (text and JSON) and warns below LOOSE_RATIO over LOOSE_CASES cases; a correct
+    kernel with its honest numerics gets no warning."""
+    path = tmp_path / "r.json"
+    argv = ("--cases", str(cli.LOOSE_CASES), "--max-seq-len", "256", "--jobs", "1", "--json", str(path))
+    code, _, err = run(capsys, "--impl", "tests.test_cli:loose_declaration", *argv)
+    report = json.loads(path.read_text())
+    assert code == 0 and len(report["warnings"]) == 1 and "tier1.out" in report["warnings"][0], err
+    assert "mla-verify: warning: tier1.out" in err
+    (described,) = report["numerics"]
+    assert "QK float32 gamma 0.5" in described and f"declared numerics ({cli.LOOSE_CASES} cases)" in err
+    assert all(r["numerics"] == described for r in report["results"])
+    code, _, err = run(capsys, "--impl", "verify.mutants:correct", *argv)
+    assert code == 0 and json.loads(path.read_text())["warnings"] == [] and "warning" not in err

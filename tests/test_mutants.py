@@ -54,3 +54,39 @@ def test_a_kernel_that_writes_its_inputs_fails_the_inputs_check(name, tensor):
     assert "inputs" in failed and tensor in failed["inputs"], result.describe()
     if name == "cache_padding_written":
         assert set(failed) == {"inputs"}, result.describe()
+
+
+def test_a_nan_partial_merged_as_empty_fails_the_nan_check_alone():
+    """A NaN in a token a row reads must give NaN out and lse, split or not (docs/architecture.md); a kernel that
+    merges a NaN split partial as an empty one (aiter's reduce) gives a finite answer there, and every other check
+    passes: its inputs are finite (found by a review; the mutants' own correct kernel had done the same)."""
+    from verify import mutants
+    from verify.checks import run_case
+    from verify.kernels import from_callable
+
+    case = smoke_cases("bf16")[0]  # its longest request (300 tokens) is cut in splits
+    result = run_case(case, from_callable(mutants.nan_dropped), "cpu")
+    failed = {c.name: c.detail for c in result.checks if not c.ok}
+    assert set(failed) == {"nan"}, result.describe()
+    assert "out not NaN on 8 of the 8 (row, head)s that read it" in failed["nan"]
+    assert run_case(case, from_callable(mutants.correct), "cpu").ok
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_the_nan_probe_marks_what_the_oracle_makes_nan(dtype):
+    """nan_probe's expected mask is the oracle's: NaN out (every channel) and lse on the longest request's last
+    query row only (its earlier MTP rows do not see the newest token), finite elsewhere."""
+    import torch
+
+    from mla_ref.decode import mla_decode_ref
+    from verify.checks import nan_probe
+
+    for case in smoke_cases(dtype):
+        batch, _ = case.materialize("cpu")
+        probe = nan_probe(batch)
+        if probe is None:
+            continue
+        nan_batch, expected = probe
+        out, lse = mla_decode_ref(nan_batch)
+        assert torch.equal(torch.isnan(out).all(dim=-1), expected) and torch.equal(torch.isnan(lse), expected), case
+        assert torch.equal(torch.isnan(out).any(dim=-1), expected), case

@@ -11,6 +11,8 @@
 |                | gluon_fp8, plug-ins that set it)                                |                                |
 | empty          | rows that see no token: out exactly 0, lse -inf                 | —                              |
 | finite         | rows that see tokens: out and lse finite (inputs are finite)    | —                              |
+| nan            | the kernel again with a NaN in one valid token (`nan_probe`):   | exact (masks)                  |
+|                | NaN out and lse on the (row, head)s that read it, only there    |                                |
 | inputs         | q, cache, block table and lengths: after the kernel = before    | byte for byte                  |
 
 err/bound is the largest elementwise |actual - expected| / bound (> 1: violated); checks without a bound report
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mla_fast.backends import Unsupported
+from mla_fast.numerics import KernelNumerics
 from mla_ref.decode import DecodeBatch, mla_decode_ref
 from verify import bounds
 from verify.cases import Case
@@ -81,6 +84,7 @@ class CaseResult:
     seconds: float = 0.0
     unsupported: str | None = None
     device_fault: bool = False
+    numerics: str | None = None  # `KernelNumerics.describe()` of what the kernel declared for this case
 
     @property
     def status(self) -> str:
@@ -254,6 +258,64 @@ def check_finite(batch: DecodeBatch, out: torch.Tensor, lse: torch.Tensor | None
     return CheckResult("finite", True, detail=f"{n_seen} rows finite")
 
 
+def nan_probe(batch: DecodeBatch) -> tuple[DecodeBatch, torch.Tensor] | None:
+    """A copy of ``batch`` whose longest request holds NaN in the last channel of its newest token, and the [T, H]
+    mask of the (row, head)s that read that token: the request's last query row, every head (its earlier MTP rows
+    do not see the newest token). The oracle gives NaN out and lse there and nothing else changes (docs/
+    architecture.md: a NaN input never gives a finite answer). None when no request has a token. One host sync."""
+    seq = batch.seq_lens.tolist()  # [B]
+    if not seq or max(seq) == 0:
+        return None
+    b = max(range(len(seq)), key=seq.__getitem__)
+    s, ps = seq[b], batch.page_size
+    page = int(batch.block_table[b, (s - 1) // ps])
+    kv = batch.kv_cache.clone()  # [P, page_size, D]
+    kv[page, (s - 1) % ps, -1] = torch.tensor(float("nan")).to(kv.dtype)  # the format's NaN code
+    expected = torch.zeros(batch.num_tokens, batch.num_heads, dtype=torch.bool, device=batch.device)  # [T, H]
+    expected[int(batch.qo_indptr[b + 1]) - 1] = True
+    return batch.replace(kv_cache=kv), expected
+
+
+def check_nan(batch: DecodeBatch, kernel: Kernel, workers: int | None) -> CheckResult:
+    """The kernel run again on `nan_probe(batch)` (with the case's worker count when it takes one): out (some
+    channel) and lse are NaN exactly on the (row, head)s that read the NaN token. A kernel that merges a NaN partial
+    as an empty split (aiter's reduce), or takes a NaN row sum for an empty row, gives a finite answer there."""
+    probe = nan_probe(batch)
+    if probe is None:
+        return CheckResult("nan", True, detail="no request has a token to poison")
+    nan_batch, expected = probe
+    if kernel.run_workers is not None:
+        raw, exc = _call(kernel.run_workers, nan_batch, workers, device=batch.device)
+    else:
+        raw, exc = _call(kernel.run, nan_batch, device=batch.device)
+    if exc is not None and is_device_fault(exc):
+        raise exc
+    if exc is not None:
+        return CheckResult("nan", False, detail=f"the run with a NaN token raised {error_message(exc)}")
+    try:
+        out, lse = outputs(raw, nan_batch)
+    except ValueError as e:
+        return CheckResult("nan", False, detail=f"the run with a NaN token: {e}")
+    expected = expected.to(out.device)
+    masks = {"out": torch.isnan(_floating(out)).any(dim=-1)}  # [T, H]
+    if lse is not None:
+        masks["lse"] = torch.isnan(_floating(lse))  # [T, H]
+    problems = []
+    for name, got in masks.items():
+        finite, extra = int((expected & ~got).sum()), int((got & ~expected).sum())
+        if finite:
+            problems.append(f"{name} not NaN on {finite} of the {int(expected.sum())} (row, head)s that read it")
+        if extra:
+            problems.append(f"{name} NaN on {extra} (row, head)s that do not read it")
+    row = int(expected.any(dim=1).nonzero()[0])
+    where = f"NaN in the newest token of the longest request, read by row {row}"
+    if problems:
+        sample = f"; row {row} head 0: out[:3] {out[row, 0, :3].float().tolist()}" + (
+            f", lse {float(lse[row, 0])}" if lse is not None else "")
+        return CheckResult("nan", False, detail=f"{where}: " + "; ".join(problems) + sample)
+    return CheckResult("nan", True, detail=f"{where}: NaN there only")
+
+
 # ---- one case -----------------------------------------------------------------------------------------------------
 
 
@@ -281,7 +343,8 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().view(-1).view(torch.uint8)
 
 
-def run_case(case: Case, kernel: Kernel, device: str = "cpu", *, tier2: bool = True, split: bool = True) -> CaseResult:
+def run_case(case: Case, kernel: Kernel, device: str = "cpu", *, tier2: bool = True, split: bool = True,
+             nan: bool = True) -> CaseResult:
     """Materialize ``case`` on ``device``, run ``kernel`` on it and apply every check. Never raises for kernel
     failures (they are failed checks; `Unsupported` makes an unsupported case; a device fault fails the case and sets
     ``device_fault``); raises only if the verifier itself breaks. The oracle runs before the kernel, on the inputs as
@@ -291,6 +354,7 @@ def run_case(case: Case, kernel: Kernel, device: str = "cpu", *, tier2: bool = T
     batch, batch_exact = case.materialize(device)
     try:
         numerics = kernel.numerics(batch)
+        result.numerics = numerics.describe() if isinstance(numerics, KernelNumerics) else repr(numerics)
     except Unsupported as e:  # a plug-in's numerics(batch) may refuse the batch as its kernel would
         result.unsupported = str(e)
         result.seconds = time.perf_counter() - t0
@@ -329,6 +393,8 @@ def run_case(case: Case, kernel: Kernel, device: str = "cpu", *, tier2: bool = T
             result.checks += check_tier2(batch, batch_exact, ref)
         if split and kernel.run_workers is not None:
             result.checks += check_split(batch, kernel, numerics, (out_d, lse_d), case.num_workers)
+        if nan:
+            result.checks.append(check_nan(batch, kernel, case.num_workers))
         result.checks.append(check_inputs(batch, before))
     except Exception as e:
         if not is_device_fault(e):

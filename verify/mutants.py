@@ -21,6 +21,7 @@ turns one knob, the way such bugs happen in real kernels:
 | bf16_accumulation     | running softmax sum and output kept in bf16 across KV blocks | tier1.out (long request)      |
 | seq_lens_cleared      | zeroes batch.seq_lens in place, then decodes: all rows empty | tier1 / inputs (any)          |
 | cache_padding_written | correct output, then writes 0 into the unused cache slots    | inputs (any)                  |
+| nan_dropped           | a NaN split partial merged as an empty one (aiter's reduce)  | nan (a split request)         |
 """
 
 from __future__ import annotations
@@ -108,22 +109,25 @@ def _split(rows, K, start, visible, sigma, D, L, acc_dtype, empty_nan):
     l, acc = l.float(), acc.float()
     if empty_nan:
         return acc / l[..., None], m + torch.log(l)  # 0 / 0 = NaN on a row that saw nothing
-    seen = l > 0  # [n, H]
+    seen = l != 0  # [n, H] a NaN row sum (a NaN token) is no empty row: it stays NaN
     o = torch.where(seen[..., None], acc / torch.where(seen, l, 1.0)[..., None], 0.0)  # [n, H, L]
     return o, torch.where(seen, m + torch.log(torch.where(seen, l, 1.0)), -math.inf)
 
 
 def _merge(o_s, lse_s, how, empty_nan):
     """Merge split partials o_s [S, n, H, L], lse_s [S, n, H] -> (out [n, H, L], lse [n, H]) (numerics.md §3)."""
-    M = lse_s.amax(dim=0)  # [n, H]
+    if how == "drop_nan":  # aiter's reduce: a NaN partial merged as an empty split
+        nan = torch.isnan(lse_s)  # [S, n, H]
+        lse_s, o_s = lse_s.masked_fill(nan, -math.inf), o_s.masked_fill(nan[..., None], 0.0)
+    M = lse_s.amax(dim=0)  # [n, H] NaN when a split is NaN
     M_safe = torch.where(torch.isinf(M), 0.0, M)
     total = torch.exp(lse_s - M_safe).sum(dim=0)  # [n, H]
-    lse = torch.where(total > 0, M_safe + torch.log(total), -math.inf)  # [n, H]
+    lse = torch.where(total != 0, M_safe + torch.log(total), -math.inf)  # [n, H] NaN stays NaN
     if how == "mean":
         has = torch.isfinite(lse_s)  # [S, n, H] splits that saw a token
         cnt = has.sum(dim=0).clamp(min=1)  # [n, H]
         return torch.where(has[..., None], o_s, 0.0).sum(dim=0) / cnt[..., None], lse
-    w = torch.exp(lse_s - torch.where(total > 0, lse, 0.0))  # [S, n, H] merge weights (0 for empty splits)
+    w = torch.exp(lse_s - torch.where(total != 0, lse, 0.0))  # [S, n, H] merge weights (0 for empty splits)
     if empty_nan:
         return (w[..., None] * o_s).sum(dim=0), lse  # NaN partials of empty splits propagate
     return (w[..., None] * torch.where(w[..., None] > 0, o_s, 0.0)).sum(dim=0), lse
@@ -187,6 +191,12 @@ def nan_empty(batch):
     return _decode(batch, empty_nan=True)
 
 
+def nan_dropped(batch):
+    """A split whose partial is NaN (a NaN in a token it reads) merged as an empty one, as aiter's reduce does: a
+    finite answer from a NaN input on split rows."""
+    return _decode(batch, merge="drop_nan")
+
+
 def out_gain(batch):
     """A systematic relative error of 2^-7 on out (two bf16 ulps): cos-diff 3e-5 passes vLLM's fp8 check (1e-4)."""
     return _decode(batch, gain=1 + 2**-7)
@@ -218,6 +228,6 @@ def cache_padding_written(batch):
 MUTANTS = (
     "wrong_scale", "drop_rope", "page_off_by_one", "last_page_unmasked", "lse_base2", "kv_scale_ignored",
     "q_scale_ignored", "average_splits", "mtp_causal_off_by_one", "nan_empty", "out_gain", "bf16_accumulation",
-    "seq_lens_cleared", "cache_padding_written",
+    "seq_lens_cleared", "cache_padding_written", "nan_dropped",
 )  # fmt: skip
 FP8_ONLY = ("kv_scale_ignored", "q_scale_ignored")  # need fp8 inputs with a scale != 1
