@@ -150,3 +150,30 @@ def test_strategy_reaches_the_edges():
     for f in ["empty", "len1", "mtp", "q_len>seq_len", "long", "partial_page", "workers>blocks", "scale:dynamic",
               "scale:static", "scale:unit", "q:fp8", "q:bf16"] + [f"dist:{d}" for d in DISTRIBUTIONS]:
         assert f in found, f
+
+
+def _scores(case: Case) -> list[torch.Tensor]:
+    """Per request, the last query row's scores σ <q, k_j> over its tokens, fp64: [H, s_b] each."""
+    batch, _ = case.materialize()
+    q, kv = batch.dequantized(torch.float64)  # [T, H, D], [P, page, D]
+    qo = batch.qo_indptr.tolist()
+    return [batch.sm_scale * torch.einsum("hd,sd->hs", q[qo[b + 1] - 1], batch.request_kv(b, torch.float64))
+            for b in range(batch.batch_size)]
+
+
+@pytest.mark.parametrize("dist, j", [("sink", 0), ("recent", -1)])
+def test_sink_and_recent_data_weight_one_token(dist, j):
+    """sink gives token 0 of each request a +12 logit over the rest, recent the newest token, which only a
+    request's last query row reads: a kernel that skips it is off by most of the output (the sink at token 0 hid
+    that past ~1000 tokens, where the derived bound is widest; found by a review)."""
+    for scores in _scores(Case(seq_lens=(300, 2000), q_lens=(2, 1), heads=2, dist=dist, seed=3)):
+        rest = scores[:, 1:] if j == 0 else scores[:, :-1]  # [H, s - 1] the other tokens
+        assert (scores[:, j] - rest.max(dim=1).values).min() > 12 - 2 * 4  # +12 against the N(0, ~1.4) rest
+
+
+def test_wide_data_reaches_logits_past_fp32_exp_overflow():
+    """The wide distribution (score std 32) puts logits past 88.7, where exp overflows fp32: a softmax without the
+    running max subtracted fails on it (the no_max_subtraction mutant); no other distribution got past ~18."""
+    top = max(float(s.max()) for s in _scores(Case(seq_lens=(90, 5, 130), q_lens=(1, 2, 1), heads=128, dist="wide",
+                                                    seed=9)))
+    assert top > math.log(torch.finfo(torch.float32).max)  # 88.72

@@ -18,6 +18,7 @@ from verify.cases import Case
 from verify.checks import is_device_fault
 from verify.kernels import DEFAULT_NUMERICS
 from verify.mutants import correct
+from verify.strategies import smoke_cases
 
 SMALL = Case(seq_lens=(0, 70), q_lens=(2, 1), heads=2, seed=3)
 
@@ -421,10 +422,11 @@ def test_search_jobs_are_the_searches_of_their_seeds(capsys, tmp_path, monkeypat
                            str(path), *argv)
         assert code == 0, err
         return [(json.dumps(r["case"], sort_keys=True), json.dumps(r["err_over_bound"])) for r in
-                json.loads(path.read_text())["results"][6:]]  # after the 6 smoke cases
+                json.loads(path.read_text())["results"][smoke:]]  # after the smoke cases
 
-    both = cases("--cases", "26", "--seed", "5", "--jobs", "2")  # 6 smoke + 10 per search
-    one_by_one = cases("--cases", "16", "--seed", "5") + cases("--cases", "16", "--seed", "6")
+    smoke = len(smoke_cases("bf16"))
+    both = cases("--cases", str(smoke + 20), "--seed", "5", "--jobs", "2")  # smoke + 10 per search
+    one_by_one = cases("--cases", str(smoke + 10), "--seed", "5") + cases("--cases", str(smoke + 10), "--seed", "6")
     assert len(both) == 20 and sorted(both) == sorted(one_by_one)
 
 

@@ -16,7 +16,11 @@ Data distributions (numerics.md §5.1, §8.2), each with q scaled so that scores
 | gauss1   | N(0, 1)                                               | 1         | the typical case                |
 | gauss4   | N(0, 1)                                               | 4         | peaky softmax (large ω)         |
 | outlier  | N(0, 1), two latent channels × 3000 (q there ÷ 3000)  | 1         | the rest in fp8 subnormals      |
+| wide     | N(0, 1)                                               | 32        | logits past 88.7, where fp32    |
+|          |                                                       |           | exp overflows without the max   |
 | sink     | N(0, 1); token 0 of each request gets a +12 logit     | ~1.4      | one dominant token              |
+| recent   | N(0, 1); the newest token of each request gets +12    | ~1.4      | one dominant token that only    |
+|          |                                                       |           | the request's last row sees     |
 | coherent | 4 repeated rows of ±1.0625, q = ±0.296875 (fp8 ties)  | ~1        | rounding errors that add up     |
 | near_max | N(0, 1), a few entries at s·(448, 464] (static s)     | 1         | saturation (torch's NaN trap)   |
 
@@ -42,7 +46,8 @@ from mla_ref.decode import DecodeBatch, make_decode_batch
 from mla_ref.fp8 import FORMATS, quantize
 
 SM_SCALE = 0.1352338  # DeepSeek-V3 σ = 192^-1/2 · mscale² (numerics.md §1.3)
-DISTRIBUTIONS = ("gauss1", "gauss4", "outlier", "sink", "coherent", "near_max")
+DISTRIBUTIONS = ("gauss1", "gauss4", "wide", "outlier", "sink", "recent", "coherent", "near_max")
+SCORE_STD = {"gauss4": 4.0, "wide": 32.0}  # the others: 1
 SCALE_MODES = ("dynamic", "static", "unit")
 DTYPES = ("bf16", "fp8")
 FP8_FORMATS = ("e4m3fn", "e4m3fnuz")
@@ -198,8 +203,7 @@ class Case:
 
 def q_std(case: Case) -> float:
     """Std of the generated q entries: score std = σ · sqrt(D) · q_std for unit-variance cache rows."""
-    score_std = 4.0 if case.dist == "gauss4" else 1.0
-    return score_std / (SM_SCALE * math.sqrt(case.head_dim))
+    return SCORE_STD.get(case.dist, 1.0) / (SM_SCALE * math.sqrt(case.head_dim))
 
 
 def static_scale(case: Case, which: str) -> float:
@@ -228,13 +232,14 @@ def _draw(case: Case, g: torch.Generator) -> tuple[torch.Tensor, list[torch.Tens
         for k in kv:
             k[:, ch] *= OUTLIER_GAIN
         q[..., ch] /= OUTLIER_GAIN  # keep their score contribution typical
-    elif case.dist == "sink":
+    elif case.dist in ("sink", "recent"):
         u = torch.randn(D, generator=g)
         u = u / u.norm()  # [D] unit direction
         q = q + u / SM_SCALE  # [T, H, D] σ <q, u> = 1 more score noise for every token ...
+        j = 0 if case.dist == "sink" else -1  # the attention sink, or the newest token (only the last row sees it)
         for k in kv:
             if k.shape[0]:
-                k[0] += SINK_LOGIT * u  # ... and +12 for token 0
+                k[j] += SINK_LOGIT * u  # ... and +12 for token j
     elif case.dist == "near_max" and case.is_fp8:
         fmt = case.fp8_format
         q = _place_near_max(q, static_scale(case, "q"), fmt, g) if case.q_dtype == "fp8" else q

@@ -22,6 +22,7 @@ turns one knob, the way such bugs happen in real kernels:
 | seq_lens_cleared      | zeroes batch.seq_lens in place, then decodes: all rows empty | tier1 / inputs (any)          |
 | cache_padding_written | correct output, then writes 0 into the unused cache slots    | inputs (any)                  |
 | nan_dropped           | a NaN split partial merged as an empty one (aiter's reduce)  | nan (a split request)         |
+| no_max_subtraction    | softmax without the max subtracted: exp(s) overflows         | finite / tier1 (wide logits)  |
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def _decode(
     merge: str = "lse",
     causal_slack: int = 0,
     empty_nan: bool = False,
+    max_sub: bool = True,
     gain: float = 1.0,
     acc_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,7 +80,7 @@ def _decode(
         rows = q[qo[b] : qo[b + 1]]  # [n, H, D]
         n_blocks = -(-K.shape[0] // BLOCK)
         per_split = -(-n_blocks // min(MAX_SPLITS, max(n_blocks, 1))) * BLOCK if n_blocks else BLOCK
-        parts = [_split(rows, K[j : j + per_split], j, visible, sigma, D, L, acc_dtype, empty_nan)
+        parts = [_split(rows, K[j : j + per_split], j, visible, sigma, D, L, acc_dtype, empty_nan, max_sub)
                  for j in range(0, max(K.shape[0], 1), per_split)]
         o_s = torch.stack([p[0] for p in parts])  # [S, n, H, L]
         lse_s = torch.stack([p[1] for p in parts])  # [S, n, H]
@@ -87,7 +89,7 @@ def _decode(
     return out, lse * math.log2(math.e) if lse_base2 else lse
 
 
-def _split(rows, K, start, visible, sigma, D, L, acc_dtype, empty_nan):
+def _split(rows, K, start, visible, sigma, D, L, acc_dtype, empty_nan, max_sub=True):
     """One split: online softmax over BLOCK-token steps. rows [n, H, D'], K [m, D'] -> (o [n, H, L], lse [n, H])."""
     n, H = rows.shape[:2]
     dev = rows.device
@@ -99,7 +101,7 @@ def _split(rows, K, start, visible, sigma, D, L, acc_dtype, empty_nan):
         pos = start + j + torch.arange(Kb.shape[0], device=dev)  # [b] token positions
         s = sigma * torch.einsum("nhd,bd->nhb", rows[..., :D], Kb[:, :D])  # [n, H, b]
         s = s.masked_fill(~(pos[None, :] < visible[:, None])[:, None, :], -math.inf)
-        m_new = torch.maximum(m, s.amax(dim=-1))  # [n, H]
+        m_new = torch.maximum(m, s.amax(dim=-1)) if max_sub else torch.zeros_like(m)  # [n, H] (0: exp(s) unshifted)
         m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)  # [n, H] no token seen yet: shift by 0
         alpha = torch.exp(m - m_safe)  # [n, H] rescale of the old sums (0 while m = -inf)
         p = torch.exp(s - m_safe[..., None])  # [n, H, b]
@@ -197,6 +199,11 @@ def nan_dropped(batch):
     return _decode(batch, merge="drop_nan")
 
 
+def no_max_subtraction(batch):
+    """Softmax without subtracting the running max: exp(s) overflows fp32 once a logit passes 88.7."""
+    return _decode(batch, max_sub=False)
+
+
 def out_gain(batch):
     """A systematic relative error of 2^-7 on out (two bf16 ulps): cos-diff 3e-5 passes vLLM's fp8 check (1e-4)."""
     return _decode(batch, gain=1 + 2**-7)
@@ -228,6 +235,6 @@ def cache_padding_written(batch):
 MUTANTS = (
     "wrong_scale", "drop_rope", "page_off_by_one", "last_page_unmasked", "lse_base2", "kv_scale_ignored",
     "q_scale_ignored", "average_splits", "mtp_causal_off_by_one", "nan_empty", "out_gain", "bf16_accumulation",
-    "seq_lens_cleared", "cache_padding_written", "nan_dropped",
+    "seq_lens_cleared", "cache_padding_written", "nan_dropped", "no_max_subtraction",
 )  # fmt: skip
 FP8_ONLY = ("kv_scale_ignored", "q_scale_ignored")  # need fp8 inputs with a scale != 1

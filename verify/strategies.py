@@ -4,9 +4,11 @@ Edges (each gets its own branch, so Hypothesis draws them often, not once in a m
 - sequence lengths 0 (empty: out 0, lse -inf), 1, page boundaries ±1, 2 pages ±1;
 - one very long request among short ones (uneven splits, long accumulations), in a quarter of the cases;
 - more workers than KV blocks (every block its own split);
-- MTP: q_len 2..4, including q_len > seq_len (leading rows see nothing).
+- MTP: q_len 2..4, including q_len > seq_len (leading rows see nothing);
+- pages of 1, 16, 32, 64 and 3 tokens, up to 8 requests, 1 to 128 heads.
 Sizes are kept moderate so that a CPU campaign runs hundreds of cases a minute: heads are drawn after the
-lengths, from the counts that keep ``Case.work`` (q rows × heads × tokens) under ``work_budget``.
+lengths, from the counts that keep ``Case.work`` (q rows × heads × tokens) under ``work_budget`` (so 32 to 128
+heads come with short requests; ``--heads`` fixes them, ``--max-seq-len`` reaches past 4096).
 
 `smoke_cases` is a fixed, hand-picked list that every campaign runs first: each planted bug of `verify.mutants`
 is exposed by at least one of them, whatever Hypothesis draws afterwards.
@@ -18,8 +20,8 @@ from hypothesis import strategies as st
 
 from verify.cases import DISTRIBUTIONS, Case
 
-HEADS = (1, 2, 4, 8, 16)
-PAGE_SIZES = (64, 16, 1)
+HEADS = (1, 2, 4, 8, 16, 32, 64, 128)  # above 16: drawn where the lengths leave room in the work budget
+PAGE_SIZES = (64, 16, 1, 32, 3)  # 3: a page that no power-of-two tile divides
 WORKERS = (1, 2, 4, 8, 32, 132)  # 132: an H200's SMs, more workers than blocks for all but long requests
 WORK_BUDGET = 1 << 15  # q rows × heads × KV tokens per drawn case (a few tens of ms of fp64 oracle on a CPU)
 SHORT_MAX = 512  # the bulk of drawn sequence lengths
@@ -44,7 +46,7 @@ def cases(
     page_size: int | None = None,
     kv_lora_rank: int = 512,
     rope_dim: int = 64,
-    max_batch: int = 4,
+    max_batch: int = 8,
     work_budget: int = WORK_BUDGET,
 ) -> Case:
     """Draw a `Case` of the given kernel dtype ("bf16": bf16 q and KV; "fp8": fp8 KV, q bf16 or fp8).
@@ -106,7 +108,8 @@ def smoke_cases(
     rope_dim: int = 64,
 ) -> list[Case]:
     """The fixed prefix of every campaign: empty rows, length 1, page edges, MTP, splits, a long request, peaky
-    and sink scores, and for fp8 both q dtypes, every scale mode, subnormals, ties and saturation.
+    and sink scores, 128 heads on pages of 32 with logits past fp32 exp's overflow, a dominant newest token in a
+    long request, and for fp8 both q dtypes, every scale mode, subnormals, ties and saturation.
 
     Lengths are clipped to max_seq_len; heads / page_size override the hand-picked values when given.
     """
@@ -123,6 +126,8 @@ def smoke_cases(
              q_dtype="fp8" if fp8 else "bf16", seed=3),
         # a dominant sink token, small pages, more workers than blocks
         dict(seq_lens=(129, 2, 200), q_lens=(1, 1, 2), heads=4, page_size=16, num_workers=132, dist="sink", seed=4),
+        dict(seq_lens=(90, 5, 130), q_lens=(1, 2, 1), heads=128, page_size=32, num_workers=8, dist="wide", seed=9),
+        dict(seq_lens=(1500, 3), q_lens=(2, 1), heads=2, num_workers=4, dist="recent", seed=10),
     ]
     if fp8:
         picked += [
