@@ -90,3 +90,29 @@ def test_the_nan_probe_marks_what_the_oracle_makes_nan(dtype):
         out, lse = mla_decode_ref(nan_batch)
         assert torch.equal(torch.isnan(out).all(dim=-1), expected) and torch.equal(torch.isnan(lse), expected), case
         assert torch.equal(torch.isnan(out).any(dim=-1), expected), case
+
+
+def test_a_declared_nan_deviation_skips_the_nan_check_and_says_so(monkeypatch):
+    """FlashInfer and FlashMLA keep NaN out of lse (measured on an H200; aiter's reduce drops NaN partials): their
+    backends declare it (Backend.nan_deviation), the campaign's reason names it and the nan check does not run for
+    them; the same kernel without the declaration fails the nan check."""
+    import dataclasses
+
+    from mla_fast.backends import BACKENDS
+    from verify import mutants
+    from verify.checks import run_case
+    from verify.kernels import from_backend
+
+    for name in ("flashinfer", "flashmla", "aiter"):
+        assert BACKENDS[name].nan_deviation
+    assert not any(BACKENDS[name].nan_deviation for name in ("ref", "emulated", "triton", "seesaw", "gluon_fp8"))
+    case = smoke_cases("bf16")[0]
+    declared = dataclasses.replace(BACKENDS["emulated"], run=mutants.nan_dropped, run_workers=None,
+                                   nan_deviation="drops NaN partials")
+    monkeypatch.setitem(BACKENDS, "emulated", declared)
+    kernel = from_backend("emulated")
+    assert "nan check not run, declared: drops NaN partials" in kernel.reason
+    result = run_case(case, kernel, "cpu")
+    assert result.ok and "nan" not in {c.name for c in result.checks}, result.describe()
+    result = run_case(case, dataclasses.replace(kernel, nan_deviation=""), "cpu")
+    assert [c.name for c in result.checks if not c.ok] == ["nan"], result.describe()

@@ -59,6 +59,8 @@ class Kernel:
             backends that take a plan (`Backend.run_workers`) and plug-ins that set ``.run_workers``; None otherwise.
         max_splits: (batch) -> the largest number of KV splits of any row (the merge bound's S).
         reason: why this kernel was chosen (shown in the report).
+        nan_deviation: a backend's declared break of the NaN convention (`Backend.nan_deviation`): the nan check
+            is then not run, and the reason says why; "" for our kernels and plug-ins, which must keep it.
     """
 
     name: str
@@ -67,6 +69,7 @@ class Kernel:
     run_workers: Callable[[DecodeBatch, int], tuple[torch.Tensor, torch.Tensor]] | None = None
     max_splits: Callable[[DecodeBatch], int] = lambda batch: _blocks(batch, 64)
     reason: str = ""
+    nan_deviation: str = ""
 
 
 def _blocks(batch: DecodeBatch, block_n: int) -> int:
@@ -85,7 +88,10 @@ def from_backend(name: str) -> Kernel:
         status = backends.available()
         skipped = [f"{n}: {status[n][1]}" for n in backends.AUTO_ORDER if not status[n][0]]
         reason = f"auto picked {backend.name} ({reason})" + (f"; unavailable: {'; '.join(skipped)}" if skipped else "")
-    return Kernel(backend.name, backend.run, backend.numerics, backend.run_workers, reason=reason)
+    if backend.nan_deviation:
+        reason += f"; nan check not run, declared: {backend.nan_deviation}"
+    return Kernel(backend.name, backend.run, backend.numerics, backend.run_workers, reason=reason,
+                  nan_deviation=backend.nan_deviation)
 
 
 def from_impl(spec: str) -> Kernel:
