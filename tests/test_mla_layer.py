@@ -208,6 +208,31 @@ def hf_v3_layer(rope_interleave: bool, q_lora_rank: int | None, seed: int):
     return hf, hf_config, attention
 
 
+def rms_norm_fp64(self, h):  # HF's DeepseekV3/V2RMSNorm.forward without `.to(torch.float32)`
+    return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+def eager_fp64(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):  # HF's, softmax in fp64
+    p = (query @ key.transpose(2, 3) * scaling + attention_mask).softmax(dim=-1)  # [B, H, S, T]
+    return (p @ value).transpose(1, 2).contiguous(), p
+
+
+def hf_v2_layer(seed: int):
+    """transformers' DeepseekV2Attention, tiny dims, YaRN, no q LoRA (V2-Lite style), random fp64 weights."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf
+
+    hf_config = transformers.DeepseekV2Config(
+        **HF_DIMS, q_lora_rank=None, rope_theta=10000.0,
+        rope_scaling=dict(type="yarn", factor=40.0, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
+                          mscale=0.707, mscale_all_dim=0.707),
+    )
+    hf_config._attn_implementation = "eager"
+    attention = hf.DeepseekV2Attention(hf_config, layer_idx=0).to(torch.float64).eval()
+    randomize_(attention, seed)
+    return hf, hf_config, attention
+
+
 V3_CASES = [(True, 24), (False, 24), (False, None)]  # (rope_interleave, q_lora_rank)
 
 
@@ -230,13 +255,6 @@ def test_matches_hf_v3_exactly_without_fp32_roundings(rope_interleave, q_lora_ra
     """Patch out HF's three fp32 casts, feed fp64 rope tables, and record HF's roped q_pe/k_pe: fp64 agreement."""
     hf, hf_config, attention = hf_v3_layer(rope_interleave, q_lora_rank, seed=12)
     cfg, w = MLAConfig.from_hf(hf_config), MLAWeights.from_hf(attention)
-
-    def rms_norm_fp64(self, h):  # HF's DeepseekV3RMSNorm.forward without `.to(torch.float32)`
-        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-    def eager_fp64(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):  # softmax in fp64
-        p = (query @ key.transpose(2, 3) * scaling + attention_mask).softmax(dim=-1)  # [B, H, S, T]
-        return (p @ value).transpose(1, 2).contiguous(), p
 
     recorded = {}
     rope_fn = "apply_rotary_pos_emb_interleave" if rope_interleave else "apply_rotary_pos_emb"
@@ -272,17 +290,7 @@ def test_matches_hf_v3_exactly_without_fp32_roundings(rope_interleave, q_lora_ra
 
 def test_matches_hf_deepseek_v2_attention():
     """V2's complex RoPE (interleaved, no permutation) and the plain `q_proj` path (V2-Lite style)."""
-    transformers = pytest.importorskip("transformers")
-    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf
-
-    hf_config = transformers.DeepseekV2Config(
-        **HF_DIMS, q_lora_rank=None, rope_theta=10000.0,
-        rope_scaling=dict(type="yarn", factor=40.0, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
-                          mscale=0.707, mscale_all_dim=0.707),
-    )
-    hf_config._attn_implementation = "eager"
-    attention = hf.DeepseekV2Attention(hf_config, layer_idx=0).to(torch.float64).eval()
-    randomize_(attention, seed=14)
+    hf, hf_config, attention = hf_v2_layer(seed=14)
     cfg, w = MLAConfig.from_hf(hf_config), MLAWeights.from_hf(attention)
     S = 8
     x = hidden(cfg, batch=2, seq=S, seed=15)  # [B, S, D]
@@ -298,25 +306,8 @@ def test_matches_hf_v2_exactly_without_fp32_roundings(monkeypatch):
     """V2 with HF's fp32 steps patched out (its RMSNorm cast, the eager softmax and the complex64 rotation), fed fp64
     rope tables: fp64 agreement, so a relative error below HF_FP32_BAR in the V2 path is seen too (a review's
     mutant, out x (1 + 5e-6), passed the fp32-floored parity test)."""
-    transformers = pytest.importorskip("transformers")
-    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf
-
-    hf_config = transformers.DeepseekV2Config(
-        **HF_DIMS, q_lora_rank=None, rope_theta=10000.0,
-        rope_scaling=dict(type="yarn", factor=40.0, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
-                          mscale=0.707, mscale_all_dim=0.707),
-    )
-    hf_config._attn_implementation = "eager"
-    attention = hf.DeepseekV2Attention(hf_config, layer_idx=0).to(torch.float64).eval()
-    randomize_(attention, seed=16)
+    hf, hf_config, attention = hf_v2_layer(seed=16)
     cfg, w = MLAConfig.from_hf(hf_config), MLAWeights.from_hf(attention)
-
-    def rms_norm_fp64(self, h):  # HF's DeepseekV2RMSNorm.forward without `.to(torch.float32)`
-        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-    def eager_fp64(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):  # softmax in fp64
-        p = (query @ key.transpose(2, 3) * scaling + attention_mask).softmax(dim=-1)  # [B, H, S, T]
-        return (p @ value).transpose(1, 2).contiguous(), p
 
     def rotary_fp64(xq, xk, freqs_cis):  # HF's apply_rotary_emb in complex128 instead of complex64
         xq_ = torch.view_as_complex(xq.reshape(*xq.shape[:-1], -1, 2).contiguous())  # [B, H, S, R/2]
