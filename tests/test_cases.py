@@ -146,7 +146,9 @@ def test_smoke_prefix_reaches_every_feature():
 def test_strategy_reaches_the_edges():
     from verify.cli import _draw
 
-    found = _features(_draw(cases("fp8"), 150, seed=0))
+    # 400: the draws of one seed depend on the modules loaded before (Hypothesis mixes constants from their source
+    # into generation), so other test orders draw other cases; 150 once drew no near_max case in the full suite
+    found = _features(_draw(cases("fp8"), 400, seed=0))
     for f in ["empty", "len1", "mtp", "q_len>seq_len", "long", "partial_page", "workers>blocks", "scale:dynamic",
               "scale:static", "scale:unit", "q:fp8", "q:bf16"] + [f"dist:{d}" for d in DISTRIBUTIONS]:
         assert f in found, f
