@@ -343,8 +343,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().view(-1).view(torch.uint8)
 
 
-def run_case(case: Case, kernel: Kernel, device: str = "cpu", *, tier2: bool = True, split: bool = True,
-             nan: bool = True) -> CaseResult:
+def run_case(case: Case, kernel: Kernel, device: str = "cpu") -> CaseResult:
     """Materialize ``case`` on ``device``, run ``kernel`` on it and apply every check. Never raises for kernel
     failures (they are failed checks; `Unsupported` makes an unsupported case; a device fault fails the case and sets
     ``device_fault``); raises only if the verifier itself breaks. The oracle runs before the kernel, on the inputs as
@@ -389,11 +388,11 @@ def run_case(case: Case, kernel: Kernel, device: str = "cpu", *, tier2: bool = T
         result.checks += check_tier1(batch, out_d, lse_d, ref, numerics, merge)
         result.checks.append(check_empty(batch, out_d, lse_d))
         result.checks.append(check_finite(batch, out_d, lse_d))
-        if tier2 and case.is_fp8:
+        if case.is_fp8:
             result.checks += check_tier2(batch, batch_exact, ref)
-        if split and kernel.run_workers is not None:
+        if kernel.run_workers is not None:
             result.checks += check_split(batch, kernel, numerics, (out_d, lse_d), case.num_workers)
-        if nan and not kernel.nan_deviation:  # a backend's declared deviation is in the campaign's report instead
+        if not kernel.nan_deviation:  # a backend's declared deviation is in the campaign's report instead
             result.checks.append(check_nan(batch, kernel, case.num_workers))
         result.checks.append(check_inputs(batch, before))
     except Exception as e:
