@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from mla_fast.backends import Unsupported
+from mla_fast.backends import BACKENDS, Unsupported
 from verify import cli
 from verify.cases import Case
 from verify.checks import is_device_fault
@@ -86,13 +86,9 @@ def wrong_from_the_150th_call(batch):
 
 
 def split_workers(batch, num_workers):
-    """A split-KV plug-in's run over num_workers persistent workers: the planner's plan, emulated in fp32."""
-    from mla_fast.emulate import run_plan_reference
-    from mla_fast.planner import plan_decode
-
-    plan = plan_decode(batch.seq_lens, batch.q_lens, batch.num_heads, num_workers=num_workers)
-    out, lse = run_plan_reference(batch, plan, torch.float32)  # [T, H, L], [T, H]
-    return out.to(torch.bfloat16), lse
+    """A split-KV plug-in's run over num_workers persistent workers: the emulated backend's (the planner's plan in
+    fp32, bf16 out)."""
+    return BACKENDS["emulated"].run_workers(batch, num_workers)
 
 
 def split_plugin(batch):

@@ -155,6 +155,14 @@ def _call(kernel_fn, *args, device: torch.device) -> tuple[object | None, Except
         return None, e
 
 
+def _run(kernel: Kernel, batch: DecodeBatch, workers: int) -> tuple[object | None, Exception | None]:
+    """`_call` of the kernel on ``batch``: with ``workers`` persistent workers when it takes a count (run_workers),
+    else its plain run."""
+    if kernel.run_workers is not None:
+        return _call(kernel.run_workers, batch, workers, device=batch.device)
+    return _call(kernel.run, batch, device=batch.device)
+
+
 # ---- individual checks --------------------------------------------------------------------------------------------
 
 
@@ -276,7 +284,7 @@ def nan_probe(batch: DecodeBatch) -> tuple[DecodeBatch, torch.Tensor] | None:
     return batch.replace(kv_cache=kv), expected
 
 
-def check_nan(batch: DecodeBatch, kernel: Kernel, workers: int | None) -> CheckResult:
+def check_nan(batch: DecodeBatch, kernel: Kernel, workers: int) -> CheckResult:
     """The kernel run again on `nan_probe(batch)` (with the case's worker count when it takes one): out (some
     channel) and lse are NaN exactly on the (row, head)s that read the NaN token. A kernel that merges a NaN partial
     as an empty split (aiter's reduce), or takes a NaN row sum for an empty row, gives a finite answer there."""
@@ -284,10 +292,7 @@ def check_nan(batch: DecodeBatch, kernel: Kernel, workers: int | None) -> CheckR
     if probe is None:
         return CheckResult("nan", True, detail="no request has a token to poison")
     nan_batch, expected = probe
-    if kernel.run_workers is not None:
-        raw, exc = _call(kernel.run_workers, nan_batch, workers, device=batch.device)
-    else:
-        raw, exc = _call(kernel.run, nan_batch, device=batch.device)
+    raw, exc = _run(kernel, nan_batch, workers)
     if exc is not None and is_device_fault(exc):
         raise exc
     if exc is not None:
@@ -360,10 +365,7 @@ def run_case(case: Case, kernel: Kernel, device: str = "cpu") -> CaseResult:
         return result
     ref = mla_decode_ref(batch)  # fp64 oracle on the kernel's (dequantized) inputs, before the kernel can touch them
     before = input_snapshot(batch)
-    if kernel.run_workers is not None:
-        raw, exc = _call(kernel.run_workers, batch, case.num_workers, device=batch.device)
-    else:
-        raw, exc = _call(kernel.run, batch, device=batch.device)
+    raw, exc = _run(kernel, batch, case.num_workers)
     if isinstance(exc, Unsupported):
         result.unsupported = str(exc)
         result.seconds = time.perf_counter() - t0

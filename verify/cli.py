@@ -24,6 +24,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from importlib import metadata
@@ -514,11 +515,7 @@ LOOSE_RATIO, LOOSE_CASES = 0.01, 20  # every backend we run reaches 0.56-0.98 of
 
 def _numerics(results: list[CaseResult]) -> dict[str, int]:
     """The declared numerics the kernel bound assumed (`KernelNumerics.describe()`) -> number of cases."""
-    seen: dict[str, int] = {}
-    for r in results:
-        if r.numerics is not None:
-            seen[r.numerics] = seen.get(r.numerics, 0) + 1
-    return seen
+    return dict(Counter(r.numerics for r in results if r.numerics is not None))
 
 
 def _warnings(summary: dict) -> list[str]:

@@ -89,7 +89,7 @@ def _decode(
     return out, lse * math.log2(math.e) if lse_base2 else lse
 
 
-def _split(rows, K, start, visible, sigma, D, L, acc_dtype, empty_nan, max_sub=True):
+def _split(rows, K, start, visible, sigma, D, L, acc_dtype, empty_nan, max_sub):
     """One split: online softmax over BLOCK-token steps. rows [n, H, D'], K [m, D'] -> (o [n, H, L], lse [n, H])."""
     n, H = rows.shape[:2]
     dev = rows.device

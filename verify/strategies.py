@@ -126,7 +126,9 @@ def smoke_cases(
              q_dtype="fp8" if fp8 else "bf16", seed=3),
         # a dominant sink token, small pages, more workers than blocks
         dict(seq_lens=(129, 2, 200), q_lens=(1, 1, 2), heads=4, page_size=16, num_workers=132, dist="sink", seed=4),
+        # 128 heads (over 64 packed rows), pages of 32, logits past fp32 exp's overflow
         dict(seq_lens=(90, 5, 130), q_lens=(1, 2, 1), heads=128, page_size=32, num_workers=8, dist="wide", seed=9),
+        # a dominant newest token (read by the last MTP row only) in a long request
         dict(seq_lens=(1500, 3), q_lens=(2, 1), heads=2, num_workers=4, dist="recent", seed=10),
     ]
     if fp8:
