@@ -9,7 +9,7 @@ failed case.
 import pytest
 
 from verify.cli import main
-from verify.mutants import FP8_ONLY, MUTANTS
+from verify.mutants import FAR_ONLY, FP8_ONLY, MUTANTS
 from verify.strategies import smoke_cases
 
 
@@ -26,7 +26,25 @@ def test_correct_kernel_passes(dtype):
 @pytest.mark.parametrize("name", MUTANTS)
 def test_mutant_is_caught(name):
     dtype = "fp8" if name in FP8_ONLY else "bf16"
-    assert _campaign(name, dtype, "-x") == 1
+    assert _campaign(name, dtype, "-x", *(("--far", "on") if name in FAR_ONLY else ())) == 1
+
+
+@pytest.mark.parametrize("name", FAR_ONLY)
+def test_far_mutant_fails_the_far_check_alone(name):
+    """int32 element offsets are right on every small cache: only the far check (its pages past element 2^31)
+    tells, and it is off by default on a CPU; the correct kernel passes it bit for bit."""
+    from verify import mutants
+    from verify.checks import run_case
+    from verify.kernels import from_callable
+
+    case = smoke_cases("fp8")[0]  # fp8: a 2.1 GB far cache (bf16 would take 4.3 GB)
+    result = run_case(case, from_callable(getattr(mutants, name)), "cpu", far=True)
+    failed = {c.name: c.detail for c in result.checks if not c.ok}
+    assert set(failed) <= {"far.out", "far.lse"} and failed, result.describe()
+    assert "out bytes differ from the compact run" in failed["far.out"]
+    assert run_case(case, from_callable(getattr(mutants, name)), "cpu").ok  # far off by default on a CPU
+    right = run_case(case, from_callable(mutants.correct), "cpu", far=True)
+    assert right.ok and {c.name: c.detail for c in right.checks}["far"].endswith("the bits of the compact cache")
 
 
 @pytest.mark.parametrize("name", FP8_ONLY)

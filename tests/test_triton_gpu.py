@@ -162,6 +162,37 @@ def test_pinned_gluon_backends_run_their_kernel_within_kernel_bound(name, case):
     assert r["finite"] and r["empty_ok"] and r["out_ratio"] <= 1.0 and r["lse_ratio"] <= 1.0, r
 
 
+FAR = [  # (backend, case): the default dispatch per combo and the pinned Gluon backends, at DeepSeek-V3 widths
+    ("triton", TritonCase((0, 63, 300, 2000), (1, 2, 1, 1), heads=16, page_size=64, L=512, R=64, seed=70)),
+    ("triton", TritonCase((5, 1500, 17), (1, 1, 2), heads=32, page_size=3, combo="fp8kv", L=512, R=64, seed=71)),
+    ("triton", TritonCase((700, 33, 0), (2, 1, 1), heads=16, page_size=16, combo="fp8", L=512, R=64, seed=72)),
+    ("triton", TritonCase((9, 2000), (1, 1), heads=16, page_size=8, L=512, R=64, seed=73)),  # block-table chunks
+    ("seesaw", TritonCase((0, 63, 300, 2000), (2, 1, 3, 1), heads=128, page_size=64, L=512, R=64, seed=74)),
+    ("seesaw", TritonCase((5, 129, 0, 2000), (1,) * 4, heads=64, page_size=64, combo="fp8kv", L=512, R=64, seed=75)),
+    ("gluon_fp8", TritonCase((3, 0, 1700), (2, 4, 2), heads=32, page_size=64, combo="fp8", L=512, R=64, seed=76)),
+    ("gluon_fp8", TritonCase((3, 900), (1, 1), heads=16, page_size=16, combo="fp8kv", L=512, R=64, seed=77)),
+]
+
+
+@pytest.mark.parametrize("name,case", FAR, ids=lambda x: x if isinstance(x, str) else f"{x.combo}_p{x.page_size}")
+def test_pages_past_2_31_elements_give_the_bits_of_the_compact_cache(name, case):
+    """verify.checks.far_pages moves the used pages past element 2^31 of a 4.3 GB (bf16) or 2.1 GB (fp8) cache,
+    NaN in front: page offsets computed in int32 wrap there. Same lengths, same plan: the same bits, no NaN."""
+    from mla_fast import backends
+    from verify.checks import far_pages
+
+    if not backends.BACKENDS[name].probe()[0]:
+        pytest.skip(backends.BACKENDS[name].probe()[1])
+    backend = backends.get_backend(name)
+    batch = case.batch("cuda")
+    near = backend(batch)
+    far = far_pages(batch)
+    assert far.kv_cache.numel() > 2**31  # its layout: tests/test_far_pages.py
+    got = backend(far)
+    torch.cuda.synchronize()
+    assert same_bits(near, got) and not bool(torch.isnan(got[0].float()).any())
+
+
 @pytest.mark.parametrize("case", VARLEN, ids=lambda c: f"{c.combo}_h{c.heads}_p{c.page_size}_s{c.seed}")
 def test_varlen_within_kernel_bound(case):
     r = _decode_and_check(case.batch("cuda"))

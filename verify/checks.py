@@ -14,6 +14,9 @@
 | nan            | the kernel again with a NaN in one valid token (`nan_probe`):   | exact (masks)                  |
 |                | NaN out and lse on the (row, head)s that read it, only there    |                                |
 | inputs         | q, cache, block table and lengths: after the kernel = before    | byte for byte                  |
+| far            | the kernel again with the pages moved past element 2^31 of a    | the first run's bits, else     |
+|                | larger cache, NaN in front (`far_pages`): int32 offsets wrap    | kernel_bound + merge_bound     |
+|                | there (on CUDA devices by default: a 2-4 GB cache per case)     |                                |
 
 err/bound is the largest elementwise |actual - expected| / bound (> 1: violated); checks without a bound report
 None. A kernel that raises or breaks the contract fails the case with its message; the other checks then do not run.
@@ -43,6 +46,7 @@ from verify.kernels import Kernel, outputs
 from verify.metrics import compare
 
 ALT_WORKERS = 132  # second worker count when a case uses one worker (an H200's SMs: a split per block)
+FAR_ELEMENTS = 2**31  # cache elements past which int32 element offsets wrap (far check)
 
 
 @dataclass
@@ -166,12 +170,12 @@ def _run(kernel: Kernel, batch: DecodeBatch, workers: int) -> tuple[object | Non
 # ---- individual checks --------------------------------------------------------------------------------------------
 
 
-def check_tier1(batch: DecodeBatch, out, lse, ref, numerics, merge) -> list[CheckResult]:
-    """Kernel vs fp64 oracle on the same dequantized inputs, within kernel_bound + merge (numerics.md §5(f,g))."""
-    bound = bounds.kernel_bound(batch, numerics, ref=ref) + merge
-    results = [_bounded("tier1.out", out, ref[0], bound.out, numerics.out_dtype)]
+def check_tier1(out, lse, ref, bound: bounds.Bound, out_dtype: torch.dtype, name: str = "tier1") -> list[CheckResult]:
+    """Kernel vs fp64 oracle on the same dequantized inputs, within ``bound`` (kernel_bound + merge_bound,
+    numerics.md §5(f,g)); the checks are called ``name``.out and ``name``.lse."""
+    results = [_bounded(f"{name}.out", out, ref[0], bound.out, out_dtype)]
     if lse is not None:
-        results.append(_bounded("tier1.lse", lse, ref[1], bound.lse, torch.float32))
+        results.append(_bounded(f"{name}.lse", lse, ref[1], bound.lse, torch.float32))
     return results
 
 
@@ -321,6 +325,52 @@ def check_nan(batch: DecodeBatch, kernel: Kernel, workers: int) -> CheckResult:
     return CheckResult("nan", True, detail=f"{where}: NaN there only")
 
 
+def far_pages(batch: DecodeBatch, beyond: int = FAR_ELEMENTS, below: int = 2) -> DecodeBatch:
+    """``batch`` with its cache moved to the end of a larger one: used page p becomes page p + shift, where shift
+    leaves ``below`` pages starting under element ``beyond`` and every later page past it. The pages in front hold
+    NaN (fp8: the format's NaN code) and nobody owns them, so a kernel that reads a wrapped offset reads NaN or
+    faults. The lengths are the same, so a planned kernel makes the same plan; unused block-table entries keep
+    their values. Allocates (shift + P) pages: past 2^31 elements, 4.3 GB of bf16, 2.1 GB of fp8."""
+    kv = batch.kv_cache  # [P, ps, D]
+    per_page = kv.shape[1] * kv.shape[2]  # elements per page
+    shift = max(0, -(-beyond // per_page) - below)  # the first page past `beyond` is page shift + below
+    far = torch.empty((shift + kv.shape[0],) + tuple(kv.shape[1:]), dtype=kv.dtype, device=kv.device)  # [P', ps, D]
+    far[:shift] = torch.tensor(float("nan")).to(kv.dtype)  # the format's NaN code (e4m3fnuz: 0x80)
+    far[shift:] = kv
+    used = torch.arange(batch.block_table.shape[1], device=kv.device) < batch.pages_per_request[:, None]  # [B, max]
+    table = torch.where(used, batch.block_table + shift, batch.block_table)  # [B, max_pages] int32
+    return batch.replace(kv_cache=far, block_table=table)
+
+
+def check_far(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, ref, bound: bounds.Bound,
+              out_dtype: torch.dtype) -> list[CheckResult]:
+    """The kernel run again on ``far_pages(batch)`` (the case's worker count when it takes one): a production cache
+    is many GB, and an element offset page x page_stride computed in int32 wraps past 2^31 (3.7 M bf16 tokens of
+    576). Passes with the bits of the first run ``first`` (out, lse); a kernel whose bits vary from run to run
+    passes within the tier-1 bound instead. A wrapped offset reads the NaN in front (or outside the cache)."""
+    far = far_pages(batch)
+    raw, exc = _run(kernel, far, workers)
+    if exc is not None and is_device_fault(exc):
+        raise exc
+    where = f"pages past element 2^31 of a {far.kv_cache.numel() / 2**30:.2f} Gi-element cache"
+    if exc is not None:
+        return [CheckResult("far", False, detail=f"{where}: the run raised {error_message(exc)}")]
+    try:
+        out, lse = outputs(raw, far)
+    except ValueError as e:
+        return [CheckResult("far", False, detail=f"{where}: {e}")]
+    del far, raw  # the large cache
+    out, lse = out.detach().to(first[0].device), (lse.detach().to(first[0].device) if lse is not None else None)
+    if _bytes(out).equal(_bytes(first[0])) and (lse is None) == (first[1] is None) and (
+            lse is None or _bytes(lse).equal(_bytes(first[1]))):
+        return [CheckResult("far", True, detail=f"{where}: the bits of the compact cache")]
+    results = check_tier1(out, lse, ref, bound, out_dtype, name="far")
+    differ = int((_bytes(out) != _bytes(first[0])).sum())
+    for r in results:
+        r.detail = f"{where}, {differ} out bytes differ from the compact run: {r.detail}"
+    return results
+
+
 # ---- one case -----------------------------------------------------------------------------------------------------
 
 
@@ -348,11 +398,12 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().view(-1).view(torch.uint8)
 
 
-def run_case(case: Case, kernel: Kernel, device: str = "cpu") -> CaseResult:
+def run_case(case: Case, kernel: Kernel, device: str = "cpu", far: bool | None = None) -> CaseResult:
     """Materialize ``case`` on ``device``, run ``kernel`` on it and apply every check. Never raises for kernel
     failures (they are failed checks; `Unsupported` makes an unsupported case; a device fault fails the case and sets
     ``device_fault``); raises only if the verifier itself breaks. The oracle runs before the kernel, on the inputs as
-    built, and the ``inputs`` check fails a kernel that wrote into them (split runs included)."""
+    built, and the ``inputs`` check fails a kernel that wrote into them (split runs included). ``far``: run the far
+    check (None: on CUDA devices, where filling its 2-4 GB cache takes milliseconds; on a CPU it takes seconds)."""
     t0 = time.perf_counter()
     result = CaseResult(case)
     batch, batch_exact = case.materialize(device)
@@ -387,7 +438,8 @@ def run_case(case: Case, kernel: Kernel, device: str = "cpu") -> CaseResult:
     try:
         out_d, lse_d = out.detach().to(ref[0].device), (lse.detach().to(ref[0].device) if lse is not None else None)
         merge = bounds.merge_bound(batch, kernel.max_splits(batch))  # the kernel may split rows up to max_splits times
-        result.checks += check_tier1(batch, out_d, lse_d, ref, numerics, merge)
+        bound = bounds.kernel_bound(batch, numerics, ref=ref) + merge  # tier 1 (and far)
+        result.checks += check_tier1(out_d, lse_d, ref, bound, numerics.out_dtype)
         result.checks.append(check_empty(batch, out_d, lse_d))
         result.checks.append(check_finite(batch, out_d, lse_d))
         if case.is_fp8:
@@ -396,6 +448,8 @@ def run_case(case: Case, kernel: Kernel, device: str = "cpu") -> CaseResult:
             result.checks += check_split(batch, kernel, numerics, (out_d, lse_d), case.num_workers)
         if not kernel.nan_deviation:  # a backend's declared deviation is in the campaign's report instead
             result.checks.append(check_nan(batch, kernel, case.num_workers))
+        if far if far is not None else batch.device.type == "cuda":
+            result.checks += check_far(batch, kernel, case.num_workers, (out_d, lse_d), ref, bound, numerics.out_dtype)
         result.checks.append(check_inputs(batch, before))
     except Exception as e:
         if not is_device_fault(e):

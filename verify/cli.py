@@ -131,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
         "Checks per case: tier 1 (kernel vs fp64 on the same dequantized inputs), tier 2 (fp8 quantization\n"
         "error within B_det and B_post), split invariance (our planned backends, plug-ins with .run_workers),\n"
         "empty rows (out 0, lse -inf), finiteness, NaN propagation (a run with one NaN token), the contract\n"
-        "(shapes, dtypes) and inputs left unwritten.\n"
+        "(shapes, dtypes), inputs left unwritten, and on CUDA devices the far check (the pages moved past\n"
+        "element 2^31 of a larger cache, where int32 offsets wrap).\n"
         "Subcommand: 'mla-verify model ...' checks a whole MLA layer (verify.model_check).",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -164,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="PATH", help="write a PNG of err/bound per case and check (needs matplotlib)")
     p.add_argument("--case", metavar="JSON", help="replay one case (the JSON of a repro line) and show every check")
     p.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failed case (not unsupported)")
+    p.add_argument("--far", choices=("auto", "on", "off"), default="auto",
+                   help="the far check: each case again with its pages past element 2^31 of a 2-4 GB cache (int32 "
+                        "offsets wrap there); auto = on CUDA devices, where the fill takes milliseconds (default)")
     return p
 
 
@@ -173,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
 GPU_JOBS = 14  # default processes feeding one GPU (each holds a CUDA context, ~0.5 GiB); 12 ran 1800 cases/min
 _KERNEL = None  # the kernel of this process (inherited by forked workers)
 _DEVICE = "cpu"
+_FAR: bool | None = None  # run_case's far: None = on CUDA devices
 
 
 class WorkerDied(RuntimeError):
@@ -187,17 +192,18 @@ def _run_one(case: Case) -> CaseResult:
 
     t0 = time.perf_counter()
     try:
-        return run_case(case, _KERNEL, _DEVICE)
+        return run_case(case, _KERNEL, _DEVICE, _FAR)
     except Exception as e:
         tb = traceback.format_exc(limit=-3).strip().replace("\n", " | ")
         check = CheckResult("verifier", False, detail=f"verifier error {type(e).__name__}: {e} [{tb}]")
         return CaseResult(case, [check], time.perf_counter() - t0, device_fault=is_device_fault(e))
 
 
-def _worker_init(threads: int = 1, kernel_spec: tuple[str, str] | None = None, device: str | None = None) -> None:
+def _worker_init(threads: int = 1, kernel_spec: tuple[str, str] | None = None, device: str | None = None,
+                 far: bool | None = None) -> None:
     """Pool worker setup: CPU threads per process; a spawned worker (GPU campaigns) also resolves its own kernel
-    (``("backend", name)`` or ``("impl", module:function)``) and device, since it inherits no state."""
-    global _KERNEL, _DEVICE
+    (``("backend", name)`` or ``("impl", module:function)``), device and far setting, since it inherits no state."""
+    global _KERNEL, _DEVICE, _FAR
     import torch
 
     torch.set_num_threads(threads)
@@ -206,7 +212,7 @@ def _worker_init(threads: int = 1, kernel_spec: tuple[str, str] | None = None, d
 
         kind, name = kernel_spec
         _KERNEL = kernels.from_backend(name) if kind == "backend" else kernels.from_impl(name)
-        _DEVICE = device
+        _DEVICE, _FAR = device, far
 
 
 def _draw(strategy, n: int, seed: int) -> list[Case]:
@@ -299,7 +305,7 @@ def _search_parallel(dtype: str, shape: dict, n: int, seed: int, jobs: int, on_r
 
     method = _start_method(_DEVICE)
     ctx = multiprocessing.get_context(method)
-    init = (max(1, _usable_cores() // jobs), kernel_spec if method == "spawn" else None, _DEVICE)
+    init = (max(1, _usable_cores() // jobs), kernel_spec if method == "spawn" else None, _DEVICE, _FAR)
     messages, stop = ctx.Queue(), ctx.Event()
     shares = [n // jobs + (i < n % jobs) for i in range(jobs)]
     workers = {i: ctx.Process(target=_search_worker, args=(i, share, seed + i, dtype, shape, init, messages, stop),
@@ -378,7 +384,7 @@ def _run_all(cases: list[Case], jobs: int, on_result, kernel_spec: tuple[str, st
         if method == "spawn" and kernel_spec is None:
             raise ValueError("kernel_spec: spawned workers need the kernel's spec to resolve it; got None")
         ctx = multiprocessing.get_context(method)
-        init = (max(1, _usable_cores() // jobs), kernel_spec, _DEVICE) if method == "spawn" else (1,)
+        init = (max(1, _usable_cores() // jobs), kernel_spec, _DEVICE, _FAR) if method == "spawn" else (1,)
         # an executor, not a Pool: a Pool replaces a worker the kernel crashed and waits for its result forever
         executor = ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init, initargs=init)
         try:
@@ -593,7 +599,7 @@ def _model(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``mla-verify`` console script; returns the exit code."""
-    global _KERNEL, _DEVICE
+    global _KERNEL, _DEVICE, _FAR
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "model":
         return _model(argv[1:])
@@ -668,6 +674,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.device:
         flags += f" --device {args.device}"
     _KERNEL, _DEVICE = kernel, str(device)
+    _FAR = {"auto": device.type == "cuda", "on": True, "off": False}[args.far]
+    report["far"] = _FAR
+    if args.far != "auto":
+        flags += f" --far {args.far}"
 
     seed = args.seed
     if seed is None:
@@ -688,6 +698,9 @@ def main(argv: list[str] | None = None) -> int:
     what += "" if replay else f", {args.dtype}"
     console.print(f"mla-verify: kernel {kernel.name} ({kernel.reason}); device {device}; {what}", markup=False,
                   highlight=False)
+    if not _FAR:
+        console.print("mla-verify: the far check is off (pages past element 2^31 of a 2-4 GB cache, on CUDA devices by "
+                      "default; --far on runs it here)", markup=False, highlight=False)
     if device.type == "cuda":
         report["mps"] = mps_running()
     if device.type == "cuda" and jobs > 1 and n > 1 and not report["mps"]:

@@ -1,5 +1,6 @@
 """Planted-bug decode kernels: each one must make the default `mla-verify` campaign fail (exit 1); the two scale
-mutants (``kv_scale_ignored``, ``q_scale_ignored``) need fp8 cases, ``--dtype fp8``.
+mutants (``kv_scale_ignored``, ``q_scale_ignored``) need fp8 cases, ``--dtype fp8``, and ``int32_offsets`` the far
+check (on by default on CUDA devices; ``--far on`` on a CPU).
 
 Use them as plug-ins, ``mla-verify --impl verify.mutants:NAME``; ``correct`` is the same kernel without a bug and
 must pass. All share one small split-KV, online-softmax decode (`_decode`) in fp32 with bf16 output; each mutant
@@ -23,6 +24,8 @@ turns one knob, the way such bugs happen in real kernels:
 | cache_padding_written | correct output, then writes 0 into the unused cache slots    | inputs (any)                  |
 | nan_dropped           | a NaN split partial merged as an empty one (aiter's reduce)  | nan (a split request)         |
 | no_max_subtraction    | softmax without the max subtracted: exp(s) overflows         | finite / tier1 (wide logits)  |
+| int32_offsets         | cache rows addressed by int32 element offsets, which wrap    | far (CUDA, or `run_case(...,  |
+|                       | past 2^31 elements (3.7 M bf16 tokens)                       | far=True)`; any case)         |
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ def _decode(
     sm_scale: float | None = None,
     rope: bool = True,
     page_shift: int = 0,
+    int32_offsets: bool = False,
     full_last_page: bool = False,
     lse_base2: bool = False,
     use_kv_scale: bool = True,
@@ -72,6 +76,10 @@ def _decode(
     for b, (s, n) in enumerate(zip(batch.seq_lens.tolist(), batch.q_lens.tolist())):
         n_pages = -(-s // ps)
         pages = (batch.block_table[b, :n_pages].long() + page_shift) % batch.num_pages  # [n_pages]
+        if int32_offsets:  # the page's first element as int32 arithmetic leaves it: wrapped past 2^31, and read
+            # modulo the cache's size (a GPU would read outside the allocation, or fault)
+            first = (pages.to(torch.int32) * (ps * batch.head_dim)).long() % batch.kv_cache.numel()  # [n_pages]
+            pages = first // (ps * batch.head_dim)  # [n_pages]
         K = batch.kv_cache[pages].reshape(n_pages * ps, batch.head_dim)  # [n_pages * ps, D] whole pages
         K = (K if full_last_page else K[:s]).float() * kv_scale  # [s, D]
         r = torch.arange(n, device=dev)  # [n] MTP row index
@@ -204,6 +212,12 @@ def no_max_subtraction(batch):
     return _decode(batch, max_sub=False)
 
 
+def int32_offsets(batch):
+    """Cache rows addressed through int32 element offsets (page x page_size x 576): right on a test's small cache,
+    wrong once pages lie past element 2^31 of a production one."""
+    return _decode(batch, int32_offsets=True)
+
+
 def out_gain(batch):
     """A systematic relative error of 2^-7 on out (two bf16 ulps): cos-diff 3e-5 passes vLLM's fp8 check (1e-4)."""
     return _decode(batch, gain=1 + 2**-7)
@@ -235,6 +249,7 @@ def cache_padding_written(batch):
 MUTANTS = (
     "wrong_scale", "drop_rope", "page_off_by_one", "last_page_unmasked", "lse_base2", "kv_scale_ignored",
     "q_scale_ignored", "average_splits", "mtp_causal_off_by_one", "nan_empty", "out_gain", "bf16_accumulation",
-    "seq_lens_cleared", "cache_padding_written", "nan_dropped", "no_max_subtraction",
+    "seq_lens_cleared", "cache_padding_written", "nan_dropped", "no_max_subtraction", "int32_offsets",
 )  # fmt: skip
 FP8_ONLY = ("kv_scale_ignored", "q_scale_ignored")  # need fp8 inputs with a scale != 1
+FAR_ONLY = ("int32_offsets",)  # need the far check, on by default on CUDA devices only (mla-verify --far on)

@@ -1,0 +1,93 @@
+"""Caches past 2^31 elements: the kernels address pages with int64 offsets (CPU, Triton's interpreter).
+
+A production cache is many GB: 2^31 elements are 3.7 M tokens of bf16 MLA (576 per token), 4.3 GB. An element
+offset page x page_stride computed in int32 wraps there, and the kernel then reads another page, or faults.
+verify.checks.far_pages (the verifier's far check) moves a batch's used pages to the end of a cache of more than 2^31 elements (two of them
+below, the rest above) and poisons the pages in front with NaN: the same lengths give the same plan, so a correct
+kernel returns the bits of the compact batch. The interpreter computes int32 arithmetic in numpy int32 and wraps
+as the device does.
+
+Only fp8 caches run here (D = 96, one byte per element: a 2.1 GB cache; bf16 would need 4.3 GB); the address
+arithmetic is the same code for every cache dtype, and tests/test_triton_gpu.py runs bf16 too at DeepSeek-V3 widths.
+Each case runs in a worker subprocess of its own (TRITON_INTERPRET must be set before triton is imported; a
+wrapped offset may fault the process).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from triton_cases import TritonCase, same_bits
+
+from verify.checks import far_pages
+
+HERE = Path(__file__).resolve().parent
+CASES = {  # pages of 16 (each 16-token tile in one page: the page's base offset) and of 3 (one offset per token)
+    "fp8kv_p16_mtp2_w3": TritonCase((40, 0, 70), (2, 1, 1), page_size=16, combo="fp8kv", num_workers=3, seed=60),
+    "fp8_p3_w3": TritonCase((50, 9), (1, 2), page_size=3, combo="fp8", num_workers=3, seed=61),
+}
+PLAN_BLOCK_N, BLOCK_N = 16, 16  # as tests/test_triton_decode.py: small tiles, so the requests split
+
+
+def _worker(name: str) -> dict:
+    from mla_fast import triton_decode as td
+    from mla_fast.backends import get_backend
+    from mla_ref.decode import mla_decode_ref
+
+    case = CASES[name]
+    batch = case.batch()
+    far = far_pages(batch)
+    config = replace(td.default_config(case.combo, case.heads, max(case.q_lens)), block_n=BLOCK_N,
+                     plan_block_n=PLAN_BLOCK_N, fixed_overhead=1)
+    plan = td.make_plan(batch, config, case.num_workers)
+    near_run = td.decode(batch, plan=plan, config=config)
+    far_run = td.decode(far, plan=plan, config=config)
+    offsets = far.block_table.long() * far.kv_cache.stride(0)  # [B, max_pages] element offset of each page
+    used = torch.arange(far.block_table.shape[1]) < far.pages_per_request[:, None]
+    return {
+        "cache_elements": far.kv_cache.numel(),
+        "pages_past_2_31": int((offsets[used] >= 2**31).sum()),
+        "pages_below_2_31": int((offsets[used] < 2**31).sum()),
+        "split": plan.num_partial_rows > 0,
+        "kernel_bits": same_bits(near_run, far_run),
+        "kernel_nan": bool(torch.isnan(far_run[0].float()).any()),
+        "emulated_bits": same_bits(*(get_backend("emulated")(b) for b in (batch, far))),
+        "oracle_equal": all(torch.equal(a, b) for a, b in zip(mla_decode_ref(batch), mla_decode_ref(far))),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_pages_past_2_31_elements_give_the_bits_of_the_compact_cache(name):
+    pytest.importorskip("triton", reason="needs triton (pip install triton==3.6.0, as .ci/run does)")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE)]))
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", name], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert proc.returncode >= 0, f"{name}: the worker died of signal {-proc.returncode} (a wrapped page offset?)"
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["cache_elements"] > 2**31 and r["pages_past_2_31"] > 0 and r["pages_below_2_31"] > 0, r  # the setup
+    assert r["split"], r  # the partials and the reduce run too
+    assert r["kernel_bits"] and not r["kernel_nan"], f"{name}: the Triton kernel read a wrapped page offset {r}"
+    assert r["emulated_bits"] and r["oracle_equal"], r
+
+
+def test_far_pages_keeps_unused_block_table_entries_and_poisons_the_new_pages():
+    batch = CASES["fp8_p3_w3"].batch()
+    far = far_pages(batch, beyond=2**12)  # a small threshold: the same construction, a small cache
+    shift = far.kv_cache.shape[0] - batch.kv_cache.shape[0]
+    used = torch.arange(batch.block_table.shape[1]) < batch.pages_per_request[:, None]
+    assert torch.equal(far.block_table[used], batch.block_table[used] + shift)
+    assert torch.equal(far.block_table[~used], batch.block_table[~used])
+    assert torch.isnan(far.kv_cache[:shift].float()).all()
+    assert torch.equal(far.kv_cache[shift:].view(torch.uint8), batch.kv_cache.view(torch.uint8))
+    per_page = far.kv_cache.stride(0)
+    assert (shift + 1) * per_page < 2**12 <= (shift + 2) * per_page  # two shifted pages start below it
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
+    print(json.dumps(_worker(sys.argv[2])))
