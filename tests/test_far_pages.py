@@ -2,10 +2,10 @@
 
 A production cache is many GB: 2^31 elements are 3.7 M tokens of bf16 MLA (576 per token), 4.3 GB. An element
 offset page x page_stride computed in int32 wraps there, and the kernel then reads another page, or faults.
-verify.checks.far_pages (the verifier's far check) moves a batch's used pages to the end of a cache of more than 2^31 elements (two of them
-below, the rest above) and poisons the pages in front with NaN: the same lengths give the same plan, so a correct
-kernel returns the bits of the compact batch. The interpreter computes int32 arithmetic in numpy int32 and wraps
-as the device does.
+verify.checks.far_pages (the verifier's far check) moves a batch's used pages to the end of a cache of more than
+2^31 elements (two of them below, the rest above) and poisons the pages in front with NaN: the same lengths give
+the same plan, so a correct kernel returns the bits of the compact batch. The interpreter computes int32
+arithmetic in numpy int32 and wraps as the device does.
 
 Only fp8 caches run here (D = 96, one byte per element: a 2.1 GB cache; bf16 would need 4.3 GB); the address
 arithmetic is the same code for every cache dtype, and tests/test_triton_gpu.py runs bf16 too at DeepSeek-V3 widths.
