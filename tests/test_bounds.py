@@ -15,7 +15,11 @@ from mla_fast.numerics import KernelNumerics
 from mla_fast.planner import PARTIAL_ROW, plan_decode
 from mla_ref.decode import DecodeBatch, make_decode_batch, merge_partials, mla_decode_ref
 from mla_ref.fp8 import fp8_format, quantize, round_p
+from verify import bounds
 from verify.bounds import (
+    _deviation,
+    _hull_term,
+    _Softmax,
     _spread,
     kernel_bound,
     merge_bound,
@@ -460,6 +464,23 @@ def test_kernel_bound_catches_planted_bugs():
     assert compare(out, ref[0], bound.out).violations > 0
 
 
+def test_kernel_bound_catches_a_newest_token_dropped_from_a_long_row():
+    """A kernel that skips the newest token of a 2048-token request (a loop bound off by one past some length)
+    errs by about p_last |v_last - o| ~ |v| / 2048: below the score term tanh(ω/4) R_c that the kernel bound had
+    alone before (err/bound 0.94 there: passing), above the bound with §5(c)'s other form, (e^ω - 1) times
+    min(Σ p|v|, the weighted deviation) (1.8; R_c of 2048 Gaussian tokens is ~7 sd)."""
+    from verify.cases import Case
+    from verify.kernels import DEFAULT_NUMERICS
+
+    batch, _ = Case(seq_lens=(2048,), q_lens=(1,), heads=8, page_size=16, dist="gauss1", seed=3).materialize("cpu")
+    ref = mla_decode_ref(batch)
+    dropped = mla_decode_ref(batch.replace(seq_lens=batch.seq_lens - 1))[0].bfloat16()  # [1, 8, 512] as a kernel
+    right = ref[0].float().bfloat16()  # [1, 8, 512] the oracle rounded once to the bf16 output
+    bound = kernel_bound(batch, DEFAULT_NUMERICS, ref=ref).out
+    assert compare(dropped, ref[0], bound).violations > 0
+    assert compare(right, ref[0], bound).ok
+
+
 def test_quantization_bounds_catch_a_wrong_scale():
     batch_q, batch_exact = _fp8_pair("gauss1")
     ref_exact = mla_decode_ref(batch_exact)
@@ -596,6 +617,10 @@ def test_bucketed_bounds_equal_one_grid(monkeypatch):
             prob=prob_bound(batch_q, batch_exact), rms=rms_estimate(batch_q, batch_exact),
         )
 
+    # _deviation cancels (Σ p v² - m²): its fp64 value moves with the grid by up to the root of its slack, not by
+    # summation order alone; its soundness on every grid is test_deviation_bounds_the_mean_absolute_deviation's
+    monkeypatch.setattr(bounds, "_deviation", lambda st, V: torch.full(st.p.shape[:3] + V.shape[-1:], math.inf,
+                                                                       dtype=F64))
     bucketed = everything()
     one_grid = DecodeBatch.buckets
     monkeypatch.setattr(DecodeBatch, "buckets", lambda self, waste=math.inf: one_grid(self, waste))
@@ -610,6 +635,86 @@ def test_bucketed_bounds_equal_one_grid(monkeypatch):
         for a, b in pairs:
             assert (a - b).abs().max() <= rel * b.abs().max(), name
             assert (a >= b * (1 - rel)).all(), name  # never smaller than the one-grid bound
+
+
+def _rows(n_tokens: int, H: int, L: int, g: torch.Generator, pad: int = 0):
+    """Softmax statistics of one request whose rows see n_tokens, 1 and 0 tokens (peaky, uniform and wide score
+    rows across H heads), on a grid of n_tokens + pad tokens; and V [1, S, L] whose channels are centred Gaussian,
+    constant (1), a large offset (1000) with spread 1e-6 (2: where Σ p v² - m² cancels) and Gaussian about 5 (3)."""
+    S = n_tokens + pad
+    n_vis = torch.tensor([[n_tokens, 1, 0]])  # [1, 3]
+    scores = torch.randn(1, 3, H, S, generator=g, dtype=F64) * torch.tensor([0.1, 3.0, 30.0, 300.0])[:H, None]
+    mask = torch.arange(S)[None, None, :] < n_vis[..., None]  # [1, 3, S]
+    e = torch.exp(scores - scores.amax(-1, keepdim=True)).masked_fill(~mask[:, :, None, :], 0.0)  # [1, 3, H, S]
+    l = e.sum(-1, keepdim=True)
+    p = torch.where(l > 0, e / l.clamp(min=1e-300), 0.0)  # [1, 3, H, S]
+    st = _Softmax(scores, p, scores.new_zeros(1, 3, H), l[..., 0], mask.any(-1), n_vis)
+    V = torch.randn(1, S, L, generator=g, dtype=F64)  # [1, S, L]
+    V[..., 1] = 0.75
+    V[..., 2] = 1000 + 1e-6 * V[..., 2]
+    V[..., 3] += 5
+    V[:, n_tokens:] = 0.0  # zero padding, as DecodeBatch.padded_kv
+    return st, V, mask
+
+
+def _range(V: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """R [1, 3, L]: max - min of each channel over each row's visible tokens (0 for an empty row), directly."""
+    hi = torch.where(mask[..., None], V[:, None], -math.inf).amax(-2)  # [1, 3, L]
+    lo = torch.where(mask[..., None], V[:, None], math.inf).amin(-2)
+    return torch.where(mask.any(-1)[..., None], hi - lo, 0.0)
+
+
+@pytest.mark.parametrize("n_tokens", [2, 7, 1024])
+def test_deviation_bounds_the_mean_absolute_deviation(n_tokens):
+    """_deviation >= Σ_j p_j |v_jc - m_c| evaluated directly (a sum of non-negative fp64 terms) on every channel and
+    row, including the cancelling offset channel, and on a zero-padded grid too; the Cauchy-Schwarz step costs at
+    most sqrt(n) (equality-free bound: >= the MAD, <= the uniform row's sqrt(n) MAD is not claimed)."""
+    g = torch.Generator().manual_seed(n_tokens)
+    for pad in (0, 37):
+        st, V, _ = _rows(n_tokens, 4, 8, g, pad)
+        m = torch.einsum("bnhs,bsc->bnhc", st.p, V)  # [1, 3, H, L]
+        mad = (st.p[..., None] * (V[:, None, None] - m[..., None, :]).abs()).sum(-2)  # [1, 3, H, L] direct
+        dev = _deviation(st, V)  # [1, 3, H, L]
+        assert (dev >= mad).all(), (pad, (mad - dev).max())
+        assert (dev[:, 2] == 0).all()  # a row that sees nothing
+        slack_root = math.sqrt(4 * (1 + 4) * 2**-53)  # one token: no spread, the root of its fp64 slack only
+        assert (dev[0, 1] <= 1.01 * slack_root * V[0, 0].abs()).all()
+
+
+def test_hull_term_holds_for_the_worst_score_perturbations_and_tightens_long_rows():
+    """|Σ_j (softmax(s + δ)_j - p_j) v_jc| <= _hull_term(ω, R, Σ p|v|, dev) for perturbations of spread ω: δ_j = ±ω/2
+    split at every threshold of v_jc (the extremes of the linear-fractional objective). On a row of 1024 Gaussian
+    tokens the mean-centred form is below the tanh(ω/4) R_c form (numerics.md §5(c)), and on a peaky row far below."""
+    g = torch.Generator().manual_seed(5)
+    L = 6
+    for n_tokens in (2, 7, 1024):
+        st, V, mask = _rows(n_tokens, 4, L, g)
+        R = _range(V, mask)  # [1, 3, L]
+        pv = torch.einsum("bnhs,bsc->bnhc", st.p, V.abs())
+        dev = _deviation(st, V)
+        for omega in (1e-4, 0.3, 3.0):
+            w = torch.full(st.p.shape[:3], omega, dtype=F64)  # [1, 3, H]
+            bound = _hull_term(w, R, pv, dev)  # [1, 3, H, L]
+            o = torch.einsum("bnhs,bsc->bnhc", st.p, V)
+            worst = torch.zeros_like(o)
+            for c in range(L):
+                for t in torch.unique(V[0, :n_tokens, c]).tolist()[:: max(1, n_tokens // 64)]:
+                    for sign in (1.0, -1.0):
+                        delta = torch.where(V[0, :, c] >= t, sign * omega / 2, -sign * omega / 2)  # [S]
+                        s = st.s + delta
+                        e = torch.exp(s - s.amax(-1, keepdim=True)).masked_fill(~mask[:, :, None, :], 0.0)
+                        p2 = e / e.sum(-1, keepdim=True).clamp(min=1e-300)
+                        worst[..., c] = torch.maximum(worst[..., c], (torch.einsum("bnhs,bs->bnh", p2, V[..., c])
+                                                                      - o[..., c]).abs())
+            assert (worst <= bound * (1 + 1e-9) + 1e-12 * V.abs().amax()).all(), (n_tokens, omega)  # fp64 noise
+    st, V, mask = _rows(1024, 4, 8, g)
+    R, pv, dev = _range(V, mask), torch.einsum("bnhs,bsc->bnhc", st.p, V.abs()), _deviation(st, V)
+    w = torch.full(st.p.shape[:3], 1e-3, dtype=F64)
+    old = torch.tanh(w / 4)[..., None] * R[:, :, None, :]  # [1, 3, H, L] the R_c form alone
+    ratio = (_hull_term(w, R, pv, dev) / old)[0, 0, :, 0]  # the Gaussian channel of the 1024-token row, per head
+    assert ratio[0] < 0.7 and ratio[3] < 0.01, ratio  # near-uniform row: ~0.6 (sd / (R/4)); peaky row: ~0
+    uncentred = _hull_term(w, R, pv)[0, 0, 0, 3]  # the channel about 5, near-uniform row: Σ p|v| ~ 5
+    assert _hull_term(w, R, pv, dev)[0, 0, 0, 3] < 0.7 * min(uncentred, old[0, 0, 0, 3])
 
 
 def test_operand_overflow_flag_for_fp8_operands(monkeypatch):

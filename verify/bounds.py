@@ -146,13 +146,32 @@ def _spread(x: torch.Tensor, n_vis: torch.Tensor) -> torch.Tensor:
     return torch.where(seen[..., None], hi.gather(1, k) - lo.gather(1, k), 0.0)
 
 
-def _hull_term(omega: torch.Tensor, R: torch.Tensor, pv: torch.Tensor) -> torch.Tensor:
-    """§5(c) term 1: |Σ_j (p'_j - p_j) v_jc| <= min{tanh(ω/4) R_c, (e^ω - 1) Σ_j p_j |v_jc|} when the score
-    perturbation has spread <= ω (TV(p, p') <= tanh(ω/4), §5(b); p'_j / p_j in [e^-ω, e^ω]).
+def _hull_term(omega: torch.Tensor, R: torch.Tensor, pv: torch.Tensor, dev: torch.Tensor | None = None,
+               weight: torch.Tensor | float = 1.0) -> torch.Tensor:
+    """§5(c) term 1: |Σ_j (p'_j - p_j) v_jc| <= min{tanh(ω/4) R_c, (e^ω - 1) Σ_j p_j |v_jc - c|} for any c when the
+    score perturbation has spread <= ω (TV(p, p') <= tanh(ω/4), §5(b); p'_j / p_j in [e^-ω, e^ω], and Σ_j (p'_j -
+    p_j) c = 0). c = 0 gives Σ_j p_j |v_jc| = ``pv``; c = the weighted mean gives at most ``dev`` (``_deviation``),
+    several times smaller on long rows of centred values, where R_c grows with the tokens and tanh(ω/4) R_c ~ ω R_c / 4.
 
-    omega [B, N, H], R [B, N, L], pv [B, N, H, L] -> [B, N, H, L].
+    omega [B, N, H], R [B, N, L], pv and dev [B, N, H, L] -> [B, N, H, L]. ``weight`` [B, N, H] or a float: p_j
+    is only known to be <= weight x the p of pv and dev (``_rounding_bound``'s shared scores: e^ω_qk).
     """
-    return torch.minimum(torch.tanh(omega / 4)[..., None] * R[:, :, None, :], torch.expm1(omega)[..., None] * pv)
+    spread = pv if dev is None else torch.minimum(pv, dev)  # [B, N, H, L] >= Σ_j p_j |v_jc - c| for one c
+    return torch.minimum(torch.tanh(omega / 4)[..., None] * R[:, :, None, :],
+                         (torch.expm1(omega) * weight)[..., None] * spread)
+
+
+def _deviation(st: _Softmax, V: torch.Tensor) -> torch.Tensor:
+    """[B, N, H, L] upper bound on sqrt(Σ_j p_j (v_jc - m_c)²) with m_c = Σ_j p_j v_jc, p = st.p [B, N, H, S] (rows
+    summing to 1, or 0 for a row that sees nothing) and V [B, S, L] fp64: the weighted standard deviation of each
+    channel, which bounds Σ_j p_j |v_jc - m_c| (Cauchy-Schwarz). Two matmuls (Σ p v, Σ p v²); the variance
+    Σ p v² - m² is evaluated in fp64 with error <= (3n + 7) u64 Σ p v² over a row's n visible tokens (zero padding
+    adds exactly), and Σ p = 1 ± n u64: the 4 (n + 4) u64 Σ p v² added and the (1 + that) factor cover both. Unlike
+    the other statistics it cancels, so another grid (bucketing) may move it by up to sqrt(that slack)."""
+    m = torch.einsum("bnhs,bsc->bnhc", st.p, V)  # [B, N, H, L]
+    m2 = torch.einsum("bnhs,bsc->bnhc", st.p, V * V)  # [B, N, H, L]
+    slack = (4 * (st.n_vis.to(F64) + 4) * U64)[..., None, None]  # [B, N, 1, 1]
+    return ((m2 - m * m).clamp(min=0) + slack * m2).sqrt() * (1 + slack)
 
 
 def _per_request(x):
@@ -242,10 +261,12 @@ def _rounding_bound(
     shared_scores: bool = False,
     R: torch.Tensor | None = None,
     pv: torch.Tensor | None = None,
+    dev: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """§5(f): bound on |o^ker - ô| [B, N, H, L] and |lse^ker - lse^| [B, N, H] for every grid row. gamma_qk,
-    gamma_pv, eta_v: floats or per-request [B] tensors; score_abs: a float or [B, N, H]. R [B, N, L], pv [B, N, H, L]:
-    ``_spread(V, st.n_vis)`` and Σ_j p̂_j |v̂_jc| if already computed for the same st and V.
+    gamma_pv, eta_v: floats or per-request [B] tensors; score_abs: a float or [B, N, H]. R [B, N, L], pv and dev
+    [B, N, H, L]: ``_spread(V, st.n_vis)``, Σ_j p̂_j |v̂_jc| and ``_deviation(st, V)`` if already computed for
+    the same st and V.
 
     A kernel that computes, in arithmetic of unit roundoff u_arith (fp32 for GPU kernels),
         s̃_j = fl(σ <q̃, k̃_j>)             error <= gamma_qk · A_j + score_abs  (operands q̃, k̃ as the MMA sees them:
@@ -266,17 +287,19 @@ def _rounding_bound(
     larger values, §5(f)):
         |o^ker_c - ô_c| <= (1 + u_out)(1 + gamma_pv) [ u_out |ô_c| + e^ω c_pv Σ_j p̂_j |v̂_jc|
                              + e^ω (1 + c_pv) (Σ_j min(eta_p / l̂, p̂_j) |v̂_jc| + eta_v) + gamma_pv |ô_c|
-                             + tanh(ω/4) R̂_c ]
+                             + min{tanh(ω/4) R̂_c, (e^ω - 1) min(Σ_j p̂_j |v̂_jc|, dev_c)} ]
         c_pv = (1 + u_p)(1 + gamma_pv) - 1
-    (numerics.md §5(f) with the η_P term tightened by min(·, p̂_j), and gamma_pv |ô| for the fp32 row sum l; the
-    leading factors absorb the second-order products.)
+    (numerics.md §5(f) with the η_P term tightened by min(·, p̂_j), gamma_pv |ô| for the fp32 row sum l, and the
+    score term by §5(c)'s second form about the mean (``_hull_term``; dev_c: ``_deviation``); the leading factors
+    absorb the second-order products.)
     LSE: lse = m̃ + ln l̃; the score errors move it by at most max_j |Δs_j| <= ω / 2 (§5(a)), the row sum by
     ln(1 + gamma_pv) <= gamma_pv / (1 - gamma_pv), and evaluating log2, adding m and converting base 2 -> e in fp32
     costs <= 16 u_arith (|m̂| + ln l̂):
         |lse^ker - lse^| <= ω / 2 + gamma_pv / (1 - gamma_pv) + 16 u_arith (|m̂| + ln l̂)
     shared_scores: bound the distance to o* = Σ_j softmax(s̃)_j v̂_j (and lse* = ln Σ_j e^s̃_j) instead, the error of
     everything after the scores (``split_bound``): the hull term and the LSE take ω_own only; |ô| becomes
-    |o*| <= |ô| + min{tanh(ω_qk/4) R̂, (e^ω_qk - 1) Σ_j p̂_j |v̂_j|} (§5(c)); e^ω keeps ω_qk (softmax(s̃) <= e^ω_qk p̂).
+    |o*| <= |ô| + min{tanh(ω_qk/4) R̂, (e^ω_qk - 1) min(Σ_j p̂_j |v̂_j|, dev)} (§5(c)); e^ω keeps ω_qk
+    (softmax(s̃) <= e^ω_qk p̂, also in the hull term's second form, whose weights are softmax(s̃)).
     """
     seen = st.seen[..., None]  # [B, N, 1]
     gamma_qk, gamma_pv, eta_v = _per_request(gamma_qk), _per_request(gamma_pv), _per_request(eta_v)  # [B, 1, 1]
@@ -285,20 +308,21 @@ def _rounding_bound(
     omega = omega_qk + omega_own  # [B, N, H]
     R = _spread(V, st.n_vis) if R is None else R  # [B, N, L]
     pv = torch.einsum("bnhs,bsc->bnhc", st.p, V.abs()) if pv is None else pv  # [B, N, H, L] Σ_j p̂_j |v̂_jc|
+    dev = _deviation(st, V) if dev is None else dev  # [B, N, H, L] >= Σ_j p̂_j |v̂_jc - mean_c|
     flush_v = 0.0  # [B, N, H, L] underflow error per unit l̂: min(η_P / l̂, p̂_j) summed against |v̂_j| (0 if η_P = 0)
     if eta_p:
         flush_v = torch.einsum("bnhs,bsc->bnhc", torch.minimum(eta_p / st.l[..., None], st.p), V.abs())
     c_pv = _col((1 + u_p) * (1 + gamma_pv) - 1)  # [B, 1, 1, 1] or float
     growth = torch.exp(omega)[..., None]  # [B, N, H, 1] kernel weights <= e^ω p̂
     hull_omega = omega_own if shared_scores else omega  # [B, N, H] score errors not common to the compared results
-    o_mag = o.abs() + (_hull_term(omega_qk, R, pv) if shared_scores else 0.0)  # [B, N, H, L] |ô|, or |o*|
+    o_mag = o.abs() + (_hull_term(omega_qk, R, pv, dev) if shared_scores else 0.0)  # [B, N, H, L] |ô|, or |o*|
     inner = (
         u_out * o_mag  # output rounding: relative, and absolute below the normal range on rows that see a token
         + torch.where(seen[..., None], eta_out, 0.0)  # (an empty row's 0 is exact)
         + growth * c_pv * pv  # P rounding and P·V accumulation
         + growth * (1 + c_pv) * (flush_v + _col(eta_v))  # P underflow (η_P), absolute V operand rounding (η_v)
         + _col(gamma_pv) * o_mag  # fp32 row sum l
-        + torch.tanh(hull_omega / 4)[..., None] * R[:, :, None, :]  # score errors: softmax stays within TV tanh(ω/4)
+        + _hull_term(hull_omega, R, pv, dev, torch.exp(omega - hull_omega))  # score errors (§5(b), (c))
     )  # [B, N, H, L]
     out = _col((1 + u_out) * (1 + gamma_pv)) * inner  # [B, N, H, L]
     g = torch.as_tensor(gamma_pv, dtype=F64, device=hull_omega.device)  # [] or [B, 1, 1]
@@ -446,7 +470,8 @@ def kernel_bound(batch: DecodeBatch, numerics, *, ref: tuple[torch.Tensor, torch
     def bucket_bound(bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
         ref_b = (bucket.rows_of(ref[0]), bucket.rows_of(ref[1])) if ref is not None else None  # [t, H, L], [t, H]
         st, A_max, V, o, kw = _kernel_grid(bucket, numerics, ref_b, q_operand)
-        stats = dict(R=_spread(V, st.n_vis), pv=torch.einsum("bnhs,bsc->bnhc", st.p, V.abs()))  # shared by both terms
+        stats = dict(R=_spread(V, st.n_vis), pv=torch.einsum("bnhs,bsc->bnhc", st.p, V.abs()),
+                     dev=_deviation(st, V))  # shared by both terms
         b_out, b_lse = _rounding_bound(st, A_max, V, o, **kw, **stats)  # [B, N, H, L], [B, N, H]
         s_out, s_lse = _fp64_slack(st, A_max, V, o, D, bucket.batch.seq_lens, **stats)  # the oracle's fp64 rounding
         return bucket.grid.unpad(b_out + s_out), bucket.grid.unpad(b_lse + s_lse)  # [t, H, L], [t, H]
@@ -599,14 +624,15 @@ def quantization_bounds(
     B_det (a-priori, from the element error model e = u|x| + η s on every quantized channel, §5(a)–(c)):
         δ_j = σ Σ_i (e^q_i |k_ji| + |q_i| e^k_ji + e^q_i e^k_ji)      |Δs_j| <= δ_j            (a)
         ω_det = 2 max_j δ_j                                         spread of Δs             (b)
-        B_det,c = min{tanh(ω_det/4) R_c, (e^ω_det - 1) Σ_j p_j|v_jc|}                        (c) term 1
+        B_det,c = min{tanh(ω_det/4) R_c, (e^ω_det - 1) min(Σ_j p_j|v_jc|, dev_c)}            (c) term 1
                 + Σ_j p_j e^v_jc + tanh(ω_det/4)(max_j e^v_jc - min_j e^v_jc)                (c) term 2
         |Δlse| <= max_j δ_j                                                                  (a)
     B_post (a-posteriori, always valid and tight, §5(d)), with Δs = ŝ - s from both fp64 score sets:
         ω_act = max_j Δs_j - min_j Δs_j
-        B_post,c = min{tanh(ω_act/4) R_c, (e^ω_act - 1) Σ_j p_j|v_jc|} + Σ_j p̂_j |v̂_jc - v_jc|
+        B_post,c = min{tanh(ω_act/4) R_c, (e^ω_act - 1) min(Σ_j p_j|v_jc|, dev_c)} + Σ_j p̂_j |v̂_jc - v_jc|
         |Δlse| <= max_j |Δs_j|
-    Unhatted p, v, R come from the exact inputs; e^v = e^k[:, :L] (one rounding moves both score and value).
+    Unhatted p, v, R come from the exact inputs; e^v = e^k[:, :L] (one rounding moves both score and value);
+    dev_c >= sqrt(Σ_j p_j (v_jc - Σ_k p_k v_kc)²) (``_deviation``: term 1 about the mean, §5(c)).
 
     Args:
         ref_exact: (out, lse) of ``mla_decode_ref(batch_exact)`` if already computed: p is then exp(s - lse).
@@ -627,12 +653,13 @@ def _quant_bucket(bucket: Bucket, batch_exact: DecodeBatch, ref_exact, saturated
     V, V_hat, e_v = r.K[..., :L], r.K_hat[..., :L], r.e_k[..., :L]  # [B, S, L]
     pv = torch.einsum("bnhs,bsc->bnhc", r.st.p, V.abs())  # [B, N, H, L] Σ_j p_j |v_jc|
     R = _spread(V, r.st.n_vis)  # [B, N, L]
+    dev = _deviation(r.st, V)  # [B, N, H, L]
     seen = r.st.seen[..., None]  # [B, N, 1]
 
     # B_det: (a) score errors, (b) their spread, (c) output
     delta_max = _masked_max(_score_error_bound(r, sigma), r.mask)  # [B, N, H] max_j δ_j
     w_det = 2 * delta_max  # [B, N, H]
-    term1 = _hull_term(w_det, R, pv)  # [B, N, H, L]
+    term1 = _hull_term(w_det, R, pv, dev)  # [B, N, H, L]
     e_v_spread = _spread(e_v, r.st.n_vis)[:, :, None, :]  # [B, N, 1, L]
     term2 = torch.einsum("bnhs,bsc->bnhc", r.st.p, e_v) + torch.tanh(w_det / 4)[..., None] * e_v_spread  # [B, N, H, L]
 
@@ -647,7 +674,7 @@ def _quant_bucket(bucket: Bucket, batch_exact: DecodeBatch, ref_exact, saturated
     return (
         unpad(term1 + term2 + slack_out),  # det_out [t, H, L]
         unpad(torch.where(seen, delta_max + slack_lse, 0.0)),  # det_lse [t, H]
-        unpad(_hull_term(w_act, R, pv) + moved + slack_out),  # post_out [t, H, L]
+        unpad(_hull_term(w_act, R, pv, dev) + moved + slack_out),  # post_out [t, H, L]
         unpad(torch.where(seen, _masked_max(ds.abs(), r.mask) + slack_lse, 0.0)),  # post_lse [t, H]
         unpad(w_det),  # omega_det [t, H]
         unpad(w_act),  # omega_act [t, H]
