@@ -129,6 +129,7 @@ def _features(cs: list[Case]) -> set[str]:
         found |= {"long"} if max(c.seq_lens) >= 2048 else set()
         found |= {"partial_page"} if any(s % c.page_size for s in c.seq_lens) else set()
         found |= {"workers>blocks"} if c.num_workers > sum(pages) else set()
+        found |= {"heads:not_pow2"} if c.heads & (c.heads - 1) else set()
         found |= {f"dist:{c.dist}", f"scale:{c.scale_mode}", f"q:{c.q_dtype}"}
     return found
 
@@ -150,7 +151,7 @@ def test_strategy_reaches_the_edges():
     # into generation), so other test orders draw other cases; 150 once drew no near_max case in the full suite
     found = _features(_draw(cases("fp8"), 400, seed=0))
     for f in ["empty", "len1", "mtp", "q_len>seq_len", "long", "partial_page", "workers>blocks", "scale:dynamic",
-              "scale:static", "scale:unit", "q:fp8", "q:bf16"] + [f"dist:{d}" for d in DISTRIBUTIONS]:
+              "scale:static", "scale:unit", "q:fp8", "q:bf16", "heads:not_pow2"] + [f"dist:{d}" for d in DISTRIBUTIONS]:
         assert f in found, f
 
 

@@ -132,8 +132,8 @@ def test_help_lists_every_flag(capsys):
     code, out, _ = run(capsys, "--help")
     assert code == 0
     for flag in ["--dtype", "--fp8-format", "--backend", "--impl", "--cases", "--seed", "--max-seq-len", "--heads",
-                 "--page-size", "--profile", "--device", "--json", "--plot", "--case", "--jobs", "--time-limit",
-                 "--exitfirst", "exit codes", "plug-in contract", "model"]:
+                 "--page-size", "--max-batch", "--profile", "--device", "--json", "--plot", "--case", "--jobs",
+                 "--time-limit", "--exitfirst", "--far", "exit codes", "plug-in contract", "model"]:
         assert flag in out, flag
 
 
@@ -143,13 +143,28 @@ def test_help_lists_every_flag(capsys):
              ["--case", "{not json"], ["--case", '{"heads": 0}'], ["--device", "nonsense"],
              # found by a review: checked before the campaign (it ran, then lost its report, exit 1)
              ["--json", "/no/such/folder/report.json"], ["--plot", "/no/such/folder/p.png"], ["--json", "/tmp"],
-             ["--max-seq-len", str(2**18 + 1)]],
+             ["--max-seq-len", str(2**18 + 1)], ["--max-batch", "0"], ["--far", "maybe"]],
 )
 def test_bad_usage_exits_2_with_one_line(capsys, argv):
     code, out, err = run(capsys, *argv)
     assert code == 2
     assert len(err.strip().splitlines()) == 1 and "error" in err, err
     assert out == ""
+
+
+def test_max_batch_bounds_the_drawn_requests_and_far_is_reported(capsys, tmp_path):
+    """--max-batch B: every drawn case has 1..B requests (the smoke prefix keeps its fixed batches); the JSON says
+    whether the far check ran (auto: only on CUDA devices)."""
+    from verify.strategies import smoke_cases
+
+    path = tmp_path / "r.json"
+    n_smoke = len(smoke_cases("bf16"))
+    code, _, err = run(capsys, "--backend", "ref", "--max-seq-len", "64", "--max-batch", "1", "--cases",
+                       str(n_smoke + 12), "--jobs", "1", "--json", str(path))
+    report = json.loads(path.read_text())
+    assert code == 0 and report["far"] is False and "the far check is off" in err
+    drawn = [r["case"] for r in report["results"]][n_smoke:]
+    assert len(drawn) == 12 and all(len(c["seq_lens"]) == 1 for c in drawn)
 
 
 def test_unavailable_backend_exits_5_with_reason(capsys, tmp_path):

@@ -152,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"longest KV sequence drawn (default 4096, at most {MAX_SEQ_LEN})")
     p.add_argument("--heads", type=_positive_int, metavar="H", help="fix the number of query heads (default drawn)")
     p.add_argument("--page-size", type=_positive_int, metavar="P", help="fix the page size (default drawn)")
+    p.add_argument("--max-batch", type=_positive_int, default=8, metavar="B",
+                   help="most requests per drawn case (default 8; the work budget then draws fewer heads)")
     p.add_argument("--profile", choices=tuple(DEFAULT_CASES), default="ci", help="case generation profile (below)")
     p.add_argument("--device", help="torch device for the cases (default cuda if available, else cpu)")
     p.add_argument("--time-limit", type=_positive_seconds, metavar="S",
@@ -711,7 +713,8 @@ def main(argv: list[str] | None = None) -> int:
     from verify.strategies import cases as case_strategy
     from verify.strategies import smoke_cases
 
-    shape = dict(fp8_format=args.fp8_format, max_seq_len=args.max_seq_len, heads=args.heads, page_size=args.page_size)
+    shape = dict(fp8_format=args.fp8_format, max_seq_len=args.max_seq_len, heads=args.heads, page_size=args.page_size,
+                 max_batch=args.max_batch)
     results: list[CaseResult] = []
     stopped: dict = {}  # why the campaign ended early (a device fault, --time-limit), for the report
     t0 = time.perf_counter()
@@ -757,7 +760,8 @@ def main(argv: list[str] | None = None) -> int:
             if replay:
                 on_result(_run_one(replay))
             else:
-                smoke = smoke_cases(args.dtype, **shape)[:n]
+                fixed = {k: v for k, v in shape.items() if k != "max_batch"}  # the smoke prefix keeps its batches
+                smoke = smoke_cases(args.dtype, **fixed)[:n]
                 strategy = case_strategy(args.dtype, **shape)
                 if args.profile == "search":
                     _run_all(smoke, 1, on_result)  # a handful of cases: a pool's start-up would cost more

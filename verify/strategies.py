@@ -5,7 +5,7 @@ Edges (each gets its own branch, so Hypothesis draws them often, not once in a m
 - one very long request among short ones (uneven splits, long accumulations), in a quarter of the cases;
 - more workers than KV blocks (every block its own split);
 - MTP: q_len 2..4, including q_len > seq_len (leading rows see nothing);
-- pages of 1, 16, 32, 64 and 3 tokens, up to 8 requests, 1 to 128 heads.
+- pages of 1, 16, 32, 64 and 3 tokens, up to 8 requests (``max_batch``), 1 to 128 heads, some not a power of two.
 Sizes are kept moderate so that a CPU campaign runs hundreds of cases a minute: heads are drawn after the
 lengths, from the counts that keep ``Case.work`` (q rows × heads × tokens) under ``work_budget`` (so 32 to 128
 heads come with short requests; ``--heads`` fixes them, ``--max-seq-len`` reaches past 4096).
@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 from verify.cases import DISTRIBUTIONS, Case
 
-HEADS = (1, 2, 4, 8, 16, 32, 64, 128)  # above 16: drawn where the lengths leave room in the work budget
+HEADS = (1, 2, 4, 5, 8, 16, 20, 32, 40, 64, 128)  # above 16: drawn where the lengths leave room in the work
+# budget; 40, 20 and 5: MiniCPM3's 40 MLA heads and their tensor-parallel shares, not a power of two
 PAGE_SIZES = (64, 16, 1, 32, 3)  # 3: a page that no power-of-two tile divides
 WORKERS = (1, 2, 4, 8, 32, 132)  # 132: an H200's SMs, more workers than blocks for all but long requests
 WORK_BUDGET = 1 << 15  # q rows × heads × KV tokens per drawn case (a few tens of ms of fp64 oracle on a CPU)
@@ -51,12 +52,14 @@ def cases(
 ) -> Case:
     """Draw a `Case` of the given kernel dtype ("bf16": bf16 q and KV; "fp8": fp8 KV, q bf16 or fp8).
 
-    heads / page_size: fixed when given, else drawn. Lengths never exceed max_seq_len.
+    heads / page_size: fixed when given, else drawn. Lengths never exceed max_seq_len; 1 to max_batch requests.
     """
     if dtype not in ("bf16", "fp8"):
         raise ValueError(f"cases.dtype: expected 'bf16' or 'fp8', got {dtype!r}")
     if max_seq_len < 1:
         raise ValueError(f"cases.max_seq_len: expected an int >= 1, got {max_seq_len!r}")
+    if max_batch < 1:
+        raise ValueError(f"cases.max_batch: expected an int >= 1, got {max_batch!r}")
     page = page_size or draw(st.sampled_from(PAGE_SIZES), label="page_size")
     short_max = min(SHORT_MAX, max_seq_len)
     n_req = draw(st.integers(1, max_batch), label="batch")
