@@ -76,8 +76,13 @@ def test_pages_past_2_31_elements_give_the_bits_of_the_compact_cache(name):
     assert r["emulated_bits"] and r["oracle_equal"], r
 
 
-def test_far_pages_keeps_unused_block_table_entries_and_poisons_the_new_pages():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e4m3fnuz,
+                                   torch.float8_e5m2])
+def test_far_pages_keeps_unused_block_table_entries_and_poisons_the_new_pages(dtype):
+    """The used entries shift, the others keep their values; the new pages hold the format's NaN (e4m3fnuz: 0x80,
+    not e4m3fn's 0x7F, which is a finite 240 there); two shifted pages start below the threshold."""
     batch = CASES["fp8_p3_w3"].batch()
+    batch = batch.replace(kv_cache=batch.kv_cache.float().to(dtype))  # the values do not matter here
     far = far_pages(batch, beyond=2**12)  # a small threshold: the same construction, a small cache
     shift = far.kv_cache.shape[0] - batch.kv_cache.shape[0]
     used = torch.arange(batch.block_table.shape[1]) < batch.pages_per_request[:, None]
@@ -86,7 +91,21 @@ def test_far_pages_keeps_unused_block_table_entries_and_poisons_the_new_pages():
     assert torch.isnan(far.kv_cache[:shift].float()).all()
     assert torch.equal(far.kv_cache[shift:].view(torch.uint8), batch.kv_cache.view(torch.uint8))
     per_page = far.kv_cache.stride(0)
-    assert (shift + 1) * per_page < 2**12 <= (shift + 2) * per_page  # two shifted pages start below it
+    assert (shift + 1) * per_page < 2**12 <= (shift + 2) * per_page
+
+
+def test_a_far_cache_that_does_not_fit_fails_the_check_and_says_what_to_do(monkeypatch):
+    from verify import checks
+    from verify.kernels import from_backend
+    from verify.strategies import smoke_cases
+
+    def no_room(batch, *args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB")
+
+    monkeypatch.setattr(checks, "far_pages", no_room)
+    result = checks.run_case(smoke_cases("bf16")[0], from_backend("emulated"), "cpu", far=True)
+    failed = {c.name: c.detail for c in result.checks if not c.ok}
+    assert set(failed) == {"far"} and "does not fit" in failed["far"] and "--far off" in failed["far"], failed
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:

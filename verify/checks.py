@@ -347,8 +347,15 @@ def check_far(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, re
     """The kernel run again on ``far_pages(batch)`` (the case's worker count when it takes one): a production cache
     is many GB, and an element offset page x page_stride computed in int32 wraps past 2^31 (3.7 M bf16 tokens of
     576). Passes with the bits of the first run ``first`` (out, lse); a kernel whose bits vary from run to run
-    passes within the tier-1 bound instead. A wrapped offset reads the NaN in front (or outside the cache)."""
-    far = far_pages(batch)
+    passes within the tier-1 bound instead. A wrapped offset reads the NaN in front (or outside the cache). A far
+    cache that does not fit in memory (one per worker process: 14 GPU jobs hold up to 60 GB) fails the check and
+    says so."""
+    try:
+        far = far_pages(batch)
+    except torch.OutOfMemoryError as e:  # not a kernel failure, but the check cannot pass without its cache
+        return [CheckResult("far", False, detail=f"the far cache (past element 2^31) does not fit on {batch.device} "
+                                                 f"beside this process's other memory: {error_message(e)}; run fewer "
+                                                 "--jobs, or --far off")]
     raw, exc = _run(kernel, far, workers)
     if exc is not None and is_device_fault(exc):
         raise exc
