@@ -667,8 +667,7 @@ def _range(V: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("n_tokens", [2, 7, 1024])
 def test_deviation_bounds_the_mean_absolute_deviation(n_tokens):
     """_deviation >= Σ_j p_j |v_jc - m_c| evaluated directly (a sum of non-negative fp64 terms) on every channel and
-    row, including the cancelling offset channel, and on a zero-padded grid too; the Cauchy-Schwarz step costs at
-    most sqrt(n) (equality-free bound: >= the MAD, <= the uniform row's sqrt(n) MAD is not claimed)."""
+    row, including the cancelling offset channel, and on a zero-padded grid too."""
     g = torch.Generator().manual_seed(n_tokens)
     for pad in (0, 37):
         st, V, _ = _rows(n_tokens, 4, 8, g, pad)
@@ -695,7 +694,8 @@ def test_hull_term_holds_for_the_worst_score_perturbations_and_tightens_long_row
         for omega in (1e-4, 0.3, 3.0):
             w = torch.full(st.p.shape[:3], omega, dtype=F64)  # [1, 3, H]
             bound = _hull_term(w, R, pv, dev)  # [1, 3, H, L]
-            o = torch.einsum("bnhs,bsc->bnhc", st.p, V)
+            centred = V - V[:, :1]  # [1, S, L] Σ_j (p'_j - p_j) v_j = Σ_j (p'_j - p_j)(v_j - v_0), exact (Sterbenz)
+            o = torch.einsum("bnhs,bsc->bnhc", st.p, centred)
             worst = torch.zeros_like(o)
             for c in range(L):
                 for t in torch.unique(V[0, :n_tokens, c]).tolist()[:: max(1, n_tokens // 64)]:
@@ -704,9 +704,10 @@ def test_hull_term_holds_for_the_worst_score_perturbations_and_tightens_long_row
                         s = st.s + delta
                         e = torch.exp(s - s.amax(-1, keepdim=True)).masked_fill(~mask[:, :, None, :], 0.0)
                         p2 = e / e.sum(-1, keepdim=True).clamp(min=1e-300)
-                        worst[..., c] = torch.maximum(worst[..., c], (torch.einsum("bnhs,bs->bnh", p2, V[..., c])
-                                                                      - o[..., c]).abs())
-            assert (worst <= bound * (1 + 1e-9) + 1e-12 * V.abs().amax()).all(), (n_tokens, omega)  # fp64 noise
+                        worst[..., c] = torch.maximum(worst[..., c], (torch.einsum("bnhs,bs->bnh", p2,
+                                                                                   centred[..., c]) - o[..., c]).abs())
+            noise = 1e-12 * centred.abs().amax(dim=1)[:, None, None, :]  # [1, 1, 1, L] fp64 sums of the centred values
+            assert (worst <= bound * (1 + 1e-9) + noise).all(), (n_tokens, omega)
     st, V, mask = _rows(1024, 4, 8, g)
     R, pv, dev = _range(V, mask), torch.einsum("bnhs,bsc->bnhc", st.p, V.abs()), _deviation(st, V)
     w = torch.full(st.p.shape[:3], 1e-3, dtype=F64)
@@ -715,6 +716,50 @@ def test_hull_term_holds_for_the_worst_score_perturbations_and_tightens_long_row
     assert ratio[0] < 0.7 and ratio[3] < 0.01, ratio  # near-uniform row: ~0.6 (sd / (R/4)); peaky row: ~0
     uncentred = _hull_term(w, R, pv)[0, 0, 0, 3]  # the channel about 5, near-uniform row: Σ p|v| ~ 5
     assert _hull_term(w, R, pv, dev)[0, 0, 0, 3] < 0.7 * min(uncentred, old[0, 0, 0, 3])
+
+
+def _two_tokens(p1: float, v1: float):
+    """One row seeing two tokens with weights (1 - p1, p1), values (0, v1) on one channel: (st, V, mask)."""
+    s = torch.tensor([0.0, math.log(p1 / (1 - p1))], dtype=F64).view(1, 1, 1, 2)  # [1, 1, 1, 2]
+    p = torch.tensor([1 - p1, p1], dtype=F64).view(1, 1, 1, 2)
+    n_vis, mask = torch.tensor([[2]]), torch.ones(1, 1, 2, dtype=torch.bool)
+    st = _Softmax(s, p, torch.zeros(1, 1, 1, dtype=F64), torch.ones(1, 1, 1, dtype=F64), mask.any(-1), n_vis)
+    return st, torch.tensor([0.0, v1], dtype=F64).view(1, 2, 1), mask
+
+
+def test_hull_term_is_tight_on_a_peaky_row_and_needs_its_weight():
+    """p = (1 - 1e-6, 1e-6), v = (0, 1): raising the rare token's score by ω moves the output by p1 (e^ω - 1) to
+    first order, which the (e^ω - 1) Σ p|v| form meets (ω = 3: 1.9e-5; a term of ω alone, 3e-6, would not hold).
+    Shared scores (split_bound): weights p* = softmax(s + δ1) with spread ω_qk = 3, then an own perturbation
+    ω_own = 0.1: the move is p*_1 (e^0.1 - 1) ~ 2.1e-6, held only with the weight e^ω_qk on the p of pv and dev."""
+    st, V, mask = _two_tokens(1e-6, 1.0)
+    R = _range(V, mask)
+    pv, dev = torch.einsum("bnhs,bsc->bnhc", st.p, V.abs()), _deviation(st, V)
+
+    def moved(p, delta):  # |Σ_j (softmax(log p + δ)_j - p_j) v_j| on the row
+        e = p * torch.exp(torch.tensor([0.0, delta], dtype=F64))
+        return float(((e / e.sum() - p) * V[0, :, 0]).sum().abs())
+
+    p = st.p[0, 0, 0]
+    actual = moved(p, 3.0)
+    bound = float(_hull_term(torch.full((1, 1, 1), 3.0, dtype=F64), R, pv, dev))
+    assert actual <= bound < 1.01 * actual and actual > 6 * 1e-6 * 3  # tight, and above ω p1
+    e = p * torch.exp(torch.tensor([0.0, 3.0], dtype=F64))
+    p_star = e / e.sum()  # [2] the shared scores' weights
+    actual = moved(p_star, 0.1)
+    w_own = torch.full((1, 1, 1), 0.1, dtype=F64)
+    weighted = float(_hull_term(w_own, R, pv, dev, torch.exp(torch.tensor(3.0, dtype=F64))))
+    assert actual <= weighted < 1.01 * actual
+    assert float(_hull_term(w_own, R, pv, dev)) < actual / 10  # without the weight: far below the move
+
+
+def test_deviation_covers_products_that_underflow():
+    """p = (1, 1e-250), v = (0, 1e-40): p v² (1e-330) underflows to 0 in fp64 and the computed variance is 0, while
+    the true deviation is ~1e-165; the absolute (n + 4) 2^-1074 under the root keeps dev above it (a review's
+    counterexample to a purely relative slack)."""
+    st, V, _ = _two_tokens(1e-250, 1e-40)
+    true_sd = math.sqrt(1e-250 * (1 - 1e-250)) * 1e-40
+    assert float(_deviation(st, V)) >= true_sd
 
 
 def test_operand_overflow_flag_for_fp8_operands(monkeypatch):

@@ -94,13 +94,35 @@ def test_far_pages_keeps_unused_block_table_entries_and_poisons_the_new_pages(dt
     assert (shift + 1) * per_page < 2**12 <= (shift + 2) * per_page
 
 
-def test_a_far_cache_that_does_not_fit_fails_the_check_and_says_what_to_do(monkeypatch):
+def test_far_pages_moves_a_lone_first_page_past_the_threshold_and_refuses_bad_arguments():
+    """A batch whose only used page is page 0 (one short request) still gets it past the threshold: `below` shrinks
+    to the largest used page. beyond and below are checked."""
+    from mla_ref.decode import make_decode_batch
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 96, generator=g).bfloat16()  # [T, H, D]
+    batch = make_decode_batch(q, [torch.randn(5, 96, generator=g).bfloat16()], sm_scale=0.1, kv_lora_rank=64,
+                              page_size=16, generator=g)
+    batch = batch.replace(block_table=torch.zeros_like(batch.block_table))  # the request on page 0
+    far = far_pages(batch, beyond=2**12)
+    assert int(far.block_table[0, 0]) * far.kv_cache.stride(0) >= 2**12
+    for kwargs in (dict(beyond=0), dict(below=-1), dict(below=1.5), dict(beyond=True)):
+        with pytest.raises(ValueError, match="far_pages.(beyond|below): expected an int"):
+            far_pages(batch, **kwargs)
+
+
+@pytest.mark.parametrize("error", [
+    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB"),
+    RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you tried "
+                 "to allocate 4294967296 bytes"),
+], ids=["cuda", "cpu"])
+def test_a_far_cache_that_does_not_fit_fails_the_check_and_says_what_to_do(monkeypatch, error):
     from verify import checks
     from verify.kernels import from_backend
     from verify.strategies import smoke_cases
 
     def no_room(batch, *args):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB")
+        raise error
 
     monkeypatch.setattr(checks, "far_pages", no_room)
     result = checks.run_case(smoke_cases("bf16")[0], from_backend("emulated"), "cpu", far=True)

@@ -150,8 +150,9 @@ def _hull_term(omega: torch.Tensor, R: torch.Tensor, pv: torch.Tensor, dev: torc
                weight: torch.Tensor | float = 1.0) -> torch.Tensor:
     """§5(c) term 1: |Σ_j (p'_j - p_j) v_jc| <= min{tanh(ω/4) R_c, (e^ω - 1) Σ_j p_j |v_jc - c|} for any c when the
     score perturbation has spread <= ω (TV(p, p') <= tanh(ω/4), §5(b); p'_j / p_j in [e^-ω, e^ω], and Σ_j (p'_j -
-    p_j) c = 0). c = 0 gives Σ_j p_j |v_jc| = ``pv``; c = the weighted mean gives at most ``dev`` (``_deviation``),
-    several times smaller on long rows of centred values, where R_c grows with the tokens and tanh(ω/4) R_c ~ ω R_c / 4.
+    p_j) c = 0). c = 0 gives Σ_j p_j |v_jc| = ``pv``; c = the weighted mean gives at most ``dev`` (``_deviation``):
+    against tanh(ω/4) R_c ~ ω R_c / 4 about 0.6x on long rows of Gaussian values (R_c grows with the tokens), far
+    less on peaky rows (dev ~ sqrt(p (1 - p)) |Δv|), and against pv far less on values with a common offset.
 
     omega [B, N, H], R [B, N, L], pv and dev [B, N, H, L] -> [B, N, H, L]. ``weight`` [B, N, H] or a float: p_j
     is only known to be <= weight x the p of pv and dev (``_rounding_bound``'s shared scores: e^ω_qk).
@@ -166,12 +167,16 @@ def _deviation(st: _Softmax, V: torch.Tensor) -> torch.Tensor:
     summing to 1, or 0 for a row that sees nothing) and V [B, S, L] fp64: the weighted standard deviation of each
     channel, which bounds Σ_j p_j |v_jc - m_c| (Cauchy-Schwarz). Two matmuls (Σ p v, Σ p v²); the variance
     Σ p v² - m² is evaluated in fp64 with error <= (3n + 7) u64 Σ p v² over a row's n visible tokens (zero padding
-    adds exactly), and Σ p = 1 ± n u64: the 4 (n + 4) u64 Σ p v² added and the (1 + that) factor cover both. Unlike
-    the other statistics it cancels, so another grid (bucketing) may move it by up to sqrt(that slack)."""
+    adds exactly), and Σ p = 1 ± n u64: the 4 (n + 4) u64 Σ p v² added and the (1 + that) factor cover both; the
+    products p v² and m² may also underflow, each by less than the least subnormal 2^-1074: (n + 4) 2^-1074 more
+    (0 for a row that sees nothing: its p and statistics are exact zeros).
+    Unlike the other statistics it cancels, so another grid (bucketing) may move it by up to sqrt(that slack)."""
     m = torch.einsum("bnhs,bsc->bnhc", st.p, V)  # [B, N, H, L]
     m2 = torch.einsum("bnhs,bsc->bnhc", st.p, V * V)  # [B, N, H, L]
-    slack = (4 * (st.n_vis.to(F64) + 4) * U64)[..., None, None]  # [B, N, 1, 1]
-    return ((m2 - m * m).clamp(min=0) + slack * m2).sqrt() * (1 + slack)
+    n = st.n_vis.to(F64)[..., None, None]  # [B, N, 1, 1]
+    slack = 4 * (n + 4) * U64  # [B, N, 1, 1] relative
+    underflow = torch.where(n > 0, (n + 4) * 2.0**-1074, 0.0)  # [B, N, 1, 1] absolute (an empty row: exact 0)
+    return ((m2 - m * m).clamp(min=0) + slack * m2 + underflow).sqrt() * (1 + slack)
 
 
 def _per_request(x):
@@ -336,7 +341,7 @@ def _fp64_slack(st: _Softmax, A_max: torch.Tensor, V: torch.Tensor, o: torch.Ten
                 **stats):
     """Evaluation error of one fp64 oracle run (mla_ref.decode.mla_decode_ref): §5(f) with fp64 constants,
     gamma = (terms) · u64 for the D-term dot products and the s-term sums (any summation order), per request with
-    s = its seq_len (seq_lens [B]). stats: R, pv of ``_rounding_bound`` if already computed."""
+    s = its seq_len (seq_lens [B]). stats: R, pv, dev of ``_rounding_bound`` if already computed."""
     g = (seq_lens.to(F64).clamp(min=D) + 2) * U64  # [B] (max(D, s) + 2) u64
     return _rounding_bound(
         st, A_max, V, o, u_out=U64, u_p=0.0, eta_p=0.0, gamma_qk=g, gamma_pv=g, exp_rel=EXP64_REL, u_arith=U64, **stats
@@ -600,11 +605,12 @@ def _score_error_bound(r: _QuantGrid, sigma: float) -> torch.Tensor:
 
 
 def _oracle_slack(r: _QuantGrid, sigma: float, L: int, D: int, seq_lens: torch.Tensor, R: torch.Tensor,
-                  pv: torch.Tensor):
+                  pv: torch.Tensor, dev: torch.Tensor):
     """fp64 evaluation error of both oracle runs (exact and dequantized inputs): ([B, N, H, L], [B, N, H]).
-    R, pv: ``_spread`` and Σ_j p_j |v_jc| of the exact inputs (already computed by the caller)."""
+    R, pv, dev: ``_spread``, Σ_j p_j |v_jc| and ``_deviation`` of the exact inputs (already computed by the
+    caller)."""
     total_out, total_lse = 0.0, 0.0
-    for st, q, K, stats in ((r.st, r.q, r.K, dict(R=R, pv=pv)), (r.st_hat, r.q_hat, r.K_hat, {})):
+    for st, q, K, stats in ((r.st, r.q, r.K, dict(R=R, pv=pv, dev=dev)), (r.st_hat, r.q_hat, r.K_hat, {})):
         A_max = _masked_max(sigma * torch.einsum("bnhd,bsd->bnhs", q.abs(), K.abs()), r.mask)  # [B, N, H]
         o = torch.einsum("bnhs,bsc->bnhc", st.p, K[..., :L])  # [B, N, H, L]
         s_out, s_lse = _fp64_slack(st, A_max, K[..., :L], o, D, seq_lens, **stats)
@@ -668,7 +674,7 @@ def _quant_bucket(bucket: Bucket, batch_exact: DecodeBatch, ref_exact, saturated
     w_act = _masked_max(ds, r.mask) + _masked_max(-ds, r.mask)  # [B, N, H] max Δs - min Δs
     moved = torch.einsum("bnhs,bsc->bnhc", r.st_hat.p, (V_hat - V).abs())  # [B, N, H, L] Σ_j p̂_j |v̂_jc - v_jc|
 
-    slack_out, slack_lse = _oracle_slack(r, sigma, L, D, batch_q.seq_lens, R, pv)  # [B, N, H, L], [B, N, H]
+    slack_out, slack_lse = _oracle_slack(r, sigma, L, D, batch_q.seq_lens, R, pv, dev)  # [B, N, H, L], [B, N, H]
     saturated.append(r.saturated)
     unpad = r.grid.unpad
     return (

@@ -327,19 +327,30 @@ def check_nan(batch: DecodeBatch, kernel: Kernel, workers: int) -> CheckResult:
 
 def far_pages(batch: DecodeBatch, beyond: int = FAR_ELEMENTS, below: int = 2) -> DecodeBatch:
     """``batch`` with its cache moved to the end of a larger one: used page p becomes page p + shift, where shift
-    leaves ``below`` pages starting under element ``beyond`` and every later page past it. The pages in front hold
-    NaN (fp8: the format's NaN code) and nobody owns them, so a kernel that reads a wrapped offset reads NaN or
-    faults. The lengths are the same, so a planned kernel makes the same plan; unused block-table entries keep
-    their values. Allocates (shift + P) pages: past 2^31 elements, 4.3 GB of bf16, 2.1 GB of fp8."""
+    leaves pages below min(``below``, the largest used page) starting under element ``beyond`` and every later
+    page past it, so at least one used page lies past it. The pages in front hold NaN (fp8: the format's NaN code)
+    and nobody owns them, so a kernel that reads a wrapped offset reads NaN or faults. The lengths are the same, so
+    a planned kernel makes the same plan; unused block-table entries keep their values. Allocates (shift + P)
+    pages: past 2^31 elements, 4.3 GB of bf16, 2.1 GB of fp8. One host sync."""
+    for name, value, least in (("beyond", beyond, 1), ("below", below, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"far_pages.{name}: expected an int >= {least}, got {value!r}")
     kv = batch.kv_cache  # [P, ps, D]
     per_page = kv.shape[1] * kv.shape[2]  # elements per page
-    shift = max(0, -(-beyond // per_page) - below)  # the first page past `beyond` is page shift + below
+    used = torch.arange(batch.block_table.shape[1], device=kv.device) < batch.pages_per_request[:, None]  # [B, max]
+    last = int(torch.where(used, batch.block_table, 0).max()) if used.numel() else 0  # the largest used page
+    shift = max(0, -(-beyond // per_page) - min(below, last))  # page p starts past `beyond` iff p >= min(below, last)
     far = torch.empty((shift + kv.shape[0],) + tuple(kv.shape[1:]), dtype=kv.dtype, device=kv.device)  # [P', ps, D]
     far[:shift] = torch.tensor(float("nan")).to(kv.dtype)  # the format's NaN code (e4m3fnuz: 0x80)
     far[shift:] = kv
-    used = torch.arange(batch.block_table.shape[1], device=kv.device) < batch.pages_per_request[:, None]  # [B, max]
     table = torch.where(used, batch.block_table + shift, batch.block_table)  # [B, max_pages] int32
     return batch.replace(kv_cache=far, block_table=table)
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """An allocation that failed for want of memory: torch.OutOfMemoryError (CUDA), or the CPU allocator's
+    RuntimeError."""
+    return isinstance(e, torch.OutOfMemoryError) or (isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
 
 
 def check_far(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, ref, bound: bounds.Bound,
@@ -352,14 +363,19 @@ def check_far(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, re
     says so."""
     try:
         far = far_pages(batch)
-    except torch.OutOfMemoryError as e:  # not a kernel failure, but the check cannot pass without its cache
+    except (torch.OutOfMemoryError, RuntimeError) as e:  # not a kernel failure, but the check needs its cache
+        if not _out_of_memory(e):
+            raise
         return [CheckResult("far", False, detail=f"the far cache (past element 2^31) does not fit on {batch.device} "
                                                  f"beside this process's other memory: {error_message(e)}; run fewer "
                                                  "--jobs, or --far off")]
     raw, exc = _run(kernel, far, workers)
     if exc is not None and is_device_fault(exc):
         raise exc
-    where = f"pages past element 2^31 of a {far.kv_cache.numel() / 2**30:.2f} Gi-element cache"
+    offsets = far.block_table.long() * far.kv_cache.stride(0)  # [B, max_pages] first element of each page
+    used = torch.arange(far.block_table.shape[1], device=offsets.device) < far.pages_per_request[:, None]
+    past, n_used = torch.stack([(used & (offsets >= FAR_ELEMENTS)).sum(), used.sum()]).tolist()
+    where = f"{past} of {n_used} used pages past element 2^31 of a {far.kv_cache.numel() / 2**30:.2f} Gi-element cache"
     if exc is not None:
         return [CheckResult("far", False, detail=f"{where}: the run raised {error_message(exc)}")]
     try:

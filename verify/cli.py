@@ -169,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failed case (not unsupported)")
     p.add_argument("--far", choices=("auto", "on", "off"), default="auto",
                    help="the far check: each case again with its pages past element 2^31 of a 2-4 GB cache (int32 "
-                        "offsets wrap there); auto = on CUDA devices, where the fill takes milliseconds (default)")
+                        "offsets wrap there); auto = on CUDA devices, where the fill takes milliseconds (default); "
+                        "each worker process holds one such cache: fewer --jobs where memory is short")
     return p
 
 
