@@ -23,6 +23,27 @@ def test_a_failing_property_test_prints_a_repro_for_its_device():
         test()
 
 
+def test_far_and_max_batch_reach_the_property_test():
+    """far=True runs the far check where the default (a CPU: off) would not, and its repro says --far on; the
+    int32-offset mutant passes without it. max_batch bounds the drawn requests (here 1: one per case)."""
+    import pytest
+    from hypothesis import Phase
+
+    from verify.mutants import int32_offsets
+
+    first = dict(hypothesis_settings=dict(max_examples=1, phases=[Phase.explicit]))  # the smoke prefix only
+    test = mla_property_test(int32_offsets, dtype="fp8", device="cpu", far=True, **first)
+    with pytest.raises(AssertionError, match=r"far\.out[\s\S]*repro: mla-verify .* --device cpu --far on"):
+        test()
+    mla_property_test(int32_offsets, dtype="fp8", device="cpu", **first)()  # far off on a CPU: passes
+    seen = []
+    record = mla_property_test(lambda batch: seen.append(batch.batch_size) or emulated(batch), max_seq_len=64,
+                               device="cpu", max_batch=1, smoke=False,
+                               hypothesis_settings=dict(max_examples=8, derandomize=True, database=None))
+    record()
+    assert seen and set(seen) == {1}
+
+
 def test_property_tests_have_no_deadline_and_the_profiles_register(monkeypatch):
     """Outside this project no conftest sets a profile: Hypothesis' 200 ms default deadline failed every case (the
     checks run the fp64 oracle; found by a review), and HYPOTHESIS_PROFILE=search did nothing. mla_property_test sets

@@ -59,7 +59,9 @@ def mla_property_test(
     max_seq_len: int = 4096,
     heads: int | None = None,
     page_size: int | None = None,
+    max_batch: int = 8,
     device: str | None = None,
+    far: bool | None = None,
     smoke: bool = True,
     examples: tuple[Case, ...] | list[Case] = (),
     hypothesis_settings: dict | None = None,
@@ -67,8 +69,9 @@ def mla_property_test(
     """A pytest test function checking ``fn`` on Hypothesis-drawn `Case`s of ``dtype`` ("bf16" or "fp8").
 
     fn follows the plug-in contract of `verify.kernels` (``fn(batch) -> out | (out, lse)``, optional
-    ``fn.numerics``). device: where cases are built (default cuda if available, else cpu). smoke: run the fixed smoke
-    prefix first. examples: more `Case`s to run first as explicit examples (pinned regressions, e.g. the
+    ``fn.numerics``). device: where cases are built (default cuda if available, else cpu). far: run the far check
+    (pages past element 2^31 of a 2-4 GB cache; None: on CUDA devices, as `mla-verify --far auto`). smoke: run the
+    fixed smoke prefix first. examples: more `Case`s to run first as explicit examples (pinned regressions, e.g. the
     ``@example`` lines of ``mla-verify --profile search``). hypothesis_settings: more Hypothesis settings for this
     test, e.g. ``dict(phases=[Phase.explicit])`` to run the examples only (the test already carries one settings
     decoration, deadline=None, which Hypothesis allows once). The other arguments shape the drawn cases as the
@@ -77,13 +80,14 @@ def mla_property_test(
     kernel = from_callable(fn)
     shape = dict(fp8_format=fp8_format, max_seq_len=max_seq_len, heads=heads, page_size=page_size)
     flags = f"--impl {kernel.name}" + (f" --device {device}" if device else "")  # the repro replays where it ran
+    flags += "" if far is None else f" --far {'on' if far else 'off'}"  # and with the same checks
 
     def test(case: Case) -> None:
         import torch
 
         dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
         note(f"repro: {case.repro(flags)}")
-        result = run_case(case, kernel, dev)
+        result = run_case(case, kernel, dev, far)
         for c in result.checks:  # used by profiles with the target phase (search), ignored otherwise
             if c.err_over_bound is not None and 0 <= c.err_over_bound < float("inf"):
                 target(c.err_over_bound, label=c.name)
@@ -93,7 +97,7 @@ def mla_property_test(
     explicit = (smoke_cases(dtype, **shape) if smoke else []) + list(examples)
     for c in reversed(explicit):
         test = example(case=c)(test)
-    test = given(case=cases(dtype, **shape))(test)
+    test = given(case=cases(dtype, **shape, max_batch=max_batch))(test)
     test = settings(deadline=None, **(hypothesis_settings or {}))(test)  # over the active profile (module docstring)
     name = getattr(fn, "__name__", None) or kernel.name.rsplit(":", 1)[-1].replace(".", "_")
     test.__name__ = test.__qualname__ = f"test_{name}_{dtype}"
