@@ -130,5 +130,23 @@ def test_a_far_cache_that_does_not_fit_fails_the_check_and_says_what_to_do(monke
     assert set(failed) == {"far"} and "does not fit" in failed["far"] and "--far off" in failed["far"], failed
 
 
+
+def test_a_far_run_without_the_lse_of_the_first_fails():
+    """A kernel whose far run drops the lse it returned on the compact cache fails the check (its out alone would
+    pass the tier-1 comparison)."""
+    from verify.checks import run_case
+    from verify.kernels import from_backend, from_callable
+    from verify.strategies import smoke_cases
+
+    emulated = from_backend("emulated")
+
+    def lse_only_when_small(batch):
+        out, lse = emulated.run(batch)
+        return out if batch.kv_cache.numel() > 2**31 else (out, lse)
+
+    result = run_case(smoke_cases("fp8")[0], from_callable(lse_only_when_small), "cpu", far=True)
+    failed = {c.name: c.detail for c in result.checks if not c.ok}
+    assert set(failed) == {"far"} and "lse returned by only one" in failed["far"], failed
+
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
     print(json.dumps(_worker(sys.argv[2])))

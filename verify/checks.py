@@ -383,9 +383,10 @@ def check_far(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, re
     except ValueError as e:
         return [CheckResult("far", False, detail=f"{where}: {e}")]
     del far, raw  # the large cache
+    if (lse is None) != (first[1] is None):
+        return [CheckResult("far", False, detail=f"{where}: lse returned by only one of the compact and far runs")]
     out, lse = out.detach().to(first[0].device), (lse.detach().to(first[0].device) if lse is not None else None)
-    if _bytes(out).equal(_bytes(first[0])) and (lse is None) == (first[1] is None) and (
-            lse is None or _bytes(lse).equal(_bytes(first[1]))):
+    if _bytes(out).equal(_bytes(first[0])) and (lse is None or _bytes(lse).equal(_bytes(first[1]))):
         return [CheckResult("far", True, detail=f"{where}: the bits of the compact cache")]
     results = check_tier1(out, lse, ref, bound, out_dtype, name="far")
     differ = int((_bytes(out) != _bytes(first[0])).sum())
