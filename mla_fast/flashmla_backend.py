@@ -104,8 +104,7 @@ def flashmla_inputs(batch: DecodeBatch) -> dict:
         raise Unsupported("flashmla.q/kv_cache: FlashMLA's dense kernel takes both bf16 or both fp16")
     block_table = layout["block_table"]  # [B, max_blocks]
     if fp8_kv:  # the dense fp8 kernel (FlashMLA PR #54) may read entries past seq_len: point them at page 0
-        used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < batch.pages_per_request[:, None]
-        block_table = torch.where(used, block_table, 0)
+        block_table = torch.where(batch.used_entries, block_table, 0)
     return {
         "q": q.contiguous(),
         "k_cache": kv,

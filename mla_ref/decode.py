@@ -132,6 +132,13 @@ class DecodeBatch:
         """[B] int32 pages each request uses: ceil(seq_len / page_size)."""
         return ((self.seq_lens.long() + self.page_size - 1) // self.page_size).to(torch.int32)  # int64: no wrap
 
+    @property
+    def used_entries(self) -> torch.Tensor:
+        """[B, max_pages] bool: the block-table entries that hold the page of a valid token (entry i of request b
+        while i < pages_per_request[b]); the others may hold garbage."""
+        pages = torch.arange(self.block_table.shape[1], device=self.block_table.device)  # [max_pages]
+        return pages[None, :] < self.pages_per_request[:, None]
+
     def to(self, device: torch.device | str) -> DecodeBatch:
         moved = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         for name, value in moved.items():
@@ -178,7 +185,7 @@ class DecodeBatch:
             raise _field_error("q_lens", f"shape ({B},) like seq_lens", tuple(self.q_lens.shape))
         if self.block_table.dim() != 2 or self.block_table.shape[0] != B:
             raise _field_error("block_table", f"a 2-D tensor [{B}, max_pages]", tuple(self.block_table.shape))
-        used = torch.arange(self.block_table.shape[1], device=q.device)[None, :] < self.pages_per_request[:, None]
+        used = self.used_entries  # [B, max_pages]
         table = self.block_table.long()  # [B, max_pages] only the pages that valid tokens live on are checked
         seq, n = self.seq_lens.long(), self.q_lens.long()  # [B], [B]
         none = torch.zeros((), dtype=torch.int64, device=q.device)  # the reductions of an empty batch pass
@@ -329,8 +336,7 @@ class DecodeBatch:
         """(kv_indptr [B+1], kv_indices [Σ pages]) int32, CSR form of the used block-table entries."""
         npages = self.pages_per_request  # [B]
         kv_indptr = torch.nn.functional.pad(torch.cumsum(npages, 0), (1, 0)).to(torch.int32)  # [B+1]
-        used = torch.arange(self.block_table.shape[1], device=self.device)[None, :] < npages[:, None]  # [B, max]
-        return kv_indptr, self.block_table[used].to(torch.int32)  # row-major: request by request, in order
+        return kv_indptr, self.block_table[self.used_entries].to(torch.int32)  # row-major: request by request, in order
 
     def to_aiter(self) -> dict:
         """aiter ``mla_decode_fwd`` layout (aiter-contract.md §2): page ids in CSR form, kv_buffer [P, ps, 1, D]."""

@@ -48,7 +48,7 @@ def _worker(name: str) -> dict:
     near_run = td.decode(batch, plan=plan, config=config)
     far_run = td.decode(far, plan=plan, config=config)
     offsets = far.block_table.long() * far.kv_cache.stride(0)  # [B, max_pages] element offset of each page
-    used = torch.arange(far.block_table.shape[1]) < far.pages_per_request[:, None]
+    used = far.used_entries
     return {
         "cache_elements": far.kv_cache.numel(),
         "pages_past_2_31": int((offsets[used] >= 2**31).sum()),
@@ -85,7 +85,7 @@ def test_far_pages_keeps_unused_block_table_entries_and_poisons_the_new_pages(dt
     batch = batch.replace(kv_cache=batch.kv_cache.float().to(dtype))  # the values do not matter here
     far = far_pages(batch, beyond=2**12)  # a small threshold: the same construction, a small cache
     shift = far.kv_cache.shape[0] - batch.kv_cache.shape[0]
-    used = torch.arange(batch.block_table.shape[1]) < batch.pages_per_request[:, None]
+    used = batch.used_entries
     assert torch.equal(far.block_table[used], batch.block_table[used] + shift)
     assert torch.equal(far.block_table[~used], batch.block_table[~used])
     assert torch.isnan(far.kv_cache[:shift].float()).all()

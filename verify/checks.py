@@ -337,7 +337,7 @@ def far_pages(batch: DecodeBatch, beyond: int = FAR_ELEMENTS, below: int = 2) ->
             raise ValueError(f"far_pages.{name}: expected an int >= {least}, got {value!r}")
     kv = batch.kv_cache  # [P, ps, D]
     per_page = kv.shape[1] * kv.shape[2]  # elements per page
-    used = torch.arange(batch.block_table.shape[1], device=kv.device) < batch.pages_per_request[:, None]  # [B, max]
+    used = batch.used_entries  # [B, max_pages]
     last = int(torch.where(used, batch.block_table, 0).max()) if used.numel() else 0  # the largest used page
     shift = max(0, -(-beyond // per_page) - min(below, last))  # page p starts past `beyond` iff p >= min(below, last)
     far = torch.empty((shift + kv.shape[0],) + tuple(kv.shape[1:]), dtype=kv.dtype, device=kv.device)  # [P', ps, D]
@@ -363,7 +363,7 @@ def check_far(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, re
     says so."""
     try:
         far = far_pages(batch)
-    except (torch.OutOfMemoryError, RuntimeError) as e:  # not a kernel failure, but the check needs its cache
+    except RuntimeError as e:  # torch.OutOfMemoryError too; not a kernel failure, but the check needs its cache
         if not _out_of_memory(e):
             raise
         return [CheckResult("far", False, detail=f"the far cache (past element 2^31) does not fit on {batch.device} "
@@ -373,7 +373,7 @@ def check_far(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, re
     if exc is not None and is_device_fault(exc):
         raise exc
     offsets = far.block_table.long() * far.kv_cache.stride(0)  # [B, max_pages] first element of each page
-    used = torch.arange(far.block_table.shape[1], device=offsets.device) < far.pages_per_request[:, None]
+    used = far.used_entries  # [B, max_pages]
     past, n_used = torch.stack([(used & (offsets >= FAR_ELEMENTS)).sum(), used.sum()]).tolist()
     where = f"{past} of {n_used} used pages past element 2^31 of a {far.kv_cache.numel() / 2**30:.2f} Gi-element cache"
     if exc is not None:
