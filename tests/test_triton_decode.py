@@ -250,7 +250,36 @@ def _worker() -> dict:
     report["nan_input"] = _nan_input_masks(td)
     report["interpreter_e4m3_nan"] = _interpreter_e4m3_nan()
     report["p_rounding"] = _p_rounding(td)
+    report["rounding_check"] = _rounding_check(td)
     return report
+
+
+def _rounding_check(td) -> dict:
+    """verify.checks.check_rounding on the Triton kernel, per combo, split over 3 workers on the interpreter's
+    16-token blocks: with the numerics it declares (bf16 P on bf16 caches, fp16 P on fp8 caches), and declared as
+    fp32 P and P.V operands (a P.V operand format rounds P too), which it is not. {combo_label: (ok, err/bound of
+    rounding.out)}."""
+    from mla_fast.numerics import triton_numerics
+    from verify.checks import check_rounding
+    from verify.kernels import Kernel, _blocks
+
+    seen = {}
+    for combo in ("bf16", "fp8kv", "fp8"):
+        case = TritonCase((40, 0, 70), (1, 1, 2), page_size=16, combo=combo, seed=50)
+        config = replace(td.default_config(combo, case.heads, 2), block_n=BLOCK_N, plan_block_n=PLAN_BLOCK_N,
+                         fixed_overhead=1)
+        declared = triton_numerics(config.mma, config.block_n)
+
+        def run(batch, config=config):
+            return td.decode(batch, plan=td.make_plan(batch, config, 3), config=config)
+
+        fp32 = replace(declared, p_fmt=None, pv_operand=torch.float32)
+        for label, numerics in (("declared", declared), ("fp32", fp32)):
+            kernel = Kernel("triton", run, lambda batch, n=numerics: n,
+                            max_splits=lambda batch: _blocks(batch, PLAN_BLOCK_N))
+            results = check_rounding(case.batch(), kernel, 3)
+            seen[f"{combo}_{label}"] = (all(r.ok for r in results), results[0].err_over_bound)
+    return seen
 
 
 def _p_rounding(td) -> dict:
@@ -353,6 +382,16 @@ def test_p_is_rounded_as_the_kernel_declares(report):
     for combo, r in report["p_rounding"].items():
         assert r["observed"] is not None and r["observed"] == r["declared"], (combo, r)
     assert {r["declared"] for r in report["p_rounding"].values()} == {"bf16", "fp16"}
+
+
+def test_rounding_check_passes_the_declared_p_and_fails_fp32_declared(report):
+    """The rounding probe on the real kernel (interpreter, split): within the bound of the P rounding it declares,
+    and over the bound of the same kernel declared as fp32 P (verify/rounding_probe.py)."""
+    for combo in ("bf16", "fp8kv", "fp8"):
+        ok, ratio = report["rounding_check"][f"{combo}_declared"]
+        assert ok and ratio <= 1, (combo, ratio)
+        ok, ratio = report["rounding_check"][f"{combo}_fp32"]
+        assert not ok and ratio > 1, (combo, ratio)
 
 
 def test_default_config_takes_the_new_paths(report):

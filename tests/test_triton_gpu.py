@@ -977,6 +977,29 @@ def test_p_is_rounded_as_the_dispatched_kernel_declares(combo, heads):
     assert observed_p_fmt(out, predicted) == declared, (config.kernel, declared, out[0, :4, 0].tolist(), predicted)
 
 
+@pytest.mark.parametrize("combo", ["bf16", "fp8kv", "fp8"])
+@pytest.mark.parametrize("heads", [16, 64, 128])
+def test_the_rounding_check_holds_as_declared_and_fails_declared_fp32(combo, heads):
+    """verify.checks.check_rounding through the default dispatch (the Triton kernel, the seesaw or the Gluon fp8
+    kernel by dtypes and heads) on 132 workers, lengths 0 / 37 / 130 / 1000 with MTP: within the bound of the P
+    rounding it declares; declared as fp32 P and P.V operands instead (what it does not do), it fails."""
+    import dataclasses
+
+    from verify.cases import Case
+    from verify.checks import check_rounding
+    from verify.kernels import from_backend
+
+    dtypes = {"bf16": {}, "fp8kv": dict(kv_dtype="fp8"), "fp8": dict(kv_dtype="fp8", q_dtype="fp8")}[combo]
+    case = Case(seq_lens=(0, 37, 130, 1000), q_lens=(1, 2, 1, 1), heads=heads, page_size=64, **dtypes)
+    batch = case.materialize("cuda")[0]
+    kernel = from_backend("triton")
+    results = check_rounding(batch, kernel, 132)
+    assert all(r.ok for r in results), [r.detail for r in results]
+    fp32 = dataclasses.replace(kernel.numerics(batch), p_fmt=None, pv_operand=torch.float32)
+    results = check_rounding(batch, dataclasses.replace(kernel, numerics=lambda b: fp32), 132)
+    assert not results[0].ok and results[0].err_over_bound > 1, results[0].detail
+
+
 # random varlen batches on the device: the verifier's drawn cases (lengths 0..4096 with a long tail, MTP q_len 1-4,
 # pages 1..128 and non-powers of two, 1-128 heads, adversarial data, split counts) through our default dispatch,
 # every check of mla-verify (tier 1 within the §5(f) kernel bound, tier 2 for fp8, empty rows, finiteness, split

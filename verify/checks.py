@@ -13,6 +13,9 @@
 | finite         | rows that see tokens: out and lse finite (inputs are finite)    | —                              |
 | nan            | the kernel again with a NaN in one valid token (`nan_probe`):   | exact (masks)                  |
 |                | NaN out and lse on the (row, head)s that read it, only there    |                                |
+| rounding       | the kernel again on `rounding_probe(batch)`: exact scores and   | kernel_bound + merge_bound     |
+|                | outputs that cancel to the cache format's rounding of P, so a P | of the probe                   |
+|                | rounded more coarsely than declared fails (numerics.md §5(h))   |                                |
 | inputs         | q, cache, block table and lengths: after the kernel = before    | byte for byte                  |
 | far            | the kernel again with the pages moved past element 2^31 of a    | the first run's bits, else     |
 |                | larger cache, NaN in front (`far_pages`): int32 offsets wrap    | kernel_bound + merge_bound     |
@@ -44,6 +47,7 @@ from verify import bounds
 from verify.cases import Case
 from verify.kernels import Kernel, outputs
 from verify.metrics import compare
+from verify.rounding_probe import rounding_probe
 
 ALT_WORKERS = 132  # second worker count when a case uses one worker (an H200's SMs: a split per block)
 FAR_ELEMENTS = 2**31  # cache elements past which int32 element offsets wrap (far check)
@@ -325,6 +329,37 @@ def check_nan(batch: DecodeBatch, kernel: Kernel, workers: int) -> CheckResult:
     return CheckResult("nan", True, detail=f"{where}: NaN there only")
 
 
+def check_rounding(batch: DecodeBatch, kernel: Kernel, workers: int) -> list[CheckResult]:
+    """The kernel run again on `rounding_probe(batch)` (the case's worker count when it takes one), within the
+    probe's tier-1 bound for the numerics the kernel declares for it (kernel_bound + merge_bound): exact scores and
+    outputs that cancel to the cache format's rounding of P, so that a P rounded more coarsely than declared (bf16
+    under fp32, fp8 under bf16 or fp16) fails, which on drawn data it seldom does (verify/rounding_probe.py)."""
+    probe = rounding_probe(batch)
+    if probe is None:
+        return [CheckResult("rounding", True, detail="no rounding probe: no request has two tokens, or no score gap "
+                                                     f"fits sm_scale {batch.sm_scale} and q {batch.q.dtype}")]
+    where = probe.describe()
+    raw, exc = _run(kernel, probe.batch, workers)
+    if exc is not None and is_device_fault(exc):
+        raise exc
+    if exc is not None:
+        return [CheckResult("rounding", False, detail=f"{where}: the run raised {error_message(exc)}")]
+    try:
+        out, lse = outputs(raw, probe.batch)
+        numerics = kernel.numerics(probe.batch)
+    except ValueError as e:  # Unsupported too: the kernel took the case, so its probe (same shapes and dtypes)
+        return [CheckResult("rounding", False, detail=f"{where}: {e}")]
+    ref = mla_decode_ref(probe.batch)  # [T, H, L], [T, H] fp64
+    bound = bounds.kernel_bound(probe.batch, numerics, ref=ref) + bounds.merge_bound(probe.batch,
+                                                                                      kernel.max_splits(probe.batch))
+    out, lse = out.detach().to(ref[0].device), (lse.detach().to(ref[0].device) if lse is not None else None)
+    results = check_tier1(out, lse, ref, bound, numerics.out_dtype, name="rounding")
+    for r in results:
+        r.detail = f"{where}; declared P {numerics.p_fmt or 'fp32'}: {r.detail}" + (
+            "" if r.ok else " (P rounded more coarsely than declared, or scores that are not exact products)")
+    return results
+
+
 def far_pages(batch: DecodeBatch, beyond: int = FAR_ELEMENTS, below: int = 2) -> DecodeBatch:
     """``batch`` with its cache moved to the end of a larger one: used page p becomes page p + shift, where shift
     leaves pages below min(``below``, the largest used page) starting under element ``beyond`` and every later
@@ -472,6 +507,7 @@ def run_case(case: Case, kernel: Kernel, device: str = "cpu", far: bool | None =
             result.checks += check_split(batch, kernel, numerics, (out_d, lse_d), case.num_workers)
         if not kernel.nan_deviation:  # a backend's declared deviation is in the campaign's report instead
             result.checks.append(check_nan(batch, kernel, case.num_workers))
+        result.checks += check_rounding(batch, kernel, case.num_workers)
         if far if far is not None else batch.device.type == "cuda":
             result.checks += check_far(batch, kernel, case.num_workers, (out_d, lse_d), ref, bound, numerics.out_dtype)
         result.checks.append(check_inputs(batch, before))

@@ -26,6 +26,8 @@ turns one knob, the way such bugs happen in real kernels:
 | no_max_subtraction    | softmax without the max subtracted: exp(s) overflows         | finite / tier1 (wide logits)  |
 | int32_offsets         | cache rows addressed by int32 element offsets, which wrap    | far (CUDA, or `run_case(...,  |
 |                       | past 2^31 elements (3.7 M bf16 tokens)                       | far=True)`; any case)         |
+| p_rounded_bf16        | P rounded to bf16 before P.V, fp32 P declared (the plug-in   | rounding (a request of >= 2   |
+|                       | default): one bf16 ulp per weight, below the output's        | tokens)                       |
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import math
 import torch
 
 from mla_ref.decode import DecodeBatch, is_fp8
+from mla_ref.fp8 import round_p
 
 BLOCK = 64  # KV tokens per online-softmax step
 MAX_SPLITS = 4  # KV splits per request (split-KV decode), merged by LSE
@@ -57,6 +60,7 @@ def _decode(
     max_sub: bool = True,
     gain: float = 1.0,
     acc_dtype: torch.dtype = torch.float32,
+    p_fmt: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV online-softmax MLA decode -> (out [T, H, L] bf16, lse [T, H] fp32). Defaults = no bug.
 
@@ -88,7 +92,7 @@ def _decode(
         rows = q[qo[b] : qo[b + 1]]  # [n, H, D]
         n_blocks = -(-K.shape[0] // BLOCK)
         per_split = -(-n_blocks // min(MAX_SPLITS, max(n_blocks, 1))) * BLOCK if n_blocks else BLOCK
-        parts = [_split(rows, K[j : j + per_split], j, visible, sigma, D, L, acc_dtype, empty_nan, max_sub)
+        parts = [_split(rows, K[j : j + per_split], j, visible, sigma, D, L, acc_dtype, empty_nan, max_sub, p_fmt)
                  for j in range(0, max(K.shape[0], 1), per_split)]
         o_s = torch.stack([p[0] for p in parts])  # [S, n, H, L]
         lse_s = torch.stack([p[1] for p in parts])  # [S, n, H]
@@ -97,7 +101,7 @@ def _decode(
     return out, lse * math.log2(math.e) if lse_base2 else lse
 
 
-def _split(rows, K, start, visible, sigma, D, L, acc_dtype, empty_nan, max_sub):
+def _split(rows, K, start, visible, sigma, D, L, acc_dtype, empty_nan, max_sub, p_fmt):
     """One split: online softmax over BLOCK-token steps. rows [n, H, D'], K [m, D'] -> (o [n, H, L], lse [n, H])."""
     n, H = rows.shape[:2]
     dev = rows.device
@@ -114,7 +118,8 @@ def _split(rows, K, start, visible, sigma, D, L, acc_dtype, empty_nan, max_sub):
         alpha = torch.exp(m - m_safe)  # [n, H] rescale of the old sums (0 while m = -inf)
         p = torch.exp(s - m_safe[..., None])  # [n, H, b]
         l = (alpha * l.float() + p.sum(dim=-1)).to(acc_dtype)
-        acc = (alpha[..., None] * acc.float() + torch.einsum("nhb,bc->nhc", p, Kb[:, :L])).to(acc_dtype)
+        p_pv = p if p_fmt is None else round_p(p, p_fmt)  # [n, H, b] P as P.V sees it (l sums the unrounded p)
+        acc = (alpha[..., None] * acc.float() + torch.einsum("nhb,bc->nhc", p_pv, Kb[:, :L])).to(acc_dtype)
         m = m_new
     l, acc = l.float(), acc.float()
     if empty_nan:
@@ -218,6 +223,12 @@ def int32_offsets(batch):
     return _decode(batch, int32_offsets=True)
 
 
+def p_rounded_bf16(batch):
+    """P rounded to bf16 before P.V (the row sum from unrounded P) while the kernel declares fp32 P, the plug-in
+    default: 2^-9-relative errors on the weights, of the size of the bf16 output's own rounding on drawn data."""
+    return _decode(batch, p_fmt="bf16")
+
+
 def out_gain(batch):
     """A systematic relative error of 2^-7 on out (two bf16 ulps): cos-diff 3e-5 passes vLLM's fp8 check (1e-4)."""
     return _decode(batch, gain=1 + 2**-7)
@@ -250,6 +261,7 @@ MUTANTS = (
     "wrong_scale", "drop_rope", "page_off_by_one", "last_page_unmasked", "lse_base2", "kv_scale_ignored",
     "q_scale_ignored", "average_splits", "mtp_causal_off_by_one", "nan_empty", "out_gain", "bf16_accumulation",
     "seq_lens_cleared", "cache_padding_written", "nan_dropped", "no_max_subtraction", "int32_offsets",
+    "p_rounded_bf16",
 )  # fmt: skip
 FP8_ONLY = ("kv_scale_ignored", "q_scale_ignored")  # need fp8 inputs with a scale != 1
 FAR_ONLY = ("int32_offsets",)  # need the far check, on by default on CUDA devices only (mla-verify --far on)

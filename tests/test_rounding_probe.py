@@ -1,0 +1,185 @@
+"""The rounding probe (verify/rounding_probe.py) and the ``rounding`` check (verify.checks.check_rounding): what the
+probe batch holds, its closed-form oracle, and that a kernel which rounds P more coarsely than it declares fails
+while one that rounds as declared passes."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from mla_ref.decode import mla_decode_ref
+from mla_ref.fp8 import round_p
+from verify import mutants
+from verify.cases import SM_SCALE, Case
+from verify.checks import check_rounding, run_case
+from verify.kernels import DEFAULT_NUMERICS, Kernel, from_callable
+from verify.rounding_probe import T_RANGE, probe_x, rounding_probe
+from verify.strategies import smoke_cases
+
+COMBOS = {"bf16": dict(), "fp8kv": dict(kv_dtype="fp8"), "fp8": dict(kv_dtype="fp8", q_dtype="fp8"),
+          "fp8kv_fnuz": dict(kv_dtype="fp8", fp8_format="e4m3fnuz")}
+
+
+def _batch(combo: str, seq_lens=(0, 37, 130), q_lens=(1, 2, 3), heads=16, page_size=16):
+    return Case(seq_lens=seq_lens, q_lens=q_lens, heads=heads, page_size=page_size, scale_mode="static",
+                **COMBOS[combo]).materialize()[0]
+
+
+@pytest.mark.parametrize("combo", sorted(COMBOS))
+def test_probe_keeps_the_layout_and_the_poison_and_writes_exact_values(combo):
+    batch = _batch(combo)
+    probe = rounding_probe(batch)
+    pb = probe.batch
+    for name in ("block_table", "seq_lens", "q_lens"):
+        assert torch.equal(getattr(pb, name), getattr(batch, name)), name
+    assert pb.sm_scale == batch.sm_scale and pb.q.dtype == batch.q.dtype and pb.kv_cache.dtype == batch.kv_cache.dtype
+    assert (pb.q_scale, pb.kv_scale) == ((1.0 if combo == "fp8" else None), (1.0 if "fp8" in combo else None))
+    unused = torch.isnan(batch.kv_cache.float())  # [P, ps, D] the built batch's poison
+    assert unused.any() and torch.equal(torch.isnan(pb.kv_cache.float()), unused)  # every unused slot still NaN
+    q = pb.q.double()  # [T, H, D]
+    L = batch.kv_lora_rank
+    assert torch.equal(q[:, :, L], -probe.x.expand(batch.num_tokens, -1))  # x exact in q's format
+    assert not q[:, :, :L].any() and not q[:, :, L + 1:].any()
+    H = batch.num_heads
+    b = torch.where((torch.arange(L) // H) % 2 == 0, 1.0, -1.0).double()  # [L]
+    fmt = {"bf16": "bf16"}.get(combo, "e4m3fnuz" if combo.endswith("fnuz") else "e4m3fn")
+    a = -b * round_p(probe.p[torch.arange(L) % H], fmt)  # [L]
+    for r in range(batch.batch_size):
+        kv = pb.request_kv(r)  # [s, D] dequantized (scale 1)
+        s = kv.shape[0]
+        assert s == int(batch.seq_lens[r])
+        if s:
+            assert torch.equal(kv[0, :L], a) and not kv[0, L:].any()
+        if s > 1:
+            assert torch.equal(kv[1, :L], b) and kv[1, L] == 1 and not kv[1, L + 1:].any()
+            assert not kv[2:, :L].any() and (kv[2:, L] == 1).all() and not kv[2:, L + 1:].any()
+    t = batch.sm_scale * probe.x  # [H]
+    assert (t >= T_RANGE[0]).all() and (t <= T_RANGE[1]).all() and torch.equal(probe.p, torch.exp(-t))
+
+
+@pytest.mark.parametrize("combo", ["bf16", "fp8kv"])
+def test_the_oracle_on_the_probe_is_the_closed_form(combo):
+    """ô_c = b_c (p_h - Q(p_h)) / l_h on head h = c mod H (b_c, Q as written), l_h = 1 + (s - 1) p_h, for every
+    row that sees s >= 2 tokens; the probe's premise that outputs cancel to Q's rounding of p."""
+    batch = _batch(combo)
+    probe = rounding_probe(batch)
+    out, lse = mla_decode_ref(probe.batch)  # [T, H, L], [T, H]
+    L, H = batch.kv_lora_rank, batch.num_heads
+    c = torch.arange(L)
+    b = torch.where((c // H) % 2 == 0, 1.0, -1.0).double()  # [L]
+    Q = round_p(probe.p, "bf16" if combo == "bf16" else "e4m3fn")  # [H]
+    seen = batch.visible_tokens()  # [T]
+    checked = 0
+    for row in range(batch.num_tokens):
+        s = int(seen[row])
+        if s < 2:
+            continue
+        l = 1 + (s - 1) * probe.p  # [H]
+        mine = c % H  # [L] each channel's head
+        expected = b * (probe.p[mine] - Q[mine]) / l[mine]  # [L] on the channel's own head
+        got = out[row][mine, c]  # [L]
+        # fp64 evaluation of s + 2 <= 2^8 terms of magnitude <= 1: a few hundred fp64 ulps of 1
+        assert torch.allclose(got, expected, rtol=0, atol=2**-44), row
+        assert torch.allclose(lse[row], torch.log(l), rtol=0, atol=2**-44)  # scores 0 and -t_h (lse natural log)
+        u = 2**-8 if combo == "bf16" else 2**-4  # unit roundoff of the cache format (bf16, e4m3fn)
+        assert (expected.abs() <= u * probe.p[mine] / l[mine]).all()  # a cancellation: p's rounding in Q, no more
+        checked += 1
+    assert checked >= 4
+
+
+def _declaring(p_fmt_kernel: str | None, p_fmt_declared: str | None) -> Kernel:
+    """The mutants' reference decode rounding P to p_fmt_kernel before P.V, declaring p_fmt_declared."""
+    numerics = dataclasses.replace(DEFAULT_NUMERICS, p_fmt=p_fmt_declared)
+
+    def decode(batch):
+        return mutants._decode(batch, p_fmt=p_fmt_kernel)
+
+    return Kernel(f"P {p_fmt_kernel} declared {p_fmt_declared}", decode, lambda batch: numerics)
+
+
+COARSENESS = {None: 0, "fp16": 1, "bf16": 2, "e4m3fn": 3}  # unit roundoff 2^-24, 2^-11, 2^-9, 2^-4
+
+
+@pytest.mark.parametrize("combo", ["bf16", "fp8kv", "fp8"])
+@pytest.mark.parametrize("declared", [None, "fp16", "bf16"])
+def test_p_rounded_more_coarsely_than_declared_fails_and_as_declared_passes(combo, declared):
+    """Every (kernel P format, declared P format) pair on a varlen MTP batch (lengths 0, 37, 130): the check passes
+    iff the kernel's P is no coarser than declared."""
+    batch = _batch(combo)
+    for actual in COARSENESS:
+        results = check_rounding(batch, _declaring(actual, declared), workers=1)
+        ok = all(r.ok for r in results)
+        assert ok == (COARSENESS[actual] <= COARSENESS[declared]), (actual, declared, results[0].detail)
+        if not ok:
+            assert "more coarsely than declared" in results[0].detail
+
+
+def test_bf16_p_under_fp32_fails_the_probe_at_4096_tokens():
+    """The probe's sensitivity falls with the row's length (the declared per-token P.V charge grows): a request of
+    4096 tokens still fails bf16 P declared as fp32, on bf16 and fp8 caches."""
+    for combo in ("bf16", "fp8kv"):
+        batch = _batch(combo, seq_lens=(4096,), q_lens=(1,), heads=4, page_size=64)
+        results = check_rounding(batch, _declaring("bf16", None), workers=1)
+        assert not results[0].ok and results[0].err_over_bound > 2, results[0].detail
+        assert all(r.ok for r in check_rounding(batch, _declaring(None, None), workers=1))
+
+
+def test_the_mutant_fails_the_rounding_check_on_every_smoke_case_with_two_tokens():
+    """p_rounded_bf16 on the bf16 smoke prefix: the rounding check fails on every case that has a request of two
+    tokens, the tier-1 comparison on drawn data on fewer; the correct kernel passes both."""
+    probed = rounding = tier1 = 0
+    for case in smoke_cases("bf16"):
+        result = run_case(case, from_callable(mutants.p_rounded_bf16), "cpu")
+        failed = {c.name for c in result.checks if not c.ok}
+        has_probe = max(case.seq_lens) >= 2
+        probed += has_probe
+        rounding += "rounding.out" in failed
+        tier1 += "tier1.out" in failed
+        assert ("rounding.out" in failed) == has_probe, result.describe()
+        assert run_case(case, from_callable(mutants.correct), "cpu").ok
+    assert probed >= 6 and rounding == probed and tier1 < probed, (probed, rounding, tier1)
+
+
+def test_no_probe_without_two_tokens_or_a_score_gap():
+    batch = _batch("bf16", seq_lens=(0, 1), q_lens=(1, 1))
+    assert rounding_probe(batch) is None
+    results = check_rounding(batch, from_callable(mutants.correct), workers=1)
+    assert [r.ok for r in results] == [True] and "no rounding probe" in results[0].detail
+    # σ = 10^4 with e4m3fn q: t in [2^-8, 2^-4] needs x below e4m3fn's least subnormal, 2^-9
+    assert probe_x(1e4, 4, torch.float8_e4m3fn) is None
+    assert rounding_probe(_batch("fp8").replace(sm_scale=1e4)) is None
+
+
+def test_probe_x_orders_the_gaps_by_distance_from_bf16_and_fp16_values():
+    x = probe_x(SM_SCALE, 64, torch.bfloat16)  # [64] cyclic over the candidates
+    n = len(set(x.tolist()))
+    assert n >= 8 and torch.equal(x[:n], x[n : 2 * n])
+    p = torch.exp(-SM_SCALE * x[:n])  # [n]
+    far = torch.minimum((round_p(p, "bf16") - p).abs() / (2**-9 * p), (round_p(p, "fp16") - p).abs() / (2**-11 * p))
+    assert (far[:-1] >= far[1:]).all() and far[0] > 0.4  # best first: the first head's p is far from both grids
+    mantissa = x / 2 ** torch.floor(torch.log2(x))  # [64] in [1, 2)
+    assert all(float(m) in (1.0, 1.25, 1.5, 1.75) for m in mantissa)
+    assert math.isclose(float(x[0]), 0.078125)
+
+
+def test_a_kernel_that_breaks_on_the_probe_fails_the_check():
+    """The probe is a second run of the kernel: a raise, or a result that breaks the contract, fails the check with
+    its message (a first run that passed does not excuse it)."""
+    batch = _batch("bf16")
+    calls = []
+
+    def flaky(b):
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("second call")
+        return mutants.correct(b)
+
+    def bad_shape(b):
+        return torch.zeros(1)
+
+    flaky(batch)
+    [r] = check_rounding(batch, from_callable(flaky), workers=1)
+    assert not r.ok and "raised RuntimeError: second call" in r.detail
+    [r] = check_rounding(batch, from_callable(bad_shape), workers=1)
+    assert not r.ok and "kernel out: expected shape" in r.detail

@@ -1,0 +1,128 @@
+"""The rounding probe: a decode built so that its output shows how a kernel rounds P before P.V (the ``rounding``
+check, `verify.checks.check_rounding`; numerics.md §5(h)).
+
+On drawn data a kernel that rounds P to bf16 while it declares fp32 P hides under the tier-1 bound: its error is a
+random walk of 2^-9-relative terms, the bound charges bf16 output rounding (2^-8 |ô|) and score errors over 576
+channels, and the two are of one size (13 of 60 campaign cases caught). The probe makes the output small while P's
+rounding error is not. It keeps the batch's lengths, query rows, pages, block table and NaN padding, and writes
+    q[t, h]        = -x_h on the first rope channel (index L), 0 on every other channel (fp8 q: q_scale = 1)
+    token 0        c_kv = a, k_pe = 0                         score 0
+    token 1        c_kv = b, k_pe[0] = 1                      score -t_h,  t_h = σ x_h
+    tokens 2..s-1  c_kv = 0, k_pe[0] = 1                      score -t_h (they add to the row sum only)
+(fp8 cache: kv_scale = 1), where channel c of c_kv belongs to head h(c) = c mod H, b_c = ±1 (the sign alternates
+every H channels) and a_c = -b_c Q(p_h(c)): p_h = e^-t_h, Q rounding to the cache's format, so a is exact there. Each
+score is one exact product (q and k_pe hold x_h and 1, exact in every format; the other channels add exact zeros), so
+a kernel's score error is its fp32 scale multiply and exp, a few 2^-23 of t_h. On head h's own channels
+    ô_c = b_c (p_h - Q(p_h)) / l_h,   l_h = 1 + (s - 1) p_h,
+a small difference; a kernel that rounds P_1 = p_h to a format F before P.V moves it by b_c (F(p_h) - p_h) / l_h:
+all of ô_c when F is the cache's format, and about F's unit roundoff of p_h otherwise, both far above the tier-1
+bound of an fp32-P kernel, which is then a few 2^-23 of Σ p|v| plus 2^-8 |ô_c|. A kernel that declares its P
+rounding (``KernelNumerics.p_fmt``) gets u_P Σ p|v| for it, so the probe tells a P rounded more coarsely than
+declared (bf16 under fp32, fp8 under bf16 or fp16) from one rounded as declared (tests/test_rounding_probe.py).
+
+t_h lies in [2^-8, 2^-4]: small scores keep ω (§5(b)) small against that error. x_h = m 2^e with m in
+{1, 1.25, 1.5, 1.75} (exact in bf16, fp16, e4m3fn, e4m3fnuz and e5m2), chosen so that p_h lies far from bf16 and
+fp16 values (the heads take the candidates in that order, cyclically).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from mla_ref.decode import DecodeBatch, is_fp8
+from mla_ref.fp8 import fp8_format, round_p
+
+T_RANGE = (2.0**-8, 2.0**-4)  # the probe's score gaps t_h = σ x_h
+_MANTISSAS = (1.0, 1.25, 1.5, 1.75)  # two significant bits: exact in every q format
+_FORMAT_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: None}
+_UNITS = {"bf16": 2.0**-9, "fp16": 2.0**-11}  # unit roundoffs of the P formats the candidates avoid (ties excluded)
+
+
+@dataclass(frozen=True)
+class RoundingProbe:
+    """The probe batch and what it was built from.
+
+    Attributes:
+        batch: the probe `DecodeBatch` (the input's lengths, pages and padding, the probe's values).
+        x: [H] fp64, the magnitude of q's rope channel per head (q holds -x).
+        p: [H] fp64, e^-(σ x): token 1's softmax weight relative to token 0's.
+    """
+
+    batch: DecodeBatch
+    x: torch.Tensor
+    p: torch.Tensor
+
+    def describe(self) -> str:
+        t = self.batch.sm_scale * self.x  # [H]
+        return (f"rounding probe: token 0 against {self.batch.num_heads} score gaps t in [{float(t.min()):.4g}, "
+                f"{float(t.max()):.4g}], outputs that cancel to the cache format's rounding of e^-t")
+
+
+def _format_name(dtype: torch.dtype) -> str | None:
+    """round_p's name of a cache dtype's format; None for fp64 (no rounding)."""
+    return fp8_format(dtype).name if is_fp8(dtype) else _FORMAT_NAMES[dtype]
+
+
+def _in_format(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[n] bool: x (fp64) is a finite value of dtype (scale 1)."""
+    y = x.to(dtype).double()  # [n] fp8 casts of these values are single roundings: exact ones stay exact
+    return torch.isfinite(y) & (y == x)
+
+
+def probe_x(sm_scale: float, heads: int, q_dtype: torch.dtype) -> torch.Tensor | None:
+    """[heads] fp64 x_h of the probe: candidates m 2^e with σ m 2^e in T_RANGE and exact in q_dtype, ordered by how
+    far e^-(σ x) lies from bf16 and fp16 values (the smaller of its two rounding errors in units of each format's unit
+    roundoff, largest first), assigned to the heads cyclically. None when no candidate exists for this σ."""
+    lo, hi = T_RANGE
+    exponents = range(math.floor(math.log2(lo / sm_scale)) - 1, math.ceil(math.log2(hi / sm_scale)) + 1)
+    x = torch.tensor([m * 2.0**e for e in exponents for m in _MANTISSAS], dtype=torch.float64)  # [n]
+    x = x[(sm_scale * x >= lo) & (sm_scale * x <= hi) & _in_format(x, q_dtype)]  # [n']
+    if not len(x):
+        return None
+    p = torch.exp(-sm_scale * x)  # [n']
+    far = torch.stack([(round_p(p, f) - p).abs() / (u * p) for f, u in _UNITS.items()]).amin(dim=0)  # [n'] in (0, 1]
+    x = x[torch.argsort(far, descending=True, stable=True)]  # [n'] best first
+    return x[torch.arange(heads) % len(x)]  # [heads]
+
+
+def rounding_probe(batch: DecodeBatch) -> RoundingProbe | None:
+    """The probe of ``batch`` (module docstring), or None when no request has two tokens (no query row then sees
+    two scores) or no x_h fits this σ and q dtype. One host sync."""
+    if batch.batch_size == 0 or int(batch.seq_lens.max()) < 2:
+        return None
+    T, H, D = batch.q.shape
+    L, dev = batch.kv_lora_rank, batch.device
+    x = probe_x(batch.sm_scale, H, batch.q.dtype)  # [H]
+    if x is None:
+        return None
+    p = torch.exp(-batch.sm_scale * x)  # [H] e^-t_h
+    q = torch.zeros(T, H, D, dtype=torch.float64)  # [T, H, D]
+    q[:, :, L] = -x  # every row of head h: score -t_h against k_pe[0] = 1
+
+    c = torch.arange(L)  # [L] c_kv channels
+    b = torch.where((c // H) % 2 == 0, 1.0, -1.0).double()  # [L] ±1
+    name = _format_name(batch.kv_cache.dtype)
+    a = -b * (p[c % H] if name is None else round_p(p[c % H], name))  # [L] exact in the cache's format
+    rows = torch.zeros(3, D, dtype=torch.float64)  # [3, D] token 0, token 1, the others
+    rows[0, :L] = a
+    rows[1, :L], rows[1, L] = b, 1.0
+    rows[2, L] = 1.0
+
+    S = int(batch.seq_lens.max())
+    j = torch.arange(S, device=dev)  # [S] token positions
+    valid = j[None, :] < batch.seq_lens[:, None]  # [B, S]
+    pages = batch.block_table.long().gather(1, (j // batch.page_size)[None, :].expand(batch.batch_size, -1))
+    slots = (j % batch.page_size)[None, :].expand_as(pages)  # [B, S]
+    kind = j.clamp(max=2)[None, :].expand_as(pages)  # [B, S] 0, 1, then 2
+    kv = batch.kv_cache.clone()  # [P, ps, D] unused slots keep their NaN
+    kv[pages[valid], slots[valid]] = rows.to(dev)[kind[valid]].to(kv.dtype)  # [n_valid, D] exact
+    scales = {}
+    if is_fp8(batch.q.dtype):
+        scales["q_scale"] = 1.0
+    if is_fp8(batch.kv_cache.dtype):
+        scales["kv_scale"] = 1.0
+    probe = batch.replace(q=q.to(dev, batch.q.dtype), kv_cache=kv, **scales)  # q exact: x_h is in q's format
+    return RoundingProbe(probe, x, p)
