@@ -124,6 +124,14 @@ def loose_declaration(batch):
 loose_declaration.numerics = dataclasses.replace(DEFAULT_NUMERICS, gamma_qk=0.5)
 
 
+def declares_bf16_p(batch):
+    """A correct kernel (fp32 P) declaring bf16 P: a declaration looser than the kernel by the P rounding alone."""
+    return correct(batch)
+
+
+declares_bf16_p.numerics = dataclasses.replace(DEFAULT_NUMERICS, p_fmt="bf16")
+
+
 def run(capsys, *argv):
     code = cli.main(list(argv))
     captured = capsys.readouterr()
@@ -719,6 +727,23 @@ def test_the_readmes_replay_line_runs_as_written(capsys):
     assert code == 0, err
 
 
+def test_a_declared_p_rounding_coarser_than_the_kernels_is_warned_about(capsys, tmp_path):
+    """A kernel that computes fp32 P but declares bf16 P passes every check (its bounds are the looser), and its
+    tier-1 bound is not vacuous by LOOSE_RATIO; the rounding probe shows it: its rounding.out stays below
+    ROUNDING_MATCHED, where P rounded as declared lands (the emulated backend: no warning)."""
+    path = tmp_path / "r.json"
+    argv = ("--cases", str(cli.LOOSE_CASES + 5), "--max-seq-len", "256", "--jobs", "1", "--json", str(path))
+    code, _, err = run(capsys, "--impl", "tests.test_cli:declares_bf16_p", *argv)
+    report = json.loads(path.read_text())
+    assert code == 0 and [w.split(":")[0] for w in report["warnings"]] == ["rounding.out"], err
+    assert report["checks"]["rounding.out"]["max_err_over_bound"] < cli.ROUNDING_MATCHED
+    assert report["checks"]["tier1.out"]["max_err_over_bound"] > cli.LOOSE_RATIO
+    code, _, err = run(capsys, "--backend", "emulated", *argv)
+    report = json.loads(path.read_text())
+    assert code == 0 and report["warnings"] == [] and "warning" not in err
+    assert report["checks"]["rounding.out"]["max_err_over_bound"] >= cli.ROUNDING_MATCHED
+
+
 def test_a_plugin_in_the_working_directory_resolves_as_the_repro_line_names_it(tmp_path, monkeypatch):
     """The console script `mla-verify` (unlike `python -m verify`) does not put the working directory on sys.path:
     `mla-verify --impl mymod:decode`, and the repro line it prints for a failure, exited 2 ("No module named") for a
@@ -736,13 +761,15 @@ def test_the_report_names_the_declared_numerics_and_warns_when_the_bound_is_vacu
     prints what the bound assumed (text and JSON) and warns below LOOSE_RATIO over LOOSE_CASES cases; a correct
     kernel with its honest numerics gets no warning."""
     path = tmp_path / "r.json"
-    argv = ("--cases", str(cli.LOOSE_CASES), "--max-seq-len", "256", "--jobs", "1", "--json", str(path))
+    n = cli.LOOSE_CASES + 5  # the rounding check counts only cases with a request of two tokens
+    argv = ("--cases", str(n), "--max-seq-len", "256", "--jobs", "1", "--json", str(path))
     code, _, err = run(capsys, "--impl", "tests.test_cli:loose_declaration", *argv)
     report = json.loads(path.read_text())
-    assert code == 0 and len(report["warnings"]) == 1 and "tier1.out" in report["warnings"][0], err
+    assert code == 0 and len(report["warnings"]) == 2 and "tier1.out" in report["warnings"][0], err
     assert "mla-verify: warning: tier1.out" in err
+    assert report["warnings"][1].startswith("rounding.out") and "mla-verify: warning: rounding.out" in err
     (described,) = report["numerics"]
-    assert "QK float32 gamma 0.5" in described and f"declared numerics ({cli.LOOSE_CASES} cases)" in err
+    assert "QK float32 gamma 0.5" in described and f"declared numerics ({n} cases)" in err
     assert all(r["numerics"] == described for r in report["results"])
     code, _, err = run(capsys, "--impl", "verify.mutants:correct", *argv)
     assert code == 0 and json.loads(path.read_text())["warnings"] == [] and "warning" not in err
