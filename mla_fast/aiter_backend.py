@@ -277,12 +277,9 @@ class AiterInputs:
 
 def token_slots(batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """(kv_indptr [B+1], slots [Σ seq_lens]) int32: the cache at block size 1, `slot = page * page_size + offset`."""
-    seq = batch.seq_lens.long()  # [B]
-    kv_indptr = torch.nn.functional.pad(torch.cumsum(seq, 0), (1, 0))  # [B+1]
-    request = torch.repeat_interleave(torch.arange(batch.batch_size, device=batch.device), seq)  # [N] owner
-    j = torch.arange(int(kv_indptr[-1]), device=batch.device) - kv_indptr[request]  # [N] position in request
-    pages = batch.block_table.long()[request, j // batch.page_size]  # [N]
-    return kv_indptr.to(torch.int32), (pages * batch.page_size + j % batch.page_size).to(torch.int32)
+    kv_indptr = torch.nn.functional.pad(torch.cumsum(batch.seq_lens.long(), 0), (1, 0))  # [B+1]
+    pages, slots, _ = batch.token_addresses()  # [N], [N]
+    return kv_indptr.to(torch.int32), (pages * batch.page_size + slots).to(torch.int32)
 
 
 def aiter_inputs(batch: DecodeBatch, fp8_dtype: torch.dtype | None = None, native_pages: bool = False) -> AiterInputs:

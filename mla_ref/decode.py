@@ -245,6 +245,17 @@ class DecodeBatch:
         pages = self.block_table[b].long()[j // self.page_size]  # [s_b]
         return pages, j % self.page_size
 
+    def token_addresses(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(pages, slots, positions) [Σ seq_len] int64 of every valid token, request by request in order: the
+        physical page that holds it, its slot in that page and its position in its request (``token_slots`` of
+        every request at once). One host sync (the total)."""
+        seq = self.seq_lens.long()  # [B]
+        total = int(seq.sum())
+        requests = torch.arange(self.batch_size, device=self.device)  # [B]
+        request = torch.repeat_interleave(requests, seq, output_size=total)  # [N] owner of each token
+        j = torch.arange(total, device=self.device) - (torch.cumsum(seq, 0) - seq)[request]  # [N] position
+        return self.block_table.long()[request, j // self.page_size], j % self.page_size, j
+
     def request_kv(self, b: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
         """[s_b, L+R] the valid cache rows of request b, dequantized to ``dtype``. Never touches unused slots."""
         pages, slots = self.token_slots(b)
@@ -512,27 +523,16 @@ def make_decode_batch(
     nan = torch.full((total, page_size, D), float("nan"), dtype=torch.float32, device=device)
     kv_cache = nan.to(kv_dtype)  # [P, ps, D] NaN everywhere (fp8 NaN bit pattern for fp8 dtypes)
     block_table = torch.full((B, max(npages, default=0) or 1), INVALID_PAGE, dtype=torch.int32, device=device)
-    # logical pages run request by request, page by page: the row-major order of the used block-table entries
-    used = torch.arange(block_table.shape[1], device=device)[None, :] < torch.tensor(npages, device=device)[:, None]
-    block_table[used] = perm[: sum(npages)].to(torch.int32)  # [B, max_pages]
-    if sum(seq_lens):
-        s_b = torch.tensor(seq_lens, device=device)  # [B]
-        request = torch.repeat_interleave(torch.arange(B, device=device), s_b)  # [Σ s_b] request of each token
-        j = torch.arange(sum(seq_lens), device=device) - (torch.cumsum(s_b, 0) - s_b)[request]  # [Σ s_b] position
-        page = block_table.long()[request, j // page_size]  # [Σ s_b] physical page of each token
-        kv_cache[page, j % page_size] = torch.cat([kv.to(device) for kv in kv_per_request])  # [Σ s_b, D]
     q_lens_t = torch.as_tensor(q_lens if q_lens is not None else [1] * B, dtype=torch.int32, device=device)
-    return DecodeBatch(
-        q,
-        kv_cache,
-        block_table,
-        torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        sm_scale=sm_scale,
-        kv_lora_rank=kv_lora_rank,
-        q_lens=q_lens_t,
-        q_scale=q_scale,
-        kv_scale=kv_scale,
-    ).validate()
+    batch = DecodeBatch(q, kv_cache, block_table, torch.tensor(seq_lens, dtype=torch.int32, device=device),
+                        sm_scale=sm_scale, kv_lora_rank=kv_lora_rank, q_lens=q_lens_t, q_scale=q_scale,
+                        kv_scale=kv_scale)  # filled in place below, then validated
+    # logical pages run request by request, page by page: the row-major order of the used block-table entries
+    block_table[batch.used_entries] = perm[: sum(npages)].to(torch.int32)  # [B, max_pages]
+    if sum(seq_lens):
+        pages, slots, _ = batch.token_addresses()  # [Σ s_b] each
+        kv_cache[pages, slots] = torch.cat([kv.to(device) for kv in kv_per_request])  # [Σ s_b, D]
+    return batch.validate()
 
 
 def mla_decode_ref(batch: DecodeBatch, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:

@@ -289,3 +289,21 @@ def test_good_batch_validates_and_defaults_q_lens():
     batch = good_batch()
     b2 = DecodeBatch(batch.q[:2], batch.kv_cache, batch.block_table, batch.seq_lens, sm_scale=1.0, kv_lora_rank=32)
     assert b2.q_lens.tolist() == [1, 1] and b2.validate() is b2
+
+
+@pytest.mark.parametrize("seq_lens", [(40, 0, 70, 1), (0, 0), (5,)])
+def test_token_addresses_are_every_requests_token_slots_in_order(seq_lens):
+    """DecodeBatch.token_addresses (flat, every request at once) gives request b's token_slots, in request order,
+    with each token's position; the rows it addresses are the valid cache rows (no NaN padding among them)."""
+    from mla_ref.decode import make_decode_batch
+
+    g = torch.Generator().manual_seed(3)
+    kv = [torch.randn(s, 24, generator=g).bfloat16() for s in seq_lens]  # B x [s_b, D]
+    batch = make_decode_batch(torch.randn(len(seq_lens), 2, 24, generator=g).bfloat16(), kv, sm_scale=0.1,
+                              kv_lora_rank=16, page_size=16, generator=g)
+    pages, slots, positions = batch.token_addresses()  # [N] each
+    per_request = [batch.token_slots(b) for b in range(batch.batch_size)]
+    assert torch.equal(pages, torch.cat([p for p, _ in per_request]))
+    assert torch.equal(slots, torch.cat([s for _, s in per_request]))
+    assert torch.equal(positions, torch.cat([torch.arange(s) for s in seq_lens]))
+    assert torch.equal(batch.kv_cache[pages, slots], torch.cat(kv))  # the rows make_decode_batch wrote

@@ -111,14 +111,9 @@ def rounding_probe(batch: DecodeBatch) -> RoundingProbe | None:
     rows[1, :L], rows[1, L] = b, 1.0
     rows[2, L] = 1.0
 
-    S = int(batch.seq_lens.max())
-    j = torch.arange(S, device=dev)  # [S] token positions
-    valid = j[None, :] < batch.seq_lens[:, None]  # [B, S]
-    pages = batch.block_table.long().gather(1, (j // batch.page_size)[None, :].expand(batch.batch_size, -1))
-    slots = (j % batch.page_size)[None, :].expand_as(pages)  # [B, S]
-    kind = j.clamp(max=2)[None, :].expand_as(pages)  # [B, S] 0, 1, then 2
+    pages, slots, positions = batch.token_addresses()  # [N] each
     kv = batch.kv_cache.clone()  # [P, ps, D] unused slots keep their NaN
-    kv[pages[valid], slots[valid]] = rows.to(dev)[kind[valid]].to(kv.dtype)  # [n_valid, D] exact
+    kv[pages, slots] = rows.to(dev)[positions.clamp(max=2)].to(kv.dtype)  # [N, D] rows 0, 1, then 2; exact
     scales = {}
     if is_fp8(batch.q.dtype):
         scales["q_scale"] = 1.0

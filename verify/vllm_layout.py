@@ -64,9 +64,8 @@ def from_decode_batch(batch: DecodeBatch, graph_size: tuple[int, int] | None = N
         raise ValueError(f"vllm_layout.q_lens: expected one query length (QueryLenSupport.UNIFORM), got {batch.q_lens}")
     seq = batch.seq_lens.long()  # [B]
     indptr = torch.nn.functional.pad(torch.cumsum(seq, 0), (1, 0)).to(torch.int32)  # [B+1] cat([0], cumsum)
-    slots = [batch.token_slots(b) for b in range(batch.batch_size)]  # (pages [s_b], offsets [s_b])
-    empty = torch.zeros(0, dtype=torch.long, device=batch.device)
-    indices = torch.cat([p * batch.page_size + o for p, o in slots] or [empty]).to(torch.int32)  # [Σ s_b]
+    pages, slots, _ = batch.token_addresses()  # [Σ s_b] each, request by request
+    indices = (pages * batch.page_size + slots).to(torch.int32)  # [Σ s_b]
     qo_indptr = batch.qo_indptr
     if graph_size is not None:
         max_num_seqs, capacity = graph_size
