@@ -744,6 +744,25 @@ def test_a_declared_p_rounding_coarser_than_the_kernels_is_warned_about(capsys, 
     assert report["checks"]["rounding.out"]["max_err_over_bound"] >= cli.ROUNDING_MATCHED
 
 
+def nonzero_everywhere(batch):
+    """out + 1 everywhere: empty rows give 1 against a bound of 0, an err/bound of inf."""
+    out, lse = correct(batch)
+    return out + 1, lse
+
+
+def test_non_finite_err_over_bound_gives_a_report_not_a_traceback(capsys, tmp_path):
+    """An err/bound of inf (a nonzero out where 0 is exact) is kept as the string "inf" in the summary; the loose-bound
+    warnings compared it with a float and the campaign died in its summary (found by a review)."""
+    assert cli._warnings({"tier1.out": {"cases": 99, "max_err_over_bound": "inf"},
+                          "rounding.out": {"cases": 99, "max_err_over_bound": "nan"}}) == []
+    path = tmp_path / "r.json"
+    code, _, err = run(capsys, "--impl", "tests.test_cli:nonzero_everywhere", "--cases", str(cli.LOOSE_CASES + 5),
+                       "--max-seq-len", "256", "--jobs", "1", "--json", str(path))
+    report = json.loads(path.read_text())
+    assert code == cli.EXIT_FAILED and report["checks"]["empty"]["failed"] > 0, err
+    assert report["checks"]["tier1.out"]["max_err_over_bound"] == "inf" and report["warnings"] == []
+
+
 def test_a_plugin_in_the_working_directory_resolves_as_the_repro_line_names_it(tmp_path, monkeypatch):
     """The console script `mla-verify` (unlike `python -m verify`) does not put the working directory on sys.path:
     `mla-verify --impl mymod:decode`, and the repro line it prints for a failure, exited 2 ("No module named") for a

@@ -3,12 +3,11 @@ probe batch holds, its closed-form oracle, and that a kernel which rounds P more
 while one that rounds as declared passes."""
 
 import dataclasses
-import math
 
 import pytest
 import torch
 
-from mla_ref.decode import mla_decode_ref
+from mla_ref.decode import make_decode_batch, mla_decode_ref
 from mla_ref.fp8 import round_p
 from verify import mutants
 from verify.cases import SM_SCALE, Case
@@ -149,18 +148,39 @@ def test_no_probe_without_two_tokens_or_a_score_gap():
     # σ = 10^4 with e4m3fn q: t in [2^-8, 2^-4] needs x below e4m3fn's least subnormal, 2^-9
     assert probe_x(1e4, 4, torch.float8_e4m3fn) is None
     assert rounding_probe(_batch("fp8").replace(sm_scale=1e4)) is None
+    [r] = check_rounding(_batch("fp8").replace(sm_scale=1e4), from_callable(mutants.correct), workers=1)
+    assert r.ok and "no x exact in q's torch.float8_e4m3fn puts sm_scale 10000 x in [2^-8, 2^-4]" in r.detail
+    # no rope channel: the scores have nowhere to go (a batch the oracle and the kernels take; found by a review)
+    q, kv = torch.zeros(1, 2, 8, dtype=torch.bfloat16), [torch.zeros(5, 8, dtype=torch.bfloat16)]
+    flat = make_decode_batch(q, kv, sm_scale=0.1, kv_lora_rank=8, page_size=4, generator=torch.Generator())
+    assert rounding_probe(flat) is None
+    [r] = check_rounding(flat, from_callable(mutants.correct), workers=1)
+    assert r.ok and "no rope channel" in r.detail
 
 
-def test_probe_x_orders_the_gaps_by_distance_from_bf16_and_fp16_values():
+def test_probe_x_orders_the_gaps_by_distance_from_bf16_fp16_and_e4m3fn_values():
     x = probe_x(SM_SCALE, 64, torch.bfloat16)  # [64] cyclic over the candidates
     n = len(set(x.tolist()))
     assert n >= 8 and torch.equal(x[:n], x[n : 2 * n])
-    p = torch.exp(-SM_SCALE * x[:n])  # [n]
-    far = torch.minimum((round_p(p, "bf16") - p).abs() / (2**-9 * p), (round_p(p, "fp16") - p).abs() / (2**-11 * p))
-    assert (far[:-1] >= far[1:]).all() and far[0] > 0.4  # best first: the first head's p is far from both grids
+    p = torch.exp(-SM_SCALE * x[:n])  # [n] in [0.5, 1): the largest rounding errors are 2^-9, 2^-12, 2^-5
+    far = torch.stack([(round_p(p, f) - p).abs() / h for f, h in (("bf16", 2**-9), ("fp16", 2**-12),
+                                                                  ("e4m3fn", 2**-5))]).amin(dim=0)  # [n]
+    assert (far[:-1] >= far[1:]).all() and far[0] > 0.3  # best first: the first head's p is far from all three
     mantissa = x / 2 ** torch.floor(torch.log2(x))  # [64] in [1, 2)
     assert all(float(m) in (1.0, 1.25, 1.5, 1.75) for m in mantissa)
-    assert math.isclose(float(x[0]), 0.078125)
+    assert (SM_SCALE * x >= T_RANGE[0]).all() and (SM_SCALE * x <= T_RANGE[1]).all()
+
+
+@pytest.mark.parametrize("sm_scale", [SM_SCALE, 192**-0.5, 1.0, 3.0, 5.0])
+@pytest.mark.parametrize("heads", [1, 2])
+def test_one_or_two_heads_still_tell_each_coarser_format(sm_scale, heads):
+    """With one or two heads only the first candidates are used: each P one format coarser than declared (e4m3fn
+    under bf16, bf16 under fp16, fp16 under fp32) fails for the σ of DeepSeek-V3, 192^-1/2 and 1, 3, 5 (found by a
+    review: ordered by bf16 and fp16 alone, the first candidate's p could lie next to an e4m3fn value, 0.65-0.75)."""
+    batch = Case(seq_lens=(37,), heads=heads).materialize()[0].replace(sm_scale=sm_scale)
+    for actual, declared in (("e4m3fn", "bf16"), ("bf16", "fp16"), ("fp16", None)):
+        [out, _] = check_rounding(batch, _declaring(actual, declared), workers=1)
+        assert not out.ok and out.err_over_bound > 1, (actual, declared, out.err_over_bound)
 
 
 def test_a_kernel_that_breaks_on_the_probe_fails_the_check():

@@ -48,6 +48,7 @@ from verify.cases import Case
 from verify.kernels import Kernel, outputs
 from verify.metrics import compare
 from verify.rounding_probe import rounding_probe
+from verify.rounding_probe import unavailable as rounding_unavailable
 
 ALT_WORKERS = 132  # second worker count when a case uses one worker (an H200's SMs: a split per block)
 FAR_ELEMENTS = 2**31  # cache elements past which int32 element offsets wrap (far check)
@@ -333,11 +334,11 @@ def check_rounding(batch: DecodeBatch, kernel: Kernel, workers: int) -> list[Che
     """The kernel run again on `rounding_probe(batch)` (the case's worker count when it takes one), within the
     probe's tier-1 bound for the numerics the kernel declares for it (kernel_bound + merge_bound): exact scores and
     outputs that cancel to the cache format's rounding of P, so that a P rounded more coarsely than declared (bf16
-    under fp32, fp8 under bf16 or fp16) fails, which on drawn data it seldom does (verify/rounding_probe.py)."""
+    under fp32, fp8 under bf16 or fp16) fails, which on drawn data it seldom does: on rows up to a few thousand
+    tokens, split anywhere but between tokens 0 and 1 (verify/rounding_probe.py, numerics.md §5(h))."""
     probe = rounding_probe(batch)
     if probe is None:
-        return [CheckResult("rounding", True, detail="no rounding probe: no request has two tokens, or no score gap "
-                                                     f"fits sm_scale {batch.sm_scale} and q {batch.q.dtype}")]
+        return [CheckResult("rounding", True, detail=f"no rounding probe: {rounding_unavailable(batch)}")]
     where = probe.describe()
     raw, exc = _run(kernel, probe.batch, workers)
     if exc is not None and is_device_fault(exc):

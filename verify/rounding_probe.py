@@ -22,7 +22,12 @@ declared (bf16 under fp32, fp8 under bf16 or fp16) from one rounded as declared 
 
 t_h lies in [2^-8, 2^-4]: small scores keep ω (§5(b)) small against that error. x_h = m 2^e with m in
 {1, 1.25, 1.5, 1.75} (exact in bf16, fp16, e4m3fn, e4m3fnuz and e5m2), chosen so that p_h lies far from bf16 and
-fp16 values (the heads take the candidates in that order, cyclically).
+fp16 values, and from e4m3fn ones (the heads take the candidates in that order, cyclically).
+
+What it cannot see (numerics.md §5(h)): P on rows of one token (P = 1); a kernel whose split or tile boundary falls
+between tokens 0 and 1 (token 1 is then the maximum of its own piece, P = 1 exactly); and less on long rows, where
+the declared per-token P.V charge grows while the signal falls as 1/l (bf16 P under an fp32 declaration fails up to
+about 8192 tokens, fp16 under fp32 up to about 1000). A case fails through its shortest probed request.
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ from mla_ref.fp8 import fp8_format, round_p
 T_RANGE = (2.0**-8, 2.0**-4)  # the probe's score gaps t_h = σ x_h
 _MANTISSAS = (1.0, 1.25, 1.5, 1.75)  # two significant bits: exact in every q format
 _FORMAT_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: None}
-_UNITS = {"bf16": 2.0**-9, "fp16": 2.0**-11}  # unit roundoffs of the P formats the candidates avoid (ties excluded)
+# the largest rounding error in [0.5, 1) (half the spacing there) of the P formats the candidates keep away from
+_HALF_SPACING = {"bf16": 2.0**-9, "fp16": 2.0**-12, "e4m3fn": 2.0**-5}
 
 
 @dataclass(frozen=True)
@@ -74,8 +80,9 @@ def _in_format(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def probe_x(sm_scale: float, heads: int, q_dtype: torch.dtype) -> torch.Tensor | None:
     """[heads] fp64 x_h of the probe: candidates m 2^e with σ m 2^e in T_RANGE and exact in q_dtype, ordered by how
-    far e^-(σ x) lies from bf16 and fp16 values (the smaller of its two rounding errors in units of each format's unit
-    roundoff, largest first), assigned to the heads cyclically. None when no candidate exists for this σ."""
+    far p = e^-(σ x) lies from bf16, fp16 and e4m3fn values (the smallest of its three rounding errors, each in units
+    of that format's largest one in [0.5, 1), largest first), assigned to the heads cyclically. None when no
+    candidate exists for this σ (fp8 q: σ above about 2^-4 / 2^-9 = 32 for e4m3fn)."""
     lo, hi = T_RANGE
     exponents = range(math.floor(math.log2(lo / sm_scale)) - 1, math.ceil(math.log2(hi / sm_scale)) + 1)
     x = torch.tensor([m * 2.0**e for e in exponents for m in _MANTISSAS], dtype=torch.float64)  # [n]
@@ -83,21 +90,31 @@ def probe_x(sm_scale: float, heads: int, q_dtype: torch.dtype) -> torch.Tensor |
     if not len(x):
         return None
     p = torch.exp(-sm_scale * x)  # [n']
-    far = torch.stack([(round_p(p, f) - p).abs() / (u * p) for f, u in _UNITS.items()]).amin(dim=0)  # [n'] in (0, 1]
+    far = torch.stack([(round_p(p, f) - p).abs() / h for f, h in _HALF_SPACING.items()]).amin(dim=0)  # [n'] [0, 1]
     x = x[torch.argsort(far, descending=True, stable=True)]  # [n'] best first
     return x[torch.arange(heads) % len(x)]  # [heads]
 
 
-def rounding_probe(batch: DecodeBatch) -> RoundingProbe | None:
-    """The probe of ``batch`` (module docstring), or None when no request has two tokens (no query row then sees
-    two scores) or no x_h fits this σ and q dtype. One host sync."""
+def unavailable(batch: DecodeBatch) -> str | None:
+    """Why ``batch`` has no probe, or None when it has one. One host sync."""
     if batch.batch_size == 0 or int(batch.seq_lens.max()) < 2:
+        return "no request has two tokens (a row that sees one token has P = 1)"
+    if batch.rope_dim == 0:
+        return "no rope channel (kv_lora_rank = head_dim) to carry the scores"
+    if probe_x(batch.sm_scale, batch.num_heads, batch.q.dtype) is None:
+        return (f"no x exact in q's {batch.q.dtype} puts sm_scale {batch.sm_scale:g} x in [2^-8, 2^-4] (fp8 q: "
+                "scale 1)")
+    return None
+
+
+def rounding_probe(batch: DecodeBatch) -> RoundingProbe | None:
+    """The probe of ``batch`` (module docstring), or None when it has none (`unavailable` says why). Two host
+    syncs (the lengths, then the token addresses)."""
+    if unavailable(batch) is not None:
         return None
     T, H, D = batch.q.shape
     L, dev = batch.kv_lora_rank, batch.device
     x = probe_x(batch.sm_scale, H, batch.q.dtype)  # [H]
-    if x is None:
-        return None
     p = torch.exp(-batch.sm_scale * x)  # [H] e^-t_h
     q = torch.zeros(T, H, D, dtype=torch.float64)  # [T, H, D]
     q[:, :, L] = -x  # every row of head h: score -t_h against k_pe[0] = 1
