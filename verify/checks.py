@@ -48,7 +48,6 @@ from verify.cases import Case
 from verify.kernels import Kernel, outputs
 from verify.metrics import compare
 from verify.rounding_probe import rounding_probe
-from verify.rounding_probe import unavailable as rounding_unavailable
 
 ALT_WORKERS = 132  # second worker count when a case uses one worker (an H200's SMs: a split per block)
 FAR_ELEMENTS = 2**31  # cache elements past which int32 element offsets wrap (far check)
@@ -170,6 +169,16 @@ def _run(kernel: Kernel, batch: DecodeBatch, workers: int) -> tuple[object | Non
     if kernel.run_workers is not None:
         return _call(kernel.run_workers, batch, workers, device=batch.device)
     return _call(kernel.run, batch, device=batch.device)
+
+
+def _moved(out: torch.Tensor, lse: torch.Tensor | None, device: torch.device):
+    """(out, lse) detached and on ``device`` (lse None stays None): a kernel's results beside the oracle's."""
+    return out.detach().to(device), (lse.detach().to(device) if lse is not None else None)
+
+
+def _tier1_bound(batch: DecodeBatch, kernel: Kernel, numerics: KernelNumerics, ref) -> bounds.Bound:
+    """kernel_bound for the declared ``numerics`` + merge_bound: the kernel may split rows up to max_splits times."""
+    return bounds.kernel_bound(batch, numerics, ref=ref) + bounds.merge_bound(batch, kernel.max_splits(batch))
 
 
 # ---- individual checks --------------------------------------------------------------------------------------------
@@ -337,8 +346,8 @@ def check_rounding(batch: DecodeBatch, kernel: Kernel, workers: int) -> list[Che
     under fp32, fp8 under bf16 or fp16) fails, which on drawn data it seldom does: on rows up to a few thousand
     tokens, split anywhere but between tokens 0 and 1 (verify/rounding_probe.py, numerics.md §5(h))."""
     probe = rounding_probe(batch)
-    if probe is None:
-        return [CheckResult("rounding", True, detail=f"no rounding probe: {rounding_unavailable(batch)}")]
+    if isinstance(probe, str):
+        return [CheckResult("rounding", True, detail=f"no rounding probe: {probe}")]
     where = probe.describe()
     raw, exc = _run(kernel, probe.batch, workers)
     if exc is not None and is_device_fault(exc):
@@ -351,10 +360,9 @@ def check_rounding(batch: DecodeBatch, kernel: Kernel, workers: int) -> list[Che
     except ValueError as e:  # Unsupported too: the kernel took the case, so its probe (same shapes and dtypes)
         return [CheckResult("rounding", False, detail=f"{where}: {e}")]
     ref = mla_decode_ref(probe.batch)  # [T, H, L], [T, H] fp64
-    bound = bounds.kernel_bound(probe.batch, numerics, ref=ref) + bounds.merge_bound(probe.batch,
-                                                                                      kernel.max_splits(probe.batch))
-    out, lse = out.detach().to(ref[0].device), (lse.detach().to(ref[0].device) if lse is not None else None)
-    results = check_tier1(out, lse, ref, bound, numerics.out_dtype, name="rounding")
+    out, lse = _moved(out, lse, ref[0].device)
+    results = check_tier1(out, lse, ref, _tier1_bound(probe.batch, kernel, numerics, ref), numerics.out_dtype,
+                          name="rounding")
     for r in results:
         r.detail = f"{where}; declared P {numerics.p_fmt or 'fp32'}: {r.detail}" + (
             "" if r.ok else " (P rounded more coarsely than declared, or scores that are not exact products)")
@@ -421,7 +429,7 @@ def check_far(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, re
     del far, raw  # the large cache
     if (lse is None) != (first[1] is None):
         return [CheckResult("far", False, detail=f"{where}: lse returned by only one of the compact and far runs")]
-    out, lse = out.detach().to(first[0].device), (lse.detach().to(first[0].device) if lse is not None else None)
+    out, lse = _moved(out, lse, first[0].device)
     if _bytes(out).equal(_bytes(first[0])) and (lse is None or _bytes(lse).equal(_bytes(first[1]))):
         return [CheckResult("far", True, detail=f"{where}: the bits of the compact cache")]
     results = check_tier1(out, lse, ref, bound, out_dtype, name="far")
@@ -496,9 +504,8 @@ def run_case(case: Case, kernel: Kernel, device: str = "cpu", far: bool | None =
     result.checks.append(CheckResult("contract", True, detail=f"out {out.dtype}, {given}"))
 
     try:
-        out_d, lse_d = out.detach().to(ref[0].device), (lse.detach().to(ref[0].device) if lse is not None else None)
-        merge = bounds.merge_bound(batch, kernel.max_splits(batch))  # the kernel may split rows up to max_splits times
-        bound = bounds.kernel_bound(batch, numerics, ref=ref) + merge  # tier 1 (and far)
+        out_d, lse_d = _moved(out, lse, ref[0].device)
+        bound = _tier1_bound(batch, kernel, numerics, ref)  # tier 1 (and far)
         result.checks += check_tier1(out_d, lse_d, ref, bound, numerics.out_dtype)
         result.checks.append(check_empty(batch, out_d, lse_d))
         result.checks.append(check_finite(batch, out_d, lse_d))

@@ -95,26 +95,18 @@ def probe_x(sm_scale: float, heads: int, q_dtype: torch.dtype) -> torch.Tensor |
     return x[torch.arange(heads) % len(x)]  # [heads]
 
 
-def unavailable(batch: DecodeBatch) -> str | None:
-    """Why ``batch`` has no probe, or None when it has one. One host sync."""
+def rounding_probe(batch: DecodeBatch) -> RoundingProbe | str:
+    """The probe of ``batch`` (module docstring), or why it has none: no request has two tokens, no rope channel,
+    or no x_h for this σ and q dtype. Two host syncs (the lengths, then the token addresses)."""
     if batch.batch_size == 0 or int(batch.seq_lens.max()) < 2:
         return "no request has two tokens (a row that sees one token has P = 1)"
     if batch.rope_dim == 0:
         return "no rope channel (kv_lora_rank = head_dim) to carry the scores"
-    if probe_x(batch.sm_scale, batch.num_heads, batch.q.dtype) is None:
-        return (f"no x exact in q's {batch.q.dtype} puts sm_scale {batch.sm_scale:g} x in [2^-8, 2^-4] (fp8 q: "
-                "scale 1)")
-    return None
-
-
-def rounding_probe(batch: DecodeBatch) -> RoundingProbe | None:
-    """The probe of ``batch`` (module docstring), or None when it has none (`unavailable` says why). Two host
-    syncs (the lengths, then the token addresses)."""
-    if unavailable(batch) is not None:
-        return None
     T, H, D = batch.q.shape
     L, dev = batch.kv_lora_rank, batch.device
     x = probe_x(batch.sm_scale, H, batch.q.dtype)  # [H]
+    if x is None:
+        return f"no x exact in q's {batch.q.dtype} puts sm_scale {batch.sm_scale:g} x in [2^-8, 2^-4] (fp8 q: scale 1)"
     p = torch.exp(-batch.sm_scale * x)  # [H] e^-t_h
     q = torch.zeros(T, H, D, dtype=torch.float64)  # [T, H, D]
     q[:, :, L] = -x  # every row of head h: score -t_h against k_pe[0] = 1
