@@ -161,9 +161,12 @@ def _forced_numerics(kernel: str) -> Callable[[DecodeBatch], KernelNumerics]:
 
 def _flashinfer_numerics(batch: DecodeBatch) -> KernelNumerics:
     # fp8 KV is staged to bf16 in shared memory as bf16(code * bf16(kv_scale)) before bf16 MMAs (q is bf16): the
-    # 16-bit rounding points, plus one bf16 rounding of every K and V element whose product is inexact
+    # 16-bit rounding points, plus one bf16 rounding of every K and V element whose product is inexact. Split
+    # outputs are stored in the output dtype (mla_hopper.cuh write_o: `DTypeO* partial_o`, o_frag cast to DTypeO;
+    # their lse in fp32) before its merge kernel
     numerics = _hopper_16bit(torch.float16 if batch.kv_cache.dtype == torch.float16 else torch.bfloat16)
-    return dataclasses.replace(numerics, scale_then_round=is_fp8(batch.kv_cache.dtype))
+    return dataclasses.replace(numerics, scale_then_round=is_fp8(batch.kv_cache.dtype),
+                               partial_dtype=numerics.out_dtype)
 
 
 def _flashmla_numerics(batch: DecodeBatch) -> KernelNumerics:

@@ -110,6 +110,9 @@ class KernelNumerics:
             scale that is not a power of two every K and V element then carries one more rounding (2^-9 relative
             for bf16), which verify.bounds charges on both the scores and the values. False (this module's kernel):
             the MMAs see the fp8 codes, exact in fp16 and bf16.
+        partial_dtype: dtype a split's output is stored in between the split pass and the merge (its lse is fp32):
+            fp32 for this module's kernels, FlashMLA and aiter; FlashInfer's MLA stores ``partial_o`` in the output
+            dtype. verify.bounds.merge_bound charges its unit roundoff once per split output.
     """
 
     p_fmt: str | None
@@ -121,6 +124,7 @@ class KernelNumerics:
     out_dtype: torch.dtype = torch.bfloat16
     scale_then_round: bool = False
     gamma_pv_per_token: float = 0.0
+    partial_dtype: torch.dtype = torch.float32
 
     def __post_init__(self):
         for name in ("p_scale", "gamma_qk", "gamma_pv", "gamma_pv_per_token"):
@@ -129,6 +133,9 @@ class KernelNumerics:
                 raise ValueError(f"KernelNumerics.{name} must be a finite float >= 0, got {x!r}")
         if self.p_scale <= 0:
             raise ValueError(f"KernelNumerics.p_scale must be > 0, got {self.p_scale!r}")
+        if self.partial_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"KernelNumerics.partial_dtype: expected torch.float32, bfloat16 or float16, got "
+                             f"{self.partial_dtype!r}")
 
     def describe(self) -> str:
         """One line with every field, for reports: what the verifier's kernel bound assumed."""
@@ -137,8 +144,10 @@ class KernelNumerics:
 
         p = f"P {self.p_fmt or 'fp32'}" + (f" x{self.p_scale:g}" if self.p_scale != 1 else "")
         stage = ", fp8 scaled then rounded" if self.scale_then_round else ""
+        partials = f", split partials {name(self.partial_dtype)}" if self.partial_dtype != torch.float32 else ""
         return (f"{p}, QK {name(self.qk_operand)} gamma {self.gamma_qk:.3g}, PV {name(self.pv_operand)} gamma "
-                f"{self.gamma_pv:.3g} + {self.gamma_pv_per_token:.3g}/token, out {name(self.out_dtype)}{stage}")
+                f"{self.gamma_pv:.3g} + {self.gamma_pv_per_token:.3g}/token, out {name(self.out_dtype)}{stage}"
+                f"{partials}")
 
 
 def triton_numerics(mma: str, block_n: int = BLOCK_N) -> KernelNumerics:

@@ -231,3 +231,16 @@ def round_p(p: torch.Tensor, fmt=None, p_scale: float = 1.0) -> torch.Tensor:
         raise ValueError(f"p_scale must be a float, finite and > 0, got {p_scale!r}")
     y = _round_rne(p.double() * p_scale, mantissa_bits, emin, max_value)  # [...] fp64 on fmt's grid
     return (y / p_scale).to(p.dtype)
+
+
+_DTYPE_FORMATS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x (fp64) rounded once, round-to-nearest-even and saturating, to the values of ``dtype`` (bf16, fp16, fp32 or
+    an fp8 dtype; fp64 returns x): fp64 values that ``.to(dtype)`` then stores exactly (torch's own fp64 -> bf16 /
+    fp8 casts round twice, through fp32, and do not always saturate). Symmetric: round_to(-x) = -round_to(x)."""
+    if dtype == torch.float64:
+        return x
+    fmt = _DTYPE_FORMATS.get(dtype)
+    return round_p(x, fmt if fmt is not None else fp8_format(dtype).name)

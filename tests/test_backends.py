@@ -162,6 +162,8 @@ def test_declared_numerics_per_backend_and_dtype():
     assert get["ref"](bf16).qk_operand == torch.float64 and get["emulated"](bf16).p_fmt is None
     assert get["flashinfer"](bf16).p_fmt == "bf16" and get["flashinfer"](fp8_batch).p_fmt == "bf16"
     assert get["flashinfer"](fp8_batch).scale_then_round and not get["flashinfer"](bf16).scale_then_round
+    assert get["flashinfer"](bf16).partial_dtype == torch.bfloat16  # partial_o in its output dtype
+    assert all(get[name](bf16).partial_dtype == torch.float32 for name in ("emulated", "flashmla", "aiter"))
     assert not get["flashmla"](fp8_batch).scale_then_round  # descale_q/_k multiply the fp32 scores
     assert get["flashmla"](bf16).p_fmt == "bf16" and get["flashmla"](fp8_batch).p_fmt == "e4m3fn"
     assert get["aiter"](bf16).p_fmt == "bf16" and get["aiter"](fnuz).p_fmt == "e4m3fnuz"
@@ -176,6 +178,8 @@ def test_declared_numerics_of_our_kernels():
     assert get["seesaw"](bf16) == get["triton"](bf16) and get["seesaw"](fp8_batch) == get["triton"](fp8_batch)
     assert get["gluon_fp8"](fp8_batch).qk_operand == torch.float8_e4m3fn
     assert get["gluon_fp8"](fp8_batch).gamma_qk > get["triton"](fp8_batch).gamma_qk
+    ours = ("triton", "gluon_fp8")
+    assert all(get[name](b).partial_dtype == torch.float32 for name in ours for b in (bf16, fp8_batch))
 
 
 @pytest.mark.parametrize("name,dtype,heads,page_size,reason", [

@@ -132,6 +132,14 @@ def declares_bf16_p(batch):
 declares_bf16_p.numerics = dataclasses.replace(DEFAULT_NUMERICS, p_fmt="bf16")
 
 
+def declares_bf16_partials(batch):
+    """A correct kernel (fp32 split outputs) declaring bf16 ones: looser than the kernel by the partials alone."""
+    return correct(batch)
+
+
+declares_bf16_partials.numerics = dataclasses.replace(DEFAULT_NUMERICS, partial_dtype=torch.bfloat16)
+
+
 def run(capsys, *argv):
     code = cli.main(list(argv))
     captured = capsys.readouterr()
@@ -742,6 +750,19 @@ def test_a_declared_p_rounding_coarser_than_the_kernels_is_warned_about(capsys, 
     report = json.loads(path.read_text())
     assert code == 0 and report["warnings"] == [] and "warning" not in err
     assert report["checks"]["rounding.out"]["max_err_over_bound"] >= cli.ROUNDING_MATCHED
+    assert report["checks"]["partials.out"]["max_err_over_bound"] >= cli.PARTIALS_MATCHED
+
+
+def test_a_declared_partial_dtype_coarser_than_the_kernels_is_warned_about(capsys, tmp_path):
+    """A kernel that stores fp32 split outputs but declares bf16 ones passes every check; the partials probe shows
+    it: its partials.out stays below PARTIALS_MATCHED, where partials stored as declared land (the emulated backend,
+    fp32 stored and declared, is the other half of the test above: no warning)."""
+    path = tmp_path / "r.json"  # about 3 in 4 cases have a split row: twice LOOSE_CASES for LOOSE_CASES probed
+    argv = ("--cases", str(2 * cli.LOOSE_CASES), "--max-seq-len", "256", "--jobs", "1", "--json", str(path))
+    code, _, err = run(capsys, "--impl", "tests.test_cli:declares_bf16_partials", *argv)
+    report = json.loads(path.read_text())
+    assert code == 0 and [w.split(":")[0] for w in report["warnings"]] == ["partials.out"], err
+    assert report["checks"]["partials.out"]["max_err_over_bound"] < cli.PARTIALS_MATCHED
 
 
 def nonzero_everywhere(batch):
@@ -754,7 +775,8 @@ def test_non_finite_err_over_bound_gives_a_report_not_a_traceback(capsys, tmp_pa
     """An err/bound of inf (a nonzero out where 0 is exact) is kept as the string "inf" in the summary; the loose-bound
     warnings compared it with a float and the campaign died in its summary (found by a review)."""
     assert cli._warnings({"tier1.out": {"cases": 99, "max_err_over_bound": "inf"},
-                          "rounding.out": {"cases": 99, "max_err_over_bound": "nan"}}) == []
+                          "rounding.out": {"cases": 99, "max_err_over_bound": "nan"},
+                          "partials.out": {"cases": 99, "max_err_over_bound": "inf"}}) == []
     path = tmp_path / "r.json"
     code, _, err = run(capsys, "--impl", "tests.test_cli:nonzero_everywhere", "--cases", str(cli.LOOSE_CASES + 5),
                        "--max-seq-len", "256", "--jobs", "1", "--json", str(path))

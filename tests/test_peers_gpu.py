@@ -89,7 +89,9 @@ def run_case(case: PeerCase) -> dict:
     cpu = batch.to("cpu")
     ref_out, ref_lse = mla_decode_ref(cpu)
     splits = max(1, -(-max(case.seq_lens) // 32))
-    bound = kernel_bound(cpu, backend.numerics(cpu), ref=(ref_out, ref_lse)) + merge_bound(cpu, splits)
+    numerics = backend.numerics(cpu)
+    bound = kernel_bound(cpu, numerics, ref=(ref_out, ref_lse)) + merge_bound(cpu, splits,
+                                                                               partial_dtype=numerics.partial_dtype)
     out, lse = out.double().cpu(), lse.double().cpu()
     empty = torch.isneginf(ref_lse)  # [T, H] rows that see no token
     err_o, err_l = (out - ref_out).abs(), (lse - ref_lse).abs()[~empty]
@@ -128,6 +130,28 @@ def test_peer_within_kernel_bound(case):
     assert r["out_ratio"] <= 1.0 and r["lse_ratio"] <= 1.0, r
 
 
+@pytest.mark.parametrize("peer,dtype", [("flashinfer", "bf16"), ("flashinfer", "fp8kv"), ("flashmla", "bf16"),
+                                        ("flashmla", "fp8")])
+def test_the_partials_check_tells_how_a_peer_stores_its_splits(peer, dtype):
+    """verify.checks.check_partials on rows the peer splits (a few long requests on 132 SMs): within the bound for
+    the split-output dtype it declares (FlashInfer: its output dtype, bf16, as mla_hopper.cuh stores partial_o;
+    FlashMLA: fp32). FlashInfer declared with fp32 partials instead fails: its bf16 partials show."""
+    import dataclasses
+
+    from verify.checks import check_partials
+    from verify.kernels import from_backend
+
+    _skip_unless_available(peer)
+    batch = PeerCase(peer, (4096, 3000, 1000), 16, 64, dtype).batch("cuda")
+    kernel = from_backend(peer)
+    results = check_partials(batch, kernel, 132)
+    assert all(r.ok for r in results) and results[0].err_over_bound > 0, [r.detail for r in results]
+    if peer == "flashinfer":
+        fp32 = dataclasses.replace(kernel.numerics(batch), partial_dtype=torch.float32)
+        results = check_partials(batch, dataclasses.replace(kernel, numerics=lambda b: fp32), 132)
+        assert not results[0].ok and results[0].err_over_bound > 1, results[0].detail
+
+
 VLLM_CASES = [  # vLLM's Triton MLA decode (mla-bench's vLLM column): q_len 1 and no empty request (it gives NaN)
     PeerCase("vllm", VARLEN[1:], heads, page, dtype, seed=20 + i)
     for i, (heads, page, dtype) in enumerate(
@@ -153,8 +177,10 @@ def test_vllm_triton_decode_within_kernel_bound(case):
     cpu = batch.to("cpu")
     ref_out, ref_lse = mla_decode_ref(cpu)
     numerics = dataclasses.replace(backends.get_backend("flashinfer").numerics(cpu),  # its 32-token tiles
-                                   gamma_pv_per_token=HOPPER_PV_PER_TOKEN + PV_PER_TILE / 32)
-    bound = kernel_bound(cpu, numerics, ref=(ref_out, ref_lse)) + merge_bound(cpu, fn.num_kv_splits)
+                                   gamma_pv_per_token=HOPPER_PV_PER_TOKEN + PV_PER_TILE / 32,
+                                   partial_dtype=torch.float32)  # its attn_logits workspace
+    bound = kernel_bound(cpu, numerics, ref=(ref_out, ref_lse)) + merge_bound(cpu, fn.num_kv_splits,
+                                                                               partial_dtype=numerics.partial_dtype)
     lse_bound = bound.lse + ref_lse.abs() * 2**-8  # bf16 lse: one rounding, unit roundoff 2^-8
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     assert ((out - ref_out).abs() <= bound.out).all(), ((out - ref_out).abs() / bound.out).max()

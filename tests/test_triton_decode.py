@@ -258,9 +258,10 @@ def _rounding_check(td) -> dict:
     """verify.checks.check_rounding on the Triton kernel, per combo, split over 3 workers on the interpreter's
     16-token blocks: with the numerics it declares (bf16 P on bf16 caches, fp16 P on fp8 caches), and declared as
     fp32 P and P.V operands (a P.V operand format rounds P too), which it is not. {combo_label: (ok, err/bound of
-    rounding.out)}."""
+    rounding.out)}; and verify.checks.check_partials with the declared numerics (fp32 split outputs), on the same
+    split plan: {combo_partials: (ok, err/bound of partials.out, the plan's partial rows)}."""
     from mla_fast.numerics import triton_numerics
-    from verify.checks import check_rounding
+    from verify.checks import check_partials, check_rounding
     from verify.kernels import Kernel, _blocks
 
     seen = {}
@@ -279,6 +280,10 @@ def _rounding_check(td) -> dict:
                             max_splits=lambda batch: _blocks(batch, PLAN_BLOCK_N))
             results = check_rounding(case.batch(), kernel, 3)
             seen[f"{combo}_{label}"] = (all(r.ok for r in results), results[0].err_over_bound)
+            if label == "declared":
+                results = check_partials(case.batch(), kernel, 3)
+                partial_rows = td.make_plan(case.batch(), config, 3).num_partial_rows
+                seen[f"{combo}_partials"] = (all(r.ok for r in results), results[0].err_over_bound, partial_rows)
     return seen
 
 
@@ -392,6 +397,15 @@ def test_rounding_check_passes_the_declared_p_and_fails_fp32_declared(report):
         assert ok and ratio <= 1, (combo, ratio)
         ok, ratio = report["rounding_check"][f"{combo}_fp32"]
         assert not ok and ratio > 1, (combo, ratio)
+
+
+def test_partials_check_passes_the_declared_fp32_partials_on_a_split_plan(report):
+    """The partials probe on the real kernel (interpreter, split over 3 workers): its fp32 split outputs and reduce
+    within the bound of the fp32 partials it declares, on a plan that does split (verify/partials_probe.py; bf16
+    partials under that declaration fail it: tests/test_partials_probe.py)."""
+    for combo in ("bf16", "fp8kv", "fp8"):
+        ok, ratio, partial_rows = report["rounding_check"][f"{combo}_partials"]
+        assert ok and 0 < ratio <= 1 and partial_rows > 0, (combo, ratio, partial_rows)
 
 
 def test_default_config_takes_the_new_paths(report):

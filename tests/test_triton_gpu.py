@@ -1000,6 +1000,26 @@ def test_the_rounding_check_holds_as_declared_and_fails_declared_fp32(combo, hea
     assert not results[0].ok and results[0].err_over_bound > 1, results[0].detail
 
 
+@pytest.mark.parametrize("combo", ["bf16", "fp8kv", "fp8"])
+@pytest.mark.parametrize("heads,seq_lens", [(16, (0, 37, 130, 1000, 4096)), (128, (0, 37, 130, 1000, 4096)),
+                                            (16, (4096,) * 64)])  # the last: the pair merge's shape for bf16
+def test_the_partials_check_holds_on_split_rows(combo, heads, seq_lens):
+    """verify.checks.check_partials through the default dispatch on 132 workers, on rows the plan splits: outputs
+    that cancel to a tiny offset while each split's partial does not, within the bound for the fp32 partials the
+    kernels declare (bf16 partials would fail it: tests/test_partials_probe.py)."""
+    from verify.cases import Case
+    from verify.checks import check_partials
+    from verify.kernels import from_backend
+
+    dtypes = {"bf16": {}, "fp8kv": dict(kv_dtype="fp8"), "fp8": dict(kv_dtype="fp8", q_dtype="fp8")}[combo]
+    case = Case(seq_lens=seq_lens, q_lens=(1,) * len(seq_lens), heads=heads, page_size=64, **dtypes)
+    batch = case.materialize("cuda")[0]
+    kernel = from_backend("triton")
+    assert kernel.max_splits(batch) >= 2
+    results = check_partials(batch, kernel, 132)
+    assert all(r.ok for r in results) and results[0].err_over_bound > 0, [r.detail for r in results]
+
+
 # random varlen batches on the device: the verifier's drawn cases (lengths 0..4096 with a long tail, MTP q_len 1-4,
 # pages 1..128 and non-powers of two, 1-128 heads, adversarial data, split counts) through our default dispatch,
 # every check of mla-verify (tier 1 within the §5(f) kernel bound, tier 2 for fp8, empty rows, finiteness, split

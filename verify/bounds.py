@@ -26,7 +26,7 @@ import torch
 
 from mla_fast.numerics import KernelNumerics
 from mla_ref.decode import Bucket, DecodeBatch, RequestGrid, by_bucket, is_fp8
-from mla_ref.fp8 import fp8_format
+from mla_ref.fp8 import fp8_format, round_p, round_to
 
 F64 = torch.float64
 U32 = 2.0**-24  # fp32 unit roundoff
@@ -369,10 +369,34 @@ def _q_operand(batch: DecodeBatch, numerics):
     return u_q, eta_q * f_q, ("q", q_fed, ok_q, numerics.qk_operand)
 
 
-def _kernel_grid(bucket: Bucket, numerics, ref: tuple[torch.Tensor, torch.Tensor] | None, q_operand):
+def _p_rounding(numerics) -> tuple[float, float]:
+    """(u_P, η_P) of P as the P.V MMA gets it: p_fmt after × p_scale, rounded once more, with u and η of
+    pv_operand, when pv_operand is coarser than p_fmt; η_P in units of p (<= 1), + 2^-126 for a flushed fp32 P."""
+    u_p, eta_p = _unit_roundoff(numerics.p_fmt), _half_min_subnormal(numerics.p_fmt)
+    if _unit_roundoff(numerics.pv_operand) > u_p:
+        u_p = (1 + u_p) * (1 + _unit_roundoff(numerics.pv_operand)) - 1
+        eta_p += _half_min_subnormal(numerics.pv_operand)
+    return u_p, eta_p / numerics.p_scale + FTZ_P
+
+
+def _uniform_p_factor(numerics) -> float:
+    """δ with |P / p̃ - 1| <= δ for a P computed from a score equal to the running max (kernel_bound's uniform_p):
+    p̃ = exp(0)(1 + ε), |ε| <= EXP32_REL, rounded (× p_scale) to p_fmt, then to pv_operand where that is coarser.
+    When p_scale is a value of both formats, 1 · p_scale is a value near p̃ p_scale, so round-to-nearest moves P by
+    at most |ε| the first time and 2|ε| the second (P is then within 2|ε| of 1): δ <= 3|ε| / (1 - |ε|). Otherwise
+    the declared u_P (``_p_rounding``)."""
+    scale = torch.tensor(float(numerics.p_scale), dtype=F64)
+    in_p = bool(round_p(scale, numerics.p_fmt) == scale)
+    in_pv = bool(round_to(scale, numerics.pv_operand) == scale)
+    return 3 * EXP32_REL / (1 - EXP32_REL) if in_p and in_pv else _p_rounding(numerics)[0]
+
+
+def _kernel_grid(bucket: Bucket, numerics, ref: tuple[torch.Tensor, torch.Tensor] | None, q_operand,
+                 uniform_p: bool = False):
     """(st, A_max [B, N, H], V [B, S, L], o [B, N, H, L], kwargs of ``_rounding_bound``) for a kernel that
     rounds as ``numerics`` says (numerics.md §5(f); mla_fast/numerics.py), the bucket's requests on its padded grid.
-    ref: the bucket's rows of the oracle's (out, lse), or None; q_operand: ``_q_operand`` of the whole batch.
+    ref: the bucket's rows of the oracle's (out, lse), or None; q_operand: ``_q_operand`` of the whole batch;
+    uniform_p: no P rounding charged per token (``kernel_bound``'s uniform_p charges it as a common factor).
 
     Operands: the MMAs see the stored values (fp8 codes: scales folded into the fp32 scores and output) or, with
     ``numerics.scale_then_round``, the fp32 products code · scale. Their rounding to qk_operand / pv_operand
@@ -389,11 +413,7 @@ def _kernel_grid(bucket: Bucket, numerics, ref: tuple[torch.Tensor, torch.Tensor
     """
     batch, grid = bucket.batch, bucket.grid
     L, D, sigma = batch.kv_lora_rank, batch.head_dim, batch.sm_scale
-    u_p, eta_p = _unit_roundoff(numerics.p_fmt), _half_min_subnormal(numerics.p_fmt)
-    if _unit_roundoff(numerics.pv_operand) > u_p:
-        u_p = (1 + u_p) * (1 + _unit_roundoff(numerics.pv_operand)) - 1
-        eta_p += _half_min_subnormal(numerics.pv_operand)
-    eta_p = eta_p / numerics.p_scale + FTZ_P  # [] absolute, in units of p (<= 1)
+    u_p, eta_p = (0.0, 0.0) if uniform_p else _p_rounding(numerics)
     common = dict(u_out=_unit_roundoff(numerics.out_dtype), eta_out=_half_min_subnormal(numerics.out_dtype), u_p=u_p,
                   eta_p=eta_p, exp_rel=EXP32_REL, u_arith=U32)
     mask = grid.mask  # [B, N, S]
@@ -448,7 +468,8 @@ def _check_ref(batch: DecodeBatch, ref, name: str) -> None:
         raise ValueError(f"{name}: expected (out [{T}, {H}, {L}], lse [{T}, {H}]) of mla_decode_ref, got {got}")
 
 
-def kernel_bound(batch: DecodeBatch, numerics, *, ref: tuple[torch.Tensor, torch.Tensor] | None = None) -> Bound:
+def kernel_bound(batch: DecodeBatch, numerics, *, ref: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 uniform_p: bool = False) -> Bound:
     """Tier-1 bound (numerics.md §5(f)): |kernel(batch) - mla_decode_ref(batch)| elementwise, both on the same
     (dequantized) inputs, for a kernel that rounds as ``numerics`` (an ``mla_fast.numerics.KernelNumerics``) says.
 
@@ -464,20 +485,29 @@ def kernel_bound(batch: DecodeBatch, numerics, *, ref: tuple[torch.Tensor, torch
     Args:
         ref: (out, lse) of ``mla_decode_ref(batch)`` if already computed; the bound then uses its |ô| and
             validates its shape. Otherwise ô is recomputed here (same fp64 computation).
+        uniform_p: the batch's q is 0 (ValueError otherwise), so every score the kernel computes is exactly 0 and
+            P is one value in every row, whatever its exp, p_fmt and pv_operand do to it: its rounding is a common
+            factor (1 + δ) of every split's output and cancels in the LSE merge weights (numerics.md §5(i)).
+            Charged as δ (|ô| + B) on the bound B computed with exact P, instead of u_P Σ p̂|v̂| + η_P
+            (``_uniform_p_factor``: δ <= 3 EXP32_REL when p_scale is a value of P's formats, else u_P).
     Returns:
         Bound(out [T, H, L], lse [T, H]) in fp64.
     """
     _check_numerics(batch, numerics)
     _check_ref(batch, ref, "ref")
+    if uniform_p and bool(batch.q.to(F64).any()):
+        raise ValueError("kernel_bound.uniform_p: expected q = 0 (every score exactly 0), got a nonzero q")
     D = batch.head_dim
     q_operand = _q_operand(batch, numerics)  # batch-wide
+    u_common = _uniform_p_factor(numerics) if uniform_p else 0.0  # P's rounding as one factor on the output
 
     def bucket_bound(bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
         ref_b = (bucket.rows_of(ref[0]), bucket.rows_of(ref[1])) if ref is not None else None  # [t, H, L], [t, H]
-        st, A_max, V, o, kw = _kernel_grid(bucket, numerics, ref_b, q_operand)
+        st, A_max, V, o, kw = _kernel_grid(bucket, numerics, ref_b, q_operand, uniform_p)
         stats = dict(R=_spread(V, st.n_vis), pv=torch.einsum("bnhs,bsc->bnhc", st.p, V.abs()),
                      dev=_deviation(st, V))  # shared by both terms
         b_out, b_lse = _rounding_bound(st, A_max, V, o, **kw, **stats)  # [B, N, H, L], [B, N, H]
+        b_out = (1 + u_common) * b_out + u_common * o.abs()  # [B, N, H, L] (unchanged unless uniform_p)
         s_out, s_lse = _fp64_slack(st, A_max, V, o, D, bucket.batch.seq_lens, **stats)  # the oracle's fp64 rounding
         return bucket.grid.unpad(b_out + s_out), bucket.grid.unpad(b_lse + s_lse)  # [t, H, L], [t, H]
 
@@ -510,7 +540,7 @@ def split_bound(batch: DecodeBatch, numerics, num_splits: int) -> Bound:
         return bucket.grid.unpad(out), bucket.grid.unpad(lse)  # [t, H, L], [t, H]
 
     out, lse = by_bucket(batch.buckets(), bucket_bound)  # [T, H, L], [T, H]
-    merge = merge_bound(batch, num_splits)
+    merge = merge_bound(batch, num_splits, partial_dtype=numerics.partial_dtype)
     return Bound(2 * (out + merge.out), 2 * (lse + merge.lse))
 
 
@@ -690,18 +720,20 @@ def _quant_bucket(bucket: Bucket, batch_exact: DecodeBatch, ref_exact, saturated
 # ---- §5(g): split-KV merge --------------------------------------------------------------------------------------
 
 
-def merge_bound(batch: DecodeBatch, num_splits: int, *, accum: torch.dtype = torch.float32) -> Bound:
+def merge_bound(batch: DecodeBatch, num_splits: int, *, accum: torch.dtype = torch.float32,
+                partial_dtype: torch.dtype | None = None) -> Bound:
     """Extra error of merging ``num_splits`` split-KV partials with the exact LSE formula of numerics.md §3,
     evaluated in ``accum`` (numerics.md §5(g)); add it to ``kernel_bound`` for a split kernel.
 
-    The partials (O_S, L_S) are stored in ``accum``; the merge computes M = max L_S, L = M + ln Σ exp(L_S - M),
-    out = Σ_S exp(L_S - L) O_S. With Λ = max_j |ŝ_j| + ln n_vis >= |L_S|, |L| (m_S in [min ŝ, max ŝ],
-    ln l_S in [0, ln n]) and u = u(accum):
+    The partial outputs O_S are stored in ``partial_dtype`` (None: ``accum``; `KernelNumerics.partial_dtype`), their
+    LSEs L_S in ``accum``; the merge computes M = max L_S, L = M + ln Σ exp(L_S - M), out = Σ_S exp(L_S - L) O_S.
+    With Λ = max_j |ŝ_j| + ln n_vis >= |L_S|, |L| (m_S in [min ŝ, max ŝ], ln l_S in [0, ln n]), u = u(accum) and
+    u_o = u(partial_dtype):
         each partial and merged LSE carries <= 16 u Λ of log / base-conversion rounding (as in §5(f)), and
         L_S - L rounds with <= 2 u Λ, so every weight exp(L_S - L) has relative error
             ξ = ε_exp + 34 u Λ,     ε_exp = 4u (fp32 ex2.approx: 2^-22)
-        the sum over S weighted partials and their storage add (S + 1) u; since Σ_S w_S |O_S,c| <= Σ_j p̂_j |v̂_jc|:
-            |Δout_c| <= (ξ + (S + 1) u)(1 + ξ) Σ_j p̂_j |v̂_jc|
+        the sum over S weighted partials adds S u and their storage u_o; since Σ_S w_S |O_S,c| <= Σ_j p̂_j |v̂_jc|:
+            |Δout_c| <= (ξ + S u + u_o)(1 + ξ) Σ_j p̂_j |v̂_jc|
             |Δlse|   <= ξ + (S + 1) u + 16 u Λ
     Split positions do not enter the bound: ``num_splits`` is the largest number of splits of any row.
     One split (no merge) gives zeros. Measured (numerics.md §5(g)): <= 1.1e-5 Σp|v|, 1.3e-5 on LSE at N = 32768.
@@ -714,6 +746,7 @@ def merge_bound(batch: DecodeBatch, num_splits: int, *, accum: torch.dtype = tor
         out = torch.zeros(T, H, L, dtype=F64, device=batch.device)  # [T, H, L]
         return Bound(out, torch.zeros(T, H, dtype=F64, device=batch.device))  # no merge: no error
     u = _unit_roundoff(accum)
+    u_o = u if partial_dtype is None else _unit_roundoff(partial_dtype)
     S = int(num_splits)
 
     def bucket_bound(bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
@@ -724,7 +757,7 @@ def merge_bound(batch: DecodeBatch, num_splits: int, *, accum: torch.dtype = tor
         lam = _masked_max(st.s.abs(), mask) + torch.log(st.n_vis.clamp(min=1).to(F64))[..., None]  # [B, N, H] Λ
         xi = 4 * u + 34 * u * lam  # [B, N, H] relative error of a merge weight
         pv = torch.einsum("bnhs,bsc->bnhc", st.p, K[..., :L].abs())  # [B, N, H, L] Σ_j p̂_j |v̂_jc|
-        out = ((xi + (S + 1) * u) * (1 + xi))[..., None] * pv  # [B, N, H, L]
+        out = ((xi + S * u + u_o) * (1 + xi))[..., None] * pv  # [B, N, H, L]
         lse = torch.where(st.seen[..., None], xi + (S + 1) * u + 16 * u * lam, 0.0)  # [B, N, H]
         return grid.unpad(out), grid.unpad(lse)  # [t, H, L], [t, H]
 

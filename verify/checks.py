@@ -16,6 +16,10 @@
 | rounding       | the kernel again on `rounding_probe(batch)`: exact scores and   | kernel_bound + merge_bound     |
 |                | outputs that cancel to the cache format's rounding of P, so a P | of the probe                   |
 |                | rounded more coarsely than declared fails (numerics.md §5(h))   |                                |
+| partials       | the kernel again on `partials_probe(batch)`: all scores 0,      | kernel_bound (P rounding as a  |
+|                | values whose mean over the tokens every row sees is 0, so out   | common factor) + merge_bound   |
+|                | is 0 while each split's partial is not: split outputs stored    | (declared partial dtype) of    |
+|                | more coarsely than declared fail (numerics.md §5(i))            | the probe                      |
 | inputs         | q, cache, block table and lengths: after the kernel = before    | byte for byte                  |
 | far            | the kernel again with the pages moved past element 2^31 of a    | the first run's bits, else     |
 |                | larger cache, NaN in front (`far_pages`): int32 offsets wrap    | kernel_bound + merge_bound     |
@@ -47,6 +51,7 @@ from verify import bounds
 from verify.cases import Case
 from verify.kernels import Kernel, outputs
 from verify.metrics import compare
+from verify.partials_probe import partials_probe
 from verify.rounding_probe import rounding_probe
 
 ALT_WORKERS = 132  # second worker count when a case uses one worker (an H200's SMs: a split per block)
@@ -176,9 +181,12 @@ def _moved(out: torch.Tensor, lse: torch.Tensor | None, device: torch.device):
     return out.detach().to(device), (lse.detach().to(device) if lse is not None else None)
 
 
-def _tier1_bound(batch: DecodeBatch, kernel: Kernel, numerics: KernelNumerics, ref) -> bounds.Bound:
-    """kernel_bound for the declared ``numerics`` + merge_bound: the kernel may split rows up to max_splits times."""
-    return bounds.kernel_bound(batch, numerics, ref=ref) + bounds.merge_bound(batch, kernel.max_splits(batch))
+def _tier1_bound(batch: DecodeBatch, kernel: Kernel, numerics: KernelNumerics, ref,
+                 uniform_p: bool = False) -> bounds.Bound:
+    """kernel_bound for the declared ``numerics`` (``uniform_p``: see there) + merge_bound (its partials in the
+    declared partial_dtype): the kernel may split rows up to max_splits times."""
+    merge = bounds.merge_bound(batch, kernel.max_splits(batch), partial_dtype=numerics.partial_dtype)
+    return bounds.kernel_bound(batch, numerics, ref=ref, uniform_p=uniform_p) + merge
 
 
 # ---- individual checks --------------------------------------------------------------------------------------------
@@ -348,25 +356,51 @@ def check_rounding(batch: DecodeBatch, kernel: Kernel, workers: int) -> list[Che
     probe = rounding_probe(batch)
     if isinstance(probe, str):
         return [CheckResult("rounding", True, detail=f"no rounding probe: {probe}")]
-    where = probe.describe()
-    raw, exc = _run(kernel, probe.batch, workers)
+    return _probe_run("rounding", probe.describe(), probe.batch, kernel, workers,
+                      on_fail=" (P rounded more coarsely than declared, or scores that are not exact products)")
+
+
+def _probe_run(name: str, where: str, probe: DecodeBatch, kernel: Kernel, workers: int, uniform_p: bool = False,
+               on_fail: str = "") -> list[CheckResult]:
+    """The kernel on a probe batch (the case's worker count when it takes one) against the oracle within
+    `_tier1_bound` for the numerics it declares for the probe: checks ``name``.out and ``name``.lse, their details
+    led by ``where`` and the declaration, ``on_fail`` appended to a failure's. A raise or a contract break fails
+    the check with its message (a device fault propagates)."""
+    raw, exc = _run(kernel, probe, workers)
     if exc is not None and is_device_fault(exc):
         raise exc
     if exc is not None:
-        return [CheckResult("rounding", False, detail=f"{where}: the run raised {error_message(exc)}")]
+        return [CheckResult(name, False, detail=f"{where}: the run raised {error_message(exc)}")]
     try:
-        out, lse = outputs(raw, probe.batch)
-        numerics = kernel.numerics(probe.batch)
+        out, lse = outputs(raw, probe)
+        numerics = kernel.numerics(probe)
     except ValueError as e:  # Unsupported too: the kernel took the case, so its probe (same shapes and dtypes)
-        return [CheckResult("rounding", False, detail=f"{where}: {e}")]
-    ref = mla_decode_ref(probe.batch)  # [T, H, L], [T, H] fp64
+        return [CheckResult(name, False, detail=f"{where}: {e}")]
+    ref = mla_decode_ref(probe)  # [T, H, L], [T, H] fp64
     out, lse = _moved(out, lse, ref[0].device)
-    results = check_tier1(out, lse, ref, _tier1_bound(probe.batch, kernel, numerics, ref), numerics.out_dtype,
-                          name="rounding")
+    results = check_tier1(out, lse, ref, _tier1_bound(probe, kernel, numerics, ref, uniform_p), numerics.out_dtype,
+                          name=name)
+    declared = f"declared P {numerics.p_fmt or 'fp32'}, split partials {str(numerics.partial_dtype)[6:]}"
     for r in results:
-        r.detail = f"{where}; declared P {numerics.p_fmt or 'fp32'}: {r.detail}" + (
-            "" if r.ok else " (P rounded more coarsely than declared, or scores that are not exact products)")
+        r.detail = f"{where}; {declared}: {r.detail}" + ("" if r.ok else on_fail)
     return results
+
+
+def check_partials(batch: DecodeBatch, kernel: Kernel, workers: int) -> list[CheckResult]:
+    """The kernel run again on `partials_probe(batch)` (the case's worker count when it takes one), within the
+    probe's tier-1 bound for the numerics the kernel declares for it, P's rounding charged as a common factor (all
+    scores are 0: kernel_bound's uniform_p) and the merge with the declared partial_dtype: an exact output of 0
+    while each split's partial is not, so that split outputs stored more coarsely than declared (bf16 under fp32)
+    fail, which on drawn data they seldom do; so do merges that weigh the splits wrongly. Rows the kernel does not
+    split have nothing to show (verify/partials_probe.py, numerics.md §5(i))."""
+    if kernel.max_splits(batch) < 2:
+        return [CheckResult("partials", True, detail="no partials probe: the kernel splits no row of this batch")]
+    probe = partials_probe(batch)
+    if isinstance(probe, str):
+        return [CheckResult("partials", True, detail=f"no partials probe: {probe}")]
+    return _probe_run("partials", probe.describe(), probe.batch, kernel, workers, uniform_p=True,
+                      on_fail=" (split outputs stored more coarsely than declared, or a merge that weighs the splits "
+                              "wrongly)")
 
 
 def far_pages(batch: DecodeBatch, beyond: int = FAR_ELEMENTS, below: int = 2) -> DecodeBatch:
@@ -516,6 +550,7 @@ def run_case(case: Case, kernel: Kernel, device: str = "cpu", far: bool | None =
         if not kernel.nan_deviation:  # a backend's declared deviation is in the campaign's report instead
             result.checks.append(check_nan(batch, kernel, case.num_workers))
         result.checks += check_rounding(batch, kernel, case.num_workers)
+        result.checks += check_partials(batch, kernel, case.num_workers)
         if far if far is not None else batch.device.type == "cuda":
             result.checks += check_far(batch, kernel, case.num_workers, (out_d, lse_d), ref, bound, numerics.out_dtype)
         result.checks.append(check_inputs(batch, before))

@@ -525,6 +525,10 @@ LOOSE_RATIO, LOOSE_CASES = 0.01, 20  # every backend we run reaches 0.56-0.98 of
 # to 130 tokens on the CPU, 0.23-0.34 over 200 cases of every H200 backend (an fp32 P 0.66 and more), one format
 # finer than declared at most 0.12 (numerics.md §5(h); rows of 4096 tokens alone read less)
 ROUNDING_MATCHED = 0.15
+# the partials check's out: split outputs stored as declared reach a max err/bound of 0.29-0.73 on rows up to 300
+# tokens on the CPU (the output's own rounding of the probe's tiny ô, fp32 partials; 0.50 over 85 emulated
+# cases), one format finer than declared at most 0.10 (numerics.md §5(i))
+PARTIALS_MATCHED = 0.15
 
 
 def _numerics(results: list[CaseResult]) -> dict[str, int]:
@@ -534,8 +538,9 @@ def _numerics(results: list[CaseResult]) -> dict[str, int]:
 
 def _warnings(summary: dict) -> list[str]:
     """Signs that the checks may be vacuous (never pass / fail): a tier-1 out bound far above every error seen,
-    which a declaration looser than the kernel (a gamma too large, an operand dtype too narrow) gives; and a rounding
-    probe far inside its bound, which a declared P rounding coarser than the kernel's gives."""
+    which a declaration looser than the kernel (a gamma too large, an operand dtype too narrow) gives; a rounding
+    probe far inside its bound, which a declared P rounding coarser than the kernel's gives; and a partials probe
+    far inside its bound, which a declared partial dtype coarser than the kernel's gives."""
     def largest(name: str) -> float | None:
         """The check's max err/bound over at least LOOSE_CASES cases; None if fewer, or not a finite float (a
         non-finite ratio is kept as the string "inf" / "nan" in the summary: a failure, not a loose bound)."""
@@ -544,7 +549,7 @@ def _warnings(summary: dict) -> list[str]:
         return x if isinstance(x, float) and math.isfinite(x) else None
 
     warnings = []
-    tier1, rounding = largest("tier1.out"), largest("rounding.out")
+    tier1, rounding, partials = largest("tier1.out"), largest("rounding.out"), largest("partials.out")
     if tier1 is not None and tier1 < LOOSE_RATIO:
         warnings.append(f"tier1.out: the largest err/bound in {summary['tier1.out']['cases']} cases is {tier1:.2g}, "
                         f"below {LOOSE_RATIO:g}: the bound is over {1 / LOOSE_RATIO:.0f}x every error seen; check "
@@ -556,6 +561,11 @@ def _warnings(summary: dict) -> list[str]:
                         "P more finely than the declared numerics (above) say, or they are looser elsewhere, and its "
                         "bounds charge what it does not do (or its splits fall between the probe's tokens 0 and 1: "
                         "numerics.md §5(h))")
+    if partials is not None and partials < PARTIALS_MATCHED:
+        warnings.append(f"partials.out: the largest err/bound in {summary['partials.out']['cases']} probed cases is "
+                        f"{partials:.2g}, below {PARTIALS_MATCHED:g} (split outputs stored as declared reach "
+                        "0.29-0.73, numerics.md §5(i)): the kernel stores its split outputs more finely than the "
+                        "declared partial_dtype (above) says, and its bounds charge what it does not do")
     return warnings
 
 

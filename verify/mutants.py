@@ -28,6 +28,9 @@ turns one knob, the way such bugs happen in real kernels:
 |                       | past 2^31 elements (3.7 M bf16 tokens)                       | far=True)`; any case)         |
 | p_rounded_bf16        | P rounded to bf16 before P.V, fp32 P declared (the plug-in   | rounding (a request of >= 2   |
 |                       | default): one bf16 ulp per weight, below the output's        | tokens)                       |
+| bf16_partials         | split outputs stored in bf16 for the merge (lse fp32), fp32  | partials (a request of > 64   |
+|                       | partials declared (the plug-in default), as FlashInfer's     | tokens, split)                |
+|                       | MLA stores them                                              |                               |
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ def _decode(
     gain: float = 1.0,
     acc_dtype: torch.dtype = torch.float32,
     p_fmt: str | None = None,
+    partial_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV online-softmax MLA decode -> (out [T, H, L] bf16, lse [T, H] fp32). Defaults = no bug.
 
@@ -96,6 +100,8 @@ def _decode(
                  for j in range(0, max(K.shape[0], 1), per_split)]
         o_s = torch.stack([p[0] for p in parts])  # [S, n, H, L]
         lse_s = torch.stack([p[1] for p in parts])  # [S, n, H]
+        if len(parts) > 1:  # split outputs stored in partial_dtype for the merge (their lse in fp32)
+            o_s = o_s.to(partial_dtype).float()
         out[qo[b] : qo[b + 1]], lse[qo[b] : qo[b + 1]] = _merge(o_s, lse_s, merge, empty_nan)
     out = (out * gain).to(torch.bfloat16)
     return out, lse * math.log2(math.e) if lse_base2 else lse
@@ -229,6 +235,13 @@ def p_rounded_bf16(batch):
     return _decode(batch, p_fmt="bf16")
 
 
+def bf16_partials(batch):
+    """Split outputs stored in bf16 for the merge (their lse in fp32, as FlashInfer's merge_state takes them) while
+    the kernel declares fp32 partials, the plug-in default: a 2^-9-relative error on each split's output, hidden on
+    drawn data by the output's own bf16 rounding."""
+    return _decode(batch, partial_dtype=torch.bfloat16)
+
+
 def out_gain(batch):
     """A systematic relative error of 2^-7 on out (two bf16 ulps): cos-diff 3e-5 passes vLLM's fp8 check (1e-4)."""
     return _decode(batch, gain=1 + 2**-7)
@@ -261,7 +274,7 @@ MUTANTS = (
     "wrong_scale", "drop_rope", "page_off_by_one", "last_page_unmasked", "lse_base2", "kv_scale_ignored",
     "q_scale_ignored", "average_splits", "mtp_causal_off_by_one", "nan_empty", "out_gain", "bf16_accumulation",
     "seq_lens_cleared", "cache_padding_written", "nan_dropped", "no_max_subtraction", "int32_offsets",
-    "p_rounded_bf16",
+    "p_rounded_bf16", "bf16_partials",
 )  # fmt: skip
 FP8_ONLY = ("kv_scale_ignored", "q_scale_ignored")  # need fp8 inputs with a scale != 1
 FAR_ONLY = ("int32_offsets",)  # need the far check, on by default on CUDA devices only (mla-verify --far on)

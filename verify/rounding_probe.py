@@ -38,11 +38,10 @@ from dataclasses import dataclass
 import torch
 
 from mla_ref.decode import DecodeBatch, is_fp8
-from mla_ref.fp8 import fp8_format, round_p
+from mla_ref.fp8 import round_p, round_to
 
 T_RANGE = (2.0**-8, 2.0**-4)  # the probe's score gaps t_h = σ x_h
 _MANTISSAS = (1.0, 1.25, 1.5, 1.75)  # two significant bits: exact in every q format
-_FORMAT_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: None}
 # the largest rounding error in [0.5, 1) (half the spacing there) of the P formats the candidates keep away from
 _HALF_SPACING = {"bf16": 2.0**-9, "fp16": 2.0**-12, "e4m3fn": 2.0**-5}
 
@@ -65,11 +64,6 @@ class RoundingProbe:
         t = self.batch.sm_scale * self.x  # [H]
         return (f"rounding probe: token 0 against {self.batch.num_heads} score gaps t in [{float(t.min()):.4g}, "
                 f"{float(t.max()):.4g}], outputs that cancel to the cache format's rounding of e^-t")
-
-
-def _format_name(dtype: torch.dtype) -> str | None:
-    """round_p's name of a cache dtype's format; None for fp64 (no rounding)."""
-    return fp8_format(dtype).name if is_fp8(dtype) else _FORMAT_NAMES[dtype]
 
 
 def _in_format(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -113,8 +107,7 @@ def rounding_probe(batch: DecodeBatch) -> RoundingProbe | str:
 
     c = torch.arange(L)  # [L] c_kv channels
     b = torch.where((c // H) % 2 == 0, 1.0, -1.0).double()  # [L] ±1
-    name = _format_name(batch.kv_cache.dtype)
-    a = -b * (p[c % H] if name is None else round_p(p[c % H], name))  # [L] exact in the cache's format
+    a = -b * round_to(p[c % H], batch.kv_cache.dtype)  # [L] exact in the cache's format
     rows = torch.zeros(3, D, dtype=torch.float64)  # [3, D] token 0, token 1, the others
     rows[0, :L] = a
     rows[1, :L], rows[1, L] = b, 1.0

@@ -1,0 +1,173 @@
+"""The partials probe (verify/partials_probe.py), the ``partials`` check (verify.checks.check_partials) and what
+they need from the bounds (kernel_bound's uniform_p, merge_bound's partial_dtype): what the probe batch holds, its
+closed-form oracle, and that split outputs stored more coarsely than declared fail while ones stored as declared
+pass, also when the pieces are of equal length."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from mla_fast.numerics import KernelNumerics
+from mla_ref.decode import mla_decode_ref
+from verify import bounds, mutants
+from verify.cases import Case
+from verify.checks import check_partials, run_case
+from verify.kernels import DEFAULT_NUMERICS, Kernel, from_callable
+from verify.partials_probe import antisymmetric_weights, partials_probe
+from verify.strategies import smoke_cases
+
+COMBOS = {"bf16": dict(), "fp8kv": dict(kv_dtype="fp8"), "fp8": dict(kv_dtype="fp8", q_dtype="fp8"),
+          "fp8kv_fnuz": dict(kv_dtype="fp8", fp8_format="e4m3fnuz")}
+PARTIAL_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _batch(combo: str, seq_lens=(0, 37, 130, 300), q_lens=(1, 2, 3, 1), heads=4, page_size=16):
+    return Case(seq_lens=seq_lens, q_lens=q_lens, heads=heads, page_size=page_size, scale_mode="static",
+                **COMBOS[combo]).materialize()[0]
+
+
+def _storing(stored: str, declared: str) -> Kernel:
+    """The mutants' split-KV decode (pieces of 64-token blocks, at most 4 per row) with its split outputs stored in
+    ``stored``, declaring ``declared`` partials."""
+    def decode(batch):
+        return mutants._decode(batch, partial_dtype=PARTIAL_DTYPES[stored])
+
+    decode.numerics = dataclasses.replace(DEFAULT_NUMERICS, partial_dtype=PARTIAL_DTYPES[declared])
+    return from_callable(decode, f"partials_{stored}_declared_{declared}")
+
+
+@pytest.mark.parametrize("combo", sorted(COMBOS))
+def test_probe_keeps_the_layout_and_the_poison_and_writes_exact_values(combo):
+    batch = _batch(combo)
+    probe = partials_probe(batch)
+    pb, g, L = probe.batch, probe.g, batch.kv_lora_rank
+    for name in ("block_table", "seq_lens", "q_lens"):
+        assert torch.equal(getattr(pb, name), getattr(batch, name)), name
+    assert pb.q.dtype == batch.q.dtype and pb.kv_cache.dtype == batch.kv_cache.dtype and not pb.q.double().any()
+    assert (pb.q_scale, pb.kv_scale) == ((1.0 if combo == "fp8" else None), (1.0 if "fp8" in combo else None))
+    unused = torch.isnan(batch.kv_cache.float())  # [P, ps, D] the built batch's poison
+    assert unused.any() and torch.equal(torch.isnan(pb.kv_cache.float()), unused)
+    assert g == (2.0**-4 if "fp8" in combo else 2.0**-8)  # the cache format's spacing in [1/2, 1)
+    assert probe.period == (48 if "fp8" in combo else 3)  # offsets averaging 2^-8 / 3
+    for r in range(batch.batch_size):
+        kv = pb.request_kv(r)  # [s, D] as stored (scale 1)
+        s, n = int(batch.seq_lens[r]), int(batch.q_lens[r])
+        if not s:
+            continue
+        j = torch.arange(s)
+        offset = g * (j % probe.period == 0).double()  # [s]
+        y = kv[:, :L] - offset[:, None]  # [s, L] the antisymmetric part
+        s0 = s - n + 1
+        assert not kv[:, L:].any() and (kv[:, :L].abs() < 1).all()
+        assert torch.equal(torch.remainder(kv[:, :L], g), torch.zeros_like(kv[:, :L]))  # multiples of g
+        assert torch.equal(y[:s0], -y[:s0].flip(0)) and not y[s0:].any()  # mirrored over s0, 0 after it
+        w = antisymmetric_weights(j[:s0], torch.full((s0,), s0))  # [s0]
+        assert torch.equal(y[:s0], g * torch.round(w[:, None] * probe.alpha / g))
+
+
+@pytest.mark.parametrize("combo", ["bf16", "fp8kv", "fp8"])
+def test_the_oracle_on_the_probe_is_the_closed_form(combo):
+    batch = _batch(combo)
+    probe = partials_probe(batch)
+    out, lse = mla_decode_ref(probe.batch)  # [T, H, L], [T, H]
+    n = probe.batch.visible_tokens().double()  # [T]
+    offsets = torch.div(n + probe.period - 1, probe.period, rounding_mode="floor")  # tokens j ≡ 0 mod P seen
+    expected = torch.where(n > 0, probe.g * offsets / n.clamp(min=1), 0.0)  # [T] ô, the same on every channel
+    assert torch.equal(out, expected[:, None, None].expand_as(out))  # exact: dyadic sums, one division
+    assert torch.equal(lse, torch.where(n > 0, torch.log(n), -math.inf)[:, None].expand_as(lse))
+
+
+@pytest.mark.parametrize("combo", ["bf16", "fp8kv", "fp8"])
+@pytest.mark.parametrize("declared", sorted(PARTIAL_DTYPES))
+def test_partials_stored_more_coarsely_than_declared_fail_and_as_declared_pass(combo, declared):
+    batch = _batch(combo)
+    order = ["fp32", "fp16", "bf16"]  # finest first
+    for stored in order:
+        [out, lse] = check_partials(batch, _storing(stored, declared), workers=4)
+        coarser = order.index(stored) > order.index(declared)
+        assert out.ok != coarser and lse.ok, (stored, declared, out.err_over_bound, out.detail)
+        if (stored, declared) == ("bf16", "fp32"):  # the common case: 2^-9 of a partial against fp32 roundings
+            assert out.err_over_bound > 20, out.err_over_bound
+
+
+@pytest.mark.parametrize("seq_len,pieces", [(128, 2), (256, 4), (4096, 4)])
+def test_pieces_of_equal_length_do_not_cancel(seq_len, pieces):
+    # without the offsets two equal pieces hold o_2 = -o_1 and mirrored ones cancel in pairs (module docstring)
+    batch = _batch("bf16", seq_lens=(seq_len,), q_lens=(1,))
+    blocks = seq_len // mutants.BLOCK
+    assert min(mutants.MAX_SPLITS, blocks) == pieces and blocks % pieces == 0  # the mutants' decode: equal pieces
+    [out, _] = check_partials(batch, _storing("bf16", "fp32"), workers=4)
+    assert not out.ok, out.err_over_bound  # 128 and 256 tokens: about 60; 4096: 7 (the per-token charge grows)
+
+
+def test_the_mutant_fails_the_partials_check_on_every_smoke_case_it_splits():
+    kernel = from_callable(mutants.bf16_partials, "bf16_partials")
+    split = 0
+    for case in smoke_cases("bf16"):
+        result = {c.name: c for c in run_case(case, kernel).checks}
+        probe = partials_probe(case.materialize()[0])
+        splits = any(s > mutants.BLOCK and s - n + 1 >= 2 for s, n in zip(case.seq_lens, case.q_lens))
+        if isinstance(probe, str) or not splits:
+            continue
+        split += 1
+        assert not result["partials.out"].ok, (case, result["partials.out"].detail)
+    assert split >= 3
+
+
+def test_correct_kernels_pass_with_p_rounded_and_the_bound_is_not_loose():
+    # P rounded to bf16 or to scaled fp8 is one value per row on the probe: the check passes with fp32 partials,
+    # and its bound is mostly the output's own rounding of ô (a correct kernel sits near half of it, not far below)
+    batch = _batch("bf16")
+    for fmt, scale in (("bf16", 1.0), ("e4m3fn", 256.0)):
+        def decode(b, fmt=fmt):
+            return mutants._decode(b, p_fmt=fmt)
+
+        decode.numerics = dataclasses.replace(DEFAULT_NUMERICS, p_fmt=fmt, p_scale=scale)
+        [out, lse] = check_partials(batch, from_callable(decode, fmt), workers=4)
+        assert out.ok and lse.ok and 0.1 < out.err_over_bound <= 1, out.err_over_bound
+
+
+def test_uniform_p_needs_q_zero_and_its_factor_is_exp_error_when_p_scale_is_exact():
+    batch = _batch("bf16")
+    with pytest.raises(ValueError, match="uniform_p: expected q = 0"):
+        bounds.kernel_bound(batch, DEFAULT_NUMERICS, uniform_p=True)
+    exact = 3 * bounds.EXP32_REL / (1 - bounds.EXP32_REL)  # three roundings no farther than exp's error
+    fp8_p = KernelNumerics("e4m3fn", 256.0, torch.float8_e4m3fn, torch.float8_e4m3fn, 0.0, 0.0)
+    assert bounds._uniform_p_factor(fp8_p) == exact
+    assert bounds._uniform_p_factor(dataclasses.replace(fp8_p, p_scale=100.0)) == bounds._p_rounding(
+        dataclasses.replace(fp8_p, p_scale=100.0))[0] == 2.0**-4  # 100 is no e4m3fn value: the declared u_P
+    probe = partials_probe(batch).batch
+    fp8_p_bf16_mma = dataclasses.replace(fp8_p, qk_operand=torch.bfloat16, pv_operand=torch.bfloat16)  # V exact
+    loose, tight = (bounds.kernel_bound(probe, fp8_p_bf16_mma, uniform_p=u).out for u in (False, True))
+    assert (tight <= loose).all() and (tight.amax() < loose.amax() / 100)  # u_P Σ p|v| is gone
+
+
+def test_merge_bound_charges_the_declared_partial_dtype_once():
+    batch = _batch("bf16")
+    fp32, bf16 = (bounds.merge_bound(batch, 4, partial_dtype=d).out for d in (torch.float32, torch.bfloat16))
+    pv = bounds.merge_bound(batch, 4).out  # partial_dtype None: accum (fp32)
+    assert torch.equal(pv, fp32)
+    seen = fp32 > 0
+    ratio = (bf16[seen] - fp32[seen]) / fp32[seen]  # (2^-9 - 2^-24) / (ξ + 5 u) per unit: large
+    assert (ratio > 10).all()
+    assert torch.equal(bounds.merge_bound(batch, 1, partial_dtype=torch.bfloat16).out, torch.zeros_like(fp32))
+
+
+def test_no_probe_without_a_split_or_two_tokens_and_a_broken_run_fails():
+    kernel = _storing("fp32", "fp32")
+    splitting = dataclasses.replace(kernel, max_splits=lambda b: 4)  # a kernel that may cut any row
+    [r] = check_partials(_batch("bf16", seq_lens=(1, 2, 0), q_lens=(1, 2, 1)), splitting, workers=4)
+    assert r.ok and "no partials probe: no request whose every query row sees two tokens" in r.detail
+    unsplit = dataclasses.replace(kernel, max_splits=lambda b: 1)
+    [r] = check_partials(_batch("bf16"), unsplit, workers=4)
+    assert r.ok and "splits no row" in r.detail
+
+    def breaks_on_zero_q(b):
+        if not b.q.double().any():
+            raise RuntimeError("probe broke it")
+        return mutants._decode(b)
+
+    [r] = check_partials(_batch("bf16"), from_callable(breaks_on_zero_q, "breaks"), workers=4)
+    assert not r.ok and "probe broke it" in r.detail and r.name == "partials"
