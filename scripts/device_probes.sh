@@ -1,32 +1,38 @@
 #!/usr/bin/env bash
-# The probe checks on one H200, in one device call (carry .whl): the GPU tests of the partials and rounding checks
-# (ours through the default dispatch, FlashInfer and FlashMLA), then every backend's default campaign with every
-# check (MPS, 14 jobs) and the two probe mutants. Writes log.txt and campaigns.json (per campaign: cases, failed,
-# unsupported, wall, and per check cases / failed / median / max err/bound) to $OUT.
+# The probe checks on one H200 (carry .whl), in parts named by the first argument (a comma list; each part fits
+# one device call with the others' time): tests = the GPU tests of the partials and rounding checks (ours through
+# the default dispatch, FlashInfer and FlashMLA); ours / peers = the default campaigns with every check (MPS, 14
+# jobs) of our kernels / of FlashInfer and FlashMLA and the bf16_partials mutant. Writes log.txt and
+# campaigns.json (per campaign: cases, failed, unsupported, wall, and per check cases / failed / median / max
+# err/bound) to $OUT.
+parts=",${1:-tests,ours,peers},"
 source "$(dirname "$0")/device_env.sh" /tmp/mla_probes_out
 reports=/tmp/mla_probes_reports
 mkdir -p "$reports"
 
-step "GPU tests: the partials and rounding checks"
-timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_triton_gpu.py tests/test_peers_gpu.py \
+[[ $parts == *,tests,* ]] && step "GPU tests: the partials and rounding checks" && timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_triton_gpu.py tests/test_peers_gpu.py \
   -k "partials or rounding_check" 2>&1 | tail -12 | tee -a "$log"
 
 mps_start  # the campaigns run in spawned worker processes sharing the GPU
 verify() {  # name, then mla-verify's arguments
   local name=$1; shift
   step "mla-verify $* ($name)"
-  timeout 80 python3 -m verify "$@" --jobs 14 --time-limit 60 --json "$reports/$name.json" 2>&1 | tail -24 | tee -a "$log"
+  timeout 60 python3 -m verify "$@" --jobs 14 --time-limit 45 --json "$reports/$name.json" 2>&1 | tail -24 | tee -a "$log"
   echo "exit ${PIPESTATUS[0]}" | tee -a "$log"
 }
+if [[ $parts == *,ours,* ]]; then
 verify triton_bf16 --backend triton --dtype bf16 --cases 200 --seed 1
 verify triton_fp8 --backend triton --dtype fp8 --cases 200
 verify seesaw_fp8_h128 --backend seesaw --dtype fp8 --cases 200 --heads 128
 verify gluon_fp8 --backend gluon_fp8 --dtype fp8 --cases 200
+fi
+if [[ $parts == *,peers,* ]]; then
 verify flashinfer_bf16 --backend flashinfer --dtype bf16 --cases 200
 verify flashinfer_fp8 --backend flashinfer --dtype fp8 --cases 200
 verify flashmla_bf16 --backend flashmla --dtype bf16 --cases 200
 verify flashmla_fp8 --backend flashmla --dtype fp8 --cases 200
 verify mutant_bf16_partials --impl verify.mutants:bf16_partials --dtype bf16 --cases 200
+fi
 mps_stop
 
 step "summary"
