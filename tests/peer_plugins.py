@@ -20,4 +20,4 @@ def flashinfer_fp32_partials(batch):
 
 
 flashinfer_fp32_partials.numerics = lambda batch: dataclasses.replace(
-    backends.get_backend("flashinfer").numerics(batch), partial_dtype=torch.float32)
+    backends.BACKENDS["flashinfer"].numerics(batch), partial_dtype=torch.float32)
