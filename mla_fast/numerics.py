@@ -83,6 +83,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from mla_ref.fp8 import p_format_max
+
 BLOCK_N = 64  # KV tokens per tile in the launcher's configs (mla_fast.triton_decode.default_config)
 HOPPER_PV_PER_TOKEN = 2**-24  # MMA accumulation into the running output, per token (point 5 above)
 PV_PER_TILE = 2**-23 + 2**-21  # per KV tile: the accumulator's fp32 rescale (chopped) and alpha's ex2, twice (point 5)
@@ -133,6 +135,13 @@ class KernelNumerics:
                 raise ValueError(f"KernelNumerics.{name} must be a finite float >= 0, got {x!r}")
         if self.p_scale <= 0:
             raise ValueError(f"KernelNumerics.p_scale must be > 0, got {self.p_scale!r}")
+        try:
+            top = p_format_max(self.p_fmt)
+        except ValueError as e:
+            raise ValueError(f"KernelNumerics.p_fmt: {e}") from None
+        if self.p_scale > top:  # P = 1 would saturate
+            raise ValueError(f"KernelNumerics.p_scale: expected at most {self.p_fmt or 'fp32'}'s max {top:g} (P = 1 "
+                             f"times it must not saturate), got {self.p_scale!r}")
         if self.partial_dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"KernelNumerics.partial_dtype: expected torch.float32, bfloat16 or float16, got "
                              f"{self.partial_dtype!r}")

@@ -207,6 +207,19 @@ def dequantize(x_fp8: torch.Tensor, scale, granularity: str = "tensor", dtype: t
     return (x_fp8.double() * _expand(s.double(), granularity, x_fp8)).to(dtype)  # [..., D]; fp8 x fp32 exact in fp64
 
 
+def p_format_max(fmt=None) -> float:
+    """The largest finite value of a `round_p` format (None = fp32); ValueError naming the formats otherwise."""
+    fmt = "fp32" if fmt is None else fmt
+    if fmt in _WIDE_FORMATS:
+        return float(_WIDE_FORMATS[fmt][2])
+    try:
+        return float(fp8_format(fmt).max)
+    except ValueError:
+        raise ValueError(
+            f"fmt must be None, one of {sorted(_WIDE_FORMATS)} or {sorted(FORMATS)}, got {fmt!r}"
+        ) from None
+
+
 def round_p(p: torch.Tensor, fmt=None, p_scale: float = 1.0) -> torch.Tensor:
     """Round softmax weights P as a kernel does before P.V; returns p's dtype.
 
@@ -216,16 +229,12 @@ def round_p(p: torch.Tensor, fmt=None, p_scale: float = 1.0) -> torch.Tensor:
     2^-18 (numerics.md §5(f), eta_P). Exact in p's dtype when it is wider than fmt and p_scale is a power of two.
     """
     fmt = "fp32" if fmt is None else fmt
+    max_value = p_format_max(fmt)  # ValueError for an unknown format
     if fmt in _WIDE_FORMATS:
-        mantissa_bits, emin, max_value = _WIDE_FORMATS[fmt]
+        mantissa_bits, emin, _ = _WIDE_FORMATS[fmt]
     else:
-        try:
-            f = fp8_format(fmt)
-        except ValueError:
-            raise ValueError(
-                f"fmt must be None, one of {sorted(_WIDE_FORMATS)} or {sorted(FORMATS)}, got {fmt!r}"
-            ) from None
-        mantissa_bits, emin, max_value = f.mantissa_bits, f.emin, f.max
+        f = fp8_format(fmt)
+        mantissa_bits, emin = f.mantissa_bits, f.emin
     if isinstance(p_scale, bool) or not isinstance(p_scale, (int, float)) or not (math.isfinite(p_scale)
                                                                                   and p_scale > 0):
         raise ValueError(f"p_scale must be a float, finite and > 0, got {p_scale!r}")

@@ -2,7 +2,8 @@
 # The probe checks on one H200 (carry .whl), in parts named by the first argument (a comma list; each part fits
 # one device call with the others' time): tests = the GPU tests of the partials and rounding checks (ours through
 # the default dispatch, FlashInfer and FlashMLA); ours / peers = the default campaigns with every check (MPS, 14
-# jobs) of our kernels / of FlashInfer and FlashMLA and the bf16_partials mutant. Writes log.txt and
+# jobs) of our kernels / of FlashInfer and FlashMLA, the bf16_partials mutant and FlashInfer declared with fp32
+# partials (tests/peer_plugins.py). Writes log.txt and
 # campaigns.json (per campaign: cases, failed, unsupported, wall, and per check cases / failed / median / max
 # err/bound) to $OUT.
 parts=",${1:-tests,ours,peers},"
@@ -32,6 +33,8 @@ verify flashinfer_fp8 --backend flashinfer --dtype fp8 --cases 200
 verify flashmla_bf16 --backend flashmla --dtype bf16 --cases 200
 verify flashmla_fp8 --backend flashmla --dtype fp8 --cases 200
 verify mutant_bf16_partials --impl verify.mutants:bf16_partials --dtype bf16 --cases 200
+verify flashinfer_fp32_partials_bf16 --impl tests.peer_plugins:flashinfer_fp32_partials --dtype bf16 --cases 200
+verify flashinfer_fp32_partials_fp8 --impl tests.peer_plugins:flashinfer_fp32_partials --dtype fp8 --cases 200
 fi
 mps_stop
 

@@ -46,13 +46,14 @@ def test_probe_keeps_the_layout_and_the_poison_and_writes_exact_values(combo):
     for name in ("block_table", "seq_lens", "q_lens"):
         assert torch.equal(getattr(pb, name), getattr(batch, name)), name
     assert pb.q.dtype == batch.q.dtype and pb.kv_cache.dtype == batch.kv_cache.dtype and not pb.q.double().any()
-    assert (pb.q_scale, pb.kv_scale) == ((1.0 if combo == "fp8" else None), (1.0 if "fp8" in combo else None))
+    assert (pb.q_scale, pb.kv_scale) == ((1.0 if combo == "fp8" else None), (13 / 16 if "fp8" in combo else None))
     unused = torch.isnan(batch.kv_cache.float())  # [P, ps, D] the built batch's poison
     assert unused.any() and torch.equal(torch.isnan(pb.kv_cache.float()), unused)
     assert g == (2.0**-4 if "fp8" in combo else 2.0**-8)  # the cache format's spacing in [1/2, 1)
     assert probe.period == (48 if "fp8" in combo else 3)  # offsets averaging 2^-8 / 3
+    kappa = pb.kv_scale or 1.0
     for r in range(batch.batch_size):
-        kv = pb.request_kv(r)  # [s, D] as stored (scale 1)
+        kv = pb.request_kv(r) / kappa  # [s, D] as stored (the codes of an fp8 cache)
         s, n = int(batch.seq_lens[r]), int(batch.q_lens[r])
         if not s:
             continue
@@ -74,7 +75,8 @@ def test_the_oracle_on_the_probe_is_the_closed_form(combo):
     out, lse = mla_decode_ref(probe.batch)  # [T, H, L], [T, H]
     n = probe.batch.visible_tokens().double()  # [T]
     offsets = torch.div(n + probe.period - 1, probe.period, rounding_mode="floor")  # tokens j ≡ 0 mod P seen
-    expected = torch.where(n > 0, probe.g * offsets / n.clamp(min=1), 0.0)  # [T] ô, the same on every channel
+    kappa = probe.batch.kv_scale or 1.0
+    expected = torch.where(n > 0, kappa * probe.g * offsets / n.clamp(min=1), 0.0)  # [T] ô, the same on every channel
     assert torch.equal(out, expected[:, None, None].expand_as(out))  # exact: dyadic sums, one division
     assert torch.equal(lse, torch.where(n > 0, torch.log(n), -math.inf)[:, None].expand_as(lse))
 
@@ -162,7 +164,7 @@ def test_no_probe_without_a_split_or_two_tokens_and_a_broken_run_fails():
     assert r.ok and "no partials probe: no request whose every query row sees two tokens" in r.detail
     unsplit = dataclasses.replace(kernel, max_splits=lambda b: 1)
     [r] = check_partials(_batch("bf16"), unsplit, workers=4)
-    assert r.ok and "splits no row" in r.detail
+    assert r.ok and "declares no split" in r.detail
 
     def breaks_on_zero_q(b):
         if not b.q.double().any():
@@ -171,3 +173,55 @@ def test_no_probe_without_a_split_or_two_tokens_and_a_broken_run_fails():
 
     [r] = check_partials(_batch("bf16"), from_callable(breaks_on_zero_q, "breaks"), workers=4)
     assert not r.ok and "probe broke it" in r.detail and r.name == "partials"
+
+
+@pytest.mark.parametrize("combo", ["fp8kv", "fp8", "fp8kv_fnuz"])
+@pytest.mark.parametrize("seq_len", [128, 512])
+def test_fp16_partials_under_fp32_fail_on_fp8_caches(combo, seq_len):
+    # with kv_scale 1 these pieces' means have few enough bits for fp16 to hold them: err/bound 0.0 (a review);
+    # kv_scale 13/16, applied before the partials are stored, adds four
+    batch = _batch(combo, seq_lens=(seq_len,), q_lens=(1,))
+    [out, _] = check_partials(batch, _storing("fp16", "fp32"), workers=4)
+    assert not out.ok, out.err_over_bound
+    [out, _] = check_partials(batch, _storing("fp16", "fp16"), workers=4)
+    assert out.ok, out.err_over_bound
+
+
+def test_a_kernel_that_writes_into_the_probe_fails_the_check_and_the_verifier_does_not_raise():
+    # the oracle and bound are computed on the probe as built, before the kernel runs (a review: a q written to
+    # nonzero made kernel_bound(uniform_p=True) raise inside the verifier)
+    def writes_q(b):
+        b.q.add_(1)
+        return mutants._decode(b)
+
+    [r] = check_partials(_batch("bf16"), from_callable(writes_q, "writes_q"), workers=4)
+    assert not r.ok and "wrote into its inputs: q" in r.detail, r.detail
+
+
+def test_tiny_fp16_partials_are_charged_their_subnormal_step():
+    # values of 2^-22 give fp16 split outputs below 2^-14, rounded on an absolute 2^-24 grid: merge_bound's η_o
+    # (a review: err/bound 89.6 on a correct kernel before it)
+    batch = _batch("bf16", seq_lens=(256,), q_lens=(1,))
+    L = batch.kv_lora_rank
+    kv = batch.kv_cache.clone()
+    kv[..., :L] = (kv[..., :L].double() * 2.0**-22).to(kv.dtype)
+    batch = batch.replace(kv_cache=kv)
+    ref = mla_decode_ref(batch)
+    kernel = _storing("fp16", "fp16")
+    out, _ = kernel.run(batch)
+    bound = bounds.kernel_bound(batch, kernel.numerics(batch), ref=ref) + bounds.merge_bound(
+        batch, kernel.max_splits(batch), partial_dtype=torch.float16)
+    ratio = float(((out.double() - ref[0]).abs() / bound.out).nan_to_num(0.0).max())
+    assert 0.1 < ratio <= 1, ratio
+
+
+def test_fp16_partials_that_overflow_and_saturating_p_scales_are_refused():
+    batch = _batch("bf16", seq_lens=(130,), q_lens=(1,))
+    kv = batch.kv_cache.clone()
+    kv[0, 0, 0] = 7e4  # a value past fp16's 65504
+    with pytest.raises(ValueError, match="merge_bound.partial_dtype: split outputs up to max"):
+        bounds.merge_bound(batch.replace(kv_cache=kv), 2, partial_dtype=torch.float16)
+    with pytest.raises(ValueError, match="KernelNumerics.p_scale: expected at most e4m3fn's max 448"):
+        KernelNumerics("e4m3fn", 512.0, torch.float8_e4m3fn, torch.float8_e4m3fn, 0.0, 0.0)
+    with pytest.raises(ValueError, match="KernelNumerics.p_fmt: fmt must be None"):
+        KernelNumerics("e9", 1.0, torch.float16, torch.float16, 0.0, 0.0)

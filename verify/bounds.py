@@ -727,14 +727,18 @@ def merge_bound(batch: DecodeBatch, num_splits: int, *, accum: torch.dtype = tor
 
     The partial outputs O_S are stored in ``partial_dtype`` (None: ``accum``; `KernelNumerics.partial_dtype`), their
     LSEs L_S in ``accum``; the merge computes M = max L_S, L = M + ln Σ exp(L_S - M), out = Σ_S exp(L_S - L) O_S.
-    With Λ = max_j |ŝ_j| + ln n_vis >= |L_S|, |L| (m_S in [min ŝ, max ŝ], ln l_S in [0, ln n]), u = u(accum) and
-    u_o = u(partial_dtype):
+    With Λ = max_j |ŝ_j| + ln n_vis >= |L_S|, |L| (m_S in [min ŝ, max ŝ], ln l_S in [0, ln n]), u = u(accum),
+    u_o = u(partial_dtype) and η_o its half min subnormal:
         each partial and merged LSE carries <= 16 u Λ of log / base-conversion rounding (as in §5(f)), and
         L_S - L rounds with <= 2 u Λ, so every weight exp(L_S - L) has relative error
             ξ = ε_exp + 34 u Λ,     ε_exp = 4u (fp32 ex2.approx: 2^-22)
-        the sum over S weighted partials adds S u and their storage u_o; since Σ_S w_S |O_S,c| <= Σ_j p̂_j |v̂_jc|:
-            |Δout_c| <= (ξ + S u + u_o)(1 + ξ) Σ_j p̂_j |v̂_jc|
+        the sum over S weighted partials adds S u and their storage u_o |O_S| + η_o (below the normal range the
+        rounding is absolute: fp16 partials under 2^-14 keep a 2^-24 grid); since Σ_S w_S |O_S,c| <= Σ_j p̂_j |v̂_jc|
+        and Σ_S w_S = 1:
+            |Δout_c| <= [(ξ + S u + u_o) Σ_j p̂_j |v̂_jc| + η_o](1 + ξ)      (rows that see a token)
             |Δlse|   <= ξ + (S + 1) u + 16 u Λ
+    A split output is a convex combination of values, so |O_S| <= max |v̂|: ValueError when that overflows fp16
+    partials (past 65504), where the stored partial would be ±inf and no bound exists.
     Split positions do not enter the bound: ``num_splits`` is the largest number of splits of any row.
     One split (no merge) gives zeros. Measured (numerics.md §5(g)): <= 1.1e-5 Σp|v|, 1.3e-5 on LSE at N = 32768.
     """
@@ -746,7 +750,13 @@ def merge_bound(batch: DecodeBatch, num_splits: int, *, accum: torch.dtype = tor
         out = torch.zeros(T, H, L, dtype=F64, device=batch.device)  # [T, H, L]
         return Bound(out, torch.zeros(T, H, dtype=F64, device=batch.device))  # no merge: no error
     u = _unit_roundoff(accum)
-    u_o = u if partial_dtype is None else _unit_roundoff(partial_dtype)
+    stored = accum if partial_dtype is None else partial_dtype
+    u_o, eta_o = _unit_roundoff(stored), _half_min_subnormal(stored)
+    if stored == torch.float16:  # the one partial dtype with a range below fp32's
+        V_max = batch.kv_cache.float().abs().nan_to_num(0.0).amax().double() * (batch.kv_scale or 1.0)  # [] host sync
+        if not bool(torch.isfinite(V_max.to(stored))):
+            raise ValueError(f"merge_bound.partial_dtype: split outputs up to max |v| = {float(V_max):g} overflow "
+                             f"{stored} (its max {torch.finfo(stored).max:g}): the stored partials would be inf")
     S = int(num_splits)
 
     def bucket_bound(bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
@@ -757,7 +767,8 @@ def merge_bound(batch: DecodeBatch, num_splits: int, *, accum: torch.dtype = tor
         lam = _masked_max(st.s.abs(), mask) + torch.log(st.n_vis.clamp(min=1).to(F64))[..., None]  # [B, N, H] Λ
         xi = 4 * u + 34 * u * lam  # [B, N, H] relative error of a merge weight
         pv = torch.einsum("bnhs,bsc->bnhc", st.p, K[..., :L].abs())  # [B, N, H, L] Σ_j p̂_j |v̂_jc|
-        out = ((xi + S * u + u_o) * (1 + xi))[..., None] * pv  # [B, N, H, L]
+        seen = st.seen[..., None, None]  # [B, N, 1, 1]
+        out = ((xi + S * u + u_o)[..., None] * pv + torch.where(seen, eta_o, 0.0)) * (1 + xi)[..., None]  # [B, N, H, L]
         lse = torch.where(st.seen[..., None], xi + (S + 1) * u + 16 * u * lam, 0.0)  # [B, N, H]
         return grid.unpad(out), grid.unpad(lse)  # [t, H, L], [t, H]
 

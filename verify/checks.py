@@ -17,9 +17,9 @@
 |                | outputs that cancel to the cache format's rounding of P, so a P | of the probe                   |
 |                | rounded more coarsely than declared fails (numerics.md §5(h))   |                                |
 | partials       | the kernel again on `partials_probe(batch)`: all scores 0,      | kernel_bound (P rounding as a  |
-|                | values whose mean over the tokens every row sees is 0, so out   | common factor) + merge_bound   |
-|                | is 0 while each split's partial is not: split outputs stored    | (declared partial dtype) of    |
-|                | more coarsely than declared fail (numerics.md §5(i))            | the probe                      |
+|                | values whose mean over each row is a tiny offset while each     | common factor) + merge_bound   |
+|                | split's mean is not: split outputs stored more coarsely than    | (declared partial dtype) of    |
+|                | declared fail (numerics.md §5(i))                               | the probe                      |
 | inputs         | q, cache, block table and lengths: after the kernel = before    | byte for byte                  |
 | far            | the kernel again with the pages moved past element 2^31 of a    | the first run's bits, else     |
 |                | larger cache, NaN in front (`far_pages`): int32 offsets wrap    | kernel_bound + merge_bound     |
@@ -363,44 +363,53 @@ def check_rounding(batch: DecodeBatch, kernel: Kernel, workers: int) -> list[Che
 def _probe_run(name: str, where: str, probe: DecodeBatch, kernel: Kernel, workers: int, uniform_p: bool = False,
                on_fail: str = "") -> list[CheckResult]:
     """The kernel on a probe batch (the case's worker count when it takes one) against the oracle within
-    `_tier1_bound` for the numerics it declares for the probe: checks ``name``.out and ``name``.lse, their details
-    led by ``where`` and the declaration, ``on_fail`` appended to a failure's. A raise or a contract break fails
-    the check with its message (a device fault propagates)."""
+    `_tier1_bound` for the numerics it declares for the probe, both computed on the probe as built, before the
+    kernel runs: checks ``name``.out and ``name``.lse, their details led by ``where`` and the declaration (its
+    `KernelNumerics.describe`), ``on_fail`` appended to a failure's. A raise, a contract break or a write into the
+    probe's inputs fails the check with its message (a device fault propagates)."""
+    try:
+        numerics = kernel.numerics(probe)
+    except ValueError as e:  # Unsupported too: the kernel took the case, so its probe (same shapes and dtypes)
+        return [CheckResult(name, False, detail=f"{where}: {e}")]
+    ref = mla_decode_ref(probe)  # [T, H, L], [T, H] fp64
+    bound = _tier1_bound(probe, kernel, numerics, ref, uniform_p)
+    before = input_snapshot(probe)
     raw, exc = _run(kernel, probe, workers)
     if exc is not None and is_device_fault(exc):
         raise exc
     if exc is not None:
         return [CheckResult(name, False, detail=f"{where}: the run raised {error_message(exc)}")]
+    written = check_inputs(probe, before)
+    if not written.ok:
+        return [CheckResult(name, False, detail=f"{where}: {written.detail}")]
     try:
         out, lse = outputs(raw, probe)
-        numerics = kernel.numerics(probe)
-    except ValueError as e:  # Unsupported too: the kernel took the case, so its probe (same shapes and dtypes)
+    except ValueError as e:
         return [CheckResult(name, False, detail=f"{where}: {e}")]
-    ref = mla_decode_ref(probe)  # [T, H, L], [T, H] fp64
     out, lse = _moved(out, lse, ref[0].device)
-    results = check_tier1(out, lse, ref, _tier1_bound(probe, kernel, numerics, ref, uniform_p), numerics.out_dtype,
-                          name=name)
-    declared = f"declared P {numerics.p_fmt or 'fp32'}, split partials {str(numerics.partial_dtype)[6:]}"
+    results = check_tier1(out, lse, ref, bound, numerics.out_dtype, name=name)
     for r in results:
-        r.detail = f"{where}; {declared}: {r.detail}" + ("" if r.ok else on_fail)
+        r.detail = f"{where}; declared {numerics.describe()}: {r.detail}" + ("" if r.ok else on_fail)
     return results
 
 
 def check_partials(batch: DecodeBatch, kernel: Kernel, workers: int) -> list[CheckResult]:
     """The kernel run again on `partials_probe(batch)` (the case's worker count when it takes one), within the
     probe's tier-1 bound for the numerics the kernel declares for it, P's rounding charged as a common factor (all
-    scores are 0: kernel_bound's uniform_p) and the merge with the declared partial_dtype: an exact output of 0
-    while each split's partial is not, so that split outputs stored more coarsely than declared (bf16 under fp32)
-    fail, which on drawn data they seldom do; so do merges that weigh the splits wrongly. Rows the kernel does not
-    split have nothing to show (verify/partials_probe.py, numerics.md §5(i))."""
+    scores are 0: kernel_bound's uniform_p) and the merge with the declared partial_dtype: an output of about
+    2^-8 / 3 while each split's partial is hundreds of times larger, so that split outputs stored more coarsely than
+    declared (bf16 under fp32) fail, which on drawn data they seldom do; so do merges that weigh pieces of different
+    lengths wrongly. Rows the kernel does not split have nothing to show; a kernel that declares no split
+    (max_splits 1) is not probed (verify/partials_probe.py, numerics.md §5(i))."""
     if kernel.max_splits(batch) < 2:
-        return [CheckResult("partials", True, detail="no partials probe: the kernel splits no row of this batch")]
+        return [CheckResult("partials", True, detail="no partials probe: the kernel declares no split of this "
+                                                      "batch (max_splits 1)")]
     probe = partials_probe(batch)
     if isinstance(probe, str):
         return [CheckResult("partials", True, detail=f"no partials probe: {probe}")]
     return _probe_run("partials", probe.describe(), probe.batch, kernel, workers, uniform_p=True,
-                      on_fail=" (split outputs stored more coarsely than declared, or a merge that weighs the splits "
-                              "wrongly)")
+                      on_fail=" (split outputs stored more coarsely than declared, a merge that weighs pieces of "
+                              "different lengths wrongly, or a P that is not one value per row)")
 
 
 def far_pages(batch: DecodeBatch, beyond: int = FAR_ELEMENTS, below: int = 2) -> DecodeBatch:

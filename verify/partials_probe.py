@@ -9,26 +9,35 @@ dtype) while it declares fp32 ones hides under the tier-1 bound: each partial ca
 writes
     q            = 0 on every channel (fp8 q: q_scale = 1)     every score is exactly 0, so P is one value for every
                                                               token whatever the kernel's exp and P format do
-    c_kv[j, c]   = y_jc + g b_j,   k_pe = 0                    (fp8 cache: kv_scale = 1)
+    c_kv[j, c]   = y_jc + g b_j,   k_pe = 0                    (fp8 cache: kv_scale = 13/16, below)
 where g is the cache format's spacing in [1/2, 1) (bf16 2^-8, e4m3fn 2^-4), b_j = 1 on the tokens j ≡ 0 mod P,
 P = 3 max(1, 256 g) (every 3rd token for bf16, every 48th for e4m3fn: the offsets average to about 2^-8 / 3 in
-every format), and y_jc = g round(α_c w_j / g), α_c = 1/2 + c / (4L), with w antisymmetric over the s0 = s - q_len + 1
-tokens every query row of the request sees: w_j = cos(π (j + 1/2) / s0) in the first half, w_{s0-1-j} = -w_j, 0 at
-the middle of an odd s0 and on the later tokens (seen by the later MTP rows). Every value is a multiple of g below
-1 in magnitude, so exact in the cache format, and the oracle's sums are exact. Then
-    ô_c = g (number of b_j = 1 that the row sees) / n_vis ≈ 2^-8 / 3 (at most g),    lse = ln n_vis,
-while a split over tokens [a, b) holds the mean of y over them, up to about α_c 2/π for a half: stored in bf16 it
-carries up to 2^-9 of that, which the merge leaves in the output, against a bound that (P being one value,
-`verify.bounds.kernel_bound`'s uniform_p) is only accumulation and merge rounding, a few 2^-24 per token of Σ p|v|,
-and u_out |ô| of output rounding.
+formats with g >= 2^-8), and y_jc = g round(α_c w_j / g), α_c = 1/2 + c / (4L), with w antisymmetric over the
+s0 = s - q_len + 1 tokens every query row of the request sees: w_j = cos(π (j + 1/2) / s0) in the first half,
+w_{s0-1-j} = -w_j, 0 at the middle of an odd s0 and on the later tokens (seen by the later MTP rows). Every value is
+a multiple of g below 1 in magnitude, so exact in the cache format, and the oracle's sums are exact. Then
+    ô_c = κ g (number of b_j = 1 that the row sees) / n_vis ≈ κ 2^-8 / 3,    lse = ln n_vis,
+(κ = kv_scale, 1 for a 16-bit cache) while a piece of a split row holds κ times the mean of y over its tokens:
+about α_c 2/π for a half, up to about 3/4 for shorter pieces. Stored in bf16 it carries up to 2^-9 of that, which the
+merge leaves in the output, against a bound that (P being one value, `verify.bounds.kernel_bound`'s uniform_p) is
+only accumulation and merge rounding, a few 2^-24 per token of Σ p|v|, and u_out |ô| of output rounding.
+
+Why κ = 13/16 on fp8 caches: codes of 4 significant bits on a grid of 2^-4 sum to few bits, so over pieces of up to
+a few hundred tokens (power-of-two lengths) fp16 holds a piece's mean exactly and fp16 partials showed nothing (a
+review: err/bound 0.0 on rows of 128-512 tokens). 13/16 is a value of bf16, fp16 and the fp8 formats, and code x
+13/16 has at most 8 significant bits (exact in bf16 and fp16: kernels that scale before the MMA are charged nothing
+more), so a kernel that applies the scale before it stores its partials needs four more bits for them (the same
+rows: 5.2-9.3). One that applies it after its merge stores the unscaled means: there fp16 partials can still pass.
 
 Why the offsets g b_j: with ô = 0 exactly, a row cut into two pieces of equal length would have o_2 = -o_1, whose
 roundings cancel exactly, and so would mirrored pieces of w in any even cut. The offsets make o_1 + o_2 = 2ô, a
 fraction of g that is no multiple of the partials' spacing, so their rounding errors are independent.
 
 What it cannot see: rows the kernel does not split (no partials to store); pieces of one token, or whose mean is a
-value of the partials' format; and less on long rows, where the declared per-token accumulation charge grows
-(numerics.md §5(i) has the measured reach).
+value of the partials' format; a merge that weighs pieces of equal length wrongly, or a split lse that drops the
+piece's running max (0 here: each piece's lse is ln of its length), both of which tier 1 catches on drawn data; and
+less on long rows, where the declared
+per-token accumulation charge grows (numerics.md §5(i) has the measured reach).
 """
 
 from __future__ import annotations
@@ -39,6 +48,8 @@ from dataclasses import dataclass
 import torch
 
 from mla_ref.decode import DecodeBatch, is_fp8
+
+KV_SCALE = 13 / 16  # the probe's kv_scale on fp8 caches (module docstring)
 
 
 @dataclass(frozen=True)
@@ -58,9 +69,11 @@ class PartialsProbe:
     alpha: torch.Tensor
 
     def describe(self) -> str:
+        kappa = self.batch.kv_scale or 1.0
         return (f"partials probe: all scores 0, values antisymmetric over the tokens every row sees plus "
-                f"{self.g:g} on tokens j = 0 mod {self.period} (out about {self.g / self.period:.3g}, each split's "
-                f"partial up to {2 / math.pi * float(self.alpha.max()):.2f})")
+                f"{self.g:g} on tokens j = 0 mod {self.period}" + (f", kv_scale {kappa:g}" if kappa != 1 else "")
+                + f" (out about {kappa * self.g / self.period:.3g}, a half row's mean about "
+                f"{kappa * 2 / math.pi * float(self.alpha.mean()):.2f}, shorter pieces' up to {kappa * 0.75:.2f})")
 
 
 def antisymmetric_weights(j: torch.Tensor, s0: torch.Tensor) -> torch.Tensor:
@@ -80,7 +93,8 @@ def grid_step(dtype: torch.dtype) -> float:
 
 
 def offset_period(g: float) -> int:
-    """P = 3 max(1, 256 g): the offsets g on every P-th token average to about 2^-8 / 3 in any format."""
+    """P = 3 max(1, 256 g): the offsets g on every P-th token average to about 2^-8 / 3 for the formats with
+    g >= 2^-8 (bf16, the fp8 formats), g / 3 for finer ones (fp16, fp32)."""
     return 3 * max(1, round(256 * g))
 
 
@@ -111,6 +125,6 @@ def partials_probe(batch: DecodeBatch) -> PartialsProbe | str:
     if is_fp8(batch.q.dtype):
         scales["q_scale"] = 1.0
     if is_fp8(batch.kv_cache.dtype):
-        scales["kv_scale"] = 1.0
+        scales["kv_scale"] = KV_SCALE
     q = torch.zeros(T, H, D, dtype=batch.q.dtype, device=dev)  # [T, H, D] every score 0
     return PartialsProbe(batch.replace(q=q, kv_cache=kv, **scales), g, period, alpha)
