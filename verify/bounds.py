@@ -479,7 +479,8 @@ def kernel_bound(batch: DecodeBatch, numerics, *, ref: tuple[torch.Tensor, torch
     MMAs see code · scale rounded to the operand dtype, not the codes); gamma_qk, gamma_pv + gamma_pv_per_token x
     seq_len (per request); out_dtype (u_out).
     Derivation in ``_kernel_grid`` and ``_rounding_bound``. Assumes the row sum l is accumulated from
-    unrounded P (vLLM FlashMLA, mla_fast): a kernel that sums the rounded P needs another (u_P + η_P/l̂)·|ô| term.
+    unrounded P (vLLM FlashMLA, mla_fast): a kernel that sums the rounded P needs another (u_P + η_P/l̂)·|ô| term on
+    out, and ln(1 + u_P + η_P/l̂) on lse.
     The fp32 split-KV merge is not included: add ``merge_bound`` for split kernels.
 
     Args:

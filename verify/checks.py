@@ -184,9 +184,12 @@ def _moved(out: torch.Tensor, lse: torch.Tensor | None, device: torch.device):
 def _tier1_bound(batch: DecodeBatch, kernel: Kernel, numerics: KernelNumerics, ref,
                  uniform_p: bool = False) -> bounds.Bound:
     """kernel_bound for the declared ``numerics`` (``uniform_p``: see there) + merge_bound (its partials in the
-    declared partial_dtype): the kernel may split rows up to max_splits times."""
+    declared partial_dtype) times (1 + u_out): the kernel may split rows up to max_splits times, and rounding the
+    merged value to the output dtype moves it by u_out of the merge error too (kernel_bound charges u_out |ô|)."""
     merge = bounds.merge_bound(batch, kernel.max_splits(batch), partial_dtype=numerics.partial_dtype)
-    return bounds.kernel_bound(batch, numerics, ref=ref, uniform_p=uniform_p) + merge
+    u_out = bounds._unit_roundoff(numerics.out_dtype)
+    return bounds.kernel_bound(batch, numerics, ref=ref, uniform_p=uniform_p) + bounds.Bound(merge.out * (1 + u_out),
+                                                                                              merge.lse)
 
 
 # ---- individual checks --------------------------------------------------------------------------------------------
