@@ -162,10 +162,9 @@ def test_no_probe_without_a_split_or_two_tokens_and_a_broken_run_fails():
     splitting = dataclasses.replace(kernel, max_splits=lambda b: 4)  # a kernel that may cut any row
     [r] = check_partials(_batch("bf16", seq_lens=(1, 2, 0), q_lens=(1, 2, 1)), splitting, workers=4)
     assert r.ok and "no partials probe: no request whose every query row sees two tokens" in r.detail
-    # a kernel declaring no split is probed all the same: splitting anyway, its merge is charged nothing
-    unsplit = dataclasses.replace(_storing("bf16", "bf16"), max_splits=lambda b: 1)
-    [r, _] = check_partials(_batch("bf16"), unsplit, workers=4)
-    assert not r.ok and r.name == "partials.out", r.detail
+    unsplit = dataclasses.replace(kernel, max_splits=lambda b: 1)
+    [r] = check_partials(_batch("bf16"), unsplit, workers=4)
+    assert r.ok and "declares no split" in r.detail
 
     def breaks_on_zero_q(b):
         if not b.q.double().any():

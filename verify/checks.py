@@ -402,9 +402,11 @@ def check_partials(batch: DecodeBatch, kernel: Kernel, workers: int) -> list[Che
     scores are 0: kernel_bound's uniform_p) and the merge with the declared partial_dtype: an output of about
     2^-8 / 3 while each split's partial is hundreds of times larger, so that split outputs stored more coarsely than
     declared (bf16 under fp32) fail, which on drawn data they seldom do; so do merges that weigh pieces of different
-    lengths wrongly. Rows the kernel does not split have nothing to show, but they are probed all the same: a
-    kernel that splits more than its max_splits declares is charged no merge for it (verify/partials_probe.py,
-    numerics.md §5(i))."""
+    lengths wrongly. Rows the kernel does not split have nothing to show; a kernel that declares no split
+    (max_splits 1) is not probed (verify/partials_probe.py, numerics.md §5(i))."""
+    if kernel.max_splits(batch) < 2:
+        return [CheckResult("partials", True, detail="no partials probe: the kernel declares no split of this "
+                                                      "batch (max_splits 1)")]
     probe = partials_probe(batch)
     if isinstance(probe, str):
         return [CheckResult("partials", True, detail=f"no partials probe: {probe}")]
