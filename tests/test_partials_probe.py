@@ -225,3 +225,20 @@ def test_fp16_partials_that_overflow_and_saturating_p_scales_are_refused():
         KernelNumerics("e4m3fn", 512.0, torch.float8_e4m3fn, torch.float8_e4m3fn, 0.0, 0.0)
     with pytest.raises(ValueError, match="KernelNumerics.p_fmt: fmt must be None"):
         KernelNumerics("e9", 1.0, torch.float16, torch.float16, 0.0, 0.0)
+
+
+def test_a_plug_in_that_cuts_finer_than_64_tokens_declares_it_and_is_probed(monkeypatch):
+    # rows of 60 tokens cut in 16-token pieces with bf16 partials: under the default max_splits (64-token pieces:
+    # one) the check does not run; declared, it does and fails
+    monkeypatch.setattr(mutants, "BLOCK", 16)
+    batch = _batch("bf16", seq_lens=(60, 40), q_lens=(1, 2))
+    fine = _storing("bf16", "fp32")
+    [r] = check_partials(batch, fine, workers=4)
+    assert r.ok and "declares no split" in r.detail
+    decode = fine.run
+    decode.max_splits = 4
+    [r, _] = check_partials(batch, from_callable(decode, "fine"), workers=4)
+    assert not r.ok and r.err_over_bound > 20, r.err_over_bound
+    decode.max_splits = "4"
+    with pytest.raises(ValueError, match=r"\.max_splits must be an int >= 1 or a callable"):
+        from_callable(decode, "fine")

@@ -13,8 +13,10 @@ may also be a callable ``(batch) -> KernelNumerics``.
 For an input it has no kernel for (a dtype pair, a shape), a plug-in raises ``mla_fast.backends.Unsupported(reason)``
 (a ValueError): the case is then reported as unsupported under that reason, neither passed nor failed. Any other
 exception fails the case; a CUDA/HIP error stops the campaign (verify.checks).
-Plug-ins may split the KV range however they like: their tier-1 bound includes the split-merge bound for the
-largest possible number of 64-token splits.
+Plug-ins may split the KV range however they like, within what they declare: ``my_decode.max_splits`` (an int, or
+a callable ``(batch) -> int``) is the most pieces any row is cut into, charged by the split-merge bound (numerics.md
+§5(g)); the default, ceil(max seq_len / 64), assumes pieces of at least 64 tokens. A plug-in that cuts finer must
+declare it: the merge of more pieces is charged nothing, and a declared 1 means the partials check is not run.
 A plug-in that takes a worker count may say so with ``my_decode.run_workers = fn``, ``fn(batch, num_workers) -> out |
 (out, lse)`` with the KV split over that many persistent workers: each case then runs it with the case's drawn
 worker count (instead of ``my_decode``), and the split-invariance check runs it again with another count
@@ -123,12 +125,22 @@ def from_callable(fn, name: str | None = None) -> Kernel:
         numerics, reason = declared, "plug-in, declared numerics (per batch)"
     else:
         raise ValueError(f"--impl {name}: .numerics must be a KernelNumerics or a callable, got {type(declared)}")
+    splits = getattr(fn, "max_splits", None)
+    if splits is None:
+        max_splits = Kernel.max_splits
+    elif isinstance(splits, int) and not isinstance(splits, bool) and splits >= 1:
+        max_splits, reason = (lambda batch: splits), f"{reason}; at most {splits} splits per row"
+    elif callable(splits):
+        max_splits, reason = splits, f"{reason}; declared max_splits (per batch)"
+    else:
+        raise ValueError(f"--impl {name}: .max_splits must be an int >= 1 or a callable (batch) -> int, got "
+                         f"{splits!r}")
     workers = getattr(fn, "run_workers", None)
     if workers is not None and not callable(workers):
         raise ValueError(f"--impl {name}: .run_workers must be a callable (batch, num_workers), got {type(workers)}")
     if workers is not None:
         reason += "; split invariance through .run_workers"
-    return Kernel(name, fn, numerics, workers, reason=reason)
+    return Kernel(name, fn, numerics, workers, max_splits=max_splits, reason=reason)
 
 
 def outputs(result: object, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
