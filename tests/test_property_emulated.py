@@ -2,12 +2,26 @@
 pass every check (no false alarms), under the active profile (ci: 25 drawn cases per dtype)."""
 
 from mla_fast.backends import BACKENDS
+from verify.cases import Case
 from verify.testing import mla_property_test
 
 emulated = BACKENDS["emulated"]  # callable (batch) -> (out bf16, lse fp32), with per-batch .numerics
 
+# the worst cases of `mla-verify --backend emulated --dtype fp8 --profile search` (forty-fifth session, 1745 cases on
+# the CPU, 0 failed), pinned: tier1.out 0.979, split.out 0.954, rounding.out 0.838, partials.out 0.612
+FP8_SEARCH_WORST = (
+    Case(seq_lens=(12, 5, 7, 3, 5, 5, 3, 12), q_lens=(4, 3, 4, 1, 4, 1, 1, 1), heads=128, page_size=3, kv_dtype="fp8",
+         scale_mode="dynamic", dist="gauss1", num_workers=4, seed=1995),
+    Case(seq_lens=(1, 253, 3, 374, 401, 31, 31, 150), q_lens=(2, 1, 4, 2, 4, 1, 2, 4), heads=5, page_size=16,
+         q_dtype="fp8", kv_dtype="fp8", scale_mode="static", dist="near_max", num_workers=132, seed=154967),
+    Case(seq_lens=(9,), q_lens=(1,), heads=20, page_size=16, kv_dtype="fp8", scale_mode="dynamic", dist="wide",
+         num_workers=32, seed=277),
+    Case(seq_lens=(3, 68, 47), q_lens=(3, 1, 3), heads=5, page_size=3, kv_dtype="fp8", scale_mode="static",
+         dist="wide", num_workers=32, seed=0),
+)
+
 test_emulated_bf16 = mla_property_test(emulated, dtype="bf16", max_seq_len=1024)
-test_emulated_fp8 = mla_property_test(emulated, dtype="fp8", max_seq_len=1024)
+test_emulated_fp8 = mla_property_test(emulated, dtype="fp8", max_seq_len=1024, examples=FP8_SEARCH_WORST)
 test_emulated_fp8_fnuz = mla_property_test(emulated, dtype="fp8", fp8_format="e4m3fnuz", max_seq_len=512, smoke=False)
 
 
