@@ -69,6 +69,8 @@ class Backend:
         nan_deviation: how the backend breaks the NaN convention (a NaN input gives NaN out and lse in the rows
             that read it), as measured; "" when it keeps it. The verifier then reports the deviation and skips its
             nan check for this backend instead of failing every case on a known peer behaviour.
+        max_splits: (batch) -> the most pieces it cuts any row into (verify's merge bound charges that many); None:
+            pieces of at least 64 tokens (our planner's blocks, FlashMLA's).
     """
 
     name: str
@@ -78,9 +80,17 @@ class Backend:
     numerics: Callable[[DecodeBatch], KernelNumerics]
     run_workers: Callable[[DecodeBatch, int], tuple[torch.Tensor, torch.Tensor]] | None = None
     nan_deviation: str = ""
+    max_splits: Callable[[DecodeBatch], int] | None = None
 
     def __call__(self, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
         return self.run(batch)
+
+
+def most_pieces(batch: DecodeBatch, piece_tokens: int) -> int:
+    """ceil(max seq_len / piece_tokens), at least 1: the most pieces a kernel whose pieces hold at least
+    piece_tokens tokens (but a row's last) can cut a row of this batch into. One host sync."""
+    longest = int(batch.seq_lens.max()) if batch.batch_size else 0
+    return max(1, -(-longest // piece_tokens))
 
 
 # ---- declared numerics -------------------------------------------------------------------------------------------
@@ -338,9 +348,11 @@ BACKENDS: dict[str, Backend] = {
         Backend("gluon_fp8", "mla_fast with the Gluon fp8 kernel pinned", _run_forced("gluon_fp8"),
                 lambda: _probe_gluon("the Gluon fp8 kernel"), _forced_numerics("gluon_fp8"), _run_forced("gluon_fp8")),
         Backend("aiter", "ROCm/aiter persistent MLA decode", _run_aiter, _probe_aiter, _aiter_numerics,
-                nan_deviation=AITER_NAN),
+                nan_deviation=AITER_NAN,  # split work holds whole kv_granularity blocks, max(page_size, 16) tokens
+                max_splits=lambda batch: most_pieces(batch, max(batch.page_size, 16))),
         Backend("flashinfer", "FlashInfer MLA paged, FA3", _run_flashinfer, _probe_flashinfer, _flashinfer_numerics,
-                nan_deviation=FLASHINFER_NAN),
+                nan_deviation=FLASHINFER_NAN,  # its MLA plan's kv_len_limit is at least 32 tokens (scheduler.cuh)
+                max_splits=lambda batch: most_pieces(batch, 32)),
         Backend("flashmla", "FlashMLA dense decode (legacy SM90)", _run_flashmla, _probe_flashmla, _flashmla_numerics,
                 nan_deviation=FLASHMLA_NAN),
     )

@@ -277,3 +277,17 @@ def test_flashinfer_fp8_q_keeps_raw_logits_at_scale():
     a = flashinfer_inputs(batch)
     assert a["sm_scale"] == batch.sm_scale * rest and torch.equal(a["q_nope"], q[..., :512])
     assert a["sm_scale"] * 5e4 > 149 * math.log(2)
+
+
+def test_each_backend_declares_the_most_pieces_it_cuts_a_row_into():
+    """verify's merge bound charges Kernel.max_splits pieces: FlashInfer's MLA plan cuts rows into pieces of at least
+    32 tokens (kv_len_limit), aiter into kv_granularity blocks of max(page_size, 16), our planner and FlashMLA into
+    64-token blocks (the default)."""
+    from verify.kernels import Kernel, from_backend
+
+    for page_size, longest in ((16, 130), (64, 130), (1, 4097)):
+        batch = _batch(seq_lens=(0, 70, longest), page_size=page_size)
+        assert backends.BACKENDS["flashinfer"].max_splits(batch) == -(-longest // 32)
+        assert backends.BACKENDS["aiter"].max_splits(batch) == -(-longest // max(page_size, 16))
+        assert from_backend("emulated").max_splits(batch) == Kernel.max_splits(batch) == -(-longest // 64)
+    assert backends.most_pieces(_batch(seq_lens=(0,), q_lens=(1,)), 64) == 1  # nothing to cut: one piece

@@ -260,9 +260,10 @@ def _rounding_check(td) -> dict:
     fp32 P and P.V operands (a P.V operand format rounds P too), which it is not. {combo_label: (ok, err/bound of
     rounding.out)}; and verify.checks.check_partials with the declared numerics (fp32 split outputs), on the same
     split plan: {combo_partials: (ok, err/bound of partials.out, the plan's partial rows)}."""
+    from mla_fast.backends import most_pieces
     from mla_fast.numerics import triton_numerics
     from verify.checks import check_partials, check_rounding
-    from verify.kernels import Kernel, _blocks
+    from verify.kernels import Kernel
 
     seen = {}
     for combo in ("bf16", "fp8kv", "fp8"):
@@ -277,7 +278,7 @@ def _rounding_check(td) -> dict:
         fp32 = replace(declared, p_fmt=None, pv_operand=torch.float32)
         for label, numerics in (("declared", declared), ("fp32", fp32)):
             kernel = Kernel("triton", run, lambda batch, n=numerics: n,
-                            max_splits=lambda batch: _blocks(batch, PLAN_BLOCK_N))
+                            max_splits=lambda batch: most_pieces(batch, PLAN_BLOCK_N))
             results = check_rounding(case.batch(), kernel, 3)
             seen[f"{combo}_{label}"] = (all(r.ok for r in results), results[0].err_over_bound)
             if label == "declared":

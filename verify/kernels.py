@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mla_fast.backends import most_pieces
 from mla_fast.numerics import HOPPER_PV_PER_TOKEN, PV_PER_TILE, KernelNumerics
 from mla_ref.decode import DecodeBatch
 
@@ -69,15 +70,9 @@ class Kernel:
     run: Callable[[DecodeBatch], object]
     numerics: Callable[[DecodeBatch], KernelNumerics]
     run_workers: Callable[[DecodeBatch, int], tuple[torch.Tensor, torch.Tensor]] | None = None
-    max_splits: Callable[[DecodeBatch], int] = lambda batch: _blocks(batch, 64)
+    max_splits: Callable[[DecodeBatch], int] = lambda batch: most_pieces(batch, 64)
     reason: str = ""
     nan_deviation: str = ""
-
-
-def _blocks(batch: DecodeBatch, block_n: int) -> int:
-    """ceil(max seq_len / block_n), at least 1: the most splits a kernel cutting on block_n tokens can make."""
-    longest = int(batch.seq_lens.max()) if batch.batch_size else 0
-    return max(1, -(-longest // block_n))
 
 
 def from_backend(name: str) -> Kernel:
@@ -92,8 +87,9 @@ def from_backend(name: str) -> Kernel:
         reason = f"auto picked {backend.name} ({reason})" + (f"; unavailable: {'; '.join(skipped)}" if skipped else "")
     if backend.nan_deviation:
         reason += f"; nan check not run, declared: {backend.nan_deviation}"
+    splits = {} if backend.max_splits is None else {"max_splits": backend.max_splits}
     return Kernel(backend.name, backend.run, backend.numerics, backend.run_workers, reason=reason,
-                  nan_deviation=backend.nan_deviation)
+                  nan_deviation=backend.nan_deviation, **splits)
 
 
 def from_impl(spec: str) -> Kernel:
