@@ -1611,20 +1611,21 @@ class TritonMLADecode:
         if (seq_lens is None) != (q_lens is None):
             raise ValueError("plan: give both seq_lens and q_lens (host copies), or neither")
         if seq_lens is None:
-            batch.validate()
+            batch.validate()  # every field: the lengths against the block table's capacity and q's rows too
             seq_lens, q_lens = torch.stack([batch.seq_lens, batch.q_lens]).cpu()  # [2, B]: one sync
-        for name, x in (("seq_lens", seq_lens), ("q_lens", q_lens)):
-            if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or tuple(x.shape) != (batch.batch_size,):
-                got = (f"a {x.device} tensor of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor)
-                       else type(x).__name__)
-                raise ValueError(f"plan: {name} must be a CPU tensor of shape ({batch.batch_size},) (the host copy "
-                                 f"of batch.{name}), got {got}")
-        capacity = batch.block_table.shape[1] * batch.page_size
-        if seq_lens.numel() and int(seq_lens.max()) > capacity:
-            raise ValueError(f"plan: seq_lens must be <= the block table's capacity {capacity} (max_pages x "
-                             f"page_size), got {seq_lens.tolist()}")
-        if int(q_lens.sum()) != batch.q.shape[0]:
-            raise ValueError(f"plan: q_lens must add up to q's rows {batch.q.shape[0]}, got {q_lens.tolist()}")
+        else:  # host copies: what validate would check of them, without reading the device
+            for name, x in (("seq_lens", seq_lens), ("q_lens", q_lens)):
+                if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or tuple(x.shape) != (batch.batch_size,):
+                    got = (f"a {x.device} tensor of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor)
+                           else type(x).__name__)
+                    raise ValueError(f"plan: {name} must be a CPU tensor of shape ({batch.batch_size},) (the host "
+                                     f"copy of batch.{name}), got {got}")
+            capacity = batch.block_table.shape[1] * batch.page_size
+            if seq_lens.numel() and int(seq_lens.max()) > capacity:
+                raise ValueError(f"plan: seq_lens must be <= the block table's capacity {capacity} (max_pages x "
+                                 f"page_size), got {seq_lens.tolist()}")
+            if int(q_lens.sum()) != batch.q.shape[0]:
+                raise ValueError(f"plan: q_lens must add up to q's rows {batch.q.shape[0]}, got {q_lens.tolist()}")
         if q_lens.numel() and int(q_lens.max()) > self.max_q_len:
             raise ValueError(f"plan: q_lens must be <= this step's max_q_len {self.max_q_len}, got {q_lens.tolist()}")
         p = make_plan(batch, self.config, self.num_workers, seq_lens=seq_lens, q_lens=q_lens)  # on the CPU
