@@ -104,7 +104,8 @@ def test_the_nan_probe_marks_what_the_oracle_makes_nan(dtype):
         probe = nan_probe(batch)
         if probe is None:
             continue
-        nan_batch, expected = probe
+        nan_batch, expected, row = probe
+        assert bool(expected[row].all()) and int(expected.sum()) == batch.num_heads, case
         out, lse = mla_decode_ref(nan_batch)
         assert torch.equal(torch.isnan(out).all(dim=-1), expected) and torch.equal(torch.isnan(lse), expected), case
         assert torch.equal(torch.isnan(out).any(dim=-1), expected), case

@@ -295,11 +295,12 @@ def check_finite(batch: DecodeBatch, out: torch.Tensor, lse: torch.Tensor | None
     return CheckResult("finite", True, detail=f"{n_seen} rows finite")
 
 
-def nan_probe(batch: DecodeBatch) -> tuple[DecodeBatch, torch.Tensor] | None:
-    """A copy of ``batch`` whose longest request holds NaN in the last channel of its newest token, and the [T, H]
-    mask of the (row, head)s that read that token: the request's last query row, every head (its earlier MTP rows
-    do not see the newest token). The oracle gives NaN out and lse there and nothing else changes (docs/
-    architecture.md: a NaN input never gives a finite answer). None when no request has a token. One host sync."""
+def nan_probe(batch: DecodeBatch) -> tuple[DecodeBatch, torch.Tensor, int] | None:
+    """A copy of ``batch`` whose longest request holds NaN in the last channel of its newest token, the [T, H]
+    mask of the (row, head)s that read that token, and that row: the request's last query row, every head (its
+    earlier MTP rows do not see the newest token). The oracle gives NaN out and lse there and nothing else changes
+    (docs/architecture.md: a NaN input never gives a finite answer). None when no request has a token. Host syncs:
+    the lengths, the page, the row."""
     seq = batch.seq_lens.tolist()  # [B]
     if not seq or max(seq) == 0:
         return None
@@ -308,9 +309,10 @@ def nan_probe(batch: DecodeBatch) -> tuple[DecodeBatch, torch.Tensor] | None:
     page = int(batch.block_table[b, (s - 1) // ps])
     kv = batch.kv_cache.clone()  # [P, page_size, D]
     kv[page, (s - 1) % ps, -1] = torch.tensor(float("nan")).to(kv.dtype)  # the format's NaN code
+    row = int(batch.qo_indptr[b + 1]) - 1
     expected = torch.zeros(batch.num_tokens, batch.num_heads, dtype=torch.bool, device=batch.device)  # [T, H]
-    expected[int(batch.qo_indptr[b + 1]) - 1] = True
-    return batch.replace(kv_cache=kv), expected
+    expected[row] = True
+    return batch.replace(kv_cache=kv), expected, row
 
 
 def check_nan(batch: DecodeBatch, kernel: Kernel, workers: int) -> CheckResult:
@@ -320,7 +322,7 @@ def check_nan(batch: DecodeBatch, kernel: Kernel, workers: int) -> CheckResult:
     probe = nan_probe(batch)
     if probe is None:
         return CheckResult("nan", True, detail="no request has a token to poison")
-    nan_batch, expected = probe
+    nan_batch, expected, row = probe
     raw, exc = _run(kernel, nan_batch, workers)
     if exc is not None and is_device_fault(exc):
         raise exc
@@ -341,7 +343,6 @@ def check_nan(batch: DecodeBatch, kernel: Kernel, workers: int) -> CheckResult:
             problems.append(f"{name} not NaN on {finite} of the {int(expected.sum())} (row, head)s that read it")
         if extra:
             problems.append(f"{name} NaN on {extra} (row, head)s that do not read it")
-    row = int(expected.any(dim=1).nonzero()[0])
     where = f"NaN in the newest token of the longest request, read by row {row}"
     if problems:
         sample = f"; row {row} head 0: out[:3] {out[row, 0, :3].float().tolist()}" + (
