@@ -548,24 +548,23 @@ def _warnings(summary: dict) -> list[str]:
         x = s["max_err_over_bound"] if s and s["cases"] >= LOOSE_CASES else None
         return x if isinstance(x, float) and math.isfinite(x) else None
 
+    signs = (  # (check, below this, what its cases are, what it means)
+        ("tier1.out", LOOSE_RATIO, "cases", f": the bound is over {1 / LOOSE_RATIO:.0f}x every error seen; check "
+         "that the declared numerics (above) are not looser than the kernel rounds"),
+        ("rounding.out", ROUNDING_MATCHED, "probed cases", " (a bf16, fp16 or fp8 P rounded as declared reaches "
+         "0.23-0.34 where short rows are probed, an fp32 P 0.66 and more): the kernel rounds P more finely than the "
+         "declared numerics (above) say, or they are looser elsewhere, and its bounds charge what it does not do "
+         "(or its splits fall between the probe's tokens 0 and 1: numerics.md §5(h))"),
+        ("partials.out", PARTIALS_MATCHED, "probed cases", " (split outputs stored as declared reach 0.29-0.73, "
+         "numerics.md §5(i)): the kernel stores its split outputs more finely than the declared partial_dtype "
+         "(above) says, and its bounds charge what it does not do"),
+    )
     warnings = []
-    tier1, rounding, partials = largest("tier1.out"), largest("rounding.out"), largest("partials.out")
-    if tier1 is not None and tier1 < LOOSE_RATIO:
-        warnings.append(f"tier1.out: the largest err/bound in {summary['tier1.out']['cases']} cases is {tier1:.2g}, "
-                        f"below {LOOSE_RATIO:g}: the bound is over {1 / LOOSE_RATIO:.0f}x every error seen; check "
-                        "that the declared numerics (above) are not looser than the kernel rounds")
-    if rounding is not None and rounding < ROUNDING_MATCHED:
-        warnings.append(f"rounding.out: the largest err/bound in {summary['rounding.out']['cases']} probed cases is "
-                        f"{rounding:.2g}, below {ROUNDING_MATCHED:g} (a bf16, fp16 or fp8 P rounded as declared "
-                        "reaches 0.23-0.34 where short rows are probed, an fp32 P 0.66 and more): the kernel rounds "
-                        "P more finely than the declared numerics (above) say, or they are looser elsewhere, and its "
-                        "bounds charge what it does not do (or its splits fall between the probe's tokens 0 and 1: "
-                        "numerics.md §5(h))")
-    if partials is not None and partials < PARTIALS_MATCHED:
-        warnings.append(f"partials.out: the largest err/bound in {summary['partials.out']['cases']} probed cases is "
-                        f"{partials:.2g}, below {PARTIALS_MATCHED:g} (split outputs stored as declared reach "
-                        "0.29-0.73, numerics.md §5(i)): the kernel stores its split outputs more finely than the "
-                        "declared partial_dtype (above) says, and its bounds charge what it does not do")
+    for name, limit, cases, meaning in signs:
+        x = largest(name)
+        if x is not None and x < limit:
+            warnings.append(f"{name}: the largest err/bound in {summary[name]['cases']} {cases} is {x:.2g}, below "
+                            f"{limit:g}{meaning}")
     return warnings
 
 

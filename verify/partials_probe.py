@@ -47,7 +47,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mla_ref.decode import DecodeBatch, is_fp8
+from mla_ref.decode import DecodeBatch
+from verify.rounding_probe import probe_batch
 
 KV_SCALE = 13 / 16  # the probe's kv_scale on fp8 caches (module docstring)
 
@@ -100,7 +101,8 @@ def offset_period(g: float) -> int:
 
 def partials_probe(batch: DecodeBatch) -> PartialsProbe | str:
     """The probe of ``batch`` (module docstring), or why it has none: no request whose every query row sees two
-    tokens. Two host syncs (the lengths, then the token addresses)."""
+    tokens. Two host syncs (the lengths, then the token addresses); the cache's values are written by
+    `verify.rounding_probe.probe_batch`."""
     seq, q_lens = batch.seq_lens.long(), batch.q_lens.long()  # [B]
     s0 = (seq - q_lens + 1).clamp(min=0)  # [B] tokens every query row of the request sees
     if batch.batch_size == 0 or int(s0.max()) < 2:
@@ -111,20 +113,12 @@ def partials_probe(batch: DecodeBatch) -> PartialsProbe | str:
     alpha = 0.5 + torch.arange(L, dtype=torch.float64) / (4 * L)  # [L] in [1/2, 3/4)
 
     pages, slots, positions = batch.token_addresses()  # [N] each
-    request = torch.repeat_interleave(torch.arange(batch.batch_size, device=dev), seq)  # [N] owner of each token
-    s0_tok = s0[request]  # [N]
+    s0_tok = torch.repeat_interleave(s0, seq, output_size=len(positions))  # [N] s0 of each token's request
     w = torch.where(positions < s0_tok, antisymmetric_weights(positions, s0_tok.clamp(min=1)), 0.0)  # [N]
     y = g * torch.round(w[:, None] * alpha.to(dev) / g)  # [N, L] multiples of g, |y| <= 3/4; round is symmetric
     period = offset_period(g)
     offset = g * (positions % period == 0).double()  # [N]
     rows = torch.zeros(len(w), D, dtype=torch.float64, device=dev)  # [N, D] k_pe = 0
     rows[:, :L] = y + offset[:, None]  # [N, L] multiples of g below 1: exact in the cache format
-    kv = batch.kv_cache.clone()  # [P, ps, D] unused slots keep their NaN
-    kv[pages, slots] = rows.to(kv.dtype)
-    scales = {}
-    if is_fp8(batch.q.dtype):
-        scales["q_scale"] = 1.0
-    if is_fp8(batch.kv_cache.dtype):
-        scales["kv_scale"] = KV_SCALE
-    q = torch.zeros(T, H, D, dtype=batch.q.dtype, device=dev)  # [T, H, D] every score 0
-    return PartialsProbe(batch.replace(q=q, kv_cache=kv, **scales), g, period, alpha)
+    q = torch.zeros(T, H, D, dtype=torch.float64)  # [T, H, D] every score 0
+    return PartialsProbe(probe_batch(batch, q, pages, slots, rows, kv_scale=KV_SCALE), g, period, alpha)

@@ -114,12 +114,20 @@ def rounding_probe(batch: DecodeBatch) -> RoundingProbe | str:
     rows[2, L] = 1.0
 
     pages, slots, positions = batch.token_addresses()  # [N] each
+    token_rows = rows.to(dev)[positions.clamp(max=2)]  # [N, D] rows 0, 1, then 2
+    return RoundingProbe(probe_batch(batch, q, pages, slots, token_rows), x, p)  # q exact: x_h is in q's format
+
+
+def probe_batch(batch: DecodeBatch, q: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor,
+                token_rows: torch.Tensor, kv_scale: float = 1.0) -> DecodeBatch:
+    """``batch`` (its lengths, query rows, pages, block table) with a probe's values: q [T, H, D] fp64 and, at
+    (pages, slots) of `DecodeBatch.token_addresses`, token_rows [N, D] fp64, both exact in the batch's dtypes.
+    Unused cache slots keep their NaN; fp8 q gets q_scale 1, an fp8 cache ``kv_scale``."""
     kv = batch.kv_cache.clone()  # [P, ps, D] unused slots keep their NaN
-    kv[pages, slots] = rows.to(dev)[positions.clamp(max=2)].to(kv.dtype)  # [N, D] rows 0, 1, then 2; exact
+    kv[pages, slots] = token_rows.to(kv.dtype)  # [N, D] exact
     scales = {}
     if is_fp8(batch.q.dtype):
         scales["q_scale"] = 1.0
     if is_fp8(batch.kv_cache.dtype):
-        scales["kv_scale"] = 1.0
-    probe = batch.replace(q=q.to(dev, batch.q.dtype), kv_cache=kv, **scales)  # q exact: x_h is in q's format
-    return RoundingProbe(probe, x, p)
+        scales["kv_scale"] = kv_scale
+    return batch.replace(q=q.to(batch.device, batch.q.dtype), kv_cache=kv, **scales)
