@@ -83,6 +83,7 @@ _TABLE = [
 # fmt: on
 FORMATS: dict[str, FP8Format] = {f.name: f for f in _TABLE}
 
+WIDE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # round_p's non-fp8 formats
 # wider formats round_p can model: (mantissa_bits, emin, max); saturating like the fp8 formats
 _WIDE_FORMATS = {
     "fp32": (23, -126, torch.finfo(torch.float32).max),
@@ -242,14 +243,11 @@ def round_p(p: torch.Tensor, fmt=None, p_scale: float = 1.0) -> torch.Tensor:
     return (y / p_scale).to(p.dtype)
 
 
-_DTYPE_FORMATS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
 def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x (fp64) rounded once, round-to-nearest-even and saturating, to the values of ``dtype`` (bf16, fp16, fp32 or
     an fp8 dtype; fp64 returns x): fp64 values that ``.to(dtype)`` then stores exactly (torch's own fp64 -> bf16 /
     fp8 casts round twice, through fp32, and do not always saturate). Symmetric: round_to(-x) = -round_to(x)."""
     if dtype == torch.float64:
         return x
-    fmt = _DTYPE_FORMATS.get(dtype)
+    fmt = next((name for name, d in WIDE_DTYPES.items() if d == dtype), None)
     return round_p(x, fmt if fmt is not None else fp8_format(dtype).name)

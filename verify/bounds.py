@@ -26,7 +26,7 @@ import torch
 
 from mla_fast.numerics import KernelNumerics
 from mla_ref.decode import Bucket, DecodeBatch, RequestGrid, by_bucket, is_fp8
-from mla_ref.fp8 import fp8_format, round_p, round_to
+from mla_ref.fp8 import WIDE_DTYPES, fp8_format, round_p, round_to
 
 F64 = torch.float64
 U32 = 2.0**-24  # fp32 unit roundoff
@@ -34,7 +34,6 @@ U64 = 2.0**-53  # fp64 unit roundoff
 EXP32_REL = 2.0**-22  # relative error of a kernel's fp32 exp / exp2 (hardware ex2.approx, ~2 ulp; §5(f))
 EXP64_REL = 2.0**-52  # relative error of fp64 exp (libm, <= 1 ulp)
 FTZ_P = 2.0**-126  # fp32 arithmetic may flush a subnormal P to zero: absolute error < min normal fp32
-_WIDE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # round_p's non-fp8 formats
 
 
 @dataclass
@@ -191,8 +190,8 @@ def _col(x):
 
 def _unit_roundoff(fmt) -> float:
     """u of a torch float dtype or a round_p format name (None = fp32)."""
-    if fmt is None or fmt in _WIDE:
-        fmt = _WIDE[fmt or "fp32"]
+    if fmt is None or fmt in WIDE_DTYPES:
+        fmt = WIDE_DTYPES[fmt or "fp32"]
     if isinstance(fmt, torch.dtype):
         if fmt == F64:
             return U64
@@ -205,8 +204,8 @@ def _unit_roundoff(fmt) -> float:
 def _half_min_subnormal(fmt) -> float:
     """η of a torch float dtype or a round_p format name (None = fp32): half the min subnormal, the absolute error
     bound of round-to-nearest below the normal range (values under it flush to 0; numerics.md §4, §5(f))."""
-    if fmt is None or fmt in _WIDE:
-        fmt = _WIDE[fmt or "fp32"]
+    if fmt is None or fmt in WIDE_DTYPES:
+        fmt = WIDE_DTYPES[fmt or "fp32"]
     if isinstance(fmt, torch.dtype) and not is_fp8(fmt):
         fi = torch.finfo(fmt)
         return fi.tiny * fi.eps / 2  # min subnormal = min normal · eps
