@@ -53,6 +53,18 @@ class Unsupported(ValueError):
     not a wrong result). The message is the reason, without case-specific values: mla-verify groups cases by it."""
 
 
+def most_pieces(batch: DecodeBatch, piece_tokens: int) -> int:
+    """ceil(max seq_len / piece_tokens), at least 1: the most pieces a kernel whose pieces hold at least
+    piece_tokens tokens (but a row's last) can cut a row of this batch into. One host sync."""
+    longest = int(batch.seq_lens.max()) if batch.batch_size else 0
+    return max(1, -(-longest // piece_tokens))
+
+
+def blocks_of_64(batch: DecodeBatch) -> int:
+    """`most_pieces` of 64 tokens: our planner's blocks, FlashMLA's, and what a plug-in is assumed to cut at."""
+    return most_pieces(batch, 64)
+
+
 @dataclass(frozen=True)
 class Backend:
     """One decode implementation.
@@ -69,8 +81,8 @@ class Backend:
         nan_deviation: how the backend breaks the NaN convention (a NaN input gives NaN out and lse in the rows
             that read it), as measured; "" when it keeps it. The verifier then reports the deviation and skips its
             nan check for this backend instead of failing every case on a known peer behaviour.
-        max_splits: (batch) -> the most pieces it cuts any row into (verify's merge bound charges that many); None:
-            pieces of at least 64 tokens (our planner's blocks, FlashMLA's).
+        max_splits: (batch) -> the most pieces it cuts any row into (verify's merge bound charges that many); by
+            default `blocks_of_64`.
     """
 
     name: str
@@ -80,17 +92,10 @@ class Backend:
     numerics: Callable[[DecodeBatch], KernelNumerics]
     run_workers: Callable[[DecodeBatch, int], tuple[torch.Tensor, torch.Tensor]] | None = None
     nan_deviation: str = ""
-    max_splits: Callable[[DecodeBatch], int] | None = None
+    max_splits: Callable[[DecodeBatch], int] = blocks_of_64
 
     def __call__(self, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
         return self.run(batch)
-
-
-def most_pieces(batch: DecodeBatch, piece_tokens: int) -> int:
-    """ceil(max seq_len / piece_tokens), at least 1: the most pieces a kernel whose pieces hold at least
-    piece_tokens tokens (but a row's last) can cut a row of this batch into. One host sync."""
-    longest = int(batch.seq_lens.max()) if batch.batch_size else 0
-    return max(1, -(-longest // piece_tokens))
 
 
 # ---- declared numerics -------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mla_fast.backends import most_pieces
+from mla_fast.backends import blocks_of_64
 from mla_fast.numerics import HOPPER_PV_PER_TOKEN, PV_PER_TILE, KernelNumerics
 from mla_ref.decode import DecodeBatch
 
@@ -70,7 +70,7 @@ class Kernel:
     run: Callable[[DecodeBatch], object]
     numerics: Callable[[DecodeBatch], KernelNumerics]
     run_workers: Callable[[DecodeBatch, int], tuple[torch.Tensor, torch.Tensor]] | None = None
-    max_splits: Callable[[DecodeBatch], int] = lambda batch: most_pieces(batch, 64)
+    max_splits: Callable[[DecodeBatch], int] = blocks_of_64
     reason: str = ""
     nan_deviation: str = ""
 
@@ -87,9 +87,8 @@ def from_backend(name: str) -> Kernel:
         reason = f"auto picked {backend.name} ({reason})" + (f"; unavailable: {'; '.join(skipped)}" if skipped else "")
     if backend.nan_deviation:
         reason += f"; nan check not run, declared: {backend.nan_deviation}"
-    splits = {} if backend.max_splits is None else {"max_splits": backend.max_splits}
-    return Kernel(backend.name, backend.run, backend.numerics, backend.run_workers, reason=reason,
-                  nan_deviation=backend.nan_deviation, **splits)
+    return Kernel(backend.name, backend.run, backend.numerics, backend.run_workers, backend.max_splits,
+                  reason=reason, nan_deviation=backend.nan_deviation)
 
 
 def from_impl(spec: str) -> Kernel:
@@ -123,7 +122,7 @@ def from_callable(fn, name: str | None = None) -> Kernel:
         raise ValueError(f"--impl {name}: .numerics must be a KernelNumerics or a callable, got {type(declared)}")
     splits = getattr(fn, "max_splits", None)
     if splits is None:
-        max_splits = Kernel.max_splits
+        max_splits = blocks_of_64
     elif isinstance(splits, int) and not isinstance(splits, bool) and splits >= 1:
         max_splits, reason = (lambda batch: splits), f"{reason}; at most {splits} splits per row"
     elif callable(splits):
