@@ -66,12 +66,6 @@ class RoundingProbe:
                 f"{float(t.max()):.4g}], outputs that cancel to the cache format's rounding of e^-t")
 
 
-def _in_format(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[n] bool: x (fp64) is a finite value of dtype (scale 1)."""
-    y = x.to(dtype).double()  # [n] fp8 casts of these values are single roundings: exact ones stay exact
-    return torch.isfinite(y) & (y == x)
-
-
 def probe_x(sm_scale: float, heads: int, q_dtype: torch.dtype) -> torch.Tensor | None:
     """[heads] fp64 x_h of the probe: candidates m 2^e with σ m 2^e in T_RANGE and exact in q_dtype, ordered by how
     far p = e^-(σ x) lies from bf16, fp16 and e4m3fn values (the smallest of its three rounding errors, each in units
@@ -80,7 +74,7 @@ def probe_x(sm_scale: float, heads: int, q_dtype: torch.dtype) -> torch.Tensor |
     lo, hi = T_RANGE
     exponents = range(math.floor(math.log2(lo / sm_scale)) - 1, math.ceil(math.log2(hi / sm_scale)) + 1)
     x = torch.tensor([m * 2.0**e for e in exponents for m in _MANTISSAS], dtype=torch.float64)  # [n]
-    x = x[(sm_scale * x >= lo) & (sm_scale * x <= hi) & _in_format(x, q_dtype)]  # [n']
+    x = x[(sm_scale * x >= lo) & (sm_scale * x <= hi) & (round_to(x, q_dtype) == x)]  # [n'] values of q_dtype
     if not len(x):
         return None
     p = torch.exp(-sm_scale * x)  # [n']
