@@ -286,7 +286,8 @@ def aiter_inputs(batch: DecodeBatch, fp8_dtype: torch.dtype | None = None, nativ
     """Lay a DecodeBatch out for aiter: heads padded to 16, fp8 in the arch's format, block size 1 unless native_pages.
 
     Raises ValueError for what aiter cannot run: non-uniform query lengths, head counts that are neither a multiple
-    of 16 nor a divisor of 16, fp8 q with non-fp8 KV, q/KV dtypes other than bf16/fp8.
+    of 16 nor a divisor of 16, fp8 q with non-fp8 KV, q/KV dtypes other than bf16/fp8, a cache that is not
+    contiguous.
     """
     batch.validate()
     if batch.batch_size and int(batch.q_lens.min()) != int(batch.q_lens.max()):
@@ -298,6 +299,11 @@ def aiter_inputs(batch: DecodeBatch, fp8_dtype: torch.dtype | None = None, nativ
             raise ValueError(f"aiter.{name}: expected bf16 or fp8 (aiter's MLA kernels take no other), got {t.dtype}")
     if is_fp8(batch.q.dtype) and not is_fp8(batch.kv_cache.dtype):
         raise ValueError("aiter.q: fp8 q needs an fp8 KV cache (aiter has no fp8-q/bf16-KV kernel)")
+    if not batch.kv_cache.is_contiguous():  # reshape would copy the whole cache on every call, silently
+        raise ValueError(f"aiter.kv_cache: expected a contiguous cache (the adapter hands aiter the cache itself as "
+                         f"[pages, page_size, 1, 576], or as one token per page; whether aiter's kernels honour "
+                         f"other strides is not verified here, without ROCm), got strides "
+                         f"{tuple(batch.kv_cache.stride())}")
     H = batch.num_heads
     if H % HEADS_PER_GROUP and HEADS_PER_GROUP % H:
         raise ValueError(f"aiter.q: expected a head count that is a multiple or a divisor of 16, got {H}")

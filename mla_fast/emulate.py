@@ -106,9 +106,9 @@ def _gather_kv(batch: DecodeBatch, req: torch.Tensor, kv_start: torch.Tensor, kv
     longest = int(torch.argmax(kv_len))
     pos = torch.where(valid, kv_start[:, None] + t, kv_start[longest])  # [n, Tm] token positions inside requests
     req = torch.where(valid, req[:, None], req[longest])  # [n, Tm]
-    page = batch.block_table.long()[req, pos // batch.page_size]  # [n, Tm] pages of valid tokens only
-    slot = (page * batch.page_size + pos % batch.page_size).flatten()  # [n * Tm] rows of the flattened cache
-    kv = batch.kv_cache.view(-1, batch.head_dim).index_select(0, slot).to(dtype)  # [n * Tm, L+R] gather, convert
+    page = batch.block_table.long()[req, pos // batch.page_size].flatten()  # [n * Tm] pages of valid tokens only
+    slot = (pos % batch.page_size).flatten()  # [n * Tm] their slots
+    kv = batch.kv_cache[page, slot].to(dtype)  # [n * Tm, L+R] gather (any strides), convert
     if is_fp8(batch.kv_cache.dtype):
         kv = kv * batch.kv_scale
     kv.index_fill_(0, torch.nonzero(~valid.flatten()).flatten(), 0.0)  # padding: zeros

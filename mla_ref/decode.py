@@ -16,6 +16,9 @@ Conventions fixed here and used by every backend:
 - A row that sees no token (an empty sequence, e.g. CUDA-graph padding) gives ``out = 0`` and ``lse = -inf``.
   (FlashMLA returns ``+inf``; its adapter converts.)
 - fp8 inputs carry per-tensor dequantization scales: ``real = fp8_value · scale``.
+- Layout: q, kv_cache and block_table may be strided views (vLLM's block table is the first rows of a wider
+  persistent buffer). A kernel honours the strides or raises ValueError naming what it takes (the Triton kernels:
+  a dense last dim); it never addresses a tensor by its shape alone (verify's ``layout`` check).
 - Unused cache slots hold NaN in every batch this package builds. The oracle gathers only valid slots, so a
   NaN in its output means a NaN in a valid input.
 """

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The probe checks on one H200 (carry .whl), in parts named by the first argument (a comma list; each part fits
-# one device call with the others' time): tests = the GPU tests of the partials and rounding checks (ours through
-# the default dispatch, FlashInfer and FlashMLA); ours / peers = the default campaigns with every check (MPS, 14
-# jobs) of our kernels / of FlashInfer and FlashMLA, the bf16_partials mutant and FlashInfer declared with fp32
-# partials (tests/peer_plugins.py). Writes log.txt and
+# one device call with the others' time): tests = the GPU tests of the partials, rounding and layout checks (ours
+# through the default dispatch, FlashInfer and FlashMLA); ours / peers = the default campaigns with every check (MPS,
+# 14 jobs) of our kernels / of FlashInfer and FlashMLA, the bf16_partials and ignores_strides mutants; fp32partials =
+# FlashInfer declared with fp32 partials (tests/peer_plugins.py). Writes log.txt and
 # campaigns.json (per campaign: cases, failed, unsupported, wall, and per check cases / failed / median / max
 # err/bound) to $OUT.
 parts=",${1:-tests,ours,peers},"
@@ -11,8 +11,8 @@ source "$(dirname "$0")/device_env.sh" /tmp/mla_probes_out
 reports=/tmp/mla_probes_reports
 mkdir -p "$reports"
 
-[[ $parts == *,tests,* ]] && step "GPU tests: the partials and rounding checks" && timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_triton_gpu.py tests/test_peers_gpu.py \
-  -k "partials or rounding_check" 2>&1 | tail -12 | tee -a "$log"
+[[ $parts == *,tests,* ]] && step "GPU tests: the partials, rounding and layout checks" && timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_triton_gpu.py tests/test_peers_gpu.py \
+  -k "partials or rounding_check or strided" 2>&1 | tail -12 | tee -a "$log"
 
 mps_start  # the campaigns run in spawned worker processes sharing the GPU
 verify() {  # name, then mla-verify's arguments
@@ -33,6 +33,9 @@ verify flashinfer_fp8 --backend flashinfer --dtype fp8 --cases 200
 verify flashmla_bf16 --backend flashmla --dtype bf16 --cases 200
 verify flashmla_fp8 --backend flashmla --dtype fp8 --cases 200
 verify mutant_bf16_partials --impl verify.mutants:bf16_partials --dtype bf16 --cases 200
+verify mutant_ignores_strides --impl verify.mutants:ignores_strides --dtype bf16 --cases 200
+fi
+if [[ $parts == *,fp32partials,* ]]; then
 verify flashinfer_fp32_partials_bf16 --impl tests.peer_plugins:flashinfer_fp32_partials --dtype bf16 --cases 200
 verify flashinfer_fp32_partials_fp8 --impl tests.peer_plugins:flashinfer_fp32_partials --dtype fp8 --cases 200
 fi
@@ -49,8 +52,8 @@ for path in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
                           "checks": {k: {f: v.get(f) for f in ("cases", "failed", "median_err_over_bound",
                                                                "max_err_over_bound")} for k, v in r["checks"].items()}}
     c = summary[path.stem]["checks"]
-    print(path.stem, r["cases"], "failed", r["failed"], "partials.out", c.get("partials.out"),
-          "rounding.out", c.get("rounding.out"))
+    print(path.stem, r["cases"], "failed", r["failed"], *(f"{k} {c.get(k)}" for k in (
+        "partials.out", "rounding.out", "layout", "layout.out", "layout.refused") if k in c))
 pathlib.Path(sys.argv[2]).write_text(json.dumps(summary, indent=1))
 EOF
 step done

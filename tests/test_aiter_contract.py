@@ -19,6 +19,7 @@ from fake_aiter import make_fake_aiter
 from mla_fast import aiter_backend as ab
 from mla_ref import fp8
 from mla_ref.decode import make_decode_batch, mla_decode_ref
+from verify.strided_inputs import strided_batch
 
 BF16_U = 2**-8  # unit roundoff of bf16
 FP32_U = 2**-24  # unit roundoff of fp32
@@ -166,6 +167,10 @@ def test_inputs_refused_with_reasons():
     bf16_kv = fp8_batch.kv_cache.float().bfloat16()
     with pytest.raises(ValueError, match="fp8 q needs an fp8 KV"):
         ab.aiter_inputs(fp8_batch.replace(kv_cache=bf16_kv, kv_scale=None))
+    strided = strided_batch(_batch(5, [3])).batch  # a padded cache: reshape to one token per page would copy it all
+    with pytest.raises(ValueError, match=r"aiter\.kv_cache: expected a contiguous cache .* got strides"):
+        ab.aiter_inputs(strided)
+    ab.aiter_inputs(strided.replace(kv_cache=strided.kv_cache.contiguous()))  # strided q and block table: taken
 
 
 # ---- the fakes can fail (a wrong call is caught) --------------------------------------------------------------

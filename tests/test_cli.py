@@ -77,10 +77,11 @@ CASE_QS: list = []  # the q of every case seen (held, so that no later q reuses 
 
 def wrong_from_the_150th_call(batch):
     """Right for the first 149 cases of this process, then out doubled: a failure late in a search. A case is a new
-    q: the nan check's second call on the same case shares it, and the rounding probe's q (0 on every latent
-    channel) is no case."""
+    q: the nan check's second call on the same case shares it, and neither the rounding probe's q (0 on every latent
+    channel) nor the layout check's strided copy of the case's q is a case."""
     probe = not batch.q[..., : batch.kv_lora_rank].any()  # verify.rounding_probe's q
-    if not probe and not any(q is batch.q for q in CASE_QS):
+    strided = batch.q.untyped_storage().nbytes() > batch.q.numel() * batch.q.element_size()  # a view into padding
+    if not probe and not strided and not any(q is batch.q for q in CASE_QS):
         CASE_QS.append(batch.q)
         CALLS[0] += 1
     out, lse = correct(batch)
@@ -763,6 +764,27 @@ def test_a_declared_partial_dtype_coarser_than_the_kernels_is_warned_about(capsy
     report = json.loads(path.read_text())
     assert code == 0 and [w.split(":")[0] for w in report["warnings"]] == ["partials.out"], err
     assert report["checks"]["partials.out"]["max_err_over_bound"] < cli.PARTIALS_MATCHED
+
+
+def refuses_strided_caches(batch):
+    """The mutants' correct kernel, refusing a cache that is not contiguous (a ValueError naming it)."""
+    if not batch.kv_cache.is_contiguous():
+        raise ValueError("refuses_strided_caches.kv_cache: expected a contiguous cache")
+    return correct(batch)
+
+
+def test_strided_inputs_a_kernel_refuses_pass_and_are_warned_about(capsys, tmp_path):
+    """A kernel may refuse strides it does not take (a ValueError): the campaign passes, its layout.refused check
+    counts the cases and mla-verify warns with the kernel's message, since the layout check did not run there."""
+    path = tmp_path / "r.json"
+    code, _, err = run(capsys, "--impl", "tests.test_cli:refuses_strided_caches", "--cases", "3", "--jobs", "1",
+                       "--json", str(path))
+    report = json.loads(path.read_text())
+    assert code == 0 and report["checks"]["layout.refused"] == {**report["checks"]["layout.refused"], "cases": 3,
+                                                                "failed": 0}, err
+    (warning,) = report["warnings"]
+    assert warning.startswith("layout.refused: the kernel refused strided inputs in 3 cases")
+    assert "expected a contiguous cache" in warning and "layout" not in report["checks"]
 
 
 def nonzero_everywhere(batch):

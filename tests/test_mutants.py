@@ -41,10 +41,10 @@ def test_far_mutant_fails_the_far_check_alone(name):
     result = run_case(case, from_callable(getattr(mutants, name)), "cpu", far=True)
     failed = {c.name: c.detail for c in result.checks if not c.ok}
     assert set(failed) <= {"far.out", "far.lse"} and failed, result.describe()
-    assert "out bytes differ from the compact run" in failed["far.out"]
+    assert "out bytes differ from the run on the compact cache" in failed["far.out"]
     assert run_case(case, from_callable(getattr(mutants, name)), "cpu").ok  # far off by default on a CPU
     right = run_case(case, from_callable(mutants.correct), "cpu", far=True)
-    assert right.ok and {c.name: c.detail for c in right.checks}["far"].endswith("the bits of the compact cache")
+    assert right.ok and {c.name: c.detail for c in right.checks}["far"].endswith("the bits of the run on the compact cache")
 
 
 @pytest.mark.parametrize("name", FP8_ONLY)
@@ -61,7 +61,8 @@ def test_enough_mutants():
 def test_a_kernel_that_writes_its_inputs_fails_the_inputs_check(name, tensor):
     """The oracle runs before the kernel and the inputs are compared byte for byte after it: a kernel that zeroed
     seq_lens and returned empty rows passed every check when the oracle ran after it (found by a review). Writing
-    only the unused (NaN) cache slots changes no output: the inputs check alone catches it."""
+    only the unused (NaN) cache slots changes no output: the inputs check catches it, and the layout check, whose
+    strided run it writes into too."""
     from verify import mutants
     from verify.checks import run_case
     from verify.kernels import from_callable
@@ -71,7 +72,8 @@ def test_a_kernel_that_writes_its_inputs_fails_the_inputs_check(name, tensor):
     failed = {c.name: c.detail for c in result.checks if not c.ok}
     assert "inputs" in failed and tensor in failed["inputs"], result.describe()
     if name == "cache_padding_written":
-        assert set(failed) == {"inputs"}, result.describe()
+        assert set(failed) == {"inputs", "layout"}, result.describe()
+        assert "the kernel wrote into its input buffers: kv_cache" in failed["layout"]
 
 
 def test_a_nan_partial_merged_as_empty_fails_the_nan_check_alone():

@@ -247,11 +247,36 @@ def _worker() -> dict:
         ref_out, ref_lse = td.decode(batch, plan=plan, config=config, reduce_pieces=step.reduce_pieces)
         report["step_equals_decode"].append(bool(torch.equal(out, ref_out) and torch.equal(lse, ref_lse))
                                             and plan.num_partial_rows > 0)
+    report["layout_bitwise"] = _layout_bitwise(td)
     report["nan_input"] = _nan_input_masks(td)
     report["interpreter_e4m3_nan"] = _interpreter_e4m3_nan()
     report["p_rounding"] = _p_rounding(td)
     report["rounding_check"] = _rounding_check(td)
     return report
+
+
+LAYOUT_CASES = ("bf16_p3_mtp2_w3", "fp8kv_p16_w3", "fp8_p1_w5", "bf16_p4_chunks_w3", "fp8kv_p8_chunk4_mtp2_w3")
+
+
+def _layout_bitwise(td) -> dict:
+    """Each LAYOUT_CASES batch decoded as built and as `verify.strided_inputs.strided_batch` (q, cache and block
+    table as views into NaN-padded buffers), one plan and config: {name: (same bits, no NaN, a split plan)}."""
+    from triton_cases import same_bits
+
+    from verify.strided_inputs import strided_batch
+
+    seen = {}
+    for name in LAYOUT_CASES:
+        case = CASES[name]
+        batch = case.batch()
+        config = replace(td.default_config(case.combo, case.heads, max(case.q_lens)), block_n=BLOCK_N,
+                         plan_block_n=PLAN_BLOCK_N, fixed_overhead=1, **CONFIG_OVERRIDES.get(name, {}))
+        plan = td.make_plan(batch, config, case.num_workers)
+        dense = td.decode(batch, plan=plan, config=config)
+        strided = td.decode(strided_batch(batch).batch, plan=plan, config=config)
+        seen[name] = (same_bits(dense, strided), not bool(torch.isnan(strided[0].float()).any()),
+                      plan.num_partial_rows > 0)
+    return seen
 
 
 def _rounding_check(td) -> dict:
@@ -427,6 +452,13 @@ def test_default_config_takes_the_new_paths(report):
     assert not any(report[n]["fp8_stage"] for n in CASES)  # device-only: the interpreter never stages fp8 tiles
     unchained = {n for n in CASES if report[n]["unchain"]}  # the 64-row bf16 default; never 16-row tiles
     assert {"bf16_h64_mtp2_p3_w3", "bf16_h64_unchain_p16_w3"} <= unchained and "bf16_p16_w1" not in unchained
+
+
+def test_strided_inputs_give_the_bits_of_contiguous_ones(report):
+    """The kernels take q's, the cache's and the block table's strides (the layout check's views into NaN-padded
+    buffers, verify/strided_inputs.py): the same bits as on the contiguous batch and no NaN, split plans on pages
+    of 1, 3, 4, 8 and 16 (block-table chunks in registers on the last two), MTP and all three dtype combos."""
+    assert report["layout_bitwise"] == {name: [True, True, True] for name in LAYOUT_CASES}
 
 
 def test_interleave_gives_the_same_bits(report):

@@ -194,6 +194,38 @@ def test_pages_past_2_31_elements_give_the_bits_of_the_compact_cache(name, case)
 
 
 @pytest.mark.parametrize("case", VARLEN, ids=lambda c: f"{c.combo}_h{c.heads}_p{c.page_size}_s{c.seed}")
+def test_strided_inputs_give_the_triton_kernels_bits_and_gluon_refuses_them_by_name(case):
+    """verify.strided_inputs.strided_batch: q, cache and block table as views into NaN-padded buffers. The Triton
+    kernel takes their strides: the bits of the contiguous batch on one plan and config, no NaN. The default
+    dispatch (the triton backend) takes the Triton kernel for them, within the kernel bound of what it declares for
+    them; the pinned Gluon backends, whose TMA descriptors need contiguous q and cache, refuse them by name."""
+    from mla_fast import backends
+    from mla_fast import triton_decode as td
+    from verify.strided_inputs import strided_batch
+
+    batch = case.batch("cuda")
+    strided = strided_batch(batch).batch
+    config = td.default_config(case.combo, case.heads, max(case.q_lens))  # the Triton kernel's (no Gluon here)
+    plan = td.make_plan(batch, config)
+    dense, got = td.decode(batch, plan=plan, config=config), td.decode(strided, plan=plan, config=config)
+    torch.cuda.synchronize()
+    assert same_bits(dense, got) and not bool(torch.isnan(got[0].float()).any())
+    assert td.batch_config(strided, max(case.q_lens)).kernel == "triton"
+    out, lse = backends.get_backend("triton")(strided)
+    numerics = backends.BACKENDS["triton"].numerics(strided)
+    pieces = td.make_plan(strided, td.batch_config(strided, max(case.q_lens))).stats()["pieces_per_tile"]["max"]
+    r = check(out, lse, strided, numerics, pieces)
+    assert r["finite"] and r["empty_ok"] and r["out_ratio"] <= 1.0 and r["lse_ratio"] <= 1.0, r
+    for name in ("seesaw", "gluon_fp8"):
+        try:
+            backends.BACKENDS[name].run(batch)  # a pinned kernel that takes the contiguous batch ...
+        except backends.Unsupported:
+            continue
+        with pytest.raises(backends.Unsupported, match="contiguous"):  # ... refuses its strided copy by name
+            backends.BACKENDS[name].run(strided)
+
+
+@pytest.mark.parametrize("case", VARLEN, ids=lambda c: f"{c.combo}_h{c.heads}_p{c.page_size}_s{c.seed}")
 def test_varlen_within_kernel_bound(case):
     r = _decode_and_check(case.batch("cuda"))
     assert r["finite"] and r["empty_ok"] and r["out_ratio"] <= 1.0 and r["lse_ratio"] <= 1.0, r

@@ -20,6 +20,9 @@
 |                | values whose mean over each row is a tiny offset while each     | common factor) + merge_bound   |
 |                | split's mean is not: split outputs stored more coarsely than    | (declared partial dtype) of    |
 |                | declared fail (numerics.md §5(i))                               | the probe                      |
+| layout         | the kernel again with q, cache and block table as views into    | the first run's bits, else     |
+|                | NaN-padded buffers (`strided_batch`): shapes taken for strides  | kernel_bound + merge_bound     |
+|                | read NaN; ``layout.refused``: a ValueError naming what it takes | (refused: passes, warned)      |
 | inputs         | q, cache, block table and lengths: after the kernel = before    | byte for byte                  |
 | far            | the kernel again with the pages moved past element 2^31 of a    | the first run's bits, else     |
 |                | larger cache, NaN in front (`far_pages`): int32 offsets wrap    | kernel_bound + merge_bound     |
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -53,6 +57,7 @@ from verify.kernels import Kernel, outputs
 from verify.metrics import compare
 from verify.partials_probe import partials_probe
 from verify.rounding_probe import rounding_probe
+from verify.strided_inputs import strided_batch
 
 ALT_WORKERS = 132  # second worker count when a case uses one worker (an H200's SMs: a split per block)
 FAR_ELEMENTS = 2**31  # cache elements past which int32 element offsets wrap (far check)
@@ -474,16 +479,64 @@ def check_far(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, re
     except ValueError as e:
         return [CheckResult("far", False, detail=f"{where}: {e}")]
     del far, raw  # the large cache
+    return _as_first("far", where, (out, lse), "compact cache", first, ref, lambda: (bound, out_dtype))
+
+
+def _as_first(name: str, where: str, second: tuple, earlier: str, first: tuple, ref,
+              judge: Callable[[], tuple[bounds.Bound, torch.dtype]]) -> list[CheckResult]:
+    """A second run (out, lse) on the values of the first run (on the ``earlier`` layout) in another memory
+    layout: passes with the bits of the first run ``first``; a kernel whose bits vary from run to run, or that
+    takes another code path for this layout, passes within the tier-1 bound and output dtype ``judge()`` gives
+    (computed only then) instead: checks ``name``.out and ``name``.lse."""
+    out, lse = second
     if (lse is None) != (first[1] is None):
-        return [CheckResult("far", False, detail=f"{where}: lse returned by only one of the compact and far runs")]
+        return [CheckResult(name, False, detail=f"{where}: lse returned by only one of this run and the "
+                                                      f"run on the {earlier}")]
     out, lse = _moved(out, lse, first[0].device)
     if _bytes(out).equal(_bytes(first[0])) and (lse is None or _bytes(lse).equal(_bytes(first[1]))):
-        return [CheckResult("far", True, detail=f"{where}: the bits of the compact cache")]
-    results = check_tier1(out, lse, ref, bound, out_dtype, name="far")
+        return [CheckResult(name, True, detail=f"{where}: the bits of the run on the {earlier}")]
+    bound, out_dtype = judge()
+    results = check_tier1(out, lse, ref, bound, out_dtype, name=name)
     differ = int((_bytes(out) != _bytes(first[0])).sum())
     for r in results:
-        r.detail = f"{where}, {differ} out bytes differ from the compact run: {r.detail}"
+        r.detail = f"{where}, {differ} out bytes differ from the run on the {earlier}: {r.detail}"
     return results
+
+
+def check_layout(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, ref) -> list[CheckResult]:
+    """The kernel run again on `strided_batch(batch)` (the case's worker count when it takes one): the same values
+    with q, the cache and the block table as views into NaN-padded buffers, their strides all but the channels'
+    changed (verify/strided_inputs.py). Passes with the bits of the first run ``first``, else within the tier-1
+    bound of the numerics it declares for the strided batch (a backend may take another kernel for strided inputs);
+    a kernel that addresses its inputs by their shapes reads NaN or other requests' tokens. A kernel may
+    refuse strides it does not take with a ValueError (`Unsupported` too): check ``layout.refused`` then passes and
+    says why (mla-verify warns), for a kernel that honours some strides and refuses others is within the contract.
+    Writing into the buffers (their padding included) fails."""
+    strided = strided_batch(batch)
+    where = strided.describe()
+    before = {name: _bytes(buf).clone() for name, buf in strided.buffers.items()}
+    raw, exc = _run(kernel, strided.batch, workers)
+    if exc is not None and is_device_fault(exc):
+        raise exc
+    if isinstance(exc, ValueError):
+        return [CheckResult("layout.refused", True, detail=f"{where}: refused: {error_message(exc)}")]
+    if exc is not None:
+        return [CheckResult("layout", False, detail=f"{where}: the run raised {error_message(exc)}")]
+    written = [f"{name} ({int((_bytes(strided.buffers[name]) != b).sum())} bytes)" for name, b in before.items()
+               if not torch.equal(_bytes(strided.buffers[name]), b)]
+    if written:
+        return [CheckResult("layout", False, detail=f"{where}: the kernel wrote into its input buffers: "
+                                                    + ", ".join(written))]
+    try:
+        second = outputs(raw, strided.batch)
+    except ValueError as e:
+        return [CheckResult("layout", False, detail=f"{where}: {e}")]
+
+    def judge():
+        numerics = kernel.numerics(strided.batch)
+        return _tier1_bound(strided.batch, kernel, numerics, ref), numerics.out_dtype
+
+    return _as_first("layout", where, second, "contiguous inputs", first, ref, judge)
 
 
 # ---- one case -----------------------------------------------------------------------------------------------------
@@ -564,6 +617,7 @@ def run_case(case: Case, kernel: Kernel, device: str = "cpu", far: bool | None =
             result.checks.append(check_nan(batch, kernel, case.num_workers))
         result.checks += check_rounding(batch, kernel, case.num_workers)
         result.checks += check_partials(batch, kernel, case.num_workers)
+        result.checks += check_layout(batch, kernel, case.num_workers, (out_d, lse_d), ref)
         if far if far is not None else batch.device.type == "cuda":
             result.checks += check_far(batch, kernel, case.num_workers, (out_d, lse_d), ref, bound, numerics.out_dtype)
         result.checks.append(check_inputs(batch, before))

@@ -539,8 +539,9 @@ def _numerics(results: list[CaseResult]) -> dict[str, int]:
 def _warnings(summary: dict) -> list[str]:
     """Signs that the checks may be vacuous (never pass / fail): a tier-1 out bound far above every error seen,
     which a declaration looser than the kernel (a gamma too large, an operand dtype too narrow) gives; a rounding
-    probe far inside its bound, which a declared P rounding coarser than the kernel's gives; and a partials probe
-    far inside its bound, which a declared partial dtype coarser than the kernel's gives."""
+    probe far inside its bound, which a declared P rounding coarser than the kernel's gives; a partials probe far
+    inside its bound, which a declared partial dtype coarser than the kernel's gives; and strided inputs the kernel
+    refused (the layout check did not run on them)."""
     def largest(name: str) -> float | None:
         """The check's max err/bound over at least LOOSE_CASES cases; None if fewer, or not a finite float (a
         non-finite ratio is kept as the string "inf" / "nan" in the summary: a failure, not a loose bound)."""
@@ -565,6 +566,9 @@ def _warnings(summary: dict) -> list[str]:
         if x is not None and x < limit:
             warnings.append(f"{name}: the largest err/bound in {summary[name]['cases']} {cases} is {x:.2g}, below "
                             f"{limit:g}{meaning}")
+    if refused := summary.get("layout.refused"):
+        warnings.append(f"layout.refused: the kernel refused strided inputs in {refused['cases']} cases, which the "
+                        f"layout check then did not try (serving engines pass views); e.g. {refused['worst_detail']}")
     return warnings
 
 

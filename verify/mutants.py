@@ -31,6 +31,8 @@ turns one knob, the way such bugs happen in real kernels:
 | bf16_partials         | split outputs stored in bf16 for the merge (lse fp32), fp32  | partials (a request of > 64   |
 |                       | partials declared (the plug-in default), as FlashInfer's     | tokens, split)                |
 |                       | MLA stores them                                              |                               |
+| ignores_strides       | q, cache and block table addressed from their shapes, as if  | layout (any)                  |
+|                       | contiguous                                                   |                               |
 """
 
 from __future__ import annotations
@@ -270,11 +272,28 @@ def cache_padding_written(batch):
     return out
 
 
+def _read_dense(t: torch.Tensor) -> torch.Tensor:
+    """t's storage read from its first element as if t were contiguous: addresses from its shape, not its strides
+    (the identity on a contiguous tensor)."""
+    strides = [1] * t.dim()
+    for d in range(t.dim() - 2, -1, -1):
+        strides[d] = strides[d + 1] * t.shape[d + 1]
+    return t.as_strided(t.shape, strides, t.storage_offset())
+
+
+def ignores_strides(batch):
+    """q, the cache and the block table addressed from their shapes (row t of q at t x H x 576, page p of the cache
+    at p x page_size x 576, a block-table row at b x max_pages): right on every contiguous batch, wrong on the views
+    a serving engine passes (a block table that is the first rows of a wider buffer, a padded cache)."""
+    return _decode(batch.replace(q=_read_dense(batch.q), kv_cache=_read_dense(batch.kv_cache),
+                                 block_table=_read_dense(batch.block_table)))
+
+
 MUTANTS = (
     "wrong_scale", "drop_rope", "page_off_by_one", "last_page_unmasked", "lse_base2", "kv_scale_ignored",
     "q_scale_ignored", "average_splits", "mtp_causal_off_by_one", "nan_empty", "out_gain", "bf16_accumulation",
     "seq_lens_cleared", "cache_padding_written", "nan_dropped", "no_max_subtraction", "int32_offsets",
-    "p_rounded_bf16", "bf16_partials",
+    "p_rounded_bf16", "bf16_partials", "ignores_strides",
 )  # fmt: skip
 FP8_ONLY = ("kv_scale_ignored", "q_scale_ignored")  # need fp8 inputs with a scale != 1
 FAR_ONLY = ("int32_offsets",)  # need the far check, on by default on CUDA devices only (mla-verify --far on)

@@ -1,0 +1,104 @@
+"""The layout check: a batch's inputs as views into NaN-padded buffers (verify/strided_inputs.py), run again.
+
+Every drawn batch is contiguous, so a kernel that addresses q, the cache or the block table from their shapes
+(the mutant ``ignores_strides``) passed every other check; the strided copy keeps the oracle's answer and changes
+every stride but the channels'. Each of the three tensors is tested alone: a kernel that honours two strides and
+not the third fails too.
+"""
+
+import pytest
+import torch
+
+from mla_ref.decode import mla_decode_ref
+from verify import mutants
+from verify.checks import run_case
+from verify.kernels import from_backend, from_callable
+from verify.strategies import smoke_cases
+from verify.strided_inputs import CHANNEL_PAD, TABLE_PAD, strided_batch
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_strided_batch_keeps_every_value_and_changes_every_stride_but_the_channels(dtype):
+    for case in smoke_cases(dtype):
+        batch, _ = case.materialize("cpu")
+        strided = strided_batch(batch)
+        s = strided.batch
+        P, ps, D = batch.kv_cache.shape
+        B, W = batch.block_table.shape
+        for name in ("q", "kv_cache", "block_table"):
+            view, dense = getattr(s, name), getattr(batch, name)
+            assert view.stride(-1) == 1 and view.shape[1:] == dense.shape[1:], (name, view.stride())
+            padded = [a > b for a, b in zip(view.stride()[:-1], dense.stride()[:-1])]
+            assert all(padded), (name, view.stride(), dense.stride())  # every stride but the channels' is larger
+        assert torch.equal(_bits(s.q), _bits(batch.q)) and torch.equal(s.block_table, batch.block_table)
+        assert torch.equal(_bits(s.kv_cache[:P]), _bits(batch.kv_cache))  # unused slots keep their NaN
+        assert s.kv_cache.shape == (P + 1, ps, D) and bool(s.kv_cache[P].float().isnan().all())  # the unowned page
+        assert s.kv_cache.storage_offset() == (ps + 1) * (D + CHANNEL_PAD)  # a NaN page in front of the view
+        table = strided.buffers["block_table"]
+        assert table.shape == (B, W + TABLE_PAD) and bool((table[:, W:] == P).all())  # the padding names page P
+        for name in ("q", "kv_cache"):  # every byte outside the view is NaN
+            buf, view = strided.buffers[name].float(), getattr(s, name).float()
+            assert int(buf.isnan().sum()) == buf.numel() - int((~view.isnan()).sum()), name
+        ref, ref_strided = mla_decode_ref(batch), mla_decode_ref(s)
+        for a, b in zip(ref, ref_strided):
+            assert torch.equal(_bits(a), _bits(b)), case.describe()  # the same oracle answer, NaN included
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("kernel", ["emulated", "verify.mutants:correct"])
+def test_correct_kernels_give_the_bits_of_the_contiguous_run(dtype, kernel):
+    k = from_backend(kernel) if ":" not in kernel else from_callable(mutants.correct)
+    result = run_case(smoke_cases(dtype)[0], k, "cpu")
+    layout = {c.name: c for c in result.checks}["layout"]
+    assert result.ok and layout.detail.endswith("the bits of the run on the contiguous inputs"), result.describe()
+
+
+@pytest.mark.parametrize("dense", [("q",), ("kv_cache",), ("block_table",), ("q", "kv_cache", "block_table")])
+def test_a_kernel_that_ignores_a_stride_fails_the_layout_check_alone(dense):
+    """Reading any one of the three tensors from its shape instead of its strides (on the smoke case: 8 heads,
+    pages of 64, six requests, MTP rows) fails layout.out and layout.lse, and no other check: every other batch is
+    contiguous, where the bug is the identity."""
+    def partly_dense(batch):
+        return mutants._decode(batch.replace(**{n: mutants._read_dense(getattr(batch, n)) for n in dense}))
+
+    for dtype in ("bf16", "fp8"):
+        result = run_case(smoke_cases(dtype)[0], from_callable(partly_dense), "cpu")
+        failed = {c.name: c.detail for c in result.checks if not c.ok}
+        assert set(failed) == {"layout.out", "layout.lse"}, result.describe()
+        assert "out bytes differ from the run on the contiguous inputs" in failed["layout.out"]
+
+
+def test_a_refusal_passes_and_says_why_other_errors_and_writes_fail():
+    """A ValueError (Unsupported too) for strides a kernel does not take is within the contract: layout.refused
+    passes with the message. A RuntimeError (the emulated backend's flat view of the cache raised one before it
+    indexed pages and slots) fails, and so does a write into the padding around the views."""
+    case = smoke_cases("bf16")[0]
+
+    def refuses(batch):
+        if not batch.kv_cache.is_contiguous():
+            raise ValueError("my_kernel.kv_cache: expected a contiguous cache")
+        return mutants._decode(batch)
+
+    def flat_view(batch):
+        batch.kv_cache.view(-1, batch.head_dim)  # RuntimeError on a padded cache
+        return mutants._decode(batch)
+
+    def writes_padding(batch):
+        out = mutants._decode(batch)
+        if batch.q.stride(1) != batch.q.shape[2]:  # the strided run: q's storage holds padding after each row
+            torch.as_strided(batch.q, (1,), (1,), batch.q.storage_offset() + batch.q.shape[2]).zero_()
+        return out
+
+    result = run_case(case, from_callable(refuses), "cpu")
+    checks = {c.name: c for c in result.checks}
+    assert result.ok and "layout" not in checks, result.describe()
+    assert "refused: ValueError: my_kernel.kv_cache: expected a contiguous cache" in checks["layout.refused"].detail
+    for kernel, words in ((flat_view, "the run raised RuntimeError: view size is not compatible"),
+                          (writes_padding, "the kernel wrote into its input buffers: q (2 bytes)")):
+        result = run_case(case, from_callable(kernel), "cpu")
+        failed = {c.name: c.detail for c in result.checks if not c.ok}
+        assert set(failed) == {"layout"} and words in failed["layout"], result.describe()
