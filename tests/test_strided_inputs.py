@@ -37,9 +37,11 @@ def test_strided_batch_keeps_every_value_and_changes_every_stride_but_the_channe
         assert torch.equal(_bits(s.q), _bits(batch.q)) and torch.equal(s.block_table, batch.block_table)
         assert torch.equal(_bits(s.kv_cache[:P]), _bits(batch.kv_cache))  # unused slots keep their NaN
         assert s.kv_cache.shape == (P + 1, ps, D) and bool(s.kv_cache[P].float().isnan().all())  # the unowned page
+        H = batch.num_heads
         assert s.kv_cache.storage_offset() == (ps + 1) * (D + CHANNEL_PAD)  # a NaN page in front of the view
+        assert s.q.storage_offset() == (H + 1) * (D + CHANNEL_PAD) and s.block_table.storage_offset() == W + TABLE_PAD
         table = strided.buffers["block_table"]
-        assert table.shape == (B, W + TABLE_PAD) and bool((table[:, W:] == P).all())  # the padding names page P
+        assert table.shape == (B + 1, W + TABLE_PAD) and bool((table[0] == P).all() and (table[:, W:] == P).all())
         for name in ("q", "kv_cache"):  # every byte outside the view is NaN
             buf, view = strided.buffers[name].float(), getattr(s, name).float()
             assert int(buf.isnan().sum()) == buf.numel() - int((~view.isnan()).sum()), name
@@ -70,6 +72,19 @@ def test_a_kernel_that_ignores_a_stride_fails_the_layout_check_alone(dense):
         failed = {c.name: c.detail for c in result.checks if not c.ok}
         assert set(failed) == {"layout.out", "layout.lse"}, result.describe()
         assert "out bytes differ from the run on the contiguous inputs" in failed["layout.out"]
+
+
+@pytest.mark.parametrize("name", ["q", "kv_cache", "block_table"])
+def test_a_kernel_that_drops_a_storage_offset_fails_the_layout_check_alone(name):
+    """Each view starts one row or page into its buffer: a kernel that takes the buffer's start for the tensor's
+    (its strides right, its storage offset dropped) reads the NaN padding and fails layout.out and layout.lse."""
+    def from_the_start(batch):
+        t = getattr(batch, name)
+        return mutants._decode(batch.replace(**{name: t.as_strided(t.shape, t.stride(), 0)}))
+
+    result = run_case(smoke_cases("bf16")[0], from_callable(from_the_start), "cpu")
+    failed = {c.name for c in result.checks if not c.ok}
+    assert failed == {"layout.out", "layout.lse"}, result.describe()
 
 
 def test_a_refusal_passes_and_says_why_other_errors_and_writes_fail():

@@ -7,14 +7,15 @@ that computes addresses from shapes instead of strides (a flat [pages x page_siz
 table row of ceil(max_seq / page_size) entries) passes every other check. `strided_batch` keeps every value and
 changes every stride but the channels':
 
-    q            [T, H, D]        view of [T, H + 1, D + 64]: padded head and row strides
-    kv_cache     [P + 1, ps, D]   view of [P + 2, ps + 1, D + 64] from its page 1: padded row and page strides, one
-                                  page in front of the view; page P of the view (unowned) and the buffer's page 0
-                                  hold NaN
-    block_table  [B, W]           view of [B, W + 3]: the row stride padded, the padding holding page P (NaN)
+    q            [T, H, D]        view of [T + 1, H + 1, D + 64] from its row 1: padded head and row strides
+    kv_cache     [P + 1, ps, D]   view of [P + 2, ps + 1, D + 64] from its page 1: padded row and page strides;
+                                  page P of the view (unowned) holds NaN
+    block_table  [B, W]           view of [B + 1, W + 3] from its row 1: the row stride padded, the padding naming
+                                  page P
 
-Every byte outside the views, and unused cache slots as before, hold NaN (fp8: the format's NaN code), so a kernel
-that reads through a wrong stride reads NaN or another request's tokens. The oracle is the same (the same values);
+Each view starts one row or page into its buffer (a kernel that drops the storage offset reads the padding), and
+every byte outside the views, and unused cache slots as before, hold NaN (fp8: the format's NaN code), so a kernel
+that reads through a wrong stride or offset reads NaN or another request's tokens. The oracle is the same (the same values);
 TMA and vector loads keep their alignment (D + 64 channels: 1280 bytes of bf16, 640 of fp8).
 """
 
@@ -60,14 +61,14 @@ def strided_batch(batch: DecodeBatch) -> StridedBatch:
     T, H, D = batch.q.shape
     P, ps, _ = batch.kv_cache.shape
     B, W = batch.block_table.shape
-    q_buf = _nan_filled((T, H + 1, D + CHANNEL_PAD), batch.q)  # [T, H + 1, D + 64]
-    q = q_buf[:, :H, :D]  # [T, H, D] strides ((H + 1)(D + 64), D + 64, 1)
+    q_buf = _nan_filled((T + 1, H + 1, D + CHANNEL_PAD), batch.q)  # [T + 1, H + 1, D + 64]
+    q = q_buf[1:, :H, :D]  # [T, H, D] strides ((H + 1)(D + 64), D + 64, 1), from row 1
     q.copy_(batch.q)
     kv_buf = _nan_filled((P + 2, ps + 1, D + CHANNEL_PAD), batch.kv_cache)  # [P + 2, ps + 1, D + 64]
     kv = kv_buf[1:, :ps, :D]  # [P + 1, ps, D] from the buffer's page 1; its page P stays NaN
     kv[:P].copy_(batch.kv_cache)  # unused slots keep their NaN
-    table_buf = torch.full((B, W + TABLE_PAD), P, dtype=batch.block_table.dtype, device=batch.block_table.device)
-    table = table_buf[:, :W]  # [B, W] row stride W + 3; the padding names the NaN page P
+    table_buf = torch.full((B + 1, W + TABLE_PAD), P, dtype=batch.block_table.dtype, device=batch.block_table.device)
+    table = table_buf[1:, :W]  # [B, W] row stride W + 3, from row 1; the padding names the NaN page P
     table.copy_(batch.block_table)
     strided = batch.replace(q=q, kv_cache=kv, block_table=table)
     return StridedBatch(strided, {"q": q_buf, "kv_cache": kv_buf, "block_table": table_buf})
