@@ -44,24 +44,31 @@ def test_probe_keeps_the_layout_and_the_poison_and_writes_exact_values(combo):
     b = torch.where((torch.arange(L) // H) % 2 == 0, 1.0, -1.0).double()  # [L]
     fmt = {"bf16": "bf16"}.get(combo, "e4m3fnuz" if combo.endswith("fnuz") else "e4m3fn")
     a = -b * round_p(probe.p[torch.arange(L) % H], fmt)  # [L]
+    pairs_seen = 0
     for r in range(batch.batch_size):
         kv = pb.request_kv(r)  # [s, D] dequantized (scale 1)
         s = kv.shape[0]
         assert s == int(batch.seq_lens[r])
-        if s:
-            assert torch.equal(kv[0, :L], a) and not kv[0, L:].any()
-        if s > 1:
-            assert torch.equal(kv[1, :L], b) and kv[1, L] == 1 and not kv[1, L + 1:].any()
-            assert not kv[2:, :L].any() and (kv[2:, L] == 1).all() and not kv[2:, L + 1:].any()
+        pairs = 2 if s - int(batch.q_lens[r]) + 1 >= 4 else 1  # the second pair where every row sees tokens 2, 3
+        pairs_seen += pairs
+        for j in range(0, 2 * pairs, 2):
+            if s > j:
+                assert torch.equal(kv[j, :L], a) and not kv[j, L:].any()
+            if s > j + 1:
+                assert torch.equal(kv[j + 1, :L], b) and kv[j + 1, L] == 1 and not kv[j + 1, L + 1:].any()
+        rest = kv[2 * pairs:]
+        assert not rest[:, :L].any() and (rest[:, L] == 1).all() and not rest[:, L + 1:].any()
+    assert pairs_seen == 5  # lengths 0, 37, 130 at q_lens 1, 2, 3: one pair in the empty request, two in the others
     t = batch.sm_scale * probe.x  # [H]
     assert (t >= T_RANGE[0]).all() and (t <= T_RANGE[1]).all() and torch.equal(probe.p, torch.exp(-t))
 
 
 @pytest.mark.parametrize("combo", ["bf16", "fp8kv"])
 def test_the_oracle_on_the_probe_is_the_closed_form(combo):
-    """ô_c = b_c (p_h - Q(p_h)) / l_h on head h = c mod H (b_c, Q as written), l_h = 1 + (s - 1) p_h, for every
-    row that sees s >= 2 tokens; the probe's premise that outputs cancel to Q's rounding of p."""
-    batch = _batch(combo)
+    """ô_c = n b_c (p_h - Q(p_h)) / l_h on head h = c mod H (b_c, Q as written), l_h = n + (s - n) p_h, for every
+    row that sees s >= 2 tokens, n = 2 pairs where every row of its request sees 4 tokens, else 1; the probe's
+    premise that outputs cancel to Q's rounding of p."""
+    batch = _batch(combo, seq_lens=(0, 37, 130, 5, 3), q_lens=(1, 2, 3, 3, 1))  # s0 = 0, 36, 128, 3, 3
     probe = rounding_probe(batch)
     out, lse = mla_decode_ref(probe.batch)  # [T, H, L], [T, H]
     L, H = batch.kv_lora_rank, batch.num_heads
@@ -69,22 +76,24 @@ def test_the_oracle_on_the_probe_is_the_closed_form(combo):
     b = torch.where((c // H) % 2 == 0, 1.0, -1.0).double()  # [L]
     Q = round_p(probe.p, "bf16" if combo == "bf16" else "e4m3fn")  # [H]
     seen = batch.visible_tokens()  # [T]
-    checked = 0
+    s0 = (batch.seq_lens - batch.q_lens + 1).repeat_interleave(batch.q_lens)  # [T] s0 of each row's request
+    checked = {1: 0, 2: 0}
     for row in range(batch.num_tokens):
         s = int(seen[row])
         if s < 2:
             continue
-        l = 1 + (s - 1) * probe.p  # [H]
+        n = 2 if int(s0[row]) >= 4 else 1  # pairs (a, b) the row sees
+        l = n + (s - n) * probe.p  # [H]
         mine = c % H  # [L] each channel's head
-        expected = b * (probe.p[mine] - Q[mine]) / l[mine]  # [L] on the channel's own head
+        expected = n * b * (probe.p[mine] - Q[mine]) / l[mine]  # [L] on the channel's own head
         got = out[row][mine, c]  # [L]
         # fp64 evaluation of s + 2 <= 2^8 terms of magnitude <= 1: a few hundred fp64 ulps of 1
         assert torch.allclose(got, expected, rtol=0, atol=2**-44), row
         assert torch.allclose(lse[row], torch.log(l), rtol=0, atol=2**-44)  # scores 0 and -t_h (lse natural log)
         u = 2**-8 if combo == "bf16" else 2**-4  # unit roundoff of the cache format (bf16, e4m3fn)
-        assert (expected.abs() <= u * probe.p[mine] / l[mine]).all()  # a cancellation: p's rounding in Q, no more
-        checked += 1
-    assert checked >= 4
+        assert (expected.abs() <= n * u * probe.p[mine] / l[mine]).all()  # a cancellation: p's rounding in Q
+        checked[n] += 1
+    assert checked[1] >= 4 and checked[2] >= 4, checked  # rows of 3 and 5 tokens (s0 3) see one pair
 
 
 def _declaring(p_fmt_kernel: str | None, p_fmt_declared: str | None) -> Kernel:
@@ -203,3 +212,29 @@ def test_a_kernel_that_breaks_on_the_probe_fails_the_check():
     assert not r.ok and "raised RuntimeError: second call" in r.detail
     [r] = check_rounding(batch, from_callable(bad_shape), workers=1)
     assert not r.ok and "kernel out: expected shape" in r.detail
+
+
+def _tiled_from_the_end(p_fmt: str | None) -> Kernel:
+    """The mutants' split decode over each row's tokens in reverse order (pages of one token, q_len 1: the block
+    table's used entries reversed), so that its tiles and splits are aligned to the row's end: on a row of 65 tokens
+    the boundary falls between tokens 0 and 1. P rounded to p_fmt before P.V, fp32 P declared."""
+    def decode(batch):
+        assert batch.page_size == 1 and bool((batch.q_lens == 1).all())
+        table = batch.block_table.clone()  # [B, max_pages]
+        for r, s in enumerate(batch.seq_lens.tolist()):
+            table[r, :s] = table[r, :s].flip(0)
+        return mutants._decode(batch.replace(block_table=table), p_fmt=p_fmt)
+
+    return Kernel(f"tiled from the end, P {p_fmt}", decode, lambda batch: DEFAULT_NUMERICS)
+
+
+@pytest.mark.parametrize("combo", ["bf16", "fp8kv"])
+def test_a_boundary_between_tokens_0_and_1_leaves_the_second_pair_to_tell(combo):
+    """A kernel tiling from the row's end cuts rows of 64 k + 1 tokens between the probe's tokens 0 and 1, where
+    token 1 is its piece's maximum (P = 1, exact) and the first pair shows nothing; the second pair (tokens 2 and 3)
+    lies inside one piece: bf16 P under an fp32 declaration fails (it passed with one pair, numerics.md §5(h)), fp32 P
+    passes."""
+    batch = _batch(combo, seq_lens=(65, 129), q_lens=(1, 1), heads=4, page_size=1)
+    bf16 = check_rounding(batch, _tiled_from_the_end("bf16"), workers=1)
+    assert not bf16[0].ok and bf16[0].err_over_bound > 2, bf16[0].detail
+    assert all(r.ok for r in check_rounding(batch, _tiled_from_the_end(None), workers=1))

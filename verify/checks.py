@@ -361,7 +361,8 @@ def check_rounding(batch: DecodeBatch, kernel: Kernel, workers: int) -> list[Che
     probe's tier-1 bound for the numerics the kernel declares for it (kernel_bound + merge_bound): exact scores and
     outputs that cancel to the cache format's rounding of P, so that a P rounded more coarsely than declared (bf16
     under fp32, fp8 under bf16 or fp16) fails, which on drawn data it seldom does: on rows up to a few thousand
-    tokens, split anywhere but between tokens 0 and 1 (verify/rounding_probe.py, numerics.md §5(h))."""
+    tokens, wherever its splits and tiles fall but inside both of the probe's pairs of tokens (verify/rounding_probe.py,
+    numerics.md §5(h))."""
     probe = rounding_probe(batch)
     if isinstance(probe, str):
         return [CheckResult("rounding", True, detail=f"no rounding probe: {probe}")]

@@ -555,7 +555,7 @@ def _warnings(summary: dict) -> list[str]:
         ("rounding.out", ROUNDING_MATCHED, "probed cases", " (a bf16, fp16 or fp8 P rounded as declared reaches "
          "0.23-0.34 where short rows are probed, an fp32 P 0.66 and more): the kernel rounds P more finely than the "
          "declared numerics (above) say, or they are looser elsewhere, and its bounds charge what it does not do "
-         "(or its splits fall between the probe's tokens 0 and 1: numerics.md §5(h))"),
+         "(or its splits fall inside both of the probe's pairs of tokens: numerics.md §5(h))"),
         ("partials.out", PARTIALS_MATCHED, "probed cases", " (split outputs stored as declared reach 0.29-0.73, "
          "numerics.md §5(i)): the kernel stores its split outputs more finely than the declared partial_dtype "
          "(above) says, and its bounds charge what it does not do"),

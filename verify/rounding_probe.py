@@ -8,14 +8,16 @@ rounding error is not. It keeps the batch's lengths, query rows, pages, block ta
     q[t, h]        = -x_h on the first rope channel (index L), 0 on every other channel (fp8 q: q_scale = 1)
     token 0        c_kv = a, k_pe = 0                         score 0
     token 1        c_kv = b, k_pe[0] = 1                      score -t_h,  t_h = σ x_h
-    tokens 2..s-1  c_kv = 0, k_pe[0] = 1                      score -t_h (they add to the row sum only)
+    tokens 2, 3    tokens 0 and 1 again, where every query row of the request sees them (s0 = s - q_len + 1 >= 4)
+    the others     c_kv = 0, k_pe[0] = 1                      score -t_h (they add to the row sum only)
 (fp8 cache: kv_scale = 1), where channel c of c_kv belongs to head h(c) = c mod H, b_c = ±1 (the sign alternates
 every H channels) and a_c = -b_c Q(p_h(c)): p_h = e^-t_h, Q rounding to the cache's format, so a is exact there. Each
 score is one exact product (q and k_pe hold x_h and 1, exact in every format; the other channels add exact zeros), so
-a kernel's score error is its fp32 scale multiply and exp, a few 2^-23 of t_h. On head h's own channels
-    ô_c = b_c (p_h - Q(p_h)) / l_h,   l_h = 1 + (s - 1) p_h,
-a small difference; a kernel that rounds P_1 = p_h to a format F before P.V moves it by b_c (F(p_h) - p_h) / l_h:
-all of ô_c when F is the cache's format, and about F's unit roundoff of p_h otherwise, both far above the tier-1
+a kernel's score error is its fp32 scale multiply and exp, a few 2^-23 of t_h. On head h's own channels, with n = 1
+or 2 pairs (a, b) that the row sees,
+    ô_c = n b_c (p_h - Q(p_h)) / l_h,   l_h = n + (s - n) p_h,
+a small difference; a kernel that rounds P = p_h to a format F before P.V moves it by b_c (F(p_h) - p_h) / l_h per
+pair: all of ô_c when F is the cache's format, and about F's unit roundoff of p_h otherwise, both far above the tier-1
 bound of an fp32-P kernel, which is then a few 2^-23 of Σ p|v| plus 2^-8 |ô_c|. A kernel that declares its P
 rounding (``KernelNumerics.p_fmt``) gets u_P Σ p|v| for it, so the probe tells a P rounded more coarsely than
 declared (bf16 under fp32, fp8 under bf16 or fp16) from one rounded as declared (tests/test_rounding_probe.py).
@@ -24,8 +26,12 @@ t_h lies in [2^-8, 2^-4]: small scores keep ω (§5(b)) small against that error
 {1, 1.25, 1.5, 1.75} (exact in bf16, fp16, e4m3fn, e4m3fnuz and e5m2), chosen so that p_h lies far from bf16 and
 fp16 values, and from e4m3fn ones (the heads take the candidates in that order, cyclically).
 
-What it cannot see (numerics.md §5(h)): P on rows of one token (P = 1); a kernel whose split or tile boundary falls
-between tokens 0 and 1 (token 1 is then the maximum of its own piece, P = 1 exactly); and less on long rows, where
+Why two pairs: a kernel whose split or tile boundary falls between a pair's tokens weighs its second token against
+itself (token 1 is then the maximum of its own piece, P = 1 exactly): one that tiles from the row's end cuts there on
+rows of s ≡ 1 modulo its tile. Such a boundary cannot cut both pairs unless tiles are of one or two tokens.
+
+What it cannot see (numerics.md §5(h)): P on rows of one token (P = 1); rows whose requests' every query row sees
+fewer than 4 tokens, when a boundary falls between tokens 0 and 1; and less on long rows, where
 the declared per-token P.V charge grows while the signal falls as 1/l (bf16 P under an fp32 declaration fails up to
 about 8192 tokens, fp16 under fp32 up to about 1000). A case fails through its shortest probed request.
 """
@@ -62,8 +68,9 @@ class RoundingProbe:
 
     def describe(self) -> str:
         t = self.batch.sm_scale * self.x  # [H]
-        return (f"rounding probe: token 0 against {self.batch.num_heads} score gaps t in [{float(t.min()):.4g}, "
-                f"{float(t.max()):.4g}], outputs that cancel to the cache format's rounding of e^-t")
+        return (f"rounding probe: tokens 0 (and 2) against {self.batch.num_heads} score gaps t in "
+                f"[{float(t.min()):.4g}, {float(t.max()):.4g}], outputs that cancel to the cache format's rounding "
+                "of e^-t")
 
 
 def probe_x(sm_scale: float, heads: int, q_dtype: torch.dtype) -> torch.Tensor | None:
@@ -108,7 +115,11 @@ def rounding_probe(batch: DecodeBatch) -> RoundingProbe | str:
     rows[2, L] = 1.0
 
     pages, slots, positions = batch.token_addresses()  # [N] each
-    token_rows = rows.to(dev)[positions.clamp(max=2)]  # [N, D] rows 0, 1, then 2
+    seq = batch.seq_lens.long()  # [B]
+    s0 = (seq - batch.q_lens.long() + 1).clamp(min=0)  # [B] tokens every query row of the request sees
+    s0_tok = torch.repeat_interleave(s0, seq, output_size=len(positions))  # [N] s0 of each token's request
+    second = (s0_tok >= 4) & (positions >= 2) & (positions <= 3)  # [N] tokens 2 and 3: the second pair
+    token_rows = rows.to(dev)[torch.where(second, positions - 2, positions.clamp(max=2))]  # [N, D]
     return RoundingProbe(probe_batch(batch, q, pages, slots, token_rows), x, p)  # q exact: x_h is in q's format
 
 
