@@ -2,7 +2,8 @@
 # The probe checks on one H200 (carry .whl), in parts named by the first argument (a comma list; each part fits
 # one device call with the others' time): tests = the GPU tests of the partials, rounding and layout checks (ours
 # through the default dispatch, FlashInfer and FlashMLA); ours / peers = the default campaigns with every check (MPS,
-# 14 jobs) of our kernels / of FlashInfer and FlashMLA, the bf16_partials and ignores_strides mutants; fp32partials =
+# 14 jobs, the long cases on) of our kernels / of FlashInfer and FlashMLA, the bf16_partials, ignores_strides and
+# uint16_positions mutants; fp32partials =
 # FlashInfer declared with fp32 partials (tests/peer_plugins.py). Writes log.txt and
 # campaigns.json (per campaign: cases, failed, unsupported, wall, and per check cases / failed / median / max
 # err/bound) to $OUT.
@@ -34,6 +35,7 @@ verify flashmla_bf16 --backend flashmla --dtype bf16 --cases 200
 verify flashmla_fp8 --backend flashmla --dtype fp8 --cases 200
 verify mutant_bf16_partials --impl verify.mutants:bf16_partials --dtype bf16 --cases 200
 verify mutant_ignores_strides --impl verify.mutants:ignores_strides --dtype bf16 --cases 200
+verify mutant_uint16_positions --impl verify.mutants:uint16_positions --dtype bf16 --cases 200
 fi
 if [[ $parts == *,fp32partials,* ]]; then
 verify flashinfer_fp32_partials_bf16 --impl tests.peer_plugins:flashinfer_fp32_partials --dtype bf16 --cases 200
@@ -48,7 +50,8 @@ summary = {}
 for path in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
     r = json.loads(path.read_text())
     summary[path.stem] = {"cases": r["cases"], "failed": r["failed"], "unsupported": r["unsupported"],
-                          "seconds": r["seconds"], "warnings": r["warnings"],
+                          "seconds": r["seconds"], "warnings": r["warnings"], "long": r.get("long"),
+                          "failures": [(f["describe"], [c["name"] for c in f["checks"]]) for f in r["failures"]][:12],
                           "checks": {k: {f: v.get(f) for f in ("cases", "failed", "median_err_over_bound",
                                                                "max_err_over_bound")} for k, v in r["checks"].items()}}
     c = summary[path.stem]["checks"]

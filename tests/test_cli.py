@@ -152,7 +152,7 @@ def test_help_lists_every_flag(capsys):
     assert code == 0
     for flag in ["--dtype", "--fp8-format", "--backend", "--impl", "--cases", "--seed", "--max-seq-len", "--heads",
                  "--page-size", "--max-batch", "--profile", "--device", "--json", "--plot", "--case", "--jobs",
-                 "--time-limit", "--exitfirst", "--far", "exit codes", "plug-in contract", "model"]:
+                 "--time-limit", "--exitfirst", "--far", "--long", "exit codes", "plug-in contract", "model"]:
         assert flag in out, flag
 
 
@@ -785,6 +785,32 @@ def test_strided_inputs_a_kernel_refuses_pass_and_are_warned_about(capsys, tmp_p
     (warning,) = report["warnings"]
     assert warning.startswith("layout.refused: the kernel refused strided inputs in 3 cases")
     assert "expected a contiguous cache" in warning and "layout" not in report["checks"]
+
+
+def refuses_long_requests(batch):
+    """The mutants' correct kernel, refusing (Unsupported) a request longer than the default --max-seq-len."""
+    if batch.batch_size and int(batch.seq_lens.max()) > 4096:
+        raise Unsupported("a request longer than 4096 tokens")
+    return correct(batch)
+
+
+def test_the_long_cases_follow_the_smoke_prefix_when_on(capsys, tmp_path):
+    """--long on appends verify.strategies.long_cases to the smoke prefix (a request of 2^16 + 65 tokens, past the
+    default --max-seq-len of 4096: the plug-in refuses it, so the case shows as unsupported); auto leaves them out
+    on a CPU and says so."""
+    from verify.strategies import smoke_cases
+
+    path = tmp_path / "r.json"
+    n = len(smoke_cases("bf16")) + 1
+    code, _, err = run(capsys, "--impl", "tests.test_cli:refuses_long_requests", "--cases", str(n), "--long", "on",
+                       "--jobs", "1", "--json", str(path))
+    report = json.loads(path.read_text())
+    assert code == 0 and report["long"] is True and report["unsupported"] == {"a request longer than 4096 tokens": 1}
+    assert report["cases"] == n and "long cases are off" not in err, err
+    code, _, err = run(capsys, "--impl", "tests.test_cli:refuses_long_requests", "--cases", str(n), "--jobs", "1",
+                       "--json", str(path))
+    report = json.loads(path.read_text())
+    assert code == 0 and report["long"] is False and report["unsupported"] == {} and "the long cases are off" in err
 
 
 def nonzero_everywhere(batch):

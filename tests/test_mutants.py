@@ -9,12 +9,12 @@ failed case.
 import pytest
 
 from verify.cli import main
-from verify.mutants import FAR_ONLY, FP8_ONLY, MUTANTS
-from verify.strategies import smoke_cases
+from verify.mutants import FAR_ONLY, FP8_ONLY, LONG_ONLY, MUTANTS
+from verify.strategies import long_cases, smoke_cases
 
 
 def _campaign(impl: str, dtype: str, *extra: str) -> int:
-    n = len(smoke_cases(dtype))
+    n = len(smoke_cases(dtype)) + (len(long_cases(dtype)) if "--long" in extra else 0)
     return main(["--impl", f"verify.mutants:{impl}", "--dtype", dtype, "--cases", str(n), "--jobs", "1", *extra])
 
 
@@ -26,7 +26,24 @@ def test_correct_kernel_passes(dtype):
 @pytest.mark.parametrize("name", MUTANTS)
 def test_mutant_is_caught(name):
     dtype = "fp8" if name in FP8_ONLY else "bf16"
-    assert _campaign(name, dtype, "-x", *(("--far", "on") if name in FAR_ONLY else ())) == 1
+    extra = ("--far", "on") if name in FAR_ONLY else ("--long", "on") if name in LONG_ONLY else ()
+    assert _campaign(name, dtype, "-x", *extra) == 1
+
+
+@pytest.mark.parametrize("name", LONG_ONLY)
+def test_long_mutant_fails_the_long_case_alone(name):
+    """A 16-bit token position wraps past 65536 tokens: right on the whole smoke prefix (the long cases are off by
+    default on a CPU), wrong on the long case's request of 2^16 + 65 tokens, whose newest token dominates its last
+    row; the correct kernel passes the long case."""
+    from verify import mutants
+    from verify.checks import run_case
+    from verify.kernels import from_callable
+
+    assert _campaign(name, "bf16") == 0
+    (case,) = long_cases("bf16")
+    result = run_case(case, from_callable(getattr(mutants, name)), "cpu")
+    assert "tier1.out" in {c.name for c in result.checks if not c.ok}, result.describe()
+    assert run_case(case, from_callable(mutants.correct), "cpu").ok
 
 
 @pytest.mark.parametrize("name", FAR_ONLY)

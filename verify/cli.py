@@ -1,7 +1,8 @@
 """`mla-verify`: property-based verification of an MLA decode kernel against the fp64 oracle and derived bounds.
 
-A campaign runs a fixed smoke prefix (`verify.strategies.smoke_cases`) and then Hypothesis-drawn cases
-(`verify.strategies.cases`) through `verify.checks.run_case`. Human output (progress, summary) goes to stderr; the
+A campaign runs a fixed smoke prefix (`verify.strategies.smoke_cases`, then with ``--long`` the long cases,
+`verify.strategies.long_cases`) and then Hypothesis-drawn cases (`verify.strategies.cases`) through
+`verify.checks.run_case`. Human output (progress, summary) goes to stderr; the
 JSON report goes to ``--json PATH`` (``-`` = stdout), written atomically.
 
 Each case passes, fails, or is unsupported (the kernel raised `mla_fast.backends.Unsupported`: counted per reason,
@@ -172,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the far check: each case again with its pages past element 2^31 of a 2-4 GB cache (int32 "
                         "offsets wrap there); auto = on CUDA devices, where the fill takes milliseconds (default); "
                         "each worker process holds one such cache: fewer --jobs where memory is short")
+    p.add_argument("--long", choices=("auto", "on", "off"), default="auto",
+                   help="the long cases after the smoke prefix: one request of 2^16 + 65 tokens cut into more than "
+                        "64 pieces, with MTP (verify.strategies.long_cases; --max-seq-len does not bound them); auto = "
+                        "on CUDA devices (default), about 20 s a case on a CPU")
     return p
 
 
@@ -714,6 +719,8 @@ def main(argv: list[str] | None = None) -> int:
     report["far"] = _FAR
     if args.far != "auto":
         flags += f" --far {args.far}"
+    long = {"auto": device.type == "cuda", "on": True, "off": False}[args.long]
+    report["long"] = long
 
     seed = args.seed
     if seed is None:
@@ -737,6 +744,9 @@ def main(argv: list[str] | None = None) -> int:
     if not _FAR:
         console.print("mla-verify: the far check is off (pages past element 2^31 of a 2-4 GB cache, on CUDA devices by "
                       "default; --far on runs it here)", markup=False, highlight=False)
+    if not long and not replay:
+        console.print("mla-verify: the long cases are off (a request of 2^16 + 65 tokens in more than 64 pieces, on "
+                      "CUDA devices by default; --long on runs them here)", markup=False, highlight=False)
     if device.type == "cuda":
         report["mps"] = mps_running()
     if device.type == "cuda" and jobs > 1 and n > 1 and not report["mps"]:
@@ -745,7 +755,7 @@ def main(argv: list[str] | None = None) -> int:
                       "(one H200: 1560 -> 4166 cases/min)", markup=False, highlight=False)
 
     from verify.strategies import cases as case_strategy
-    from verify.strategies import smoke_cases
+    from verify.strategies import long_cases, smoke_cases
 
     shape = dict(fp8_format=args.fp8_format, max_seq_len=args.max_seq_len, heads=args.heads, page_size=args.page_size,
                  max_batch=args.max_batch)
@@ -795,7 +805,7 @@ def main(argv: list[str] | None = None) -> int:
                 on_result(_run_one(replay))
             else:
                 fixed = {k: v for k, v in shape.items() if k != "max_batch"}  # the smoke prefix keeps its batches
-                smoke = smoke_cases(args.dtype, **fixed)[:n]
+                smoke = (smoke_cases(args.dtype, **fixed) + (long_cases(args.dtype, **fixed) if long else []))[:n]
                 strategy = case_strategy(args.dtype, **shape)
                 if args.profile == "search":
                     _run_all(smoke, 1, on_result)  # a handful of cases: a pool's start-up would cost more

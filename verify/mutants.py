@@ -1,6 +1,7 @@
 """Planted-bug decode kernels: each one must make the default `mla-verify` campaign fail (exit 1); the two scale
-mutants (``kv_scale_ignored``, ``q_scale_ignored``) need fp8 cases, ``--dtype fp8``, and ``int32_offsets`` the far
-check (on by default on CUDA devices; ``--far on`` on a CPU).
+mutants (``kv_scale_ignored``, ``q_scale_ignored``) need fp8 cases, ``--dtype fp8``, ``int32_offsets`` the far
+check (on by default on CUDA devices; ``--far on`` on a CPU) and ``uint16_positions`` the long cases (the same;
+``--long on``).
 
 Use them as plug-ins, ``mla-verify --impl verify.mutants:NAME``; ``correct`` is the same kernel without a bug and
 must pass. All share one small split-KV, online-softmax decode (`_decode`) in fp32 with bf16 output; each mutant
@@ -33,6 +34,8 @@ turns one knob, the way such bugs happen in real kernels:
 |                       | MLA stores them                                              |                               |
 | ignores_strides       | q, cache and block table addressed from their shapes, as if  | layout (any)                  |
 |                       | contiguous                                                   |                               |
+| uint16_positions      | token positions kept in 16 bits (j mod 2^16)                 | tier1 (the long cases: CUDA,  |
+|                       |                                                              | or `--long on`)               |
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ def _decode(
     acc_dtype: torch.dtype = torch.float32,
     p_fmt: str | None = None,
     partial_dtype: torch.dtype = torch.float32,
+    position_bits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV online-softmax MLA decode -> (out [T, H, L] bf16, lse [T, H] fp32). Defaults = no bug.
 
@@ -92,6 +96,8 @@ def _decode(
             pages = first // (ps * batch.head_dim)  # [n_pages]
         K = batch.kv_cache[pages].reshape(n_pages * ps, batch.head_dim)  # [n_pages * ps, D] whole pages
         K = (K if full_last_page else K[:s]).float() * kv_scale  # [s, D]
+        if position_bits is not None:  # token j read at position j mod 2^bits: a counter that wraps
+            K = K[torch.arange(K.shape[0], device=dev) % 2**position_bits]  # [s, D]
         r = torch.arange(n, device=dev)  # [n] MTP row index
         visible = s - n + r + 1 + torch.where(r < n - 1, causal_slack, 0)  # [n] tokens each row sees
         visible = (visible + (K.shape[0] - s)).clamp(min=0) if full_last_page else visible.clamp(0, s)  # [n]
@@ -289,11 +295,18 @@ def ignores_strides(batch):
                                  block_table=_read_dense(batch.block_table)))
 
 
+def uint16_positions(batch):
+    """Token positions kept in 16 bits: token j of a request read at position j mod 2^16, right on every request of
+    up to 65536 tokens (every drawn case), wrong on the long cases (`mla-verify --long`, on CUDA devices by default)."""
+    return _decode(batch, position_bits=16)
+
+
 MUTANTS = (
     "wrong_scale", "drop_rope", "page_off_by_one", "last_page_unmasked", "lse_base2", "kv_scale_ignored",
     "q_scale_ignored", "average_splits", "mtp_causal_off_by_one", "nan_empty", "out_gain", "bf16_accumulation",
     "seq_lens_cleared", "cache_padding_written", "nan_dropped", "no_max_subtraction", "int32_offsets",
-    "p_rounded_bf16", "bf16_partials", "ignores_strides",
+    "p_rounded_bf16", "bf16_partials", "ignores_strides", "uint16_positions",
 )  # fmt: skip
 FP8_ONLY = ("kv_scale_ignored", "q_scale_ignored")  # need fp8 inputs with a scale != 1
 FAR_ONLY = ("int32_offsets",)  # need the far check, on by default on CUDA devices only (mla-verify --far on)
+LONG_ONLY = ("uint16_positions",)  # need the long cases, on by default on CUDA devices only (mla-verify --long on)

@@ -157,3 +157,29 @@ def smoke_cases(
             kw["page_size"] = page_size
         out.append(Case(**kw))
     return out
+
+
+LONG_SEQ_LEN = 2**16 + 65  # past 2^16 positions, one token into a page of 64: 1026 blocks of 64
+
+
+def long_cases(
+    dtype: str = "bf16",
+    *,
+    fp8_format: str = "e4m3fn",
+    heads: int | None = None,
+    page_size: int | None = None,
+    kv_lora_rank: int = 512,
+    rope_dim: int = 64,
+    **_ignored,
+) -> list[Case]:
+    """The long cases (`mla-verify --long`, on CUDA devices by default): one request of LONG_SEQ_LEN tokens, past
+    2^16 (a token counter or position kept in 16 bits wraps there) and, over 132 workers, cut into more than 64
+    pieces (a workspace or merge sized for 64 splits per row overflows), with MTP rows and a dominant newest token
+    that only its last row sees (`recent`), beside requests of 3 and 1 tokens (no empty one: FlashMLA's fp8 kernel
+    refuses those, and the smoke prefix has them); fp8 with bf16 and with fp8 q.
+    Drawn cases stay within --max-seq-len (4096 by default), which the long cases ignore: each costs about 20 s on a
+    2-core CPU, milliseconds on a GPU."""
+    q_dtypes = ("bf16", "fp8") if dtype == "fp8" else ("bf16",)
+    return [Case(seq_lens=(LONG_SEQ_LEN, 3, 1), q_lens=(2, 1, 1), heads=heads or 16, page_size=page_size or 64,
+                 kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, q_dtype=q_dtype, kv_dtype=dtype, fp8_format=fp8_format,
+                 dist="recent", num_workers=132, seed=12 + i) for i, q_dtype in enumerate(q_dtypes)]
