@@ -762,7 +762,9 @@ def test_a_declared_partial_dtype_coarser_than_the_kernels_is_warned_about(capsy
     argv = ("--cases", str(2 * cli.LOOSE_CASES), "--max-seq-len", "256", "--jobs", "1", "--json", str(path))
     code, _, err = run(capsys, "--impl", "tests.test_cli:declares_bf16_partials", *argv)
     report = json.loads(path.read_text())
-    assert code == 0 and [w.split(":")[0] for w in report["warnings"]] == ["partials.out"], err
+    warned = [w.split(":")[0] for w in report["warnings"]]
+    # the declared bf16 partials loosen the rounding probe's merge charge on split rows too: its warning may join
+    assert code == 0 and "partials.out" in warned and set(warned) <= {"partials.out", "rounding.out"}, err
     assert report["checks"]["partials.out"]["max_err_over_bound"] < cli.PARTIALS_MATCHED
 
 

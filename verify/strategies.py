@@ -112,7 +112,7 @@ def smoke_cases(
 ) -> list[Case]:
     """The fixed prefix of every campaign: empty rows, length 1, page edges, MTP, splits, a long request, peaky
     and sink scores, 128 heads on pages of 32 with logits past fp32 exp's overflow, a dominant newest token in a
-    long request, and for fp8 both q dtypes, every scale mode, subnormals, ties and saturation.
+    long request, pages of 128, and for fp8 both q dtypes, every scale mode, subnormals, ties and saturation.
 
     Lengths are clipped to max_seq_len; heads / page_size override the hand-picked values when given.
     """
@@ -133,6 +133,10 @@ def smoke_cases(
         dict(seq_lens=(90, 5, 130), q_lens=(1, 2, 1), heads=128, page_size=32, num_workers=8, dist="wide", seed=9),
         # a dominant newest token (read by the last MTP row only) in a long request
         dict(seq_lens=(1500, 3), q_lens=(2, 1), heads=2, num_workers=4, dist="recent", seed=10),
+        # pages of 128 (vLLM's CUTLASS MLA block size), larger than a 64-token tile, with its edges and MTP; drawn
+        # pages stop at 64
+        dict(seq_lens=(300, 129, 0, 127), q_lens=(1, 2, 1, 3), heads=16, page_size=128, num_workers=8,
+             dist="gauss1", seed=11),
     ]
     if fp8:
         picked += [
