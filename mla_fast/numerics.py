@@ -83,7 +83,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from mla_ref.fp8 import p_format_max
+from mla_ref.fp8 import WIDE_DTYPES, p_format_max
 
 BLOCK_N = 64  # KV tokens per tile in the launcher's configs (mla_fast.triton_decode.default_config)
 HOPPER_PV_PER_TOKEN = 2**-24  # MMA accumulation into the running output, per token (point 5 above)
@@ -142,8 +142,8 @@ class KernelNumerics:
         if self.p_scale > top:  # P = 1 would saturate
             raise ValueError(f"KernelNumerics.p_scale: expected at most {self.p_fmt or 'fp32'}'s max {top:g} (P = 1 "
                              f"times it must not saturate), got {self.p_scale!r}")
-        if self.partial_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"KernelNumerics.partial_dtype: expected torch.float32, bfloat16 or float16, got "
+        if self.partial_dtype not in WIDE_DTYPES.values():
+            raise ValueError(f"KernelNumerics.partial_dtype: expected one of {list(WIDE_DTYPES.values())}, got "
                              f"{self.partial_dtype!r}")
 
     def describe(self) -> str:

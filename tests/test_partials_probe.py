@@ -11,6 +11,7 @@ import torch
 
 from mla_fast.numerics import KernelNumerics
 from mla_ref.decode import mla_decode_ref
+from mla_ref.fp8 import WIDE_DTYPES
 from verify import bounds, mutants
 from verify.cases import Case
 from verify.checks import check_partials, run_case
@@ -20,7 +21,6 @@ from verify.strategies import smoke_cases
 
 COMBOS = {"bf16": dict(), "fp8kv": dict(kv_dtype="fp8"), "fp8": dict(kv_dtype="fp8", q_dtype="fp8"),
           "fp8kv_fnuz": dict(kv_dtype="fp8", fp8_format="e4m3fnuz")}
-PARTIAL_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def _batch(combo: str, seq_lens=(0, 37, 130, 300), q_lens=(1, 2, 3, 1), heads=4, page_size=16):
@@ -32,9 +32,9 @@ def _storing(stored: str, declared: str) -> Kernel:
     """The mutants' split-KV decode (pieces of 64-token blocks, at most 4 per row) with its split outputs stored in
     ``stored``, declaring ``declared`` partials."""
     def decode(batch):
-        return mutants._decode(batch, partial_dtype=PARTIAL_DTYPES[stored])
+        return mutants._decode(batch, partial_dtype=WIDE_DTYPES[stored])
 
-    decode.numerics = dataclasses.replace(DEFAULT_NUMERICS, partial_dtype=PARTIAL_DTYPES[declared])
+    decode.numerics = dataclasses.replace(DEFAULT_NUMERICS, partial_dtype=WIDE_DTYPES[declared])
     return from_callable(decode, f"partials_{stored}_declared_{declared}")
 
 
@@ -82,7 +82,7 @@ def test_the_oracle_on_the_probe_is_the_closed_form(combo):
 
 
 @pytest.mark.parametrize("combo", ["bf16", "fp8kv", "fp8"])
-@pytest.mark.parametrize("declared", sorted(PARTIAL_DTYPES))
+@pytest.mark.parametrize("declared", sorted(WIDE_DTYPES))
 def test_partials_stored_more_coarsely_than_declared_fail_and_as_declared_pass(combo, declared):
     batch = _batch(combo)
     order = ["fp32", "fp16", "bf16"]  # finest first
@@ -225,6 +225,8 @@ def test_fp16_partials_that_overflow_and_saturating_p_scales_are_refused():
         KernelNumerics("e4m3fn", 512.0, torch.float8_e4m3fn, torch.float8_e4m3fn, 0.0, 0.0)
     with pytest.raises(ValueError, match="KernelNumerics.p_fmt: fmt must be None"):
         KernelNumerics("e9", 1.0, torch.float16, torch.float16, 0.0, 0.0)
+    with pytest.raises(ValueError, match=r"KernelNumerics.partial_dtype: expected one of \[torch.float32, "):
+        dataclasses.replace(DEFAULT_NUMERICS, partial_dtype=torch.float64)  # no bound for it
 
 
 def test_a_plug_in_that_cuts_finer_than_64_tokens_declares_it_and_is_probed(monkeypatch):
