@@ -799,7 +799,8 @@ def refuses_long_requests(batch):
 def test_the_long_cases_follow_the_smoke_prefix_when_on(capsys, tmp_path):
     """--long on appends verify.strategies.long_cases to the smoke prefix (a request of 2^16 + 65 tokens, past the
     default --max-seq-len of 4096: the plug-in refuses it, so the case shows as unsupported); auto leaves them out
-    on a CPU and says so."""
+    on a CPU and says so, and so does a --cases that stops within the smoke prefix (report["long"] had stayed True
+    there: found by a review)."""
     from verify.strategies import smoke_cases
 
     path = tmp_path / "r.json"
@@ -813,6 +814,11 @@ def test_the_long_cases_follow_the_smoke_prefix_when_on(capsys, tmp_path):
                        "--json", str(path))
     report = json.loads(path.read_text())
     assert code == 0 and report["long"] is False and report["unsupported"] == {} and "the long cases are off" in err
+    code, _, err = run(capsys, "--impl", "tests.test_cli:refuses_long_requests", "--cases", str(n - 1), "--long", "on",
+                       "--jobs", "1", "--json", str(path))  # --cases cuts them off: the report says so
+    report = json.loads(path.read_text())
+    assert code == 0 and report["long"] is False and report["unsupported"] == {}
+    assert f"--cases {n - 1} leaves out the long cases" in err, err
 
 
 def nonzero_everywhere(batch):

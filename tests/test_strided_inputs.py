@@ -117,3 +117,42 @@ def test_a_refusal_passes_and_says_why_other_errors_and_writes_fail():
         result = run_case(case, from_callable(kernel), "cpu")
         failed = {c.name: c.detail for c in result.checks if not c.ok}
         assert set(failed) == {"layout"} and words in failed["layout"], result.describe()
+
+
+def test_a_kernel_that_reuses_its_output_buffer_is_judged_on_the_first_runs_copy():
+    """A CUDA-graph style plug-in writes every call's results into the buffers it keeps: the first run's results
+    are copies (`checks._moved`), or the strided run would overwrite them and the layout check would compare it with
+    itself (ignores_strides passed that way; found by a review)."""
+    kept = {}
+
+    def persistent_ignores_strides(batch):
+        out, lse = mutants.ignores_strides(batch)
+        buf = kept.setdefault(tuple(out.shape), (torch.empty_like(out), torch.empty_like(lse)))
+        buf[0].copy_(out), buf[1].copy_(lse)
+        return buf
+
+    result = run_case(smoke_cases("bf16")[0], from_callable(persistent_ignores_strides), "cpu")
+    assert {c.name for c in result.checks if not c.ok} == {"layout.out", "layout.lse"}, result.describe()
+
+
+def test_numerics_that_refuse_the_strided_batch_the_kernel_ran_fail_the_check():
+    """A kernel that runs on the strided batch with other bits is judged by what it declares for that batch; numerics
+    that refuse it (a ValueError) fail the layout check with the reason instead of stopping the campaign with a
+    verifier error (found by a review)."""
+    from mla_fast.backends import Unsupported
+    from verify.kernels import DEFAULT_NUMERICS
+
+    def one_ulp_off_when_strided(batch):
+        out, lse = mutants._decode(batch)
+        return out, (torch.nextafter(lse, torch.full_like(lse, 1e30)) if not batch.kv_cache.is_contiguous() else lse)
+
+    def numerics(batch):
+        if not batch.kv_cache.is_contiguous():
+            raise Unsupported("numerics: a strided cache")
+        return DEFAULT_NUMERICS
+
+    one_ulp_off_when_strided.numerics = numerics
+    result = run_case(smoke_cases("bf16")[0], from_callable(one_ulp_off_when_strided), "cpu")
+    failed = {c.name: c.detail for c in result.checks if not c.ok}
+    assert set(failed) == {"layout"}, result.describe()
+    assert "numerics for the strided batch raised Unsupported: numerics: a strided cache" in failed["layout"]

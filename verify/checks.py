@@ -182,8 +182,10 @@ def _run(kernel: Kernel, batch: DecodeBatch, workers: int) -> tuple[object | Non
 
 
 def _moved(out: torch.Tensor, lse: torch.Tensor | None, device: torch.device):
-    """(out, lse) detached and on ``device`` (lse None stays None): a kernel's results beside the oracle's."""
-    return out.detach().to(device), (lse.detach().to(device) if lse is not None else None)
+    """(out, lse) detached copies on ``device`` (lse None stays None): a kernel's results beside the oracle's, kept
+    from a kernel that writes the next call's results into the same buffers (a CUDA-graph style plug-in: a later
+    run would overwrite the first run's results, and the checks would compare a run with itself)."""
+    return out.detach().to(device, copy=True), (lse.detach().to(device, copy=True) if lse is not None else None)
 
 
 def _tier1_bound(batch: DecodeBatch, kernel: Kernel, numerics: KernelNumerics, ref,
@@ -484,11 +486,12 @@ def check_far(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, re
 
 
 def _as_first(name: str, where: str, second: tuple, earlier: str, first: tuple, ref,
-              judge: Callable[[], tuple[bounds.Bound, torch.dtype]]) -> list[CheckResult]:
+              judge: Callable[[], tuple[bounds.Bound, torch.dtype] | str]) -> list[CheckResult]:
     """A second run (out, lse) on the values of the first run (on the ``earlier`` layout) in another memory
     layout: passes with the bits of the first run ``first``; a kernel whose bits vary from run to run, or that
     takes another code path for this layout, passes within the tier-1 bound and output dtype ``judge()`` gives
-    (computed only then) instead: checks ``name``.out and ``name``.lse."""
+    (computed only then) instead: checks ``name``.out and ``name``.lse; ``judge()`` may instead return why there
+    is no bound, which fails check ``name``."""
     out, lse = second
     if (lse is None) != (first[1] is None):
         return [CheckResult(name, False, detail=f"{where}: lse returned by only one of this run and the "
@@ -496,9 +499,12 @@ def _as_first(name: str, where: str, second: tuple, earlier: str, first: tuple, 
     out, lse = _moved(out, lse, first[0].device)
     if _bytes(out).equal(_bytes(first[0])) and (lse is None or _bytes(lse).equal(_bytes(first[1]))):
         return [CheckResult(name, True, detail=f"{where}: the bits of the run on the {earlier}")]
-    bound, out_dtype = judge()
-    results = check_tier1(out, lse, ref, bound, out_dtype, name=name)
     differ = int((_bytes(out) != _bytes(first[0])).sum())
+    judged = judge()
+    if isinstance(judged, str):
+        return [CheckResult(name, False, detail=f"{where}, {differ} out bytes differ from the run on the {earlier}: "
+                                                f"{judged}")]
+    results = check_tier1(out, lse, ref, *judged, name=name)
     for r in results:
         r.detail = f"{where}, {differ} out bytes differ from the run on the {earlier}: {r.detail}"
     return results
@@ -534,7 +540,10 @@ def check_layout(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple,
         return [CheckResult("layout", False, detail=f"{where}: {e}")]
 
     def judge():
-        numerics = kernel.numerics(strided.batch)
+        try:
+            numerics = kernel.numerics(strided.batch)
+        except ValueError as e:  # Unsupported too: the kernel ran on the strided batch, so its numerics must take it
+            return f"the kernel's numerics for the strided batch raised {error_message(e)}"
         return _tier1_bound(strided.batch, kernel, numerics, ref), numerics.out_dtype
 
     return _as_first("layout", where, second, "contiguous inputs", first, ref, judge)

@@ -53,6 +53,8 @@ plug-in contract (--impl package.module:function):
   function(batch: mla_ref.decode.DecodeBatch) -> out  or  (out, lse)
     out [T, H, kv_lora_rank] any float dtype; lse [T, H] natural log, sm_scale included
     a row that sees no KV token: out 0, lse -inf
+    batch.q, .kv_cache, .block_table may be strided views: honour their strides, or raise ValueError naming
+    what it takes (the layout check then passes as layout.refused, and the report warns)
   optional: function.numerics = mla_fast.numerics.KernelNumerics(...) declares how it rounds; without it the
   bound assumes fp32 scores and P, fp32 accumulation, bf16 output (verify.kernels.DEFAULT_NUMERICS).
   A plug-in that raises or returns the wrong shape or dtype fails its case with the message.
@@ -133,8 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
         "Checks per case: tier 1 (kernel vs fp64 on the same dequantized inputs), tier 2 (fp8 quantization\n"
         "error within B_det and B_post), split invariance (our planned backends, plug-ins with .run_workers),\n"
         "empty rows (out 0, lse -inf), finiteness, NaN propagation (a run with one NaN token), the contract\n"
-        "(shapes, dtypes), inputs left unwritten, and on CUDA devices the far check (the pages moved past\n"
-        "element 2^31 of a larger cache, where int32 offsets wrap).\n"
+        "(shapes, dtypes), inputs left unwritten, the rounding and partials probes (how P and split outputs are\n"
+        "rounded), the layout check (q, cache and block table as strided views into NaN-padded buffers), and on\n"
+        "CUDA devices the far check (the pages moved past element 2^31 of a larger cache, where int32 offsets\n"
+        "wrap) and the long cases (a request of 2^16 + 65 tokens in more than 64 pieces).\n"
         "Subcommand: 'mla-verify model ...' checks a whole MLA layer (verify.model_check).",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -719,8 +723,7 @@ def main(argv: list[str] | None = None) -> int:
     report["far"] = _FAR
     if args.far != "auto":
         flags += f" --far {args.far}"
-    long = {"auto": device.type == "cuda", "on": True, "off": False}[args.long]
-    report["long"] = long
+    long = {"auto": device.type == "cuda", "on": True, "off": False}[args.long] and not replay
 
     seed = args.seed
     if seed is None:
@@ -744,9 +747,6 @@ def main(argv: list[str] | None = None) -> int:
     if not _FAR:
         console.print("mla-verify: the far check is off (pages past element 2^31 of a 2-4 GB cache, on CUDA devices by "
                       "default; --far on runs it here)", markup=False, highlight=False)
-    if not long and not replay:
-        console.print("mla-verify: the long cases are off (a request of 2^16 + 65 tokens in more than 64 pieces, on "
-                      "CUDA devices by default; --long on runs them here)", markup=False, highlight=False)
     if device.type == "cuda":
         report["mps"] = mps_running()
     if device.type == "cuda" and jobs > 1 and n > 1 and not report["mps"]:
@@ -759,6 +759,16 @@ def main(argv: list[str] | None = None) -> int:
 
     shape = dict(fp8_format=args.fp8_format, max_seq_len=args.max_seq_len, heads=args.heads, page_size=args.page_size,
                  max_batch=args.max_batch)
+    fixed = {k: v for k, v in shape.items() if k != "max_batch"}  # the smoke prefix keeps its batches
+    smoke, longs = smoke_cases(args.dtype, **fixed), (long_cases(args.dtype, **fixed) if long else [])
+    report["long"] = bool(longs) and n > len(smoke)  # a long case runs
+    if longs and not report["long"]:
+        console.print(f"mla-verify: --cases {n} leaves out the long cases (they follow the {len(smoke)}-case smoke "
+                      f"prefix; --cases {len(smoke) + len(longs)} runs them)", markup=False, highlight=False)
+    elif not long and not replay:
+        console.print("mla-verify: the long cases are off (a request of 2^16 + 65 tokens in more than 64 pieces, on "
+                      "CUDA devices by default; --long on runs them here)", markup=False, highlight=False)
+    smoke = (smoke + longs)[:n]
     results: list[CaseResult] = []
     stopped: dict = {}  # why the campaign ended early (a device fault, --time-limit), for the report
     t0 = time.perf_counter()
@@ -804,8 +814,6 @@ def main(argv: list[str] | None = None) -> int:
             if replay:
                 on_result(_run_one(replay))
             else:
-                fixed = {k: v for k, v in shape.items() if k != "max_batch"}  # the smoke prefix keeps its batches
-                smoke = (smoke_cases(args.dtype, **fixed) + (long_cases(args.dtype, **fixed) if long else []))[:n]
                 strategy = case_strategy(args.dtype, **shape)
                 if args.profile == "search":
                     _run_all(smoke, 1, on_result)  # a handful of cases: a pool's start-up would cost more

@@ -5,6 +5,8 @@ Plug-in contract::
     def my_decode(batch: mla_ref.decode.DecodeBatch) -> out | (out, lse)
         out [T, H, kv_lora_rank], any float dtype; lse [T, H], natural log, sm_scale included
         a row that sees no KV token: out 0, lse -inf
+        batch.q, .kv_cache and .block_table may be strided views: honour their strides, or raise ValueError
+        naming what it takes (the ``layout`` check then passes as ``layout.refused``, and the report warns)
     my_decode.numerics = mla_fast.numerics.KernelNumerics(...)   # optional: how it rounds (numerics.md §5(f))
 
 Without ``numerics`` a plug-in is assumed to round like ``DEFAULT_NUMERICS``: fp32 scores and P, fp32 accumulation

@@ -30,8 +30,9 @@ Why two pairs: a kernel whose split or tile boundary falls between a pair's toke
 itself (token 1 is then the maximum of its own piece, P = 1 exactly): one that tiles from the row's end cuts there on
 rows of s ≡ 1 modulo its tile. Such a boundary cannot cut both pairs unless tiles are of one or two tokens.
 
-What it cannot see (numerics.md §5(h)): P on rows of one token (P = 1); rows whose requests' every query row sees
-fewer than 4 tokens, when a boundary falls between tokens 0 and 1; and less on long rows, where
+What it cannot see (numerics.md §5(h)): P on rows of one token (P = 1); a boundary between tokens 0 and 1 in a
+request with a query row that sees fewer than 4 tokens (s0 = s - q_len + 1 < 4: no second pair there); and less on
+long rows, where
 the declared per-token P.V charge grows while the signal falls as 1/l (bf16 P under an fp32 declaration fails up to
 about 8192 tokens, fp16 under fp32 up to about 1000). A case fails through its shortest probed request.
 """
