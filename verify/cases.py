@@ -46,6 +46,8 @@ from mla_ref.decode import DecodeBatch, make_decode_batch
 from mla_ref.fp8 import FORMATS, quantize
 
 SM_SCALE = 0.1352338  # DeepSeek-V3 σ = 192^-1/2 · mscale² (numerics.md §1.3)
+NO_YARN_SM_SCALE = 192**-0.5  # the same model without YaRN's mscale² (a short-context config)
+V2_LITE_SM_SCALE = 192**-0.5 * (0.1 * 0.707 * math.log(40) + 1) ** 2  # DeepSeek-V2-Lite: mscale_all_dim 0.707
 DISTRIBUTIONS = ("gauss1", "gauss4", "wide", "outlier", "sink", "recent", "coherent", "near_max")
 SCORE_STD = {"gauss4": 4.0, "wide": 32.0}  # the others: 1
 SCALE_MODES = ("dynamic", "static", "unit")
@@ -78,6 +80,8 @@ class Case:
         dist: data distribution, one of DISTRIBUTIONS.
         num_workers: persistent workers the kernel's plan uses (caps the KV splits of a request).
         seed: seed of the local torch.Generator every tensor comes from.
+        sm_scale: the softmax scale σ (YaRN's mscale² included), DeepSeek-V3's SM_SCALE unless given; q is drawn so
+            that the scores' std is the distribution's whatever σ is, so a kernel that ignores the batch's σ fails.
     """
 
     seq_lens: tuple[int, ...] = (64,)
@@ -93,6 +97,7 @@ class Case:
     dist: str = "gauss1"
     num_workers: int = 4
     seed: int = 0
+    sm_scale: float = SM_SCALE
 
     def __post_init__(self) -> None:
         if not self.seq_lens or any(not isinstance(s, int) or s < 0 for s in self.seq_lens):
@@ -112,6 +117,9 @@ class Case:
             raise ValueError("Case.q_dtype: fp8 queries need kv_dtype='fp8', got kv_dtype='bf16'")
         if not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
             raise ValueError(f"Case.seed: expected an int in [0, 2^63), got {self.seed!r}")
+        if isinstance(self.sm_scale, bool) or not isinstance(self.sm_scale, (int, float)) \
+                or not math.isfinite(self.sm_scale) or self.sm_scale <= 0:
+            raise ValueError(f"Case.sm_scale: expected a finite float > 0, got {self.sm_scale!r}")
 
     # ---- derived sizes ----------------------------------------------------------------------------------------
     @property
@@ -136,7 +144,8 @@ class Case:
         dt = f"fp8({self.fp8_format},{self.scale_mode})/{self.q_dtype}q" if self.is_fp8 else "bf16"
         seqs = ",".join(map(str, self.seq_lens))
         qs = ",".join(map(str, self.q_lens))
-        return f"{dt} {self.dist} H{self.heads} ps{self.page_size} seq[{seqs}] q[{qs}] w{self.num_workers}"
+        sigma = "" if self.sm_scale == SM_SCALE else f" σ{self.sm_scale:.4g}"
+        return f"{dt} {self.dist} H{self.heads} ps{self.page_size} seq[{seqs}] q[{qs}] w{self.num_workers}{sigma}"
 
     # ---- serialisation and replay -----------------------------------------------------------------------------
     def to_json(self) -> str:
@@ -174,7 +183,7 @@ class Case:
         q, kv = _draw(self, g)  # [T, H, D] fp32, B x [s_b, D] fp32
         q, kv = q.to(torch.bfloat16), [k.to(torch.bfloat16) for k in kv]  # [T, H, D], B x [s_b, D]
         pages = torch.Generator().set_state(g.get_state())  # the same page order for the fp8 twin
-        shape = dict(sm_scale=SM_SCALE, kv_lora_rank=self.kv_lora_rank, page_size=self.page_size,
+        shape = dict(sm_scale=self.sm_scale, kv_lora_rank=self.kv_lora_rank, page_size=self.page_size,
                      q_lens=list(self.q_lens))
         exact = make_decode_batch(q, kv, generator=g, **shape)
         if not self.is_fp8:
@@ -203,7 +212,7 @@ class Case:
 
 def q_std(case: Case) -> float:
     """Std of the generated q entries: score std = σ · sqrt(D) · q_std for unit-variance cache rows."""
-    return SCORE_STD.get(case.dist, 1.0) / (SM_SCALE * math.sqrt(case.head_dim))
+    return SCORE_STD.get(case.dist, 1.0) / (case.sm_scale * math.sqrt(case.head_dim))
 
 
 def static_scale(case: Case, which: str) -> float:
@@ -235,7 +244,7 @@ def _draw(case: Case, g: torch.Generator) -> tuple[torch.Tensor, list[torch.Tens
     elif case.dist in ("sink", "recent"):
         u = torch.randn(D, generator=g)
         u = u / u.norm()  # [D] unit direction
-        q = q + u / SM_SCALE  # [T, H, D] σ <q, u> = 1 more score noise for every token ...
+        q = q + u / case.sm_scale  # [T, H, D] σ <q, u> = 1 more score noise for every token ...
         j = 0 if case.dist == "sink" else -1  # the attention sink, or the newest token (only the last row sees it)
         for k in kv:
             if k.shape[0]:

@@ -36,6 +36,8 @@ turns one knob, the way such bugs happen in real kernels:
 |                       | contiguous                                                   |                               |
 | uint16_positions      | token positions kept in 16 bits (j mod 2^16)                 | tier1 (the long cases: CUDA,  |
 |                       |                                                              | or `--long on`)               |
+| hardcoded_scale       | σ fixed at DeepSeek-V3's 0.1352338, the batch's ignored      | tier1 (the smoke prefix's     |
+|                       |                                                              | other σ)                      |
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import torch
 
 from mla_ref.decode import DecodeBatch, is_fp8
 from mla_ref.fp8 import round_p
+from verify.cases import SM_SCALE
 
 BLOCK = 64  # KV tokens per online-softmax step
 MAX_SPLITS = 4  # KV splits per request (split-KV decode), merged by LSE
@@ -295,6 +298,12 @@ def ignores_strides(batch):
                                  block_table=_read_dense(batch.block_table)))
 
 
+def hardcoded_scale(batch):
+    """Softmax scale fixed at DeepSeek-V3's (YaRN mscale² with mscale_all_dim 1) whatever the batch's σ: right on
+    every drawn case (they all take V3's), wrong for the same model without YaRN or for DeepSeek-V2-Lite."""
+    return _decode(batch, sm_scale=SM_SCALE)
+
+
 def uint16_positions(batch):
     """Token positions kept in 16 bits: token j of a request read at position j mod 2^16, right on every request of
     up to 65536 tokens (every drawn case), wrong on the long cases (`mla-verify --long`, on CUDA devices by default)."""
@@ -305,7 +314,7 @@ MUTANTS = (
     "wrong_scale", "drop_rope", "page_off_by_one", "last_page_unmasked", "lse_base2", "kv_scale_ignored",
     "q_scale_ignored", "average_splits", "mtp_causal_off_by_one", "nan_empty", "out_gain", "bf16_accumulation",
     "seq_lens_cleared", "cache_padding_written", "nan_dropped", "no_max_subtraction", "int32_offsets",
-    "p_rounded_bf16", "bf16_partials", "ignores_strides", "uint16_positions",
+    "p_rounded_bf16", "bf16_partials", "ignores_strides", "uint16_positions", "hardcoded_scale",
 )  # fmt: skip
 FP8_ONLY = ("kv_scale_ignored", "q_scale_ignored")  # need fp8 inputs with a scale != 1
 FAR_ONLY = ("int32_offsets",)  # need the far check, on by default on CUDA devices only (mla-verify --far on)

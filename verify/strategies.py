@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from verify.cases import DISTRIBUTIONS, Case
+from verify.cases import DISTRIBUTIONS, NO_YARN_SM_SCALE, V2_LITE_SM_SCALE, Case
 
 HEADS = (1, 2, 4, 5, 8, 16, 20, 32, 40, 64, 128)  # above 16: drawn where the lengths leave room in the work
 # budget; 40, 20 and 5: MiniCPM3's 40 MLA heads and their tensor-parallel shares, not a power of two
@@ -112,7 +112,8 @@ def smoke_cases(
 ) -> list[Case]:
     """The fixed prefix of every campaign: empty rows, length 1, page edges, MTP, splits, a long request, peaky
     and sink scores, 128 heads on pages of 32 with logits past fp32 exp's overflow, a dominant newest token in a
-    long request, pages of 128, and for fp8 both q dtypes, every scale mode, subnormals, ties and saturation.
+    long request, pages of 128, two softmax scales other than DeepSeek-V3's (drawn cases all have it), and for fp8
+    both q dtypes, every scale mode, subnormals, ties and saturation.
 
     Lengths are clipped to max_seq_len; heads / page_size override the hand-picked values when given.
     """
@@ -137,6 +138,11 @@ def smoke_cases(
         # pages stop at 64
         dict(seq_lens=(300, 129, 0, 127), q_lens=(1, 2, 1, 3), heads=16, page_size=128, num_workers=8,
              dist="gauss1", seed=11),
+        # other softmax scales than DeepSeek-V3's, which every drawn case has: YaRN off, and DeepSeek-V2-Lite's
+        dict(seq_lens=(200, 77, 1), q_lens=(1, 2, 1), heads=8, num_workers=4, dist="gauss4",
+             sm_scale=NO_YARN_SM_SCALE, seed=13),
+        dict(seq_lens=(129, 300), q_lens=(3, 1), heads=16, page_size=16, num_workers=8, dist="sink",
+             sm_scale=V2_LITE_SM_SCALE, seed=14),
     ]
     if fp8:
         picked += [
