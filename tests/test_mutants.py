@@ -61,7 +61,8 @@ def test_far_mutant_fails_the_far_check_alone(name):
     assert "out bytes differ from the run on the compact cache" in failed["far.out"]
     assert run_case(case, from_callable(getattr(mutants, name)), "cpu").ok  # far off by default on a CPU
     right = run_case(case, from_callable(mutants.correct), "cpu", far=True)
-    assert right.ok and {c.name: c.detail for c in right.checks}["far"].endswith("the bits of the run on the compact cache")
+    far = {c.name: c.detail for c in right.checks}["far"]
+    assert right.ok and far.endswith("the bits of the run on the compact cache")
 
 
 @pytest.mark.parametrize("name", FP8_ONLY)

@@ -1,4 +1,5 @@
-"""A batch's inputs as strided views into larger NaN-filled buffers (the ``layout`` check, `verify.checks.check_layout`).
+"""A batch's inputs as strided views into larger NaN-filled buffers (the ``layout`` check,
+`verify.checks.check_layout`).
 
 The decode contract (mla_ref/decode.py) takes q, the cache and the block table as tensors with strides, and serving
 engines pass views: vLLM's block table is the first rows of a persistent [max_reqs, max_blocks] buffer, its cache
@@ -15,8 +16,8 @@ changes every stride but the channels':
 
 Each view starts one row or page into its buffer (a kernel that drops the storage offset reads the padding), and
 every byte outside the views, and unused cache slots as before, hold NaN (fp8: the format's NaN code), so a kernel
-that reads through a wrong stride or offset reads NaN or another request's tokens. The oracle is the same (the same values);
-TMA and vector loads keep their alignment (D + 64 channels: 1280 bytes of bf16, 640 of fp8).
+that reads through a wrong stride or offset reads NaN or another request's tokens. The oracle is the same (the same
+values); TMA and vector loads keep their alignment (D + 64 channels: 1280 bytes of bf16, 640 of fp8).
 """
 
 from __future__ import annotations
