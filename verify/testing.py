@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, Phase, example, given, note, settings, targe
 from verify.cases import Case
 from verify.checks import run_case
 from verify.kernels import from_callable
-from verify.strategies import cases, smoke_cases
+from verify.strategies import cases, long_cases, smoke_cases
 
 PROFILES = {  # Hypothesis profiles for kernel property tests (this project's tests/conftest.py registers them too)
     "ci": dict(derandomize=True, deadline=None, database=None, print_blob=True, max_examples=25,
@@ -62,6 +62,7 @@ def mla_property_test(
     max_batch: int = 8,
     device: str | None = None,
     far: bool | None = None,
+    long: bool | None = None,
     smoke: bool = True,
     examples: tuple[Case, ...] | list[Case] = (),
     hypothesis_settings: dict | None = None,
@@ -70,7 +71,9 @@ def mla_property_test(
 
     fn follows the plug-in contract of `verify.kernels` (``fn(batch) -> out | (out, lse)``, optional
     ``fn.numerics``). device: where cases are built (default cuda if available, else cpu). far: run the far check
-    (pages past element 2^31 of a 2-4 GB cache; None: on CUDA devices, as `mla-verify --far auto`). smoke: run the
+    (pages past element 2^31 of a 2-4 GB cache; None: on CUDA devices, as `mla-verify --far auto`). long: run the
+    long cases after the smoke prefix (`verify.strategies.long_cases`: a request of 2^16 + 65 tokens in more than
+    64 pieces, about 20 s each on a 2-core CPU; None: on CUDA devices, as `mla-verify --long auto`). smoke: run the
     fixed smoke prefix first. examples: more `Case`s to run first as explicit examples (pinned regressions, e.g. the
     ``@example`` lines of ``mla-verify --profile search``). hypothesis_settings: more Hypothesis settings for this
     test, e.g. ``dict(phases=[Phase.explicit])`` to run the examples only (the test already carries one settings
@@ -94,7 +97,12 @@ def mla_property_test(
         if not result.ok:
             raise AssertionError(f"{result.describe()}\nrepro: {case.repro(flags)}")
 
-    explicit = (smoke_cases(dtype, **shape) if smoke else []) + list(examples)
+    import torch
+
+    if long is None:
+        long = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    explicit = (smoke_cases(dtype, **shape) if smoke else []) + (long_cases(dtype, **shape) if long else [])
+    explicit += list(examples)
     for c in reversed(explicit):
         test = example(case=c)(test)
     test = given(case=cases(dtype, **shape, max_batch=max_batch))(test)
