@@ -18,11 +18,31 @@ from verify.strategies import WORK_BUDGET, cases, smoke_cases
     "field, value",
     [("seq_lens", ()), ("seq_lens", (3, -1)), ("q_lens", (1, 1)), ("q_lens", (0,)), ("heads", 0), ("page_size", 0),
      ("kv_dtype", "fp16"), ("q_dtype", "int8"), ("fp8_format", "e5m2"), ("scale_mode", "auto"), ("dist", "uniform"),
-     ("num_workers", 0), ("seed", -1)],
+     ("num_workers", 0), ("seed", -1), ("sm_scale", 0.0), ("sm_scale", 1e-50), ("sm_scale", 1e300),
+     ("sm_scale", float("nan")), ("sm_scale", True), ("sm_scale", "0.1")],
 )
 def test_bad_field_names_itself(field, value):
     with pytest.raises(ValueError, match=f"Case.{field}"):
         dataclasses.replace(Case(), **{field: value})
+
+
+def test_sm_scale_round_trips_scales_q_and_is_what_the_batch_takes():
+    """Case.sm_scale (default DeepSeek-V3's): stored as a float (1 and 1.0 are one case), named by describe() when
+    not the default, round-tripped by the JSON (an old repro line without it takes the default), handed to the
+    batch; q is drawn so that the scores' std is the distribution's whatever σ is (gauss1: 1, gauss4: 4)."""
+    from verify.cases import SM_SCALE, V2_LITE_SM_SCALE
+
+    assert Case(sm_scale=1) == Case(sm_scale=1.0) and isinstance(Case(sm_scale=1).sm_scale, float)
+    case = Case(seq_lens=(300,), heads=4, sm_scale=V2_LITE_SM_SCALE, dist="gauss4", seed=3)
+    assert Case.from_json(case.to_json()) == case and "σ0.1147" in case.describe()
+    assert Case.from_json('{"seq_lens": [3]}').sm_scale == SM_SCALE and "σ" not in Case().describe()
+    stds = []
+    for sigma in (SM_SCALE, V2_LITE_SM_SCALE, 192**-0.5, 1.0):
+        batch, _ = dataclasses.replace(case, sm_scale=sigma).materialize()
+        assert batch.sm_scale == sigma
+        kv = batch.request_kv(0)  # [300, D]
+        stds.append(float((sigma * torch.einsum("thd,sd->ths", batch.q.double(), kv)).std()))
+    assert all(abs(s - 4) < 0.4 for s in stds), stds  # 300 x 4 scores: the sample std within 10 %
 
 
 def test_fp8_q_needs_fp8_kv():
@@ -142,6 +162,9 @@ def test_smoke_prefix_reaches_every_feature():
         assert f in bf16 and f in fp8, f
     for f in ["dist:near_max", "scale:dynamic", "scale:static", "scale:unit", "q:fp8", "q:bf16"]:
         assert f in fp8, f
+    for cases_ in (smoke_cases("bf16"), smoke_cases("fp8")):  # σ other than V3's, fp8 q among them for fp8
+        assert len({c.sm_scale for c in cases_}) == 3
+    assert any(c.q_dtype == "fp8" and c.sm_scale != Case().sm_scale for c in smoke_cases("fp8"))
 
 
 def test_strategy_reaches_the_edges():

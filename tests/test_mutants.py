@@ -155,3 +155,19 @@ def test_a_declared_nan_deviation_skips_the_nan_check_and_says_so(monkeypatch):
     assert result.ok and "nan" not in {c.name for c in result.checks}, result.describe()
     result = run_case(case, dataclasses.replace(kernel, nan_deviation=""), "cpu")
     assert [c.name for c in result.checks if not c.ok] == ["nan"], result.describe()
+
+
+def hardcoded_scale_for_fp8_q(batch):
+    """hardcoded_scale on the fp8-q path only, where kernels fold q_scale into σ (FlashInfer's split_q_scale)."""
+    from mla_ref.decode import is_fp8
+    from verify import mutants
+    from verify.cases import SM_SCALE
+
+    return mutants._decode(batch, sm_scale=SM_SCALE if is_fp8(batch.q.dtype) else None)
+
+
+def test_a_scale_ignored_on_the_fp8_q_path_alone_fails_the_fp8_smoke_prefix():
+    """The fp8 smoke prefix holds a case of another σ with fp8 q: a kernel that ignores σ only there fails it (the
+    two σ cases had bf16 q; found by a review)."""
+    assert main(["--impl", "tests.test_mutants:hardcoded_scale_for_fp8_q", "--dtype", "fp8", "--cases",
+                 str(len(smoke_cases("fp8"))), "--jobs", "1"]) == 1

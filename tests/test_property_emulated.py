@@ -91,3 +91,7 @@ def test_long_reaches_the_property_test():
         mla_property_test(uint16_positions, dtype="bf16", device="cpu", long=True, **first)()
     mla_property_test(uint16_positions, dtype="bf16", device="cpu", max_seq_len=64, smoke=False,
                       hypothesis_settings=dict(max_examples=2, derandomize=True, database=None))()  # long off: passes
+    import torch  # a torch.device resolves the long default too (a string was assumed: found by a review)
+
+    mla_property_test(uint16_positions, dtype="bf16", device=torch.device("cpu"), max_seq_len=64, smoke=False,
+                      hypothesis_settings=dict(max_examples=1, derandomize=True, database=None))()

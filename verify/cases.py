@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mla_ref.decode import DecodeBatch, make_decode_batch
+from mla_ref.decode import DecodeBatch, _fp32_positive, make_decode_batch
 from mla_ref.fp8 import FORMATS, quantize
 
 SM_SCALE = 0.1352338  # DeepSeek-V3 σ = 192^-1/2 · mscale² (numerics.md §1.3)
@@ -81,7 +81,8 @@ class Case:
         num_workers: persistent workers the kernel's plan uses (caps the KV splits of a request).
         seed: seed of the local torch.Generator every tensor comes from.
         sm_scale: the softmax scale σ (YaRN's mscale² included), DeepSeek-V3's SM_SCALE unless given; q is drawn so
-            that the scores' std is the distribution's whatever σ is, so a kernel that ignores the batch's σ fails.
+            that the scores' std is the distribution's whatever σ is (but for ``coherent``, whose q is a fixed fp8
+            tie: its score std scales with σ), so a kernel that ignores the batch's σ fails.
     """
 
     seq_lens: tuple[int, ...] = (64,)
@@ -117,9 +118,9 @@ class Case:
             raise ValueError("Case.q_dtype: fp8 queries need kv_dtype='fp8', got kv_dtype='bf16'")
         if not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
             raise ValueError(f"Case.seed: expected an int in [0, 2^63), got {self.seed!r}")
-        if isinstance(self.sm_scale, bool) or not isinstance(self.sm_scale, (int, float)) \
-                or not math.isfinite(self.sm_scale) or self.sm_scale <= 0:
-            raise ValueError(f"Case.sm_scale: expected a finite float > 0, got {self.sm_scale!r}")
+        if not _fp32_positive(self.sm_scale):  # what DecodeBatch takes: finite and > 0 in fp32
+            raise ValueError(f"Case.sm_scale: expected a float, finite and > 0 in fp32, got {self.sm_scale!r}")
+        object.__setattr__(self, "sm_scale", float(self.sm_scale))  # 1 and 1.0: one case, one repro
 
     # ---- derived sizes ----------------------------------------------------------------------------------------
     @property

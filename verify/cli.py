@@ -761,10 +761,10 @@ def main(argv: list[str] | None = None) -> int:
                  max_batch=args.max_batch)
     fixed = {k: v for k, v in shape.items() if k != "max_batch"}  # the smoke prefix keeps its batches
     smoke, longs = smoke_cases(args.dtype, **fixed), (long_cases(args.dtype, **fixed) if long else [])
-    report["long"] = bool(longs) and n > len(smoke)  # a long case runs
-    if longs and not report["long"]:
-        console.print(f"mla-verify: --cases {n} leaves out the long cases (they follow the {len(smoke)}-case smoke "
-                      f"prefix; --cases {len(smoke) + len(longs)} runs them)", markup=False, highlight=False)
+    if longs and n < len(smoke) + len(longs):
+        console.print(f"mla-verify: --cases {n} leaves out {min(len(longs), len(smoke) + len(longs) - n)} of the "
+                      f"{len(longs)} long cases (they follow the {len(smoke)}-case smoke prefix; --cases "
+                      f"{len(smoke) + len(longs)} runs them)", markup=False, highlight=False)
     elif not long and not replay:
         console.print("mla-verify: the long cases are off (a request of 2^16 + 65 tokens in more than 64 pieces, on "
                       "CUDA devices by default; --long on runs them here)", markup=False, highlight=False)
@@ -850,6 +850,7 @@ def main(argv: list[str] | None = None) -> int:
 
     failed = [r for r in results if r.status == "failed"]
     unsupported = _unsupported(results)
+    report["long"] = any(max(r.case.seq_lens) > 2**16 for r in results)  # a request past 2^16 tokens ran
     report.update(cases=len(results), failed=len(failed), seconds=round(seconds, 3), checks=summary,
                   numerics=_numerics(results), warnings=_warnings(summary),
                   failures=[_failure(r, flags) for r in failed],

@@ -139,10 +139,11 @@ def smoke_cases(
         dict(seq_lens=(300, 129, 0, 127), q_lens=(1, 2, 1, 3), heads=16, page_size=128, num_workers=8,
              dist="gauss1", seed=11),
         # other softmax scales than DeepSeek-V3's, which every drawn case has: YaRN off, and DeepSeek-V2-Lite's
+        # (fp8: with fp8 q and a static scale, the path where kernels fold q_scale into σ)
         dict(seq_lens=(200, 77, 1), q_lens=(1, 2, 1), heads=8, num_workers=4, dist="gauss4",
              sm_scale=NO_YARN_SM_SCALE, seed=13),
         dict(seq_lens=(129, 300), q_lens=(3, 1), heads=16, page_size=16, num_workers=8, dist="sink",
-             sm_scale=V2_LITE_SM_SCALE, seed=14),
+             sm_scale=V2_LITE_SM_SCALE, q_dtype="fp8" if fp8 else "bf16", scale_mode="static", seed=14),
     ]
     if fp8:
         picked += [

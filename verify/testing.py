@@ -100,7 +100,7 @@ def mla_property_test(
     import torch
 
     if long is None:
-        long = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+        long = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")).type == "cuda"
     explicit = (smoke_cases(dtype, **shape) if smoke else []) + (long_cases(dtype, **shape) if long else [])
     explicit += list(examples)
     for c in reversed(explicit):
