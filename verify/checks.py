@@ -529,8 +529,7 @@ def check_layout(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple,
         return [CheckResult("layout.refused", True, detail=f"{where}: refused: {error_message(exc)}")]
     if exc is not None:
         return [CheckResult("layout", False, detail=f"{where}: the run raised {error_message(exc)}")]
-    written = [f"{name} ({int((_bytes(strided.buffers[name]) != b).sum())} bytes)" for name, b in before.items()
-               if not torch.equal(_bytes(strided.buffers[name]), b)]
+    written = _changed(strided.buffers, before)
     if written:
         return [CheckResult("layout", False, detail=f"{where}: the kernel wrote into its input buffers: "
                                                     + ", ".join(written))]
@@ -564,11 +563,16 @@ def check_inputs(batch: DecodeBatch, before: dict[str, torch.Tensor]) -> CheckRe
     """The kernel left its inputs as they were, byte for byte (NaN padding included): a kernel that writes into q,
     the cache, the block table or the lengths corrupts the next decode step, and would make any comparison with an
     oracle computed afterwards meaningless."""
-    changed = [f"{name} ({int((_bytes(getattr(batch, name)) != b).sum())} bytes)" for name, b in before.items()
-               if not torch.equal(_bytes(getattr(batch, name)), b)]
+    changed = _changed({name: getattr(batch, name) for name in before}, before)
     if changed:
         return CheckResult("inputs", False, detail="the kernel wrote into its inputs: " + ", ".join(changed))
     return CheckResult("inputs", True, detail=f"{', '.join(before)} unchanged")
+
+
+def _changed(tensors: dict[str, torch.Tensor], before: dict[str, torch.Tensor]) -> list[str]:
+    """"name (n bytes)" for each of ``tensors`` whose bytes differ from its byte copy in ``before``."""
+    return [f"{name} ({int((_bytes(tensors[name]) != b).sum())} bytes)" for name, b in before.items()
+            if not torch.equal(_bytes(tensors[name]), b)]
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

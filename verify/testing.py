@@ -85,10 +85,13 @@ def mla_property_test(
     flags = f"--impl {kernel.name}" + (f" --device {device}" if device else "")  # the repro replays where it ran
     flags += "" if far is None else f" --far {'on' if far else 'off'}"  # and with the same checks
 
-    def test(case: Case) -> None:
-        import torch
+    import torch
 
-        dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if long is None:
+        long = torch.device(dev).type == "cuda"
+
+    def test(case: Case) -> None:
         note(f"repro: {case.repro(flags)}")
         result = run_case(case, kernel, dev, far)
         for c in result.checks:  # used by profiles with the target phase (search), ignored otherwise
@@ -97,10 +100,6 @@ def mla_property_test(
         if not result.ok:
             raise AssertionError(f"{result.describe()}\nrepro: {case.repro(flags)}")
 
-    import torch
-
-    if long is None:
-        long = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")).type == "cuda"
     explicit = (smoke_cases(dtype, **shape) if smoke else []) + (long_cases(dtype, **shape) if long else [])
     explicit += list(examples)
     for c in reversed(explicit):
