@@ -2,8 +2,8 @@
 # The probe checks on one H200 (carry .whl), in parts named by the first argument (a comma list; each part fits
 # one device call with the others' time): tests = the GPU tests of the partials, rounding and layout checks (ours
 # through the default dispatch, FlashInfer and FlashMLA); ours / peers = the default campaigns with every check (MPS,
-# 14 jobs, the long cases on) of our kernels / of FlashInfer and FlashMLA, the bf16_partials, ignores_strides and
-# uint16_positions mutants; fp32partials =
+# 14 jobs, the long cases on) of our kernels / of FlashInfer and FlashMLA; mutants = the bf16_partials,
+# ignores_strides, uint16_positions and merge_order_varies mutants' campaigns; fp32partials =
 # FlashInfer declared with fp32 partials (tests/peer_plugins.py). Writes log.txt and
 # campaigns.json (per campaign: cases, failed, unsupported, wall, and per check cases / failed / median / max
 # err/bound) to $OUT.
@@ -33,9 +33,12 @@ verify flashinfer_bf16 --backend flashinfer --dtype bf16 --cases 200
 verify flashinfer_fp8 --backend flashinfer --dtype fp8 --cases 200
 verify flashmla_bf16 --backend flashmla --dtype bf16 --cases 200
 verify flashmla_fp8 --backend flashmla --dtype fp8 --cases 200
+fi
+if [[ $parts == *,mutants,* ]]; then
 verify mutant_bf16_partials --impl verify.mutants:bf16_partials --dtype bf16 --cases 200
 verify mutant_ignores_strides --impl verify.mutants:ignores_strides --dtype bf16 --cases 200
 verify mutant_uint16_positions --impl verify.mutants:uint16_positions --dtype bf16 --cases 200
+verify mutant_merge_order_varies --impl verify.mutants:merge_order_varies --dtype bf16 --cases 200
 fi
 if [[ $parts == *,fp32partials,* ]]; then
 verify flashinfer_fp32_partials_bf16 --impl tests.peer_plugins:flashinfer_fp32_partials --dtype bf16 --cases 200
@@ -56,7 +59,7 @@ for path in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
                                                                "max_err_over_bound")} for k, v in r["checks"].items()}}
     c = summary[path.stem]["checks"]
     print(path.stem, r["cases"], "failed", r["failed"], *(f"{k} {c.get(k)}" for k in (
-        "partials.out", "rounding.out", "layout", "layout.out", "layout.refused") if k in c))
+        "partials.out", "rounding.out", "layout", "layout.out", "layout.refused", "repeat", "repeat.out") if k in c))
 pathlib.Path(sys.argv[2]).write_text(json.dumps(summary, indent=1))
 EOF
 step done

@@ -23,6 +23,9 @@
 | layout         | the kernel again with q, cache and block table as views into    | the first run's bits, else     |
 |                | NaN-padded buffers (`strided_batch`): shapes taken for strides  | kernel_bound + merge_bound     |
 |                | read NaN; ``layout.refused``: a ValueError naming what it takes | (refused: passes, warned)      |
+| repeat         | the kernel again on the same batch and worker count: a kernel   | the first run's bits (declared |
+|                | that declares itself deterministic (the default) gives the same | deterministic), else           |
+|                | bits; one that declares run-to-run variation stays in the bound | kernel_bound + merge_bound     |
 | inputs         | q, cache, block table and lengths: after the kernel = before    | byte for byte                  |
 | far            | the kernel again with the pages moved past element 2^31 of a    | the first run's bits, else     |
 |                | larger cache, NaN in front (`far_pages`): int32 offsets wrap    | kernel_bound + merge_bound     |
@@ -181,11 +184,12 @@ def _run(kernel: Kernel, batch: DecodeBatch, workers: int) -> tuple[object | Non
     return _call(kernel.run, batch, device=batch.device)
 
 
-def _moved(out: torch.Tensor, lse: torch.Tensor | None, device: torch.device):
-    """(out, lse) detached copies on ``device`` (lse None stays None): a kernel's results beside the oracle's, kept
-    from a kernel that writes the next call's results into the same buffers (a CUDA-graph style plug-in: a later
-    run would overwrite the first run's results, and the checks would compare a run with itself)."""
-    return out.detach().to(device, copy=True), (lse.detach().to(device, copy=True) if lse is not None else None)
+def _moved(out: torch.Tensor, lse: torch.Tensor | None, device: torch.device, copy: bool = True):
+    """(out, lse) detached on ``device`` (lse None stays None): a kernel's results beside the oracle's. ``copy``
+    (for a first run, whose results later runs are compared with) keeps them from a kernel that writes the next
+    call's results into the same buffers (a CUDA-graph style plug-in: a later run would overwrite them, and the
+    checks would compare a run with itself); a later run's results, compared at once, need no copy."""
+    return out.detach().to(device, copy=copy), (lse.detach().to(device, copy=copy) if lse is not None else None)
 
 
 def _tier1_bound(batch: DecodeBatch, kernel: Kernel, numerics: KernelNumerics, ref,
@@ -398,7 +402,7 @@ def _probe_run(name: str, where: str, probe: DecodeBatch, kernel: Kernel, worker
         out, lse = outputs(raw, probe)
     except ValueError as e:
         return [CheckResult(name, False, detail=f"{where}: {e}")]
-    out, lse = _moved(out, lse, ref[0].device)
+    out, lse = _moved(out, lse, ref[0].device, copy=False)
     results = check_tier1(out, lse, ref, bound, numerics.out_dtype, name=name)
     for r in results:
         r.detail = f"{where}; declared {numerics.describe()}: {r.detail}" + ("" if r.ok else on_fail)
@@ -482,32 +486,77 @@ def check_far(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, re
     except ValueError as e:
         return [CheckResult("far", False, detail=f"{where}: {e}")]
     del far, raw  # the large cache
-    return _as_first("far", where, (out, lse), "compact cache", first, ref, lambda: (bound, out_dtype))
+    return _as_first("far", where, (out, lse), "the run on the compact cache", first, ref, lambda: (bound, out_dtype))
+
+
+def check_repeat(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, ref, bound: bounds.Bound,
+                 out_dtype: torch.dtype) -> list[CheckResult]:
+    """The kernel run a second time on the same batch with the same worker count. A kernel that declares itself
+    deterministic (`Kernel.deterministic`, the default: our kernels and plans, and what vLLM's batch-invariant and
+    reproducible modes need) must give the first run's bits, NaN included; one that declares run-to-run variation
+    by design (split outputs merged by atomics, work stealing) passes within the tier-1 ``bound`` instead. Only a
+    second run tells: every other rerun changes the inputs or the plan."""
+    raw, exc = _run(kernel, batch, workers)
+    if exc is not None and is_device_fault(exc):
+        raise exc
+    where = "a second run on the same batch"
+    if exc is not None:
+        return [CheckResult("repeat", False, detail=f"{where} raised {error_message(exc)}")]
+    try:
+        second = outputs(raw, batch)
+    except ValueError as e:
+        return [CheckResult("repeat", False, detail=f"{where}: {e}")]
+    if kernel.deterministic:
+        def judge():
+            return ("the kernel declares itself deterministic (a plug-in that varies by design sets "
+                    ".deterministic = False: the check then takes the tier-1 bound)")
+    else:
+        def judge():
+            return bound, out_dtype
+    return _as_first("repeat", where, second, "the first run", first, ref, judge)
 
 
 def _as_first(name: str, where: str, second: tuple, earlier: str, first: tuple, ref,
               judge: Callable[[], tuple[bounds.Bound, torch.dtype] | str]) -> list[CheckResult]:
-    """A second run (out, lse) on the values of the first run (on the ``earlier`` layout) in another memory
-    layout: passes with the bits of the first run ``first``; a kernel whose bits vary from run to run, or that
-    takes another code path for this layout, passes within the tier-1 bound and output dtype ``judge()`` gives
-    (computed only then) instead: checks ``name``.out and ``name``.lse; ``judge()`` may instead return why there
-    is no bound, which fails check ``name``."""
+    """A second run (out, lse) on the values of the first run ``first`` (``earlier`` names it: "the run on the
+    contiguous inputs"), in another memory layout or the same: passes with the first run's bits; otherwise within
+    the tier-1 bound and output dtype ``judge()`` gives (computed only then; a kernel whose bits vary from run to
+    run, or that takes another code path for this layout): checks ``name``.out and ``name``.lse. ``judge()`` may
+    instead return why different bits are not allowed, which fails check ``name`` with where they first differ."""
     out, lse = second
     if (lse is None) != (first[1] is None):
-        return [CheckResult(name, False, detail=f"{where}: lse returned by only one of this run and the "
-                                                      f"run on the {earlier}")]
-    out, lse = _moved(out, lse, first[0].device)
+        return [CheckResult(name, False, detail=f"{where}: lse returned by only one of this run and {earlier}")]
+    out, lse = _moved(out, lse, first[0].device, copy=False)
     if _bytes(out).equal(_bytes(first[0])) and (lse is None or _bytes(lse).equal(_bytes(first[1]))):
-        return [CheckResult(name, True, detail=f"{where}: the bits of the run on the {earlier}")]
-    differ = int((_bytes(out) != _bytes(first[0])).sum())
+        return [CheckResult(name, True, detail=f"{where}: the bits of {earlier}")]
+    differ = f"{int((_bytes(out) != _bytes(first[0])).sum())} out bytes differ from {earlier}"
+    if lse is not None:
+        differ += f", {int((_bytes(lse) != _bytes(first[1])).sum())} lse bytes ({_first_difference(out, lse, first)})"
+    else:
+        differ += f" ({_first_difference(out, lse, first)})"
     judged = judge()
     if isinstance(judged, str):
-        return [CheckResult(name, False, detail=f"{where}, {differ} out bytes differ from the run on the {earlier}: "
-                                                f"{judged}")]
+        return [CheckResult(name, False, detail=f"{where}, {differ}: {judged}")]
     results = check_tier1(out, lse, ref, *judged, name=name)
     for r in results:
-        r.detail = f"{where}, {differ} out bytes differ from the run on the {earlier}: {r.detail}"
+        r.detail = f"{where}, {differ}: {r.detail}"
     return results
+
+
+def _first_difference(out: torch.Tensor, lse: torch.Tensor | None, first: tuple) -> str:
+    """Where two runs' results first differ in their bits, out before lse: "first at out[t, h, c]: a vs b" (this
+    run's value first), or "" when they do not."""
+    for name, a, b in (("out", out, first[0]), ("lse", lse, first[1])):
+        if a is None:
+            continue
+        per_element = _bytes(a).view(a.numel(), a.element_size()) != _bytes(b).view(b.numel(), b.element_size())
+        hits = per_element.any(dim=1).nonzero()
+        if hits.numel():
+            i = int(hits[0])
+            at = ", ".join(str(int(k)) for k in torch.unravel_index(torch.tensor(i), a.shape))
+            x, y = a.reshape(-1)[i].item(), b.reshape(-1)[i].item()
+            return f"first at {name}[{at}]: {x!r} vs {y!r}"
+    return ""
 
 
 def check_layout(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, ref) -> list[CheckResult]:
@@ -545,7 +594,7 @@ def check_layout(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple,
             return f"the kernel's numerics for the strided batch raised {error_message(e)}"
         return _tier1_bound(strided.batch, kernel, numerics, ref), numerics.out_dtype
 
-    return _as_first("layout", where, second, "contiguous inputs", first, ref, judge)
+    return _as_first("layout", where, second, "the run on the contiguous inputs", first, ref, judge)
 
 
 # ---- one case -----------------------------------------------------------------------------------------------------
@@ -623,6 +672,8 @@ def run_case(case: Case, kernel: Kernel, device: str = "cpu", far: bool | None =
         result.checks += check_tier1(out_d, lse_d, ref, bound, numerics.out_dtype)
         result.checks.append(check_empty(batch, out_d, lse_d))
         result.checks.append(check_finite(batch, out_d, lse_d))
+        result.checks += check_repeat(batch, kernel, case.num_workers, (out_d, lse_d), ref, bound,
+                                      numerics.out_dtype)
         if case.is_fp8:
             result.checks += check_tier2(batch, batch_exact, ref)
         if kernel.run_workers is not None:

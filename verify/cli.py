@@ -57,6 +57,8 @@ plug-in contract (--impl package.module:function):
     what it takes (the layout check then passes as layout.refused, and the report warns)
   optional: function.numerics = mla_fast.numerics.KernelNumerics(...) declares how it rounds; without it the
   bound assumes fp32 scores and P, fp32 accumulation, bf16 output (verify.kernels.DEFAULT_NUMERICS).
+  Two runs on the same batch must give the same bits; function.deterministic = False declares run-to-run
+  variation by design (atomics, work stealing), and the second run is then held to the tier-1 bound.
   A plug-in that raises or returns the wrong shape or dtype fails its case with the message.
   For an input it has no kernel for, raise mla_fast.backends.Unsupported("reason"): the case is counted as
   unsupported under that reason (neither passed nor failed; keep case-specific values out of the reason).
@@ -135,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
         "Checks per case: tier 1 (kernel vs fp64 on the same dequantized inputs), tier 2 (fp8 quantization\n"
         "error within B_det and B_post), split invariance (our planned backends, plug-ins with .run_workers),\n"
         "empty rows (out 0, lse -inf), finiteness, NaN propagation (a run with one NaN token), the contract\n"
-        "(shapes, dtypes), inputs left unwritten, the rounding and partials probes (how P and split outputs are\n"
+        "(shapes, dtypes), a second run on the same batch (the same bits, unless the kernel declares otherwise),\n"
+        "inputs left unwritten, the rounding and partials probes (how P and split outputs are\n"
         "rounded), the layout check (q, cache and block table as strided views into NaN-padded buffers), and on\n"
         "CUDA devices the far check (the pages moved past element 2^31 of a larger cache, where int32 offsets\n"
         "wrap) and the long cases (a request of 2^16 + 65 tokens in more than 64 pieces).\n"

@@ -23,6 +23,9 @@ A plug-in that takes a worker count may say so with ``my_decode.run_workers = fn
 (out, lse)`` with the KV split over that many persistent workers: each case then runs it with the case's drawn
 worker count (instead of ``my_decode``), and the split-invariance check runs it again with another count
 (``split.out`` / ``split.lse``, the latter when both runs return lse). Without it the split check does not run.
+Two runs on the same batch must give the same bits (the ``repeat`` check); a plug-in whose results vary from run
+to run by design (split outputs merged by atomics, work stealing) declares ``my_decode.deterministic = False``, and
+the second run is then held to the tier-1 bound instead.
 """
 
 from __future__ import annotations
@@ -52,6 +55,9 @@ DEFAULT_NUMERICS = KernelNumerics(
 )
 
 
+NONDETERMINISTIC = "declared nondeterministic: the repeat check takes the tier-1 bound, not the first run's bits"
+
+
 @dataclass(frozen=True)
 class Kernel:
     """What the checks call.
@@ -66,6 +72,9 @@ class Kernel:
         reason: why this kernel was chosen (shown in the report).
         nan_deviation: a backend's declared break of the NaN convention (`Backend.nan_deviation`): the nan check
             is then not run, and the reason says why; "" for our kernels and plug-ins, which must keep it.
+        deterministic: whether two runs on the same batch (and worker count) give the same bits (`Backend.
+            deterministic`, a plug-in's ``.deterministic``; True unless declared otherwise): the repeat check then
+            asks for them, else for the tier-1 bound.
     """
 
     name: str
@@ -75,6 +84,7 @@ class Kernel:
     max_splits: Callable[[DecodeBatch], int] = blocks_of_64
     reason: str = ""
     nan_deviation: str = ""
+    deterministic: bool = True
 
 
 def from_backend(name: str) -> Kernel:
@@ -89,8 +99,10 @@ def from_backend(name: str) -> Kernel:
         reason = f"auto picked {backend.name} ({reason})" + (f"; unavailable: {'; '.join(skipped)}" if skipped else "")
     if backend.nan_deviation:
         reason += f"; nan check not run, declared: {backend.nan_deviation}"
+    if not backend.deterministic:
+        reason += f"; {NONDETERMINISTIC}"
     return Kernel(backend.name, backend.run, backend.numerics, backend.run_workers, backend.max_splits,
-                  reason=reason, nan_deviation=backend.nan_deviation)
+                  reason=reason, nan_deviation=backend.nan_deviation, deterministic=backend.deterministic)
 
 
 def from_impl(spec: str) -> Kernel:
@@ -137,7 +149,12 @@ def from_callable(fn, name: str | None = None) -> Kernel:
         raise ValueError(f"--impl {name}: .run_workers must be a callable (batch, num_workers), got {type(workers)}")
     if workers is not None:
         reason += "; split invariance through .run_workers"
-    return Kernel(name, fn, numerics, workers, max_splits=max_splits, reason=reason)
+    deterministic = getattr(fn, "deterministic", True)
+    if not isinstance(deterministic, bool):
+        raise ValueError(f"--impl {name}: .deterministic must be True or False, got {deterministic!r}")
+    if not deterministic:
+        reason += f"; {NONDETERMINISTIC}"
+    return Kernel(name, fn, numerics, workers, max_splits=max_splits, reason=reason, deterministic=deterministic)
 
 
 def outputs(result: object, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor | None]:

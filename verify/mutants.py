@@ -38,10 +38,14 @@ turns one knob, the way such bugs happen in real kernels:
 |                       |                                                              | or `--long on`)               |
 | hardcoded_scale       | σ fixed at DeepSeek-V3's 0.1352338, the batch's ignored      | tier1 (the smoke prefix's     |
 |                       |                                                              | other σ)                      |
+| merge_order_varies    | split partials summed in an order that changes from call to  | repeat (>= 3 splits)          |
+|                       | call (as atomics do), while declared deterministic (the      |                               |
+|                       | plug-in default)                                             |                               |
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -74,12 +78,14 @@ def _decode(
     p_fmt: str | None = None,
     partial_dtype: torch.dtype = torch.float32,
     position_bits: int | None = None,
+    merge_shift: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV online-softmax MLA decode -> (out [T, H, L] bf16, lse [T, H] fp32). Defaults = no bug.
 
     Per request: gather its pages, cut its tokens into up to MAX_SPLITS splits (on BLOCK boundaries), run an online
     softmax over BLOCK-token steps inside each split (running max m, sum l and output acc in ``acc_dtype``), then
-    merge the splits with the LSE formula (or, ``merge="mean"``, by averaging them).
+    merge the splits with the LSE formula (or, ``merge="mean"``, by averaging them), their sums starting at split
+    ``merge_shift`` (mod the number of splits) instead of the first.
     """
     L, H, ps = batch.kv_lora_rank, batch.num_heads, batch.page_size
     sigma = batch.sm_scale if sm_scale is None else sm_scale
@@ -113,7 +119,8 @@ def _decode(
         lse_s = torch.stack([p[1] for p in parts])  # [S, n, H]
         if len(parts) > 1:  # split outputs stored in partial_dtype for the merge (their lse in fp32)
             o_s = o_s.to(partial_dtype).float()
-        out[qo[b] : qo[b + 1]], lse[qo[b] : qo[b + 1]] = _merge(o_s, lse_s, merge, empty_nan)
+        order = torch.arange(len(parts), device=dev).roll(-merge_shift)  # [S] the order the merge sums them in
+        out[qo[b] : qo[b + 1]], lse[qo[b] : qo[b + 1]] = _merge(o_s[order], lse_s[order], merge, empty_nan)
     out = (out * gain).to(torch.bfloat16)
     return out, lse * math.log2(math.e) if lse_base2 else lse
 
@@ -300,7 +307,7 @@ def ignores_strides(batch):
 
 def hardcoded_scale(batch):
     """Softmax scale fixed at DeepSeek-V3's (YaRN mscale² with mscale_all_dim 1) whatever the batch's σ: right on
-    every drawn case (they all take V3's), wrong for the same model without YaRN or for DeepSeek-V2-Lite."""
+    three drawn cases of four (they take V3's), wrong for the same model without YaRN or for DeepSeek-V2-Lite."""
     return _decode(batch, sm_scale=SM_SCALE)
 
 
@@ -310,11 +317,22 @@ def uint16_positions(batch):
     return _decode(batch, position_bits=16)
 
 
+_calls = itertools.count()  # merge_order_varies's call counter
+
+
+def merge_order_varies(batch):
+    """Split partials merged in an order that changes from call to call (each call starts the merge's sums at
+    another split, as atomic adds in the order splits finish do), while the kernel declares itself deterministic,
+    the plug-in default: every result is right, but two runs on the same batch may differ in their last bits (in
+    rows of three or more splits: the lse's fp32 sum, and out where its bf16 rounding tips)."""
+    return _decode(batch, merge_shift=next(_calls))
+
+
 MUTANTS = (
     "wrong_scale", "drop_rope", "page_off_by_one", "last_page_unmasked", "lse_base2", "kv_scale_ignored",
     "q_scale_ignored", "average_splits", "mtp_causal_off_by_one", "nan_empty", "out_gain", "bf16_accumulation",
     "seq_lens_cleared", "cache_padding_written", "nan_dropped", "no_max_subtraction", "int32_offsets",
-    "p_rounded_bf16", "bf16_partials", "ignores_strides", "uint16_positions", "hardcoded_scale",
+    "p_rounded_bf16", "bf16_partials", "ignores_strides", "uint16_positions", "hardcoded_scale", "merge_order_varies",
 )  # fmt: skip
 FP8_ONLY = ("kv_scale_ignored", "q_scale_ignored")  # need fp8 inputs with a scale != 1
 FAR_ONLY = ("int32_offsets",)  # need the far check, on by default on CUDA devices only (mla-verify --far on)
