@@ -152,6 +152,7 @@ def _features(cs: list[Case]) -> set[str]:
         found |= {"partial_page"} if any(s % c.page_size for s in c.seq_lens) else set()
         found |= {"workers>blocks"} if c.num_workers > sum(pages) else set()
         found |= {"heads:not_pow2"} if c.heads & (c.heads - 1) else set()
+        found |= {"sigma:other"} if c.sm_scale != Case().sm_scale else set()
         found |= {f"dist:{c.dist}", f"scale:{c.scale_mode}", f"q:{c.q_dtype}"}
     return found
 
@@ -176,8 +177,24 @@ def test_strategy_reaches_the_edges():
     # into generation), so other test orders draw other cases; 150 once drew no near_max case in the full suite
     found = _features(_draw(cases("fp8"), 400, seed=0))
     for f in ["empty", "len1", "mtp", "q_len>seq_len", "long", "partial_page", "workers>blocks", "scale:dynamic",
-              "scale:static", "scale:unit", "q:fp8", "q:bf16", "heads:not_pow2"] + [f"dist:{d}" for d in DISTRIBUTIONS]:
+              "scale:static", "scale:unit", "q:fp8", "q:bf16", "heads:not_pow2", "sigma:other"] + [
+                  f"dist:{d}" for d in DISTRIBUTIONS]:
         assert f in found, f
+
+
+def test_drawn_sigma_is_a_configs():
+    """A drawn σ is DeepSeek-V3's or d_qk^-1/2 · m(factor, mscale_all_dim)² of a config on the strategy's grid
+    (mla_ref.config's formula, recomputed here from the grid), and others than V3's come up."""
+    from mla_ref.config import yarn_get_mscale
+    from verify.cli import _draw
+    from verify.strategies import MSCALE_ALL_DIMS, QK_HEAD_DIMS, YARN_FACTORS
+
+    grid = {d**-0.5 * yarn_get_mscale(f, m) ** 2 for d in QK_HEAD_DIMS for m in MSCALE_ALL_DIMS
+            for f in range(YARN_FACTORS[0], YARN_FACTORS[1] + 1)}
+    drawn = [c.sm_scale for c in _draw(cases("bf16"), 200, seed=3)]
+    assert all(x in grid or x == Case().sm_scale for x in drawn), sorted(set(drawn) - grid)
+    other = {x for x in drawn if x != Case().sm_scale}
+    assert len(other) >= 3 and min(grid) >= 0.072 and max(grid) <= 0.22  # the range the strategy's docstring gives
 
 
 def _scores(case: Case) -> list[torch.Tensor]:

@@ -14,7 +14,10 @@ where g is the cache format's spacing in [1/2, 1) (bf16 2^-8, e4m3fn 2^-4), b_j 
 P = 3 max(1, 256 g) (every 3rd token for bf16, every 48th for e4m3fn: the offsets average to about 2^-8 / 3 in
 formats with g >= 2^-8), and y_jc = g round(α_c w_j / g), α_c = 1/2 + c / (4L), with w antisymmetric over the
 s0 = s - q_len + 1 tokens every query row of the request sees: w_j = cos(π (j + 1/2) / s0) in the first half,
-w_{s0-1-j} = -w_j, 0 at the middle of an odd s0 and on the later tokens (seen by the later MTP rows). Every value is
+w_{s0-1-j} = -w_j, 0 at the middle of an odd s0 and on the later tokens (seen by the later MTP rows). A request with
+s0 < 2 has no antisymmetric part: its tokens hold 0 and no offset (with the offsets alone, an output and its
+pieces' means are of one size, and a kernel that stores partials more finely than declared reached 0.25 of the bound
+there from its output rounding alone, against 0.29-0.73 for partials stored as declared). Every value is
 a multiple of g below 1 in magnitude, so exact in the cache format, and the oracle's sums are exact. Then
     ô_c = κ g (number of b_j = 1 that the row sees) / n_vis ≈ κ 2^-8 / 3,    lse = ln n_vis,
 (κ = kv_scale, 1 for a 16-bit cache) while a piece of a split row holds κ times the mean of y over its tokens:
@@ -103,8 +106,8 @@ def partials_probe(batch: DecodeBatch) -> PartialsProbe | str:
     """The probe of ``batch`` (module docstring), or why it has none: no request whose every query row sees two
     tokens. Two host syncs (the lengths, then the token addresses); the cache's values are written by
     `verify.rounding_probe.probe_batch`."""
-    seq, q_lens = batch.seq_lens.long(), batch.q_lens.long()  # [B]
-    s0 = (seq - q_lens + 1).clamp(min=0)  # [B] tokens every query row of the request sees
+    seq = batch.seq_lens.long()  # [B]
+    s0 = batch.visible_tokens()[batch.qo_indptr[:-1].long()]  # [B] what each request's first (so every) row sees
     if batch.batch_size == 0 or int(s0.max()) < 2:
         return "no request whose every query row sees two tokens (one token has nothing to split)"
     T, H, D = batch.q.shape
@@ -117,7 +120,7 @@ def partials_probe(batch: DecodeBatch) -> PartialsProbe | str:
     w = torch.where(positions < s0_tok, antisymmetric_weights(positions, s0_tok.clamp(min=1)), 0.0)  # [N]
     y = g * torch.round(w[:, None] * alpha.to(dev) / g)  # [N, L] multiples of g, |y| <= 3/4; round is symmetric
     period = offset_period(g)
-    offset = g * (positions % period == 0).double()  # [N]
+    offset = g * ((positions % period == 0) & (s0_tok >= 2)).double()  # [N] none where w has no antisymmetric part
     rows = torch.zeros(len(w), D, dtype=torch.float64, device=dev)  # [N, D] k_pe = 0
     rows[:, :L] = y + offset[:, None]  # [N, L] multiples of g below 1: exact in the cache format
     q = torch.zeros(T, H, D, dtype=torch.float64)  # [T, H, D] every score 0

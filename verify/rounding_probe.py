@@ -117,7 +117,7 @@ def rounding_probe(batch: DecodeBatch) -> RoundingProbe | str:
 
     pages, slots, positions = batch.token_addresses()  # [N] each
     seq = batch.seq_lens.long()  # [B]
-    s0 = (seq - batch.q_lens.long() + 1).clamp(min=0)  # [B] tokens every query row of the request sees
+    s0 = batch.visible_tokens()[batch.qo_indptr[:-1].long()]  # [B] what each request's first (so every) row sees
     s0_tok = torch.repeat_interleave(s0, seq, output_size=len(positions))  # [N] s0 of each token's request
     second = (s0_tok >= 4) & (positions >= 2) & (positions <= 3)  # [N] tokens 2 and 3: the second pair
     token_rows = rows.to(dev)[torch.where(second, positions - 2, positions.clamp(max=2))]  # [N, D]

@@ -5,7 +5,9 @@ Edges (each gets its own branch, so Hypothesis draws them often, not once in a m
 - one very long request among short ones (uneven splits, long accumulations), in a quarter of the cases;
 - more workers than KV blocks (every block its own split);
 - MTP: q_len 2..4, including q_len > seq_len (leading rows see nothing);
-- pages of 1, 16, 32, 64 and 3 tokens, up to 8 requests (``max_batch``), 1 to 128 heads, some not a power of two.
+- pages of 1, 16, 32, 64 and 3 tokens, up to 8 requests (``max_batch``), 1 to 128 heads, some not a power of two;
+- the softmax scale: DeepSeek-V3's in three cases of four (the model these kernels serve), else that of another
+  MLA config (q·k head dim, YaRN factor and mscale_all_dim drawn: 0.072-0.22). Drawn last in each case.
 Sizes are kept moderate so that a CPU campaign runs hundreds of cases a minute: heads are drawn after the
 lengths, from the counts that keep ``Case.work`` (q rows × heads × tokens) under ``work_budget`` (so 32 to 128
 heads come with short requests; ``--heads`` fixes them, ``--max-seq-len`` reaches past 4096).
@@ -18,7 +20,8 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from verify.cases import DISTRIBUTIONS, NO_YARN_SM_SCALE, V2_LITE_SM_SCALE, Case
+from mla_ref.config import yarn_get_mscale
+from verify.cases import DISTRIBUTIONS, NO_YARN_SM_SCALE, SM_SCALE, V2_LITE_SM_SCALE, Case
 
 HEADS = (1, 2, 4, 5, 8, 16, 20, 32, 40, 64, 128)  # above 16: drawn where the lengths leave room in the work
 # budget; 40, 20 and 5: MiniCPM3's 40 MLA heads and their tensor-parallel shares, not a power of two
@@ -26,6 +29,9 @@ PAGE_SIZES = (64, 16, 1, 32, 3)  # 3: a page that no power-of-two tile divides
 WORKERS = (1, 2, 4, 8, 32, 132)  # 132: an H200's SMs, more workers than blocks for all but long requests
 WORK_BUDGET = 1 << 15  # q rows × heads × KV tokens per drawn case (a few tens of ms of fp64 oracle on a CPU)
 SHORT_MAX = 512  # the bulk of drawn sequence lengths
+QK_HEAD_DIMS = (192, 96)  # qk_nope + qk_rope: DeepSeek-V2/V3 and Kimi K2; MiniCPM3
+YARN_FACTORS = (1, 99)  # YaRN factors drawn (1: no YaRN; DeepSeek-V3 40, Kimi K2 32), below 100: _sm_scale
+MSCALE_ALL_DIMS = (0.707, 1.0)  # DeepSeek-V2(-Lite); DeepSeek-V3
 
 
 def _seq_len(page: int, short_max: int) -> st.SearchStrategy[int]:
@@ -97,7 +103,20 @@ def cases(
         dist=dist,
         num_workers=draw(st.sampled_from(WORKERS), label="num_workers"),
         seed=draw(st.integers(0, 2**32 - 1), label="seed"),
+        sm_scale=draw(_sm_scale(), label="sm_scale"),
     )
+
+
+def _sm_scale() -> st.SearchStrategy[float]:
+    """σ: DeepSeek-V3's in three draws of four, else that of an MLA config drawn as such configs set it,
+    d_qk^-1/2 · m(factor, mscale_all_dim)² (mla_ref.config: 0.072-0.22 over these fields). Hypothesis takes some
+    draws from the constants of the local modules a process has loaded (15 % of floats; 5 % of integers, from
+    constants of 100 and more), which differ between a test process and a spawned `--jobs` worker: with st.floats,
+    or factors up to 160 (128 and 132 are such constants), one seed drew other σ in each (tests/test_cli.py's
+    search jobs). So σ comes from choices and integers below 100."""
+    config = st.builds(lambda d, f, m: d**-0.5 * yarn_get_mscale(f, m) ** 2, st.sampled_from(QK_HEAD_DIMS),
+                       st.integers(*YARN_FACTORS), st.sampled_from(MSCALE_ALL_DIMS))
+    return st.one_of(st.just(SM_SCALE), st.just(SM_SCALE), st.just(SM_SCALE), config)
 
 
 def smoke_cases(
@@ -112,7 +131,7 @@ def smoke_cases(
 ) -> list[Case]:
     """The fixed prefix of every campaign: empty rows, length 1, page edges, MTP, splits, a long request, peaky
     and sink scores, 128 heads on pages of 32 with logits past fp32 exp's overflow, a dominant newest token in a
-    long request, pages of 128, two softmax scales other than DeepSeek-V3's (drawn cases all have it), and for fp8
+    long request, pages of 128, two softmax scales other than DeepSeek-V3's (which most drawn cases take), and for fp8
     both q dtypes, every scale mode, subnormals, ties and saturation.
 
     Lengths are clipped to max_seq_len; heads / page_size override the hand-picked values when given.
@@ -138,7 +157,7 @@ def smoke_cases(
         # pages stop at 64
         dict(seq_lens=(300, 129, 0, 127), q_lens=(1, 2, 1, 3), heads=16, page_size=128, num_workers=8,
              dist="gauss1", seed=11),
-        # other softmax scales than DeepSeek-V3's, which every drawn case has: YaRN off, and DeepSeek-V2-Lite's
+        # other softmax scales than DeepSeek-V3's, which most drawn cases take: YaRN off, and DeepSeek-V2-Lite's
         # (fp8: with fp8 q and a static scale, the path where kernels fold q_scale into σ)
         dict(seq_lens=(200, 77, 1), q_lens=(1, 2, 1), heads=8, num_workers=4, dist="gauss4",
              sm_scale=NO_YARN_SM_SCALE, seed=13),
