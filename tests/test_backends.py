@@ -291,3 +291,26 @@ def test_each_backend_declares_the_most_pieces_it_cuts_a_row_into():
         assert backends.BACKENDS["aiter"].max_splits(batch) == -(-longest // max(page_size, 16))
         assert from_backend("emulated").max_splits(batch) == Kernel.max_splits(batch) == -(-longest // 64)
     assert backends.most_pieces(_batch(seq_lens=(0,), q_lens=(1,)), 64) == 1  # nothing to cut: one piece
+
+
+def test_flashinfer_declines_requests_shorter_than_their_query_rows_above_32_heads(monkeypatch):
+    """FlashInfer 0.6.14 returns wrong rows for a request with more query rows than tokens at some head counts above
+    32 (measured on an H200; tests/test_peers_gpu.py keeps showing it): its backend raises Unsupported for such a
+    batch above 32 heads, and hands every other batch to the adapter. The check precedes the adapter, so it runs
+    here without FlashInfer."""
+    from mla_fast import flashinfer_backend
+    from mla_fast.backends import BACKENDS, FLASHINFER_SHORT, Unsupported
+    from verify.cases import Case
+
+    monkeypatch.setattr(flashinfer_backend, "flashinfer_decode", lambda batch: "adapter")
+    run = BACKENDS["flashinfer"].run
+    for heads, seq_lens, q_lens, declined in ((33, (1, 5), (2, 1), True), (40, (0, 5), (1, 1), True),
+                                              (32, (1, 5), (2, 1), False), (40, (2, 5), (2, 1), False),
+                                              (128, (4, 5), (4, 1), False)):
+        batch, _ = Case(seq_lens=seq_lens, q_lens=q_lens, heads=heads).materialize()
+        if declined:
+            with pytest.raises(Unsupported, match="more query rows than KV tokens at more than 32 heads"):
+                run(batch)
+        else:
+            assert run(batch) == "adapter", (heads, seq_lens, q_lens)
+    assert "FlashInfer 0.6.14 returns wrong rows" in FLASHINFER_SHORT
