@@ -141,6 +141,24 @@ def declares_bf16_partials(batch):
 declares_bf16_partials.numerics = dataclasses.replace(DEFAULT_NUMERICS, partial_dtype=torch.bfloat16)
 
 
+def declares_nondeterminism(batch):
+    """A correct, deterministic kernel declaring run-to-run variation: looser than the kernel by the repeat check."""
+    return correct(batch)
+
+
+declares_nondeterminism.deterministic = False
+
+
+def varies_as_declared(batch):
+    """The merge_order_varies mutant declaring its run-to-run variation."""
+    from verify.mutants import merge_order_varies
+
+    return merge_order_varies(batch)
+
+
+varies_as_declared.deterministic = False
+
+
 def run(capsys, *argv):
     code = cli.main(list(argv))
     captured = capsys.readouterr()
@@ -766,6 +784,21 @@ def test_a_declared_partial_dtype_coarser_than_the_kernels_is_warned_about(capsy
     # the declared bf16 partials loosen the rounding probe's merge charge on split rows too: its warning may join
     assert code == 0 and "partials.out" in warned and set(warned) <= {"partials.out", "rounding.out"}, err
     assert report["checks"]["partials.out"]["max_err_over_bound"] < cli.PARTIALS_MATCHED
+
+
+def test_a_declared_nondeterminism_the_kernel_never_shows_is_warned_about(capsys, tmp_path):
+    """A deterministic kernel that declares run-to-run variation passes (its repeat check takes the tier-1 bound),
+    and every second run gives the first run's bits: the report warns. A kernel whose bits do vary as declared is
+    not warned about (merge_order_varies differs in some smoke case)."""
+    path = tmp_path / "r.json"
+    argv = ("--cases", str(cli.LOOSE_CASES), "--max-seq-len", "256", "--jobs", "1", "--json", str(path))
+    code, _, err = run(capsys, "--impl", "tests.test_cli:declares_nondeterminism", *argv)
+    report = json.loads(path.read_text())
+    assert code == 0 and [w.split(":")[0] for w in report["warnings"]] == ["repeat"], err
+    assert report["checks"]["repeat"]["cases"] == cli.LOOSE_CASES and "repeat.out" not in report["checks"]
+    code, _, err = run(capsys, "--impl", "tests.test_cli:varies_as_declared", *argv)
+    report = json.loads(path.read_text())
+    assert code == 0 and "repeat.out" in report["checks"] and report["warnings"] == [], err
 
 
 def refuses_strided_caches(batch):

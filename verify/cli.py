@@ -548,12 +548,14 @@ def _numerics(results: list[CaseResult]) -> dict[str, int]:
     return dict(Counter(r.numerics for r in results if r.numerics is not None))
 
 
-def _warnings(summary: dict) -> list[str]:
+def _warnings(summary: dict, deterministic: bool = True) -> list[str]:
     """Signs that the checks may be vacuous (never pass / fail): a tier-1 out bound far above every error seen,
     which a declaration looser than the kernel (a gamma too large, an operand dtype too narrow) gives; a rounding
     probe far inside its bound, which a declared P rounding coarser than the kernel's gives; a partials probe far
-    inside its bound, which a declared partial dtype coarser than the kernel's gives; and strided inputs the kernel
-    refused (the layout check did not run on them)."""
+    inside its bound, which a declared partial dtype coarser than the kernel's gives; strided inputs the kernel
+    refused (the layout check did not run on them); and, for a kernel declared nondeterministic (``deterministic``
+    False), second runs that all gave the first run's bits (the repeat check then holds it to a bound it need not
+    have: it may be deterministic after all)."""
     def largest(name: str) -> float | None:
         """The check's max err/bound over at least LOOSE_CASES cases; None if fewer, or not a finite float (a
         non-finite ratio is kept as the string "inf" / "nan" in the summary: a failure, not a loose bound)."""
@@ -581,11 +583,16 @@ def _warnings(summary: dict) -> list[str]:
     if refused := summary.get("layout.refused"):
         warnings.append(f"layout.refused: the kernel refused strided inputs in {refused['cases']} cases, which the "
                         f"layout check then did not try (serving engines pass views); e.g. {refused['worst_detail']}")
+    same = summary.get("repeat", {}).get("cases", 0)  # declared nondeterministic: "repeat" counts the same bits
+    if not deterministic and same >= LOOSE_CASES and "repeat.out" not in summary:
+        warnings.append(f"repeat: the kernel declares run-to-run variation, but its second run gave the first run's "
+                        f"bits in all {same} cases; if it is deterministic, drop the declaration and the repeat check "
+                        "asks for the bits")
     return warnings
 
 
 def _print_summary(console, summary: dict, results: list[CaseResult], seconds: float, flags: str,
-                   not_run: int) -> None:
+                   not_run: int, deterministic: bool = True) -> None:
     """Table per check (cases, failed, median and max err/bound, worst case) and a row per unsupported reason, then
     the worst cases' repro lines."""
     from rich.table import Table
@@ -613,7 +620,7 @@ def _print_summary(console, summary: dict, results: list[CaseResult], seconds: f
         console.print(f"[{i}] {line}", markup=False, highlight=False)
     for described, count in _numerics(results).items():
         console.print(f"declared numerics ({count} cases): {described}", markup=False, highlight=False)
-    for line in _warnings(summary):
+    for line in _warnings(summary, deterministic):
         console.print(f"mla-verify: warning: {line}", markup=False, highlight=False)
 
 
@@ -841,7 +848,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = _summary(results, flags)
     not_run = n - len(results)
     if results:
-        _print_summary(console, summary, results, seconds, flags, not_run)
+        _print_summary(console, summary, results, seconds, flags, not_run, kernel.deterministic)
     if stopped:
         faulting = f"; faulting case:\n  {stopped['repro']}" if "repro" in stopped else ""
         console.print(f"mla-verify: stopped early, {not_run} cases not run: {stopped['reason']}{faulting}",
@@ -855,7 +862,7 @@ def main(argv: list[str] | None = None) -> int:
     unsupported = _unsupported(results)
     report["long"] = any(max(r.case.seq_lens) > 2**16 for r in results)  # a request past 2^16 tokens ran
     report.update(cases=len(results), failed=len(failed), seconds=round(seconds, 3), checks=summary,
-                  numerics=_numerics(results), warnings=_warnings(summary),
+                  numerics=_numerics(results), warnings=_warnings(summary, kernel.deterministic),
                   failures=[_failure(r, flags) for r in failed],
                   unsupported={reason: len(group) for reason, group in unsupported.items()},
                   not_run=not_run, stopped=stopped or None,
