@@ -83,8 +83,8 @@ class Backend:
             nan check for this backend instead of failing every case on a known peer behaviour.
         max_splits: (batch) -> the most pieces it cuts any row into (verify's merge bound charges that many); by
             default `blocks_of_64`.
-        deterministic: two runs on the same batch (and worker count) give the same bits, as measured; verify's
-            repeat check asks for them when True, else for its tier-1 bound.
+        deterministic: two runs on the same batch (and worker count) give the same bits, as measured (aiter:
+            assumed, never run here); verify's repeat check asks for them when True, else for its tier-1 bound.
     """
 
     name: str

@@ -23,7 +23,9 @@ COMBOS = {"bf16": dict(), "fp8kv": dict(kv_dtype="fp8"), "fp8": dict(kv_dtype="f
           "fp8kv_fnuz": dict(kv_dtype="fp8", fp8_format="e4m3fnuz")}
 
 
-def _batch(combo: str, seq_lens=(0, 37, 130, 300), q_lens=(1, 2, 3, 1), heads=4, page_size=16):
+def _batch(combo: str, seq_lens=(0, 37, 130, 300, 3), q_lens=(1, 2, 3, 1, 4), heads=4, page_size=16):
+    """The case's batch; by default an empty request, MTP rows, splits, and a request of 3 tokens and 4 query rows
+    (s0 = 0: no antisymmetric part, so the probe writes 0 there)."""
     return Case(seq_lens=seq_lens, q_lens=q_lens, heads=heads, page_size=page_size, scale_mode="static",
                 **COMBOS[combo]).materialize()[0]
 
@@ -58,9 +60,9 @@ def test_probe_keeps_the_layout_and_the_poison_and_writes_exact_values(combo):
         if not s:
             continue
         j = torch.arange(s)
-        offset = g * (j % probe.period == 0).double()  # [s]
+        s0 = max(s - n + 1, 0)
+        offset = g * ((j % probe.period == 0) & (s0 >= 2)).double()  # [s] none without an antisymmetric part
         y = kv[:, :L] - offset[:, None]  # [s, L] the antisymmetric part
-        s0 = s - n + 1
         assert not kv[:, L:].any() and (kv[:, :L].abs() < 1).all()
         assert torch.equal(torch.remainder(kv[:, :L], g), torch.zeros_like(kv[:, :L]))  # multiples of g
         assert torch.equal(y[:s0], -y[:s0].flip(0)) and not y[s0:].any()  # mirrored over s0, 0 after it
@@ -74,7 +76,9 @@ def test_the_oracle_on_the_probe_is_the_closed_form(combo):
     probe = partials_probe(batch)
     out, lse = mla_decode_ref(probe.batch)  # [T, H, L], [T, H]
     n = probe.batch.visible_tokens().double()  # [T]
+    s0 = probe.batch.visible_tokens()[probe.batch.qo_indptr[:-1].long()][probe.batch.row_request()]  # [T]
     offsets = torch.div(n + probe.period - 1, probe.period, rounding_mode="floor")  # tokens j ≡ 0 mod P seen
+    offsets = torch.where(s0 >= 2, offsets, 0.0)  # [T] none in a request without an antisymmetric part
     kappa = probe.batch.kv_scale or 1.0
     expected = torch.where(n > 0, kappa * probe.g * offsets / n.clamp(min=1), 0.0)  # [T] ô, the same on every channel
     assert torch.equal(out, expected[:, None, None].expand_as(out))  # exact: dyadic sums, one division
@@ -92,6 +96,19 @@ def test_partials_stored_more_coarsely_than_declared_fail_and_as_declared_pass(c
         assert out.ok != coarser and lse.ok, (stored, declared, out.err_over_bound, out.detail)
         if (stored, declared) == ("bf16", "fp32"):  # the common case: 2^-9 of a partial against fp32 roundings
             assert out.err_over_bound > 20, out.err_over_bound
+
+
+def test_requests_without_an_antisymmetric_part_say_nothing_of_partials_stored_more_finely():
+    """With offsets alone, a request of 3 tokens and 4 query rows has an output and pieces' means of one size: fp32
+    partials declared as bf16 read 0.25 of the bound there from the output's rounding alone, above the report's
+    PARTIALS_MATCHED warning line (a review; drawn once σ was drawn). Such requests hold 0 now: the split request
+    beside them shows the same finer storage far below that line, and bf16 partials under fp32 still fail."""
+    from verify.cli import PARTIALS_MATCHED
+
+    batch = _batch("bf16", seq_lens=(3, 200), q_lens=(4, 1), page_size=1)
+    [finer] = [r for r in check_partials(batch, _storing("fp32", "bf16"), workers=132) if r.name == "partials.out"]
+    [coarser] = [r for r in check_partials(batch, _storing("bf16", "fp32"), workers=132) if r.name == "partials.out"]
+    assert finer.ok and finer.err_over_bound < PARTIALS_MATCHED and not coarser.ok, (finer.detail, coarser.detail)
 
 
 @pytest.mark.parametrize("seq_len,pieces", [(128, 2), (256, 4), (4096, 4)])
@@ -143,7 +160,8 @@ def test_uniform_p_needs_q_zero_and_its_factor_is_exp_error_when_p_scale_is_exac
     probe = partials_probe(batch).batch
     fp8_p_bf16_mma = dataclasses.replace(fp8_p, qk_operand=torch.bfloat16, pv_operand=torch.bfloat16)  # V exact
     loose, tight = (bounds.kernel_bound(probe, fp8_p_bf16_mma, uniform_p=u).out for u in (False, True))
-    assert (tight <= loose).all() and (tight.amax() < loose.amax() / 100)  # u_P Σ p|v| is gone
+    # u_P Σ p|v| is gone; where Σ p|v| = 0 (the request the probe writes 0 into) tight is B (1 + δ) against B
+    assert (tight <= loose * (1 + exact)).all() and (tight.amax() < loose.amax() / 100)
 
 
 def test_merge_bound_charges_the_declared_partial_dtype_once():

@@ -9,8 +9,9 @@ batch-invariant decoding need the latter. A kernel declares which it is (`Kernel
 import dataclasses
 
 import pytest
+import torch
 
-from mla_fast.backends import BACKENDS
+from mla_fast.backends import BACKENDS, Unsupported
 from verify import mutants
 from verify.checks import run_case
 from verify.kernels import NONDETERMINISTIC, from_backend, from_callable
@@ -70,7 +71,7 @@ def test_a_declared_nondeterministic_kernel_passes_within_the_tier1_bound():
 
 def test_a_declared_nondeterministic_kernel_whose_second_run_is_wrong_fails():
     """The declaration relaxes bits to the tier-1 bound, not further: a second run whose out carries a relative
-    error of 2^-6 (four bf16 ulps) fails repeat.out."""
+    error of 2^-6 (two to four bf16 ulps, by where a value sits in its binade) fails repeat.out."""
     kernel = from_callable(_SecondCall(lambda out, lse: ((out.float() * (1 + 2**-6)).to(out.dtype), lse),
                                        deterministic=False))
     result = run_case(smoke_cases("bf16")[0], kernel, "cpu")
@@ -95,8 +96,16 @@ def test_the_first_difference_is_located():
     assert f"1 out bytes differ from the first run, 0 lse bytes (first at out[2, 0, 0]: {-v!r} vs {v!r})" in detail
 
 
+def _raise(e):
+    raise e
+
+
 @pytest.mark.parametrize(("change", "says"), [
-    (lambda out, lse: (_ for _ in ()).throw(RuntimeError("workspace exhausted")), "raised RuntimeError: workspace"),
+    (lambda out, lse: _raise(RuntimeError("workspace exhausted")), "raised RuntimeError: workspace"),
+    (lambda out, lse: _raise(Unsupported("no kernel")), "raised Unsupported: no kernel"),  # it took the batch once
+    (lambda out, lse: (out.float(), lse), "this run returned torch.float32, torch.float32 where the first run "
+                                          "returned torch.bfloat16, torch.float32"),
+    (lambda out, lse: (out, lse.double()), "returned torch.bfloat16, torch.float64 where"),
     (lambda out, lse: (out[:1], lse), "expected shape"),
     (lambda out, lse: out, "lse returned by only one of this run and the first run"),
 ])
@@ -104,6 +113,26 @@ def test_a_second_run_that_breaks_the_contract_fails(change, says):
     result = run_case(smoke_cases("bf16")[0], from_callable(_SecondCall(change)), "cpu")
     failed = {c.name: c.detail for c in result.checks if not c.ok}
     assert "repeat" in failed and says in failed["repeat"], result.describe()
+
+
+def test_values_that_print_alike_are_shown_in_hex():
+    """Two NaNs of other payloads print alike: the detail adds their bits (this run's first). -0.0 and 0.0 print
+    apart, and need none."""
+    class Payloads:  # lse[0, 0] NaN in both runs, its payload 0x7fc00000 then 0x7fc00001 (both quiet NaNs)
+        calls = 0
+
+        def __call__(self, batch):
+            self.calls += 1
+            out, lse = mutants.correct(batch)
+            lse.view(torch.int32)[0, 0] = 0x7FC00000 + (self.calls == 2)
+            return out, lse
+
+    case = smoke_cases("bf16")[0]
+    detail = _checks(run_case(case, from_callable(Payloads()), "cpu"))["repeat"].detail
+    assert "first at lse[0, 0]: nan (0x7fc00001) vs nan (0x7fc00000)" in detail, detail
+    negated = _SecondCall(lambda out, lse: (out.where(out != 0, -0.0), lse))  # every 0 of out as -0.0
+    detail = _checks(run_case(case, from_callable(negated), "cpu"))["repeat"].detail
+    assert "first at out[0, 0, 0]: -0.0 vs 0.0)" in detail, detail  # row 0 sees no token: out 0
 
 
 def test_the_declaration_is_a_bool_and_backends_carry_theirs(monkeypatch):

@@ -527,12 +527,16 @@ def _as_first(name: str, where: str, second: tuple, earlier: str, first: tuple, 
     if (lse is None) != (first[1] is None):
         return [CheckResult(name, False, detail=f"{where}: lse returned by only one of this run and {earlier}")]
     out, lse = _moved(out, lse, first[0].device, copy=False)
-    if _bytes(out).equal(_bytes(first[0])) and (lse is None or _bytes(lse).equal(_bytes(first[1]))):
+    dtypes = [t.dtype for t in (out, lse) if t is not None]
+    if dtypes != [t.dtype for t in first if t is not None]:  # no bits to compare: only a bound can judge it
+        differ = (f"this run returned {', '.join(map(str, dtypes))} where {earlier} returned "
+                  f"{', '.join(str(t.dtype) for t in first if t is not None)}")
+    elif _bytes(out).equal(_bytes(first[0])) and (lse is None or _bytes(lse).equal(_bytes(first[1]))):
         return [CheckResult(name, True, detail=f"{where}: the bits of {earlier}")]
-    differ = f"{int((_bytes(out) != _bytes(first[0])).sum())} out bytes differ from {earlier}"
-    if lse is not None:
-        differ += f", {int((_bytes(lse) != _bytes(first[1])).sum())} lse bytes ({_first_difference(out, lse, first)})"
     else:
+        differ = f"{int((_bytes(out) != _bytes(first[0])).sum())} out bytes differ from {earlier}"
+        if lse is not None:
+            differ += f", {int((_bytes(lse) != _bytes(first[1])).sum())} lse bytes"
         differ += f" ({_first_difference(out, lse, first)})"
     judged = judge()
     if isinstance(judged, str):
@@ -544,18 +548,22 @@ def _as_first(name: str, where: str, second: tuple, earlier: str, first: tuple, 
 
 
 def _first_difference(out: torch.Tensor, lse: torch.Tensor | None, first: tuple) -> str:
-    """Where two runs' results first differ in their bits, out before lse: "first at out[t, h, c]: a vs b" (this
-    run's value first), or "" when they do not."""
+    """Where two runs' results (of one dtype each) first differ in their bits, out before lse: "first at
+    out[t, h, c]: a vs b" (this run's value first; their bits in hex too where the values print alike, as NaNs of
+    other payloads do), or "" when they do not."""
     for name, a, b in (("out", out, first[0]), ("lse", lse, first[1])):
         if a is None:
             continue
-        per_element = _bytes(a).view(a.numel(), a.element_size()) != _bytes(b).view(b.numel(), b.element_size())
-        hits = per_element.any(dim=1).nonzero()
+        size = a.element_size()
+        raw_a, raw_b = _bytes(a).view(a.numel(), size), _bytes(b).view(b.numel(), size)  # [N, size] each
+        hits = (raw_a != raw_b).any(dim=1).nonzero()
         if hits.numel():
             i = int(hits[0])
             at = ", ".join(str(int(k)) for k in torch.unravel_index(torch.tensor(i), a.shape))
-            x, y = a.reshape(-1)[i].item(), b.reshape(-1)[i].item()
-            return f"first at {name}[{at}]: {x!r} vs {y!r}"
+            x, y = repr(a.reshape(-1)[i].item()), repr(b.reshape(-1)[i].item())
+            if x == y:  # little-endian bytes, printed most significant first
+                x, y = (f"{x} (0x{bytes(r[i].tolist()[::-1]).hex()})" for r in (raw_a, raw_b))
+            return f"first at {name}[{at}]: {x} vs {y}"
     return ""
 
 

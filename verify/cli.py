@@ -583,8 +583,9 @@ def _warnings(summary: dict, deterministic: bool = True) -> list[str]:
     if refused := summary.get("layout.refused"):
         warnings.append(f"layout.refused: the kernel refused strided inputs in {refused['cases']} cases, which the "
                         f"layout check then did not try (serving engines pass views); e.g. {refused['worst_detail']}")
-    same = summary.get("repeat", {}).get("cases", 0)  # declared nondeterministic: "repeat" counts the same bits
-    if not deterministic and same >= LOOSE_CASES and "repeat.out" not in summary:
+    repeat = summary.get("repeat", {"cases": 0, "failed": 0})  # declared nondeterministic: the same bits, or a
+    same = repeat["cases"] - repeat["failed"]  # failed second run (raised, broke the contract, other dtypes)
+    if not deterministic and same >= LOOSE_CASES and not repeat["failed"] and "repeat.out" not in summary:
         warnings.append(f"repeat: the kernel declares run-to-run variation, but its second run gave the first run's "
                         f"bits in all {same} cases; if it is deterministic, drop the declaration and the repeat check "
                         "asks for the bits")
