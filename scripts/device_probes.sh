@@ -54,7 +54,8 @@ for path in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
     r = json.loads(path.read_text())
     summary[path.stem] = {"cases": r["cases"], "failed": r["failed"], "unsupported": r["unsupported"],
                           "seconds": r["seconds"], "warnings": r["warnings"], "long": r.get("long"),
-                          "failures": [(f["describe"], [c["name"] for c in f["checks"]]) for f in r["failures"]][:12],
+                          "failures": [(f["describe"], [f"{c['name']}: {c['detail'][:400]}" for c in f["checks"]])
+                                       for f in r["failures"]][:12],
                           "checks": {k: {f: v.get(f) for f in ("cases", "failed", "median_err_over_bound",
                                                                "max_err_over_bound")} for k, v in r["checks"].items()}}
     c = summary[path.stem]["checks"]

@@ -294,22 +294,24 @@ def test_each_backend_declares_the_most_pieces_it_cuts_a_row_into():
 
 
 def test_flashinfer_declines_requests_shorter_than_their_query_rows_above_32_heads(monkeypatch):
-    """FlashInfer 0.6.14 returns wrong rows for a request with more query rows than tokens at some head counts above
-    32 (measured on an H200; tests/test_peers_gpu.py keeps showing it): its backend raises Unsupported for such a
-    batch above 32 heads, and hands every other batch to the adapter. The check precedes the adapter, so it runs
-    here without FlashInfer."""
+    """FlashInfer 0.6.14 returns wrong rows for a non-empty request with more query rows than tokens at some head
+    counts above 32 (measured on an H200; tests/test_peers_gpu.py keeps showing it), and right ones for empty
+    requests at every head count: its backend raises Unsupported for a batch with such a non-empty request above 32
+    heads, and hands every other batch to the adapter. The check precedes the adapter, so it runs here without
+    FlashInfer."""
     from mla_fast import flashinfer_backend
     from mla_fast.backends import BACKENDS, FLASHINFER_SHORT, Unsupported
     from verify.cases import Case
 
     monkeypatch.setattr(flashinfer_backend, "flashinfer_decode", lambda batch: "adapter")
     run = BACKENDS["flashinfer"].run
-    for heads, seq_lens, q_lens, declined in ((33, (1, 5), (2, 1), True), (40, (0, 5), (1, 1), True),
+    for heads, seq_lens, q_lens, declined in ((33, (1, 5), (2, 1), True), (128, (0, 2, 5), (1, 3, 1), True),
+                                              (40, (0, 5), (1, 1), False), (64, (0, 5), (2, 1), False),
                                               (32, (1, 5), (2, 1), False), (40, (2, 5), (2, 1), False),
-                                              (128, (4, 5), (4, 1), False)):
+                                              (128, (4, 5), (4, 1), False), (128, (0,), (1,), False)):
         batch, _ = Case(seq_lens=seq_lens, q_lens=q_lens, heads=heads).materialize()
         if declined:
-            with pytest.raises(Unsupported, match="more query rows than KV tokens at more than 32 heads"):
+            with pytest.raises(Unsupported, match="non-empty request with more query rows than KV tokens at more"):
                 run(batch)
         else:
             assert run(batch) == "adapter", (heads, seq_lens, q_lens)
