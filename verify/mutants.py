@@ -45,8 +45,8 @@ turns one knob, the way such bugs happen in real kernels:
 
 from __future__ import annotations
 
-import itertools
 import math
+import weakref
 
 import torch
 
@@ -317,15 +317,20 @@ def uint16_positions(batch):
     return _decode(batch, position_bits=16)
 
 
-_calls = itertools.count()  # merge_order_varies's call counter
+_calls: dict[int, int] = {}  # merge_order_varies: calls so far per live batch (id), dropped with the batch
 
 
 def merge_order_varies(batch):
-    """Split partials merged in an order that changes from call to call (each call starts the merge's sums at
-    another split, as atomic adds in the order splits finish do), while the kernel declares itself deterministic,
-    the plug-in default: every result is right, but two runs on the same batch may differ in their last bits (in
-    rows of three or more splits: the lse's fp32 sum, and out where its bf16 rounding tips)."""
-    return _decode(batch, merge_shift=next(_calls))
+    """Split partials merged in an order that changes from call to call (the k-th call on a batch starts the
+    merge's sums at split k, as atomic adds in the order splits finish do), while the kernel declares itself
+    deterministic, the plug-in default: every result is right, but two runs on the same batch may differ in their
+    last bits (in rows of three or more splits: the lse's fp32 sum, and out where its bf16 rounding tips). Counted
+    per batch, so that a case replayed alone (`--case`) sees the orders it saw in its campaign."""
+    key = id(batch)
+    if key not in _calls:
+        weakref.finalize(batch, _calls.pop, key, None)
+    k = _calls[key] = _calls.get(key, -1) + 1
+    return _decode(batch, merge_shift=k)
 
 
 MUTANTS = (
