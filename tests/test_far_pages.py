@@ -131,6 +131,47 @@ def test_a_far_cache_that_does_not_fit_fails_the_check_and_says_what_to_do(monke
 
 
 
+def test_a_far_run_out_of_memory_says_so_and_every_far_check_releases_its_cache(monkeypatch):
+    """A run on the far cache that fails to allocate fails the check as memory, not as a kernel error; the check
+    hands its cache back to the device however it ends (`release_far`: worker processes share one GPU)."""
+    from verify import checks
+    from verify.kernels import from_backend, from_callable
+    from verify.strategies import smoke_cases
+
+    emulated = from_backend("emulated")
+    far_caches, released = [], []
+
+    def small_far(batch, *args):  # a copy stands in for the 2-4 GB cache
+        far = batch.replace(kv_cache=batch.kv_cache.clone())
+        far_caches.append(far.kv_cache.data_ptr())
+        return far
+
+    def no_room_when_far(batch):
+        if batch.kv_cache.data_ptr() in far_caches:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return emulated.run(batch)
+
+    monkeypatch.setattr(checks, "far_pages", small_far)
+    monkeypatch.setattr(checks, "release_far", released.append)
+    result = checks.run_case(smoke_cases("bf16")[0], from_callable(no_room_when_far), "cpu", far=True)
+    failed = {c.name: c.detail for c in result.checks if not c.ok}
+    assert set(failed) == {"far"} and "the run does not fit" in failed["far"] and "--far off" in failed["far"], failed
+    result = checks.run_case(smoke_cases("bf16")[0], emulated, "cpu", far=True)
+    assert all(c.ok for c in result.checks) and any(c.name == "far" for c in result.checks)
+    assert released == [torch.device("cpu")] * 2
+
+
+def test_release_far_empties_the_cuda_cache_only_on_cuda_devices(monkeypatch):
+    from verify.checks import release_far
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(1))
+    release_far(torch.device("cpu"))
+    assert calls == []
+    release_far(torch.device("cuda", 0))
+    assert calls == [1]
+
+
 def test_a_far_run_without_the_lse_of_the_first_fails():
     """A kernel whose far run drops the lse it returned on the compact cache fails the check (its out alone would
     pass the tier-1 comparison)."""
