@@ -85,6 +85,9 @@ class Backend:
             default `blocks_of_64`.
         deterministic: two runs on the same batch (and worker count) give the same bits, as measured (aiter:
             assumed, never run here); verify's repeat check asks for them when True, else for its tier-1 bound.
+        step: (batch, max_q_len) -> a CUDA-graph-capturable step (plan(batch) eagerly, run() launches only; verify's
+            plug-in contract), for our kernels (`TritonMLADecode`); None for the others. verify's step check drives
+            it as a serving loop does.
     """
 
     name: str
@@ -96,6 +99,7 @@ class Backend:
     nan_deviation: str = ""
     max_splits: Callable[[DecodeBatch], int] = blocks_of_64
     deterministic: bool = True
+    step: Callable[[DecodeBatch, int], object] | None = None
 
     def __call__(self, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
         return self.run(batch)
@@ -226,24 +230,51 @@ def _run_triton(batch: DecodeBatch, num_workers: int | None = None):
     return decode(batch, num_workers=num_workers)
 
 
+def _step_triton(batch: DecodeBatch, max_q_len: int):
+    """Our graph-capturable step (`TritonMLADecode`, its default config for the batch) up to max_q_len."""
+    from mla_fast.triton_decode import TritonMLADecode, fnuz_unsupported
+
+    if reason := fnuz_unsupported(batch):
+        raise Unsupported(reason)
+    return TritonMLADecode(batch, max_q_len=max_q_len)
+
+
+def _pinned(batch: DecodeBatch, kernel: str, q_len: int):
+    """`forced_config` of the Gluon kernel ``kernel`` for the batch at q_len; Unsupported where that kernel takes no
+    such rows or cannot run the batch (reasons without the case's values)."""
+    from mla_fast import triton_decode as td
+
+    if reason := td.fnuz_unsupported(batch):
+        raise Unsupported(reason)
+    config = td.forced_config(td.dtype_combo(batch.q.dtype, batch.kv_cache.dtype), batch.num_heads, q_len, kernel)
+    if config is None:
+        raise Unsupported(f"default_config has no {kernel} geometry for these dtypes, heads and q_len")
+    reason = td.gluon_unsupported(batch, config, q_len * config.head_group)  # launch's check, as Unsupported
+    if reason:
+        raise Unsupported(reason.split(", got")[0])
+    return config
+
+
 def _run_forced(kernel: str) -> Callable[[DecodeBatch], tuple[torch.Tensor, torch.Tensor]]:
-    """Runner of our decode with one Gluon kernel pinned (`triton_decode.forced_config`); Unsupported where that
-    kernel takes no such rows or cannot run the batch (reasons without the case's values)."""
+    """Runner of our decode with one Gluon kernel pinned (`_pinned`)."""
 
     def run(batch: DecodeBatch, num_workers: int | None = None):
         from mla_fast import triton_decode as td
 
-        _, q_len, config = _forced_config(batch, kernel)
-        if reason := td.fnuz_unsupported(batch):
-            raise Unsupported(reason)
-        if config is None:
-            raise Unsupported(f"default_config has no {kernel} geometry for these dtypes, heads and q_len")
-        reason = td.gluon_unsupported(batch, config, q_len * config.head_group)  # launch's check, as Unsupported
-        if reason:
-            raise Unsupported(reason.split(", got")[0])
-        return td.decode(batch, config=config, num_workers=num_workers)
+        return td.decode(batch, config=_pinned(batch, kernel, td._max_q_len(batch)), num_workers=num_workers)
 
     return run
+
+
+def _step_forced(kernel: str):
+    """Step factory of our graph-capturable step with one Gluon kernel pinned (`_pinned` at the step's max_q_len)."""
+
+    def step(batch: DecodeBatch, max_q_len: int):
+        from mla_fast.triton_decode import TritonMLADecode
+
+        return TritonMLADecode(batch, max_q_len=max_q_len, config=_pinned(batch, kernel, max_q_len))
+
+    return step
 
 
 def _run_aiter(batch: DecodeBatch):
@@ -365,11 +396,13 @@ BACKENDS: dict[str, Backend] = {
         Backend("emulated", "WorkPlan emulated with torch fp32, bf16 out", _run_emulated, _always, _emulated_numerics,
                 _run_emulated),
         Backend("triton", "mla_fast persistent split-KV Triton kernel", _run_triton, _probe_triton, _triton_numerics,
-                _run_triton),
+                _run_triton, step=_step_triton),
         Backend("seesaw", "mla_fast with the Gluon seesaw kernel pinned", _run_forced("seesaw"),
-                lambda: _probe_gluon("the seesaw kernel"), _forced_numerics("seesaw"), _run_forced("seesaw")),
+                lambda: _probe_gluon("the seesaw kernel"), _forced_numerics("seesaw"), _run_forced("seesaw"),
+                step=_step_forced("seesaw")),
         Backend("gluon_fp8", "mla_fast with the Gluon fp8 kernel pinned", _run_forced("gluon_fp8"),
-                lambda: _probe_gluon("the Gluon fp8 kernel"), _forced_numerics("gluon_fp8"), _run_forced("gluon_fp8")),
+                lambda: _probe_gluon("the Gluon fp8 kernel"), _forced_numerics("gluon_fp8"), _run_forced("gluon_fp8"),
+                step=_step_forced("gluon_fp8")),
         Backend("aiter", "ROCm/aiter persistent MLA decode", _run_aiter, _probe_aiter, _aiter_numerics,
                 nan_deviation=AITER_NAN,  # split work holds whole kv_granularity blocks, max(page_size, 16) tokens
                 max_splits=lambda batch: most_pieces(batch, max(batch.page_size, 16))),

@@ -1655,6 +1655,12 @@ class TritonMLADecode:
             self.kv_scale.copy_(_scale_tensor(batch.kv_scale, self.kv_scale.device))
         self._planned = True
 
+    @property
+    def numerics(self) -> KernelNumerics:
+        """The rounding points of the kernel this step launches (its config, fixed at construction, whatever later
+        lengths would make `batch_config` choose): what verify's step check bounds it with."""
+        return kernel_numerics(self.config, dtype_combo(self.batch.q.dtype, self.batch.kv_cache.dtype))
+
     def run(self):
         """Launch decode + reduce on the static buffers -> (out, lse) (the same tensors every call). RuntimeError
         before the first plan()."""

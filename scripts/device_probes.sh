@@ -5,7 +5,8 @@
 # 14 jobs, the long cases on) of our kernels / of FlashInfer and FlashMLA; mutants = the bf16_partials,
 # ignores_strides, uint16_positions and merge_order_varies mutants' campaigns; fp32partials =
 # FlashInfer declared with fp32 partials (tests/peer_plugins.py); flashmla = FlashMLA's bf16 campaign three times
-# over (the forty-seventh session saw its far check fail 4 of 200 cases once, in a call where it had passed twice).
+# over (the forty-seventh session saw its far check fail 4 of 200 cases once, in a call where it had passed twice);
+# step = the step check's GPU tests (CUDA-graph capture) and the correct / stale_plan mutants' campaigns.
 # Writes log.txt and
 # campaigns.json (per campaign: cases, failed, unsupported, wall, and per check cases / failed / median / max
 # err/bound) to $OUT.
@@ -14,6 +15,8 @@ source "$(dirname "$0")/device_env.sh" /tmp/mla_probes_out
 reports=/tmp/mla_probes_reports
 mkdir -p "$reports"
 
+[[ $parts == *,step,* ]] && step "GPU tests: the step check" && timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+  tests/test_step_check.py -k cuda 2>&1 | tail -12 | tee -a "$log"
 [[ $parts == *,tests,* ]] && step "GPU tests: the partials, rounding and layout checks" && timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_triton_gpu.py tests/test_peers_gpu.py \
   -k "partials or rounding_check or strided" 2>&1 | tail -12 | tee -a "$log"
 
@@ -38,6 +41,10 @@ verify flashmla_fp8 --backend flashmla --dtype fp8 --cases 200
 fi
 if [[ $parts == *,flashmla,* ]]; then
 for round in 1 2 3; do verify "flashmla_bf16_round$round" --backend flashmla --dtype bf16 --cases 200; done
+fi
+if [[ $parts == *,step,* ]]; then
+verify mutant_correct_bf16 --impl verify.mutants:correct --dtype bf16 --cases 200
+verify mutant_stale_plan --impl verify.mutants:stale_plan --dtype bf16 --cases 200
 fi
 if [[ $parts == *,mutants,* ]]; then
 verify mutant_bf16_partials --impl verify.mutants:bf16_partials --dtype bf16 --cases 200
@@ -65,7 +72,8 @@ for path in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
                                                                "max_err_over_bound")} for k, v in r["checks"].items()}}
     c = summary[path.stem]["checks"]
     print(path.stem, r["cases"], "failed", r["failed"], *(f"{k} {c.get(k)}" for k in (
-        "partials.out", "rounding.out", "layout", "layout.out", "layout.refused", "repeat", "repeat.out") if k in c))
+        "partials.out", "rounding.out", "layout", "layout.out", "layout.refused", "repeat", "repeat.out", "step",
+        "step.graph", "step.replan.out", "step.refused") if k in c))
 pathlib.Path(sys.argv[2]).write_text(json.dumps(summary, indent=1))
 EOF
 step done

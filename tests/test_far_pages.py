@@ -133,7 +133,7 @@ def test_a_far_cache_that_does_not_fit_fails_the_check_and_says_what_to_do(monke
 
 def test_a_far_run_out_of_memory_says_so_and_every_far_check_releases_its_cache(monkeypatch):
     """A run on the far cache that fails to allocate fails the check as memory, not as a kernel error; the check
-    hands its cache back to the device however it ends (`release_far`: worker processes share one GPU)."""
+    hands its cache back to the device however it ends (`release_cached`: worker processes share one GPU)."""
     from verify import checks
     from verify.kernels import from_backend, from_callable
     from verify.strategies import smoke_cases
@@ -152,7 +152,7 @@ def test_a_far_run_out_of_memory_says_so_and_every_far_check_releases_its_cache(
         return emulated.run(batch)
 
     monkeypatch.setattr(checks, "far_pages", small_far)
-    monkeypatch.setattr(checks, "release_far", released.append)
+    monkeypatch.setattr(checks, "release_cached", released.append)
     result = checks.run_case(smoke_cases("bf16")[0], from_callable(no_room_when_far), "cpu", far=True)
     failed = {c.name: c.detail for c in result.checks if not c.ok}
     assert set(failed) == {"far"} and "the run does not fit" in failed["far"] and "--far off" in failed["far"], failed
@@ -161,14 +161,14 @@ def test_a_far_run_out_of_memory_says_so_and_every_far_check_releases_its_cache(
     assert released == [torch.device("cpu")] * 2
 
 
-def test_release_far_empties_the_cuda_cache_only_on_cuda_devices(monkeypatch):
-    from verify.checks import release_far
+def test_release_cached_empties_the_cuda_cache_only_on_cuda_devices(monkeypatch):
+    from verify.checks import release_cached
 
     calls = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(1))
-    release_far(torch.device("cpu"))
+    release_cached(torch.device("cpu"))
     assert calls == []
-    release_far(torch.device("cuda", 0))
+    release_cached(torch.device("cuda", 0))
     assert calls == [1]
 
 

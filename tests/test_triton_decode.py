@@ -248,10 +248,35 @@ def _worker() -> dict:
         report["step_equals_decode"].append(bool(torch.equal(out, ref_out) and torch.equal(lse, ref_lse))
                                             and plan.num_partial_rows > 0)
     report["layout_bitwise"] = _layout_bitwise(td)
+    report["step_check"] = _step_check(td)
     report["nan_input"] = _nan_input_masks(td)
     report["interpreter_e4m3_nan"] = _interpreter_e4m3_nan()
     report["p_rounding"] = _p_rounding(td)
     report["rounding_check"] = _rounding_check(td)
+    return report
+
+
+STEP_CASES = ("bf16_p3_mtp2_w3", "fp8kv_p16_w3", "fp8_p16_mtp2_w1")
+
+
+def _step_check(td) -> dict:
+    """verify's step check (`checks.check_step`) on the triton backend's graph-capturable step, run again where a
+    GPU would replay its graph: {case: {check name: ok}}. (The same step planned only once reads outside its
+    buffers on the refilled step, a segfault under the interpreter: the mutant `stale_plan` shows that the check
+    fails such a step, tests/test_step_check.py.)"""
+    from mla_ref.decode import mla_decode_ref
+    from verify import checks
+    from verify.kernels import from_backend
+
+    kernel = from_backend("triton")
+    report = {}
+    for name in STEP_CASES:
+        batch = CASES[name].batch()
+        ref = mla_decode_ref(batch)  # [T, H, L], [T, H] fp64
+        numerics = kernel.numerics(batch)
+        bound = checks._tier1_bound(batch, kernel, numerics, ref)
+        first = checks._moved(*kernel.run(batch), ref[0].device)
+        report[name] = {r.name: r.ok for r in checks.check_step(batch, kernel, first, ref, bound, numerics.out_dtype)}
     return report
 
 
@@ -493,6 +518,13 @@ def test_one_item_per_worker_path_gives_the_general_bits(report):
 
 def test_graph_step_equals_decode(report):
     assert report["step_equals_decode"] == [True, True]
+
+
+@pytest.mark.parametrize("name", STEP_CASES)
+def test_the_step_check_passes_our_step(report, name):
+    """The graph-capturable step gives the case's bits, and refilled with the next step in place and planned again
+    (verify.next_step) the oracle's answer for the new contents."""
+    assert report["step_check"][name] == {"step": True, "step.replan.out": True, "step.replan.lse": True}
 
 
 def test_interpreter_bf16_workaround_is_taken_and_needed(report):

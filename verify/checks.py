@@ -54,7 +54,7 @@ import torch
 from mla_fast.backends import Unsupported
 from mla_fast.numerics import KernelNumerics
 from mla_ref.decode import DecodeBatch, mla_decode_ref
-from verify import bounds
+from verify import bounds, next_step
 from verify.cases import Case
 from verify.kernels import Kernel, outputs
 from verify.metrics import compare
@@ -184,6 +184,20 @@ def _run(kernel: Kernel, batch: DecodeBatch, workers: int) -> tuple[object | Non
     return _call(kernel.run, batch, device=batch.device)
 
 
+def _outputs_of(run: tuple[object | None, Exception | None], batch: DecodeBatch) -> tuple[tuple | None, str | None]:
+    """A later run's ``run`` (`_run`'s or `_call`'s result) as ((out, lse), None), or (None, why it has none): "the run
+    raised ..." or the output contract's message. A device fault propagates (run_case charges it to the case)."""
+    raw, exc = run
+    if exc is not None:
+        if is_device_fault(exc):
+            raise exc
+        return None, f"the run raised {error_message(exc)}"
+    try:
+        return outputs(raw, batch), None
+    except ValueError as e:
+        return None, str(e)
+
+
 def _moved(out: torch.Tensor, lse: torch.Tensor | None, device: torch.device, copy: bool = True):
     """(out, lse) detached on ``device`` (lse None stays None): a kernel's results beside the oracle's. ``copy``
     (for a first run, whose results later runs are compared with) keeps them from a kernel that writes the next
@@ -238,15 +252,10 @@ def check_split(batch: DecodeBatch, kernel: Kernel, numerics, first: tuple, work
     split + u_out (|a| + |b|) (1 + u_out) + 2 eta_out for out and split for lse.
     """
     other = 1 if workers > 1 else ALT_WORKERS
-    second, exc = _call(kernel.run_workers, batch, other, device=batch.device)
-    if exc is not None and is_device_fault(exc):
-        raise exc  # run_case reports it as this case's device fault
-    if exc is not None:
-        return [CheckResult("split.out", False, detail=f"{other}-worker run raised {error_message(exc)}")]
-    try:
-        second = outputs(second, batch)  # a plug-in's run_workers follows the contract of its run
-    except ValueError as e:
-        return [CheckResult("split.out", False, detail=f"{other}-worker run: {e}")]
+    # a plug-in's run_workers follows the contract of its run
+    second, why = _outputs_of(_call(kernel.run_workers, batch, other, device=batch.device), batch)
+    if why is not None:
+        return [CheckResult("split.out", False, detail=f"{other}-worker run: {why}")]
     if (first[1] is None) != (second[1] is None):
         return [CheckResult("split.lse", False, detail=f"lse returned by only one of the {workers}- and "
                                                        f"{other}-worker runs")]
@@ -334,15 +343,10 @@ def check_nan(batch: DecodeBatch, kernel: Kernel, workers: int) -> CheckResult:
     if probe is None:
         return CheckResult("nan", True, detail="no request has a token to poison")
     nan_batch, expected, row = probe
-    raw, exc = _run(kernel, nan_batch, workers)
-    if exc is not None and is_device_fault(exc):
-        raise exc
-    if exc is not None:
-        return CheckResult("nan", False, detail=f"the run with a NaN token raised {error_message(exc)}")
-    try:
-        out, lse = outputs(raw, nan_batch)
-    except ValueError as e:
-        return CheckResult("nan", False, detail=f"the run with a NaN token: {e}")
+    result, why = _outputs_of(_run(kernel, nan_batch, workers), nan_batch)
+    if why is not None:
+        return CheckResult("nan", False, detail=f"with a NaN token: {why}")
+    out, lse = result
     expected = expected.to(out.device)
     masks = {"out": torch.isnan(_floating(out)).any(dim=-1)}  # [T, H]
     if lse is not None:
@@ -390,19 +394,11 @@ def _probe_run(name: str, where: str, probe: DecodeBatch, kernel: Kernel, worker
     ref = mla_decode_ref(probe)  # [T, H, L], [T, H] fp64
     bound = _tier1_bound(probe, kernel, numerics, ref, uniform_p)
     before = input_snapshot(probe)
-    raw, exc = _run(kernel, probe, workers)
-    if exc is not None and is_device_fault(exc):
-        raise exc
-    if exc is not None:
-        return [CheckResult(name, False, detail=f"{where}: the run raised {error_message(exc)}")]
+    result, why = _outputs_of(_run(kernel, probe, workers), probe)
     written = check_inputs(probe, before)
-    if not written.ok:
-        return [CheckResult(name, False, detail=f"{where}: {written.detail}")]
-    try:
-        out, lse = outputs(raw, probe)
-    except ValueError as e:
-        return [CheckResult(name, False, detail=f"{where}: {e}")]
-    out, lse = _moved(out, lse, ref[0].device, copy=False)
+    if why is not None or not written.ok:
+        return [CheckResult(name, False, detail=f"{where}: {why if why is not None else written.detail}")]
+    out, lse = _moved(*result, ref[0].device, copy=False)
     results = check_tier1(out, lse, ref, bound, numerics.out_dtype, name=name)
     for r in results:
         r.detail = f"{where}; declared {numerics.describe()}: {r.detail}" + ("" if r.ok else on_fail)
@@ -462,7 +458,7 @@ def check_far(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, re
     is many GB, and an element offset page x page_stride computed in int32 wraps past 2^31 (3.7 M bf16 tokens of
     576). Passes with the bits of the first run ``first`` (out, lse); a kernel whose bits vary from run to run
     passes within the tier-1 bound instead. A wrapped offset reads the NaN in front (or outside the cache). The far
-    cache goes back to the device when the check ends (`release_far`): the campaign's other worker processes share
+    cache goes back to the device when the check ends (`release_cached`): the campaign's other worker processes share
     the GPU. A far cache, or a run on it, that does not fit in memory fails the check and says so."""
     try:
         try:
@@ -472,8 +468,6 @@ def check_far(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, re
                 raise
             return [CheckResult("far", False, detail=f"the far cache (past element 2^31) {_no_room(batch, e)}")]
         raw, exc = _run(kernel, far, workers)
-        if exc is not None and is_device_fault(exc):
-            raise exc
         offsets = far.block_table.long() * far.kv_cache.stride(0)  # [B, max_pages] first element of each page
         used = far.used_entries  # [B, max_pages]
         past, n_used = torch.stack([(used & (offsets >= FAR_ELEMENTS)).sum(), used.sum()]).tolist()
@@ -481,17 +475,13 @@ def check_far(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, re
                  "Gi-element cache")
         if exc is not None and _out_of_memory(exc):
             return [CheckResult("far", False, detail=f"{where}: the run {_no_room(batch, exc)}")]
-        if exc is not None:
-            return [CheckResult("far", False, detail=f"{where}: the run raised {error_message(exc)}")]
-        try:
-            out, lse = outputs(raw, far)
-        except ValueError as e:
-            return [CheckResult("far", False, detail=f"{where}: {e}")]
+        second, why = _outputs_of((raw, exc), far)
         del far, raw  # the large cache
-        return _as_first("far", where, (out, lse), "the run on the compact cache", first, ref,
-                         lambda: (bound, out_dtype))
+        if why is not None:
+            return [CheckResult("far", False, detail=f"{where}: {why}")]
+        return _as_first("far", where, second, "the run on the compact cache", first, ref, lambda: (bound, out_dtype))
     finally:
-        release_far(batch.device)
+        release_cached(batch.device)
 
 
 def _no_room(batch: DecodeBatch, e: BaseException) -> str:
@@ -499,11 +489,11 @@ def _no_room(batch: DecodeBatch, e: BaseException) -> str:
             "--jobs, or --far off")
 
 
-def release_far(device: torch.device) -> None:
-    """Hand the far check's freed cache back to the device. PyTorch's caching allocator keeps a freed block for its
-    own process, and far caches differ in size from case to case, so each worker hoarded several 2-4 GB blocks:
-    FlashMLA's bf16 campaign on 14 GPU jobs filled an H200's 139 GB for seconds at a time without this, and peaked
-    at 19 GB with it, in the same time (one H200, forty-eighth session)."""
+def release_cached(device: torch.device) -> None:
+    """Hand the memory a check freed (the far cache, the step's buffers and graph) back to the device. PyTorch's
+    caching allocator keeps a freed block for its own process, and far caches differ in size from case to case, so
+    each worker hoarded several 2-4 GB blocks: FlashMLA's bf16 campaign on 14 GPU jobs filled an H200's 139 GB for
+    seconds at a time without this, and peaked at 19 GB with it, in the same time (one H200, forty-eighth session)."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
@@ -515,16 +505,10 @@ def check_repeat(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple,
     reproducible modes need) must give the first run's bits, NaN included; one that declares run-to-run variation
     by design (split outputs merged by atomics, work stealing) passes within the tier-1 ``bound`` instead. Only a
     second run tells: every other rerun changes the inputs or the plan."""
-    raw, exc = _run(kernel, batch, workers)
-    if exc is not None and is_device_fault(exc):
-        raise exc
     where = "a second run on the same batch"
-    if exc is not None:
-        return [CheckResult("repeat", False, detail=f"{where} raised {error_message(exc)}")]
-    try:
-        second = outputs(raw, batch)
-    except ValueError as e:
-        return [CheckResult("repeat", False, detail=f"{where}: {e}")]
+    second, why = _outputs_of(_run(kernel, batch, workers), batch)
+    if why is not None:
+        return [CheckResult("repeat", False, detail=f"{where}: {why}")]
     if kernel.deterministic:
         def judge():
             return ("the kernel declares itself deterministic (a plug-in that varies by design sets "
@@ -599,20 +583,14 @@ def check_layout(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple,
     where = strided.describe()
     before = {name: _bytes(buf).clone() for name, buf in strided.buffers.items()}
     raw, exc = _run(kernel, strided.batch, workers)
-    if exc is not None and is_device_fault(exc):
-        raise exc
     if isinstance(exc, ValueError):
         return [CheckResult("layout.refused", True, detail=f"{where}: refused: {error_message(exc)}")]
-    if exc is not None:
-        return [CheckResult("layout", False, detail=f"{where}: the run raised {error_message(exc)}")]
+    second, why = _outputs_of((raw, exc), strided.batch)
     written = _changed(strided.buffers, before)
-    if written:
-        return [CheckResult("layout", False, detail=f"{where}: the kernel wrote into its input buffers: "
-                                                    + ", ".join(written))]
-    try:
-        second = outputs(raw, strided.batch)
-    except ValueError as e:
-        return [CheckResult("layout", False, detail=f"{where}: {e}")]
+    if why is None and written:
+        why = "the kernel wrote into its input buffers: " + ", ".join(written)
+    if why is not None:
+        return [CheckResult("layout", False, detail=f"{where}: {why}")]
 
     def judge():
         try:
@@ -622,6 +600,93 @@ def check_layout(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple,
         return _tier1_bound(strided.batch, kernel, numerics, ref), numerics.out_dtype
 
     return _as_first("layout", where, second, "the run on the contiguous inputs", first, ref, judge)
+
+
+def check_step(batch: DecodeBatch, kernel: Kernel, first: tuple, ref, bound: bounds.Bound,
+               out_dtype: torch.dtype) -> list[CheckResult]:
+    """The kernel's graph-capturable step (`Kernel.step`: built on copies of the batch's tensors, planned, then run),
+    as a serving engine drives it: ``step`` its eager run against the case's first run ``first`` (the bits, else the
+    tier-1 ``bound``: a step may take another path, e.g. always a reduce); on CUDA ``step.graph`` a CUDA-graph replay
+    of its run() against that eager run (the bits, for a deterministic kernel); then ``step.replan.out`` /
+    ``.lse``: the next step written into the same buffers (`verify.next_step.refill`: requests rotated, lengths
+    changed, the slots only the old step read set to NaN), planned again and replayed (on a CPU run again) against
+    the oracle on the new contents, within their tier-1 bound. A step that bakes the captured lengths into its launch
+    fails the last. Bounds take the step's own ``numerics`` (a KernelNumerics) where it declares them (a step fixes
+    its kernel when built, while the kernel's numerics(batch) follow each batch), else the kernel's. A step that
+    refuses the batch (`Unsupported`) passes as ``step.refused``."""
+    try:
+        return _drive_step(batch, kernel, first, ref, bound, out_dtype)
+    finally:  # the step's buffers, copies of the case's inputs, and its graph's memory pool are gone by now
+        release_cached(batch.device)
+
+
+def _drive_step(batch: DecodeBatch, kernel: Kernel, first: tuple, ref, bound: bounds.Bound,
+                out_dtype: torch.dtype) -> list[CheckResult]:
+    """check_step's runs (its docstring), on copies of the batch's tensors."""
+    static = batch.replace(**{name: getattr(batch, name).clone() for name in _INPUTS})  # the step's own buffers
+    device = static.device
+    max_q_len = max(int(static.q_lens.max()), 1) if static.batch_size else 1
+    try:
+        step = kernel.step(static, max_q_len)
+        step.plan(static)
+    except Exception as e:
+        if is_device_fault(e):
+            raise
+        if isinstance(e, Unsupported):
+            return [CheckResult("step.refused", True, detail=f"refused: {error_message(e)}")]
+        return [CheckResult("step", False, detail=f"building or planning the step raised {error_message(e)}")]
+    eager, why = _outputs_of(_call(step.run, device=device), static)
+    if why is not None:
+        return [CheckResult("step", False, detail=f"the step's run(): {why}")]
+    eager = _moved(*eager, first[0].device)  # a copy: run() returns its own buffers, which later runs overwrite
+    declared = getattr(step, "numerics", None)  # a step that fixes its kernel when built says how that one rounds
+
+    def step_bound(b: DecodeBatch, ref_b) -> tuple[bounds.Bound, torch.dtype]:
+        numerics = declared if isinstance(declared, KernelNumerics) else kernel.numerics(b)
+        return _tier1_bound(b, kernel, numerics, ref_b), numerics.out_dtype
+
+    results = _as_first("step", "the step's eager run", eager, "the case's run", first, ref,
+                        (lambda: (bound, out_dtype)) if declared is None else (lambda: step_bound(static, ref)))
+    replay, how = step.run, "run again"
+    if device.type == "cuda":
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                captured = step.run()
+        except Exception as e:
+            if is_device_fault(e):
+                raise
+            return results + [CheckResult("step.graph", False, detail=f"run() could not be captured in a CUDA graph: "
+                                                                      f"{error_message(e)}")]
+
+        def replay():
+            graph.replay()
+            return captured
+
+        how = "replayed"
+        second, why = _outputs_of(_call(replay, device=device), static)
+        if why is not None:
+            return results + [CheckResult("step.graph", False, detail=f"a CUDA graph replay of run(): {why}")]
+        results += _as_first("step.graph", "a CUDA graph replay of run()", second, "the step's eager run", eager, ref,
+                             (lambda: "a deterministic kernel's replay must give its eager run's bits")
+                             if kernel.deterministic else (lambda: step_bound(static, ref)))
+    where = next_step.refill(static)
+    ref_next = mla_decode_ref(static)  # [T, H, L], [T, H] fp64 on the new contents
+    try:
+        bound_next, out_dtype_next = step_bound(static, ref_next)
+        step.plan(static)
+    except Exception as e:
+        if is_device_fault(e):
+            raise
+        return results + [CheckResult("step.replan", False, detail=f"{where}: planning it raised {error_message(e)}")]
+    got, why = _outputs_of(_call(replay, device=device), static)
+    if why is not None:
+        return results + [CheckResult("step.replan", False, detail=f"{where}, {how}: {why}")]
+    out, lse = _moved(*got, ref_next[0].device, copy=False)
+    replan = check_tier1(out, lse, ref_next, bound_next, out_dtype_next, name="step.replan")
+    for r in replan:
+        r.detail = f"{where}, {how}: {r.detail}"
+    return results + replan
 
 
 # ---- one case -----------------------------------------------------------------------------------------------------
@@ -710,6 +775,8 @@ def run_case(case: Case, kernel: Kernel, device: str = "cpu", far: bool | None =
         result.checks += check_rounding(batch, kernel, case.num_workers)
         result.checks += check_partials(batch, kernel, case.num_workers)
         result.checks += check_layout(batch, kernel, case.num_workers, (out_d, lse_d), ref)
+        if kernel.step is not None:
+            result.checks += check_step(batch, kernel, (out_d, lse_d), ref, bound, numerics.out_dtype)
         if far if far is not None else batch.device.type == "cuda":
             result.checks += check_far(batch, kernel, case.num_workers, (out_d, lse_d), ref, bound, numerics.out_dtype)
         result.checks.append(check_inputs(batch, before))

@@ -583,6 +583,9 @@ def _warnings(summary: dict, deterministic: bool = True) -> list[str]:
     if refused := summary.get("layout.refused"):
         warnings.append(f"layout.refused: the kernel refused strided inputs in {refused['cases']} cases, which the "
                         f"layout check then did not try (serving engines pass views); e.g. {refused['worst_detail']}")
+    if refused := summary.get("step.refused"):
+        warnings.append(f"step.refused: the kernel's graph-capturable step refused {refused['cases']} cases, which "
+                        f"the step check then did not drive; e.g. {refused['worst_detail']}")
     repeat = summary.get("repeat", {"cases": 0, "failed": 0})  # declared nondeterministic: the same bits, or a
     same = repeat["cases"] - repeat["failed"]  # failed second run (raised, broke the contract, other dtypes)
     if not deterministic and same >= LOOSE_CASES and not repeat["failed"] and "repeat.out" not in summary:

@@ -26,6 +26,13 @@ worker count (instead of ``my_decode``), and the split-invariance check runs it 
 Two runs on the same batch must give the same bits (the ``repeat`` check); a plug-in whose results vary from run
 to run by design (split outputs merged by atomics, work stealing) declares ``my_decode.deterministic = False``, and
 the second run is then held to the tier-1 bound instead.
+A plug-in with a CUDA-graph-capturable step says so with ``my_decode.step = factory``, ``factory(batch, max_q_len)
+-> step`` (built once for that batch's shapes, up to max_q_len query rows per request) with ``step.plan(batch)``
+(eager: reads the batch's current lengths, may sync) and ``step.run() -> out | (out, lse)`` (launches only, on the
+batch's tensors and its own buffers). The ``step`` check then runs it as a serving engine does: built and planned,
+run, captured in a CUDA graph and replayed (on CUDA), then the next step written into the same batch tensors in
+place (`verify.next_step`), planned again and replayed, against the oracle on the new contents. A step that
+refuses a batch raises ``Unsupported`` (``step.refused`` then passes, and the report warns).
 """
 
 from __future__ import annotations
@@ -75,6 +82,8 @@ class Kernel:
         deterministic: whether two runs on the same batch (and worker count) give the same bits (`Backend.
             deterministic`, a plug-in's ``.deterministic``; True unless declared otherwise): the repeat check then
             asks for them, else for the tier-1 bound.
+        step: (batch, max_q_len) -> a graph-capturable step with plan(batch) and run() (`Backend.step`, a plug-in's
+            ``.step``; module docstring), run by the step check; None: no such check.
     """
 
     name: str
@@ -85,6 +94,7 @@ class Kernel:
     reason: str = ""
     nan_deviation: str = ""
     deterministic: bool = True
+    step: Callable[[DecodeBatch, int], object] | None = None
 
 
 def from_backend(name: str) -> Kernel:
@@ -102,7 +112,8 @@ def from_backend(name: str) -> Kernel:
     if not backend.deterministic:
         reason += f"; {NONDETERMINISTIC}"
     return Kernel(backend.name, backend.run, backend.numerics, backend.run_workers, backend.max_splits,
-                  reason=reason, nan_deviation=backend.nan_deviation, deterministic=backend.deterministic)
+                  reason=reason, nan_deviation=backend.nan_deviation, deterministic=backend.deterministic,
+                  step=backend.step)
 
 
 def from_impl(spec: str) -> Kernel:
@@ -154,7 +165,13 @@ def from_callable(fn, name: str | None = None) -> Kernel:
         raise ValueError(f"--impl {name}: .deterministic must be True or False, got {deterministic!r}")
     if not deterministic:
         reason += f"; {NONDETERMINISTIC}"
-    return Kernel(name, fn, numerics, workers, max_splits=max_splits, reason=reason, deterministic=deterministic)
+    step = getattr(fn, "step", None)
+    if step is not None and not callable(step):
+        raise ValueError(f"--impl {name}: .step must be a callable (batch, max_q_len) -> step, got {type(step)}")
+    if step is not None:
+        reason += "; graph-capturable step through .step"
+    return Kernel(name, fn, numerics, workers, max_splits=max_splits, reason=reason, deterministic=deterministic,
+                  step=step)
 
 
 def outputs(result: object, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor | None]:

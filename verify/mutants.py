@@ -41,6 +41,9 @@ turns one knob, the way such bugs happen in real kernels:
 | merge_order_varies    | split partials summed in an order that changes from call to  | repeat (>= 3 splits)          |
 |                       | call (as atomics do), while declared deterministic (the      |                               |
 |                       | plug-in default)                                             |                               |
+| stale_plan            | its graph-capturable step keeps the lengths of its first     | step.replan (any)             |
+|                       | plan: a replay after the next step's refill decodes it with  |                               |
+|                       | the captured step's lengths                                  |                               |
 """
 
 from __future__ import annotations
@@ -175,9 +178,69 @@ def _merge(o_s, lse_s, how, empty_nan):
 # ---- the plug-ins ---------------------------------------------------------------------------------------------------
 
 
+def _dense_decode(batch: DecodeBatch, seq_lens: torch.Tensor, q_lens: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention `_decode` computes, unsplit, in shapes fixed by the batch's tensors (its block table's capacity,
+    q's rows) with the lengths ``seq_lens`` / ``q_lens`` [B] read on the device only: no host read, no shape that
+    depends on a length, so a CUDA graph of it replays right with other lengths -> (out [T, H, L] bf16, lse [T, H])."""
+    L, ps, dev = batch.kv_lora_rank, batch.page_size, batch.device
+    B, W = batch.block_table.shape
+    q = batch.q.float() * (batch.q_scale if is_fp8(batch.q.dtype) else 1.0)  # [T, H, D]
+    kv_scale = batch.kv_scale if is_fp8(batch.kv_cache.dtype) else 1.0
+    pages = batch.block_table.long().clamp(0, batch.num_pages - 1)  # [B, W] unused entries: any page, masked below
+    K = batch.kv_cache[pages].reshape(B, W * ps, batch.head_dim).float() * kv_scale  # [B, S, D] S = W * ps slots
+    pos = torch.arange(W * ps, device=dev)  # [S] token positions
+    K = torch.where((pos[None, :] < seq_lens[:, None])[..., None], K, 0.0)  # [B, S, D] NaN padding out of P.V
+    ends = torch.cumsum(q_lens.long(), 0)  # [B] one past each request's last row
+    t = torch.arange(batch.num_tokens, device=dev)  # [T]
+    req = torch.searchsorted(ends, t, right=True).clamp(max=max(B - 1, 0))  # [T] request of each row
+    visible = seq_lens.long()[req] - (ends[req] - t) + 1  # [T] tokens row t sees (causal MTP)
+    Kt = K[req]  # [T, S, D] each row's request
+    s = batch.sm_scale * torch.einsum("thd,tsd->ths", q, Kt)  # [T, H, S]
+    s = s.masked_fill(~(pos[None, :] < visible[:, None])[:, None, :], -math.inf)
+    m = s.amax(dim=-1)  # [T, H]
+    m_safe = torch.where(torch.isinf(m), 0.0, m)  # [T, H] no token seen: shift by 0
+    p = torch.exp(s - m_safe[..., None])  # [T, H, S]
+    l = p.sum(dim=-1)  # [T, H]
+    seen = l != 0  # [T, H] a NaN row sum (a NaN token) is no empty row
+    out = torch.einsum("ths,tsc->thc", p, Kt[..., :L]) / torch.where(seen, l, 1.0)[..., None]  # [T, H, L]
+    out = torch.where(seen[..., None], out, 0.0)
+    return out.to(torch.bfloat16), torch.where(seen, m_safe + torch.log(torch.where(seen, l, 1.0)), -math.inf)
+
+
+class _Step:
+    """A graph-capturable step (the plug-in contract's ``.step``) of the unsplit decode `_dense_decode`: plan(batch)
+    copies the batch's lengths into the step's own device buffers, as a serving step's plan fills its metadata
+    buffers, and run() decodes the step's batch with them. ``stale``: only the first plan() copies them, as a step
+    that bakes the captured step's lengths into its launch does."""
+
+    def __init__(self, batch: DecodeBatch, max_q_len: int, stale: bool = False):
+        self.batch, self.max_q_len, self.stale, self.planned = batch, max_q_len, stale, False
+        self.seq_lens, self.q_lens = batch.seq_lens.clone(), batch.q_lens.clone()  # [B] each, the step's buffers
+
+    def plan(self, batch: DecodeBatch) -> None:
+        if batch is not self.batch:
+            raise ValueError("plan: batch must be the step's own (refill its tensors in place)")
+        if batch.batch_size and int(batch.q_lens.max()) > self.max_q_len:
+            raise ValueError(f"plan: q_lens must be <= the step's max_q_len {self.max_q_len}, got "
+                             f"{batch.q_lens.tolist()}")
+        if not (self.stale and self.planned):
+            self.seq_lens.copy_(batch.seq_lens)
+            self.q_lens.copy_(batch.q_lens)
+        self.planned = True
+
+    def run(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.planned:
+            raise RuntimeError("run() before plan()")
+        return _dense_decode(self.batch, self.seq_lens, self.q_lens)
+
+
 def correct(batch):
-    """No bug: must pass every check."""
+    """No bug: must pass every check, its graph-capturable step's too."""
     return _decode(batch)
+
+
+correct.step = _Step
 
 
 def wrong_scale(batch):
@@ -333,11 +396,22 @@ def merge_order_varies(batch):
     return _decode(batch, merge_shift=k)
 
 
+def stale_plan(batch):
+    """Right when called; its graph-capturable step plans once: plan() copies the lengths of the step it was built
+    for and keeps them, so a replay after the batch buffers were refilled with the next step decodes the new q and
+    cache with the old lengths (metadata written, or a launch sized, at capture time only)."""
+    return _decode(batch)
+
+
+stale_plan.step = lambda batch, max_q_len: _Step(batch, max_q_len, stale=True)
+
+
 MUTANTS = (
     "wrong_scale", "drop_rope", "page_off_by_one", "last_page_unmasked", "lse_base2", "kv_scale_ignored",
     "q_scale_ignored", "average_splits", "mtp_causal_off_by_one", "nan_empty", "out_gain", "bf16_accumulation",
     "seq_lens_cleared", "cache_padding_written", "nan_dropped", "no_max_subtraction", "int32_offsets",
     "p_rounded_bf16", "bf16_partials", "ignores_strides", "uint16_positions", "hardcoded_scale", "merge_order_varies",
+    "stale_plan",
 )  # fmt: skip
 FP8_ONLY = ("kv_scale_ignored", "q_scale_ignored")  # need fp8 inputs with a scale != 1
 FAR_ONLY = ("int32_offsets",)  # need the far check, on by default on CUDA devices only (mla-verify --far on)

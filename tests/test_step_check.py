@@ -1,0 +1,218 @@
+"""The step check: a kernel's graph-capturable step driven as a serving loop drives it (verify.checks.check_step).
+
+Build on the batch, plan, run; on CUDA capture run() in a graph and replay it; then write the next step into the
+same tensors (verify.next_step.refill: requests rotated, lengths changed, what only the old step read set to NaN),
+plan again and replay, against the oracle on the new contents. Every other check calls a kernel afresh on each
+batch, so a step that keeps the lengths it was first planned with passes all of them. CUDA graph capture runs in
+tests/test_triton_gpu.py; here run() is called again where a GPU would replay it.
+"""
+
+import pytest
+import torch
+
+from mla_fast.backends import Unsupported
+from mla_ref.decode import mla_decode_ref
+from verify import mutants
+from verify.checks import run_case
+from verify.kernels import from_callable
+from verify.next_step import next_lengths, refill
+from verify.strategies import smoke_cases
+
+
+def _failed(result) -> dict:
+    return {c.name: c.detail for c in result.checks if not c.ok}
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_the_correct_step_passes_and_a_step_that_plans_once_fails_the_replan_alone(dtype):
+    case = smoke_cases(dtype)[0]
+    right = run_case(case, from_callable(mutants.correct), "cpu")
+    names = {c.name: c.detail for c in right.checks}
+    # the step decodes unsplit (`mutants._dense_decode`), the plain run in splits: other bits, within the bound
+    assert right.ok and {"step.out", "step.lse", "step.replan.out", "step.replan.lse"} <= set(names), right.describe()
+    assert "differ from the case's run" in names["step.out"] and "run again" in names["step.replan.out"]
+    failed = _failed(run_case(case, from_callable(mutants.stale_plan), "cpu"))
+    assert set(failed) == {"step.replan.out", "step.replan.lse"}, failed
+    assert "seq_lens [0, 1, 63, 65, 300, 2] -> [0, 0, 1, 63, 65, 150]" in failed["step.replan.out"]
+
+
+def test_next_lengths_rotate_halve_the_longest_and_empty_the_one_after_it():
+    lens = torch.tensor([5, 9, 0, 2], dtype=torch.int32)
+    assert next_lengths(lens).tolist() == [2, 5, 4, 0]  # rotated [2, 5, 9, 0]: 9 halved, the one after it emptied
+    assert next_lengths(torch.tensor([7, 3], dtype=torch.int32)).tolist() == [3, 3]  # rotated [3, 7], 7 halved
+    assert next_lengths(torch.tensor([1], dtype=torch.int32)).tolist() == [0]
+    assert next_lengths(torch.zeros(0, dtype=torch.int32)).tolist() == []
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("index", range(4))
+def test_refill_writes_a_valid_next_step_whose_oracle_reads_no_nan(dtype, index):
+    """In place, same shapes; every request's q rows, block-table row and length move to the next request; the
+    oracle on the new contents is finite (the NaN went only where no new token is), and it equals the oracle on a
+    batch built from the rotated requests directly (the cache unchanged where the new step reads)."""
+    batch, _ = smoke_cases(dtype)[index].materialize("cpu")
+    static = batch.replace(q=batch.q.clone(), kv_cache=batch.kv_cache.clone(), block_table=batch.block_table.clone(),
+                           seq_lens=batch.seq_lens.clone(), q_lens=batch.q_lens.clone())
+    tensors = {n: getattr(static, n) for n in ("q", "kv_cache", "block_table", "seq_lens", "q_lens")}
+    where = refill(static)
+    assert all(getattr(static, n) is t for n, t in tensors.items()) and static.validate() is static
+    order = torch.arange(batch.batch_size).roll(1)  # [B] new request i = old request order[i]
+    qo = batch.qo_indptr.tolist()
+    rebuilt = batch.replace(q=torch.cat([batch.q[qo[j]:qo[j + 1]] for j in order.tolist()]),
+                            q_lens=batch.q_lens[order], block_table=batch.block_table[order],
+                            seq_lens=next_lengths(batch.seq_lens))
+    out, lse = mla_decode_ref(static)  # [T, H, L], [T, H]
+    want_out, want_lse = mla_decode_ref(rebuilt)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), where
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    poisoned = torch.isnan(static.kv_cache.float()).any(-1) & ~torch.isnan(batch.kv_cache.float()).any(-1)  # [P, ps]
+    assert f"{int(poisoned.sum())} slots the old step read set to NaN" in where and poisoned.any()
+
+
+class _RefusingStep:
+    def __init__(self, batch, max_q_len):
+        raise Unsupported("no step for a cache this small")
+
+
+def refuses_steps(batch):
+    return mutants.correct(batch)
+
+
+refuses_steps.step = _RefusingStep
+
+
+class _FailingPlan(mutants._Step):
+    def plan(self, batch):
+        raise RuntimeError("plan exploded")
+
+
+def plan_raises(batch):
+    return mutants.correct(batch)
+
+
+plan_raises.step = _FailingPlan
+
+
+class _SecondPlanRaises(mutants._Step):
+    def plan(self, batch):
+        if self.planned:
+            raise RuntimeError("workspace too small for the next step")
+        super().plan(batch)
+
+
+def replan_raises(batch):
+    return mutants.correct(batch)
+
+
+replan_raises.step = _SecondPlanRaises
+
+
+def test_a_refused_step_passes_as_refused_and_a_raising_plan_fails_by_name():
+    case = smoke_cases("bf16")[0]
+    refused = run_case(case, from_callable(refuses_steps), "cpu")
+    checks = {c.name: c for c in refused.checks}
+    assert refused.ok and "refused: Unsupported: no step for a cache this small" in checks["step.refused"].detail
+    assert _failed(run_case(case, from_callable(plan_raises), "cpu")) == {
+        "step": "building or planning the step raised RuntimeError: plan exploded "
+                f"(at {__file__}:{_FailingPlan.plan.__code__.co_firstlineno + 1})"}
+    failed = _failed(run_case(case, from_callable(replan_raises), "cpu"))
+    assert set(failed) == {"step.replan"} and "planning it raised RuntimeError: workspace too small" in failed[
+        "step.replan"]
+
+
+def test_a_step_that_is_not_callable_is_refused_by_name():
+    def decode(batch):
+        return mutants.correct(batch)
+
+    decode.step = "TritonMLADecode"
+    with pytest.raises(ValueError, match=r"\.step must be a callable \(batch, max_q_len\) -> step"):
+        from_callable(decode)
+
+
+def test_a_step_whose_declared_numerics_are_tighter_than_its_rounding_fails():
+    """A step that fixes its kernel when built declares how that kernel rounds (`step.numerics`); its runs are
+    bounded by that declaration, not by the plug-in's numerics(batch): a step declaring fp64 output while it
+    returns bf16 fails, where the plug-in's own declaration (bf16 out) passes it (the correct step, above)."""
+    import dataclasses
+
+    from verify.kernels import DEFAULT_NUMERICS
+
+    class _DeclaresFp64(mutants._Step):
+        numerics = dataclasses.replace(DEFAULT_NUMERICS, out_dtype=torch.float64, gamma_qk=0.0, gamma_pv=0.0,
+                                       gamma_pv_per_token=0.0)
+
+    def declares_fp64(batch):
+        return mutants.correct(batch)
+
+    declares_fp64.step = _DeclaresFp64
+    failed = _failed(run_case(smoke_cases("bf16")[0], from_callable(declares_fp64), "cpu"))
+    # bf16 out under an fp64 declaration: the step's eager run (step.out) and its replan fail, nothing else
+    assert set(failed) == {"step.out", "step.replan.out"}, failed
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a CUDA GPU")
+
+
+class _SyncingStep(mutants._Step):
+    def run(self):
+        return mutants._decode(self.batch)  # reads the lengths on the host: a sync, which a capture refuses
+
+
+def syncs_in_run(batch):
+    return mutants.correct(batch)
+
+
+syncs_in_run.step = _SyncingStep
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_on_cuda_the_step_is_captured_and_replayed(dtype):
+    """The correct step's graph replays its eager run's bits and replays the refilled step right; the step that
+    plans once fails the replay after the refill; a run() that reads the device on the host cannot be captured."""
+    case = smoke_cases(dtype)[0]
+    right = run_case(case, from_callable(mutants.correct), "cuda", far=False)
+    names = {c.name: c.detail for c in right.checks}
+    assert right.ok and names["step.graph"].endswith("the bits of the step's eager run"), right.describe()
+    assert "replayed" in names["step.replan.out"]
+    failed = _failed(run_case(case, from_callable(mutants.stale_plan), "cuda", far=False))
+    assert set(failed) == {"step.replan.out", "step.replan.lse"}, failed
+    failed = _failed(run_case(case, from_callable(syncs_in_run), "cuda", far=False))
+    assert set(failed) == {"step.graph"} and "could not be captured in a CUDA graph" in failed["step.graph"], failed
+
+
+@needs_cuda
+@pytest.mark.parametrize("backend", ["triton", "seesaw", "gluon_fp8"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_our_steps_pass_the_step_check_on_cuda(backend, dtype):
+    """Our graph-capturable step (TritonMLADecode, each kernel pinned in turn) on the smoke cases: captured,
+    replayed with its eager bits, refilled and replayed right; where a pinned kernel takes no such batch the step
+    refuses it (step.refused) as the backend's run does (the case is then unsupported)."""
+    from verify.kernels import from_backend
+
+    kernel = from_backend(backend)
+    ran = 0
+    for case in smoke_cases(dtype):
+        result = run_case(case, kernel, "cuda", far=False)
+        if result.unsupported:
+            continue
+        names = {c.name for c in result.checks}  # step, or step.out / .lse where the step's bits differ (bound)
+        assert result.ok and {"step.graph", "step.replan.out"} <= names and names & {"step", "step.out"}, (
+            result.describe())
+        ran += 1
+    assert ran or backend != "triton"
+
+
+def test_a_campaign_warns_when_the_step_was_refused(tmp_path, capsys):
+    """step.refused passes, but the step check did not run there: the report says so, with the step's reason."""
+    import json
+
+    from verify.cli import main
+
+    path = tmp_path / "r.json"
+    assert main(["--impl", "tests.test_step_check:refuses_steps", "--cases", "2", "--jobs", "1", "--json",
+                 str(path)]) == 0
+    report = json.loads(path.read_text())
+    assert report["checks"]["step.refused"]["cases"] == 2 and "step.replan.out" not in report["checks"]
+    (warning,) = [w for w in report["warnings"] if w.startswith("step.refused")]
+    assert "refused 2 cases" in warning and "no step for a cache this small" in warning
