@@ -86,8 +86,8 @@ class Backend:
         deterministic: two runs on the same batch (and worker count) give the same bits, as measured (aiter:
             assumed, never run here); verify's repeat check asks for them when True, else for its tier-1 bound.
         step: (batch, max_q_len) -> a CUDA-graph-capturable step (plan(batch) eagerly, run() launches only; verify's
-            plug-in contract), for our kernels (`TritonMLADecode`); None for the others. verify's step check drives
-            it as a serving loop does.
+            plug-in contract), for our kernels (`TritonMLADecode`) and FlashInfer (its wrapper in CUDA-graph mode);
+            None for the others. verify's step check drives it as a serving loop does.
     """
 
     name: str
@@ -295,13 +295,24 @@ FLASHINFER_SHORT = ("flashinfer: a non-empty request with more query rows than K
                     "(FlashInfer 0.6.14 returns wrong rows there, measured: mla_fast/backends.py)")
 
 
+def flashinfer_refusal(batch: DecodeBatch) -> str | None:
+    """FLASHINFER_SHORT where the batch holds what FlashInfer 0.6.14 gets wrong (above), else None (a host sync)."""
+    short = (batch.q_lens > batch.seq_lens) & (batch.seq_lens > 0)  # [B]
+    return FLASHINFER_SHORT if batch.num_heads > FLASHINFER_MAX_HEADS_SHORT and bool(short.any()) else None
+
+
 def _run_flashinfer(batch: DecodeBatch):
     from mla_fast import flashinfer_backend
 
-    short = (batch.q_lens > batch.seq_lens) & (batch.seq_lens > 0)  # [B]
-    if batch.num_heads > FLASHINFER_MAX_HEADS_SHORT and bool(short.any()):
-        raise Unsupported(FLASHINFER_SHORT)
+    if reason := flashinfer_refusal(batch):
+        raise Unsupported(reason)
     return flashinfer_backend.flashinfer_decode(batch)
+
+
+def _step_flashinfer(batch: DecodeBatch, max_q_len: int):
+    from mla_fast.flashinfer_backend import FlashInferStep
+
+    return FlashInferStep(batch, max_q_len)
 
 
 def _run_flashmla(batch: DecodeBatch):
@@ -408,7 +419,7 @@ BACKENDS: dict[str, Backend] = {
                 max_splits=lambda batch: most_pieces(batch, max(batch.page_size, 16))),
         Backend("flashinfer", "FlashInfer MLA paged, FA3", _run_flashinfer, _probe_flashinfer, _flashinfer_numerics,
                 nan_deviation=FLASHINFER_NAN,  # its MLA plan's kv_len_limit is at least 32 tokens (scheduler.cuh)
-                max_splits=lambda batch: most_pieces(batch, 32)),
+                max_splits=lambda batch: most_pieces(batch, 32), step=_step_flashinfer),
         Backend("flashmla", "FlashMLA dense decode (legacy SM90)", _run_flashmla, _probe_flashmla, _flashmla_numerics,
                 nan_deviation=FLASHMLA_NAN),
     )

@@ -91,28 +91,70 @@ def flashinfer_inputs(batch: DecodeBatch) -> dict:
     }
 
 
+def _plan(wrapper, batch: DecodeBatch, a: dict) -> None:
+    """wrapper.plan() for `batch` with its `flashinfer_inputs` ``a``."""
+    wrapper.plan(a["qo_indptr"], a["kv_indptr"], a["kv_indices"], a["kv_len_arr"], batch.num_heads,
+                 batch.kv_lora_rank, batch.rope_dim, batch.page_size, a["causal"], a["sm_scale"], a["q_dtype"],
+                 a["kv_dtype"])
+
+
+def _scales(a: dict) -> dict:
+    return {} if a["kv_scale"] is None else {"ckv_scale": a["kv_scale"], "kpe_scale": a["kv_scale"]}
+
+
+class FlashInferStep:
+    """The wrapper in CUDA-graph mode, as a serving loop runs it (the plug-in contract's step, verify's step check):
+    built once for the batch's shapes (`use_cuda_graph=True` with its own indptr / indices / length buffers sized for
+    the batch size and the block table's capacity, preallocated out and lse), `plan(batch)` eagerly on the batch's
+    current lengths (FlashInfer's host scheduler, which copies the CSR arrays into those buffers), `run()` launches
+    only, on views of the batch's q and cache. FlashInfer passes the causal flag and sm_scale to the kernel as launch
+    arguments, which a captured graph keeps; both stay the step's: sm_scale is the batch's, and causal (some q_len
+    above 1) is q's rows outnumbering the requests, fixed by the shapes. fp8 q has no step: `flashinfer_inputs`
+    converts it to bf16 with a host-side check, per call."""
+
+    def __init__(self, batch: DecodeBatch, max_q_len: int, backend: str = "fa3"):
+        import flashinfer
+
+        from mla_fast.backends import Unsupported
+
+        if is_fp8(batch.q.dtype):
+            raise Unsupported("flashinfer step: fp8 q (converted to bf16 per call, with a host-side check)")
+        self.batch, self.max_q_len = batch, max_q_len
+        B, dev = batch.batch_size, batch.device
+        self.buffers = {name: torch.zeros(n, dtype=torch.int32, device=dev) for name, n in (
+            ("qo_indptr", B + 1), ("kv_indptr", B + 1), ("kv_indices", max(batch.block_table.numel(), 1)),
+            ("kv_len_arr", B))}
+        self.wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(
+            _workspace(dev), use_cuda_graph=True, backend=backend,
+            **self.buffers)
+        self.out = torch.empty(batch.num_tokens, batch.num_heads, batch.kv_lora_rank, dtype=batch.q.dtype, device=dev)
+        self.lse = torch.empty(batch.num_tokens, batch.num_heads, dtype=torch.float32, device=dev)
+        self.args = None  # the planned step's flashinfer_inputs
+
+    def plan(self, batch: DecodeBatch) -> None:
+        from mla_fast.backends import Unsupported, flashinfer_refusal
+
+        if batch is not self.batch:
+            raise ValueError("plan: batch must be the step's own (refill its tensors in place)")
+        if reason := flashinfer_refusal(batch):
+            raise Unsupported(reason)
+        self.args = flashinfer_inputs(batch)
+        _plan(self.wrapper, batch, self.args)
+
+    def run(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.args is None:
+            raise RuntimeError("run() before plan()")
+        a = self.args
+        return self.wrapper.run(a["q_nope"], a["q_pe"], a["ckv_cache"], a["kpe_cache"], out=self.out, lse=self.lse,
+                                return_lse=True, return_lse_base_on_e=True, **_scales(a))
+
+
 def flashinfer_decode(batch: DecodeBatch, backend: str = "fa3") -> tuple[torch.Tensor, torch.Tensor]:
     """Run FlashInfer MLA decode on `batch` -> (out [T, H, L] in q's 16-bit dtype, lse [T, H] fp32 natural log)."""
     import flashinfer
 
     a = flashinfer_inputs(batch)
     wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(_workspace(batch.device), backend=backend)
-    wrapper.plan(
-        a["qo_indptr"],
-        a["kv_indptr"],
-        a["kv_indices"],
-        a["kv_len_arr"],
-        batch.num_heads,
-        batch.kv_lora_rank,
-        batch.rope_dim,
-        batch.page_size,
-        a["causal"],
-        a["sm_scale"],
-        a["q_dtype"],
-        a["kv_dtype"],
-    )
-    scales = {} if a["kv_scale"] is None else {"ckv_scale": a["kv_scale"], "kpe_scale": a["kv_scale"]}
-    out, lse = wrapper.run(
-        a["q_nope"], a["q_pe"], a["ckv_cache"], a["kpe_cache"], return_lse=True, return_lse_base_on_e=True, **scales
-    )
-    return out, lse
+    _plan(wrapper, batch, a)
+    return wrapper.run(a["q_nope"], a["q_pe"], a["ckv_cache"], a["kpe_cache"], return_lse=True,
+                       return_lse_base_on_e=True, **_scales(a))

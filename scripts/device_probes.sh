@@ -6,7 +6,8 @@
 # ignores_strides, uint16_positions and merge_order_varies mutants' campaigns; fp32partials =
 # FlashInfer declared with fp32 partials (tests/peer_plugins.py); flashmla = FlashMLA's bf16 campaign three times
 # over (the forty-seventh session saw its far check fail 4 of 200 cases once, in a call where it had passed twice);
-# step = the step check's GPU tests (CUDA-graph capture) and the correct / stale_plan mutants' campaigns.
+# step = the step check's GPU tests (CUDA-graph capture; ours and FlashInfer's steps) and the correct / stale_plan
+# mutants' campaigns.
 # Writes log.txt and
 # campaigns.json (per campaign: cases, failed, unsupported, wall, and per check cases / failed / median / max
 # err/bound) to $OUT.
@@ -16,7 +17,7 @@ reports=/tmp/mla_probes_reports
 mkdir -p "$reports"
 
 [[ $parts == *,step,* ]] && step "GPU tests: the step check" && timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
-  tests/test_step_check.py -k cuda 2>&1 | tail -12 | tee -a "$log"
+  tests/test_step_check.py tests/test_peers_gpu.py -k "cuda or graph_step" 2>&1 | tail -12 | tee -a "$log"
 [[ $parts == *,tests,* ]] && step "GPU tests: the partials, rounding and layout checks" && timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_triton_gpu.py tests/test_peers_gpu.py \
   -k "partials or rounding_check or strided" 2>&1 | tail -12 | tee -a "$log"
 

@@ -316,3 +316,53 @@ def test_flashinfer_declines_requests_shorter_than_their_query_rows_above_32_hea
         else:
             assert run(batch) == "adapter", (heads, seq_lens, q_lens)
     assert "FlashInfer 0.6.14 returns wrong rows" in FLASHINFER_SHORT
+
+
+class _FakeMLAWrapper:
+    """Stands in for flashinfer.mla.BatchMLAPagedAttentionWrapper: records plan() and run() calls."""
+
+    def __init__(self, workspace, use_cuda_graph=False, backend="auto", **buffers):
+        self.use_cuda_graph, self.buffers, self.plans, self.runs = use_cuda_graph, buffers, [], 0
+
+    def plan(self, *args):
+        self.plans.append(args)
+
+    def run(self, q_nope, q_pe, ckv, kpe, out=None, lse=None, **kw):
+        self.runs += 1
+        return out, lse
+
+
+def test_flashinfers_graph_step_sizes_its_buffers_once_and_refuses_what_it_cannot_replay(monkeypatch):
+    """FlashInferStep (the flashinfer backend's step): the wrapper in CUDA-graph mode with buffers sized for the
+    batch size and the block table's capacity, preallocated out / lse returned by every run(); plan() on the step's
+    own batch only, again for each step; refused by name: fp8 q (converted per call) and FLASHINFER_SHORT batches.
+    The GPU run: tests/test_peers_gpu.py."""
+    import sys
+    import types
+
+    from mla_fast.backends import BACKENDS, FLASHINFER_SHORT, Unsupported
+    from verify.cases import Case
+    from verify.next_step import refill
+
+    fake = types.SimpleNamespace(mla=types.SimpleNamespace(BatchMLAPagedAttentionWrapper=_FakeMLAWrapper))
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    batch, _ = Case(seq_lens=(70, 0, 5), q_lens=(1, 1, 1), heads=4, page_size=16).materialize()
+    step = BACKENDS["flashinfer"].step(batch, 1)
+    sizes = {name: tuple(buf.shape) for name, buf in step.wrapper.buffers.items()}
+    assert step.wrapper.use_cuda_graph and sizes == {"qo_indptr": (4,), "kv_indptr": (4,), "kv_len_arr": (3,),
+                                                     "kv_indices": (batch.block_table.numel(),)}
+    with pytest.raises(RuntimeError, match="before plan"):
+        step.run()
+    step.plan(batch)
+    assert step.run()[0] is step.out and step.run()[1] is step.lse and step.wrapper.runs == 2
+    with pytest.raises(ValueError, match="the step's own"):
+        step.plan(batch.replace(seq_lens=batch.seq_lens.clone()))
+    refill(batch)  # the next step, in the same tensors: planned again
+    step.plan(batch)
+    assert len(step.wrapper.plans) == 2 and step.wrapper.plans[1][3].tolist() == [5, 35, 0]  # kv_len_arr
+    fp8, _ = Case(seq_lens=(70,), q_lens=(1,), heads=4, q_dtype="fp8", kv_dtype="fp8").materialize()
+    with pytest.raises(Unsupported, match="fp8 q"):
+        BACKENDS["flashinfer"].step(fp8, 1)
+    short, _ = Case(seq_lens=(1, 5), q_lens=(2, 1), heads=40).materialize()
+    with pytest.raises(Unsupported, match=FLASHINFER_SHORT[:40]):
+        BACKENDS["flashinfer"].step(short, 2).plan(short)

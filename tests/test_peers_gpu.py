@@ -152,6 +152,31 @@ def test_the_partials_check_tells_how_a_peer_stores_its_splits(peer, dtype):
         assert not results[0].ok and results[0].err_over_bound > 1, results[0].detail
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_flashinfers_graph_step_passes_the_step_check(dtype):
+    """FlashInfer's wrapper in CUDA-graph mode (`FlashInferStep`) through verify's step check on the smoke cases:
+    captured, replayed with its eager run's bits, refilled with the next step in place, planned again and replayed
+    within the bound; fp8 q has no step (refused by name), and the FLASHINFER_SHORT batches stay refused."""
+    from verify.checks import run_case as verify_case
+    from verify.kernels import from_backend
+    from verify.strategies import smoke_cases
+
+    _skip_unless_available("flashinfer")
+    kernel = from_backend("flashinfer")
+    replayed = 0
+    for case in smoke_cases(dtype):
+        result = verify_case(case, kernel, "cuda", far=False)
+        names = {c.name: c.detail for c in result.checks}
+        assert result.ok or result.unsupported, result.describe()
+        if "step.refused" in names:
+            assert "fp8 q" in names["step.refused"] or "more query rows than KV tokens" in names["step.refused"]
+        elif not result.unsupported:
+            assert names["step.graph"].endswith("the bits of the step's eager run"), names["step.graph"]
+            assert "replayed" in names["step.replan.out"]
+            replayed += 1
+    assert replayed or dtype == "fp8"
+
+
 VLLM_CASES = [  # vLLM's Triton MLA decode (mla-bench's vLLM column): q_len 1 and no empty request (it gives NaN)
     PeerCase("vllm", VARLEN[1:], heads, page, dtype, seed=20 + i)
     for i, (heads, page, dtype) in enumerate(

@@ -613,7 +613,7 @@ def check_step(batch: DecodeBatch, kernel: Kernel, first: tuple, ref, bound: bou
     the oracle on the new contents, within their tier-1 bound. A step that bakes the captured lengths into its launch
     fails the last. Bounds take the step's own ``numerics`` (a KernelNumerics) where it declares them (a step fixes
     its kernel when built, while the kernel's numerics(batch) follow each batch), else the kernel's. A step that
-    refuses the batch (`Unsupported`) passes as ``step.refused``."""
+    refuses the batch, or the next step (`Unsupported`), passes as ``step.refused``."""
     try:
         return _drive_step(batch, kernel, first, ref, bound, out_dtype)
     finally:  # the step's buffers, copies of the case's inputs, and its graph's memory pool are gone by now
@@ -678,6 +678,8 @@ def _drive_step(batch: DecodeBatch, kernel: Kernel, first: tuple, ref, bound: bo
     except Exception as e:
         if is_device_fault(e):
             raise
+        if isinstance(e, Unsupported):  # a batch outside the step's declared scope, as its first plan may refuse
+            return results + [CheckResult("step.refused", True, detail=f"{where}: refused: {error_message(e)}")]
         return results + [CheckResult("step.replan", False, detail=f"{where}: planning it raised {error_message(e)}")]
     got, why = _outputs_of(_call(replay, device=device), static)
     if why is not None:
