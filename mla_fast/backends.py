@@ -86,8 +86,9 @@ class Backend:
         deterministic: two runs on the same batch (and worker count) give the same bits, as measured (aiter:
             assumed, never run here); verify's repeat check asks for them when True, else for its tier-1 bound.
         step: (batch, max_q_len) -> a CUDA-graph-capturable step (plan(batch) eagerly, run() launches only; verify's
-            plug-in contract), for our kernels (`TritonMLADecode`) and FlashInfer (its wrapper in CUDA-graph mode);
-            None for the others. verify's step check drives it as a serving loop does.
+            plug-in contract), for our kernels (`TritonMLADecode`), FlashInfer (its wrapper in CUDA-graph mode) and
+            FlashMLA (its scheduler's metadata replanned into the step's tensors); None for the others. verify's
+            step check drives it as a serving loop does.
     """
 
     name: str
@@ -309,6 +310,12 @@ def _run_flashinfer(batch: DecodeBatch):
     return flashinfer_backend.flashinfer_decode(batch)
 
 
+def _step_flashmla(batch: DecodeBatch, max_q_len: int):
+    from mla_fast.flashmla_backend import FlashMLAStep
+
+    return FlashMLAStep(batch, max_q_len)
+
+
 def _step_flashinfer(batch: DecodeBatch, max_q_len: int):
     from mla_fast.flashinfer_backend import FlashInferStep
 
@@ -421,7 +428,7 @@ BACKENDS: dict[str, Backend] = {
                 nan_deviation=FLASHINFER_NAN,  # its MLA plan's kv_len_limit is at least 32 tokens (scheduler.cuh)
                 max_splits=lambda batch: most_pieces(batch, 32), step=_step_flashinfer),
         Backend("flashmla", "FlashMLA dense decode (legacy SM90)", _run_flashmla, _probe_flashmla, _flashmla_numerics,
-                nan_deviation=FLASHMLA_NAN),
+                nan_deviation=FLASHMLA_NAN, step=_step_flashmla),
     )
 }
 

@@ -154,3 +154,83 @@ def flashmla_decode(batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
     lse = lse.permute(0, 2, 1).reshape(B * s_q, H)[a["rows"]]  # [B, H, s_q] -> [B * s_q, H] -> [T, H]
     empty = (batch.visible_tokens() == 0)[:, None] & torch.isposinf(lse)  # FlashMLA: lonely q -> +inf
     return out, torch.where(empty, -math.inf, lse)
+
+
+class FlashMLAStep:
+    """FlashMLA's dense decode as a serving loop runs it in a CUDA graph (the plug-in contract's step, verify's step
+    check): built once for the batch's shapes (a [B * s_q, H, D] query grid with s_q = max_q_len, its row index,
+    the scheduler's metadata and, for fp8, the block table it reads), `plan(batch)` eagerly on the batch's current
+    lengths (FlashMLA's scheduler, `get_mla_decoding_metadata`, whose result is copied into the step's metadata
+    tensors, as vLLM's FlashMLA backend does between replays), `run()` launches only: the query rows scattered into
+    the grid, the decode on the batch's cache, block table and seq_lens in place, the real rows gathered. A
+    `FlashMLASchedMeta` filled by a first call and reused keeps that call's schedule: the stale-plan bug the step
+    check catches. Pages of 64 and the dtypes FlashMLA takes as they are: the conversions `flashmla_inputs` makes
+    per call (repaging, e4m3fnuz, fp8 q on a bf16 cache) have no step (Unsupported, named)."""
+
+    def __init__(self, batch: DecodeBatch, max_q_len: int):
+        import flash_mla
+
+        q, kv = batch.q.dtype, batch.kv_cache.dtype
+        if batch.page_size != PAGE_SIZE:
+            raise Unsupported(f"flashmla step: pages of {PAGE_SIZE} only (others are repaged per call)")
+        if torch.float8_e4m3fnuz in (q, kv) or (is_fp8(q) and not is_fp8(kv)):
+            raise Unsupported("flashmla step: e4m3fnuz, or fp8 q on a 16-bit cache (converted per call)")
+        self.fp8 = is_fp8(kv)
+        if self.fp8 and not is_fp8(q):
+            raise Unsupported("flashmla: bf16 q with an fp8 cache (FlashMLA's dense fp8 kernel is fp8 x fp8)")
+        if not self.fp8 and (kv not in (torch.bfloat16, torch.float16) or q != kv):
+            raise Unsupported("flashmla.q/kv_cache: FlashMLA's dense kernel takes both bf16 or both fp16")
+        B, H, D, dev = batch.batch_size, batch.num_heads, batch.head_dim, batch.device
+        self.batch, self.s_q = batch, max_q_len
+        self.grid = torch.zeros(B * max_q_len, H, D * batch.q.element_size(), dtype=torch.uint8, device=dev)
+        self.rows = torch.zeros(batch.num_tokens, dtype=torch.int64, device=dev)  # [T] grid row of each q row
+        self.empty = torch.zeros(batch.num_tokens, 1, dtype=torch.bool, device=dev)  # [T, 1] rows that see nothing
+        self.block_table = batch.block_table.clone() if self.fp8 else batch.block_table  # fp8: entries past seq_len
+        self.meta = flash_mla.get_mla_metadata()[0]  # its tensors: the step's, filled by plan()
+        self.extra = {}
+        if self.fp8:
+            self.extra = {"is_fp8_kvcache": True,
+                          "descale_q": torch.tensor([batch.q_scale], dtype=torch.float32, device=dev),
+                          "descale_k": torch.tensor([batch.kv_scale], dtype=torch.float32, device=dev)}
+        self.planned = False
+
+    def plan(self, batch: DecodeBatch) -> None:
+        import flash_mla
+
+        if batch is not self.batch:
+            raise ValueError("plan: batch must be the step's own (refill its tensors in place)")
+        batch.validate()
+        if self.fp8 and batch.batch_size and int(batch.seq_lens.min()) == 0:
+            raise Unsupported("flashmla fp8: a request with seq_len 0 (the dense fp8 kernel reads block_table[b][-1])")
+        rows, s_q = padded_rows(batch.q_lens)  # [T]
+        if s_q != self.s_q:
+            raise ValueError(f"plan: FlashMLA's step keeps s_q = {self.s_q} (its graph's q grid), got max q_len {s_q}")
+        self.rows.copy_(rows)
+        self.empty.copy_((batch.visible_tokens() == 0)[:, None])
+        if self.fp8:  # the dense fp8 kernel may read entries past seq_len: point them at page 0
+            self.block_table.copy_(torch.where(batch.used_entries, batch.block_table, 0))
+        tile_md, num_splits = flash_mla.get_mla_decoding_metadata(
+            batch.seq_lens, s_q * batch.num_heads, 1, is_fp8_kvcache=self.fp8, use_legacy=True)
+        if self.meta.tile_scheduler_metadata is None:
+            self.meta.tile_scheduler_metadata, self.meta.num_splits = tile_md.clone(), num_splits.clone()
+        else:  # in place: a captured graph reads these tensors
+            self.meta.tile_scheduler_metadata.copy_(tile_md)
+            self.meta.num_splits.copy_(num_splits)
+        self.planned = True
+
+    def run(self) -> tuple[torch.Tensor, torch.Tensor]:
+        import flash_mla
+
+        if not self.planned:
+            raise RuntimeError("run() before plan()")
+        b = self.batch
+        B, H = b.batch_size, b.num_heads
+        self.grid.zero_()
+        self.grid[self.rows] = b.q.view(torch.uint8).view(b.num_tokens, H, -1)  # real rows at each slot's end
+        q = self.grid.view(b.q.dtype).view(B, self.s_q, H, b.head_dim)  # [B, s_q, H, D]
+        out, lse = flash_mla.flash_mla_with_kvcache(
+            q, b.kv_cache.unsqueeze(2), self.block_table, b.seq_lens, b.kv_lora_rank, self.meta, None,
+            softmax_scale=float(b.sm_scale), causal=self.s_q > 1, use_legacy=True, **self.extra)
+        out = out.reshape(B * self.s_q, H, -1)[self.rows]  # [T, H, L]
+        lse = lse.permute(0, 2, 1).reshape(B * self.s_q, H)[self.rows]  # [T, H]
+        return out, torch.where(self.empty & torch.isposinf(lse), -math.inf, lse)  # FlashMLA: lonely q -> +inf

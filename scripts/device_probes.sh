@@ -6,7 +6,7 @@
 # ignores_strides, uint16_positions and merge_order_varies mutants' campaigns; fp32partials =
 # FlashInfer declared with fp32 partials (tests/peer_plugins.py); flashmla = FlashMLA's bf16 campaign three times
 # over (the forty-seventh session saw its far check fail 4 of 200 cases once, in a call where it had passed twice);
-# step = the step check's GPU tests (CUDA-graph capture; ours and FlashInfer's steps) and the correct / stale_plan
+# step = the step check's GPU tests (CUDA-graph capture; ours, FlashInfer's and FlashMLA's steps) and the correct / stale_plan
 # mutants' campaigns.
 # Writes log.txt and
 # campaigns.json (per campaign: cases, failed, unsupported, wall, and per check cases / failed / median / max

@@ -366,3 +366,58 @@ def test_flashinfers_graph_step_sizes_its_buffers_once_and_refuses_what_it_canno
     short, _ = Case(seq_lens=(1, 5), q_lens=(2, 1), heads=40).materialize()
     with pytest.raises(Unsupported, match=FLASHINFER_SHORT[:40]):
         BACKENDS["flashinfer"].step(short, 2).plan(short)
+
+
+class _FakeFlashMLA:
+    """Stands in for flash_mla: a scheduler whose metadata is the lengths, and a decode whose out is q's first L
+    channels and whose lse is +inf (FlashMLA's lonely-q value) on every row."""
+
+    class Meta:
+        tile_scheduler_metadata = num_splits = None
+
+    def get_mla_metadata(self):
+        return self.Meta(), None
+
+    def get_mla_decoding_metadata(self, seqlens, tokens_per_head, h_k, is_fp8_kvcache=False, use_legacy=False):
+        return seqlens.clone().view(-1, 1), torch.cat([seqlens.new_zeros(1), seqlens.cumsum(0).int()])
+
+    def flash_mla_with_kvcache(self, q, k_cache, block_table, seqlens, head_dim_v, meta, num_splits, **kw):
+        self.seen = (meta.tile_scheduler_metadata, kw)
+        B, s_q, H, _ = q.shape
+        return q[..., :head_dim_v].clone(), torch.full((B, H, s_q), math.inf)
+
+
+def test_flashmlas_graph_step_replans_into_its_own_metadata_and_keeps_the_row_layout(monkeypatch):
+    """FlashMLAStep (the flashmla backend's step): the query rows go to the end of their request's slot of the
+    [B * s_q] grid and come back in order (the fake decode echoes q), empty rows' +inf lse becomes -inf, and each
+    plan() copies the scheduler's metadata into the same tensors (a captured graph reads them); refused by name: other
+    page sizes, fp8 q on a bf16 cache, bf16 q on an fp8 cache. The GPU run: tests/test_peers_gpu.py."""
+    import sys
+
+    from mla_fast.backends import BACKENDS, Unsupported
+    from verify.cases import Case
+    from verify.next_step import refill
+
+    fake = _FakeFlashMLA()
+    monkeypatch.setitem(sys.modules, "flash_mla", fake)
+    batch, _ = Case(seq_lens=(70, 0, 5), q_lens=(2, 1, 3), heads=4, page_size=64).materialize()
+    step = BACKENDS["flashmla"].step(batch, 3)
+    step.plan(batch)
+    first_meta = step.meta.tile_scheduler_metadata
+    out, lse = step.run()
+    assert torch.equal(out, batch.q[..., :512]) and fake.seen[1]["causal"] and fake.seen[1]["use_legacy"]
+    assert torch.equal(torch.isneginf(lse), (batch.visible_tokens() == 0)[:, None].expand_as(lse))
+    refill(batch)
+    step.plan(batch)
+    assert step.meta.tile_scheduler_metadata is first_meta and first_meta.view(-1).tolist() == batch.seq_lens.tolist()
+    out, lse = step.run()
+    assert torch.equal(out, batch.q[..., :512]) and fake.seen[0] is first_meta
+    assert torch.equal(torch.isneginf(lse), (batch.visible_tokens() == 0)[:, None].expand_as(lse))
+    bf16, _ = Case(seq_lens=(70,), q_lens=(1,), heads=4, page_size=64).materialize()
+    fp8_q = bf16.replace(q=bf16.q.float().to(torch.float8_e4m3fn), q_scale=1.0)
+    for other, words in ((Case(seq_lens=(70,), q_lens=(1,), heads=4, page_size=16).materialize()[0],
+                          "pages of 64 only"), (fp8_q, "fp8 q on a 16-bit cache"),
+                         (Case(seq_lens=(70,), q_lens=(1,), heads=4, page_size=64, kv_dtype="fp8").materialize()[0],
+                          "bf16 q with an fp8 cache")):
+        with pytest.raises(Unsupported, match=words):
+            BACKENDS["flashmla"].step(other, 1)

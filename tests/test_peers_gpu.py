@@ -152,24 +152,32 @@ def test_the_partials_check_tells_how_a_peer_stores_its_splits(peer, dtype):
         assert not results[0].ok and results[0].err_over_bound > 1, results[0].detail
 
 
+STEP_REFUSALS = {  # what each peer's step declines, by name (the plain run takes these batches, converted per call)
+    "flashinfer": ("fp8 q", "more query rows than KV tokens"),
+    "flashmla": ("pages of 64 only", "seq_len 0"),
+}
+
+
+@pytest.mark.parametrize("peer", sorted(STEP_REFUSALS))
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
-def test_flashinfers_graph_step_passes_the_step_check(dtype):
-    """FlashInfer's wrapper in CUDA-graph mode (`FlashInferStep`) through verify's step check on the smoke cases:
+def test_a_peers_graph_step_passes_the_step_check(peer, dtype):
+    """A peer's graph step (FlashInfer's wrapper in CUDA-graph mode, `FlashInferStep`; FlashMLA with its scheduler's
+    metadata replanned into the step's tensors, `FlashMLAStep`) through verify's step check on the smoke cases:
     captured, replayed with its eager run's bits, refilled with the next step in place, planned again and replayed
-    within the bound; fp8 q has no step (refused by name), and the FLASHINFER_SHORT batches stay refused."""
+    within the bound; what the step declines it names (STEP_REFUSALS)."""
     from verify.checks import run_case as verify_case
     from verify.kernels import from_backend
     from verify.strategies import smoke_cases
 
-    _skip_unless_available("flashinfer")
-    kernel = from_backend("flashinfer")
+    _skip_unless_available(peer)
+    kernel = from_backend(peer)
     replayed = 0
     for case in smoke_cases(dtype):
         result = verify_case(case, kernel, "cuda", far=False)
         names = {c.name: c.detail for c in result.checks}
         assert result.ok or result.unsupported, result.describe()
         if "step.refused" in names:
-            assert "fp8 q" in names["step.refused"] or "more query rows than KV tokens" in names["step.refused"]
+            assert any(words in names["step.refused"] for words in STEP_REFUSALS[peer]), names["step.refused"]
         elif not result.unsupported:
             assert names["step.graph"].endswith("the bits of the step's eager run"), names["step.graph"]
             assert "replayed" in names["step.replan.out"]
