@@ -109,8 +109,9 @@ class FlashInferStep:
     current lengths (FlashInfer's host scheduler, which copies the CSR arrays into those buffers), `run()` launches
     only, on views of the batch's q and cache. FlashInfer passes the causal flag and sm_scale to the kernel as launch
     arguments, which a captured graph keeps; both stay the step's: sm_scale is the batch's, and causal (some q_len
-    above 1) is q's rows outnumbering the requests, fixed by the shapes. fp8 q has no step: `flashinfer_inputs`
-    converts it to bf16 with a host-side check, per call."""
+    above 1) is q's rows outnumbering the requests, fixed by the shapes. fp8 q and e4m3fnuz caches have no step:
+    `flashinfer_inputs` converts them per call (fp8 q with a host-side check, the cache into a new copy, which a
+    captured graph would go on reading after the next plan made another)."""
 
     def __init__(self, batch: DecodeBatch, max_q_len: int, backend: str = "fa3"):
         import flashinfer
@@ -119,6 +120,8 @@ class FlashInferStep:
 
         if is_fp8(batch.q.dtype):
             raise Unsupported("flashinfer step: fp8 q (converted to bf16 per call, with a host-side check)")
+        if batch.kv_cache.dtype == torch.float8_e4m3fnuz:  # a captured graph would read the first call's copy
+            raise Unsupported("flashinfer step: an e4m3fnuz cache (converted to e4m3fn per call, into a new copy)")
         self.batch, self.max_q_len = batch, max_q_len
         B, dev = batch.batch_size, batch.device
         self.buffers = {name: torch.zeros(n, dtype=torch.int32, device=dev) for name, n in (

@@ -54,15 +54,16 @@ def repage(batch: DecodeBatch, page_size: int = PAGE_SIZE) -> DecodeBatch:
     return batch.replace(kv_cache=cache, block_table=block_table.to(batch.device)).validate()
 
 
-def padded_rows(q_lens: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Where the T real query rows go in FlashMLA's [B, s_q_max] grid of query rows.
+def padded_rows(q_lens: torch.Tensor, s_q: int | None = None) -> tuple[torch.Tensor, int]:
+    """Where the T real query rows go in FlashMLA's [B, s_q] grid of query rows (s_q: the largest q_len, or a given
+    s_q at least that large, as a graph step's fixed grid).
 
-    Returns (index [T] int64 into the flattened B * s_q_max grid, s_q_max): row r of request b (q_len n_b) goes to
-    b * s_q_max + (s_q_max - n_b) + r, the end of b's slot, so its row position in the grid sees
-    s_k - s_q_max + (s_q_max - n_b + r) + 1 = s_k - n_b + r + 1 tokens under FlashMLA's causal rule: the contract's.
+    Returns (index [T] int64 into the flattened B * s_q grid, s_q): row r of request b (q_len n_b) goes to
+    b * s_q + (s_q - n_b) + r, the end of b's slot, so its row position in the grid sees
+    s_k - s_q + (s_q - n_b + r) + 1 = s_k - n_b + r + 1 tokens under FlashMLA's causal rule: the contract's.
     """
     q_lens = q_lens.long()  # [B]
-    s_q = int(q_lens.max()) if q_lens.numel() else 1
+    s_q = s_q or (int(q_lens.max()) if q_lens.numel() else 1)
     request = torch.repeat_interleave(torch.arange(q_lens.shape[0], device=q_lens.device), q_lens)  # [T]
     first = torch.cumsum(q_lens, 0) - q_lens  # [B] first row of each request in q
     r = torch.arange(request.shape[0], device=q_lens.device) - first[request]  # [T] row inside its request
@@ -202,9 +203,9 @@ class FlashMLAStep:
         batch.validate()
         if self.fp8 and batch.batch_size and int(batch.seq_lens.min()) == 0:
             raise Unsupported("flashmla fp8: a request with seq_len 0 (the dense fp8 kernel reads block_table[b][-1])")
-        rows, s_q = padded_rows(batch.q_lens)  # [T]
-        if s_q != self.s_q:
-            raise ValueError(f"plan: FlashMLA's step keeps s_q = {self.s_q} (its graph's q grid), got max q_len {s_q}")
+        if batch.batch_size and int(batch.q_lens.max()) > self.s_q:
+            raise ValueError(f"plan: q_lens must be <= the step's max_q_len {self.s_q}, got {batch.q_lens.tolist()}")
+        rows, s_q = padded_rows(batch.q_lens, self.s_q)  # [T] in the step's fixed grid
         self.rows.copy_(rows)
         self.empty.copy_((batch.visible_tokens() == 0)[:, None])
         if self.fp8:  # the dense fp8 kernel may read entries past seq_len: point them at page 0

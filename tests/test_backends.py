@@ -342,11 +342,11 @@ def test_flashinfers_graph_step_sizes_its_buffers_once_and_refuses_what_it_canno
 
     from mla_fast.backends import BACKENDS, FLASHINFER_SHORT, Unsupported
     from verify.cases import Case
-    from verify.next_step import refill
+    from verify.next_step import next_layout, with_room
 
     fake = types.SimpleNamespace(mla=types.SimpleNamespace(BatchMLAPagedAttentionWrapper=_FakeMLAWrapper))
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
-    batch, _ = Case(seq_lens=(70, 0, 5), q_lens=(1, 1, 1), heads=4, page_size=16).materialize()
+    batch, first_spare = with_room(Case(seq_lens=(70, 0, 5), q_lens=(1, 1, 1), heads=4, page_size=16).materialize()[0])
     step = BACKENDS["flashinfer"].step(batch, 1)
     sizes = {name: tuple(buf.shape) for name, buf in step.wrapper.buffers.items()}
     assert step.wrapper.use_cuda_graph and sizes == {"qo_indptr": (4,), "kv_indptr": (4,), "kv_len_arr": (3,),
@@ -357,9 +357,9 @@ def test_flashinfers_graph_step_sizes_its_buffers_once_and_refuses_what_it_canno
     assert step.run()[0] is step.out and step.run()[1] is step.lse and step.wrapper.runs == 2
     with pytest.raises(ValueError, match="the step's own"):
         step.plan(batch.replace(seq_lens=batch.seq_lens.clone()))
-    refill(batch)  # the next step, in the same tensors: planned again
+    next_layout(batch, first_spare)  # the next step, in the same tensors: planned again
     step.plan(batch)
-    assert len(step.wrapper.plans) == 2 and step.wrapper.plans[1][3].tolist() == [5, 35, 0]  # kv_len_arr
+    assert len(step.wrapper.plans) == 2 and step.wrapper.plans[1][3].tolist() == [87, 35, 0]  # kv_len_arr
     fp8, _ = Case(seq_lens=(70,), q_lens=(1,), heads=4, q_dtype="fp8", kv_dtype="fp8").materialize()
     with pytest.raises(Unsupported, match="fp8 q"):
         BACKENDS["flashinfer"].step(fp8, 1)
@@ -396,20 +396,21 @@ def test_flashmlas_graph_step_replans_into_its_own_metadata_and_keeps_the_row_la
 
     from mla_fast.backends import BACKENDS, Unsupported
     from verify.cases import Case
-    from verify.next_step import refill
+    from verify.next_step import next_layout, next_values, with_room
 
     fake = _FakeFlashMLA()
     monkeypatch.setitem(sys.modules, "flash_mla", fake)
-    batch, _ = Case(seq_lens=(70, 0, 5), q_lens=(2, 1, 3), heads=4, page_size=64).materialize()
-    step = BACKENDS["flashmla"].step(batch, 3)
+    batch, first_spare = with_room(Case(seq_lens=(70, 0, 5), q_lens=(2, 1, 3), heads=4, page_size=64).materialize()[0])
+    step = BACKENDS["flashmla"].step(batch, 4)  # a grid of 4 rows per request, one more than any q_len
     step.plan(batch)
     first_meta = step.meta.tile_scheduler_metadata
     out, lse = step.run()
     assert torch.equal(out, batch.q[..., :512]) and fake.seen[1]["causal"] and fake.seen[1]["use_legacy"]
     assert torch.equal(torch.isneginf(lse), (batch.visible_tokens() == 0)[:, None].expand_as(lse))
-    refill(batch)
+    next_layout(batch, first_spare)
     step.plan(batch)
-    assert step.meta.tile_scheduler_metadata is first_meta and first_meta.view(-1).tolist() == batch.seq_lens.tolist()
+    assert step.meta.tile_scheduler_metadata is first_meta and first_meta.view(-1).tolist() == [135, 35, 0]
+    next_values(batch, torch.zeros(batch.kv_cache.shape[:2], dtype=torch.bool))  # q negated after the plan
     out, lse = step.run()
     assert torch.equal(out, batch.q[..., :512]) and fake.seen[0] is first_meta
     assert torch.equal(torch.isneginf(lse), (batch.visible_tokens() == 0)[:, None].expand_as(lse))

@@ -53,3 +53,41 @@ def test_a_device_fault_in_any_run_fails_the_case_as_a_device_fault(monkeypatch,
     assert result.device_fault and len(failed) == 1, result.describe()
     assert ILLEGAL_ADDRESS in next(iter(failed.values())) and set(failed) <= {"contract", "device"}, failed
     assert all(c.ok for c in result.checks if c.name not in failed)
+
+
+class _StepFaultsAt(mutants._Step):
+    """mutants.correct's step, raising a device fault at one stage: "build", "plan" (the first), "run" (the eager
+    run) or "replan" (the next step's plan)."""
+
+    stage = ""
+
+    def __init__(self, batch, max_q_len):
+        if self.stage == "build":
+            raise RuntimeError(ILLEGAL_ADDRESS)
+        super().__init__(batch, max_q_len)
+
+    def plan(self, batch):
+        if self.stage == "plan" or (self.stage == "replan" and self.planned):
+            raise RuntimeError(ILLEGAL_ADDRESS)
+        super().plan(batch)
+
+    def run(self):
+        if self.stage == "run":
+            raise RuntimeError(ILLEGAL_ADDRESS)
+        return super().run()
+
+
+@pytest.mark.parametrize("stage", ["build", "plan", "run", "replan"])
+def test_a_device_fault_in_the_step_check_fails_the_case_as_a_device_fault(stage):
+    """The step check's own runs (build, plan, eager run, the next step's plan) propagate a device fault as the
+    other checks do: the case is a device fault, failed by name, and nothing after it runs."""
+    step = type("Step", (_StepFaultsAt,), {"stage": stage})
+
+    def decode(batch):
+        return mutants.correct(batch)
+
+    decode.step = step
+    result = checks.run_case(smoke_cases("bf16")[0], from_callable(decode), "cpu", far=False)
+    failed = {c.name: c.detail for c in result.checks if not c.ok}
+    assert result.device_fault and set(failed) == {"device"} and ILLEGAL_ADDRESS in failed["device"], failed
+    assert not any(c.name.startswith("step.replan") or c.name == "inputs" for c in result.checks)

@@ -1,10 +1,12 @@
 """The step check: a kernel's graph-capturable step driven as a serving loop drives it (verify.checks.check_step).
 
-Build on the batch, plan, run; on CUDA capture run() in a graph and replay it; then write the next step into the
-same tensors (verify.next_step.refill: requests rotated, lengths changed, what only the old step read set to NaN),
-plan again and replay, against the oracle on the new contents. Every other check calls a kernel afresh on each
-batch, so a step that keeps the lengths it was first planned with passes all of them. CUDA graph capture runs in
-tests/test_triton_gpu.py; here run() is called again where a GPU would replay it.
+Build on copies of the batch's tensors with room to grow, plan, run; on CUDA capture run() in a graph and replay
+it; then write the next step's layout into the same tensors (verify.next_step.next_layout: requests rotated, one
+grown past the old longest, the longest halved, one emptied, what only the old step read set to NaN), plan again,
+write its new q and tokens (next_values), replay, against the oracle on the new contents. Every other check calls
+a kernel afresh on each batch, so a step that keeps the lengths it was first planned with passes all of them. CUDA
+graph capture runs in the CUDA tests below and tests/test_peers_gpu.py; here run() is called again where a GPU
+would replay it.
 """
 
 import pytest
@@ -15,7 +17,7 @@ from mla_ref.decode import mla_decode_ref
 from verify import mutants
 from verify.checks import run_case
 from verify.kernels import from_callable
-from verify.next_step import next_lengths, refill
+from verify.next_step import next_layout, next_lengths, next_values, with_room
 from verify.strategies import smoke_cases
 
 
@@ -33,40 +35,95 @@ def test_the_correct_step_passes_and_a_step_that_plans_once_fails_the_replan_alo
     assert "differ from the case's run" in names["step.out"] and "run again" in names["step.replan.out"]
     failed = _failed(run_case(case, from_callable(mutants.stale_plan), "cpu"))
     assert set(failed) == {"step.replan.out", "step.replan.lse"}, failed
-    assert "seq_lens [0, 1, 63, 65, 300, 2] -> [0, 0, 1, 63, 65, 150]" in failed["step.replan.out"]
+    assert "seq_lens [0, 1, 63, 65, 300, 2] -> [0, 0, 1, 63, 365, 150] (request 4 grown" in failed["step.replan.out"]
 
 
-def test_next_lengths_rotate_halve_the_longest_and_empty_the_one_after_it():
-    lens = torch.tensor([5, 9, 0, 2], dtype=torch.int32)
-    assert next_lengths(lens).tolist() == [2, 5, 4, 0]  # rotated [2, 5, 9, 0]: 9 halved, the one after it emptied
-    assert next_lengths(torch.tensor([7, 3], dtype=torch.int32)).tolist() == [3, 3]  # rotated [3, 7], 7 halved
-    assert next_lengths(torch.tensor([1], dtype=torch.int32)).tolist() == [0]
-    assert next_lengths(torch.zeros(0, dtype=torch.int32)).tolist() == []
+def test_next_lengths_rotate_grow_one_past_the_longest_halve_it_and_empty_the_one_after_it():
+    def nxt(lens, page_size=16):
+        new, grown = next_lengths(torch.tensor(lens, dtype=torch.int32), page_size)
+        return new.tolist(), grown
+
+    assert nxt([5, 9, 0, 2]) == ([2, 26, 4, 0], 1)  # rotated [2, 5, 9, 0]: 9 halved, 5 grown to 9 + 17, 0 emptied
+    assert nxt([7, 3]) == ([24, 3], 0)  # rotated [3, 7]: 7 halved, 3 grown; none emptied
+    assert nxt([1], page_size=1) == ([3], 0)  # one request: grown only
+    assert nxt([0, 0, 0]) == ([0, 0, 17], 2)  # all empty: the one before the first grows
+    assert nxt([]) == ([], -1)
+
+
+def _case_batch(dtype: str, index: int):
+    return smoke_cases(dtype)[index].materialize("cpu")[0]
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("index", range(4))
-def test_refill_writes_a_valid_next_step_whose_oracle_reads_no_nan(dtype, index):
-    """In place, same shapes; every request's q rows, block-table row and length move to the next request; the
-    oracle on the new contents is finite (the NaN went only where no new token is), and it equals the oracle on a
-    batch built from the rotated requests directly (the cache unchanged where the new step reads)."""
-    batch, _ = smoke_cases(dtype)[index].materialize("cpu")
-    static = batch.replace(q=batch.q.clone(), kv_cache=batch.kv_cache.clone(), block_table=batch.block_table.clone(),
-                           seq_lens=batch.seq_lens.clone(), q_lens=batch.q_lens.clone())
-    tensors = {n: getattr(static, n) for n in ("q", "kv_cache", "block_table", "seq_lens", "q_lens")}
-    where = refill(static)
-    assert all(getattr(static, n) is t for n, t in tensors.items()) and static.validate() is static
-    order = torch.arange(batch.batch_size).roll(1)  # [B] new request i = old request order[i]
-    qo = batch.qo_indptr.tolist()
-    rebuilt = batch.replace(q=torch.cat([batch.q[qo[j]:qo[j + 1]] for j in order.tolist()]),
-                            q_lens=batch.q_lens[order], block_table=batch.block_table[order],
-                            seq_lens=next_lengths(batch.seq_lens))
+def test_the_next_step_is_a_valid_batch_whose_oracle_reads_no_nan(dtype, index):
+    """with_room copies (the case's tensors untouched) and leaves the attention as it was; next_layout writes the
+    lengths, q_lens and block table in place (the same tensors), the grown request's new slots still NaN until
+    next_values writes them after the plan; the oracle on the result is finite (the NaN went only where no new
+    token reads), q is negated, and every slot the old step read and the new one does not holds NaN."""
+    batch = _case_batch(dtype, index)
+    before = {n: getattr(batch, n).clone() for n in ("q", "kv_cache", "block_table", "seq_lens", "q_lens")}
+    static, first_spare = with_room(batch)
+    assert all(torch.equal(mla_decode_ref(static)[i], mla_decode_ref(batch)[i]) for i in range(2))
+    tensors = {n: getattr(static, n) for n in before}
+    q0 = static.q.float().clone()
+    where, new_slots = next_layout(static, first_spare)
+    lens, grown = next_lengths(before["seq_lens"], static.page_size)
+    assert torch.equal(static.seq_lens, lens) and static.validate() is static
+    assert int(new_slots.sum()) == int(lens[grown]) - int(before["seq_lens"].roll(1)[grown])
+    assert torch.isnan(static.kv_cache[new_slots].float()).all()  # nothing written before the plan
+    where += ", then " + next_values(static, new_slots)
+    assert all(getattr(static, n) is t for n, t in tensors.items())
+    assert torch.equal(static.q.float(), torch.where(q0 == 0, q0, -q0)) and "q negated" in where
+    assert not torch.isnan(static.kv_cache[new_slots].float()).any()
     out, lse = mla_decode_ref(static)  # [T, H, L], [T, H]
-    want_out, want_lse = mla_decode_ref(rebuilt)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any(), where
-    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
-    poisoned = torch.isnan(static.kv_cache.float()).any(-1) & ~torch.isnan(batch.kv_cache.float()).any(-1)  # [P, ps]
-    assert f"{int(poisoned.sum())} slots the old step read set to NaN" in where and poisoned.any()
+    assert all(torch.equal(getattr(batch, n), t) for n, t in before.items() if n != "kv_cache")
+    assert torch.equal(batch.kv_cache.view(torch.uint8), before["kv_cache"].view(torch.uint8))
+
+
+class CapsItsGrid(mutants._Step):
+    """Live lengths, but never past the longest of the first plan: a grid or loop bound sized at capture."""
+
+    def plan(self, batch):
+        super().plan(batch)
+        if not hasattr(self, "cap"):
+            self.cap = int(batch.seq_lens.max()) if batch.batch_size else 0
+
+    def run(self):
+        return mutants._dense_decode(self.batch, self.seq_lens.clamp(max=self.cap), self.q_lens)
+
+
+class CopiesQWhenPlanning(mutants._Step):
+    """Copies q into its own buffer in plan(), not in run(): in a serving loop q is written after the plan."""
+
+    def plan(self, batch):
+        super().plan(batch)
+        self.q = batch.q.clone()
+
+    def run(self):
+        return mutants._dense_decode(self.batch.replace(q=self.q), self.seq_lens, self.q_lens)
+
+
+def caps_its_grid(batch):
+    return mutants.correct(batch)
+
+
+def copies_q_when_planning(batch):
+    return mutants.correct(batch)
+
+
+caps_its_grid.step = CapsItsGrid
+copies_q_when_planning.step = CopiesQWhenPlanning
+
+
+@pytest.mark.parametrize("plug_in", [caps_its_grid, copies_q_when_planning], ids=lambda f: f.__name__)
+def test_a_step_sized_at_capture_or_reading_q_when_it_plans_fails_the_replan_alone(plug_in):
+    """Found by a review: a next step that only shrank and reordered the requests, its q written before the plan,
+    passed both (0 of 6 smoke cases failed)."""
+    failed = [_failed(run_case(case, from_callable(plug_in), "cpu")) for case in smoke_cases("bf16")[:6]]
+    assert all(set(f) <= {"step.replan.out", "step.replan.lse"} for f in failed), failed
+    assert sum("step.replan.out" in f for f in failed) == 6, failed
 
 
 class _RefusingStep:
@@ -216,3 +273,26 @@ def test_a_campaign_warns_when_the_step_was_refused(tmp_path, capsys):
     assert report["checks"]["step.refused"]["cases"] == 2 and "step.replan.out" not in report["checks"]
     (warning,) = [w for w in report["warnings"] if w.startswith("step.refused")]
     assert "refused 2 cases" in warning and "no step for a cache this small" in warning
+
+
+def test_a_steps_numerics_may_be_a_callable_and_anything_else_fails_by_name():
+    from verify.kernels import DEFAULT_NUMERICS
+
+    class _Callable(mutants._Step):
+        def numerics(self, batch):
+            return DEFAULT_NUMERICS  # the plug-in default: passes as `correct` does
+
+    class _Wrong(mutants._Step):
+        numerics = "fp32"
+
+    def with_callable(batch):
+        return mutants.correct(batch)
+
+    def with_wrong(batch):
+        return mutants.correct(batch)
+
+    with_callable.step, with_wrong.step = _Callable, _Wrong
+    case = smoke_cases("bf16")[0]
+    assert run_case(case, from_callable(with_callable), "cpu").ok
+    failed = _failed(run_case(case, from_callable(with_wrong), "cpu"))
+    assert set(failed) == {"step"} and "step.numerics: expected a KernelNumerics or a callable" in failed["step"]

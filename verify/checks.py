@@ -44,6 +44,7 @@ Two outcomes are not ordinary failures:
 
 from __future__ import annotations
 
+import contextlib
 import time
 import traceback
 from collections.abc import Callable
@@ -460,28 +461,45 @@ def check_far(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, re
     passes within the tier-1 bound instead. A wrapped offset reads the NaN in front (or outside the cache). The far
     cache goes back to the device when the check ends (`release_cached`): the campaign's other worker processes share
     the GPU. A far cache, or a run on it, that does not fit in memory fails the check and says so."""
+    with _releasing(batch.device):  # after _far_run has returned: its frame, and so the far cache, is gone
+        return _far_run(batch, kernel, workers, first, ref, bound, out_dtype)
+
+
+def _far_run(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, ref, bound: bounds.Bound,
+             out_dtype: torch.dtype) -> list[CheckResult]:
+    """check_far's run (its docstring)."""
     try:
-        try:
-            far = far_pages(batch)
-        except RuntimeError as e:  # torch.OutOfMemoryError too; not a kernel failure, but the check needs its cache
-            if not _out_of_memory(e):
-                raise
-            return [CheckResult("far", False, detail=f"the far cache (past element 2^31) {_no_room(batch, e)}")]
-        raw, exc = _run(kernel, far, workers)
-        offsets = far.block_table.long() * far.kv_cache.stride(0)  # [B, max_pages] first element of each page
-        used = far.used_entries  # [B, max_pages]
-        past, n_used = torch.stack([(used & (offsets >= FAR_ELEMENTS)).sum(), used.sum()]).tolist()
-        where = (f"{past} of {n_used} used pages past element 2^31 of a {far.kv_cache.numel() / 2**30:.2f} "
-                 "Gi-element cache")
-        if exc is not None and _out_of_memory(exc):
-            return [CheckResult("far", False, detail=f"{where}: the run {_no_room(batch, exc)}")]
-        second, why = _outputs_of((raw, exc), far)
-        del far, raw  # the large cache
-        if why is not None:
-            return [CheckResult("far", False, detail=f"{where}: {why}")]
-        return _as_first("far", where, second, "the run on the compact cache", first, ref, lambda: (bound, out_dtype))
-    finally:
-        release_cached(batch.device)
+        far = far_pages(batch)
+    except RuntimeError as e:  # torch.OutOfMemoryError too; not a kernel failure, but the check needs its cache
+        if not _out_of_memory(e):
+            raise
+        return [CheckResult("far", False, detail=f"the far cache (past element 2^31) {_no_room(batch, e)}")]
+    raw, exc = _run(kernel, far, workers)
+    if exc is not None and is_device_fault(exc):
+        raise exc  # before anything here touches the device, which now fails every call
+    offsets = far.block_table.long() * far.kv_cache.stride(0)  # [B, max_pages] first element of each page
+    used = far.used_entries  # [B, max_pages]
+    past, n_used = torch.stack([(used & (offsets >= FAR_ELEMENTS)).sum(), used.sum()]).tolist()
+    where = f"{past} of {n_used} used pages past element 2^31 of a {far.kv_cache.numel() / 2**30:.2f} Gi-element cache"
+    if exc is not None and _out_of_memory(exc):
+        return [CheckResult("far", False, detail=f"{where}: the run {_no_room(batch, exc)}")]
+    second, why = _outputs_of((raw, exc), far)
+    if why is not None:
+        return [CheckResult("far", False, detail=f"{where}: {why}")]
+    return _as_first("far", where, second, "the run on the compact cache", first, ref, lambda: (bound, out_dtype))
+
+
+@contextlib.contextmanager
+def _releasing(device: torch.device):
+    """`release_cached` when the block ends; when it ends by an exception (a device fault among them), a failure of
+    the release itself is not allowed to replace that exception."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(Exception):
+            release_cached(device)
+        raise
+    release_cached(device)
 
 
 def _no_room(batch: DecodeBatch, e: BaseException) -> str:
@@ -604,26 +622,35 @@ def check_layout(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple,
 
 def check_step(batch: DecodeBatch, kernel: Kernel, first: tuple, ref, bound: bounds.Bound,
                out_dtype: torch.dtype) -> list[CheckResult]:
-    """The kernel's graph-capturable step (`Kernel.step`: built on copies of the batch's tensors, planned, then run),
-    as a serving engine drives it: ``step`` its eager run against the case's first run ``first`` (the bits, else the
-    tier-1 ``bound``: a step may take another path, e.g. always a reduce); on CUDA ``step.graph`` a CUDA-graph replay
-    of its run() against that eager run (the bits, for a deterministic kernel); then ``step.replan.out`` /
-    ``.lse``: the next step written into the same buffers (`verify.next_step.refill`: requests rotated, lengths
-    changed, the slots only the old step read set to NaN), planned again and replayed (on a CPU run again) against
-    the oracle on the new contents, within their tier-1 bound. A step that bakes the captured lengths into its launch
-    fails the last. Bounds take the step's own ``numerics`` (a KernelNumerics) where it declares them (a step fixes
-    its kernel when built, while the kernel's numerics(batch) follow each batch), else the kernel's. A step that
-    refuses the batch, or the next step (`Unsupported`), passes as ``step.refused``."""
-    try:
+    """The kernel's graph-capturable step (`Kernel.step`) driven as a serving engine drives it, on copies of the
+    batch's tensors with room to grow (`verify.next_step.with_room`): built, planned and run: ``step``, against the
+    case's first run ``first`` (the bits, else the tier-1 ``bound``: a step may take another path, e.g. always a
+    reduce); on CUDA, run() captured in a CUDA graph and replayed into outputs poisoned with NaN: ``step.graph``,
+    the eager run's bits for a deterministic kernel (a capture that fails fails it, and says why); then the next
+    decode step: its lengths, q_lens and block table written in place (`next_step.next_layout`: requests rotated,
+    one grown past the old longest, the longest halved, one emptied, the slots only the old step read set to NaN),
+    planned again, its new q and new tokens written (`next_values`, after the plan, as a serving step's graph
+    writes them), replayed (on a CPU run again) into poisoned outputs: ``step.replan.out`` / ``.lse`` against the
+    oracle on the new contents, within their tier-1 bound. A step that bakes the captured step into its launch (a
+    plan made once, a grid sized by the captured lengths, q or the cache copied when it plans) fails the last.
+    Bounds take the step's own ``numerics`` (a KernelNumerics, or a callable of the batch) where it declares them
+    (a step fixes its kernel when built, while the kernel's numerics(batch) follow each batch), else the kernel's.
+    A step that refuses the batch, or the next step (`Unsupported`), passes as ``step.refused``."""
+    with _releasing(batch.device):  # after _drive_step has returned: the step, its buffers and graph are gone
         return _drive_step(batch, kernel, first, ref, bound, out_dtype)
-    finally:  # the step's buffers, copies of the case's inputs, and its graph's memory pool are gone by now
-        release_cached(batch.device)
+
+
+def _poisoned(result) -> None:
+    """NaN into a run's returned out (and lse): the next run must write them, or its stale values show."""
+    for t in (result if isinstance(result, (tuple, list)) else (result,)):
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            next_step.nan_fill_(t)
 
 
 def _drive_step(batch: DecodeBatch, kernel: Kernel, first: tuple, ref, bound: bounds.Bound,
                 out_dtype: torch.dtype) -> list[CheckResult]:
-    """check_step's runs (its docstring), on copies of the batch's tensors."""
-    static = batch.replace(**{name: getattr(batch, name).clone() for name in _INPUTS})  # the step's own buffers
+    """check_step's runs (its docstring)."""
+    static, first_spare = next_step.with_room(batch)  # the step's own buffers, refilled below
     device = static.device
     max_q_len = max(int(static.q_lens.max()), 1) if static.batch_size else 1
     try:
@@ -635,18 +662,26 @@ def _drive_step(batch: DecodeBatch, kernel: Kernel, first: tuple, ref, bound: bo
         if isinstance(e, Unsupported):
             return [CheckResult("step.refused", True, detail=f"refused: {error_message(e)}")]
         return [CheckResult("step", False, detail=f"building or planning the step raised {error_message(e)}")]
-    eager, why = _outputs_of(_call(step.run, device=device), static)
+    run = _call(step.run, device=device)
+    eager, why = _outputs_of(run, static)
     if why is not None:
         return [CheckResult("step", False, detail=f"the step's run(): {why}")]
-    eager = _moved(*eager, first[0].device)  # a copy: run() returns its own buffers, which later runs overwrite
+    eager = _moved(*eager, first[0].device)  # a copy: run() may return its own buffers, which later runs overwrite
+    _poisoned(run[0])
     declared = getattr(step, "numerics", None)  # a step that fixes its kernel when built says how that one rounds
 
     def step_bound(b: DecodeBatch, ref_b) -> tuple[bounds.Bound, torch.dtype]:
-        numerics = declared if isinstance(declared, KernelNumerics) else kernel.numerics(b)
+        numerics = declared(b) if callable(declared) else declared if declared is not None else kernel.numerics(b)
+        if not isinstance(numerics, KernelNumerics):
+            raise ValueError(f"step.numerics: expected a KernelNumerics or a callable (batch) -> KernelNumerics, got "
+                             f"{type(numerics).__name__}")
         return _tier1_bound(b, kernel, numerics, ref_b), numerics.out_dtype
 
-    results = _as_first("step", "the step's eager run", eager, "the case's run", first, ref,
-                        (lambda: (bound, out_dtype)) if declared is None else (lambda: step_bound(static, ref)))
+    try:
+        step_judge = (bound, out_dtype) if declared is None else step_bound(static, ref)
+    except ValueError as e:  # Unsupported too: the step took the batch, so its numerics must
+        return [CheckResult("step", False, detail=f"the step's numerics: {error_message(e)}")]
+    results = _as_first("step", "the step's eager run", eager, "the case's run", first, ref, lambda: step_judge)
     replay, how = step.run, "run again"
     if device.type == "cuda":
         graph = torch.cuda.CUDAGraph()
@@ -654,8 +689,10 @@ def _drive_step(batch: DecodeBatch, kernel: Kernel, first: tuple, ref, bound: bo
             with torch.cuda.graph(graph):
                 captured = step.run()
         except Exception as e:
-            if is_device_fault(e):
-                raise
+            try:  # a failed capture (a host sync, an allocation it refuses) names a CUDA error too: a fault only if
+                torch.cuda.synchronize(device)  # the device fails afterwards
+            except Exception:
+                raise e from None
             return results + [CheckResult("step.graph", False, detail=f"run() could not be captured in a CUDA graph: "
                                                                       f"{error_message(e)}")]
 
@@ -664,16 +701,17 @@ def _drive_step(batch: DecodeBatch, kernel: Kernel, first: tuple, ref, bound: bo
             return captured
 
         how = "replayed"
+        _poisoned(captured)
         second, why = _outputs_of(_call(replay, device=device), static)
         if why is not None:
             return results + [CheckResult("step.graph", False, detail=f"a CUDA graph replay of run(): {why}")]
-        results += _as_first("step.graph", "a CUDA graph replay of run()", second, "the step's eager run", eager, ref,
+        results += _as_first("step.graph", "a CUDA graph replay of run() into outputs poisoned with NaN", second,
+                             "the step's eager run", eager, ref,
                              (lambda: "a deterministic kernel's replay must give its eager run's bits")
-                             if kernel.deterministic else (lambda: step_bound(static, ref)))
-    where = next_step.refill(static)
-    ref_next = mla_decode_ref(static)  # [T, H, L], [T, H] fp64 on the new contents
+                             if kernel.deterministic else (lambda: step_judge))
+        _poisoned(captured)
+    where, new_slots = next_step.next_layout(static, first_spare)
     try:
-        bound_next, out_dtype_next = step_bound(static, ref_next)
         step.plan(static)
     except Exception as e:
         if is_device_fault(e):
@@ -681,11 +719,17 @@ def _drive_step(batch: DecodeBatch, kernel: Kernel, first: tuple, ref, bound: bo
         if isinstance(e, Unsupported):  # a batch outside the step's declared scope, as its first plan may refuse
             return results + [CheckResult("step.refused", True, detail=f"{where}: refused: {error_message(e)}")]
         return results + [CheckResult("step.replan", False, detail=f"{where}: planning it raised {error_message(e)}")]
+    where += ", then " + next_step.next_values(static, new_slots)
+    ref_next = mla_decode_ref(static)  # [T, H, L], [T, H] fp64 on the new contents
     got, why = _outputs_of(_call(replay, device=device), static)
     if why is not None:
         return results + [CheckResult("step.replan", False, detail=f"{where}, {how}: {why}")]
+    try:
+        judge_next = step_bound(static, ref_next)
+    except ValueError as e:
+        return results + [CheckResult("step.replan", False, detail=f"{where}: the numerics for it: {error_message(e)}")]
     out, lse = _moved(*got, ref_next[0].device, copy=False)
-    replan = check_tier1(out, lse, ref_next, bound_next, out_dtype_next, name="step.replan")
+    replan = check_tier1(out, lse, ref_next, *judge_next, name="step.replan")
     for r in replan:
         r.detail = f"{where}, {how}: {r.detail}"
     return results + replan

@@ -30,8 +30,10 @@ A plug-in with a CUDA-graph-capturable step says so with ``my_decode.step = fact
 -> step`` (built once for that batch's shapes, up to max_q_len query rows per request) with ``step.plan(batch)``
 (eager: reads the batch's current lengths, may sync) and ``step.run() -> out | (out, lse)`` (launches only, on the
 batch's tensors and its own buffers). The ``step`` check then runs it as a serving engine does: built and planned,
-run, captured in a CUDA graph and replayed (on CUDA), then the next step written into the same batch tensors in
-place (`verify.next_step`), planned again and replayed, against the oracle on the new contents. A step that
+run, captured in a CUDA graph and replayed (on CUDA), then the next step's lengths and pages written into the same
+batch tensors in place, planned again, its q and new tokens written, and replayed, against the oracle on the new
+contents (`verify.next_step`). ``step.numerics`` (a KernelNumerics, or a callable of the batch) says how a step
+that fixes its kernel when built rounds; else the plug-in's numerics apply. A step that
 refuses a batch raises ``Unsupported`` (``step.refused`` then passes, and the report warns).
 """
 

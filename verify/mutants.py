@@ -42,8 +42,8 @@ turns one knob, the way such bugs happen in real kernels:
 |                       | call (as atomics do), while declared deterministic (the      |                               |
 |                       | plug-in default)                                             |                               |
 | stale_plan            | its graph-capturable step keeps the lengths of its first     | step.replan (any)             |
-|                       | plan: a replay after the next step's refill decodes it with  |                               |
-|                       | the captured step's lengths                                  |                               |
+|                       | plan: a replay after the next step was written into its      |                               |
+|                       | buffers decodes it with the captured step's lengths          |                               |
 """
 
 from __future__ import annotations

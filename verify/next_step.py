@@ -1,67 +1,132 @@
 """The next decode step, written into a captured step's own buffers (the verifier's ``step`` check).
 
 A serving engine captures one CUDA graph per batch size and replays it at every decode step: between replays it
-refills the same q, block-table and length buffers in place and plans again, outside the graph. A kernel that bakes
-the captured step into its launch (a plan computed once, a grid or loop bound sized by the lengths of that step, a
-host-side copy of them) replays the old step on the new data. `refill(batch)` writes such a next step into
-``batch``'s own tensors, in place and with the same shapes:
+refills the same length, block-table and q buffers in place and plans again, outside the graph, and every request
+grows. A kernel that bakes the captured step into its launch (a plan computed once, a grid or loop bound sized by
+the lengths of that step, a copy of q or of the cache taken when it plans) replays the old step on the new data.
 
-- the requests rotated by one: request i takes request i-1's q rows, q_len, block-table row and length, so that
-  each request's work lands elsewhere in a plan;
-- the longest request (the first of them) halved, and with three requests or more, the request after it emptied
-  (CUDA-graph padding sends empty requests): the lengths change even where a rotation moves nothing;
+`with_room(batch)` copies the batch's tensors into the step's own, with room to grow: spare cache pages (NaN) and
+block-table columns. `next_layout` then writes the next step's lengths and pages, in place (before the step plans):
+
+- the requests rotated by one: request i takes request i-1's q_len, block-table row and length, so that each
+  request's work lands elsewhere in a plan;
+- one request grown past the old longest by a page and a token (its new tokens on the spare pages), the longest
+  halved, and with three requests or more the one after it emptied (CUDA-graph padding sends empty requests);
 - every cache slot that the old step used and the new one does not, NaN (the format's NaN code for fp8): a kernel
   that still reads the old lengths reads NaN.
 
-Only ``q``, ``q_lens``, ``block_table``, ``seq_lens`` and ``kv_cache`` change; the pages stay where they are.
+`next_values` writes the new contents after the step has planned, as a serving step's graph produces them: q
+negated (exact in every format) and fresh token values in the grown request's new slots.
 """
 
 from __future__ import annotations
 
 import torch
 
-from mla_ref.decode import DecodeBatch
+from mla_ref.decode import INVALID_PAGE, DecodeBatch
+from mla_ref.fp8 import quantize
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # an integer view of each element size
 
 
-def next_lengths(seq_lens: torch.Tensor) -> torch.Tensor:
-    """The refilled step's lengths [B] int32 for the current ``seq_lens`` [B]: rotated by one, the longest (first)
-    halved (rounded down), and with B >= 3 the request after it emptied."""
+def nan_fill_(t: torch.Tensor) -> torch.Tensor:
+    """Fill ``t`` with its format's NaN code in place (fp8 too, which has no fill of NaN: its bytes)."""
+    bits = _BITS[t.element_size()]
+    t.view(bits).fill_(int(torch.tensor(float("nan")).to(t.dtype).view(bits)))
+    return t
+
+
+def grown_length(seq_lens: torch.Tensor, page_size: int) -> int:
+    """The grown request's new length: past the longest of ``seq_lens`` [B] by a page and a token."""
+    return (int(seq_lens.max()) if seq_lens.numel() else 0) + page_size + 1
+
+
+def next_lengths(seq_lens: torch.Tensor, page_size: int) -> tuple[torch.Tensor, int]:
+    """(the next step's lengths [B], the grown request) for the current ``seq_lens`` [B]: rotated by one; the
+    request before the longest (the longest itself when B = 1) grown to `grown_length`; with B >= 2 the longest
+    (the first of them) halved, rounded down; with B >= 3 the request after it emptied. (-1 when B = 0.)"""
     lens = seq_lens.roll(1)  # [B] request i takes request i-1's length
-    if lens.numel():
-        longest = int(lens.argmax())
+    B = lens.numel()
+    if not B:
+        return lens, -1
+    longest = int(lens.argmax())
+    grown = (longest - 1) % B
+    if B >= 2:
         lens[longest] = lens[longest] // 2
-        if lens.numel() >= 3:
-            lens[(longest + 1) % lens.numel()] = 0
-    return lens
+    if B >= 3:
+        lens[(longest + 1) % B] = 0
+    lens[grown] = grown_length(seq_lens, page_size)
+    return lens, grown
+
+
+def with_room(batch: DecodeBatch) -> tuple[DecodeBatch, int]:
+    """(copies of the batch's tensors with room for `next_layout`'s grown request, the first spare page): the
+    cache with enough NaN pages after its own for `grown_length` tokens, the block table widened to them with
+    INVALID_PAGE entries. The same attention as ``batch``: nothing reads the room yet."""
+    ps, kv, table = batch.page_size, batch.kv_cache, batch.block_table
+    pages = -(-grown_length(batch.seq_lens, ps) // ps)  # spare pages, and the grown request's block-table width
+    spare = nan_fill_(kv.new_empty((pages,) + tuple(kv.shape[1:])))  # [pages, ps, D]
+    wide = table.new_full((table.shape[0], max(pages, table.shape[1])), INVALID_PAGE)  # [B, W']
+    wide[:, : table.shape[1]] = table
+    static = batch.replace(q=batch.q.clone(), kv_cache=torch.cat([kv, spare]), block_table=wide,
+                           seq_lens=batch.seq_lens.clone(), q_lens=batch.q_lens.clone())
+    return static, kv.shape[0]
 
 
 def _slots(batch: DecodeBatch) -> torch.Tensor:
     """[P, page_size] bool: the cache slots holding a token of some request of ``batch``."""
     ps = batch.page_size
     mask = torch.zeros(batch.kv_cache.shape[:2], dtype=torch.bool, device=batch.device)  # [P, ps]
-    pos = torch.arange(batch.block_table.shape[1] * ps, device=batch.device)  # [max_pages * ps] token positions
-    valid = pos[None, :] < batch.seq_lens[:, None].long()  # [B, max_pages * ps]
-    pages = batch.block_table.long().repeat_interleave(ps, dim=1)  # [B, max_pages * ps] page of each position
+    pos = torch.arange(batch.block_table.shape[1] * ps, device=batch.device)  # [W * ps] token positions
+    valid = pos[None, :] < batch.seq_lens[:, None].long()  # [B, W * ps]
+    pages = batch.block_table.long().repeat_interleave(ps, dim=1)  # [B, W * ps] page of each position
     mask[pages[valid], (pos % ps).expand_as(valid)[valid]] = True
     return mask
 
 
-def refill(batch: DecodeBatch) -> str:
-    """Write the next step (module docstring) into ``batch``'s tensors in place; returns a description with the old
-    and new lengths. The tensors must be the step's own (contiguous copies: this writes NaN into the cache)."""
+def next_layout(batch: DecodeBatch, first_spare: int) -> tuple[str, torch.Tensor]:
+    """Write the next step's lengths, q_lens and block table into ``batch`` (a `with_room` copy whose spare pages
+    start at ``first_spare``) in place, and NaN into the slots only the old step read; -> (a description, [P, ps]
+    bool: the grown request's new slots, which `next_values` fills)."""
+    B, ps = batch.batch_size, batch.page_size
     old_lens = batch.seq_lens.tolist()
     old_slots = _slots(batch)  # [P, ps]
-    order = torch.arange(batch.batch_size, device=batch.device).roll(1)  # [B] new request i = old request order[i]
-    qo = batch.qo_indptr.tolist()  # [B+1] old row offsets
-    rows = [torch.arange(qo[j], qo[j + 1], device=batch.device) for j in order.tolist()]
-    if rows:
-        batch.q.copy_(batch.q[torch.cat(rows)])  # [T, H, D] rows of the rotated requests, in their new order
+    order = torch.arange(B, device=batch.device).roll(1)  # [B] new request i = old request order[i]
     batch.q_lens.copy_(batch.q_lens[order])  # [B]
-    batch.block_table.copy_(batch.block_table[order])  # [B, max_pages]
-    batch.seq_lens.copy_(next_lengths(torch.tensor(old_lens, dtype=batch.seq_lens.dtype)).to(batch.device))
+    batch.block_table.copy_(batch.block_table[order])  # [B, W']
+    lens, grown = next_lengths(torch.tensor(old_lens, dtype=batch.seq_lens.dtype), ps)
+    new_slots = torch.zeros_like(old_slots)  # [P, ps]
+    if grown >= 0:
+        have, need = -(-int(old_lens[(grown - 1) % B]) // ps), -(-int(lens[grown]) // ps)  # its pages, before / after
+        batch.block_table[grown, have:need] = torch.arange(first_spare, first_spare + need - have,
+                                                           dtype=batch.block_table.dtype, device=batch.device)
+        before = _slots(batch.replace(seq_lens=batch.seq_lens.new_zeros(B).index_fill_(0, torch.tensor(
+            [grown], device=batch.device), old_lens[(grown - 1) % B])))  # [P, ps] its slots at its old length
+    batch.seq_lens.copy_(lens.to(batch.device))
+    if grown >= 0:
+        only = batch.seq_lens.new_zeros(B).index_fill_(0, torch.tensor([grown], device=batch.device), int(lens[grown]))
+        new_slots = _slots(batch.replace(seq_lens=only)) & ~before  # [P, ps] read by the new step only
     stale = old_slots & ~_slots(batch)  # [P, ps] read by the old step only
-    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[batch.kv_cache.element_size()]
+    bits = _BITS[batch.kv_cache.element_size()]
     nan = torch.tensor(float("nan")).to(batch.kv_cache.dtype).view(bits)  # the format's NaN code (e4m3fnuz: 0x80)
     batch.kv_cache.view(bits)[stale] = nan.to(batch.device)  # fp8 has no index_put: write its bytes
-    return (f"refilled in place: requests rotated by one, seq_lens {old_lens} -> {batch.seq_lens.tolist()}, "
-            f"{int(stale.sum())} slots the old step read set to NaN")
+    where = f"the next step in place: requests rotated by one, seq_lens {old_lens} -> {batch.seq_lens.tolist()}"
+    if grown >= 0:
+        where += f" (request {grown} grown past the old longest)"
+    return where + f", {int(stale.sum())} slots the old step read set to NaN", new_slots
+
+
+def next_values(batch: DecodeBatch, new_slots: torch.Tensor, seed: int = 0) -> str:
+    """Write the next step's contents after its plan: q negated (zeros kept +0, exact in every format) and, in the
+    ``new_slots`` [P, ps], token values drawn from a standard normal (seeded; fp8 caches quantized with the batch's
+    kv_scale, saturating). -> a description."""
+    q = batch.q.float()  # [T, H, D] exact
+    batch.q.copy_(torch.where(q == 0, q, -q).to(batch.q.dtype))
+    n = int(new_slots.sum())
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, batch.head_dim, generator=g)  # [n, D] fp32
+    kv = batch.kv_cache
+    codes = quantize(x, kv.dtype, scale=batch.kv_scale)[0] if batch.is_fp8 else x.to(kv.dtype)  # [n, D]
+    bits = _BITS[kv.element_size()]
+    kv.view(bits)[new_slots] = codes.view(bits).to(batch.device)
+    return f"q negated and {n} new tokens written after plan()"
