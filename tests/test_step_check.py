@@ -50,6 +50,11 @@ def test_next_lengths_rotate_grow_one_past_the_longest_halve_it_and_empty_the_on
     assert nxt([]) == ([], -1)
 
 
+def _slot_set(batch) -> set[tuple[int, int]]:
+    """The (page, slot) pairs holding some request's tokens, from DecodeBatch.token_slots."""
+    return {(int(p), int(s)) for b in range(batch.batch_size) for p, s in zip(*batch.token_slots(b))}
+
+
 def _case_batch(dtype: str, index: int):
     return smoke_cases(dtype)[index].materialize("cpu")[0]
 
@@ -67,11 +72,17 @@ def test_the_next_step_is_a_valid_batch_whose_oracle_reads_no_nan(dtype, index):
     assert all(torch.equal(mla_decode_ref(static)[i], mla_decode_ref(batch)[i]) for i in range(2))
     tensors = {n: getattr(static, n) for n in before}
     q0 = static.q.float().clone()
+    old = _slot_set(static)  # the slots the old step reads
     where, new_slots = next_layout(static, first_spare)
     lens, grown = next_lengths(before["seq_lens"], static.page_size)
     assert torch.equal(static.seq_lens, lens) and static.validate() is static
-    assert int(new_slots.sum()) == int(lens[grown]) - int(before["seq_lens"].roll(1)[grown])
+    old_len = int(before["seq_lens"].roll(1)[grown])  # the grown request's length before: its row came with it
+    pages, slots = static.token_slots(grown)  # [new length] each
+    assert set(map(tuple, torch.nonzero(new_slots).tolist())) == {
+        (int(p), int(s)) for p, s in zip(pages[old_len:], slots[old_len:])}  # exactly its new positions
     assert torch.isnan(static.kv_cache[new_slots].float()).all()  # nothing written before the plan
+    stale = old - _slot_set(static)  # read by the old step only
+    assert all(torch.isnan(static.kv_cache[p, s].float()).all() for p, s in stale) and f"{len(stale)} slots" in where
     where += ", then " + next_values(static, new_slots)
     assert all(getattr(static, n) is t for n, t in tensors.items())
     assert torch.equal(static.q.float(), torch.where(q0 == 0, q0, -q0)) and "q negated" in where
@@ -120,10 +131,11 @@ copies_q_when_planning.step = CopiesQWhenPlanning
 @pytest.mark.parametrize("plug_in", [caps_its_grid, copies_q_when_planning], ids=lambda f: f.__name__)
 def test_a_step_sized_at_capture_or_reading_q_when_it_plans_fails_the_replan_alone(plug_in):
     """Found by a review: a next step that only shrank and reordered the requests, its q written before the plan,
-    passed both (0 of 6 smoke cases failed)."""
-    failed = [_failed(run_case(case, from_callable(plug_in), "cpu")) for case in smoke_cases("bf16")[:6]]
+    passed both (0 of 6 smoke cases failed). Now every smoke case fails them, on the replan alone."""
+    cases = smoke_cases("bf16") + smoke_cases("fp8")
+    failed = [_failed(run_case(case, from_callable(plug_in), "cpu")) for case in cases]
     assert all(set(f) <= {"step.replan.out", "step.replan.lse"} for f in failed), failed
-    assert sum("step.replan.out" in f for f in failed) == 6, failed
+    assert sum("step.replan.out" in f for f in failed) == len(cases), failed
 
 
 class _RefusingStep:
@@ -285,14 +297,54 @@ def test_a_steps_numerics_may_be_a_callable_and_anything_else_fails_by_name():
     class _Wrong(mutants._Step):
         numerics = "fp32"
 
+    class _WrongArity(mutants._Step):
+        def numerics(self):  # found by a review: its TypeError stopped the campaign
+            return DEFAULT_NUMERICS
+
     def with_callable(batch):
         return mutants.correct(batch)
 
     def with_wrong(batch):
         return mutants.correct(batch)
 
-    with_callable.step, with_wrong.step = _Callable, _Wrong
+    def with_wrong_arity(batch):
+        return mutants.correct(batch)
+
+    with_callable.step, with_wrong.step, with_wrong_arity.step = _Callable, _Wrong, _WrongArity
     case = smoke_cases("bf16")[0]
     assert run_case(case, from_callable(with_callable), "cpu").ok
     failed = _failed(run_case(case, from_callable(with_wrong), "cpu"))
     assert set(failed) == {"step"} and "step.numerics: expected a KernelNumerics or a callable" in failed["step"]
+    failed = _failed(run_case(case, from_callable(with_wrong_arity), "cpu"))
+    assert set(failed) == {"step"} and "the step's numerics raised TypeError" in failed["step"]
+
+
+class _ReturnsAViewOfQ(mutants._Step):
+    def run(self):
+        out, lse = super().run()
+        return self.batch.q[..., : out.shape[-1]], lse  # a view of its input: poisoning it would poison q
+
+
+class _WritesItsCache(mutants._Step):
+    def run(self):
+        result = super().run()
+        self.batch.kv_cache.view(torch.uint8)[0].fill_(0)  # after a right result: the next step reads 0s
+        return result
+
+
+def returns_a_view_of_q(batch):
+    return mutants.correct(batch)
+
+
+def writes_its_cache(batch):
+    return mutants.correct(batch)
+
+
+returns_a_view_of_q.step, writes_its_cache.step = _ReturnsAViewOfQ, _WritesItsCache
+
+
+@pytest.mark.parametrize("plug_in,words", [(returns_a_view_of_q, "run() returned a view of its batch's q"),
+                                           (writes_its_cache, "kv_cache")], ids=["view_of_q", "writes_cache"])
+def test_a_step_that_returns_or_writes_its_inputs_fails_by_name(plug_in, words):
+    failed = _failed(run_case(smoke_cases("bf16")[0], from_callable(plug_in), "cpu"))
+    assert set(failed) == {"step"} and words in failed["step"], failed

@@ -640,17 +640,52 @@ def check_step(batch: DecodeBatch, kernel: Kernel, first: tuple, ref, bound: bou
         return _drive_step(batch, kernel, first, ref, bound, out_dtype)
 
 
-def _poisoned(result) -> None:
-    """NaN into a run's returned out (and lse): the next run must write them, or its stale values show."""
-    for t in (result if isinstance(result, (tuple, list)) else (result,)):
-        if isinstance(t, torch.Tensor) and t.is_floating_point():
-            next_step.nan_fill_(t)
+def _poisoned(result, inputs: dict[str, torch.Tensor]) -> str | None:
+    """NaN into a run's returned out (and lse), so that the next run must write them or its stale values show; or,
+    where a returned tensor shares storage with one of ``inputs`` (the step's batch tensors), why not."""
+    tensors = [t for t in (result if isinstance(result, (tuple, list)) else (result,))
+               if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    storages = {t.untyped_storage().data_ptr(): name for name, t in inputs.items()}
+    for t in tensors:
+        if t.untyped_storage().data_ptr() in storages:
+            return f"run() returned a view of its batch's {storages[t.untyped_storage().data_ptr()]}"
+    for t in tensors:
+        next_step.nan_fill_(t)
+    return None
+
+
+def _capture(step, device: torch.device) -> tuple[tuple | None, Exception | None]:
+    """((run()'s result captured in a CUDA graph, the graph), None), or (None, why the capture failed). On a stream
+    of its own, restored however the capture ends (torch.cuda.graph leaves its stream current when capture_end
+    raises); the reported error is run()'s own where it raised (a host sync, say), not capture_end's that follows
+    it. An invalid capture may leave its private memory pool allocated. A device fault propagates: after a failed
+    capture the device must still synchronize."""
+    graph, failure, captured = torch.cuda.CUDAGraph(), None, None
+    torch.cuda.synchronize(device)
+    with torch.cuda.stream(torch.cuda.Stream(device)):
+        graph.capture_begin()
+        try:
+            captured = step.run()
+        except Exception as e:
+            failure = e
+        try:
+            graph.capture_end()
+        except Exception as e:
+            failure = failure or e
+    if failure is None:
+        return (captured, graph), None
+    try:
+        torch.cuda.synchronize(device)
+    except Exception:
+        raise failure from None
+    return None, failure
 
 
 def _drive_step(batch: DecodeBatch, kernel: Kernel, first: tuple, ref, bound: bounds.Bound,
                 out_dtype: torch.dtype) -> list[CheckResult]:
     """check_step's runs (its docstring)."""
-    static, first_spare = next_step.with_room(batch)  # the step's own buffers, refilled below
+    static, first_spare = next_step.with_room(batch)  # the step's own buffers, written below
+    inputs = {name: getattr(static, name) for name in _INPUTS}
     device = static.device
     max_q_len = max(int(static.q_lens.max()), 1) if static.batch_size else 1
     try:
@@ -662,54 +697,61 @@ def _drive_step(batch: DecodeBatch, kernel: Kernel, first: tuple, ref, bound: bo
         if isinstance(e, Unsupported):
             return [CheckResult("step.refused", True, detail=f"refused: {error_message(e)}")]
         return [CheckResult("step", False, detail=f"building or planning the step raised {error_message(e)}")]
+    before = input_snapshot(static)
     run = _call(step.run, device=device)
     eager, why = _outputs_of(run, static)
+    written = check_inputs(static, before)
+    if why is None and not written.ok:
+        why = written.detail
+    if why is None:
+        eager = _moved(*eager, first[0].device)  # a copy: run() may return its own buffers, which later runs write
+        why = _poisoned(run[0], inputs)
     if why is not None:
         return [CheckResult("step", False, detail=f"the step's run(): {why}")]
-    eager = _moved(*eager, first[0].device)  # a copy: run() may return its own buffers, which later runs overwrite
-    _poisoned(run[0])
     declared = getattr(step, "numerics", None)  # a step that fixes its kernel when built says how that one rounds
 
-    def step_bound(b: DecodeBatch, ref_b) -> tuple[bounds.Bound, torch.dtype]:
-        numerics = declared(b) if callable(declared) else declared if declared is not None else kernel.numerics(b)
+    def step_bound(b: DecodeBatch, ref_b) -> tuple[bounds.Bound, torch.dtype] | str:
+        """The tier-1 bound and out dtype for batch ``b`` of the numerics the step rounds with, or why none."""
+        try:
+            numerics = declared(b) if callable(declared) else declared if declared is not None else kernel.numerics(b)
+        except Exception as e:
+            if is_device_fault(e):
+                raise
+            return f"the step's numerics raised {error_message(e)}"
         if not isinstance(numerics, KernelNumerics):
-            raise ValueError(f"step.numerics: expected a KernelNumerics or a callable (batch) -> KernelNumerics, got "
-                             f"{type(numerics).__name__}")
+            return (f"step.numerics: expected a KernelNumerics or a callable (batch) -> KernelNumerics, got "
+                    f"{type(numerics).__name__}")
         return _tier1_bound(b, kernel, numerics, ref_b), numerics.out_dtype
 
-    try:
-        step_judge = (bound, out_dtype) if declared is None else step_bound(static, ref)
-    except ValueError as e:  # Unsupported too: the step took the batch, so its numerics must
-        return [CheckResult("step", False, detail=f"the step's numerics: {error_message(e)}")]
+    step_judge = (bound, out_dtype) if declared is None else step_bound(static, ref)
+    if isinstance(step_judge, str):
+        return [CheckResult("step", False, detail=step_judge)]
     results = _as_first("step", "the step's eager run", eager, "the case's run", first, ref, lambda: step_judge)
     replay, how = step.run, "run again"
     if device.type == "cuda":
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph):
-                captured = step.run()
-        except Exception as e:
-            try:  # a failed capture (a host sync, an allocation it refuses) names a CUDA error too: a fault only if
-                torch.cuda.synchronize(device)  # the device fails afterwards
-            except Exception:
-                raise e from None
+        capture, failure = _capture(step, device)
+        if failure is not None:
             return results + [CheckResult("step.graph", False, detail=f"run() could not be captured in a CUDA graph: "
-                                                                      f"{error_message(e)}")]
+                                                                      f"{error_message(failure)}")]
+        captured, graph = capture
 
         def replay():
             graph.replay()
             return captured
 
         how = "replayed"
-        _poisoned(captured)
-        second, why = _outputs_of(_call(replay, device=device), static)
+        why = _poisoned(captured, inputs)
+        second, why = _outputs_of(_call(replay, device=device), static) if why is None else (None, why)
+        written = check_inputs(static, before)
+        if why is None and not written.ok:
+            why = written.detail
         if why is not None:
             return results + [CheckResult("step.graph", False, detail=f"a CUDA graph replay of run(): {why}")]
         results += _as_first("step.graph", "a CUDA graph replay of run() into outputs poisoned with NaN", second,
                              "the step's eager run", eager, ref,
                              (lambda: "a deterministic kernel's replay must give its eager run's bits")
                              if kernel.deterministic else (lambda: step_judge))
-        _poisoned(captured)
+        _poisoned(captured, inputs)
     where, new_slots = next_step.next_layout(static, first_spare)
     try:
         step.plan(static)
@@ -721,13 +763,16 @@ def _drive_step(batch: DecodeBatch, kernel: Kernel, first: tuple, ref, bound: bo
         return results + [CheckResult("step.replan", False, detail=f"{where}: planning it raised {error_message(e)}")]
     where += ", then " + next_step.next_values(static, new_slots)
     ref_next = mla_decode_ref(static)  # [T, H, L], [T, H] fp64 on the new contents
+    before = input_snapshot(static)
     got, why = _outputs_of(_call(replay, device=device), static)
+    written = check_inputs(static, before)
+    judge_next = step_bound(static, ref_next) if why is None and written.ok else None
+    if why is None and not written.ok:
+        why = written.detail
+    if why is None and isinstance(judge_next, str):
+        why = judge_next
     if why is not None:
         return results + [CheckResult("step.replan", False, detail=f"{where}, {how}: {why}")]
-    try:
-        judge_next = step_bound(static, ref_next)
-    except ValueError as e:
-        return results + [CheckResult("step.replan", False, detail=f"{where}: the numerics for it: {error_message(e)}")]
     out, lse = _moved(*got, ref_next[0].device, copy=False)
     replan = check_tier1(out, lse, ref_next, *judge_next, name="step.replan")
     for r in replan:

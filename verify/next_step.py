@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from mla_ref.decode import INVALID_PAGE, DecodeBatch
+from mla_ref.decode import INVALID_PAGE, DecodeBatch, is_fp8
 from mla_ref.fp8 import quantize
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # an integer view of each element size
@@ -120,13 +120,13 @@ def next_values(batch: DecodeBatch, new_slots: torch.Tensor, seed: int = 0) -> s
     """Write the next step's contents after its plan: q negated (zeros kept +0, exact in every format) and, in the
     ``new_slots`` [P, ps], token values drawn from a standard normal (seeded; fp8 caches quantized with the batch's
     kv_scale, saturating). -> a description."""
-    q = batch.q.float()  # [T, H, D] exact
-    batch.q.copy_(torch.where(q == 0, q, -q).to(batch.q.dtype))
+    q = batch.q.float() if is_fp8(batch.q.dtype) else batch.q  # [T, H, D] fp8 widened (exact): it has no neg
+    batch.q.copy_(torch.where(q == 0, q, -q).to(batch.q.dtype))  # zeros kept +0: e4m3fnuz has no -0
     n = int(new_slots.sum())
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, batch.head_dim, generator=g)  # [n, D] fp32
     kv = batch.kv_cache
-    codes = quantize(x, kv.dtype, scale=batch.kv_scale)[0] if batch.is_fp8 else x.to(kv.dtype)  # [n, D]
+    codes = quantize(x, kv.dtype, scale=batch.kv_scale)[0] if is_fp8(kv.dtype) else x.to(kv.dtype)  # [n, D]
     bits = _BITS[kv.element_size()]
     kv.view(bits)[new_slots] = codes.view(bits).to(batch.device)
     return f"q negated and {n} new tokens written after plan()"
