@@ -59,6 +59,9 @@ plug-in contract (--impl package.module:function):
   bound assumes fp32 scores and P, fp32 accumulation, bf16 output (verify.kernels.DEFAULT_NUMERICS).
   Two runs on the same batch must give the same bits; function.deterministic = False declares run-to-run
   variation by design (atomics, work stealing), and the second run is then held to the tier-1 bound.
+  function.step = factory(batch, max_q_len) -> step with step.plan(batch) and step.run() -> out | (out, lse)
+  (a CUDA-graph-capturable step): the step check builds, plans, runs, captures and replays it (on CUDA), then
+  writes the next decode step into the same batch tensors, plans again and replays (verify.next_step).
   A plug-in that raises or returns the wrong shape or dtype fails its case with the message.
   For an input it has no kernel for, raise mla_fast.backends.Unsupported("reason"): the case is counted as
   unsupported under that reason (neither passed nor failed; keep case-specific values out of the reason).
