@@ -22,6 +22,10 @@ mkdir -p "$reports"
   -k "partials or rounding_check or strided" 2>&1 | tail -12 | tee -a "$log"
 
 mps_start  # the campaigns run in spawned worker processes sharing the GPU
+# the GPU's memory in use every 0.5 s while the campaigns run (MiB; the summary prints the peak): the far and step
+# checks hand their memory back when they end, so 14 jobs stay far below the H200's 139 GB
+nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 > "$OUT/gpu_memory_mib.txt" 2>/dev/null &
+sampler=$!
 verify() {  # name, then mla-verify's arguments
   local name=$1; shift
   step "mla-verify $* ($name)"
@@ -58,6 +62,7 @@ verify flashinfer_fp32_partials_bf16 --impl tests.peer_plugins:flashinfer_fp32_p
 verify flashinfer_fp32_partials_fp8 --impl tests.peer_plugins:flashinfer_fp32_partials --dtype fp8 --cases 200
 fi
 mps_stop
+kill "$sampler" 2>/dev/null
 
 step "summary"
 python3 - "$reports" "$OUT/campaigns.json" <<'EOF' 2>&1 | tee -a "$log"
@@ -76,5 +81,8 @@ for path in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
         "partials.out", "rounding.out", "layout", "layout.out", "layout.refused", "repeat", "repeat.out", "step",
         "step.graph", "step.replan.out", "step.refused") if k in c))
 pathlib.Path(sys.argv[2]).write_text(json.dumps(summary, indent=1))
+samples = [int(x) for x in (pathlib.Path(sys.argv[2]).parent / "gpu_memory_mib.txt").read_text().split() if x.isdigit()]
+print("GPU memory in use during the campaigns: peak", f"{max(samples)} MiB over {len(samples)} samples" if samples
+      else "not sampled (no nvidia-smi)")
 EOF
 step done
