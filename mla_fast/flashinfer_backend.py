@@ -127,9 +127,8 @@ class FlashInferStep:
         self.buffers = {name: torch.zeros(n, dtype=torch.int32, device=dev) for name, n in (
             ("qo_indptr", B + 1), ("kv_indptr", B + 1), ("kv_indices", max(batch.block_table.numel(), 1)),
             ("kv_len_arr", B))}
-        self.wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(
-            _workspace(dev), use_cuda_graph=True, backend=backend,
-            **self.buffers)
+        self.wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(_workspace(dev), use_cuda_graph=True,
+                                                                    backend=backend, **self.buffers)
         self.out = torch.empty(batch.num_tokens, batch.num_heads, batch.kv_lora_rank, dtype=batch.q.dtype, device=dev)
         self.lse = torch.empty(batch.num_tokens, batch.num_heads, dtype=torch.float32, device=dev)
         self.args = None  # the planned step's flashinfer_inputs

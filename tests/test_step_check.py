@@ -21,6 +21,15 @@ from verify.next_step import next_layout, next_lengths, next_values, with_room
 from verify.strategies import smoke_cases
 
 
+def with_step(step):
+    """A plug-in: mutants.correct, with ``step`` as its graph-capturable step factory."""
+    def decode(batch):
+        return mutants.correct(batch)
+
+    decode.step = step
+    return decode
+
+
 def _failed(result) -> dict:
     return {c.name: c.detail for c in result.checks if not c.ok}
 
@@ -116,19 +125,8 @@ class CopiesQWhenPlanning(mutants._Step):
         return mutants._dense_decode(self.batch.replace(q=self.q), self.seq_lens, self.q_lens)
 
 
-def caps_its_grid(batch):
-    return mutants.correct(batch)
-
-
-def copies_q_when_planning(batch):
-    return mutants.correct(batch)
-
-
-caps_its_grid.step = CapsItsGrid
-copies_q_when_planning.step = CopiesQWhenPlanning
-
-
-@pytest.mark.parametrize("plug_in", [caps_its_grid, copies_q_when_planning], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("plug_in", [with_step(CapsItsGrid), with_step(CopiesQWhenPlanning)],
+                         ids=["caps_its_grid", "copies_q_when_planning"])
 def test_a_step_sized_at_capture_or_reading_q_when_it_plans_fails_the_replan_alone(plug_in):
     """Found by a review: a next step that only shrank and reordered the requests, its q written before the plan,
     passed both (0 of 6 smoke cases failed). Now every smoke case fails them, on the replan alone."""
@@ -143,23 +141,12 @@ class _RefusingStep:
         raise Unsupported("no step for a cache this small")
 
 
-def refuses_steps(batch):
-    return mutants.correct(batch)
-
-
-refuses_steps.step = _RefusingStep
+refuses_steps = with_step(_RefusingStep)  # a module attribute: tests.test_step_check:refuses_steps, below
 
 
 class _FailingPlan(mutants._Step):
     def plan(self, batch):
         raise RuntimeError("plan exploded")
-
-
-def plan_raises(batch):
-    return mutants.correct(batch)
-
-
-plan_raises.step = _FailingPlan
 
 
 class _SecondPlanRaises(mutants._Step):
@@ -169,22 +156,15 @@ class _SecondPlanRaises(mutants._Step):
         super().plan(batch)
 
 
-def replan_raises(batch):
-    return mutants.correct(batch)
-
-
-replan_raises.step = _SecondPlanRaises
-
-
 def test_a_refused_step_passes_as_refused_and_a_raising_plan_fails_by_name():
     case = smoke_cases("bf16")[0]
     refused = run_case(case, from_callable(refuses_steps), "cpu")
     checks = {c.name: c for c in refused.checks}
     assert refused.ok and "refused: Unsupported: no step for a cache this small" in checks["step.refused"].detail
-    assert _failed(run_case(case, from_callable(plan_raises), "cpu")) == {
+    assert _failed(run_case(case, from_callable(with_step(_FailingPlan)), "cpu")) == {
         "step": "building or planning the step raised RuntimeError: plan exploded "
                 f"(at {__file__}:{_FailingPlan.plan.__code__.co_firstlineno + 1})"}
-    failed = _failed(run_case(case, from_callable(replan_raises), "cpu"))
+    failed = _failed(run_case(case, from_callable(with_step(_SecondPlanRaises)), "cpu"))
     assert set(failed) == {"step.replan"} and "planning it raised RuntimeError: workspace too small" in failed[
         "step.replan"]
 
@@ -210,11 +190,7 @@ def test_a_step_whose_declared_numerics_are_tighter_than_its_rounding_fails():
         numerics = dataclasses.replace(DEFAULT_NUMERICS, out_dtype=torch.float64, gamma_qk=0.0, gamma_pv=0.0,
                                        gamma_pv_per_token=0.0)
 
-    def declares_fp64(batch):
-        return mutants.correct(batch)
-
-    declares_fp64.step = _DeclaresFp64
-    failed = _failed(run_case(smoke_cases("bf16")[0], from_callable(declares_fp64), "cpu"))
+    failed = _failed(run_case(smoke_cases("bf16")[0], from_callable(with_step(_DeclaresFp64)), "cpu"))
     # bf16 out under an fp64 declaration: the step's eager run (step.out) and its replan fail, nothing else
     assert set(failed) == {"step.out", "step.replan.out"}, failed
 
@@ -225,13 +201,6 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA grap
 class _SyncingStep(mutants._Step):
     def run(self):
         return mutants._decode(self.batch)  # reads the lengths on the host: a sync, which a capture refuses
-
-
-def syncs_in_run(batch):
-    return mutants.correct(batch)
-
-
-syncs_in_run.step = _SyncingStep
 
 
 @needs_cuda
@@ -246,7 +215,7 @@ def test_on_cuda_the_step_is_captured_and_replayed(dtype):
     assert "replayed" in names["step.replan.out"]
     failed = _failed(run_case(case, from_callable(mutants.stale_plan), "cuda", far=False))
     assert set(failed) == {"step.replan.out", "step.replan.lse"}, failed
-    failed = _failed(run_case(case, from_callable(syncs_in_run), "cuda", far=False))
+    failed = _failed(run_case(case, from_callable(with_step(_SyncingStep)), "cuda", far=False))
     assert set(failed) == {"step.graph"} and "could not be captured in a CUDA graph" in failed["step.graph"], failed
 
 
@@ -301,21 +270,11 @@ def test_a_steps_numerics_may_be_a_callable_and_anything_else_fails_by_name():
         def numerics(self):  # found by a review: its TypeError stopped the campaign
             return DEFAULT_NUMERICS
 
-    def with_callable(batch):
-        return mutants.correct(batch)
-
-    def with_wrong(batch):
-        return mutants.correct(batch)
-
-    def with_wrong_arity(batch):
-        return mutants.correct(batch)
-
-    with_callable.step, with_wrong.step, with_wrong_arity.step = _Callable, _Wrong, _WrongArity
     case = smoke_cases("bf16")[0]
-    assert run_case(case, from_callable(with_callable), "cpu").ok
-    failed = _failed(run_case(case, from_callable(with_wrong), "cpu"))
+    assert run_case(case, from_callable(with_step(_Callable)), "cpu").ok
+    failed = _failed(run_case(case, from_callable(with_step(_Wrong)), "cpu"))
     assert set(failed) == {"step"} and "step.numerics: expected a KernelNumerics or a callable" in failed["step"]
-    failed = _failed(run_case(case, from_callable(with_wrong_arity), "cpu"))
+    failed = _failed(run_case(case, from_callable(with_step(_WrongArity)), "cpu"))
     assert set(failed) == {"step"} and "the step's numerics raised TypeError" in failed["step"]
 
 
@@ -332,19 +291,8 @@ class _WritesItsCache(mutants._Step):
         return result
 
 
-def returns_a_view_of_q(batch):
-    return mutants.correct(batch)
-
-
-def writes_its_cache(batch):
-    return mutants.correct(batch)
-
-
-returns_a_view_of_q.step, writes_its_cache.step = _ReturnsAViewOfQ, _WritesItsCache
-
-
-@pytest.mark.parametrize("plug_in,words", [(returns_a_view_of_q, "run() returned a view of its batch's q"),
-                                           (writes_its_cache, "kv_cache")], ids=["view_of_q", "writes_cache"])
+@pytest.mark.parametrize("plug_in,words", [(with_step(_ReturnsAViewOfQ), "run() returned a view of its batch's q"),
+                                           (with_step(_WritesItsCache), "kv_cache")], ids=["view_of_q", "writes_cache"])
 def test_a_step_that_returns_or_writes_its_inputs_fails_by_name(plug_in, words):
     failed = _failed(run_case(smoke_cases("bf16")[0], from_callable(plug_in), "cpu"))
     assert set(failed) == {"step"} and words in failed["step"], failed

@@ -199,6 +199,16 @@ def _outputs_of(run: tuple[object | None, Exception | None], batch: DecodeBatch)
         return None, str(e)
 
 
+def _watched(batch: DecodeBatch, run: Callable[[], tuple[object | None, Exception | None]]
+             ) -> tuple[tuple | None, str | None]:
+    """`_outputs_of(run(), batch)`, except that a run that wrote into the batch's inputs (`check_inputs`, against
+    byte copies taken before it) has no outputs: why is then that."""
+    before = input_snapshot(batch)
+    result, why = _outputs_of(run(), batch)
+    written = check_inputs(batch, before)
+    return (result, why) if why is not None or written.ok else (None, written.detail)
+
+
 def _moved(out: torch.Tensor, lse: torch.Tensor | None, device: torch.device, copy: bool = True):
     """(out, lse) detached on ``device`` (lse None stays None): a kernel's results beside the oracle's. ``copy``
     (for a first run, whose results later runs are compared with) keeps them from a kernel that writes the next
@@ -394,11 +404,9 @@ def _probe_run(name: str, where: str, probe: DecodeBatch, kernel: Kernel, worker
         return [CheckResult(name, False, detail=f"{where}: {e}")]
     ref = mla_decode_ref(probe)  # [T, H, L], [T, H] fp64
     bound = _tier1_bound(probe, kernel, numerics, ref, uniform_p)
-    before = input_snapshot(probe)
-    result, why = _outputs_of(_run(kernel, probe, workers), probe)
-    written = check_inputs(probe, before)
-    if why is not None or not written.ok:
-        return [CheckResult(name, False, detail=f"{where}: {why if why is not None else written.detail}")]
+    result, why = _watched(probe, lambda: _run(kernel, probe, workers))
+    if why is not None:
+        return [CheckResult(name, False, detail=f"{where}: {why}")]
     out, lse = _moved(*result, ref[0].device, copy=False)
     results = check_tier1(out, lse, ref, bound, numerics.out_dtype, name=name)
     for r in results:
@@ -697,15 +705,10 @@ def _drive_step(batch: DecodeBatch, kernel: Kernel, first: tuple, ref, bound: bo
         if isinstance(e, Unsupported):
             return [CheckResult("step.refused", True, detail=f"refused: {error_message(e)}")]
         return [CheckResult("step", False, detail=f"building or planning the step raised {error_message(e)}")]
-    before = input_snapshot(static)
-    run = _call(step.run, device=device)
-    eager, why = _outputs_of(run, static)
-    written = check_inputs(static, before)
-    if why is None and not written.ok:
-        why = written.detail
+    result, why = _watched(static, lambda: _call(step.run, device=device))
     if why is None:
-        eager = _moved(*eager, first[0].device)  # a copy: run() may return its own buffers, which later runs write
-        why = _poisoned(run[0], inputs)
+        eager = _moved(*result, first[0].device)  # a copy: run() may return its own buffers, which later runs write
+        why = _poisoned(result, inputs)
     if why is not None:
         return [CheckResult("step", False, detail=f"the step's run(): {why}")]
     declared = getattr(step, "numerics", None)  # a step that fixes its kernel when built says how that one rounds
@@ -741,10 +744,7 @@ def _drive_step(batch: DecodeBatch, kernel: Kernel, first: tuple, ref, bound: bo
 
         how = "replayed"
         why = _poisoned(captured, inputs)
-        second, why = _outputs_of(_call(replay, device=device), static) if why is None else (None, why)
-        written = check_inputs(static, before)
-        if why is None and not written.ok:
-            why = written.detail
+        second, why = _watched(static, lambda: _call(replay, device=device)) if why is None else (None, why)
         if why is not None:
             return results + [CheckResult("step.graph", False, detail=f"a CUDA graph replay of run(): {why}")]
         results += _as_first("step.graph", "a CUDA graph replay of run() into outputs poisoned with NaN", second,
@@ -763,12 +763,8 @@ def _drive_step(batch: DecodeBatch, kernel: Kernel, first: tuple, ref, bound: bo
         return results + [CheckResult("step.replan", False, detail=f"{where}: planning it raised {error_message(e)}")]
     where += ", then " + next_step.next_values(static, new_slots)
     ref_next = mla_decode_ref(static)  # [T, H, L], [T, H] fp64 on the new contents
-    before = input_snapshot(static)
-    got, why = _outputs_of(_call(replay, device=device), static)
-    written = check_inputs(static, before)
-    judge_next = step_bound(static, ref_next) if why is None and written.ok else None
-    if why is None and not written.ok:
-        why = written.detail
+    got, why = _watched(static, lambda: _call(replay, device=device))
+    judge_next = step_bound(static, ref_next) if why is None else None
     if why is None and isinstance(judge_next, str):
         why = judge_next
     if why is not None:

@@ -29,10 +29,17 @@ from mla_ref.fp8 import quantize
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # an integer view of each element size
 
 
-def nan_fill_(t: torch.Tensor) -> torch.Tensor:
-    """Fill ``t`` with its format's NaN code in place (fp8 too, which has no fill of NaN: its bytes)."""
+def _nan_bits(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(``t`` viewed as integers of its element size, its format's NaN code as such an integer; e4m3fnuz: 0x80): fp8
+    has no fill or index_put of NaN, its bytes do."""
     bits = _BITS[t.element_size()]
-    t.view(bits).fill_(int(torch.tensor(float("nan")).to(t.dtype).view(bits)))
+    return t.view(bits), int(torch.tensor(float("nan")).to(t.dtype).view(bits))
+
+
+def nan_fill_(t: torch.Tensor) -> torch.Tensor:
+    """Fill ``t`` with its format's NaN code in place (fp8 too)."""
+    raw, nan = _nan_bits(t)
+    raw.fill_(nan)
     return t
 
 
@@ -96,20 +103,17 @@ def next_layout(batch: DecodeBatch, first_spare: int) -> tuple[str, torch.Tensor
     batch.block_table.copy_(batch.block_table[order])  # [B, W']
     lens, grown = next_lengths(torch.tensor(old_lens, dtype=batch.seq_lens.dtype), ps)
     new_slots = torch.zeros_like(old_slots)  # [P, ps]
-    if grown >= 0:
-        have, need = -(-int(old_lens[(grown - 1) % B]) // ps), -(-int(lens[grown]) // ps)  # its pages, before / after
-        batch.block_table[grown, have:need] = torch.arange(first_spare, first_spare + need - have,
-                                                           dtype=batch.block_table.dtype, device=batch.device)
-        before = _slots(batch.replace(seq_lens=batch.seq_lens.new_zeros(B).index_fill_(0, torch.tensor(
-            [grown], device=batch.device), old_lens[(grown - 1) % B])))  # [P, ps] its slots at its old length
     batch.seq_lens.copy_(lens.to(batch.device))
     if grown >= 0:
-        only = batch.seq_lens.new_zeros(B).index_fill_(0, torch.tensor([grown], device=batch.device), int(lens[grown]))
-        new_slots = _slots(batch.replace(seq_lens=only)) & ~before  # [P, ps] read by the new step only
+        old_len = old_lens[(grown - 1) % B]  # the grown request's length before: its row came with it
+        have, need = -(-old_len // ps), -(-int(lens[grown]) // ps)  # its pages, before / after
+        batch.block_table[grown, have:need] = torch.arange(first_spare, first_spare + need - have,
+                                                           dtype=batch.block_table.dtype, device=batch.device)
+        pages, slots = batch.token_slots(grown)  # [new length] each
+        new_slots[pages[old_len:], slots[old_len:]] = True  # read by the new step only
     stale = old_slots & ~_slots(batch)  # [P, ps] read by the old step only
-    bits = _BITS[batch.kv_cache.element_size()]
-    nan = torch.tensor(float("nan")).to(batch.kv_cache.dtype).view(bits)  # the format's NaN code (e4m3fnuz: 0x80)
-    batch.kv_cache.view(bits)[stale] = nan.to(batch.device)  # fp8 has no index_put: write its bytes
+    raw, nan = _nan_bits(batch.kv_cache)
+    raw[stale] = nan
     where = f"the next step in place: requests rotated by one, seq_lens {old_lens} -> {batch.seq_lens.tolist()}"
     if grown >= 0:
         where += f" (request {grown} grown past the old longest)"
