@@ -29,7 +29,7 @@ sampler=$!
 verify() {  # name, then mla-verify's arguments
   local name=$1; shift
   step "mla-verify $* ($name)"
-  timeout 60 python3 -m verify "$@" --jobs 14 --time-limit 45 --json "$reports/$name.json" 2>&1 | tail -24 | tee -a "$log"
+  timeout 90 python3 -m verify "$@" --jobs 14 --time-limit 45 --json "$reports/$name.json" 2>&1 | tail -24 | tee -a "$log"
   echo "exit ${PIPESTATUS[0]}" | tee -a "$log"
 }
 if [[ $parts == *,ours,* ]]; then
@@ -68,6 +68,8 @@ step "summary"
 python3 - "$reports" "$OUT/campaigns.json" <<'EOF' 2>&1 | tee -a "$log"
 import json, pathlib, sys
 summary = {}
+def brief(check):  # a check's counts and ratios, without its worst case's text (kept in campaigns.json)
+    return check and {f: v for f, v in check.items() if not f.startswith("worst")}
 for path in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
     r = json.loads(path.read_text())
     summary[path.stem] = {"cases": r["cases"], "failed": r["failed"], "unsupported": r["unsupported"],
@@ -75,9 +77,10 @@ for path in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
                           "failures": [(f["describe"], [f"{c['name']}: {c['detail'][:400]}" for c in f["checks"]])
                                        for f in r["failures"]][:12],
                           "checks": {k: {f: v.get(f) for f in ("cases", "failed", "median_err_over_bound",
-                                                               "max_err_over_bound")} for k, v in r["checks"].items()}}
+                                                               "max_err_over_bound", "worst_repro", "worst_detail")}
+                                     for k, v in r["checks"].items()}}
     c = summary[path.stem]["checks"]
-    print(path.stem, r["cases"], "failed", r["failed"], *(f"{k} {c.get(k)}" for k in (
+    print(path.stem, r["cases"], "failed", r["failed"], *(f"{k} {brief(c.get(k))}" for k in (
         "partials.out", "rounding.out", "layout", "layout.out", "layout.refused", "repeat", "repeat.out", "step",
         "step.graph", "step.replan.out", "step.refused") if k in c))
 pathlib.Path(sys.argv[2]).write_text(json.dumps(summary, indent=1))
