@@ -17,8 +17,22 @@ from mla_ref.decode import (
     merge_partials,
     mla_decode_ref,
 )
+from verify.bounds import merge_bound, oracle_bound
 
-FP64_BAR = 1e-12  # the issue's fp64 bar: ~10^4 fp64 ulps (2**-52) at unit scale, far above summation error here
+
+def assert_fp64_agree(batch, got, want, rows=slice(None), extra=None) -> None:
+    """Two fp64 evaluations of the decode formula on ``batch`` (out, lse) agree elementwise within twice
+    ``verify.bounds.oracle_bound`` (each is within it of the exact value; numerics.md §5(f) with fp64 constants),
+    plus ``extra`` (a merge's own bound): on ``rows`` of the batch's query rows, -inf lse at the same places."""
+    bound = oracle_bound(batch)
+    out_b, lse_b = 2 * bound.out[rows], 2 * bound.lse[rows]  # [t, H, L], [t, H]
+    if extra is not None:
+        out_b, lse_b = out_b + extra.out[rows], lse_b + extra.lse[rows]
+    assert torch.equal(torch.isneginf(got[1]), torch.isneginf(want[1]))
+    seen = torch.isfinite(want[1])  # [t, H] rows that see a token
+    err_out, err_lse = (got[0] - want[0]).abs(), (got[1][seen] - want[1][seen]).abs()  # [t, H, L], [n]
+    assert (err_out <= out_b).all(), f"out: err / bound {(err_out / out_b).nan_to_num(posinf=math.inf).max():.3g}"
+    assert (err_lse <= lse_b[seen]).all(), f"lse: err / bound {(err_lse / lse_b[seen]).max():.3g}"
 
 
 @dataclass(frozen=True)
@@ -81,11 +95,8 @@ def test_ref_matches_dense_softmax(case):
     assert torch.isnan(batch.kv_cache).any(), "unused slots must be NaN-poisoned"
     out, lse = mla_decode_ref(batch)
     out_d, lse_d = dense_softmax_reference(q, kvs, case.q_lens, 0.3, case.L)
-    assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_d))
-    finite = torch.isfinite(lse_d)
     assert torch.isfinite(out).all(), "NaN padding leaked into the output"
-    assert (out - out_d).abs().max() <= FP64_BAR
-    assert not finite.any() or (lse[finite] - lse_d[finite]).abs().max() <= FP64_BAR
+    assert_fp64_agree(batch, (out, lse), (out_d, lse_d))
 
 
 def test_real_dims_and_empty_rows():
@@ -93,12 +104,24 @@ def test_real_dims_and_empty_rows():
     batch, q, kvs = build(case)
     out, lse = mla_decode_ref(batch)
     out_d, lse_d = dense_softmax_reference(q, kvs, case.q_lens, 0.3, case.L)
-    assert (out - out_d).abs().max() <= FP64_BAR
+    assert_fp64_agree(batch, (out, lse), (out_d, lse_d))
     # empty sequence, and the first row of the length-1 request with q_len 2 (sees 1 - 2 + 0 + 1 = 0 tokens)
     for row in (0, 1):
         assert torch.isneginf(lse[row]).all() and (out[row] == 0).all()
     # q_len 4 over 3 tokens: rows see 0, 1, 2, 3 tokens
     assert torch.isneginf(lse[-4]).all() and torch.isfinite(lse[-3:]).all()
+
+
+def test_the_fp64_agreement_bound_is_tight_enough_to_see_a_small_relative_bug():
+    """assert_fp64_agree's bound (2 x oracle_bound) at the real dims is ~1e-11 absolute: a relative error of 1e-12 on
+    every output (a gain of 1 + 1e-12) already fails it; the dense reference itself sits far inside."""
+    case = DenseCase(seq_lens=(0, 1, 200, 3), q_lens=(1, 2, 4, 4), heads=16, page_size=64, L=512, R=64, seed=7)
+    batch, q, kvs = build(case)
+    out, lse = mla_decode_ref(batch)
+    dense = dense_softmax_reference(q, kvs, case.q_lens, 0.3, case.L)
+    assert_fp64_agree(batch, (out, lse), dense)
+    with pytest.raises(AssertionError, match="out: err / bound"):
+        assert_fp64_agree(batch, (out * (1 + 1e-12), lse), dense)
 
 
 def test_length_buckets_partition_the_batch_and_equal_one_grid():
@@ -120,11 +143,8 @@ def test_length_buckets_partition_the_batch_and_equal_one_grid():
     assert len(one) == 1 and one[0].whole and one[0].batch is batch
     out, lse = mla_decode_ref(batch)  # bucketed
     out_1, lse_1 = by_bucket(one, lambda b: _decode_grid(b.batch, b.grid, torch.float64))  # one grid
-    assert (out - out_1).abs().max() <= FP64_BAR and torch.equal(torch.isneginf(lse), torch.isneginf(lse_1))
-    seen = torch.isfinite(lse_1)  # [T, H]
-    assert (lse[seen] - lse_1[seen]).abs().max() <= FP64_BAR
-    out_d, lse_d = dense_softmax_reference(q, kvs, case.q_lens, 0.3, case.L)
-    assert (out - out_d).abs().max() <= FP64_BAR and (lse[seen] - lse_d[seen]).abs().max() <= FP64_BAR
+    assert_fp64_agree(batch, (out, lse), (out_1, lse_1))
+    assert_fp64_agree(batch, (out, lse), dense_softmax_reference(q, kvs, case.q_lens, 0.3, case.L))
 
 
 @dataclass(frozen=True)
@@ -140,6 +160,7 @@ def test_merge_partials_of_random_partition_equals_whole(split):
     case, num_splits = split.dense, split.num_splits
     batch, q, kvs = build(case)
     out, lse = mla_decode_ref(batch)
+    merge = merge_bound(batch, num_splits, accum=torch.float64)  # the fp64 merge's own rounding (§5(g))
     g = torch.Generator().manual_seed(case.seed + 1)
     row = 0
     for kv, n in zip(kvs, case.q_lens):
@@ -161,10 +182,8 @@ def test_merge_partials_of_random_partition_equals_whole(split):
         o_s = torch.stack(parts_o).view(len(bounds) - 1, n, q.shape[1], case.L)  # [S, n, H, L]
         l_s = torch.stack(parts_l).view(len(bounds) - 1, n, q.shape[1])  # [S, n, H]
         o_m, l_m = merge_partials(o_s, l_s)
-        assert torch.equal(torch.isneginf(l_m), torch.isneginf(lse[row : row + n]))
-        assert (o_m - out[row : row + n]).abs().max() <= FP64_BAR
-        fin = torch.isfinite(l_m)
-        assert not fin.any() or (l_m[fin] - lse[row : row + n][fin]).abs().max() <= FP64_BAR
+        rows = slice(row, row + n)
+        assert_fp64_agree(batch, (o_m, l_m), (out[rows], lse[rows]), rows, merge)
         row += n
 
 
@@ -202,7 +221,7 @@ def test_fp8_inputs_are_dequantized_with_their_scales():
                               generator=g, q_scale=0.5, kv_scale=0.25)
     out, lse = mla_decode_ref(batch)
     out_d, lse_d = dense_softmax_reference(q8.double() * 0.5, [kv.double() * 0.25 for kv in kv8], case.q_lens, 0.3, 32)
-    assert (out - out_d).abs().max() <= FP64_BAR and (lse - lse_d).abs().max() <= FP64_BAR
+    assert_fp64_agree(batch, (out, lse), (out_d, lse_d))
 
 
 def test_converters_describe_the_same_pages():

@@ -9,7 +9,6 @@ the score change itself) are left out: they test nothing but floating-point ties
 """
 
 import pytest
-import torch
 from hypothesis import Phase
 
 from mla_fast.backends import BACKENDS
@@ -98,8 +97,9 @@ TRITON_BF16_WORST = [
          seed=3),  # split.out 0.431
 ]
 triton = BACKENDS["triton"]
-on_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="the default dispatch's worst cases are GPU-sized "
-                            "and pick the Gluon kernels there (the interpreter would run other kernels, for hours)")
+# the default dispatch's worst cases are GPU-sized and pick the Gluon kernels on a CUDA GPU (the interpreter would
+# run other kernels, for hours): conftest.py skips `gpu` tests without one
+on_gpu = pytest.mark.gpu
 seesaw = BACKENDS["seesaw"]
 seesaw_runs, seesaw_why = seesaw.probe()
 

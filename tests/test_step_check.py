@@ -195,7 +195,7 @@ def test_a_step_whose_declared_numerics_are_tighter_than_its_rounding_fails():
     assert set(failed) == {"step.out", "step.replan.out"}, failed
 
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a CUDA GPU")
+needs_cuda = pytest.mark.gpu  # CUDA graph capture: conftest.py skips these without a CUDA GPU (ROCm's HIP too)
 
 
 class _SyncingStep(mutants._Step):
@@ -238,7 +238,9 @@ def test_our_steps_pass_the_step_check_on_cuda(backend, dtype):
         assert result.ok and {"step.graph", "step.replan.out"} <= names and names & {"step", "step.out"}, (
             result.describe())
         ran += 1
-    assert ran or backend != "triton"
+    if not ran and backend != "triton":  # the Gluon kernels take sm_90 batches only; the Triton kernel takes all
+        pytest.skip(f"{backend} took none of the {dtype} smoke cases on this GPU")
+    assert ran
 
 
 def test_a_campaign_warns_when_the_step_was_refused(tmp_path, capsys):

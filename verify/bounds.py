@@ -347,6 +347,31 @@ def _fp64_slack(st: _Softmax, A_max: torch.Tensor, V: torch.Tensor, o: torch.Ten
     )
 
 
+
+def oracle_bound(batch: DecodeBatch) -> Bound:
+    """|computed - exact| elementwise for one fp64 evaluation of the decode formula of numerics.md §2 on ``batch``'s
+    dequantized inputs: ``mla_decode_ref``, or any other fp64 code that computes the max-shifted softmax in any
+    summation order (§5(f) with fp64 constants, ``_fp64_slack``). Two such evaluations differ by at most twice it;
+    ``kernel_bound`` charges it once for the oracle it compares with.
+
+    Returns:
+        Bound(out [T, H, L], lse [T, H]) in fp64 (0 on rows that see no token).
+    """
+    batch.validate()
+    L, D = batch.kv_lora_rank, batch.head_dim
+
+    def bucket_bound(bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
+        b, grid = bucket.batch, bucket.grid
+        K = b.padded_kv(grid.S, F64)  # [B, S, D] dequantized, zero padding
+        q = grid.pad(b.dequantized_q(F64))  # [B, N, H, D]
+        st = _softmax(q, K, grid.mask, b.sm_scale)  # [B, N, H, S]
+        A = b.sm_scale * torch.einsum("bnhd,bsd->bnhs", q.abs(), K.abs())  # [B, N, H, S] σ Σ_i |q_i k_ji|
+        o = torch.einsum("bnhs,bsc->bnhc", st.p, K[..., :L])  # [B, N, H, L] ô
+        out, lse = _fp64_slack(st, _masked_max(A, grid.mask), K[..., :L], o, D, b.seq_lens)  # [B, N, H, L], [B, N, H]
+        return grid.unpad(out), grid.unpad(lse)  # [t, H, L], [t, H]
+
+    return Bound(*by_bucket(batch.buckets(), bucket_bound))
+
 # ---- §5(f): kernel vs fp64 on the same dequantized inputs ------------------------------------------------------
 
 

@@ -144,7 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
         "inputs left unwritten, the rounding and partials probes (how P and split outputs are\n"
         "rounded), the layout check (q, cache and block table as strided views into NaN-padded buffers), and on\n"
         "CUDA devices the far check (the pages moved past element 2^31 of a larger cache, where int32 offsets\n"
-        "wrap) and the long cases (a request of 2^16 + 65 tokens in more than 64 pieces).\n"
+        "wrap) and the long cases (a request of 2^16 + 65 tokens in more than 64 pieces); for kernels with a\n"
+        "graph-capturable step, the step check (planned, run, captured in a CUDA graph on CUDA, given the next\n"
+        "decode step in place, planned again and replayed).\n"
         "Subcommand: 'mla-verify model ...' checks a whole MLA layer (verify.model_check).",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -153,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kernel inputs: bf16 q and KV, or fp8 KV with bf16 or fp8 q (default bf16)")
     p.add_argument("--fp8-format", choices=FP8_FORMATS, default="e4m3fn", help="fp8 format (default e4m3fn)")
     p.add_argument("--backend", choices=BACKENDS, default="auto",
-                   help="registry backend to verify; 'auto' = triton on a GPU, else emulated; unavailable ones are "
+                   help="registry backend to verify; 'auto' = the first of triton, flashmla, flashinfer, aiter that runs "
+                   "on this GPU, else emulated; unavailable ones are "
                    "reported with their reason (exit 5)")
     p.add_argument("--impl", metavar="MODULE:FUNCTION",
                    help="verify your own kernel instead of --backend (see the plug-in contract below)")
