@@ -359,7 +359,7 @@ def test_flashinfers_graph_step_sizes_its_buffers_once_and_refuses_what_it_canno
         step.plan(batch.replace(seq_lens=batch.seq_lens.clone()))
     next_layout(batch, first_spare)  # the next step, in the same tensors: planned again
     step.plan(batch)
-    assert len(step.wrapper.plans) == 2 and step.wrapper.plans[1][3].tolist() == [87, 35, 0]  # kv_len_arr
+    assert len(step.wrapper.plans) == 2 and step.wrapper.plans[1][3].tolist() == [157, 35, 0]  # kv_len_arr: 2 x 70 + 17
     fp8, _ = Case(seq_lens=(70,), q_lens=(1,), heads=4, q_dtype="fp8", kv_dtype="fp8").materialize()
     with pytest.raises(Unsupported, match="fp8 q"):
         BACKENDS["flashinfer"].step(fp8, 1)
@@ -409,7 +409,8 @@ def test_flashmlas_graph_step_replans_into_its_own_metadata_and_keeps_the_row_la
     assert torch.equal(torch.isneginf(lse), (batch.visible_tokens() == 0)[:, None].expand_as(lse))
     next_layout(batch, first_spare)
     step.plan(batch)
-    assert step.meta.tile_scheduler_metadata is first_meta and first_meta.view(-1).tolist() == [135, 35, 0]
+    # the grown request: 2 x 70 + 65 tokens
+    assert step.meta.tile_scheduler_metadata is first_meta and first_meta.view(-1).tolist() == [205, 35, 0]
     next_values(batch, torch.zeros(batch.kv_cache.shape[:2], dtype=torch.bool))  # q negated after the plan
     out, lse = step.run()
     assert torch.equal(out, batch.q[..., :512]) and fake.seen[0] is first_meta

@@ -161,7 +161,8 @@ def test_no_probe_without_two_tokens_or_a_score_gap():
     assert r.ok and "no x exact in q's torch.float8_e4m3fn puts sm_scale 10000 x in [2^-8, 2^-4]" in r.detail
     # no rope channel: the scores have nowhere to go (a batch the oracle and the kernels take; found by a review)
     q, kv = torch.zeros(1, 2, 8, dtype=torch.bfloat16), [torch.zeros(5, 8, dtype=torch.bfloat16)]
-    flat = make_decode_batch(q, kv, sm_scale=0.1, kv_lora_rank=8, page_size=4, generator=torch.Generator().manual_seed(0))
+    flat = make_decode_batch(q, kv, sm_scale=0.1, kv_lora_rank=8, page_size=4,
+                             generator=torch.Generator().manual_seed(0))
     assert rounding_probe(flat).startswith("no rope channel")
     [r] = check_rounding(flat, from_callable(mutants.correct), workers=1)
     assert r.ok and "no rope channel" in r.detail

@@ -2,7 +2,7 @@
 
 Build on copies of the batch's tensors with room to grow, plan, run; on CUDA capture run() in a graph and replay
 it; then write the next step's layout into the same tensors (verify.next_step.next_layout: requests rotated, one
-grown past the old longest, the longest halved, one emptied, what only the old step read set to NaN), plan again,
+grown past twice the old longest, the longest halved, one emptied, what only the old step read set to NaN), plan again,
 write its new q and tokens (next_values), replay, against the oracle on the new contents. Every other check calls
 a kernel afresh on each batch, so a step that keeps the lengths it was first planned with passes all of them. CUDA
 graph capture runs in the CUDA tests below and tests/test_peers_gpu.py; here run() is called again where a GPU
@@ -44,17 +44,17 @@ def test_the_correct_step_passes_and_a_step_that_plans_once_fails_the_replan_alo
     assert "differ from the case's run" in names["step.out"] and "run again" in names["step.replan.out"]
     failed = _failed(run_case(case, from_callable(mutants.stale_plan), "cpu"))
     assert set(failed) == {"step.replan.out", "step.replan.lse"}, failed
-    assert "seq_lens [0, 1, 63, 65, 300, 2] -> [0, 0, 1, 63, 365, 150] (request 4 grown" in failed["step.replan.out"]
+    assert "seq_lens [0, 1, 63, 65, 300, 2] -> [0, 0, 1, 63, 665, 150] (request 4 grown" in failed["step.replan.out"]
 
 
-def test_next_lengths_rotate_grow_one_past_the_longest_halve_it_and_empty_the_one_after_it():
+def test_next_lengths_rotate_grow_one_past_twice_the_longest_halve_it_and_empty_the_one_after_it():
     def nxt(lens, page_size=16):
         new, grown = next_lengths(torch.tensor(lens, dtype=torch.int32), page_size)
         return new.tolist(), grown
 
-    assert nxt([5, 9, 0, 2]) == ([2, 26, 4, 0], 1)  # rotated [2, 5, 9, 0]: 9 halved, 5 grown to 9 + 17, 0 emptied
-    assert nxt([7, 3]) == ([24, 3], 0)  # rotated [3, 7]: 7 halved, 3 grown; none emptied
-    assert nxt([1], page_size=1) == ([3], 0)  # one request: grown only
+    assert nxt([5, 9, 0, 2]) == ([2, 35, 4, 0], 1)  # rotated [2, 5, 9, 0]: 9 halved, 5 grown to 2 x 9 + 17, 0 emptied
+    assert nxt([7, 3]) == ([31, 3], 0)  # rotated [3, 7]: 7 halved, 3 grown to 2 x 7 + 17; none emptied
+    assert nxt([1], page_size=1) == ([4], 0)  # one request: grown only, to 2 x 1 + 2
     assert nxt([0, 0, 0]) == ([0, 0, 17], 2)  # all empty: the one before the first grows
     assert nxt([]) == ([], -1)
 
@@ -114,6 +114,17 @@ class CapsItsGrid(mutants._Step):
         return mutants._dense_decode(self.batch, self.seq_lens.clamp(max=self.cap), self.q_lens)
 
 
+class RoundsItsGridUp(CapsItsGrid):
+    """A grid or loop bound rounded up from the captured longest request to a power of two (found by a review: a
+    request grown past the old longest by only a page and a token stayed under it in most cases)."""
+
+    def plan(self, batch):
+        first = not hasattr(self, "cap")
+        super().plan(batch)
+        if first:
+            self.cap = 1 << max(self.cap - 1, 0).bit_length()  # the next power of two >= the longest (1 for 0 or 1)
+
+
 class CopiesQWhenPlanning(mutants._Step):
     """Copies q into its own buffer in plan(), not in run(): in a serving loop q is written after the plan."""
 
@@ -125,15 +136,45 @@ class CopiesQWhenPlanning(mutants._Step):
         return mutants._dense_decode(self.batch.replace(q=self.q), self.seq_lens, self.q_lens)
 
 
-@pytest.mark.parametrize("plug_in", [with_step(CapsItsGrid), with_step(CopiesQWhenPlanning)],
-                         ids=["caps_its_grid", "copies_q_when_planning"])
+@pytest.mark.parametrize("plug_in", [with_step(CapsItsGrid), with_step(RoundsItsGridUp),
+                                     with_step(CopiesQWhenPlanning)],
+                         ids=["caps_its_grid", "rounds_its_grid_up", "copies_q_when_planning"])
 def test_a_step_sized_at_capture_or_reading_q_when_it_plans_fails_the_replan_alone(plug_in):
-    """Found by a review: a next step that only shrank and reordered the requests, its q written before the plan,
-    passed both (0 of 6 smoke cases failed). Now every smoke case fails them, on the replan alone."""
+    """Found by reviews: a next step that only shrank and reordered the requests, its q written before the plan,
+    passed the first and the last (0 of 6 smoke cases failed); one that grew a request by only a page and a token
+    past the longest passed a grid rounded up to a power of two in 16 of 24. Now every smoke case fails them, on the
+    replan alone."""
     cases = smoke_cases("bf16") + smoke_cases("fp8")
     failed = [_failed(run_case(case, from_callable(plug_in), "cpu")) for case in cases]
     assert all(set(f) <= {"step.replan.out", "step.replan.lse"} for f in failed), failed
     assert sum("step.replan.out" in f for f in failed) == len(cases), failed
+
+
+class ClampsLengthsWhenPlanning(CapsItsGrid):
+    """Its grid sized at capture, and plan() clamps the engine's lengths to it: the oracle, reading the lengths
+    after the plan, would follow (found by a review: only run()'s writes were checked)."""
+
+    def plan(self, batch):
+        super().plan(batch)
+        batch.seq_lens.clamp_(max=self.cap)
+
+
+class ZeroesASparePageWhenPlanning(mutants._Step):
+    def plan(self, batch):
+        super().plan(batch)
+        batch.kv_cache[-1].zero_()  # a spare page: NaN, read by no request yet
+
+
+def test_a_plan_that_writes_into_the_steps_inputs_fails_by_name():
+    """plan()'s writes are checked as run()'s are: at the first plan (`step`) and at the replan (`step.replan`),
+    where a plan that rewrites the lengths would otherwise move the oracle's inputs with it."""
+    for case in smoke_cases("bf16"):
+        failed = _failed(run_case(case, from_callable(with_step(ClampsLengthsWhenPlanning)), "cpu"))
+        assert set(failed) == {"step.replan"}, (case, failed)
+        assert "plan() wrote into its inputs: seq_lens" in failed["step.replan"], failed
+    failed = _failed(run_case(smoke_cases("bf16")[0], from_callable(with_step(ZeroesASparePageWhenPlanning)), "cpu"))
+    assert failed == {"step": "the step's first plan: plan() wrote into its inputs: kv_cache (73728 bytes)"}, failed
+    # 73728 bytes: the page of 64 slots x 576 channels x 2 bytes
 
 
 class _RefusingStep:

@@ -209,6 +209,16 @@ def _watched(batch: DecodeBatch, run: Callable[[], tuple[object | None, Exceptio
     return (result, why) if why is not None or written.ok else (None, written.detail)
 
 
+def _planned(step, batch: DecodeBatch) -> str | None:
+    """``step.plan(batch)``, then why it wrote into the batch's inputs (None: it did not; `check_inputs` against byte
+    copies taken before it): a plan that rewrites the lengths, the block table, q or the cache would move the
+    oracle's inputs with it. Raises what plan() raises."""
+    before = input_snapshot(batch)
+    step.plan(batch)
+    written = check_inputs(batch, before)
+    return None if written.ok else written.detail.replace("the kernel wrote", "plan() wrote")
+
+
 def _moved(out: torch.Tensor, lse: torch.Tensor | None, device: torch.device, copy: bool = True):
     """(out, lse) detached on ``device`` (lse None stays None): a kernel's results beside the oracle's. ``copy``
     (for a first run, whose results later runs are compared with) keeps them from a kernel that writes the next
@@ -636,14 +646,16 @@ def check_step(batch: DecodeBatch, kernel: Kernel, first: tuple, ref, bound: bou
     reduce); on CUDA, run() captured in a CUDA graph and replayed into outputs poisoned with NaN: ``step.graph``,
     the eager run's bits for a deterministic kernel (a capture that fails fails it, and says why); then the next
     decode step: its lengths, q_lens and block table written in place (`next_step.next_layout`: requests rotated,
-    one grown past the old longest, the longest halved, one emptied, the slots only the old step read set to NaN),
-    planned again, its new q and new tokens written (`next_values`, after the plan, as a serving step's graph
+    one grown past twice the old longest, the longest halved, one emptied, the slots only the old step read set to
+    NaN), planned again, its new q and new tokens written (`next_values`, after the plan, as a serving step's graph
     writes them), replayed (on a CPU run again) into poisoned outputs: ``step.replan.out`` / ``.lse`` against the
     oracle on the new contents, within their tier-1 bound. A step that bakes the captured step into its launch (a
     plan made once, a grid sized by the captured lengths, q or the cache copied when it plans) fails the last.
     Bounds take the step's own ``numerics`` (a KernelNumerics, or a callable of the batch) where it declares them
     (a step fixes its kernel when built, while the kernel's numerics(batch) follow each batch), else the kernel's.
-    A step that refuses the batch, or the next step (`Unsupported`), passes as ``step.refused``."""
+    A plan() that writes into the step's inputs fails ``step`` (the first plan) or ``step.replan``, as a run() that
+    does, or returns a view of them, fails its check. A step that refuses the batch, or the next step
+    (`Unsupported`), passes as ``step.refused``."""
     with _releasing(batch.device):  # after _drive_step has returned: the step, its buffers and graph are gone
         return _drive_step(batch, kernel, first, ref, bound, out_dtype)
 
@@ -698,13 +710,15 @@ def _drive_step(batch: DecodeBatch, kernel: Kernel, first: tuple, ref, bound: bo
     max_q_len = max(int(static.q_lens.max()), 1) if static.batch_size else 1
     try:
         step = kernel.step(static, max_q_len)
-        step.plan(static)
+        why = _planned(step, static)
     except Exception as e:
         if is_device_fault(e):
             raise
         if isinstance(e, Unsupported):
             return [CheckResult("step.refused", True, detail=f"refused: {error_message(e)}")]
         return [CheckResult("step", False, detail=f"building or planning the step raised {error_message(e)}")]
+    if why is not None:
+        return [CheckResult("step", False, detail=f"the step's first plan: {why}")]
     result, why = _watched(static, lambda: _call(step.run, device=device))
     if why is None:
         eager = _moved(*result, first[0].device)  # a copy: run() may return its own buffers, which later runs write
@@ -754,13 +768,15 @@ def _drive_step(batch: DecodeBatch, kernel: Kernel, first: tuple, ref, bound: bo
         _poisoned(captured, inputs)
     where, new_slots = next_step.next_layout(static, first_spare)
     try:
-        step.plan(static)
+        why = _planned(step, static)
     except Exception as e:
         if is_device_fault(e):
             raise
         if isinstance(e, Unsupported):  # a batch outside the step's declared scope, as its first plan may refuse
             return results + [CheckResult("step.refused", True, detail=f"{where}: refused: {error_message(e)}")]
         return results + [CheckResult("step.replan", False, detail=f"{where}: planning it raised {error_message(e)}")]
+    if why is not None:
+        return results + [CheckResult("step.replan", False, detail=f"{where}: {why}")]
     where += ", then " + next_step.next_values(static, new_slots)
     ref_next = mla_decode_ref(static)  # [T, H, L], [T, H] fp64 on the new contents
     got, why = _watched(static, lambda: _call(replay, device=device))

@@ -155,9 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kernel inputs: bf16 q and KV, or fp8 KV with bf16 or fp8 q (default bf16)")
     p.add_argument("--fp8-format", choices=FP8_FORMATS, default="e4m3fn", help="fp8 format (default e4m3fn)")
     p.add_argument("--backend", choices=BACKENDS, default="auto",
-                   help="registry backend to verify; 'auto' = the first of triton, flashmla, flashinfer, aiter that runs "
-                   "on this GPU, else emulated; unavailable ones are "
-                   "reported with their reason (exit 5)")
+                   help="registry backend to verify; 'auto' = the first of triton, flashmla, flashinfer, aiter "
+                   "that runs on this GPU, else emulated; unavailable ones are reported with their reason (exit 5)")
     p.add_argument("--impl", metavar="MODULE:FUNCTION",
                    help="verify your own kernel instead of --backend (see the plug-in contract below)")
     p.add_argument("--cases", type=_positive_int, metavar="N",

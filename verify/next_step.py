@@ -10,8 +10,10 @@ block-table columns. `next_layout` then writes the next step's lengths and pages
 
 - the requests rotated by one: request i takes request i-1's q_len, block-table row and length, so that each
   request's work lands elsewhere in a plan;
-- one request grown past the old longest by a page and a token (its new tokens on the spare pages), the longest
-  halved, and with three requests or more the one after it emptied (CUDA-graph padding sends empty requests);
+- one request grown past twice the old longest by a page and a token (its new tokens on the spare pages): past
+  any bound the step may have rounded up from the captured lengths (a power of two, whole chunks of up to the
+  longest); the longest halved, and with three requests or more the one after it emptied (CUDA-graph padding sends
+  empty requests);
 - every cache slot that the old step used and the new one does not, NaN (the format's NaN code for fp8): a kernel
   that still reads the old lengths reads NaN.
 
@@ -44,8 +46,10 @@ def nan_fill_(t: torch.Tensor) -> torch.Tensor:
 
 
 def grown_length(seq_lens: torch.Tensor, page_size: int) -> int:
-    """The grown request's new length: past the longest of ``seq_lens`` [B] by a page and a token."""
-    return (int(seq_lens.max()) if seq_lens.numel() else 0) + page_size + 1
+    """The grown request's new length: past twice the longest of ``seq_lens`` [B] by a page and a token, so past
+    whatever the longest rounds up to (the next power of two is at most twice it; whole chunks of at most its length
+    plus a page cover less)."""
+    return 2 * (int(seq_lens.max()) if seq_lens.numel() else 0) + page_size + 1
 
 
 def next_lengths(seq_lens: torch.Tensor, page_size: int) -> tuple[torch.Tensor, int]:
@@ -116,7 +120,7 @@ def next_layout(batch: DecodeBatch, first_spare: int) -> tuple[str, torch.Tensor
     raw[stale] = nan
     where = f"the next step in place: requests rotated by one, seq_lens {old_lens} -> {batch.seq_lens.tolist()}"
     if grown >= 0:
-        where += f" (request {grown} grown past the old longest)"
+        where += f" (request {grown} grown past twice the old longest)"
     return where + f", {int(stale.sum())} slots the old step read set to NaN", new_slots
 
 
