@@ -1600,7 +1600,9 @@ class TritonMLADecode:
         static buffers by one asynchronous copy, ordered on the current stream before the next run(). None: they
         are read from the batch (a host sync, which waits for the work queued before), after `DecodeBatch.validate`
         has checked every field. With host copies only the lengths are checked (against the block table's capacity
-        and q's rows), not the block table's entries: those would have to be read from the device.
+        and q's rows), not the block table's entries: those would have to be read from the device; the scales are
+        checked either way (`DecodeBatch.validate_scales`). ``batch`` may be another DecodeBatch over the step's
+        tensors, with new per-tensor q / kv scales; its sm_scale and kv_lora_rank must be the step's (ValueError).
         """
         batch = batch or self.batch
         if batch is not self.batch and any(
@@ -1608,12 +1610,17 @@ class TritonMLADecode:
                 or getattr(batch, n).shape != getattr(self.batch, n).shape for n in _STEP_TENSORS):
             raise ValueError(f"plan: batch must hold the step's own tensors ({', '.join(_STEP_TENSORS)}: the buffers "
                              "run() reads); refill them in place instead of passing another batch")
+        for name in ("sm_scale", "kv_lora_rank"):  # launch constants of the step: a new value would go unread
+            if getattr(batch, name) != getattr(self.batch, name):
+                raise ValueError(f"plan: batch.{name} must be the step's {getattr(self.batch, name)!r} (fixed when "
+                                 f"it was built), got {getattr(batch, name)!r}; build another step for it")
         if (seq_lens is None) != (q_lens is None):
             raise ValueError("plan: give both seq_lens and q_lens (host copies), or neither")
         if seq_lens is None:
             batch.validate()  # every field: the lengths against the block table's capacity and q's rows too
             seq_lens, q_lens = torch.stack([batch.seq_lens, batch.q_lens]).cpu()  # [2, B]: one sync
-        else:  # host copies: what validate would check of them, without reading the device
+        else:  # host copies: what validate would check of them and of the scales, without reading the device
+            batch.validate_scales()  # the q / kv scales go to the step's buffers below
             for name, x in (("seq_lens", seq_lens), ("q_lens", q_lens)):
                 if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or tuple(x.shape) != (batch.batch_size,):
                     got = (f"a {x.device} tensor of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor)

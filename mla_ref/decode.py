@@ -215,6 +215,12 @@ class DecodeBatch:
         if page_min < 0 or page_max >= kv.shape[0]:
             pages = self.block_table[used]  # the used entries, for the message
             raise _field_error("block_table", f"used entries in [0, {kv.shape[0]}) (kv_cache pages)", pages.tolist())
+        return self.validate_scales()
+
+    def validate_scales(self) -> DecodeBatch:
+        """The scalar fields alone (sm_scale, q_scale, kv_scale), as `validate` checks them, reading no device
+        tensor: for a step planned from host copies of the lengths. Returns self; ValueError naming the field."""
+        q, kv = self.q, self.kv_cache
         if not _fp32_positive(self.sm_scale):
             raise _field_error("sm_scale", "a float, finite and > 0 in fp32 (kernels scale in fp32)", self.sm_scale)
         for name, tensor in (("q_scale", q), ("kv_scale", kv)):
@@ -526,6 +532,10 @@ def make_decode_batch(
     nan = torch.full((total, page_size, D), float("nan"), dtype=torch.float32, device=device)
     kv_cache = nan.to(kv_dtype)  # [P, ps, D] NaN everywhere (fp8 NaN bit pattern for fp8 dtypes)
     block_table = torch.full((B, max(npages, default=0) or 1), INVALID_PAGE, dtype=torch.int32, device=device)
+    if q_lens is not None:  # checked before the int32 cast, which would truncate floats and wrap large ints
+        values = q_lens.tolist() if isinstance(q_lens, torch.Tensor) else list(q_lens)
+        if any(isinstance(n, bool) or not isinstance(n, int) or not 1 <= n < 2**31 for n in values):
+            raise _field_error("q_lens", "ints in [1, 2^31) (one per request)", values)
     q_lens_t = torch.as_tensor(q_lens if q_lens is not None else [1] * B, dtype=torch.int32, device=device)
     batch = DecodeBatch(q, kv_cache, block_table, torch.tensor(seq_lens, dtype=torch.int32, device=device),
                         sm_scale=sm_scale, kv_lora_rank=kv_lora_rank, q_lens=q_lens_t, q_scale=q_scale,
@@ -579,10 +589,10 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor
     Returns:
         (out [..., L], lse [...]): M = max_S L_S, L = M + ln Σ_S exp(L_S − M), O = Σ_S exp(L_S − L) O_S;
         all splits empty gives out 0, lse -inf. Only an empty split's out is ignored: a NaN in the out of a split
-        that saw tokens gives NaN, however small its weight.
+        that saw tokens gives NaN, however small its weight; a NaN lse gives NaN out and lse.
     Raises:
-        ValueError naming outs or lses: not floating tensors, no split, or shapes that are not [S, ..., L] and
-        [S, ...] with the same leading dims.
+        ValueError naming outs or lses: not floating tensors, no split, shapes that are not [S, ..., L] and
+        [S, ...] with the same leading dims, or an lse of +inf.
     """
     for name, t in (("outs", outs), ("lses", lses)):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
@@ -590,6 +600,9 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor
     if outs.dim() < 2 or outs.shape[0] < 1 or tuple(lses.shape) != tuple(outs.shape[:-1]):
         raise ValueError(f"merge_partials: outs must be [S >= 1, ..., L] and lses [S, ...] (outs' shape without L), "
                          f"got outs {tuple(outs.shape)} and lses {tuple(lses.shape)}")
+    if bool(torch.isposinf(lses).any()):  # exp(+inf - +inf) = NaN would come back silently
+        raise ValueError("merge_partials: lses must be finite or -inf (an empty split), got +inf (FlashMLA writes +inf "
+                         "for rows without tokens: convert those to -inf first)")
     M = lses.amax(dim=0)  # [...]
     empty = torch.isneginf(M)  # [...] no split saw a token
     M_safe = torch.where(empty, 0.0, M)  # [...]

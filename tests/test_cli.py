@@ -180,7 +180,11 @@ def test_help_lists_every_flag(capsys):
              ["--case", "{not json"], ["--case", '{"heads": 0}'], ["--device", "nonsense"],
              # found by a review: checked before the campaign (it ran, then lost its report, exit 1)
              ["--json", "/no/such/folder/report.json"], ["--plot", "/no/such/folder/p.png"], ["--json", "/tmp"],
-             ["--max-seq-len", str(2**18 + 1)], ["--max-batch", "0"], ["--far", "maybe"]],
+             ["--max-seq-len", str(2**18 + 1)], ["--max-batch", "0"], ["--far", "maybe"],
+             # found by a review: JSON's true passed as the int 1, and sizes past memory were reported as a failed
+             # case (exit 1) when their allocation failed
+             ["--case", '{"seed": true}'], ["--case", '{"seq_lens": [true]}'],
+             ["--case", '{"seq_lens": [10000000000]}'], ["--case", '{"heads": 1099511627776}'], ["--heads", "1025"]],
 )
 def test_bad_usage_exits_2_with_one_line(capsys, argv):
     code, out, err = run(capsys, *argv)

@@ -207,10 +207,22 @@ def test_merge_propagates_a_nan_split_whose_weight_underflows():
     (torch.zeros(0, 3, 4), torch.zeros(0, 3), "outs must be"),  # no split
     (torch.zeros(2, 3, 4, dtype=torch.int32), torch.zeros(2, 3), "outs must be a floating tensor"),
     (torch.zeros(2, 3, 4), [0.0, 0.0], "lses must be a floating tensor"),
+    (torch.zeros(2, 3, 4), torch.tensor([[0.0] * 3, [math.inf] * 3]), "lses must be finite or -inf"),  # a review:
+    # it gave NaN
 ])
 def test_merge_partials_refuses_bad_shapes(outs, lses, match):
     with pytest.raises(ValueError, match=match):
         merge_partials(outs, lses)
+
+
+@pytest.mark.parametrize("q_lens", [[1.9, 1.9], torch.tensor([2**32 + 1, -(2**32) + 1]), [True, 1], [0, 2]])
+def test_make_decode_batch_refuses_q_lens_that_int32_would_change(q_lens):
+    """Floats were truncated and int64 values wrapped by the int32 cast, and the result then validated (a review's:
+    [1.9, 1.9] and [2^32 + 1, -2^32 + 1] both became [1, 1])."""
+    g = torch.Generator().manual_seed(0)
+    q, kv = torch.randn(2, 1, 8, generator=g), [torch.randn(3, 8, generator=g)] * 2
+    with pytest.raises(ValueError, match=r"q_lens: expected ints in \[1, 2\^31\)"):
+        make_decode_batch(q, kv, sm_scale=0.1, kv_lora_rank=4, page_size=2, q_lens=q_lens, generator=g)
 
 
 def test_fp8_inputs_are_dequantized_with_their_scales():

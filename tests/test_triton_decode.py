@@ -709,6 +709,24 @@ def test_graph_step_plans_from_host_lengths():
         steps[1].plan(seq_lens=batch.seq_lens.clone())
     with pytest.raises(ValueError, match="q_lens must be a CPU tensor of shape"):
         steps[1].plan(seq_lens=batch.seq_lens.clone(), q_lens=torch.ones(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"batch.sm_scale must be the step's 0.1352338 \(fixed when it was built\)"):
+        steps[0].plan(batch.replace(sm_scale=0.5))  # a review's: run() kept launching with the old one
+
+
+def test_graph_step_checks_the_scales_it_copies_from_host_planned_batches():
+    """A new per-tensor kv_scale reaches the step's buffer when it plans; from host copies of the lengths too, where
+    validate() does not run: a NaN, zero or missing scale raises ValueError naming it (a review's: NaN gave an
+    all-NaN output, None kept the previous step's scale)."""
+    td = pytest.importorskip("mla_fast.triton_decode")
+    batch = TritonCase((40, 7), (1, 1), heads=16, combo="fp8kv").batch()
+    step = td.TritonMLADecode(batch, num_workers=4, config=td.KernelConfig(head_group=16, head_split=1))
+    lens = dict(seq_lens=batch.seq_lens.clone(), q_lens=batch.q_lens.clone())
+    step.plan(batch.replace(kv_scale=0.25), **lens)
+    assert step.kv_scale.tolist() == [0.25]
+    for bad in (float("nan"), 0.0, None):
+        with pytest.raises(ValueError, match="kv_scale"):
+            step.plan(batch.replace(kv_scale=bad), **lens)
+    assert step.kv_scale.tolist() == [0.25]
 
 
 def test_only_the_graph_steps_reduce_lets_idle_programs_exit(monkeypatch):

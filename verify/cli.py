@@ -104,6 +104,16 @@ MAX_SEQ_LEN = 2**18  # longest --max-seq-len (DeepSeek-V3 serves 163840 tokens):
 # case hold a few GB; far longer ones fail to allocate, which a campaign would report as a failed case
 
 
+MAX_CASE_HEADS = 1024  # most heads a --case may ask for (DeepSeek-V3 has 128): the oracle's grids grow with them
+
+
+def _heads(text: str) -> int:
+    value = _positive_int(text)
+    if value > MAX_CASE_HEADS:
+        raise argparse.ArgumentTypeError(f"expected an integer <= {MAX_CASE_HEADS}, got {value}")
+    return value
+
+
 def _seq_len(text: str) -> int:
     value = _positive_int(text)
     if value > MAX_SEQ_LEN:
@@ -164,7 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, help="Hypothesis seed (default 0 for ci, random for dev/search)")
     p.add_argument("--max-seq-len", type=_seq_len, default=4096, metavar="N",
                    help=f"longest KV sequence drawn (default 4096, at most {MAX_SEQ_LEN})")
-    p.add_argument("--heads", type=_positive_int, metavar="H", help="fix the number of query heads (default drawn)")
+    p.add_argument("--heads", type=_heads, metavar="H",
+                   help=f"fix the number of query heads (default drawn; at most {MAX_CASE_HEADS})")
     p.add_argument("--page-size", type=_positive_int, metavar="P", help="fix the page size (default drawn)")
     p.add_argument("--max-batch", type=_positive_int, default=8, metavar="B",
                    help="most requests per drawn case (default 8; the work budget then draws fewer heads)")
@@ -697,6 +708,9 @@ def main(argv: list[str] | None = None) -> int:
             replay = Case.from_json(args.case)
         except (ValueError, TypeError) as e:
             return usage(f"--case: {e}")
+        if max(replay.seq_lens) > MAX_SEQ_LEN or replay.heads > MAX_CASE_HEADS:  # before it fails to allocate
+            return usage(f"--case: expected seq_lens <= {MAX_SEQ_LEN} and heads <= {MAX_CASE_HEADS} (--max-seq-len's "
+                         f"and --heads' limits), got seq_lens {list(replay.seq_lens)}, heads {replay.heads}")
 
     import torch
 
