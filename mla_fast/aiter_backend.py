@@ -96,7 +96,7 @@ class AiterApi:
         metadata_options: keyword options `get_mla_metadata_v1` accepts (page_size, kv_granularity, dtype_q, ...).
         info_options: keyword options of `get_mla_metadata_info_v1` after `is_sparse`.
         reduce_max_seqlen_q: `mla_reduce_v1` takes `max_seqlen_q` before `final_output` (>= v0.1.8).
-        reduce_num_kv_splits: `mla_reduce_v1` takes `num_kv_splits` after `max_seqlen_q` (HEAD).
+        reduce_num_kv_splits: `mla_reduce_v1` takes `num_kv_splits` after `max_seqlen_q` (HEAD, after v0.1.13).
         source: how each answer was found ("signature", "version x.y.z" or "default").
     """
 
@@ -181,7 +181,8 @@ def detect_api(aiter=None, mla=None, version: tuple[int, ...] | None = None) -> 
         reduce_max_seqlen_q, reduce_num_kv_splits = "max_seqlen_q" in names, "num_kv_splits" in names
         source["mla_reduce_v1"] = "signature"
     else:
-        reduce_max_seqlen_q, reduce_num_kv_splits = newer((0, 1, 8)), version is None
+        # num_kv_splits: after v0.1.13, aiter's last tag (v0.1.7-v0.1.13 have none: read in their source, ROCm/aiter)
+        reduce_max_seqlen_q, reduce_num_kv_splits = newer((0, 1, 8)), newer((0, 1, 14))
         source["mla_reduce_v1"] = vtag
 
     return AiterApi(

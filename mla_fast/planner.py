@@ -262,6 +262,10 @@ class WorkPlan:
         pages = _ceil_div(seq_lens, page_size)  # [B]
         kv_indptr = torch.cumsum(pages, 0) - pages  # [B] first kv_indices position of each request
         b = items[:, BATCH]  # [N]
+        total_pages = int(pages.sum())  # kv_indices' length: the largest position written below
+        if total_pages >= 2**31:  # never wrap silently (as _build refuses)
+            raise ValueError(f"to_aiter: the batch's {total_pages} pages of {page_size} tokens do not fit aiter's "
+                             "int32 kv_indices positions (< 2^31)")
         info = torch.zeros(self.num_items, 8, dtype=torch.int32, device=items.device)  # [N, 8]
         info[:, 0:4] = items[:, [BATCH, PARTIAL_ROW, QO_START, QO_END]].int()
         info[:, 4] = (kv_indptr[b] + items[:, KV_START] // page_size).int()

@@ -362,14 +362,17 @@ class DecodeBatch:
         """aiter ``mla_decode_fwd`` layout (aiter-contract.md §2): page ids in CSR form, kv_buffer [P, ps, 1, D]."""
         kv_indptr, kv_indices = self._kv_indices()
         npages = self.pages_per_request
-        last = torch.where(npages > 0, self.seq_lens - (npages - 1) * self.page_size, 0).to(torch.int32)  # [B]
+        # aiter's kernels read a request's length as (pages - 1) x page_size + last: an empty request needs
+        # last = page_size for 0 (vLLM pads it so), not 0 (-page_size)
+        last = torch.where(npages > 0, self.seq_lens - (npages - 1) * self.page_size, self.page_size)  # [B]
+        last = last.to(torch.int32)
         return {
             "q": self.q,  # [T, H, D]
             "kv_buffer": self.kv_cache.unsqueeze(2),  # [P, ps, 1, D], nhead_kv = 1
             "qo_indptr": self.qo_indptr,  # [B+1]
             "kv_indptr": kv_indptr,  # [B+1] in pages
             "kv_indices": kv_indices,  # [Σ pages]
-            "kv_last_page_lens": last,  # [B] valid tokens in the last page (0 for an empty sequence)
+            "kv_last_page_lens": last,  # [B] valid tokens in the last page (page_size for an empty sequence)
             "max_seqlen_q": int(self.q_lens.max()) if self.batch_size else 0,
             "page_size": self.page_size,
             "sm_scale": self.sm_scale,

@@ -153,7 +153,8 @@ def _replay(a: dict, page_size: int, causal: bool) -> tuple[torch.Tensor, torch.
     for w in range(indptr[-1]):
         b, part, q0, q1, k0, _k1, k_off = info[w, :7].tolist()
         npages = kv[b + 1] - kv[b]
-        seq = (npages - 1) * page_size + last[b] if npages else 0
+        seq = (npages - 1) * page_size + last[b]  # as aiter's kernels read it: an empty request needs last = ps
+        assert seq >= 0, f"aiter would read request {b}'s length as {seq}: kv_last_page_lens must be page_size there"
         end = kv[b] * page_size + seq - k_off  # token end of this piece (kv_offset counts tokens)
         K = kvc[k0 * page_size : end]  # [n, D]
         s = a["sm_scale"] * torch.einsum("thd,nd->thn", qf[q0:q1], K)  # [t, H, n]

@@ -101,13 +101,18 @@ def test_detect_api_reads_signatures(fake):
     assert set(api.source.values()) == {"signature"}
 
 
-@pytest.mark.parametrize("version", [(0, 1, 7), (0, 1, 12)])
+@pytest.mark.parametrize("version", [(0, 1, 7), (0, 1, 12), (0, 1, 13), (0, 1, 14)])
 def test_detect_api_falls_back_to_version_for_opaque_ops(version):
+    """Signatures hidden: the version decides. page_size / kv_last_page_lens from v0.1.11, mla_reduce_v1's
+    num_kv_splits after v0.1.13 (aiter's tags read in its source; a review's: every tagged version newer than the
+    code's list was taken for one without it)."""
     fake = make_fake_aiter("0.1.7" if version < (0, 1, 11) else "head", opaque_metadata=True)
+    fake.mla_reduce_v1 = lambda *args, **kwargs: None  # a compiled op's wrapper: its parameters hidden too
     api = ab.detect_api(fake, fake.mla, version=version)
-    assert api.source["get_mla_metadata_v1"].startswith("version")
+    assert api.source["get_mla_metadata_v1"].startswith("version") and api.source["mla_reduce_v1"].startswith("version")
     assert api.metadata_last_page_lens == (version >= (0, 1, 11))
     assert ("dtype_q" in api.metadata_options) == (version >= (0, 1, 8))
+    assert api.reduce_num_kv_splits == (version >= (0, 1, 14))
 
 
 # ---- the decode call ------------------------------------------------------------------------------------------
@@ -150,7 +155,9 @@ def test_heads_padded_or_passed(fake, heads):
 
 
 def test_mtp_and_native_pages(fake):
-    batch = _batch(4, [1, 9, 40], q_len=2, page_size=4)
+    """An empty request among them: aiter reads its length as (0 - 1) x page_size + last (a review's: last = 0 read
+    as -page_size; the fake replays as aiter's kernels read it)."""
+    batch = _batch(4, [1, 0, 9, 40], q_len=2, page_size=4)
     native = "page_size" in ab.detect_api(fake, fake.mla).decode_params
     out, lse = ab.aiter_decode(batch, gfx="gfx942", native_pages=native)
     _check_against_ref(batch, out, lse)

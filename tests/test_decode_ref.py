@@ -241,7 +241,7 @@ def test_converters_describe_the_same_pages():
     batch, _, _ = build(case)
     a = batch.to_aiter()
     assert a["kv_indptr"].tolist() == [0, 0, 2, 7]
-    assert a["kv_last_page_lens"].tolist() == [0, 1, 1]
+    assert a["kv_last_page_lens"].tolist() == [4, 1, 1]  # empty: a page, as aiter reads (0 pages - 1) x 4 + 4 = 0
     assert a["kv_indices"].tolist() == batch.block_table[1, :2].tolist() + batch.block_table[2, :5].tolist()
     fi = batch.to_flashinfer()
     assert torch.equal(torch.cat([fi["q_nope"], fi["q_pe"]], -1), batch.q)

@@ -399,6 +399,12 @@ def test_to_aiter_rejects_head_groups_and_unaligned_pages():
     plan = plan_decode(torch.tensor([100]), torch.tensor([1]), 16, 4, block_n=48)
     with pytest.raises(ValueError, match="page_size"):
         plan.to_aiter(page_size=32)
+    # a review's: kv_indices positions past int32 wrapped to negative ones; 2^31 pages of 1 token are refused and
+    # the same tokens in pages of 64 fit
+    plan = plan_decode(torch.tensor([2**30] * 3), torch.tensor([1] * 3), 16, 6)
+    with pytest.raises(ValueError, match=r"3221225472 pages of 1 tokens do not fit aiter's int32"):
+        plan.to_aiter(page_size=1)
+    assert int(plan.to_aiter(page_size=64)["work_info_set"][:, 4:6].min()) >= 0
 
 
 @pytest.mark.parametrize(
