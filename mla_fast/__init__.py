@@ -26,7 +26,8 @@ def decode(batch, *, backend: str = "triton", plan=None, out=None, lse=None):
     given; lse fp32 [T, H] (`triton_decode.check_outputs`).
     """
     if backend != "triton":
-        raise ValueError(f"backend must be 'triton', got {backend!r}")
+        raise ValueError(f"backend must be 'triton' (the other backends, e.g. 'emulated', 'ref' and the peers, "
+                         f"run through mla_fast.backends.get_backend(name).run(batch)), got {backend!r}")
     from mla_fast.triton_decode import decode as triton_decode
 
     return triton_decode(batch, plan=plan, out=out, lse=lse)

@@ -20,7 +20,8 @@ Conventions fixed here and used by every backend:
   persistent buffer). A kernel honours the strides or raises ValueError naming what it takes (the Triton kernels:
   a dense last dim); it never addresses a tensor by its shape alone (verify's ``layout`` check).
 - Unused cache slots hold NaN in every batch this package builds. The oracle gathers only valid slots, so a
-  NaN in its output means a NaN in a valid input.
+  NaN in its output means a NaN or an infinity in a valid input (an infinite score gives inf - inf in the
+  softmax; `DecodeBatch.validate` does not read the values).
 """
 
 from __future__ import annotations
