@@ -42,6 +42,10 @@ from mla_ref.decode import DecodeBatch, is_fp8
 
 HEADS_PER_GROUP = 16  # aiter's MLA kernels work on 16-head groups (aiter-contract.md §2)
 WORK_FIELDS = ("batch_idx", "partial_qo_loc", "qo_start", "qo_end", "kv_start", "kv_end", "kv_offset", "pad")
+AITER_MIN_TAIL = 4  # fewest KV tokens of a split's last piece in our plans for aiter: its fp8 persistent kernels
+# gave NaN on tails under 4 (ROCm/aiter #2106, #2128; aiter-contract.md §11), and its own metadata keeps a tail of at
+# least max q_len tokens (tail_done_threshold, §5), so that no causal row sees nothing in a split
+
 BUFFER_NAMES = (  # aiter's keyword names in mla_decode_fwd; get_mla_metadata_info_v1 returns them in this order
     "work_meta_data",
     "work_indptr",
@@ -397,7 +401,8 @@ def num_cus(device: torch.device) -> int:
 def plan_metadata(batch: DecodeBatch, inputs: AiterInputs, plan=None, num_workers: int | None = None) -> dict:
     """Our partition as aiter's six buffers: `plan_decode` then `WorkPlan.to_aiter(page_size)`.
 
-    The default plan: 16 heads in one group, one worker per CU, block_n = 64 tokens (a multiple of aiter's page).
+    The default plan: 16 heads in one group, one worker per CU, block_n = 64 tokens (a multiple of aiter's page),
+    no split piece shorter than max(AITER_MIN_TAIL, max q_len) tokens (as aiter's own metadata keeps its tails).
     aiter runs 16-head groups and folds more heads into sub-batches with its own metadata layout, so a plan for any
     other head count is refused rather than silently mis-read.
     """
@@ -410,7 +415,8 @@ def plan_metadata(batch: DecodeBatch, inputs: AiterInputs, plan=None, num_worker
         from mla_fast.planner import plan_decode
 
         plan = plan_decode(
-            batch.seq_lens, batch.q_lens, inputs.num_heads, num_workers or num_cus(batch.device), block_n=64
+            batch.seq_lens, batch.q_lens, inputs.num_heads, num_workers or num_cus(batch.device), block_n=64,
+            min_tail=min(max(AITER_MIN_TAIL, inputs.max_seqlen_q), 64),
         )
     buffers = plan.to_aiter(inputs.page_size)
     device = inputs.q.device

@@ -306,6 +306,7 @@ def plan_decode(
     fixed_overhead: int | None = None,
     max_splits: int | None = None,
     head_group: int | None = None,
+    min_tail: int = 1,
 ) -> WorkPlan:
     """Plan a persistent split-KV decode (cost model and guarantees in the module docstring).
 
@@ -319,13 +320,17 @@ def plan_decode(
         fixed_overhead: cost of one work item in blocks; default ceil(320 / block_n) (FlashMLA's 5 x 64 tokens).
         max_splits: at most this many pieces per (request, head group); None = no cap.
         head_group: heads per tile (divides num_heads); default num_heads (one group).
+        min_tail: fewest KV tokens of a split tile's last piece (1 to block_n): a split that would leave a tile's
+            last block alone with fewer tokens moves one block earlier. aiter's own metadata keeps a tail of at
+            least max q_len tokens, and its fp8 kernels gave NaN on tails under 4 (aiter-contract.md §5, §11);
+            mla_fast.aiter_backend plans with max(4, max q_len). Pieces before the last hold whole blocks.
 
     Returns:
         WorkPlan with int32 tensors on the device of seq_lens (computed on the CPU): of the line plan, the unsplit
         plan and the even plan (module docstring), the one whose busiest worker costs least; ties go to fewer
         partial rows (less reduce work), then to that order.
     """
-    line = _line(seq_lens, q_lens, num_heads, num_workers, block_n, fixed_overhead, max_splits, head_group)
+    line = _line(seq_lens, q_lens, num_heads, num_workers, block_n, fixed_overhead, max_splits, head_group, min_tail)
     if line.tile_req.size == 0:  # no requests: no items, every worker idle
         return _on_device(_build(line, _idle(line)), line.device)
     candidates = [_cut(line, _line_cuts(line, max_splits), split=max_splits != 1)]
@@ -333,8 +338,10 @@ def plan_decode(
         candidates.append(_cut(line, _line_cuts(line, 1), split=False))
     best = min(candidates, key=lambda c: c.key)  # min keeps the first of equal keys
     even = _even_cuts(line, max_splits)
-    if even is not None and even[1:] < best.key:
-        best = _cut(line, even[0], split=True)  # cut only when it wins (its cost is known)
+    if even is not None and (even[1:] < best.key or line.min_tail > 1):  # cut only when it may win: min_tail may
+        even_cut = _cut(line, even[0], split=True)  # move a cut, making it cost more or split less than its closed
+        if even_cut.key < best.key:  # forms say, so then its own key decides
+            best = even_cut
     return _on_device(_build(line, best), line.device)
 
 
@@ -363,10 +370,12 @@ class _Line:
     head_group: int
     num_workers: int
     block_n: int
+    min_tail: int  # fewest tokens of a split tile's last piece (plan_decode)
     device: torch.device  # where the returned plan's tensors go (candidates stay on the CPU)
 
 
-def _line(seq_lens, q_lens, num_heads, num_workers, block_n, fixed_overhead, max_splits, head_group) -> _Line:
+def _line(seq_lens, q_lens, num_heads, num_workers, block_n, fixed_overhead, max_splits, head_group,
+          min_tail: int = 1) -> _Line:
     """Check the planner's arguments (as in plan_decode) and lay the (request, head group) tiles on the line."""
     seq_lens = _as_lengths(seq_lens, "seq_lens")
     q_lens = _as_lengths(q_lens, "q_lens")
@@ -394,6 +403,10 @@ def _line(seq_lens, q_lens, num_heads, num_workers, block_n, fixed_overhead, max
     _check_int(head_group, "head_group", 1)
     if num_heads % head_group:
         raise ValueError(f"head_group must divide num_heads ({num_heads}), got {head_group}")
+    _check_int(min_tail, "min_tail", 1)
+    if min_tail > block_n:
+        raise ValueError(f"min_tail must be <= block_n ({block_n}): a split moved one block earlier leaves a last "
+                         f"piece of more than block_n tokens, got {min_tail}")
 
     B, G = seq.size, num_heads // head_group
     tile_req = np.repeat(np.arange(B), G)  # [T]
@@ -401,7 +414,8 @@ def _line(seq_lens, q_lens, num_heads, num_workers, block_n, fixed_overhead, max
     length = blocks + ovh  # [T] line units: overhead first, then blocks
     return _Line(seq=seq, qlen=qlen, tile_req=tile_req, tile_grp=np.tile(np.arange(G), B), blocks=blocks,
                  start=_exclusive_cumsum(length), total=int(length.sum()), ovh=ovh, num_heads=num_heads,
-                 head_group=head_group, num_workers=num_workers, block_n=block_n, device=seq_lens.device)
+                 head_group=head_group, num_workers=num_workers, block_n=block_n, min_tail=min_tail,
+                 device=seq_lens.device)
 
 
 def _line_cuts(line: _Line, max_splits: int | None) -> np.ndarray:
@@ -477,7 +491,15 @@ def _cut(line: _Line, cut: np.ndarray, split: bool) -> _Cut:
     cut_tile = np.searchsorted(start, cut, side="right") - 1  # [W-1] last tile starting at or before the cut
     cut_block = cut - start[cut_tile] - ovh  # [W-1] blocks of that tile before the cut
     splits = (cut_block > 0) & (cut_block < blocks[cut_tile]) & split  # [W-1]
-    cut = np.where(splits, cut, np.where(cut < total, start[cut_tile], cut))  # [W-1] non-decreasing
+    kept = np.zeros_like(splits)  # [W-1] cuts that split nothing but stay where they are
+    if line.min_tail > 1:  # a split at a tile's last block, short of min_tail tokens, moves one block earlier
+        tail = line.seq[line.tile_req] - (blocks - 1) * line.block_n  # [T] tokens of each tile's last block
+        short = splits & (cut_block == blocks[cut_tile] - 1) & (tail[cut_tile] < line.min_tail)  # [W-1]
+        cut, cut_block = cut - short, cut_block - short  # [W-1] still non-decreasing: only a cut equal to the
+        # one before it (the same block, split by both) can meet it, and then it splits nothing there
+        kept[1:] = short[1:] & splits[:-1] & (cut[1:] == cut[:-1])
+        splits = splits & (cut_block > 0) & ~kept
+    cut = np.where(splits | kept, cut, np.where(cut < total, start[cut_tile], cut))  # [W-1] non-decreasing
 
     # items: every tile's first piece plus one piece per splitting cut, in line order
     pieces = 1 + np.bincount(cut_tile[splits], minlength=B * G)  # [T]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,6 +19,7 @@ class PlanCase:
     block_n: int
     fixed_overhead: int
     max_splits: int | None
+    min_tail: int = field(default=1, kw_only=True)  # keyword-only: subclasses add fields without defaults
 
     def plan(self, device: str = "cpu") -> WorkPlan:
         return plan_decode(
@@ -30,4 +31,5 @@ class PlanCase:
             fixed_overhead=self.fixed_overhead,
             max_splits=self.max_splits,
             head_group=self.head_group,
+            min_tail=self.min_tail,
         )

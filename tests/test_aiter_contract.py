@@ -212,6 +212,29 @@ def test_fake_head_catches_positional_sm_scale(fake):
 
 
 # ---- our partition vs aiter's ---------------------------------------------------------------------------------
+def test_our_partition_for_aiter_keeps_split_tails_of_four_tokens_or_q_len():
+    """Requests one token past a 64-token block, on more workers than blocks: the plain plan leaves that token alone
+    in a split's last piece, which aiter's fp8 kernels read as NaN (a review's); our plan for aiter moves the split a
+    block earlier, so every last piece holds at least max(4, q_len) tokens."""
+    from mla_fast.planner import plan_decode
+
+    def last_pieces(buffers, inputs, lengths):  # tokens of each split request's last piece
+        works = buffers["work_info_set"][: int(buffers["work_indptr"][-1])]
+        last = works[(works[:, 1] >= 0) & (works[:, 6] == 0)]  # split (partial_qo_loc >= 0), nothing after it
+        first_page = inputs.kv_indptr[last[:, 0].long()]  # [n] the request's first kv_indices position
+        return [lengths[int(b)] - (int(k) - int(f)) * inputs.page_size for b, k, f in zip(last[:, 0], last[:, 4],
+                                                                                          first_page)]
+
+    lengths = [129, 193]
+    for q_len in (1, 2):
+        batch = _batch(9, lengths, q_len=q_len)
+        inputs = ab.aiter_inputs(batch)
+        plain = plan_decode(batch.seq_lens, batch.q_lens, 16, 8, block_n=64)
+        assert 1 in last_pieces(ab.plan_metadata(batch, inputs, plan=plain), inputs, lengths)
+        ours = last_pieces(ab.plan_metadata(batch, inputs, num_workers=8), inputs, lengths)
+        assert ours and min(ours) >= max(4, q_len), ours
+
+
 def test_diff_metadata_reports_pieces_and_errors(fake):
     batch = _batch(8, [0, 50, 300])
     inputs = ab.aiter_inputs(batch)

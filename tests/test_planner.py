@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given
@@ -24,6 +26,7 @@ from mla_fast.planner import (
     _even_cuts,
     _line,
     _line_cuts,
+    check_plan,
     plan_decode,
 )
 
@@ -38,6 +41,12 @@ seq_lists = st.one_of(
 
 @st.composite
 def plan_cases(draw, max_workers: int = 264) -> PlanCase:
+    case = draw(_plan_cases(max_workers))
+    return dataclasses.replace(case, min_tail=min(case.min_tail, case.block_n))
+
+
+@st.composite
+def _plan_cases(draw, max_workers: int) -> PlanCase:
     seqs = draw(seq_lists)
     if draw(st.booleans()):
         seqs = seqs[::-1]  # the long request last as often as first
@@ -53,6 +62,7 @@ def plan_cases(draw, max_workers: int = 264) -> PlanCase:
         block_n=draw(st.sampled_from([1, 16, 64, 128])),
         fixed_overhead=draw(st.integers(0, 16)),
         max_splits=draw(st.one_of(st.none(), st.integers(1, 8), st.integers(9, 300))),
+        min_tail=draw(st.sampled_from([1, 1, 4, 64])),  # clamped to block_n below
     )
 
 
@@ -125,11 +135,11 @@ def check_balance_and_cap(case: PlanCase, plan: WorkPlan) -> None:
     W, ovh, m = case.num_workers, case.fixed_overhead, case.max_splits
     cost = worker_costs(case, plan)
     assert torch.equal(cost, plan.worker_costs())
-    Q = max(1, ceil_div(C, W))
+    Q = max(1, ceil_div(C, W)) + (case.min_tail > 1)  # a split moved one block earlier (min_tail): one more block
     if m is None:
         # max <= ceil(C/W) + OVH, hence < mean + 1 + OVH (mean >= C/W): one block plus one overhead above the mean
         assert int(cost.max()) <= Q + ovh
-        assert float(cost.max()) < float(cost.double().mean()) + 1 + ovh
+        assert float(cost.max()) < float(cost.double().mean()) + 1 + ovh + (case.min_tail > 1)
     elif m >= 2:
         # the stride grows to ceil((b_max - 1) / (m - 1)) so that no tile needs more than m pieces
         assert int(cost.max()) <= max(Q, ceil_div(max(blocks) - 1, m - 1)) + ovh
@@ -139,6 +149,15 @@ def check_balance_and_cap(case: PlanCase, plan: WorkPlan) -> None:
     pieces = torch.bincount(tile_ids(case, plan.work_items.long()), minlength=len(blocks))
     if m is not None:
         assert int(pieces.max()) <= m
+
+
+def check_tails(case: PlanCase, plan: WorkPlan) -> None:
+    """Every piece of a split tile holds at least min_tail tokens (the last may be short only of a whole block)."""
+    items = plan.work_items.long()
+    tile = tile_ids(case, items)  # [N]
+    split = torch.bincount(tile, minlength=int(tile.max()) + 1 if tile.numel() else 0)[tile] > 1  # [N]
+    tokens = items[:, KV_END] - items[:, KV_START]  # [N]
+    assert bool((tokens[split] >= case.min_tail).all()), tokens[split].min()
 
 
 def check_partials(case: PlanCase, plan: WorkPlan) -> None:
@@ -230,6 +249,7 @@ def check_all(case: PlanCase, plan: WorkPlan) -> None:
     check_structure(case, plan)
     check_coverage(case, plan)
     check_balance_and_cap(case, plan)
+    check_tails(case, plan)
     check_partials(case, plan)
     check_final_map(case, plan)
 
@@ -296,13 +316,14 @@ def test_request_split_across_every_worker():
 def candidates(case: PlanCase) -> dict[str, WorkPlan]:
     """The planner's candidate plans of a case (module docstring): line, unsplit, and even when tiles <= workers."""
     line = _line(torch.tensor(case.seq_lens), torch.tensor(case.q_lens), case.num_heads, case.num_workers,
-                 case.block_n, case.fixed_overhead, case.max_splits, case.head_group)
+                 case.block_n, case.fixed_overhead, case.max_splits, case.head_group, case.min_tail)
     cuts = {"line": _cut(line, _line_cuts(line, case.max_splits), split=case.max_splits != 1),
             "unsplit": _cut(line, _line_cuts(line, 1), split=False)}
     even = _even_cuts(line, case.max_splits)
     if even is not None:
         cuts["even"] = _cut(line, even[0], split=True)
-        assert even[1:] == cuts["even"].key  # the even plan's closed forms
+        assert even[1:] == cuts["even"].key or case.min_tail > 1  # the even plan's closed forms (before min_tail
+        # moves a cut, which adds a block or drops a split: plan_decode then compares the cut plan's own key)
     plans = {name: _build(line, cut) for name, cut in cuts.items()}
     for name, plan in plans.items():  # the key plan_decode compares candidates by, before building them
         assert cuts[name].key == (int(plan.worker_costs().max()), plan.num_partial_rows), name
@@ -321,8 +342,10 @@ def test_returns_the_cheapest_candidate(case: PlanCase):
         assert len(case.seq_lens) * G > case.num_workers
         return
     even = plans["even"]
-    for check in (check_structure, check_coverage, check_partials, check_final_map):
+    for check in (check_structure, check_coverage, check_tails, check_partials, check_final_map):
         check(case, even)
+    if case.min_tail > 1:  # the closed forms below are the even plan's before min_tail moves a cut
+        return
     items = even.work_items.long()
     costly = ((items[:, KV_END] > items[:, KV_START]) | (case.fixed_overhead > 0)).long()  # [N]
     worker = torch.arange(case.num_workers).repeat_interleave(torch.diff(even.worker_indptr.long()))  # [N]
@@ -390,6 +413,20 @@ def test_even_plan_for_uniform_batches(batch: int, pieces: int, line_max: int):
     assert plan.num_items == batch * pieces == plan.num_partial_rows < line.num_partial_rows
     assert torch.equal(plan.work_items[:, KV_END] - plan.work_items[:, KV_START],
                        torch.full((batch * pieces,), 4096 // pieces, dtype=torch.int32))
+
+
+def test_min_tail_keeps_every_split_piece_at_least_that_long():
+    """A review's: 400 requests of 8193 tokens (one past 128 blocks) at q_len 4 on 304 workers split off pieces of
+    1 token, which aiter's fp8 kernels read as NaN and whose first three causal rows see nothing; with min_tail = 4
+    (the aiter adapter's) those splits move a block earlier, and the plan still covers every token."""
+    seq, q = torch.full((400,), 8193), torch.full((400,), 4)
+    tokens = lambda plan: plan.work_items[:, KV_END].long() - plan.work_items[:, KV_START].long()  # noqa: E731
+    assert int(tokens(plan_decode(seq, q, 16, 304)).min()) == 1
+    plan = plan_decode(seq, q, 16, 304, min_tail=4)
+    assert int(tokens(plan).min()) >= 4 and plan.num_partial_rows > 0
+    check_plan(plan, seq, q, 16)
+    with pytest.raises(ValueError, match="min_tail must be <= block_n"):
+        plan_decode(seq, q, 16, 304, block_n=16, min_tail=17)
 
 
 def test_to_aiter_rejects_head_groups_and_unaligned_pages():
