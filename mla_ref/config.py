@@ -81,10 +81,10 @@ class MLAConfig:
             raise ValueError(f"MLAConfig.q_lora_rank must be None or an int > 0, got {self.q_lora_rank!r}")
         if not is_int(self.qk_rope_head_dim) or self.qk_rope_head_dim <= 0 or self.qk_rope_head_dim % 2:
             raise ValueError(f"MLAConfig.qk_rope_head_dim must be even and > 0, got {self.qk_rope_head_dim}")
-        if not self.rope_theta > 1:
-            raise ValueError(f"MLAConfig.rope_theta must be > 1, got {self.rope_theta}")
-        if not self.rms_norm_eps >= 0:
-            raise ValueError(f"MLAConfig.rms_norm_eps must be >= 0, got {self.rms_norm_eps}")
+        if not 1 < self.rope_theta < math.inf:
+            raise ValueError(f"MLAConfig.rope_theta must be finite and > 1, got {self.rope_theta}")
+        if not 0 < self.rms_norm_eps < math.inf:  # 0: an all-zero latent gives 0/0 = NaN; inf: every output 0
+            raise ValueError(f"MLAConfig.rms_norm_eps must be finite and > 0, got {self.rms_norm_eps}")
 
     @property
     def qk_head_dim(self) -> int:

@@ -520,18 +520,24 @@ def make_decode_batch(
     Returns:
         A validated ``DecodeBatch``; unused block-table entries hold ``INVALID_PAGE``.
     """
-    if page_size < 1:
-        raise ValueError(f"make_decode_batch.page_size: expected >= 1, got {page_size}")
+    for name, value, least in (("page_size", page_size, 1), ("extra_pages", extra_pages, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"make_decode_batch.{name}: expected an int >= {least}, got {value!r}")
+    if not isinstance(generator, torch.Generator):  # the global RNG would make the page order irreproducible
+        raise ValueError(f"make_decode_batch.generator: expected a torch.Generator (a local RNG for the page order), "
+                         f"got {type(generator).__name__}")
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ValueError(f"make_decode_batch.q: expected a tensor [T, H, L+R], got {_describe(q)}")
     device, D = q.device, q.shape[-1]
-    kv_dtype = kv_per_request[0].dtype if kv_per_request else q.dtype
+    kv_dtype = getattr(kv_per_request[0], "dtype", None) if kv_per_request else q.dtype
+    for b, kv in enumerate(kv_per_request):
+        if not isinstance(kv, torch.Tensor) or kv.dim() != 2 or kv.shape[-1] != D or kv.dtype != kv_dtype:
+            expected = f"[s, {D}] {kv_dtype}"
+            raise ValueError(f"make_decode_batch.kv_per_request[{b}]: expected {expected}, got {_describe(kv)}")
     B = len(kv_per_request)
     seq_lens = [int(kv.shape[0]) for kv in kv_per_request]
     npages = [-(-s // page_size) for s in seq_lens]  # ceil
     total = sum(npages) + extra_pages
-    for b, kv in enumerate(kv_per_request):
-        if kv.shape[-1] != D or kv.dtype != kv_dtype:
-            expected = f"[s, {D}] {kv_dtype}"
-            raise ValueError(f"make_decode_batch.kv_per_request[{b}]: expected {expected}, got {_describe(kv)}")
     perm = torch.randperm(total, generator=generator).to(device)  # physical page of each logical page
     nan = torch.full((total, page_size, D), float("nan"), dtype=torch.float32, device=device)
     kv_cache = nan.to(kv_dtype)  # [P, ps, D] NaN everywhere (fp8 NaN bit pattern for fp8 dtypes)

@@ -99,7 +99,8 @@ def test_config_rejects_bad_fields():
         dataclasses.replace(v3, qk_rope_head_dim=63)
     with pytest.raises(ValueError, match="q_lora_rank"):
         dataclasses.replace(v3, q_lora_rank=0)
-    for field, value in [("num_heads", 2.5), ("kv_lora_rank", True), ("q_lora_rank", 1536.0)]:  # found by a review
+    for field, value in [("num_heads", 2.5), ("kv_lora_rank", True), ("q_lora_rank", 1536.0),  # found by reviews
+                         ("rope_theta", math.inf), ("rms_norm_eps", 0.0), ("rms_norm_eps", math.inf)]:
         with pytest.raises(ValueError, match=f"MLAConfig.{field}"):
             dataclasses.replace(v3, **{field: value})
     with pytest.raises(ValueError, match="beta"):

@@ -215,6 +215,21 @@ def test_merge_partials_refuses_bad_shapes(outs, lses, match):
         merge_partials(outs, lses)
 
 
+@pytest.mark.parametrize("change, match", [
+    (dict(generator=None), "generator: expected a torch.Generator"),  # the global RNG: an irreproducible page order
+    (dict(page_size=2.5), "page_size: expected an int >= 1"), (dict(page_size=True), "page_size: expected an int"),
+    (dict(extra_pages=-1), "extra_pages: expected an int >= 0"),
+    (dict(q=[[1.0]]), "q: expected a tensor"), (dict(kv=[torch.zeros(3, 2, 8)]), r"kv_per_request\[0\]: expected"),
+])  # a review's: each raised TypeError, RuntimeError or AttributeError, or (generator None) passed
+def test_make_decode_batch_names_the_bad_argument(change, match):
+    g = torch.Generator().manual_seed(0)
+    args = dict(q=torch.randn(1, 1, 8, generator=g), kv=[torch.randn(3, 8, generator=g)], page_size=2, generator=g,
+                extra_pages=1)
+    args.update(change)
+    with pytest.raises(ValueError, match=match):
+        make_decode_batch(args.pop("q"), args.pop("kv"), sm_scale=0.1, kv_lora_rank=4, **args)
+
+
 @pytest.mark.parametrize("q_lens", [[1.9, 1.9], torch.tensor([2**32 + 1, -(2**32) + 1]), [True, 1], [0, 2]])
 def test_make_decode_batch_refuses_q_lens_that_int32_would_change(q_lens):
     """Floats were truncated and int64 values wrapped by the int32 cast, and the result then validated (a review's:
