@@ -46,6 +46,10 @@ AITER_MIN_TAIL = 4  # fewest KV tokens of a split's last piece in our plans for 
 # gave NaN on tails under 4 (ROCm/aiter #2106, #2128; aiter-contract.md §11), and its own metadata keeps a tail of at
 # least max q_len tokens (tail_done_threshold, §5), so that no causal row sees nothing in a split
 
+AITER_Q_LENS = (1, 2, 4)  # query lengths of aiter's persistent kernels (a8w8 at 1/2/4, a16w8 <= 4); a max_seqlen_q
+# that is not a power of two gave identical rows for every query position (#2720), 8 wrong rows on gfx942 (#5679)
+AITER_MAX_HEADS = 128  # aiter folds 32..128 heads into 16-head groups (#1450 capped the fold range)
+
 BUFFER_NAMES = (  # aiter's keyword names in mla_decode_fwd; get_mla_metadata_info_v1 returns them in this order
     "work_meta_data",
     "work_indptr",
@@ -287,16 +291,38 @@ def token_slots(batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
     return kv_indptr.to(torch.int32), (pages * batch.page_size + slots).to(torch.int32)
 
 
+def aiter_refusal(batch: DecodeBatch) -> str | None:
+    """Why aiter takes no such batch, in words that name no case value (mla-verify groups unsupported cases by
+    them), or None: what `aiter_inputs` refuses with a ValueError, checked before it (a host sync)."""
+    H, q_lens = batch.num_heads, batch.q_lens.tolist()
+    if len(set(q_lens)) > 1:
+        return "aiter: requests of different query lengths (its kernels take one q_len per batch)"
+    if q_lens and q_lens[0] not in AITER_Q_LENS:
+        return f"aiter: a query length outside {AITER_Q_LENS} (wrong rows: ROCm/aiter #2720, #5679)"
+    if batch.kv_lora_rank != 512 or batch.head_dim != 576:
+        return "aiter: a head dim other than 512 + 64"
+    if is_fp8(batch.q.dtype) and not is_fp8(batch.kv_cache.dtype):
+        return "aiter: fp8 q with a bf16 KV cache (no such kernel)"
+    if H % HEADS_PER_GROUP and HEADS_PER_GROUP % H or H > AITER_MAX_HEADS:
+        return f"aiter: a head count that is not a multiple or a divisor of 16, or above {AITER_MAX_HEADS}"
+    if not batch.kv_cache.is_contiguous():
+        return "aiter: a strided KV cache (not verified without ROCm)"
+    return None
+
+
 def aiter_inputs(batch: DecodeBatch, fp8_dtype: torch.dtype | None = None, native_pages: bool = False) -> AiterInputs:
     """Lay a DecodeBatch out for aiter: heads padded to 16, fp8 in the arch's format, block size 1 unless native_pages.
 
-    Raises ValueError for what aiter cannot run: non-uniform query lengths, head counts that are neither a multiple
-    of 16 nor a divisor of 16, fp8 q with non-fp8 KV, q/KV dtypes other than bf16/fp8, a cache that is not
-    contiguous.
+    Raises ValueError for what aiter cannot run: non-uniform query lengths or one outside AITER_Q_LENS, head counts
+    that are neither a multiple of 16 nor a divisor of 16 or above AITER_MAX_HEADS, fp8 q with non-fp8 KV, q/KV
+    dtypes other than bf16/fp8, a cache that is not contiguous.
     """
     batch.validate()
     if batch.batch_size and int(batch.q_lens.min()) != int(batch.q_lens.max()):
         raise ValueError(f"aiter.q_lens: expected one query length for all requests, got {batch.q_lens.tolist()}")
+    if batch.batch_size and int(batch.q_lens[0]) not in AITER_Q_LENS:
+        raise ValueError(f"aiter.q_lens: expected a query length in {AITER_Q_LENS} (other lengths: wrong rows, "
+                         f"ROCm/aiter #2720, #5679), got {int(batch.q_lens[0])}")
     if batch.kv_lora_rank != 512 or batch.head_dim != 576:
         raise ValueError(f"aiter.kv_cache: expected L+R = 512+64, got {batch.kv_lora_rank}+{batch.rope_dim}")
     for name, t in (("q", batch.q), ("kv_cache", batch.kv_cache)):
@@ -310,8 +336,10 @@ def aiter_inputs(batch: DecodeBatch, fp8_dtype: torch.dtype | None = None, nativ
                          f"other strides is not verified here, without ROCm), got strides "
                          f"{tuple(batch.kv_cache.stride())}")
     H = batch.num_heads
-    if H % HEADS_PER_GROUP and HEADS_PER_GROUP % H:
-        raise ValueError(f"aiter.q: expected a head count that is a multiple or a divisor of 16, got {H}")
+    if H % HEADS_PER_GROUP and HEADS_PER_GROUP % H or H > AITER_MAX_HEADS:
+        raise ValueError(f"aiter.q: expected a head count that is a multiple or a divisor of 16, at most "
+                         f"{AITER_MAX_HEADS} (aiter folds 32..128 heads into 16-head groups, ROCm/aiter #1450), "
+                         f"got {H}")
     repeat = HEADS_PER_GROUP // H if H < HEADS_PER_GROUP else 1
 
     q, kv, q_scale, kv_scale = batch.q, batch.kv_cache, batch.q_scale, batch.kv_scale

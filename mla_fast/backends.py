@@ -279,8 +279,10 @@ def _step_forced(kernel: str):
 
 
 def _run_aiter(batch: DecodeBatch):
-    from mla_fast.aiter_backend import aiter_decode
+    from mla_fast.aiter_backend import aiter_decode, aiter_refusal
 
+    if reason := aiter_refusal(batch):  # outside aiter's scope: unsupported, not a failed case
+        raise Unsupported(reason)
     return aiter_decode(batch)
 
 

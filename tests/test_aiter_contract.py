@@ -164,9 +164,29 @@ def test_mtp_and_native_pages(fake):
     assert fake.calls[-1][1]["kv_buffer"].shape[1] == (4 if native else 1)
 
 
+def test_the_backend_names_what_aiter_cannot_run_as_unsupported(fake):
+    """What aiter_inputs refuses, the registry's aiter backend raises as Unsupported with a reason that names no case
+    value (a campaign on ROCm counted drawn cases of mixed q_lens as failed); a batch in scope runs."""
+    from mla_fast.backends import BACKENDS, Unsupported
+
+    mixed = _batch(5, [3, 4], q_len=1)
+    mixed = mixed.replace(q=torch.cat([mixed.q, mixed.q[:1]]), q_lens=torch.tensor([2, 1], dtype=torch.int32))
+    for batch, reason in ((mixed, "different query lengths"), (_batch(5, [3, 4], q_len=3), "query length outside"),
+                          (_batch(5, [3], heads=144), "above 128"), (_batch(5, [3], heads=12), "divisor of 16")):
+        with pytest.raises(Unsupported, match=reason):
+            BACKENDS["aiter"].run(batch)
+        with pytest.raises(ValueError):
+            ab.aiter_inputs(batch)
+    assert ab.aiter_refusal(_batch(5, [3, 70], q_len=2)) is None
+
+
 def test_inputs_refused_with_reasons():
     with pytest.raises(ValueError, match="multiple or a divisor of 16"):
         ab.aiter_inputs(_batch(5, [3], heads=12))
+    with pytest.raises(ValueError, match="at most 128"):  # a review's: folded past aiter's range (#1450)
+        ab.aiter_inputs(_batch(5, [3], heads=144))
+    with pytest.raises(ValueError, match=r"a query length in \(1, 2, 4\)"):  # #2720: q_len 3 gave identical rows
+        ab.aiter_inputs(_batch(5, [3, 4], q_len=3))
     with pytest.raises(ValueError, match="one query length"):
         b = _batch(5, [3, 4], q_len=1)
         ab.aiter_inputs(b.replace(q=torch.cat([b.q, b.q[:1]]), q_lens=torch.tensor([2, 1], dtype=torch.int32)))
