@@ -293,31 +293,16 @@ def token_slots(batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
 
 def aiter_refusal(batch: DecodeBatch) -> str | None:
     """Why aiter takes no such batch, in words that name no case value (mla-verify groups unsupported cases by
-    them), or None: what `aiter_inputs` refuses with a ValueError, checked before it (a host sync)."""
-    H, q_lens = batch.num_heads, batch.q_lens.tolist()
-    if len(set(q_lens)) > 1:
-        return "aiter: requests of different query lengths (its kernels take one q_len per batch)"
-    if q_lens and q_lens[0] not in AITER_Q_LENS:
-        return f"aiter: a query length outside {AITER_Q_LENS} (wrong rows: ROCm/aiter #2720, #5679)"
-    if batch.kv_lora_rank != 512 or batch.head_dim != 576:
-        return "aiter: a head dim other than 512 + 64"
-    if is_fp8(batch.q.dtype) and not is_fp8(batch.kv_cache.dtype):
-        return "aiter: fp8 q with a bf16 KV cache (no such kernel)"
-    if H % HEADS_PER_GROUP and HEADS_PER_GROUP % H or H > AITER_MAX_HEADS:
-        return f"aiter: a head count that is not a multiple or a divisor of 16, or above {AITER_MAX_HEADS}"
-    if not batch.kv_cache.is_contiguous():
-        return "aiter: a strided KV cache (not verified without ROCm)"
+    them), or None: `aiter_inputs`' refusal of a valid batch, without its ", got ..." (a host sync)."""
+    try:
+        _check_scope(batch)
+    except ValueError as e:
+        return str(e).split(", got")[0]
     return None
 
 
-def aiter_inputs(batch: DecodeBatch, fp8_dtype: torch.dtype | None = None, native_pages: bool = False) -> AiterInputs:
-    """Lay a DecodeBatch out for aiter: heads padded to 16, fp8 in the arch's format, block size 1 unless native_pages.
-
-    Raises ValueError for what aiter cannot run: non-uniform query lengths or one outside AITER_Q_LENS, head counts
-    that are neither a multiple of 16 nor a divisor of 16 or above AITER_MAX_HEADS, fp8 q with non-fp8 KV, q/KV
-    dtypes other than bf16/fp8, a cache that is not contiguous.
-    """
-    batch.validate()
+def _check_scope(batch: DecodeBatch) -> None:
+    """ValueError, naming the field and the case's value, for a valid batch aiter cannot run (`aiter_inputs`)."""
     if batch.batch_size and int(batch.q_lens.min()) != int(batch.q_lens.max()):
         raise ValueError(f"aiter.q_lens: expected one query length for all requests, got {batch.q_lens.tolist()}")
     if batch.batch_size and int(batch.q_lens[0]) not in AITER_Q_LENS:
@@ -340,6 +325,18 @@ def aiter_inputs(batch: DecodeBatch, fp8_dtype: torch.dtype | None = None, nativ
         raise ValueError(f"aiter.q: expected a head count that is a multiple or a divisor of 16, at most "
                          f"{AITER_MAX_HEADS} (aiter folds 32..128 heads into 16-head groups, ROCm/aiter #1450), "
                          f"got {H}")
+
+
+def aiter_inputs(batch: DecodeBatch, fp8_dtype: torch.dtype | None = None, native_pages: bool = False) -> AiterInputs:
+    """Lay a DecodeBatch out for aiter: heads padded to 16, fp8 in the arch's format, block size 1 unless native_pages.
+
+    Raises ValueError for what aiter cannot run: non-uniform query lengths or one outside AITER_Q_LENS, head counts
+    that are neither a multiple of 16 nor a divisor of 16 or above AITER_MAX_HEADS, fp8 q with non-fp8 KV, q/KV
+    dtypes other than bf16/fp8, a cache that is not contiguous.
+    """
+    batch.validate()
+    _check_scope(batch)
+    H = batch.num_heads
     repeat = HEADS_PER_GROUP // H if H < HEADS_PER_GROUP else 1
 
     q, kv, q_scale, kv_scale = batch.q, batch.kv_cache, batch.q_scale, batch.kv_scale
