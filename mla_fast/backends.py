@@ -161,12 +161,13 @@ def _triton_numerics(batch: DecodeBatch) -> KernelNumerics:
     return td.kernel_numerics(td.batch_config(batch, td._max_q_len(batch)), combo)
 
 
-def _forced_config(batch: DecodeBatch, kernel: str):
-    """(dtype combination, max q_len, `forced_config` for the batch or None) of a pinned Gluon kernel."""
+def _forced_config(batch: DecodeBatch, kernel: str, q_len: int | None = None):
+    """(dtype combination, `forced_config` of the pinned Gluon kernel for the batch at q_len, default its largest,
+    or None)."""
     from mla_fast import triton_decode as td
 
-    combo, q_len = td.dtype_combo(batch.q.dtype, batch.kv_cache.dtype), td._max_q_len(batch)
-    return combo, q_len, td.forced_config(combo, batch.num_heads, q_len, kernel)
+    combo = td.dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
+    return combo, td.forced_config(combo, batch.num_heads, q_len or td._max_q_len(batch), kernel)
 
 
 def _forced_numerics(kernel: str) -> Callable[[DecodeBatch], KernelNumerics]:
@@ -176,7 +177,7 @@ def _forced_numerics(kernel: str) -> Callable[[DecodeBatch], KernelNumerics]:
     def numerics(batch: DecodeBatch) -> KernelNumerics:
         from mla_fast.triton_decode import kernel_numerics
 
-        combo, _, config = _forced_config(batch, kernel)
+        combo, config = _forced_config(batch, kernel)
         return kernel_numerics(config, combo) if config is not None else KERNEL_NUMERICS[combo]
 
     return numerics
@@ -247,7 +248,7 @@ def _pinned(batch: DecodeBatch, kernel: str, q_len: int):
 
     if reason := td.fnuz_unsupported(batch):
         raise Unsupported(reason)
-    config = td.forced_config(td.dtype_combo(batch.q.dtype, batch.kv_cache.dtype), batch.num_heads, q_len, kernel)
+    _, config = _forced_config(batch, kernel, q_len)
     if config is None:
         raise Unsupported(f"default_config has no {kernel} geometry for these dtypes, heads and q_len")
     reason = td.gluon_unsupported(batch, config, q_len * config.head_group)  # launch's check, as Unsupported
