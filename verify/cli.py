@@ -102,23 +102,19 @@ def _positive_int(text: str) -> int:
 
 MAX_SEQ_LEN = 2**18  # longest --max-seq-len (DeepSeek-V3 serves 163840 tokens): the fp64 oracle and bounds of such a
 # case hold a few GB; far longer ones fail to allocate, which a campaign would report as a failed case
-
-
 MAX_CASE_HEADS = 1024  # most heads a --case may ask for (DeepSeek-V3 has 128): the oracle's grids grow with them
 
 
-def _heads(text: str) -> int:
-    value = _positive_int(text)
-    if value > MAX_CASE_HEADS:
-        raise argparse.ArgumentTypeError(f"expected an integer <= {MAX_CASE_HEADS}, got {value}")
-    return value
+def _at_most(limit: int):
+    """An argparse type: `_positive_int` up to ``limit``."""
 
+    def parse(text: str) -> int:
+        value = _positive_int(text)
+        if value > limit:
+            raise argparse.ArgumentTypeError(f"expected an integer <= {limit}, got {value}")
+        return value
 
-def _seq_len(text: str) -> int:
-    value = _positive_int(text)
-    if value > MAX_SEQ_LEN:
-        raise argparse.ArgumentTypeError(f"expected an integer <= {MAX_SEQ_LEN}, got {value}")
-    return value
+    return parse
 
 
 def _writable(path: str) -> str | None:
@@ -172,9 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cases", type=_positive_int, metavar="N",
                    help="cases to run, smoke prefix included (default: 200, or 2000 with --profile search)")
     p.add_argument("--seed", type=int, help="Hypothesis seed (default 0 for ci, random for dev/search)")
-    p.add_argument("--max-seq-len", type=_seq_len, default=4096, metavar="N",
+    p.add_argument("--max-seq-len", type=_at_most(MAX_SEQ_LEN), default=4096, metavar="N",
                    help=f"longest KV sequence drawn (default 4096, at most {MAX_SEQ_LEN})")
-    p.add_argument("--heads", type=_heads, metavar="H",
+    p.add_argument("--heads", type=_at_most(MAX_CASE_HEADS), metavar="H",
                    help=f"fix the number of query heads (default drawn; at most {MAX_CASE_HEADS})")
     p.add_argument("--page-size", type=_positive_int, metavar="P", help="fix the page size (default drawn)")
     p.add_argument("--max-batch", type=_positive_int, default=8, metavar="B",
