@@ -35,6 +35,10 @@ from mla_fast.backends import Unsupported
 from mla_ref.decode import INVALID_PAGE, DecodeBatch, is_fp8
 
 PAGE_SIZE = 64  # the only page_block_size of FlashMLA's dense decode
+# what FlashMLA has no kernel for (module docstring), as `flashmla_inputs` and `FlashMLAStep` refuse it
+BF16_Q_FP8_CACHE = "flashmla: bf16 q with an fp8 cache (FlashMLA's dense fp8 kernel is fp8 x fp8)"
+FP8_EMPTY_REQUEST = "flashmla fp8: a request with seq_len 0 (the dense fp8 kernel reads block_table[b][-1])"
+DENSE_DTYPES = "flashmla.q/kv_cache: FlashMLA's dense kernel takes both bf16 or both fp16"
 
 
 def repage(batch: DecodeBatch, page_size: int = PAGE_SIZE) -> DecodeBatch:
@@ -70,6 +74,22 @@ def padded_rows(q_lens: torch.Tensor, s_q: int | None = None) -> tuple[torch.Ten
     return request * s_q + (s_q - q_lens[request]) + r, s_q
 
 
+def _fp8_args(q_scale: float, kv_scale: float, device: torch.device) -> dict:
+    """flash_mla_with_kvcache's keyword arguments of the dense fp8 kernel: its per-tensor descales."""
+    return {"is_fp8_kvcache": True,
+            "descale_q": torch.tensor([q_scale], dtype=torch.float32, device=device),
+            "descale_k": torch.tensor([kv_scale], dtype=torch.float32, device=device)}
+
+
+def _real_rows(out: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor, empty: torch.Tensor):
+    """FlashMLA's (out [B, s_q, H, 512], lse [B, H, s_q]) at the real query rows ``rows`` [T] of the grid -> (out
+    [T, H, 512], lse [T, H]), lse -inf where ``empty`` [T, 1] (the row sees no token: FlashMLA's lonely q is +inf)."""
+    B, s_q, H, _ = out.shape
+    out = out.reshape(B * s_q, H, -1)[rows]  # [B * s_q, H, 512] -> [T, H, 512]
+    lse = lse.permute(0, 2, 1).reshape(B * s_q, H)[rows]  # [B, H, s_q] -> [B * s_q, H] -> [T, H]
+    return out, torch.where(empty & torch.isposinf(lse), -math.inf, lse)
+
+
 def flashmla_inputs(batch: DecodeBatch) -> dict:
     """flash_mla_with_kvcache arguments for `batch` (see module docstring), plus "rows" ([T] positions of the real
     rows in the flattened [B * s_q] outputs). Unsupported for inputs FlashMLA has no kernel for."""
@@ -96,13 +116,13 @@ def flashmla_inputs(batch: DecodeBatch) -> dict:
     if fp8_kv and kv.dtype != torch.float8_e4m3fn:
         raise Unsupported("flashmla.kv_cache: FlashMLA's fp8 cache is e4m3fn (or e4m3fnuz, converted)")
     if fp8_kv and not is_fp8(q.dtype):
-        raise Unsupported("flashmla: bf16 q with an fp8 cache (FlashMLA's dense fp8 kernel is fp8 x fp8)")
+        raise Unsupported(BF16_Q_FP8_CACHE)
     if fp8_kv and batch.batch_size and int(batch.seq_lens.min()) == 0:
-        raise Unsupported("flashmla fp8: a request with seq_len 0 (the dense fp8 kernel reads block_table[b][-1])")
+        raise Unsupported(FP8_EMPTY_REQUEST)
     if is_fp8(q.dtype) and not fp8_kv:
         q, sm_scale = q.float().to(kv.dtype), sm_scale * q_scale  # exact: e4m3 values fit bf16/fp16
     if not fp8_kv and (kv.dtype not in (torch.bfloat16, torch.float16) or q.dtype != kv.dtype):
-        raise Unsupported("flashmla.q/kv_cache: FlashMLA's dense kernel takes both bf16 or both fp16")
+        raise Unsupported(DENSE_DTYPES)
     block_table = layout["block_table"]  # [B, max_blocks]
     if fp8_kv:  # the dense fp8 kernel (FlashMLA PR #54) may read entries past seq_len: point them at page 0
         block_table = torch.where(batch.used_entries, block_table, 0)
@@ -132,12 +152,7 @@ def flashmla_decode(batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
             a["cache_seqlens"], s_q * H, 1, is_fp8_kvcache=True, use_legacy=True
         )
         meta.tile_scheduler_metadata, meta.num_splits = tile_md, num_splits
-        q_scale, kv_scale = a["descale"]
-        extra = {
-            "is_fp8_kvcache": True,
-            "descale_q": torch.tensor([q_scale], dtype=torch.float32, device=batch.device),
-            "descale_k": torch.tensor([kv_scale], dtype=torch.float32, device=batch.device),
-        }
+        extra = _fp8_args(*a["descale"], batch.device)
     out, lse = flash_mla.flash_mla_with_kvcache(
         a["q"],
         a["k_cache"],
@@ -151,10 +166,7 @@ def flashmla_decode(batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
         use_legacy=True,
         **extra,
     )
-    out = out.reshape(B * s_q, H, -1)[a["rows"]]  # [B, s_q, H, 512] -> [B * s_q, H, 512] -> real rows [T, H, 512]
-    lse = lse.permute(0, 2, 1).reshape(B * s_q, H)[a["rows"]]  # [B, H, s_q] -> [B * s_q, H] -> [T, H]
-    empty = (batch.visible_tokens() == 0)[:, None] & torch.isposinf(lse)  # FlashMLA: lonely q -> +inf
-    return out, torch.where(empty, -math.inf, lse)
+    return _real_rows(out, lse, a["rows"], (batch.visible_tokens() == 0)[:, None])
 
 
 class FlashMLAStep:
@@ -178,9 +190,9 @@ class FlashMLAStep:
             raise Unsupported("flashmla step: e4m3fnuz, or fp8 q on a 16-bit cache (converted per call)")
         self.fp8 = is_fp8(kv)
         if self.fp8 and not is_fp8(q):
-            raise Unsupported("flashmla: bf16 q with an fp8 cache (FlashMLA's dense fp8 kernel is fp8 x fp8)")
+            raise Unsupported(BF16_Q_FP8_CACHE)
         if not self.fp8 and (kv not in (torch.bfloat16, torch.float16) or q != kv):
-            raise Unsupported("flashmla.q/kv_cache: FlashMLA's dense kernel takes both bf16 or both fp16")
+            raise Unsupported(DENSE_DTYPES)
         B, H, D, dev = batch.batch_size, batch.num_heads, batch.head_dim, batch.device
         self.batch, self.s_q = batch, max_q_len
         self.grid = torch.zeros(B * max_q_len, H, D * batch.q.element_size(), dtype=torch.uint8, device=dev)
@@ -188,11 +200,7 @@ class FlashMLAStep:
         self.empty = torch.zeros(batch.num_tokens, 1, dtype=torch.bool, device=dev)  # [T, 1] rows that see nothing
         self.block_table = batch.block_table.clone() if self.fp8 else batch.block_table  # fp8: entries past seq_len
         self.meta = flash_mla.get_mla_metadata()[0]  # its tensors: the step's, filled by plan()
-        self.extra = {}
-        if self.fp8:
-            self.extra = {"is_fp8_kvcache": True,
-                          "descale_q": torch.tensor([batch.q_scale], dtype=torch.float32, device=dev),
-                          "descale_k": torch.tensor([batch.kv_scale], dtype=torch.float32, device=dev)}
+        self.extra = _fp8_args(batch.q_scale, batch.kv_scale, dev) if self.fp8 else {}
         self.planned = False
 
     def plan(self, batch: DecodeBatch) -> None:
@@ -202,7 +210,7 @@ class FlashMLAStep:
             raise ValueError("plan: batch must be the step's own (refill its tensors in place)")
         batch.validate()
         if self.fp8 and batch.batch_size and int(batch.seq_lens.min()) == 0:
-            raise Unsupported("flashmla fp8: a request with seq_len 0 (the dense fp8 kernel reads block_table[b][-1])")
+            raise Unsupported(FP8_EMPTY_REQUEST)
         if batch.batch_size and int(batch.q_lens.max()) > self.s_q:
             raise ValueError(f"plan: q_lens must be <= the step's max_q_len {self.s_q}, got {batch.q_lens.tolist()}")
         rows, s_q = padded_rows(batch.q_lens, self.s_q)  # [T] in the step's fixed grid
@@ -232,6 +240,4 @@ class FlashMLAStep:
         out, lse = flash_mla.flash_mla_with_kvcache(
             q, b.kv_cache.unsqueeze(2), self.block_table, b.seq_lens, b.kv_lora_rank, self.meta, None,
             softmax_scale=float(b.sm_scale), causal=self.s_q > 1, use_legacy=True, **self.extra)
-        out = out.reshape(B * self.s_q, H, -1)[self.rows]  # [T, H, L]
-        lse = lse.permute(0, 2, 1).reshape(B * self.s_q, H)[self.rows]  # [T, H]
-        return out, torch.where(self.empty & torch.isposinf(lse), -math.inf, lse)  # FlashMLA: lonely q -> +inf
+        return _real_rows(out, lse, self.rows, self.empty)

@@ -387,6 +387,24 @@ class _FakeFlashMLA:
         return q[..., :head_dim_v].clone(), torch.full((B, H, s_q), math.inf)
 
 
+def test_flashmla_decode_gathers_the_real_rows_in_order_and_empty_rows_as_neg_inf(monkeypatch):
+    """flashmla_decode through the fake (its decode echoes q, lse +inf everywhere): every q row comes back from its
+    slot of the padded [B * s_q] grid, on pages of 64 and repaged from 16, and only rows that see no token get -inf
+    (the others keep the fake's +inf). The GPU run: tests/test_peers_gpu.py."""
+    import sys
+
+    from mla_fast.flashmla_backend import flashmla_decode
+    from verify.cases import Case
+
+    monkeypatch.setitem(sys.modules, "flash_mla", _FakeFlashMLA())
+    for page_size in (64, 16):
+        batch = Case(seq_lens=(70, 0, 5), q_lens=(2, 1, 3), heads=4, page_size=page_size).materialize()[0]
+        out, lse = flashmla_decode(batch)
+        empty = (batch.visible_tokens() == 0)[:, None].expand_as(lse)  # [T, H]
+        assert torch.equal(out, batch.q[..., :512]) and empty.any() and not empty.all()
+        assert torch.equal(torch.isneginf(lse), empty) and bool(torch.isposinf(lse[~empty]).all())
+
+
 def test_flashmlas_graph_step_replans_into_its_own_metadata_and_keeps_the_row_layout(monkeypatch):
     """FlashMLAStep (the flashmla backend's step): the query rows go to the end of their request's slot of the
     [B * s_q] grid and come back in order (the fake decode echoes q), empty rows' +inf lse becomes -inf, and each
