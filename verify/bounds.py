@@ -347,7 +347,6 @@ def _fp64_slack(st: _Softmax, A_max: torch.Tensor, V: torch.Tensor, o: torch.Ten
     )
 
 
-
 def oracle_bound(batch: DecodeBatch) -> Bound:
     """|computed - exact| elementwise for one fp64 evaluation of the decode formula of numerics.md §2 on ``batch``'s
     dequantized inputs: ``mla_decode_ref``, or any other fp64 code that computes the max-shifted softmax in any
