@@ -86,12 +86,9 @@ def with_room(batch: DecodeBatch) -> tuple[DecodeBatch, int]:
 
 def _slots(batch: DecodeBatch) -> torch.Tensor:
     """[P, page_size] bool: the cache slots holding a token of some request of ``batch``."""
-    ps = batch.page_size
+    pages, slots, _ = batch.token_addresses()  # [N] each, every valid token
     mask = torch.zeros(batch.kv_cache.shape[:2], dtype=torch.bool, device=batch.device)  # [P, ps]
-    pos = torch.arange(batch.block_table.shape[1] * ps, device=batch.device)  # [W * ps] token positions
-    valid = pos[None, :] < batch.seq_lens[:, None].long()  # [B, W * ps]
-    pages = batch.block_table.long().repeat_interleave(ps, dim=1)  # [B, W * ps] page of each position
-    mask[pages[valid], (pos % ps).expand_as(valid)[valid]] = True
+    mask[pages, slots] = True
     return mask
 
 
