@@ -6,8 +6,8 @@
 # ignores_strides, uint16_positions and merge_order_varies mutants' campaigns; fp32partials =
 # FlashInfer declared with fp32 partials (tests/peer_plugins.py); flashmla = FlashMLA's bf16 campaign three times
 # over (the forty-seventh session saw its far check fail 4 of 200 cases once, in a call where it had passed twice);
-# step = the step check's GPU tests (CUDA-graph capture; ours, FlashInfer's and FlashMLA's steps) and the correct / stale_plan
-# mutants' campaigns.
+# step = the step check's GPU tests (CUDA-graph capture; ours, FlashInfer's and FlashMLA's steps) and the correct /
+# stale_plan / realloc_workspace mutants' campaigns.
 # Writes log.txt and
 # campaigns.json (per campaign: cases, failed, unsupported, wall, and per check cases / failed / median / max
 # err/bound) to $OUT.
@@ -50,6 +50,7 @@ fi
 if [[ $parts == *,step,* ]]; then
 verify mutant_correct_bf16 --impl verify.mutants:correct --dtype bf16 --cases 200
 verify mutant_stale_plan --impl verify.mutants:stale_plan --dtype bf16 --cases 200
+verify mutant_realloc_workspace --impl verify.mutants:realloc_workspace --dtype bf16 --cases 200
 fi
 if [[ $parts == *,mutants,* ]]; then
 verify mutant_bf16_partials --impl verify.mutants:bf16_partials --dtype bf16 --cases 200

@@ -261,6 +261,44 @@ def test_on_cuda_the_step_is_captured_and_replayed(dtype):
 
 
 @needs_cuda
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_on_cuda_a_step_that_replaces_its_workspace_fails_step_freed(dtype):
+    """The step that allocates a new workspace at each plan: its replays are right (the graph writes and reads the
+    freed block), and only step.freed fails it, naming the free blocks the replay changed; the correct step, whose
+    workspace stays, passes step.freed."""
+    case = smoke_cases(dtype)[0]
+    right = {c.name: c for c in run_case(case, from_callable(mutants.correct), "cuda", far=False).checks}
+    assert right["step.freed"].ok and right["step.freed"].detail.endswith("as they were"), right["step.freed"]
+    failed = _failed(run_case(case, from_callable(mutants.realloc_workspace), "cuda", far=False))
+    assert set(failed) == {"step.freed"}, failed
+    assert "wrote into memory the caching allocator held free after plan(): 1 of the" in failed["step.freed"]
+
+
+@needs_cuda
+def test_on_cuda_free_blocks_show_a_replay_that_writes_a_freed_tensor():
+    """A graph that writes tensor x, replayed after x was dropped: the held free blocks show the write; the same
+    graph while x lives leaves them as they were."""
+    from verify.freed_memory import FreeBlocks
+
+    x = torch.zeros(3 << 20, device="cuda")  # 12 MB: a block of its own in the large pool
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(torch.cuda.Stream()):
+        graph.capture_begin()
+        x.fill_(2.0)
+        graph.capture_end()
+    held = FreeBlocks.take("cuda")
+    graph.replay()
+    assert held.written() is None
+    del held, x  # x's block is free now, and the graph still writes it
+    held = FreeBlocks.take("cuda")
+    assert held.nbytes >= 12 << 20 and held.left == 0, (held.nbytes, held.left)  # every free block taken
+    graph.replay()
+    written = held.written()
+    assert written is not None and written.startswith("1 of the"), written
+
+
+@needs_cuda
 @pytest.mark.parametrize("backend", ["triton", "seesaw", "gluon_fp8"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_our_steps_pass_the_step_check_on_cuda(backend, dtype):

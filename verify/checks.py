@@ -57,6 +57,7 @@ from mla_fast.numerics import KernelNumerics
 from mla_ref.decode import DecodeBatch, mla_decode_ref
 from verify import bounds, next_step
 from verify.cases import Case
+from verify.freed_memory import FreeBlocks
 from verify.kernels import Kernel, outputs
 from verify.metrics import compare
 from verify.partials_probe import partials_probe
@@ -650,7 +651,9 @@ def check_step(batch: DecodeBatch, kernel: Kernel, first: tuple, ref, bound: bou
     NaN), planned again, its new q and new tokens written (`next_values`, after the plan, as a serving step's graph
     writes them), replayed (on a CPU run again) into poisoned outputs: ``step.replan.out`` / ``.lse`` against the
     oracle on the new contents, within their tier-1 bound. A step that bakes the captured step into its launch (a
-    plan made once, a grid sized by the captured lengths, q or the cache copied when it plans) fails the last.
+    plan made once, a grid sized by the captured lengths, q or the cache copied when it plans) fails the last. On
+    CUDA that replay runs while tensors of ours hold every block the caching allocator has free
+    (`verify.freed_memory`): ``step.freed`` fails if it wrote any, as a graph does whose buffer plan() replaced.
     Bounds take the step's own ``numerics`` (a KernelNumerics, or a callable of the batch) where it declares them
     (a step fixes its kernel when built, while the kernel's numerics(batch) follow each batch), else the kernel's.
     A plan() that writes into the step's inputs fails ``step`` (the first plan) or ``step.replan``, as a run() that
@@ -779,17 +782,40 @@ def _drive_step(batch: DecodeBatch, kernel: Kernel, first: tuple, ref, bound: bo
         return results + [CheckResult("step.replan", False, detail=f"{where}: {why}")]
     where += ", then " + next_step.next_values(static, new_slots)
     ref_next = mla_decode_ref(static)  # [T, H, L], [T, H] fp64 on the new contents
-    got, why = _watched(static, lambda: _call(replay, device=device))
+    held: list[FreeBlocks] = []
+
+    def replay_holding():
+        """The replay, with every block the caching allocator holds free taken by poisoned tensors of ours."""
+        if device.type == "cuda":
+            held.append(FreeBlocks.take(device))
+        return _call(replay, device=device)
+
+    got, why = _watched(static, replay_holding)
+    freed = _freed_check(held.pop(), where) if held else []
     judge_next = step_bound(static, ref_next) if why is None else None
     if why is None and isinstance(judge_next, str):
         why = judge_next
     if why is not None:
-        return results + [CheckResult("step.replan", False, detail=f"{where}, {how}: {why}")]
+        return results + freed + [CheckResult("step.replan", False, detail=f"{where}, {how}: {why}")]
     out, lse = _moved(*got, ref_next[0].device, copy=False)
     replan = check_tier1(out, lse, ref_next, *judge_next, name="step.replan")
     for r in replan:
         r.detail = f"{where}, {how}: {r.detail}"
-    return results + replan
+    return results + freed + replan
+
+
+def _freed_check(held: FreeBlocks, where: str) -> list[CheckResult]:
+    """``step.freed``: the replay after the second plan left the memory the allocator held free as it was. A step
+    whose plan() replaced a buffer the graph captured (a workspace sized to the new plan, say) writes into the
+    freed block: right answers, and whatever tensor next takes the block overwritten."""
+    written = held.written()
+    if written is not None:
+        return [CheckResult("step.freed", False, detail=(
+            f"{where}, replayed: the replay wrote into memory the caching allocator held free after plan(): "
+            f"{written}: the graph still writes a buffer that plan() replaced"))]
+    return [CheckResult("step.freed", True, detail=(
+        f"the replay after the second plan left the {len(held.tensors)} free blocks held ({held.nbytes / 1e6:.1f} MB; "
+        f"{held.left / 1e6:.1f} MB free not taken) as they were"))]
 
 
 # ---- one case -----------------------------------------------------------------------------------------------------

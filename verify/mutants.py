@@ -1,7 +1,7 @@
 """Planted-bug decode kernels: each one must make the default `mla-verify` campaign fail (exit 1); the two scale
 mutants (``kv_scale_ignored``, ``q_scale_ignored``) need fp8 cases, ``--dtype fp8``, ``int32_offsets`` the far
-check (on by default on CUDA devices; ``--far on`` on a CPU) and ``uint16_positions`` the long cases (the same;
-``--long on``).
+check (on by default on CUDA devices; ``--far on`` on a CPU), ``uint16_positions`` the long cases (the same;
+``--long on``) and ``realloc_workspace`` a CUDA device (its bug needs a CUDA graph).
 
 Use them as plug-ins, ``mla-verify --impl verify.mutants:NAME``; ``correct`` is the same kernel without a bug and
 must pass. All share one small split-KV, online-softmax decode (`_decode`) in fp32 with bf16 output; each mutant
@@ -44,6 +44,9 @@ turns one knob, the way such bugs happen in real kernels:
 | stale_plan            | its graph-capturable step keeps the lengths of its first     | step.replan (any)             |
 |                       | plan: a replay after the next step was written into its      |                               |
 |                       | buffers decodes it with the captured step's lengths          |                               |
+| realloc_workspace     | its graph-capturable step allocates a new workspace at each  | step.freed (any; CUDA only)   |
+|                       | plan(): the replay after the next plan writes the freed one  |                               |
+|                       | (right answers, another tensor's memory overwritten)         |                               |
 """
 
 from __future__ import annotations
@@ -211,12 +214,15 @@ def _dense_decode(batch: DecodeBatch, seq_lens: torch.Tensor, q_lens: torch.Tens
 class _Step:
     """A graph-capturable step (the plug-in contract's ``.step``) of the unsplit decode `_dense_decode`: plan(batch)
     copies the batch's lengths into the step's own device buffers, as a serving step's plan fills its metadata
-    buffers, and run() decodes the step's batch with them. ``stale``: only the first plan() copies them, as a step
-    that bakes the captured step's lengths into its launch does."""
+    buffers, and run() decodes the step's batch with them into an fp32 workspace, then out and lse from it.
+    ``stale``: only the first plan() copies the lengths, as a step that bakes the captured step's lengths into its
+    launch does. ``realloc``: every plan() allocates a new workspace (a buffer sized to the plan), dropping the one
+    a captured graph writes."""
 
-    def __init__(self, batch: DecodeBatch, max_q_len: int, stale: bool = False):
-        self.batch, self.max_q_len, self.stale, self.planned = batch, max_q_len, stale, False
+    def __init__(self, batch: DecodeBatch, max_q_len: int, stale: bool = False, realloc: bool = False):
+        self.batch, self.max_q_len, self.stale, self.realloc, self.planned = batch, max_q_len, stale, realloc, False
         self.seq_lens, self.q_lens = batch.seq_lens.clone(), batch.q_lens.clone()  # [B] each, the step's buffers
+        self.workspace = self._workspace()  # [T, H, L + 1] fp32: out's channels, then lse
 
     def plan(self, batch: DecodeBatch) -> None:
         if batch is not self.batch:
@@ -227,12 +233,22 @@ class _Step:
         if not (self.stale and self.planned):
             self.seq_lens.copy_(batch.seq_lens)
             self.q_lens.copy_(batch.q_lens)
+        if self.realloc:
+            self.workspace = self._workspace()
         self.planned = True
+
+    def _workspace(self) -> torch.Tensor:
+        b = self.batch
+        return torch.empty(b.num_tokens, b.num_heads, b.kv_lora_rank + 1, dtype=torch.float32, device=b.device)
 
     def run(self) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.planned:
             raise RuntimeError("run() before plan()")
-        return _dense_decode(self.batch, self.seq_lens, self.q_lens)
+        out, lse = _dense_decode(self.batch, self.seq_lens, self.q_lens)  # [T, H, L] bf16, [T, H] fp32
+        L = self.batch.kv_lora_rank
+        self.workspace[..., :L].copy_(out)  # exact: bf16 into fp32
+        self.workspace[..., L].copy_(lse)
+        return self.workspace[..., :L].to(torch.bfloat16), self.workspace[..., L].clone()
 
 
 def correct(batch):
@@ -406,13 +422,25 @@ def stale_plan(batch):
 stale_plan.step = lambda batch, max_q_len: _Step(batch, max_q_len, stale=True)
 
 
+def realloc_workspace(batch):
+    """Right when called, and its step's replays are right too: its graph-capturable step allocates a new workspace
+    at every plan(), so a replay after the next plan writes its results into the freed one and reads them back from
+    there, overwriting whatever tensor the caching allocator gave that block. Only a CUDA graph keeps the old
+    address: a CPU run (run() again) uses the new workspace."""
+    return _decode(batch)
+
+
+realloc_workspace.step = lambda batch, max_q_len: _Step(batch, max_q_len, realloc=True)
+
+
 MUTANTS = (
     "wrong_scale", "drop_rope", "page_off_by_one", "last_page_unmasked", "lse_base2", "kv_scale_ignored",
     "q_scale_ignored", "average_splits", "mtp_causal_off_by_one", "nan_empty", "out_gain", "bf16_accumulation",
     "seq_lens_cleared", "cache_padding_written", "nan_dropped", "no_max_subtraction", "int32_offsets",
     "p_rounded_bf16", "bf16_partials", "ignores_strides", "uint16_positions", "hardcoded_scale", "merge_order_varies",
-    "stale_plan",
+    "stale_plan", "realloc_workspace",
 )  # fmt: skip
 FP8_ONLY = ("kv_scale_ignored", "q_scale_ignored")  # need fp8 inputs with a scale != 1
 FAR_ONLY = ("int32_offsets",)  # need the far check, on by default on CUDA devices only (mla-verify --far on)
 LONG_ONLY = ("uint16_positions",)  # need the long cases, on by default on CUDA devices only (mla-verify --long on)
+CUDA_ONLY = ("realloc_workspace",)  # needs a CUDA graph: its replay keeps the address plan() freed
