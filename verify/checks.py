@@ -653,7 +653,8 @@ def check_step(batch: DecodeBatch, kernel: Kernel, first: tuple, ref, bound: bou
     oracle on the new contents, within their tier-1 bound. A step that bakes the captured step into its launch (a
     plan made once, a grid sized by the captured lengths, q or the cache copied when it plans) fails the last. On
     CUDA that replay runs while tensors of ours hold every block the caching allocator has free
-    (`verify.freed_memory`): ``step.freed`` fails if it wrote any, as a graph does whose buffer plan() replaced.
+    (`verify.freed_memory`): ``step.freed`` fails if it wrote any, as a graph does whose buffer plan() replaced;
+    one that reads such a buffer (a scale or metadata tensor made anew by each plan) reads NaN / -1 bytes there.
     Bounds take the step's own ``numerics`` (a KernelNumerics, or a callable of the batch) where it declares them
     (a step fixes its kernel when built, while the kernel's numerics(batch) follow each batch), else the kernel's.
     A plan() that writes into the step's inputs fails ``step`` (the first plan) or ``step.replan``, as a run() that
