@@ -47,6 +47,17 @@ def test_the_correct_step_passes_and_a_step_that_plans_once_fails_the_replan_alo
     assert "seq_lens [0, 1, 63, 65, 300, 2] -> [0, 0, 1, 63, 665, 150] (request 4 grown" in failed["step.replan.out"]
 
 
+def test_a_one_element_output_with_any_stride_is_compared_not_a_verifier_error():
+    """The correct step returns lse as a view of its fp32 workspace's last channel (stride L + 1): on a case of one
+    row and one head that is a single element whose stride `contiguous()` keeps, and the byte comparison of its
+    eager run with the case's raised inside the verifier (a `verifier` check) until `_bytes` gave it stride 1."""
+    from verify.cases import Case
+
+    result = run_case(Case(seq_lens=(0,), q_lens=(1,), heads=1), from_callable(mutants.correct), "cpu")
+    names = {c.name: c.detail for c in result.checks}
+    assert result.ok and "verifier" not in names and "step" in names, result.describe()
+
+
 def test_next_lengths_rotate_grow_one_past_twice_the_longest_halve_it_and_empty_the_one_after_it():
     def nxt(lens, page_size=16):
         new, grown = next_lengths(torch.tensor(lens, dtype=torch.int32), page_size)

@@ -848,7 +848,10 @@ def _changed(tensors: dict[str, torch.Tensor], before: dict[str, torch.Tensor]) 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """The tensor's values as raw bytes (NaN == NaN), [numel * itemsize] uint8."""
-    return t.detach().contiguous().view(-1).view(torch.uint8)
+    flat = t.detach().contiguous().view(-1)  # [numel]
+    if flat.numel() == 1 and flat.stride(0) != 1:  # one element is contiguous whatever its stride, which view keeps
+        flat = flat.as_strided((1,), (1,))
+    return flat.view(torch.uint8)
 
 
 def run_case(case: Case, kernel: Kernel, device: str = "cpu", far: bool | None = None) -> CaseResult:
