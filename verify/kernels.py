@@ -32,8 +32,9 @@ A plug-in with a CUDA-graph-capturable step says so with ``my_decode.step = fact
 batch's tensors and its own buffers). The ``step`` check then runs it as a serving engine does: built and planned,
 run, captured in a CUDA graph and replayed (on CUDA), then the next step's lengths and pages written into the same
 batch tensors in place, planned again, its q and new tokens written, and replayed, against the oracle on the new
-contents (`verify.next_step`). ``step.numerics`` (a KernelNumerics, or a callable of the batch) says how a step
-that fixes its kernel when built rounds; else the plug-in's numerics apply. A step that
+contents (`verify.next_step`); plan() fills the buffers run() reads in place: one it replaces leaves the captured
+graph on the freed block (``step.freed``, on CUDA). ``step.numerics`` (a KernelNumerics, or a callable of the
+batch) says how a step that fixes its kernel when built rounds; else the plug-in's numerics apply. A step that
 refuses a batch raises ``Unsupported`` (``step.refused`` then passes, and the report warns).
 """
 
