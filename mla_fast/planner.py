@@ -41,7 +41,11 @@ write, and the tile needs a reduce. The planner makes three plans and returns th
 least, ties going to fewer partial rows (less reduce work); the balance guarantee above holds for it.
 
 - the *line* plan above;
-- the *unsplit* plan (``max_splits = 1``), tried when the line plan splits;
+- the *unsplit* plan: whole tiles, contiguous, with the least busiest worker over all such partitions (one tile
+  per worker when there are at most W; else the least cost the greedy fill fits in W workers, searched up from
+  ``max(longest tile, ceil(C / W))``), tried only when that lower bound could beat the line plan's key. Cuts at
+  a fixed stride moved back to tile starts, the line's with ``max_splits = 1``, can cost a long tile more: tiles
+  of 1, 4, 6, 4, 8, 8 blocks on 3 workers cost 16 that way and 12 partitioned;
 - the *even* plan, when there are no more tiles than workers: one item per worker, tile t cut into
   ``k_t = ceil(blocks_t / P)`` near-equal pieces (at most ``max_splits``) for the least piece length ``P`` with
   ``sum_t k_t <= W``; its busiest worker costs ``max_t ceil(blocks_t / k_t) + OVH`` (``<= P + OVH`` without a
@@ -81,6 +85,7 @@ numpy's per-call cost is a fraction of torch's on arrays this small) and the res
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, fields, replace
 
 import numpy as np
@@ -333,10 +338,12 @@ def plan_decode(
     line = _line(seq_lens, q_lens, num_heads, num_workers, block_n, fixed_overhead, max_splits, head_group, min_tail)
     if line.tile_req.size == 0:  # no requests: no items, every worker idle
         return _on_device(_build(line, _idle(line)), line.device)
-    candidates = [_cut(line, _line_cuts(line, max_splits), split=max_splits != 1)]
-    if max_splits != 1 and candidates[0].partial_rows > 0:
-        candidates.append(_cut(line, _line_cuts(line, 1), split=False))
-    best = min(candidates, key=lambda c: c.key)  # min keeps the first of equal keys
+    best = _cut(line, _line_cuts(line, max_splits), split=max_splits != 1)
+    unsplit = _unsplit_cuts(line, best.key)
+    if unsplit is not None:
+        unsplit_cut = _cut(line, unsplit, split=False)
+        if unsplit_cut.key < best.key:  # first of equal keys: the line plan
+            best = unsplit_cut
     even = _even_cuts(line, max_splits)
     if even is not None and (even[1:] < best.key or line.min_tail > 1):  # cut only when it may win: min_tail may
         even_cut = _cut(line, even[0], split=True)  # move a cut, making it cost more or split less than its closed
@@ -425,6 +432,53 @@ def _line_cuts(line: _Line, max_splits: int | None) -> np.ndarray:
     if max_splits is not None and max_splits >= 2:
         stride = max(stride, _ceil_div(int(line.blocks.max()) - 1, max_splits - 1))
     return np.minimum(np.arange(1, line.num_workers) * stride, line.total)  # [W-1]
+
+
+def _fits(ends: np.ndarray, cost: int, workers: int) -> bool:
+    """Whether whole tiles (line boundaries ``ends`` [T + 1], 0 first, C last) fill at most ``workers`` workers of
+    at most ``cost`` each, contiguously. The greedy fill (each worker takes tiles while they fit) uses the fewest
+    workers; the tile boundary reached after w of its workers comes from ``reach`` composed w times, by doubling
+    (log2 W array ops instead of a loop over workers)."""
+    reach = np.searchsorted(ends, ends + cost, side="right") - 1  # [T + 1] boundary one worker reaches from each
+    at, w = 0, workers
+    while w:
+        if w & 1:
+            at = int(reach[at])
+        w >>= 1
+        if w:
+            reach = reach[reach]
+    return at == ends.size - 1
+
+
+def _unsplit_cuts(line: _Line, beat: tuple[int, int]) -> np.ndarray | None:
+    """[W - 1] cuts of the best unsplit plan, or None when it cannot beat the key ``beat`` (busiest worker's cost,
+    partial rows: an unsplit plan has none, so it must cost less, or as much when ``beat`` has partial rows).
+
+    Whole tiles, contiguous, the least busiest worker over all such partitions. With at most W tiles that is one
+    tile per worker. Otherwise its cost lies in [max(longest tile, ceil(C / W)), ...]: the least that `_fits`,
+    found by doubling a step up from the lower bound (the optimum is usually within a few units of it), then
+    bisecting; the cuts are the greedy fill's at that cost, so the workers past the last tile stay idle."""
+    ends = np.append(line.start, line.total)  # [T + 1] tile boundaries on the line
+    T, W = line.blocks.size, line.num_workers
+    if T <= W:
+        return np.concatenate([line.start[1:], np.full(W - T, line.total)])  # [W - 1]
+    cap = beat[0] if beat[1] > 0 else beat[0] - 1  # the most the plan may cost and still win
+    lo = max(int((line.blocks + line.ovh).max()), _ceil_div(line.total, W))
+    if lo > cap:
+        return None
+    step, hi = 1, lo
+    while not _fits(ends, hi, W):
+        if hi == cap:
+            return None
+        lo, hi, step = hi + 1, min(hi + step, cap), 2 * step
+    while lo < hi:  # hi fits, and nothing below lo does
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if _fits(ends, mid, W) else (mid + 1, hi)
+    bounds, cuts, at = ends.tolist(), [], 0
+    for _ in range(W - 1):
+        at = bisect.bisect_right(bounds, bounds[at] + hi) - 1
+        cuts.append(bounds[at])
+    return np.array(cuts, dtype=np.int64)  # [W - 1]
 
 
 def _even_cuts(line: _Line, max_splits: int | None) -> tuple[np.ndarray, int, int] | None:

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from planner_cases import PlanCase
 
@@ -26,6 +26,7 @@ from mla_fast.planner import (
     _even_cuts,
     _line,
     _line_cuts,
+    _unsplit_cuts,
     check_plan,
     plan_decode,
 )
@@ -286,10 +287,10 @@ def check_paired_splits(plan: WorkPlan) -> None:
 @pytest.mark.parametrize("batch, paired", [(64, True), (32, False), (128, False), (1, False)])
 def test_paired_splits_marks_the_two_piece_even_plan(batch: int, paired: bool):
     """4096-token requests on 132 workers: 64 requests split in two (paired; the even plan), 32 in four (the even
-    plan), 128 unsplit, 1 in many pieces (the line plan)."""
+    plan), 128 unsplit (one per worker), 1 in many pieces (the line plan)."""
     plan = plan_decode(torch.full((batch,), 4096), torch.ones(batch, dtype=torch.long), 16, 132)
     check_paired_splits(plan)
-    assert plan.paired_splits == paired and plan.one_item_per_worker == (batch in (32, 64))
+    assert plan.paired_splits == paired and plan.one_item_per_worker == (batch in (32, 64, 128))
 
 
 @given(plan_cases(), st.sampled_from([1, 2, 16, 64]))
@@ -318,7 +319,7 @@ def candidates(case: PlanCase) -> dict[str, WorkPlan]:
     line = _line(torch.tensor(case.seq_lens), torch.tensor(case.q_lens), case.num_heads, case.num_workers,
                  case.block_n, case.fixed_overhead, case.max_splits, case.head_group, case.min_tail)
     cuts = {"line": _cut(line, _line_cuts(line, case.max_splits), split=case.max_splits != 1),
-            "unsplit": _cut(line, _line_cuts(line, 1), split=False)}
+            "unsplit": _cut(line, _unsplit_cuts(line, (line.total + 1, 0)), split=False)}  # beats any plan
     even = _even_cuts(line, case.max_splits)
     if even is not None:
         cuts["even"] = _cut(line, even[0], split=True)
@@ -359,6 +360,46 @@ def test_returns_the_cheapest_candidate(case: PlanCase):
     assert int(even.worker_costs().max()) == int(ceil_div(blocks, k).max()) + case.fixed_overhead
 
 
+def least_busiest_partition(lengths: list[int], workers: int) -> int:
+    """The least busiest-worker cost over every split of ``lengths`` into at most ``workers`` contiguous runs, by
+    dynamic programming over (workers, tiles): the brute force the planner's greedy search must match."""
+    prefix = [0]
+    for n in lengths:
+        prefix.append(prefix[-1] + n)
+    best = [0] + [float("inf")] * len(lengths)  # best[t]: the first t tiles on the workers so far
+    for _ in range(workers):
+        best = [min(max(best[s], prefix[t] - prefix[s]) for s in range(t + 1)) for t in range(len(lengths) + 1)]
+    return best[-1]
+
+
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=24), st.integers(1, 10), st.integers(0, 6))
+@example([1] * 6, 3, 0)  # greedy fills of 2 per worker: a fill of 3 would leave a worker idle
+@example([1, 4, 6, 4, 8, 8], 3, 0)  # the stride cut's 16 against 12
+@example([0, 0, 5, 0], 2, 0)  # tiles of no cost
+@example([40] * 24, 10, 6)
+def test_the_unsplit_plan_is_the_best_contiguous_partition_of_whole_tiles(blocks, workers, overhead):
+    """Whole tiles of blocks + OVH each: the unsplit candidate's busiest worker costs the least that any contiguous
+    partition onto the workers does; the plan splits no tile."""
+    case = PlanCase(tuple(n * 64 for n in blocks), (1,) * len(blocks), 16, 16, workers, 64, overhead, 1)
+    plan = candidates(case)["unsplit"]
+    check_all(case, plan)
+    assert plan.num_partial_rows == 0
+    assert int(plan.worker_costs().max()) == least_busiest_partition([n + overhead for n in blocks], workers)
+
+
+def test_unsplit_beats_the_fixed_stride_cut_moved_back_to_tile_starts():
+    """Tiles of 1, 4, 6, 4, 8, 8 blocks (no overhead) on 3 workers, no split allowed: cuts at the stride
+    ceil(31 / 3) = 11, moved back to tile starts (0 / 11 / 15), leave the last worker both 8s (16); the best
+    partition is 1+4+6 / 4+8 / 8 (12), which plan_decode returns."""
+    blocks = (1, 4, 6, 4, 8, 8)
+    case = PlanCase(tuple(n * 64 for n in blocks), (1,) * len(blocks), 16, 16, 3, 64, 0, 1)
+    line = _line(torch.tensor(case.seq_lens), torch.ones(len(blocks), dtype=torch.long), 16, 3, 64, 0, 1, 16)
+    stride = _build(line, _cut(line, _line_cuts(line, 1), split=False))
+    plan = case.plan()
+    assert stride.worker_costs().tolist() == [11, 4, 16]
+    assert plan.worker_costs().tolist() == [11, 12, 8]
+
+
 def test_worked_example_from_docstring():
     case = PlanCase((1000, 100, 0), (1, 1, 1), 16, 16, 4, 64, 5, None)
     line = candidates(case)["line"]
@@ -390,8 +431,8 @@ def test_splits_only_when_the_busiest_worker_gains(batch: int, seq_len: int, spl
     if not split:
         assert int(plan.worker_costs().max()) == -(-seq_len // 64) + 5 < int(cut.worker_costs().max())
         assert cut.num_partial_rows > 0  # the line alone would have split
-    # the split shapes get the even plan (one item per worker); the unsplit line plan leaves idle workers between
-    assert plan.one_item_per_worker == split
+    # the split shapes get the even plan, the others one tile per worker: one item per worker either way
+    assert plan.one_item_per_worker
 
 
 def test_summary_reports_balance():
