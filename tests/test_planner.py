@@ -400,6 +400,14 @@ def test_unsplit_beats_the_fixed_stride_cut_moved_back_to_tile_starts():
     assert plan.worker_costs().tolist() == [11, 12, 8]
 
 
+def test_the_unsplit_search_stops_where_it_cannot_win():
+    """Four tiles of 8 blocks on 2 workers cost 16 unsplit at best: against a plan of 16 with partial rows it is
+    built (same cost, no reduce), against 16 without partial rows, or 15, it is not (None)."""
+    line = _line(torch.full((4,), 8 * 64), torch.ones(4, dtype=torch.long), 16, 2, 64, 0, None, 16)
+    assert _unsplit_cuts(line, (16, 1)).tolist() == [16]
+    assert _unsplit_cuts(line, (16, 0)) is None and _unsplit_cuts(line, (15, 3)) is None
+
+
 def test_worked_example_from_docstring():
     case = PlanCase((1000, 100, 0), (1, 1, 1), 16, 16, 4, 64, 5, None)
     line = candidates(case)["line"]

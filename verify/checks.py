@@ -57,7 +57,7 @@ from mla_fast.numerics import KernelNumerics
 from mla_ref.decode import DecodeBatch, mla_decode_ref
 from verify import bounds, next_step
 from verify.cases import Case
-from verify.freed_memory import FreeBlocks
+from verify.freed_memory import FreeBlocks, size_text
 from verify.kernels import Kernel, outputs
 from verify.metrics import compare
 from verify.partials_probe import partials_probe
@@ -200,11 +200,11 @@ def _outputs_of(run: tuple[object | None, Exception | None], batch: DecodeBatch)
         return None, str(e)
 
 
-def _watched(batch: DecodeBatch, run: Callable[[], tuple[object | None, Exception | None]]
-             ) -> tuple[tuple | None, str | None]:
+def _watched(batch: DecodeBatch, run: Callable[[], tuple[object | None, Exception | None]],
+             before: dict[str, torch.Tensor] | None = None) -> tuple[tuple | None, str | None]:
     """`_outputs_of(run(), batch)`, except that a run that wrote into the batch's inputs (`check_inputs`, against
-    byte copies taken before it) has no outputs: why is then that."""
-    before = input_snapshot(batch)
+    byte copies taken before it: ``before``, else taken here) has no outputs: why is then that."""
+    before = input_snapshot(batch) if before is None else before
     result, why = _outputs_of(run(), batch)
     written = check_inputs(batch, before)
     return (result, why) if why is not None or written.ok else (None, written.detail)
@@ -655,6 +655,7 @@ def check_step(batch: DecodeBatch, kernel: Kernel, first: tuple, ref, bound: bou
     CUDA that replay runs while tensors of ours hold every block the caching allocator has free
     (`verify.freed_memory`): ``step.freed`` fails if it wrote any, as a graph does whose buffer plan() replaced;
     one that reads such a buffer (a scale or metadata tensor made anew by each plan) reads NaN / -1 bytes there.
+    Under an allocator other than torch's native one (cudaMallocAsync has no snapshot) step.freed does not run.
     Bounds take the step's own ``numerics`` (a KernelNumerics, or a callable of the batch) where it declares them
     (a step fixes its kernel when built, while the kernel's numerics(batch) follow each batch), else the kernel's.
     A plan() that writes into the step's inputs fails ``step`` (the first plan) or ``step.replan``, as a run() that
@@ -783,16 +784,20 @@ def _drive_step(batch: DecodeBatch, kernel: Kernel, first: tuple, ref, bound: bo
         return results + [CheckResult("step.replan", False, detail=f"{where}: {why}")]
     where += ", then " + next_step.next_values(static, new_slots)
     ref_next = mla_decode_ref(static)  # [T, H, L], [T, H] fp64 on the new contents
-    held: list[FreeBlocks] = []
+    # every block the caching allocator holds free, taken by poisoned tensors of ours before the byte copies of the
+    # inputs are made (a copy in a freed block would show the replay's writes as writes into the inputs), and given
+    # back before those copies are compared (the comparisons allocate as much again)
+    held = [FreeBlocks.take(device)] if device.type == "cuda" and FreeBlocks.supported() else []
+    before, freed = input_snapshot(static), []
 
-    def replay_holding():
-        """The replay, with every block the caching allocator holds free taken by poisoned tensors of ours."""
-        if device.type == "cuda":
-            held.append(FreeBlocks.take(device))
-        return _call(replay, device=device)
+    def replay_and_release():
+        run = _call(replay, device=device)
+        if held and run[1] is None:  # after a device fault nothing more runs on the device
+            freed.extend(_freed_check(held[0], where))
+        held.clear()
+        return run
 
-    got, why = _watched(static, replay_holding)
-    freed = _freed_check(held.pop(), where) if held else []
+    got, why = _watched(static, replay_and_release, before)
     judge_next = step_bound(static, ref_next) if why is None else None
     if why is None and isinstance(judge_next, str):
         why = judge_next
@@ -815,8 +820,8 @@ def _freed_check(held: FreeBlocks, where: str) -> list[CheckResult]:
             f"{where}, replayed: the replay wrote into memory the caching allocator held free after plan(): "
             f"{written}: the graph still writes a buffer that plan() replaced"))]
     return [CheckResult("step.freed", True, detail=(
-        f"the replay after the second plan left the {len(held.tensors)} free blocks held ({held.nbytes / 1e6:.1f} MB; "
-        f"{held.left / 1e6:.1f} MB free not taken) as they were"))]
+        f"the replay after the second plan left the {len(held.tensors)} free blocks held ({size_text(held.nbytes)}; "
+        f"{size_text(held.left)} free not taken) as they were"))]
 
 
 # ---- one case -----------------------------------------------------------------------------------------------------

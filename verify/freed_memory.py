@@ -54,13 +54,26 @@ class FreeBlocks:
     tensors: list[torch.Tensor]
     left: int
 
+    @staticmethod
+    def supported() -> bool:
+        """Whether torch's caching allocator is the native one (cudaMallocAsync keeps no blocks to snapshot)."""
+        return torch.cuda.get_allocator_backend() == "native"
+
     @classmethod
     def take(cls, device: torch.device | str) -> FreeBlocks:
-        """Every free block `_free_blocks` lists, allocated and poisoned. Block sizes are multiples of 512 bytes, so
-        each tensor is a whole number of int64 words."""
+        """Every free block `_free_blocks` lists, allocated and poisoned; block sizes are multiples of 512 bytes, so
+        each tensor is a whole number of int64 words. Under other allocator settings (expandable segments, sizes
+        rounded up to powers of two) a request may miss its block: the first that makes the allocator reserve
+        more memory is given back and ends the taking, and ``left`` counts what stayed free."""
         device = torch.device(device)
-        tensors = [torch.full((size,), POISON, dtype=torch.uint8, device=device)
-                   for size in _requests(_free_blocks(device))]
+        reserved, tensors = torch.cuda.memory_reserved(device), []
+        for size in _requests(_free_blocks(device)):
+            tensors.append(torch.empty(size, dtype=torch.uint8, device=device))
+            if torch.cuda.memory_reserved(device) > reserved:
+                tensors.pop()
+                break
+        for t in tensors:
+            t.fill_(POISON)
         return cls(tensors, sum(size for _, size in _free_blocks(device)))
 
     @property
@@ -68,14 +81,19 @@ class FreeBlocks:
         return sum(t.numel() for t in self.tensors)
 
     def written(self) -> str | None:
-        """None when every held block still holds POISON in every byte; else which blocks changed, e.g. "2 of the
-        31 free blocks (6.3 MB of 1204.5 MB) changed". One int64 min/max per block, no temporary of a block's size."""
+        """None when every held block still holds POISON in every byte; else which blocks changed, e.g. "1 of the
+        19 free blocks (0.2 MB of 71.5 MB) changed". One int64 min/max per block, no temporary of a block's size."""
         if not self.tensors:
             return None
         ends = torch.stack([torch.stack(torch.aminmax(t.view(torch.int64))) for t in self.tensors])  # [blocks, 2]
         changed = [t for t, moved in zip(self.tensors, ends.ne(-1).any(1).tolist()) if moved]
         if not changed:
             return None
-        mb = sum(t.numel() for t in changed) / 1e6
-        held = self.nbytes / 1e6
-        return f"{len(changed)} of the {len(self.tensors)} free blocks ({mb:.1f} MB of {held:.1f} MB) changed"
+        changed_bytes = sum(t.numel() for t in changed)
+        return (f"{len(changed)} of the {len(self.tensors)} free blocks ({size_text(changed_bytes)} of "
+                f"{size_text(self.nbytes)}) changed")
+
+
+def size_text(nbytes: int) -> str:
+    """A byte count for a report: "0.2 MB", "4.1 kB"."""
+    return f"{nbytes / 1e6:.1f} MB" if nbytes >= 100_000 else f"{nbytes / 1e3:.1f} kB"
