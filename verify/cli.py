@@ -152,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
         "CUDA devices the far check (the pages moved past element 2^31 of a larger cache, where int32 offsets\n"
         "wrap) and the long cases (a request of 2^16 + 65 tokens in more than 64 pieces); for kernels with a\n"
         "graph-capturable step, the step check (planned, run, captured in a CUDA graph on CUDA, given the next\n"
-        "decode step in place, planned again and replayed).\n"
+        "decode step in place, planned again and replayed; on CUDA that replay must leave the allocator's free\n"
+        "memory unwritten).\n"
         "Subcommand: 'mla-verify model ...' checks a whole MLA layer (verify.model_check).",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
