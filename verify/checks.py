@@ -782,12 +782,13 @@ def _drive_step(batch: DecodeBatch, kernel: Kernel, first: tuple, ref, bound: bo
         return results + [CheckResult("step.replan", False, detail=f"{where}: planning it raised {error_message(e)}")]
     if why is not None:
         return results + [CheckResult("step.replan", False, detail=f"{where}: {why}")]
+    # every block the caching allocator holds free once plan() has run, taken by poisoned tensors of ours before
+    # anything else allocates (the oracle's results, or the byte copies of the inputs, in a block plan() freed
+    # would show the replay's writes as a wrong oracle or as writes into the inputs), and given back before those
+    # copies are compared (the comparisons allocate as much again)
+    held = [FreeBlocks.take(device)] if device.type == "cuda" and FreeBlocks.supported() else []
     where += ", then " + next_step.next_values(static, new_slots)
     ref_next = mla_decode_ref(static)  # [T, H, L], [T, H] fp64 on the new contents
-    # every block the caching allocator holds free, taken by poisoned tensors of ours before the byte copies of the
-    # inputs are made (a copy in a freed block would show the replay's writes as writes into the inputs), and given
-    # back before those copies are compared (the comparisons allocate as much again)
-    held = [FreeBlocks.take(device)] if device.type == "cuda" and FreeBlocks.supported() else []
     before, freed = input_snapshot(static), []
 
     def replay_and_release():
