@@ -458,14 +458,14 @@ def _unsplit_cuts(line: _Line, beat: tuple[int, int]) -> np.ndarray | None:
     tile per worker. Otherwise its cost lies in [max(longest tile, ceil(C / W)), ...]: the least that `_fits`,
     found by doubling a step up from the lower bound (the optimum is usually within a few units of it), then
     bisecting; the cuts are the greedy fill's at that cost, so the workers past the last tile stay idle."""
-    ends = np.append(line.start, line.total)  # [T + 1] tile boundaries on the line
     T, W = line.blocks.size, line.num_workers
-    if T <= W:
-        return np.concatenate([line.start[1:], np.full(W - T, line.total)])  # [W - 1]
     cap = beat[0] if beat[1] > 0 else beat[0] - 1  # the most the plan may cost and still win
-    lo = max(int((line.blocks + line.ovh).max()), _ceil_div(line.total, W))
+    lo = max(int((line.blocks + line.ovh).max()), _ceil_div(line.total, W))  # the longest tile with T <= W
     if lo > cap:
         return None
+    if T <= W:
+        return np.concatenate([line.start[1:], np.full(W - T, line.total)])  # [W - 1]
+    ends = np.append(line.start, line.total)  # [T + 1] tile boundaries on the line
     step, hi = 1, lo
     while not _fits(ends, hi, W):
         if hi == cap:
