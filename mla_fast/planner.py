@@ -91,6 +91,8 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 import torch
 
+from mla_ref.config import is_int
+
 # columns of WorkPlan.work_items and WorkPlan.reduce_final (docs/architecture.md)
 BATCH, PARTIAL_ROW, QO_START, QO_END, KV_START, KV_END, HEAD_START, HEAD_END = range(8)
 TILE_QO_START, TILE_QO_END, TILE_HEAD_START, TILE_HEAD_END, SPLIT_BEGIN, SPLIT_END, PARTIAL_BASE = range(7)
@@ -125,7 +127,7 @@ def _as_lengths(x, name: str) -> torch.Tensor:
 
 
 def _check_int(value, name: str, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    if not is_int(value) or value < low:
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     return value
 

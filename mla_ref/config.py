@@ -10,6 +10,11 @@ import math
 from dataclasses import dataclass
 
 
+def is_int(x) -> bool:
+    """An int that is not a bool (True would otherwise pass as 1)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def yarn_get_mscale(factor: float, mscale: float) -> float:
     """YaRN attention factor m(f, mscale) = 0.1 * mscale * ln(f) + 1 for f > 1, else 1 (natural log)."""
     if factor <= 1.0:
@@ -39,7 +44,7 @@ class YaRN:
         if not (math.isfinite(self.factor) and self.factor > 0):
             raise ValueError(f"YaRN.factor must be finite and > 0, got {self.factor}")
         n = self.original_max_position_embeddings
-        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        if not is_int(n) or n <= 0:
             raise ValueError(f"YaRN.original_max_position_embeddings must be an int > 0, got {n!r}")
         if not (math.isfinite(self.beta_fast) and self.beta_fast > self.beta_slow > 0):
             raise ValueError(f"YaRN needs finite beta_fast > beta_slow > 0, got {self.beta_fast}, {self.beta_slow}")
@@ -71,9 +76,6 @@ class MLAConfig:
     rms_norm_eps: float = 1e-6
 
     def __post_init__(self):
-        def is_int(x) -> bool:
-            return isinstance(x, int) and not isinstance(x, bool)
-
         for name in ("hidden_size", "num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
             if not is_int(getattr(self, name)) or getattr(self, name) <= 0:
                 raise ValueError(f"MLAConfig.{name} must be an int > 0, got {getattr(self, name)!r}")

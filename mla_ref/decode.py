@@ -32,6 +32,8 @@ from dataclasses import KW_ONLY, dataclass
 
 import torch
 
+from mla_ref.config import is_int
+
 FP8_DTYPES = tuple(
     getattr(torch, name)
     for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
@@ -171,8 +173,7 @@ class DecodeBatch:
             raise _field_error("kv_cache", "page_size >= 1", tuple(kv.shape))
         if q.shape[1] < 1:
             raise _field_error("q", "at least one head (shape [T, H >= 1, L+R])", tuple(q.shape))
-        if isinstance(self.kv_lora_rank, bool) or not isinstance(self.kv_lora_rank, int) \
-                or not 0 < self.kv_lora_rank <= q.shape[2]:
+        if not is_int(self.kv_lora_rank) or not 0 < self.kv_lora_rank <= q.shape[2]:
             raise _field_error("kv_lora_rank", f"an int in [1, {q.shape[2]}]", self.kv_lora_rank)
         for name in ("block_table", "seq_lens", "q_lens"):
             t = getattr(self, name)
@@ -521,7 +522,7 @@ def make_decode_batch(
         A validated ``DecodeBatch``; unused block-table entries hold ``INVALID_PAGE``.
     """
     for name, value, least in (("page_size", page_size, 1), ("extra_pages", extra_pages, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        if not is_int(value) or value < least:
             raise ValueError(f"make_decode_batch.{name}: expected an int >= {least}, got {value!r}")
     if not isinstance(generator, torch.Generator):  # the global RNG would make the page order irreproducible
         raise ValueError(f"make_decode_batch.generator: expected a torch.Generator (a local RNG for the page order), "
@@ -544,7 +545,7 @@ def make_decode_batch(
     block_table = torch.full((B, max(npages, default=0) or 1), INVALID_PAGE, dtype=torch.int32, device=device)
     if q_lens is not None:  # checked before the int32 cast, which would truncate floats and wrap large ints
         values = q_lens.tolist() if isinstance(q_lens, torch.Tensor) else list(q_lens)
-        if any(isinstance(n, bool) or not isinstance(n, int) or not 1 <= n < 2**31 for n in values):
+        if any(not is_int(n) or not 1 <= n < 2**31 for n in values):
             raise _field_error("q_lens", "ints in [1, 2^31) (one per request)", values)
     q_lens_t = torch.as_tensor(q_lens if q_lens is not None else [1] * B, dtype=torch.int32, device=device)
     batch = DecodeBatch(q, kv_cache, block_table, torch.tensor(seq_lens, dtype=torch.int32, device=device),

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mla_ref.config import is_int
 from mla_ref.decode import DecodeBatch, _fp32_positive, make_decode_batch
 from mla_ref.fp8 import FORMATS, quantize
 
@@ -61,11 +62,6 @@ COHERENT_Q = 0.296875  # 19/64: an e4m3 tie (between 0.28125 and 0.3125), exact 
 NEAR_MAX_FRACTION = 1 / 256  # share of entries placed beyond fmt.max·s in the near_max distribution
 NEAR_MAX = {"e4m3fn": (450.0, 452.0, 456.0, 460.0, 464.0), "e4m3fnuz": (242.0, 244.0, 246.0)}  # torch -> ±max
 STD_RANGE = 8.0  # a static scale covers 8 standard deviations
-
-
-def _is_int(x) -> bool:
-    """An int that is not a bool (JSON's true would otherwise pass as 1)."""
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
@@ -106,14 +102,14 @@ class Case:
     sm_scale: float = SM_SCALE
 
     def __post_init__(self) -> None:
-        if not self.seq_lens or any(not _is_int(s) or s < 0 for s in self.seq_lens):
+        if not self.seq_lens or any(not is_int(s) or s < 0 for s in self.seq_lens):
             raise ValueError(f"Case.seq_lens: expected a non-empty tuple of ints >= 0, got {self.seq_lens!r}")
-        if len(self.q_lens) != len(self.seq_lens) or any(not _is_int(n) or n < 1 for n in self.q_lens):
+        if len(self.q_lens) != len(self.seq_lens) or any(not is_int(n) or n < 1 for n in self.q_lens):
             n = len(self.seq_lens)
             raise ValueError(f"Case.q_lens: expected {n} ints >= 1 (one per request), got {self.q_lens!r}")
         for name in ("heads", "page_size", "kv_lora_rank", "rope_dim", "num_workers"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"Case.{name}: expected an int >= 1, got {value!r}")
         for name, allowed in (("q_dtype", DTYPES), ("kv_dtype", DTYPES), ("fp8_format", FP8_FORMATS),
                               ("scale_mode", SCALE_MODES), ("dist", DISTRIBUTIONS)):
@@ -121,7 +117,7 @@ class Case:
                 raise ValueError(f"Case.{name}: expected one of {allowed}, got {getattr(self, name)!r}")
         if self.q_dtype == "fp8" and self.kv_dtype != "fp8":
             raise ValueError("Case.q_dtype: fp8 queries need kv_dtype='fp8', got kv_dtype='bf16'")
-        if not _is_int(self.seed) or not 0 <= self.seed < 2**63:
+        if not is_int(self.seed) or not 0 <= self.seed < 2**63:
             raise ValueError(f"Case.seed: expected an int in [0, 2^63), got {self.seed!r}")
         if not _fp32_positive(self.sm_scale):  # what DecodeBatch takes: finite and > 0 in fp32
             raise ValueError(f"Case.sm_scale: expected a float, finite and > 0 in fp32, got {self.sm_scale!r}")
