@@ -786,16 +786,17 @@ def _drive_step(batch: DecodeBatch, kernel: Kernel, first: tuple, ref, bound: bo
     # anything else allocates (the oracle's results, or the byte copies of the inputs, in a block plan() freed
     # would show the replay's writes as a wrong oracle or as writes into the inputs), and given back before those
     # copies are compared (the comparisons allocate as much again)
-    held = [FreeBlocks.take(device)] if device.type == "cuda" and FreeBlocks.supported() else []
+    held = FreeBlocks.take(device) if device.type == "cuda" and FreeBlocks.supported() else None
     where += ", then " + next_step.next_values(static, new_slots)
     ref_next = mla_decode_ref(static)  # [T, H, L], [T, H] fp64 on the new contents
     before, freed = input_snapshot(static), []
 
     def replay_and_release():
+        nonlocal held
         run = _call(replay, device=device)
-        if held and run[1] is None:  # after a device fault nothing more runs on the device
-            freed.extend(_freed_check(held[0], where))
-        held.clear()
+        if held is not None and run[1] is None:  # after a device fault nothing more runs on the device
+            freed.extend(_freed_check(held, where))
+        held = None
         return run
 
     got, why = _watched(static, replay_and_release, before)
