@@ -4,6 +4,7 @@ repro line, the JSON report (schema, allow_nan=False, atomic), broken plug-ins a
 
 import dataclasses
 import json
+import re
 import shlex
 import socket
 import sys
@@ -917,3 +918,34 @@ def test_the_report_names_the_declared_numerics_and_warns_when_the_bound_is_vacu
     assert all(r["numerics"] == described for r in report["results"])
     code, _, err = run(capsys, "--impl", "verify.mutants:correct", *argv)
     assert code == 0 and json.loads(path.read_text())["warnings"] == [] and "warning" not in err
+
+
+@pytest.mark.parametrize("source, error", [("def decode(batch) return 0\n", "SyntaxError"),
+                                           ("raise RuntimeError('needs a GPU at import')\n", "RuntimeError")])
+def test_a_plugin_module_that_fails_to_import_is_a_usage_error(capsys, tmp_path, monkeypatch, source, error):
+    """A plug-in module that raises while it is imported (a SyntaxError, a RuntimeError from an import-time device
+    probe) exits 2 with one line naming the error: it had exited 1, "a check failed", with a traceback (found by a
+    review)."""
+    (tmp_path / "broken_plugin_mod.py").write_text(source)
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run(capsys, "--impl", "broken_plugin_mod:decode", "--cases", "1")
+    assert code == cli.EXIT_USAGE, err
+    assert f"--impl broken_plugin_mod:decode: cannot resolve it ({error}" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("attr, value, wanted", [("numerics", "bf16", "a KernelNumerics"),
+                                                 ("max_splits", 0, "an int >= 1"),
+                                                 ("max_splits", 2.0, "an int >= 1")])
+def test_a_per_batch_declaration_with_a_bad_value_fails_naming_it(attr, value, wanted):
+    """A plug-in's callable `.numerics` or `.max_splits` that returns a bad value raises naming the plug-in and the
+    attribute (the campaign fails the case with that message; it had been an AttributeError deep in the bounds, or
+    the planner's "num_splits: expected an int >= 1", naming neither)."""
+    from verify.checks import run_case
+    from verify.kernels import from_callable
+
+    def decode(batch):
+        return correct(batch)
+
+    setattr(decode, attr, lambda batch: value)
+    with pytest.raises(ValueError, match=re.escape(f"--impl mine: .{attr}(batch) must return {wanted}, got {value!r}")):
+        run_case(Case(seq_lens=(70, 3), q_lens=(1, 1), heads=2), from_callable(decode, "mine"), "cpu")

@@ -50,6 +50,7 @@ import torch
 
 from mla_fast.backends import blocks_of_64
 from mla_fast.numerics import HOPPER_PV_PER_TOKEN, PV_PER_TILE, KernelNumerics
+from mla_ref.config import is_int
 from mla_ref.decode import DecodeBatch
 
 _F32 = 2**-23  # one chopped fp32 addition per accumulated term (as mla_fast.numerics charges its own kernel)
@@ -129,7 +130,7 @@ def from_impl(spec: str) -> Kernel:
         sys.path.insert(0, os.getcwd())
     try:
         fn = pkgutil.resolve_name(spec)
-    except (ImportError, AttributeError, ValueError) as e:
+    except Exception as e:  # ImportError, AttributeError, and whatever importing the module raised (SyntaxError...)
         raise ValueError(f"--impl {spec}: cannot resolve it ({type(e).__name__}: {e})") from None
     return from_callable(fn, spec)
 
@@ -145,16 +146,17 @@ def from_callable(fn, name: str | None = None) -> Kernel:
     elif isinstance(declared, KernelNumerics):
         numerics, reason = (lambda batch: declared), "plug-in, declared numerics"
     elif callable(declared):
-        numerics, reason = declared, "plug-in, declared numerics (per batch)"
+        numerics, reason = _checked(declared, name, ".numerics", _is_numerics), "plug-in, declared numerics (per batch)"
     else:
         raise ValueError(f"--impl {name}: .numerics must be a KernelNumerics or a callable, got {type(declared)}")
     splits = getattr(fn, "max_splits", None)
     if splits is None:
         max_splits = blocks_of_64
-    elif isinstance(splits, int) and not isinstance(splits, bool) and splits >= 1:
+    elif _is_splits(splits) is None:
         max_splits, reason = (lambda batch: splits), f"{reason}; at most {splits} splits per row"
     elif callable(splits):
-        max_splits, reason = splits, f"{reason}; declared max_splits (per batch)"
+        max_splits = _checked(splits, name, ".max_splits", _is_splits)
+        reason += "; declared max_splits (per batch)"
     else:
         raise ValueError(f"--impl {name}: .max_splits must be an int >= 1 or a callable (batch) -> int, got "
                          f"{splits!r}")
@@ -175,6 +177,26 @@ def from_callable(fn, name: str | None = None) -> Kernel:
         reason += "; graph-capturable step through .step"
     return Kernel(name, fn, numerics, workers, max_splits=max_splits, reason=reason, deterministic=deterministic,
                   step=step)
+
+
+def _is_numerics(value: object) -> str | None:
+    return None if isinstance(value, KernelNumerics) else "a KernelNumerics"
+
+
+def _is_splits(value: object) -> str | None:
+    return None if is_int(value) and value >= 1 else "an int >= 1"
+
+
+def _checked(declared: Callable[[DecodeBatch], object], name: str, attr: str,
+             expect: Callable[[object], str | None]) -> Callable[[DecodeBatch], object]:
+    """A plug-in's per-batch declaration whose return value is checked: a ValueError naming the plug-in and the
+    attribute (the case then fails with it) instead of an error deep in the bounds."""
+    def call(batch: DecodeBatch):
+        value = declared(batch)
+        if (wanted := expect(value)) is not None:
+            raise ValueError(f"--impl {name}: {attr}(batch) must return {wanted}, got {value!r}")
+        return value
+    return call
 
 
 def outputs(result: object, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
