@@ -185,7 +185,13 @@ def test_help_lists_every_flag(capsys):
              # found by a review: JSON's true passed as the int 1, and sizes past memory were reported as a failed
              # case (exit 1) when their allocation failed
              ["--case", '{"seed": true}'], ["--case", '{"seq_lens": [true]}'],
-             ["--case", '{"seq_lens": [10000000000]}'], ["--case", '{"heads": 1099511627776}'], ["--heads", "1025"]],
+             ["--case", '{"seq_lens": [10000000000]}'], ["--case", '{"heads": 1099511627776}'], ["--heads", "1025"],
+             # found by a review: flags that had no effect, silently (the report then named the flag's dtype)
+             ["--case", '{"seq_lens": [70]}', "--dtype", "fp8"], ["--case", '{"seq_lens": [70]}', "--seed", "3"],
+             ["--case", '{"seq_lens": [70]}', "--fp8-format", "e4m3fnuz", "--dtype", "fp8"],
+             ["--case", '{"seq_lens": [70]}', "--heads", "4"], ["--case", '{"seq_lens": [70]}', "--cases", "9"],
+             ["--impl", "verify.mutants:correct", "--backend", "emulated"], ["--fp8-format", "e4m3fnuz"],
+             ["--plot", "-"]],
 )
 def test_bad_usage_exits_2_with_one_line(capsys, argv):
     code, out, err = run(capsys, *argv)
@@ -949,3 +955,15 @@ def test_a_per_batch_declaration_with_a_bad_value_fails_naming_it(attr, value, w
     setattr(decode, attr, lambda batch: value)
     with pytest.raises(ValueError, match=re.escape(f"--impl mine: .{attr}(batch) must return {wanted}, got {value!r}")):
         run_case(Case(seq_lens=(70, 3), q_lens=(1, 1), heads=2), from_callable(decode, "mine"), "cpu")
+
+
+def test_a_replay_reports_the_cases_dtype_not_the_flags_default(capsys, tmp_path):
+    """The JSON of a --case replay names what ran: the case's fp8 dtype and format, no profile or Hypothesis seed (it
+    had said bf16 and seed 0, the flags' defaults, over an fp8 case)."""
+    path = tmp_path / "r.json"
+    case = dataclasses.replace(SMALL, kv_dtype="fp8", q_dtype="fp8", fp8_format="e4m3fnuz")
+    code, _, err = run(capsys, "--backend", "emulated", "--case", case.to_json(), "--json", str(path))
+    assert code == 0, err
+    report = json.loads(path.read_text())
+    assert (report["dtype"], report["fp8_format"], report["seed"], report["profile"]) == ("fp8", "e4m3fnuz", None, None)
+    assert report["results"][0]["case"]["fp8_format"] == "e4m3fnuz"

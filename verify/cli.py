@@ -187,7 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "then N independent searches with seeds SEED..SEED+N-1)")
     p.add_argument("--json", metavar="PATH", help="write the JSON report to PATH ('-' = stdout)")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of err/bound per case and check (needs matplotlib)")
-    p.add_argument("--case", metavar="JSON", help="replay one case (the JSON of a repro line) and show every check")
+    p.add_argument("--case", metavar="JSON",
+                   help="replay one case (the JSON of a repro line; fields left out take the Case defaults) and show "
+                        "every check; the flags that shape or draw cases (--dtype, --seed, --heads, ...) are refused "
+                        "with it")
     p.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failed case (not unsupported)")
     p.add_argument("--far", choices=("auto", "on", "off"), default="auto",
                    help="the far check: each case again with its pages past element 2^31 of a 2-4 GB cache (int32 "
@@ -669,6 +672,21 @@ def _model(argv: list[str]) -> int:
     return model_check.main(argv)
 
 
+# flags that shape or draw the campaign's cases: a --case replay takes none of them
+CASE_FIXES = {"dtype": "--dtype", "fp8_format": "--fp8-format", "heads": "--heads", "page_size": "--page-size",
+              "max_seq_len": "--max-seq-len", "max_batch": "--max-batch", "seed": "--seed", "cases": "--cases",
+              "profile": "--profile", "long": "--long", "time_limit": "--time-limit", "exitfirst": "--exitfirst"}
+_UNSET = object()
+
+
+def _given(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The dests of the options on the command line, defaults or not: argparse fills a default only where the
+    namespace it is given lacks the attribute."""
+    dests = [a.dest for a in parser._actions if a.option_strings and a.dest != "help"]
+    ns = parser.parse_args(argv, namespace=argparse.Namespace(**{d: _UNSET for d in dests}))
+    return {d for d in dests if getattr(ns, d) is not _UNSET}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``mla-verify`` console script; returns the exit code."""
     global _KERNEL, _DEVICE, _FAR
@@ -680,6 +698,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help (0) or a usage error (2, message already printed)
         return int(e.code or 0)
+    given = _given(parser, argv)
 
     from rich.console import Console
 
@@ -691,6 +710,15 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"mla-verify: error: {msg}", markup=False, highlight=False)
         return EXIT_USAGE
 
+    if args.impl and "backend" in given:
+        return usage("--impl and --backend each name the kernel to verify: give one")
+    if args.dtype == "bf16" and "fp8_format" in given:
+        return usage("--fp8-format applies to --dtype fp8 (bf16 cases have no fp8 tensors)")
+    if args.case is not None and (ignored := [flag for dest, flag in CASE_FIXES.items() if dest in given]):
+        return usage(f"--case replays the case as its JSON gives it (seed, heads, page_size, q_dtype, kv_dtype, "
+                     f"fp8_format, ...; left out: the Case defaults), so {', '.join(ignored)} would have no effect")
+    if args.plot == "-":
+        return usage("--plot: expected a file path for the PNG ('-', stdout, is for --json)")
     for flag, path in (("--json", args.json), ("--plot", args.plot)):  # before the campaign, not after it
         if path is not None and path != "-" and (why := _writable(path)):
             return usage(f"{flag}: cannot write {path}: {why}")
@@ -768,6 +796,9 @@ def main(argv: list[str] | None = None) -> int:
         jobs = args.jobs or (cores if device.type == "cpu" else min(GPU_JOBS, cores))
     kernel_spec = ("impl", args.impl) if args.impl else ("backend", kernel.name)
     report.update(seed=seed, jobs=jobs)
+    if replay:  # what ran: the case's own dtypes and format, no drawing
+        report.update(profile=None, seed=None, dtype="fp8" if replay.kv_dtype == "fp8" else "bf16",
+                      fp8_format=replay.fp8_format)
     what = f"replaying {replay.describe()}" if replay else f"profile {args.profile}, seed {seed}, {n} cases"
     if args.profile == "search" and jobs > 1 and not replay:
         what += f" ({jobs} searches, seeds {seed}..{seed + jobs - 1})"
@@ -893,7 +924,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         _write_json(args.json, report)
     if args.plot and results:
-        _plot(args.plot, results, f"{kernel.name}, {args.dtype}, {len(results)} cases")
+        _plot(args.plot, results, f"{kernel.name}, {report['dtype']}, {len(results)} cases")
     if failed or stopped.get("fault"):
         return EXIT_FAILED
     if not results:
