@@ -19,7 +19,7 @@ from verify.strategies import WORK_BUDGET, cases, smoke_cases
     [("seq_lens", ()), ("seq_lens", (3, -1)), ("q_lens", (1, 1)), ("q_lens", (0,)), ("heads", 0), ("page_size", 0),
      ("kv_dtype", "fp16"), ("q_dtype", "int8"), ("fp8_format", "e5m2"), ("scale_mode", "auto"), ("dist", "uniform"),
      ("num_workers", 0), ("seed", -1), ("sm_scale", 0.0), ("sm_scale", 1e-50), ("sm_scale", 1e300),
-     ("sm_scale", float("nan")), ("sm_scale", True), ("sm_scale", "0.1")],
+     ("sm_scale", 1e-40), ("sm_scale", 2.0**17), ("sm_scale", float("nan")), ("sm_scale", True), ("sm_scale", "0.1")],
 )
 def test_bad_field_names_itself(field, value):
     with pytest.raises(ValueError, match=f"Case.{field}"):

@@ -186,6 +186,7 @@ def test_help_lists_every_flag(capsys):
              # case (exit 1) when their allocation failed
              ["--case", '{"seed": true}'], ["--case", '{"seq_lens": [true]}'],
              ["--case", '{"seq_lens": [10000000000]}'], ["--case", '{"heads": 1099511627776}'], ["--heads", "1025"],
+             ["--case", '{"page_size": 100000000}'], ["--page-size", "4097"], ["--case", '{"sm_scale": 1e-40}'],
              # found by a review: flags that had no effect, silently (the report then named the flag's dtype)
              ["--case", '{"seq_lens": [70]}', "--dtype", "fp8"], ["--case", '{"seq_lens": [70]}', "--seed", "3"],
              ["--case", '{"seq_lens": [70]}', "--fp8-format", "e4m3fnuz", "--dtype", "fp8"],

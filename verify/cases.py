@@ -46,6 +46,7 @@ from mla_ref.config import is_int
 from mla_ref.decode import DecodeBatch, _fp32_positive, make_decode_batch
 from mla_ref.fp8 import FORMATS, quantize
 
+SM_SCALE_RANGE = (2.0**-16, 2.0**16)  # σ a Case takes (drawn: 0.072-0.22); DecodeBatch takes any finite σ > 0
 SM_SCALE = 0.1352338  # DeepSeek-V3 σ = 192^-1/2 · mscale² (numerics.md §1.3)
 NO_YARN_SM_SCALE = 192**-0.5  # the same model without YaRN's mscale² (a short-context config)
 V2_LITE_SM_SCALE = 192**-0.5 * (0.1 * 0.707 * math.log(40) + 1) ** 2  # DeepSeek-V2-Lite: mscale_all_dim 0.707
@@ -119,8 +120,9 @@ class Case:
             raise ValueError("Case.q_dtype: fp8 queries need kv_dtype='fp8', got kv_dtype='bf16'")
         if not is_int(self.seed) or not 0 <= self.seed < 2**63:
             raise ValueError(f"Case.seed: expected an int in [0, 2^63), got {self.seed!r}")
-        if not _fp32_positive(self.sm_scale):  # what DecodeBatch takes: finite and > 0 in fp32
-            raise ValueError(f"Case.sm_scale: expected a float, finite and > 0 in fp32, got {self.sm_scale!r}")
+        if not _fp32_positive(self.sm_scale) or not SM_SCALE_RANGE[0] <= self.sm_scale <= SM_SCALE_RANGE[1]:
+            raise ValueError(f"Case.sm_scale: expected a float in [2^-16, 2^16] (q is drawn in proportion to 1/σ: "
+                             f"a σ of 1e-40 gave an infinite q), got {self.sm_scale!r}")
         object.__setattr__(self, "sm_scale", float(self.sm_scale))  # 1 and 1.0: one case, one repro
 
     # ---- derived sizes ----------------------------------------------------------------------------------------

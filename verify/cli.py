@@ -103,6 +103,7 @@ def _positive_int(text: str) -> int:
 MAX_SEQ_LEN = 2**18  # longest --max-seq-len (DeepSeek-V3 serves 163840 tokens): the fp64 oracle and bounds of such a
 # case hold a few GB; far longer ones fail to allocate, which a campaign would report as a failed case
 MAX_CASE_HEADS = 1024  # most heads a --case may ask for (DeepSeek-V3 has 128): the oracle's grids grow with them
+MAX_PAGE_SIZE = 4096  # largest page a case may fix (drawn: up to 64, smoke 128): every request holds whole pages
 
 
 def _at_most(limit: int):
@@ -173,7 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"longest KV sequence drawn (default 4096, at most {MAX_SEQ_LEN})")
     p.add_argument("--heads", type=_at_most(MAX_CASE_HEADS), metavar="H",
                    help=f"fix the number of query heads (default drawn; at most {MAX_CASE_HEADS})")
-    p.add_argument("--page-size", type=_positive_int, metavar="P", help="fix the page size (default drawn)")
+    p.add_argument("--page-size", type=_at_most(MAX_PAGE_SIZE), metavar="P",
+                   help=f"fix the page size (default drawn; at most {MAX_PAGE_SIZE})")
     p.add_argument("--max-batch", type=_positive_int, default=8, metavar="B",
                    help="most requests per drawn case (default 8; the work budget then draws fewer heads)")
     p.add_argument("--profile", choices=tuple(DEFAULT_CASES), default="ci", help="case generation profile (below)")
@@ -733,9 +735,11 @@ def main(argv: list[str] | None = None) -> int:
             replay = Case.from_json(args.case)
         except (ValueError, TypeError) as e:
             return usage(f"--case: {e}")
-        if max(replay.seq_lens) > MAX_SEQ_LEN or replay.heads > MAX_CASE_HEADS:  # before it fails to allocate
-            return usage(f"--case: expected seq_lens <= {MAX_SEQ_LEN} and heads <= {MAX_CASE_HEADS} (--max-seq-len's "
-                         f"and --heads' limits), got seq_lens {list(replay.seq_lens)}, heads {replay.heads}")
+        if (max(replay.seq_lens) > MAX_SEQ_LEN or replay.heads > MAX_CASE_HEADS
+                or replay.page_size > MAX_PAGE_SIZE):  # before it fails to allocate
+            return usage(f"--case: expected seq_lens <= {MAX_SEQ_LEN}, heads <= {MAX_CASE_HEADS} and page_size <= "
+                         f"{MAX_PAGE_SIZE} (--max-seq-len's, --heads' and --page-size's limits), got seq_lens "
+                         f"{list(replay.seq_lens)}, heads {replay.heads}, page_size {replay.page_size}")
 
     import torch
 
