@@ -968,3 +968,17 @@ def test_a_replay_reports_the_cases_dtype_not_the_flags_default(capsys, tmp_path
     report = json.loads(path.read_text())
     assert (report["dtype"], report["fp8_format"], report["seed"], report["profile"]) == ("fp8", "e4m3fnuz", None, None)
     assert report["results"][0]["case"]["fp8_format"] == "e4m3fnuz"
+
+
+def exits(batch):
+    sys.exit(3)
+
+
+def test_a_plugin_that_calls_sys_exit_fails_its_case_with_a_report(capsys, tmp_path):
+    """A kernel that calls sys.exit(3) fails the case with the SystemExit named, and the campaign writes its report
+    (it had ended the campaign with exit 3, no message and no report; found by a review)."""
+    path = tmp_path / "r.json"
+    code, _, err = run(capsys, "--impl", "tests.test_cli:exits", "--case", SMALL.to_json(), "--json", str(path))
+    assert code == cli.EXIT_FAILED, err
+    (check,) = json.loads(path.read_text())["failures"][0]["checks"]
+    assert check["name"] == "contract" and "SystemExit: 3" in check["detail"]

@@ -167,18 +167,18 @@ def error_message(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}" + (f" (at {where.filename}:{where.lineno})" if where else "")
 
 
-def _call(kernel_fn, *args, device: torch.device) -> tuple[object | None, Exception | None]:
+def _call(kernel_fn, *args, device: torch.device) -> tuple[object | None, BaseException | None]:
     """Run a kernel and wait for it on ``device``; (result, None) or (None, the exception). Never raises."""
     try:
         result = kernel_fn(*args)
         if device.type == "cuda":  # a faulting launch is reported here, charged to this case
             torch.cuda.synchronize(device)
         return result, None
-    except Exception as e:  # a plug-in's failure is a failed case, not a crash
+    except (Exception, SystemExit) as e:  # a plug-in's failure (sys.exit() too) is a failed case, not a crash
         return None, e
 
 
-def _run(kernel: Kernel, batch: DecodeBatch, workers: int) -> tuple[object | None, Exception | None]:
+def _run(kernel: Kernel, batch: DecodeBatch, workers: int) -> tuple[object | None, BaseException | None]:
     """`_call` of the kernel on ``batch``: with ``workers`` persistent workers when it takes a count (run_workers),
     else its plain run."""
     if kernel.run_workers is not None:
@@ -186,7 +186,7 @@ def _run(kernel: Kernel, batch: DecodeBatch, workers: int) -> tuple[object | Non
     return _call(kernel.run, batch, device=batch.device)
 
 
-def _outputs_of(run: tuple[object | None, Exception | None], batch: DecodeBatch) -> tuple[tuple | None, str | None]:
+def _outputs_of(run: tuple[object | None, BaseException | None], batch: DecodeBatch) -> tuple[tuple | None, str | None]:
     """A later run's ``run`` (`_run`'s or `_call`'s result) as ((out, lse), None), or (None, why it has none): "the run
     raised ..." or the output contract's message. A device fault propagates (run_case charges it to the case)."""
     raw, exc = run
@@ -200,7 +200,7 @@ def _outputs_of(run: tuple[object | None, Exception | None], batch: DecodeBatch)
         return None, str(e)
 
 
-def _watched(batch: DecodeBatch, run: Callable[[], tuple[object | None, Exception | None]],
+def _watched(batch: DecodeBatch, run: Callable[[], tuple[object | None, BaseException | None]],
              before: dict[str, torch.Tensor] | None = None) -> tuple[tuple | None, str | None]:
     """`_outputs_of(run(), batch)`, except that a run that wrote into the batch's inputs (`check_inputs`, against
     byte copies taken before it: ``before``, else taken here) has no outputs: why is then that."""

@@ -227,7 +227,7 @@ def _run_one(case: Case) -> CaseResult:
     t0 = time.perf_counter()
     try:
         return run_case(case, _KERNEL, _DEVICE, _FAR)
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # SystemExit: a plug-in's sys.exit() outside a kernel call (plan, step)
         tb = traceback.format_exc(limit=-3).strip().replace("\n", " | ")
         check = CheckResult("verifier", False, detail=f"verifier error {type(e).__name__}: {e} [{tb}]")
         return CaseResult(case, [check], time.perf_counter() - t0, device_fault=is_device_fault(e))
