@@ -179,10 +179,11 @@ def test_no_probe_without_a_split_or_two_tokens_and_a_broken_run_fails():
     kernel = _storing("fp32", "fp32")
     splitting = dataclasses.replace(kernel, max_splits=lambda b: 4)  # a kernel that may cut any row
     [r] = check_partials(_batch("bf16", seq_lens=(1, 2, 0), q_lens=(1, 2, 1)), splitting, workers=4)
-    assert r.ok and "no partials probe: no request whose every query row sees two tokens" in r.detail
+    assert r.ok and r.name == "partials.skipped"
+    assert "no partials probe: no request whose every query row sees two tokens" in r.detail
     unsplit = dataclasses.replace(kernel, max_splits=lambda b: 1)
     [r] = check_partials(_batch("bf16"), unsplit, workers=4)
-    assert r.ok and "declares no split" in r.detail
+    assert r.ok and r.name == "partials.skipped" and "declares no split" in r.detail
 
     def breaks_on_zero_q(b):
         if not b.q.double().any():
@@ -254,7 +255,7 @@ def test_a_plug_in_that_cuts_finer_than_64_tokens_declares_it_and_is_probed(monk
     batch = _batch("bf16", seq_lens=(60, 40), q_lens=(1, 2))
     fine = _storing("bf16", "fp32")
     [r] = check_partials(batch, fine, workers=4)
-    assert r.ok and "declares no split" in r.detail
+    assert r.ok and r.name == "partials.skipped" and "declares no split" in r.detail
     decode = fine.run
     decode.max_splits = 4
     [r, _] = check_partials(batch, from_callable(decode, "fine"), workers=4)

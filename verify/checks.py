@@ -363,7 +363,7 @@ def check_nan(batch: DecodeBatch, kernel: Kernel, workers: int) -> CheckResult:
     as an empty split (aiter's reduce), or takes a NaN row sum for an empty row, gives a finite answer there."""
     probe = nan_probe(batch)
     if probe is None:
-        return CheckResult("nan", True, detail="no request has a token to poison")
+        return CheckResult("nan.skipped", True, detail="no request has a token to poison")
     nan_batch, expected, row = probe
     result, why = _outputs_of(_run(kernel, nan_batch, workers), nan_batch)
     if why is not None:
@@ -397,7 +397,7 @@ def check_rounding(batch: DecodeBatch, kernel: Kernel, workers: int) -> list[Che
     numerics.md §5(h))."""
     probe = rounding_probe(batch)
     if isinstance(probe, str):
-        return [CheckResult("rounding", True, detail=f"no rounding probe: {probe}")]
+        return [CheckResult("rounding.skipped", True, detail=f"no rounding probe: {probe}")]
     return _probe_run("rounding", probe.describe(), probe.batch, kernel, workers,
                       on_fail=" (P rounded more coarsely than declared, or scores that are not exact products)")
 
@@ -434,11 +434,11 @@ def check_partials(batch: DecodeBatch, kernel: Kernel, workers: int) -> list[Che
     lengths wrongly. Rows the kernel does not split have nothing to show; a kernel that declares no split
     (max_splits 1) is not probed (verify/partials_probe.py, numerics.md §5(i))."""
     if kernel.max_splits(batch) < 2:
-        return [CheckResult("partials", True, detail="no partials probe: the kernel declares no split of this "
+        return [CheckResult("partials.skipped", True, detail="no partials probe: the kernel declares no split of this "
                                                       "batch (max_splits 1)")]
     probe = partials_probe(batch)
     if isinstance(probe, str):
-        return [CheckResult("partials", True, detail=f"no partials probe: {probe}")]
+        return [CheckResult("partials.skipped", True, detail=f"no partials probe: {probe}")]
     return _probe_run("partials", probe.describe(), probe.batch, kernel, workers, uniform_p=True,
                       on_fail=" (split outputs stored more coarsely than declared, a merge that weighs pieces of "
                               "different lengths wrongly, or a P that is not one value per row)")
