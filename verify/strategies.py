@@ -131,8 +131,9 @@ def smoke_cases(
 ) -> list[Case]:
     """The fixed prefix of every campaign: empty rows, length 1, page edges, MTP, splits, a long request, peaky
     and sink scores, 128 heads on pages of 32 with logits past fp32 exp's overflow, a dominant newest token in a
-    long request, pages of 128, two softmax scales other than DeepSeek-V3's (which most drawn cases take), and for fp8
-    both q dtypes, every scale mode, subnormals, ties and saturation.
+    long request, pages of 128, two softmax scales other than DeepSeek-V3's (which most drawn cases take), for fp8
+    both q dtypes, every scale mode, subnormals, ties and saturation; then 128 heads with MTP rows of 3 and 4, MTP
+    rows of 5 and 8, and a batch of 64 requests.
 
     Lengths are clipped to max_seq_len; heads / page_size override the hand-picked values when given.
     """
@@ -177,6 +178,17 @@ def smoke_cases(
             dict(seq_lens=(500, 70), q_lens=(1, 2), heads=4, dist="outlier", seed=5),
             dict(seq_lens=(300, 1), q_lens=(2, 1), heads=4, dist="coherent", seed=6),
         ]
+    picked += [  # shapes of serving that the drawn cases, held to a work budget, reach seldom or never
+        # DeepSeek-V3 as served: 128 heads with MTP rows of 3 and 4 (512 packed (row, head) pairs: an index that
+        # wraps at 256 shows), fp8 q with its dynamic scale
+        dict(seq_lens=(130, 65, 200), q_lens=(4, 3, 1), heads=128, num_workers=8, dist="gauss1",
+             q_dtype="fp8" if fp8 else "bf16", seed=15),
+        # MTP rows past the drawn 1-4 (a row index of two bits wraps)
+        dict(seq_lens=(300, 9), q_lens=(8, 5), heads=8, num_workers=4, dist="gauss1", seed=16),
+        # a batch of 64 requests (drawn: up to --max-batch, 8; a request index of three bits wraps)
+        dict(seq_lens=tuple(37 * i % 101 for i in range(64)), q_lens=(1,) * 64, heads=2, page_size=16,
+             num_workers=16, dist="gauss1", seed=17),
+    ]
     out = []
     for kw in picked:
         kw = {**base, **kw}
