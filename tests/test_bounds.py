@@ -5,6 +5,7 @@ DeepSeek-V3 dims (L = 512, R = 64). Scores have a target standard deviation: wit
 std(σ <q, k>) = σ a² sqrt(D), so a² = std / (σ sqrt(D)).
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -781,3 +782,31 @@ def test_operand_overflow_flag_for_fp8_operands(monkeypatch):
     for top, ok in ((448.0, True), (449.0, False), (1000.0, False)):
         fed = torch.tensor([[0.5, -top], [1.0, 2.0]], dtype=torch.float64)  # [2, 2]
         assert bool(_operand_error(fed, torch.float8_e4m3fn)[2]) is ok, top
+
+
+def test_an_fp32_output_below_the_normal_range_is_charged_its_absolute_rounding():
+    """An fp32 `out` correctly rounded from the exact answer passes when that answer is an fp32 subnormal: the bound
+    adds half fp32's least subnormal, 2^-150, on rows that see a token. It had been added through torch.where of two
+    Python floats, which gives an fp32 tensor, where 2^-150 is 0: a correct kernel failed at 2.4x its bound (found by
+    a review). Values: multiples of 2^-133 (bf16 subnormals), every score 0, so out is their mean."""
+    from verify.checks import _tier1_bound, check_tier1
+    from verify.kernels import DEFAULT_NUMERICS, from_callable
+
+    g = torch.Generator().manual_seed(0)
+    kv = torch.zeros(3, 576)  # [3, D]
+    kv[:, :512] = torch.randint(1, 5, (3, 512), generator=g).float() * 2.0**-133  # [3, L]
+    batch = make_decode_batch(torch.zeros(1, 1, 576, dtype=torch.bfloat16), [kv.to(torch.bfloat16)],
+                              sm_scale=0.1352338, kv_lora_rank=512, page_size=64, generator=g)
+    ref = mla_decode_ref(batch)  # [1, 1, L], [1, 1] fp64
+    numerics = dataclasses.replace(DEFAULT_NUMERICS, out_dtype=torch.float32)
+
+    def decode(b):
+        return ref[0].float(), ref[1].float()  # the exact answer, correctly rounded: a perfect fp32 kernel
+
+    decode.numerics = numerics
+    kernel = from_callable(decode, "exact_fp32")
+    assert ref[0].abs().max() < torch.finfo(torch.float32).tiny  # the answer is subnormal in fp32
+    assert (ref[0].float().double() != ref[0]).any()  # and its rounding moved it
+    out_check = check_tier1(ref[0].float().double(), ref[1].float().double(), ref,
+                            _tier1_bound(batch, kernel, numerics, ref), numerics.out_dtype)[0]
+    assert out_check.name == "tier1.out" and out_check.ok, out_check.detail

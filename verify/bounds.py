@@ -322,7 +322,7 @@ def _rounding_bound(
     o_mag = o.abs() + (_hull_term(omega_qk, R, pv, dev) if shared_scores else 0.0)  # [B, N, H, L] |ô|, or |o*|
     inner = (
         u_out * o_mag  # output rounding: relative, and absolute below the normal range on rows that see a token
-        + torch.where(seen[..., None], eta_out, 0.0)  # (an empty row's 0 is exact)
+        + seen[..., None].to(F64) * eta_out  # (an empty row's 0 is exact; torch.where of two floats gives fp32: 0)
         + growth * c_pv * pv  # P rounding and P·V accumulation
         + growth * (1 + c_pv) * (flush_v + _col(eta_v))  # P underflow (η_P), absolute V operand rounding (η_v)
         + _col(gamma_pv) * o_mag  # fp32 row sum l
@@ -792,7 +792,7 @@ def merge_bound(batch: DecodeBatch, num_splits: int, *, accum: torch.dtype = tor
         xi = 4 * u + 34 * u * lam  # [B, N, H] relative error of a merge weight
         pv = torch.einsum("bnhs,bsc->bnhc", st.p, K[..., :L].abs())  # [B, N, H, L] Σ_j p̂_j |v̂_jc|
         seen = st.seen[..., None, None]  # [B, N, 1, 1]
-        out = ((xi + S * u + u_o)[..., None] * pv + torch.where(seen, eta_o, 0.0)) * (1 + xi)[..., None]  # [B, N, H, L]
+        out = ((xi + S * u + u_o)[..., None] * pv + seen.to(F64) * eta_o) * (1 + xi)[..., None]  # [B, N, H, L]
         lse = torch.where(st.seen[..., None], xi + (S + 1) * u + 16 * u * lam, 0.0)  # [B, N, H]
         return grid.unpad(out), grid.unpad(lse)  # [t, H, L], [t, H]
 
