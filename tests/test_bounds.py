@@ -810,3 +810,46 @@ def test_an_fp32_output_below_the_normal_range_is_charged_its_absolute_rounding(
     out_check = check_tier1(ref[0].float().double(), ref[1].float().double(), ref,
                             _tier1_bound(batch, kernel, numerics, ref), numerics.out_dtype)[0]
     assert out_check.name == "tier1.out" and out_check.ok, out_check.detail
+
+
+def test_the_merge_bound_charges_the_normaliser_sum_of_many_splits():
+    """An fp32 kernel that cuts a 4096-token row into one-token splits (each exact: p = 1, O = v) and merges them in
+    order in fp32 (M = max, l = Σ exp(L_S - M) added one by one, out = Σ exp(L_S - L) O_S) passes tier 1 under its
+    honest declaration. The normaliser sum's (S - 1) u scales every weight alike; merge_bound had charged S u for
+    the weighted sum alone, and this kernel measured 1.35x its bound there (found by a review)."""
+    from verify.checks import _tier1_bound, check_tier1
+    from verify.kernels import from_callable
+
+    S = 4096
+    g = torch.Generator().manual_seed(1)
+    kv = torch.zeros(S, 576)  # [S, D]
+    kv[:, :512] = 0.5 + 0.5 * torch.rand(512, generator=g)  # one value row for every token
+    kv[:, 512], kv[0, 512] = -10.6875, 0.85546875  # the scores (σ = 1, q = e_512): one token dominates
+    q = torch.zeros(1, 1, 576)  # [T, H, D]
+    q[0, 0, 512] = 1.0
+    batch = make_decode_batch(q.to(torch.bfloat16), [kv.to(torch.bfloat16)], sm_scale=1.0, kv_lora_rank=512,
+                              page_size=64, generator=g)
+
+    def decode(b):
+        k = b.request_kv(0).float()  # [S, D]
+        lse_s = (b.q[0, 0].float() @ k.T) * b.sm_scale  # [S] fp32 scores: each split's lse (one token, exact)
+        m = lse_s.max()
+        total = torch.zeros((), dtype=torch.float32)
+        for x in torch.exp(lse_s - m):  # in order, one fp32 rounding per add
+            total = total + x
+        lse = m + torch.log(total)  # []
+        out = torch.zeros(512, dtype=torch.float32)
+        for w, v in zip(torch.exp(lse_s - lse), k[:, :512]):
+            out = out + w * v
+        return out[None, None], lse[None, None]  # [1, 1, L], [1, 1]
+
+    decode.numerics = KernelNumerics(p_fmt=None, p_scale=1.0, qk_operand=torch.float32, pv_operand=torch.float32,
+                                     gamma_qk=577 * 2**-23, gamma_pv=4 * 2**-23, out_dtype=torch.float32)
+    decode.max_splits = S
+    kernel = from_callable(decode, "one_token_splits")
+    out, lse = decode(batch)
+    ref = mla_decode_ref(batch)  # [1, 1, L], [1, 1] fp64
+    results = check_tier1(out.double(), lse.double(), ref, _tier1_bound(batch, kernel, decode.numerics, ref),
+                          torch.float32)
+    assert all(r.ok for r in results), [r.detail for r in results]
+    assert results[0].err_over_bound > 0.3  # not a vacuous bound: the merge's error is most of it
