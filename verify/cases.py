@@ -21,6 +21,9 @@ Data distributions (numerics.md §5.1, §8.2), each with q scaled so that scores
 | sink     | N(0, 1); token 0 of each request gets a +12 logit     | ~1.4      | one dominant token              |
 | recent   | N(0, 1); the newest token of each request gets +12    | ~1.4      | one dominant token that only    |
 |          |                                                       |           | the request's last row sees     |
+| shifted  | N(0, 1); every token -120, the newest +120            | ~1.4 + 5  | a running max started at 0, or  |
+|          |                                                       | per row   | a merge or tile kept at the     |
+|          |                                                       |           | first max (exp(240) overflows)  |
 | coherent | 4 repeated rows of ±1.0625, q = ±0.296875 (fp8 ties)  | ~1        | rounding errors that add up     |
 | near_max | N(0, 1), a few entries at s·(448, 464] (static s)     | 1         | saturation (torch's NaN trap)   |
 
@@ -50,7 +53,7 @@ SM_SCALE_RANGE = (2.0**-16, 2.0**16)  # σ a Case takes (drawn: 0.072-0.22); Dec
 SM_SCALE = 0.1352338  # DeepSeek-V3 σ = 192^-1/2 · mscale² (numerics.md §1.3)
 NO_YARN_SM_SCALE = 192**-0.5  # the same model without YaRN's mscale² (a short-context config)
 V2_LITE_SM_SCALE = 192**-0.5 * (0.1 * 0.707 * math.log(40) + 1) ** 2  # DeepSeek-V2-Lite: mscale_all_dim 0.707
-DISTRIBUTIONS = ("gauss1", "gauss4", "wide", "outlier", "sink", "recent", "coherent", "near_max")
+DISTRIBUTIONS = ("gauss1", "gauss4", "wide", "outlier", "sink", "recent", "coherent", "near_max", "shifted")
 SCORE_STD = {"gauss4": 4.0, "wide": 32.0}  # the others: 1
 SCALE_MODES = ("dynamic", "static", "unit")
 DTYPES = ("bf16", "fp8")
@@ -58,6 +61,7 @@ FP8_FORMATS = ("e4m3fn", "e4m3fnuz")
 
 OUTLIER_GAIN = 3000.0  # numerics.md §5.1: 2 outlier channels × 3000 leave ~36% of the rest subnormal
 SINK_LOGIT = 12.0  # extra logit of the sink token (numerics.md §5.1)
+SHIFT_LOGIT = 120.0  # shifted: every token at -120 (exp underflows in fp32 past -103), the newest at +120
 COHERENT_KV = 1.0625  # 1 + 2^-4: an e4m3 tie (between 1 and 1.125), exact in bf16
 COHERENT_Q = 0.296875  # 19/64: an e4m3 tie (between 0.28125 and 0.3125), exact in bf16
 NEAR_MAX_FRACTION = 1 / 256  # share of entries placed beyond fmt.max·s in the near_max distribution
@@ -253,6 +257,14 @@ def _draw(case: Case, g: torch.Generator) -> tuple[torch.Tensor, list[torch.Tens
         for k in kv:
             if k.shape[0]:
                 k[j] += SINK_LOGIT * u  # ... and +12 for token j
+    elif case.dist == "shifted":  # softmax ignores a shift; a max started at 0, or kept from the first tile, does not
+        u = torch.randn(D, generator=g)
+        u = u / u.norm()  # [D] unit direction
+        q = q + u / case.sm_scale  # [T, H, D] σ <q, u> = 1: each token's shift below ...
+        for k in kv:
+            k -= SHIFT_LOGIT * u  # ... every token -120 (plus one constant per row and head, σ (-120) <q_row, u>)
+            if k.shape[0]:
+                k[-1] += 2 * SHIFT_LOGIT * u  # the newest +120, seen by the request's last row only
     elif case.dist == "near_max" and case.is_fp8:
         fmt = case.fp8_format
         q = _place_near_max(q, static_scale(case, "q"), fmt, g) if case.q_dtype == "fp8" else q

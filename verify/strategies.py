@@ -133,7 +133,7 @@ def smoke_cases(
     and sink scores, 128 heads on pages of 32 with logits past fp32 exp's overflow, a dominant newest token in a
     long request, pages of 128, two softmax scales other than DeepSeek-V3's (which most drawn cases take), for fp8
     both q dtypes, every scale mode, subnormals, ties and saturation; then 128 heads with MTP rows of 3 and 4, MTP
-    rows of 5 and 8, and a batch of 64 requests.
+    rows of 5 and 8, scores shifted by -120 with a newest token at +120, and a batch of 64 requests.
 
     Lengths are clipped to max_seq_len; heads / page_size override the hand-picked values when given.
     """
@@ -185,6 +185,9 @@ def smoke_cases(
              q_dtype="fp8" if fp8 else "bf16", seed=15),
         # MTP rows past the drawn 1-4 (a row index of two bits wraps)
         dict(seq_lens=(300, 9), q_lens=(8, 5), heads=8, num_workers=4, dist="gauss1", seed=16),
+        # every score shifted to -120 but the newest token's, +120, which only the last MTP row sees, in requests
+        # of several tiles and splits: a running max started at 0, or a merge or tile that keeps its first max
+        dict(seq_lens=(700, 3, 130), q_lens=(2, 1, 3), heads=4, num_workers=8, dist="shifted", seed=18),
         # a batch of 64 requests (drawn: up to --max-batch, 8; a request index of three bits wraps)
         dict(seq_lens=tuple(37 * i % 101 for i in range(64)), q_lens=(1,) * 64, heads=2, page_size=16,
              num_workers=16, dist="gauss1", seed=17),
