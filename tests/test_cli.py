@@ -982,3 +982,19 @@ def test_a_plugin_that_calls_sys_exit_fails_its_case_with_a_report(capsys, tmp_p
     assert code == cli.EXIT_FAILED, err
     (check,) = json.loads(path.read_text())["failures"][0]["checks"]
     assert check["name"] == "contract" and "SystemExit: 3" in check["detail"]
+
+
+def test_an_output_coarser_than_declared_fails_the_contract_naming_both_dtypes():
+    """An e4m3fn `out` under the default bf16 declaration fails `contract` with both dtypes named (it had passed the
+    contract and failed tier1.out at 64x its bound, with no word of the dtype; found by a review); declared, the
+    same output passes (test_an_fp8_output_is_checked_not_crashed_on)."""
+    from verify.checks import run_case
+    from verify.kernels import from_callable
+
+    def decode(batch):
+        return fp8_out(batch)
+
+    case = Case(seq_lens=(0, 1, 63, 300), q_lens=(1, 2, 1, 3), heads=4, seed=2)
+    [check] = run_case(case, from_callable(decode), "cpu").failed
+    assert check.name == "contract"
+    assert "torch.float8_e4m3fn is coarser than the declared out_dtype torch.bfloat16" in check.detail

@@ -890,6 +890,9 @@ def run_case(case: Case, kernel: Kernel, device: str = "cpu", far: bool | None =
             out, lse = outputs(raw, batch)
         except ValueError as e:
             err = str(e)
+        if err is None and bounds._unit_roundoff(out.dtype) > bounds._unit_roundoff(numerics.out_dtype):
+            err = (f"kernel out: {out.dtype} is coarser than the declared out_dtype {numerics.out_dtype}, whose "
+                   f"rounding the bounds charge: declare it (KernelNumerics.out_dtype)")
     if err is not None:
         result.checks.append(CheckResult("contract", False, detail=err))
         result.device_fault = exc is not None and is_device_fault(exc)
