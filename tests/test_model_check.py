@@ -130,6 +130,12 @@ def test_model_usage_errors_return_2(capsys):
     assert mc.main(["--device", "foo"]) == 2
     assert "--device: expected a torch device" in capsys.readouterr().err
     assert cli.main(["model", "--bogus"]) == 2
+    # found by a review: checked before the run (an unwritable --json had been found after it, the result lost),
+    # and a KL bar below 0, which every run fails
+    assert mc.main(["--json", "/no/such/folder/x.json"]) == 2
+    assert "--json: cannot write /no/such/folder/x.json: folder /no/such/folder does not" in capsys.readouterr().err
+    assert mc.main(["--max-kl", "-1"]) == 2
+    assert "--max-kl: expected a number >= 0" in capsys.readouterr().err
 
 
 def test_attention_path_rejects_unknown_format():

@@ -570,6 +570,12 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("steps", "batch"):
             if getattr(args, name) is not None and getattr(args, name) < 1:
                 parser.error(f"--{name}: expected an integer >= 1, got {getattr(args, name)}")
+        if args.max_kl is not None and not args.max_kl >= 0:  # a KL is >= 0: a negative bar always fails
+            parser.error(f"--max-kl: expected a number >= 0, got {args.max_kl}")
+        from verify.cli import _writable
+
+        if args.json and args.json != "-" and (why := _writable(args.json)):  # before the run, not after it
+            parser.error(f"--json: cannot write {args.json}: {why}")
     except SystemExit as e:  # --help (0) or a usage error (2, message already printed): returned, as mla-verify does
         return int(e.code or 0)
     try:
