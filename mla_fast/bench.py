@@ -644,9 +644,9 @@ def parse_shapes(text: str):
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="mla-bench", description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", type=parse_shapes, default=SHAPES, help='"b,s,h;b,s,h" (default: issue grid)')
-    parser.add_argument("--dtypes", default="bf16,fp8kv", help=f"comma list of {COMBOS}")
+    parser.add_argument("--dtypes", default="bf16,fp8kv", help=f"comma list of {COMBOS} (default %(default)s)")
     parser.add_argument("--no-peers", action="store_true", help="time only mla_fast")
-    parser.add_argument("--peers", default=",".join(PEERS),
+    parser.add_argument("--peers", default=None,
                         help=f"comma list of peers to time (default: all, {list(PEERS)})")
     parser.add_argument("--json", help="write all numbers to this file")
     parser.add_argument("--candidates", action="store_true", help="also time CANDIDATES configs; report the best")
@@ -679,7 +679,7 @@ def main(argv=None) -> None:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.page_size < 1:
         parser.error(f"--page-size must be >= 1, got {args.page_size}")
-    peers = [] if args.no_peers else args.peers.split(",")
+    peers = [] if args.no_peers else (args.peers or ",".join(PEERS)).split(",")
     if set(peers) - set(PEERS):
         parser.error(f"--peers must be a comma list of {list(PEERS)}, got {args.peers!r}")
     dtypes = args.dtypes.split(",")
@@ -689,6 +689,15 @@ def main(argv=None) -> None:
         parser.error(f"--shapes must be b,s,h triples of ints >= 1 separated by ';', got {args.shapes}")
     if args.precompile < 0:
         parser.error(f"--precompile must be >= 0, got {args.precompile}")
+    if args.precompile and not args.candidates:
+        parser.error("--precompile compiles the --candidates configs: give --candidates too")
+    if args.no_peers and args.peers is not None:
+        parser.error("--no-peers and --peers: give one")
+    if args.json is not None:  # before the GPU work, not after the first row
+        from verify.cli import _writable
+
+        if why := _writable(args.json):
+            parser.error(f"--json: cannot write {args.json}: {why}")
     if not torch.cuda.is_available():
         raise SystemExit("mla-bench needs a CUDA GPU")
     t0 = time.time()

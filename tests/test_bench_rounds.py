@@ -179,7 +179,12 @@ def test_bench_usage_errors_come_before_any_cuda_work(capsys):
                         (["--shapes", "1,8192"], "--shapes must be"),
                         (["--shapes", "1,8192,16,2"], "--shapes must be"),
                         (["--shapes", "0,-5,16"], "--shapes must be"), (["--shapes", ";;"], "--shapes must be"),
-                        (["--precompile", "-3"], "--precompile must be")]:
+                        (["--precompile", "-3"], "--precompile must be"),
+                        # found by a review: a conflict and a flag that did nothing, and a --json path checked only
+                        # after the first timed row
+                        (["--no-peers", "--peers", "flashinfer"], "--no-peers and --peers: give one"),
+                        (["--precompile", "4"], "give --candidates too"),
+                        (["--json", "/no/such/folder/b.json"], "--json: cannot write")]:
         with pytest.raises(SystemExit) as exit_info:
             bench.main(argv)
         assert exit_info.value.code == 2 and words in capsys.readouterr().err, argv
