@@ -85,6 +85,9 @@ def _decode(
     partial_dtype: torch.dtype = torch.float32,
     position_bits: int | None = None,
     merge_shift: int = 0,
+    max_init: float = -math.inf,
+    max_before_mask: bool = False,
+    packed_row_bits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV online-softmax MLA decode -> (out [T, H, L] bf16, lse [T, H] fp32). Defaults = no bug.
 
@@ -117,10 +120,13 @@ def _decode(
         visible = s - n + r + 1 + torch.where(r < n - 1, causal_slack, 0)  # [n] tokens each row sees
         visible = (visible + (K.shape[0] - s)).clamp(min=0) if full_last_page else visible.clamp(0, s)  # [n]
         rows = q[qo[b] : qo[b + 1]]  # [n, H, D]
+        if packed_row_bits is not None:  # packed (row, head) index r H + h read modulo 2^bits: a counter that wraps
+            packed = torch.arange(n * H, device=dev) % 2**packed_row_bits  # [n H]
+            rows = rows.reshape(n * H, -1)[packed].reshape(n, H, -1)  # [n, H, D]
         n_blocks = -(-K.shape[0] // BLOCK)
         per_split = -(-n_blocks // min(MAX_SPLITS, max(n_blocks, 1))) * BLOCK if n_blocks else BLOCK
-        parts = [_split(rows, K[j : j + per_split], j, visible, sigma, D, L, acc_dtype, empty_nan, max_sub, p_fmt)
-                 for j in range(0, max(K.shape[0], 1), per_split)]
+        parts = [_split(rows, K[j : j + per_split], j, visible, sigma, D, L, acc_dtype, empty_nan, max_sub, p_fmt,
+                        max_init, max_before_mask) for j in range(0, max(K.shape[0], 1), per_split)]
         o_s = torch.stack([p[0] for p in parts])  # [S, n, H, L]
         lse_s = torch.stack([p[1] for p in parts])  # [S, n, H]
         if len(parts) > 1:  # split outputs stored in partial_dtype for the merge (their lse in fp32)
@@ -131,19 +137,22 @@ def _decode(
     return out, lse * math.log2(math.e) if lse_base2 else lse
 
 
-def _split(rows, K, start, visible, sigma, D, L, acc_dtype, empty_nan, max_sub, p_fmt):
+def _split(rows, K, start, visible, sigma, D, L, acc_dtype, empty_nan, max_sub, p_fmt, max_init=-math.inf,
+           max_before_mask=False):
     """One split: online softmax over BLOCK-token steps. rows [n, H, D'], K [m, D'] -> (o [n, H, L], lse [n, H])."""
     n, H = rows.shape[:2]
     dev = rows.device
-    m = torch.full((n, H), -math.inf, device=dev)  # [n, H] running max
+    m = torch.full((n, H), max_init, device=dev)  # [n, H] running max
     l = torch.zeros(n, H, dtype=acc_dtype, device=dev)  # [n, H] running Σ exp(s - m)
     acc = torch.zeros(n, H, L, dtype=acc_dtype, device=dev)  # [n, H, L] running Σ exp(s - m) v
     for j in range(0, K.shape[0], BLOCK):
         Kb = K[j : j + BLOCK]  # [b, D]
         pos = start + j + torch.arange(Kb.shape[0], device=dev)  # [b] token positions
         s = sigma * torch.einsum("nhd,bd->nhb", rows[..., :D], Kb[:, :D])  # [n, H, b]
+        tile_max = s.nan_to_num(nan=-math.inf).amax(dim=-1)  # [n, H] over the tile's slots, masked or not, NaN-blind
         s = s.masked_fill(~(pos[None, :] < visible[:, None])[:, None, :], -math.inf)
-        m_new = torch.maximum(m, s.amax(dim=-1)) if max_sub else torch.zeros_like(m)  # [n, H] (0: exp(s) unshifted)
+        tile_max = tile_max if max_before_mask else s.amax(dim=-1)  # [n, H]
+        m_new = torch.maximum(m, tile_max) if max_sub else torch.zeros_like(m)  # [n, H] (0: exp(s) unshifted)
         m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)  # [n, H] no token seen yet: shift by 0
         alpha = torch.exp(m - m_safe)  # [n, H] rescale of the old sums (0 while m = -inf)
         p = torch.exp(s - m_safe[..., None])  # [n, H, b]
@@ -412,6 +421,27 @@ def merge_order_varies(batch):
     return _decode(batch, merge_shift=k)
 
 
+def max_init_zero(batch):
+    """The running max starts at 0 instead of -inf: right while a row has a score above about -87; where every
+    score it sees is lower (the shifted smoke case's earlier MTP rows, at -120) exp flushes to 0 and the row comes
+    out empty."""
+    return _decode(batch, max_init=0.0)
+
+
+def max_before_mask(batch):
+    """Each tile's max taken over all its slots before the causal and length mask, NaN ignored as GPU max
+    instructions do (so the NaN padding hides it): a row that may not see a dominant newer token (the shifted smoke
+    case's +120) is shifted by it, and its own tokens flush to 0."""
+    return _decode(batch, max_before_mask=True)
+
+
+def packed_rows_wrap(batch):
+    """The packed (query row, head) index r H + h of a request kept in 8 bits: right up to 256 pairs (every drawn
+    case past 64 heads has one or two rows), wrong for 128 heads with MTP rows of 3 or 4 (the smoke case of DeepSeek-V3
+    as served)."""
+    return _decode(batch, packed_row_bits=8)
+
+
 def stale_plan(batch):
     """Right when called; its graph-capturable step plans once: plan() copies the lengths of the step it was built
     for and keeps them, so a replay after the batch buffers were refilled with the next step decodes the new q and
@@ -438,7 +468,7 @@ MUTANTS = (
     "q_scale_ignored", "average_splits", "mtp_causal_off_by_one", "nan_empty", "out_gain", "bf16_accumulation",
     "seq_lens_cleared", "cache_padding_written", "nan_dropped", "no_max_subtraction", "int32_offsets",
     "p_rounded_bf16", "bf16_partials", "ignores_strides", "uint16_positions", "hardcoded_scale", "merge_order_varies",
-    "stale_plan", "realloc_workspace",
+    "stale_plan", "realloc_workspace", "max_init_zero", "max_before_mask", "packed_rows_wrap",
 )  # fmt: skip
 FP8_ONLY = ("kv_scale_ignored", "q_scale_ignored")  # need fp8 inputs with a scale != 1
 FAR_ONLY = ("int32_offsets",)  # need the far check, on by default on CUDA devices only (mla-verify --far on)
