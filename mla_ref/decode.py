@@ -227,16 +227,18 @@ class DecodeBatch:
         tensor: for a step planned from host copies of the lengths. Returns self; ValueError naming the field."""
         q, kv = self.q, self.kv_cache
         if not _fp32_positive(self.sm_scale):
-            raise _field_error("sm_scale", "a float, finite and > 0 in fp32 (kernels scale in fp32)", self.sm_scale)
+            raise _field_error("sm_scale", "a float, finite and > 0 in fp32 (kernels scale in fp32)",
+                               _describe(self.sm_scale))
         for name, tensor in (("q_scale", q), ("kv_scale", kv)):
             scale = getattr(self, name)
             if is_fp8(tensor.dtype):
                 if scale is None:
                     raise _field_error(name, f"a float scale because the input is {tensor.dtype}", None)
                 if not _fp32_positive(scale):
-                    raise _field_error(name, "a float, finite and > 0 in fp32 (kernels scale in fp32)", scale)
+                    raise _field_error(name, "a float, finite and > 0 in fp32 (kernels scale in fp32)",
+                                       _describe(scale))
             elif scale is not None:
-                raise _field_error(name, f"None because the input is {tensor.dtype}, not fp8", scale)
+                raise _field_error(name, f"None because the input is {tensor.dtype}, not fp8", _describe(scale))
         score_scale = self.sm_scale * (self.q_scale or 1.0) * (self.kv_scale or 1.0) * math.log2(math.e)
         if not _fp32_positive(score_scale):  # the kernels fold it into one fp32 factor of the scores
             raise _field_error("sm_scale", "sm_scale x q_scale x kv_scale x log2(e) finite and > 0 in fp32",

@@ -298,6 +298,7 @@ def good_batch():
         # found by a review: dtype pairs the docstring, Case and mla_fast.decode refuse, which validate() took
         ("kv_cache", lambda b: {"q": b.q.to(torch.float8_e4m3fn), "q_scale": 1.0}),  # fp8 q, bf16 cache
         ("kv_cache", lambda b: {"q": b.q.half()}),  # fp16 q, bf16 cache
+        ("sm_scale", lambda b: {"sm_scale": "0.1"}),  # a string, named as one ("got '0.1'", not "got 0.1")
         ("kv_scale", lambda b: {"kv_cache": b.kv_cache.to(torch.float8_e4m3fn)}),
         ("kv_scale", lambda b: {"kv_cache": b.kv_cache.to(torch.float8_e4m3fn), "kv_scale": float("nan")}),
         ("q_scale", lambda b: {"q_scale": 2.0}),  # a scale on a non-fp8 input is ambiguous
@@ -357,3 +358,9 @@ def test_token_addresses_are_every_requests_token_slots_in_order(seq_lens):
     assert torch.equal(slots, torch.cat([s for _, s in per_request]))
     assert torch.equal(positions, torch.cat([torch.arange(s) for s in seq_lens]))
     assert torch.equal(batch.kv_cache[pages, slots], torch.cat(kv))  # the rows make_decode_batch wrote
+
+
+def test_a_scale_given_as_a_string_is_named_as_one():
+    """sm_scale="0.1" is refused as "got '0.1'": the message had read "got 0.1", a number (found by a review)."""
+    with pytest.raises(ValueError, match=r"DecodeBatch\.sm_scale: .*, got '0\.1'$"):
+        good_batch().replace(sm_scale="0.1").validate()
