@@ -167,9 +167,6 @@ class DecodeBatch:
             raise _field_error("kv_cache", "a 3-D tensor [P, page_size, L+R]", _describe(kv))
         if kv.dtype not in Q_DTYPES:
             raise _field_error("kv_cache", f"dtype in {[str(d) for d in Q_DTYPES]}", kv.dtype)
-        if (kv.dtype != q.dtype and not is_fp8(kv.dtype)) or (is_fp8(q.dtype) and not is_fp8(kv.dtype)):
-            raise _field_error("kv_cache", f"q's dtype ({q.dtype}) or an fp8 dtype (an fp8 q needs an fp8 cache)",
-                               kv.dtype)
         if kv.shape[2] != q.shape[2]:
             raise _field_error("kv_cache", f"last dim equal to q's ({q.shape[2]})", tuple(kv.shape))
         if kv.shape[1] < 1:
