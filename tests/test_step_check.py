@@ -154,8 +154,9 @@ def test_a_step_sized_at_capture_or_reading_q_when_it_plans_fails_the_replan_alo
     """Found by reviews: a next step that only shrank and reordered the requests, its q written before the plan,
     passed the first and the last (0 of 6 smoke cases failed); one that grew a request by only a page and a token
     past the longest passed a grid rounded up to a power of two in 16 of 24. Now every smoke case fails them, on the
-    replan alone."""
-    cases = smoke_cases("bf16") + smoke_cases("fp8")
+    replan alone. (Not the shifted smoke case: there the tokens a capped grid misses score -120 against a newest
+    token's +120, a weight of e^-240, nothing in fp32: a capped grid gives the right answer.)"""
+    cases = [c for c in smoke_cases("bf16") + smoke_cases("fp8") if c.dist != "shifted"]
     failed = [_failed(run_case(case, from_callable(plug_in), "cpu")) for case in cases]
     assert all(set(f) <= {"step.replan.out", "step.replan.lse"} for f in failed), failed
     assert sum("step.replan.out" in f for f in failed) == len(cases), failed
