@@ -249,22 +249,17 @@ def _draw(case: Case, g: torch.Generator) -> tuple[torch.Tensor, list[torch.Tens
         for k in kv:
             k[:, ch] *= OUTLIER_GAIN
         q[..., ch] /= OUTLIER_GAIN  # keep their score contribution typical
-    elif case.dist in ("sink", "recent"):
+    elif case.dist in ("sink", "recent", "shifted"):
         u = torch.randn(D, generator=g)
         u = u / u.norm()  # [D] unit direction
         q = q + u / case.sm_scale  # [T, H, D] σ <q, u> = 1 more score noise for every token ...
         j = 0 if case.dist == "sink" else -1  # the attention sink, or the newest token (only the last row sees it)
+        lift = 2 * SHIFT_LOGIT if case.dist == "shifted" else SINK_LOGIT
         for k in kv:
+            if case.dist == "shifted":  # softmax ignores a shift; a max started at 0, or kept from a first tile, not
+                k -= SHIFT_LOGIT * u  # ... every token -120 (plus one constant per row and head, σ (-120) <q_row, u>)
             if k.shape[0]:
-                k[j] += SINK_LOGIT * u  # ... and +12 for token j
-    elif case.dist == "shifted":  # softmax ignores a shift; a max started at 0, or kept from the first tile, does not
-        u = torch.randn(D, generator=g)
-        u = u / u.norm()  # [D] unit direction
-        q = q + u / case.sm_scale  # [T, H, D] σ <q, u> = 1: each token's shift below ...
-        for k in kv:
-            k -= SHIFT_LOGIT * u  # ... every token -120 (plus one constant per row and head, σ (-120) <q_row, u>)
-            if k.shape[0]:
-                k[-1] += 2 * SHIFT_LOGIT * u  # the newest +120, seen by the request's last row only
+                k[j] += lift * u  # ... and +12 for token j (shifted: the newest at +120)
     elif case.dist == "near_max" and case.is_fp8:
         fmt = case.fp8_format
         q = _place_near_max(q, static_scale(case, "q"), fmt, g) if case.q_dtype == "fp8" else q
