@@ -149,9 +149,10 @@ def _split(rows, K, start, visible, sigma, D, L, acc_dtype, empty_nan, max_sub, 
         Kb = K[j : j + BLOCK]  # [b, D]
         pos = start + j + torch.arange(Kb.shape[0], device=dev)  # [b] token positions
         s = sigma * torch.einsum("nhd,bd->nhb", rows[..., :D], Kb[:, :D])  # [n, H, b]
-        tile_max = s.nan_to_num(nan=-math.inf).amax(dim=-1)  # [n, H] over the tile's slots, masked or not, NaN-blind
-        s = s.masked_fill(~(pos[None, :] < visible[:, None])[:, None, :], -math.inf)
-        tile_max = tile_max if max_before_mask else s.amax(dim=-1)  # [n, H]
+        masked = s.masked_fill(~(pos[None, :] < visible[:, None])[:, None, :], -math.inf)  # [n, H, b]
+        # [n, H] the tile's max; max_before_mask: over every slot, masked or not, NaN-blind
+        tile_max = (s.nan_to_num(nan=-math.inf) if max_before_mask else masked).amax(dim=-1)
+        s = masked
         m_new = torch.maximum(m, tile_max) if max_sub else torch.zeros_like(m)  # [n, H] (0: exp(s) unshifted)
         m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)  # [n, H] no token seen yet: shift by 0
         alpha = torch.exp(m - m_safe)  # [n, H] rescale of the old sums (0 while m = -inf)
