@@ -4,6 +4,7 @@
 2. A paged decode step of the same layer through ``mla_decode_ref``, and an fp8 (e4m3fn) round trip of its cache.
 """
 
+import argparse
 import dataclasses
 
 import torch
@@ -16,7 +17,9 @@ from mla_ref.fp8 import FORMATS, dequantize, quantize
 from mla_ref.mla import MLAWeights, absorb_output, absorbed_query, latent_cache_row, mla_forward, project_q
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(prog="python -m mla_ref", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)  # --help only
     console = Console()
     cfg = dataclasses.replace(MLAConfig.deepseek_v3(), hidden_size=256, num_heads=4)
     w = MLAWeights.random(cfg, seed=0)

@@ -361,3 +361,23 @@ def test_a_scale_given_as_a_string_is_named_as_one():
     """sm_scale="0.1" is refused as "got '0.1'": the message had read "got 0.1", a number (found by a review)."""
     with pytest.raises(ValueError, match=r"DecodeBatch\.sm_scale: .*, got '0\.1'$"):
         good_batch().replace(sm_scale="0.1").validate()
+
+
+def test_the_demo_takes_help_without_running():
+    """`python -m mla_ref --help` prints its usage and exits 0 before any computation (it had run the demo), an
+    unknown argument is a usage error (2), and no argument runs the demo: both tables."""
+    import contextlib
+    import io
+
+    from mla_ref.__main__ import main
+
+    for argv, code in ((["--help"], 0), (["--bogus"], 2)):
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == code and "usage: python -m mla_ref" in out.getvalue() + err.getvalue()
+        assert "MLA oracle" not in out.getvalue()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        main([])
+    assert "MLA oracle" in out.getvalue() and "fp8 round trip" in out.getvalue()
