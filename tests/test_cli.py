@@ -19,6 +19,7 @@ from verify.cases import Case
 from verify.checks import is_device_fault
 from verify.kernels import DEFAULT_NUMERICS
 from verify.mutants import correct
+from verify.next_step import grown_length
 from verify.strategies import smoke_cases
 
 SMALL = Case(seq_lens=(0, 70), q_lens=(2, 1), heads=2, seed=3)
@@ -68,7 +69,7 @@ ILLEGAL_ADDRESS = "CUDA error: an illegal memory access was encountered"
 
 def faults_on_two_heads(batch):
     if batch.num_heads == 2:
-        raise RuntimeError(ILLEGAL_ADDRESS)
+        raise torch.AcceleratorError(ILLEGAL_ADDRESS)
     return correct(batch)
 
 
@@ -79,12 +80,14 @@ CASE_QS: list = []  # the q of every case seen (held, so that no later q reuses 
 def wrong_from_the_150th_call(batch):
     """Right for the first 149 cases of this process, then out doubled: a failure late in a search. A case is a new
     q: the nan check's second call on the same case shares it, and neither the rounding probe's q (0 on every latent
-    channel) nor the layout check's strided copy of the case's q is a case."""
+    channel), the layout check's strided copy of the case's q nor the rerun check's copy (a block table with room
+    for `grown_length`; its q is rewritten in place for its second call) is a case."""
     probe = not batch.q[..., : batch.kv_lora_rank].any()  # verify.rounding_probe's q
     strided = batch.q.untyped_storage().nbytes() > batch.q.numel() * batch.q.element_size()  # a view into padding
+    roomy = batch.block_table.shape[1] * batch.page_size >= grown_length(batch.seq_lens, batch.page_size)  # rerun's
     if not probe and not strided and not any(q is batch.q for q in CASE_QS):
         CASE_QS.append(batch.q)
-        CALLS[0] += 1
+        CALLS[0] += not roomy
     out, lse = correct(batch)
     return (out * 2 if CALLS[0] >= 150 else out), lse
 

@@ -3,6 +3,7 @@ check made the run: a faulting kernel leaves the CUDA context unusable, so the c
 names it (tests/test_cli.py) rather than charging later checks, or later cases, with its aftermath."""
 
 import pytest
+import torch
 
 from verify import checks, mutants
 from verify.kernels import from_callable
@@ -21,7 +22,7 @@ class _FaultsOnCall:
     def __call__(self, batch):
         self.calls += 1
         if self.calls == self.n:
-            raise RuntimeError(ILLEGAL_ADDRESS)
+            raise torch.AcceleratorError(ILLEGAL_ADDRESS)
         return mutants.correct(batch)
 
     def run_workers(self, batch, workers):
@@ -41,11 +42,12 @@ def _calls_of_a_clean_case(monkeypatch) -> int:
 
 
 def test_a_clean_case_runs_every_rerunning_check(monkeypatch):
-    """first run, repeat, split, nan, rounding, partials, layout, far: eight runs on this smoke case."""
-    assert _calls_of_a_clean_case(monkeypatch) == 8
+    """first run, repeat, split, nan, rounding, partials, layout, padding, rerun (two), far: eleven runs on this
+    smoke case."""
+    assert _calls_of_a_clean_case(monkeypatch) == 11
 
 
-@pytest.mark.parametrize("n", range(1, 9))
+@pytest.mark.parametrize("n", range(1, 12))
 def test_a_device_fault_in_any_run_fails_the_case_as_a_device_fault(monkeypatch, n):
     monkeypatch.setattr(checks, "far_pages", _small_far)
     result = checks.run_case(smoke_cases("bf16")[0], from_callable(_FaultsOnCall(n)), "cpu", far=True)
@@ -63,17 +65,17 @@ class _StepFaultsAt(mutants._Step):
 
     def __init__(self, batch, max_q_len):
         if self.stage == "build":
-            raise RuntimeError(ILLEGAL_ADDRESS)
+            raise torch.AcceleratorError(ILLEGAL_ADDRESS)
         super().__init__(batch, max_q_len)
 
     def plan(self, batch):
         if self.stage == "plan" or (self.stage == "replan" and self.planned):
-            raise RuntimeError(ILLEGAL_ADDRESS)
+            raise torch.AcceleratorError(ILLEGAL_ADDRESS)
         super().plan(batch)
 
     def run(self):
         if self.stage == "run":
-            raise RuntimeError(ILLEGAL_ADDRESS)
+            raise torch.AcceleratorError(ILLEGAL_ADDRESS)
         return super().run()
 
 

@@ -86,8 +86,8 @@ def test_enough_mutants():
 def test_a_kernel_that_writes_its_inputs_fails_the_inputs_check(name, tensor):
     """The oracle runs before the kernel and the inputs are compared byte for byte after it: a kernel that zeroed
     seq_lens and returned empty rows passed every check when the oracle ran after it (found by a review). Writing
-    only the unused (NaN) cache slots changes no output: the inputs check catches it, and the layout check, whose
-    strided run it writes into too."""
+    only the unused (NaN) cache slots changes no output: the inputs check catches it, and the layout and rerun
+    checks, whose strided and roomy copies it writes into too."""
     from verify import mutants
     from verify.checks import run_case
     from verify.kernels import from_callable
@@ -97,8 +97,9 @@ def test_a_kernel_that_writes_its_inputs_fails_the_inputs_check(name, tensor):
     failed = {c.name: c.detail for c in result.checks if not c.ok}
     assert "inputs" in failed and tensor in failed["inputs"], result.describe()
     if name == "cache_padding_written":
-        assert set(failed) == {"inputs", "layout"}, result.describe()
+        assert set(failed) == {"inputs", "layout", "rerun"}, result.describe()
         assert "the kernel wrote into its input buffers: kv_cache" in failed["layout"]
+        assert "the kernel wrote into its inputs: kv_cache" in failed["rerun"]
 
 
 def test_a_nan_partial_merged_as_empty_fails_the_nan_check_alone():

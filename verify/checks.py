@@ -26,6 +26,13 @@
 | repeat         | the kernel again on the same batch and worker count: a kernel   | the first run's bits (declared |
 |                | that declares itself deterministic (the default) gives the same | deterministic), else           |
 |                | bits; one that declares run-to-run variation stays in the bound | kernel_bound + merge_bound     |
+| padding        | the kernel again with finite tokens that the rows prefer by 200 | the first run's bits (declared |
+|                | nats to their own in the unused slots of each request's last    | deterministic), else           |
+|                | page (`padding_probe`): NaN hides a max taken over them         | kernel_bound + merge_bound     |
+| rerun          | the kernel on copies of the batch with room to grow, then again | the case's run's bits, else    |
+|                | after those tensors were rewritten in place as the next decode  | kernel_bound + merge_bound;    |
+|                | step (`next_step`): an eager call that memoises by its inputs'  | the next step: kernel_bound +  |
+|                | identity or address decodes the old step                        | merge_bound of its contents    |
 | inputs         | q, cache, block table and lengths: after the kernel = before    | byte for byte                  |
 | far            | the kernel again with the pages moved past element 2^31 of a    | the first run's bits, else     |
 |                | larger cache, NaN in front (`far_pages`): int32 offsets wrap    | kernel_bound + merge_bound     |
@@ -60,6 +67,7 @@ from verify.cases import Case
 from verify.freed_memory import FreeBlocks, size_text
 from verify.kernels import Kernel, outputs
 from verify.metrics import compare
+from verify.padding_probe import padding_probe
 from verify.partials_probe import partials_probe
 from verify.rounding_probe import rounding_probe
 from verify.strided_inputs import strided_batch
@@ -546,14 +554,73 @@ def check_repeat(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple,
     second, why = _outputs_of(_run(kernel, batch, workers), batch)
     if why is not None:
         return [CheckResult("repeat", False, detail=f"{where}: {why}")]
+    return _as_first("repeat", where, second, "the first run", first, ref,
+                     _judge_repeat(kernel, bound, out_dtype, "the kernel declares itself deterministic"))
+
+
+def _judge_repeat(kernel: Kernel, bound: bounds.Bound, out_dtype: torch.dtype, what: str):
+    """The judge of a rerun on values a kernel must not see (`_as_first`'s ``judge``): a deterministic kernel must
+    give the first run's bits (``what`` says why they may not change), one declared nondeterministic must stay in
+    the tier-1 ``bound``."""
     if kernel.deterministic:
-        def judge():
-            return ("the kernel declares itself deterministic (a plug-in that varies by design sets "
-                    ".deterministic = False: the check then takes the tier-1 bound)")
-    else:
-        def judge():
-            return bound, out_dtype
-    return _as_first("repeat", where, second, "the first run", first, ref, judge)
+        return lambda: (f"{what} (a plug-in that varies by design sets .deterministic = False: the check then takes "
+                        "the tier-1 bound)")
+    return lambda: (bound, out_dtype)
+
+
+def check_padding(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, ref, bound: bounds.Bound,
+                  out_dtype: torch.dtype) -> list[CheckResult]:
+    """The kernel run again (the case's worker count when it takes one) on `padding_probe(batch, lse)`: the unused
+    slots of each request's last page hold finite tokens that its rows score up to 200 nats above their lse, where
+    the case has NaN. A kernel that reads no slot past a request's length gives the bits of its first run
+    ``first``; one whose max runs over them before the mask (NaN-blind, so the NaN padding hid it) moves, and its
+    rows' own tokens flush to 0 (verify/padding_probe.py). A kernel declared nondeterministic: the tier-1 ``bound``.
+    No unused slot in the case: ``padding.skipped``."""
+    probe = padding_probe(batch, ref[1])
+    if isinstance(probe, str):
+        return [CheckResult("padding.skipped", True, detail=f"no padding probe: {probe}")]
+    where = probe.describe()
+    second, why = _watched(probe.batch, lambda: _run(kernel, probe.batch, workers))
+    if why is not None:
+        return [CheckResult("padding", False, detail=f"{where}: {why}")]
+    judge = _judge_repeat(kernel, bound, out_dtype, "the slots past each request's length changed the result: the "
+                                                   "kernel reads them (a max over loaded slots before the mask?)")
+    return _as_first("padding", where, second, "the run on the NaN-padded cache", first, ref, judge)
+
+
+def check_rerun(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, ref, bound: bounds.Bound,
+                out_dtype: torch.dtype) -> list[CheckResult]:
+    """The kernel called as a serving loop without CUDA graphs calls it: on copies of the batch's tensors with
+    room to grow (`next_step.with_room`), against the case's run ``first`` (``rerun``: the bits, else the tier-1
+    ``bound``: a wider block table may take another path), then on the same tensors after the next decode step was
+    written into them in place (`next_step.next_layout` and `next_values`: requests rotated, one grown onto the
+    spare pages, the longest halved, one emptied, the slots only the old step read set to NaN, q negated, new
+    tokens): ``rerun.out`` / ``.lse`` against the oracle on the new contents, within their tier-1 bound. An eager
+    call that memoises what it derived from its inputs by their identity or address (a plan keyed by data_ptr, a
+    converted cache) decodes the old step there; every other check passes it new tensors."""
+    static, first_spare = next_step.with_room(batch)
+    got, why = _watched(static, lambda: _run(kernel, static, workers))
+    if why is not None:
+        return [CheckResult("rerun", False, detail=f"the run on a copy with room to grow: {why}")]
+    results = _as_first("rerun", "the run on a copy with room to grow", got, "the case's run", first, ref,
+                        lambda: (bound, out_dtype))
+    where, new_slots = next_step.next_layout(static, first_spare)
+    where = where.replace("the next step in place", "the same tensors rewritten in place as the next step")
+    where += ", " + next_step.next_values(static, new_slots).replace(" after plan()", "")
+    try:
+        numerics = kernel.numerics(static)
+    except ValueError as e:  # Unsupported too: the next step is a batch of the case's shapes and dtypes
+        return results + [CheckResult("rerun.out", False, detail=f"{where}: the kernel's numerics raised {e}")]
+    ref_next = mla_decode_ref(static)  # [T, H, L], [T, H] fp64 on the new contents
+    got, why = _watched(static, lambda: _run(kernel, static, workers))
+    if why is not None:
+        return results + [CheckResult("rerun.out", False, detail=f"{where}: {why}")]
+    out, lse = _moved(*got, ref_next[0].device, copy=False)
+    rerun = check_tier1(out, lse, ref_next, _tier1_bound(static, kernel, numerics, ref_next), numerics.out_dtype,
+                        name="rerun")
+    for r in rerun:
+        r.detail = f"{where}: {r.detail}"
+    return results + rerun
 
 
 def _as_first(name: str, where: str, second: tuple, earlier: str, first: tuple, ref,
@@ -918,6 +985,10 @@ def run_case(case: Case, kernel: Kernel, device: str = "cpu", far: bool | None =
         result.checks += check_rounding(batch, kernel, case.num_workers)
         result.checks += check_partials(batch, kernel, case.num_workers)
         result.checks += check_layout(batch, kernel, case.num_workers, (out_d, lse_d), ref)
+        result.checks += check_padding(batch, kernel, case.num_workers, (out_d, lse_d), ref, bound,
+                                       numerics.out_dtype)
+        result.checks += check_rerun(batch, kernel, case.num_workers, (out_d, lse_d), ref, bound,
+                                     numerics.out_dtype)
         if kernel.step is not None:
             result.checks += check_step(batch, kernel, (out_d, lse_d), ref, bound, numerics.out_dtype)
         if far if far is not None else batch.device.type == "cuda":

@@ -47,6 +47,13 @@ turns one knob, the way such bugs happen in real kernels:
 | realloc_workspace     | its graph-capturable step allocates a new workspace at each  | step.freed (any; CUDA only)   |
 |                       | plan(): the replay after the next plan writes the freed one  |                               |
 |                       | (right answers, another tensor's memory overwritten)         |                               |
+| max_init_zero         | the running max starts at 0, not -inf: rows whose scores all | tier1 / finite (the shifted   |
+|                       | lie below about -87 flush to 0                               | case)                         |
+| max_before_mask       | each tile's max over every slot it loads (the last page's    | padding (a partial last       |
+|                       | unused slots too) before the mask, NaN-blind                 | page); tier1 (shifted case)   |
+| packed_rows_wrap      | the packed (row, head) index r H + h kept in 8 bits          | tier1 (128 heads, MTP 3-4)    |
+| plan_cached_by_ptr    | its eager call memoises its plan (the lengths) by the        | rerun (any)                   |
+|                       | addresses of the batch's length and block-table tensors      |                               |
 """
 
 from __future__ import annotations
@@ -113,6 +120,7 @@ def _decode(
             first = (pages.to(torch.int32) * (ps * batch.head_dim)).long() % batch.kv_cache.numel()  # [n_pages]
             pages = first // (ps * batch.head_dim)  # [n_pages]
         K = batch.kv_cache[pages].reshape(n_pages * ps, batch.head_dim)  # [n_pages * ps, D] whole pages
+        tail = K[s:].float() * kv_scale if max_before_mask else None  # [n_pages * ps - s, D] the last page's rest
         K = (K if full_last_page else K[:s]).float() * kv_scale  # [s, D]
         if position_bits is not None:  # token j read at position j mod 2^bits: a counter that wraps
             K = K[torch.arange(K.shape[0], device=dev) % 2**position_bits]  # [s, D]
@@ -125,8 +133,9 @@ def _decode(
             rows = rows.reshape(n * H, -1)[packed].reshape(n, H, -1)  # [n, H, D]
         n_blocks = -(-K.shape[0] // BLOCK)
         per_split = -(-n_blocks // min(MAX_SPLITS, max(n_blocks, 1))) * BLOCK if n_blocks else BLOCK
+        starts = range(0, max(K.shape[0], 1), per_split)
         parts = [_split(rows, K[j : j + per_split], j, visible, sigma, D, L, acc_dtype, empty_nan, max_sub, p_fmt,
-                        max_init, max_before_mask) for j in range(0, max(K.shape[0], 1), per_split)]
+                        max_init, max_before_mask, tail if j == starts[-1] else None) for j in starts]
         o_s = torch.stack([p[0] for p in parts])  # [S, n, H, L]
         lse_s = torch.stack([p[1] for p in parts])  # [S, n, H]
         if len(parts) > 1:  # split outputs stored in partial_dtype for the merge (their lse in fp32)
@@ -138,8 +147,10 @@ def _decode(
 
 
 def _split(rows, K, start, visible, sigma, D, L, acc_dtype, empty_nan, max_sub, p_fmt, max_init=-math.inf,
-           max_before_mask=False):
-    """One split: online softmax over BLOCK-token steps. rows [n, H, D'], K [m, D'] -> (o [n, H, L], lse [n, H])."""
+           max_before_mask=False, tail=None):
+    """One split: online softmax over BLOCK-token steps. rows [n, H, D'], K [m, D'] -> (o [n, H, L], lse [n, H]).
+    ``tail`` [e, D'] (max_before_mask, the last split): the slots of the request's last page past its length, which
+    the split's last tile loads with it: they enter that tile's max."""
     n, H = rows.shape[:2]
     dev = rows.device
     m = torch.full((n, H), max_init, device=dev)  # [n, H] running max
@@ -150,8 +161,11 @@ def _split(rows, K, start, visible, sigma, D, L, acc_dtype, empty_nan, max_sub, 
         pos = start + j + torch.arange(Kb.shape[0], device=dev)  # [b] token positions
         s = sigma * torch.einsum("nhd,bd->nhb", rows[..., :D], Kb[:, :D])  # [n, H, b]
         masked = s.masked_fill(~(pos[None, :] < visible[:, None])[:, None, :], -math.inf)  # [n, H, b]
-        # [n, H] the tile's max; max_before_mask: over every slot, masked or not, NaN-blind
+        # [n, H] the tile's max; max_before_mask: over every slot it loads, masked or not, NaN-blind
         tile_max = (s.nan_to_num(nan=-math.inf) if max_before_mask else masked).amax(dim=-1)
+        if tail is not None and tail.shape[0] and j + BLOCK >= K.shape[0]:  # the last tile: the page's rest too
+            s_tail = sigma * torch.einsum("nhd,ed->nhe", rows[..., :D], tail[:, :D])  # [n, H, e]
+            tile_max = torch.maximum(tile_max, s_tail.nan_to_num(nan=-math.inf).amax(dim=-1))
         s = masked
         m_new = torch.maximum(m, tile_max) if max_sub else torch.zeros_like(m)  # [n, H] (0: exp(s) unshifted)
         m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)  # [n, H] no token seen yet: shift by 0
@@ -430,9 +444,10 @@ def max_init_zero(batch):
 
 
 def max_before_mask(batch):
-    """Each tile's max taken over all its slots before the causal and length mask, NaN ignored as GPU max
-    instructions do (so the NaN padding hides it): a row that may not see a dominant newer token (the shifted smoke
-    case's +120) is shifted by it, and its own tokens flush to 0."""
+    """Each tile's max taken over every slot it loads (the last one: the rest of the request's last page too),
+    before the causal and length mask, NaN ignored as GPU max instructions do (so the NaN padding hides it): a row
+    that may not see a dominant newer token (the shifted smoke case's +120), or a finite stale token in the last
+    page's unused slots (the padding probe), is shifted by it, and its own tokens flush to 0."""
     return _decode(batch, max_before_mask=True)
 
 
@@ -441,6 +456,21 @@ def packed_rows_wrap(batch):
     case past 64 heads has one or two rows), wrong for 128 heads with MTP rows of 3 or 4 (the smoke case of DeepSeek-V3
     as served)."""
     return _decode(batch, packed_row_bits=8)
+
+
+_PLANS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # plan_cached_by_ptr's memo
+
+
+def plan_cached_by_ptr(batch):
+    """An eager wrapper that memoises its plan (host copies of the lengths it splits by) keyed by the addresses and
+    shapes of the batch's length and block-table tensors, as a wrapper that skips the host sync of replanning
+    does: right on every new batch, wrong once a serving loop rewrites those tensors in place for the next step
+    (the rerun check); caught elsewhere only where the allocator hands a later case the same addresses."""
+    key = tuple((t.data_ptr(), tuple(t.shape)) for t in (batch.seq_lens, batch.q_lens, batch.block_table))
+    if key not in _PLANS:
+        _PLANS[key] = (batch.seq_lens.clone(), batch.q_lens.clone())
+    seq_lens, q_lens = _PLANS[key]
+    return _decode(batch.replace(seq_lens=seq_lens, q_lens=q_lens))
 
 
 def stale_plan(batch):
@@ -469,7 +499,7 @@ MUTANTS = (
     "q_scale_ignored", "average_splits", "mtp_causal_off_by_one", "nan_empty", "out_gain", "bf16_accumulation",
     "seq_lens_cleared", "cache_padding_written", "nan_dropped", "no_max_subtraction", "int32_offsets",
     "p_rounded_bf16", "bf16_partials", "ignores_strides", "uint16_positions", "hardcoded_scale", "merge_order_varies",
-    "stale_plan", "realloc_workspace", "max_init_zero", "max_before_mask", "packed_rows_wrap",
+    "stale_plan", "realloc_workspace", "max_init_zero", "max_before_mask", "packed_rows_wrap", "plan_cached_by_ptr",
 )  # fmt: skip
 FP8_ONLY = ("kv_scale_ignored", "q_scale_ignored")  # need fp8 inputs with a scale != 1
 FAR_ONLY = ("int32_offsets",)  # need the far check, on by default on CUDA devices only (mla-verify --far on)

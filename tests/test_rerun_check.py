@@ -1,0 +1,34 @@
+"""The ``rerun`` check (verify.checks.check_rerun): an eager kernel called on tensors that a serving loop rewrote in
+place for the next decode step. A wrapper that memoises what it derived from its inputs by their addresses fails
+it, and only it; a kernel that derives everything afresh gives the case's bits on the roomy copy and stays in the
+tier-1 bound of the next step's contents."""
+
+import pytest
+
+from verify import mutants
+from verify.cases import Case
+from verify.checks import run_case
+from verify.kernels import from_callable
+
+CASES = {"bf16": Case(seq_lens=(0, 37, 130, 3), q_lens=(1, 2, 3, 1), heads=4, page_size=16),
+         "fp8": Case(seq_lens=(70, 5), q_lens=(2, 1), heads=8, kv_dtype="fp8", q_dtype="fp8", scale_mode="static")}
+
+
+@pytest.mark.parametrize("dtype", sorted(CASES))
+def test_a_plan_memoised_by_address_fails_the_rerun_check_alone(dtype):
+    result = run_case(CASES[dtype], from_callable(mutants.plan_cached_by_ptr))
+    failed = {c.name: c.detail for c in result.checks if not c.ok}
+    assert set(failed) == {"rerun.out", "rerun.lse"}, result.describe()
+    assert failed["rerun.out"].startswith("the same tensors rewritten in place as the next step: requests rotated")
+    checks = {c.name: c.detail for c in result.checks}
+    assert checks["rerun"].endswith("the bits of the case's run")  # the first call on the roomy copy is right
+
+
+@pytest.mark.parametrize("dtype", sorted(CASES))
+def test_a_kernel_that_derives_everything_afresh_passes(dtype):
+    result = run_case(CASES[dtype], from_callable(mutants.correct))
+    checks = {c.name: c for c in result.checks}
+    assert result.ok, result.describe()
+    assert checks["rerun"].detail.endswith("the bits of the case's run")
+    assert 0 < checks["rerun.out"].err_over_bound <= 1  # compared with the next step's oracle, not skipped
+    assert "q negated and" in checks["rerun.out"].detail and "new tokens written" in checks["rerun.out"].detail
