@@ -327,10 +327,29 @@ def test_cuda_fault_stops_the_campaign(capsys, tmp_path):
     assert "STOPPED at case 2 of 4" in err and faulting["repro"] in err
 
 
-def test_device_fault_detection():
-    assert is_device_fault(RuntimeError(ILLEGAL_ADDRESS)) and is_device_fault(RuntimeError("HIP error: invalid"))
+def test_device_fault_detection(monkeypatch):
+    """torch.AcceleratorError always; a RuntimeError naming a CUDA or HIP error (a C++ extension's own check) only
+    once the process holds a GPU context: without one, no GPU error can be sticky."""
     assert is_device_fault(torch.AcceleratorError("an illegal memory access was encountered"))
+    assert not is_device_fault(RuntimeError(ILLEGAL_ADDRESS))  # this CPU process has no CUDA context
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert is_device_fault(RuntimeError(ILLEGAL_ADDRESS)) and is_device_fault(RuntimeError("HIP error: invalid"))
     assert not is_device_fault(RuntimeError("kernel exploded")) and not is_device_fault(ValueError(ILLEGAL_ADDRESS))
+
+
+def says_cuda_error(batch):
+    """A plug-in whose own RuntimeError quotes a CUDA error message, in a CPU run."""
+    raise RuntimeError(f"my_kernel: {ILLEGAL_ADDRESS} (my own check, no GPU here)")
+
+
+def test_a_cuda_error_text_without_a_gpu_context_fails_cases_but_stops_nothing(capsys, tmp_path):
+    path = tmp_path / "r.json"
+    code, _, err = run(capsys, "--impl", "tests.test_cli:says_cuda_error", "--cases", "3", "--max-seq-len", "64",
+                       "--jobs", "1", "--json", str(path))
+    assert code == cli.EXIT_FAILED, err
+    report = json.loads(path.read_text())
+    assert report["cases"] == 3 and report["failed"] == 3 and report.get("not_run", 0) == 0, report.get("stopped")
+    assert report["stopped"] is None and "STOPPED" not in err
 
 
 def test_plugin_without_lse_is_checked_on_out(capsys):

@@ -161,12 +161,16 @@ def _bounded(name: str, actual: torch.Tensor, expected: torch.Tensor, bound: tor
 
 
 def is_device_fault(e: BaseException) -> bool:
-    """A sticky GPU error (torch.AcceleratorError, or a RuntimeError naming a CUDA/HIP error): after it every CUDA
-    call of this process fails, whatever the kernel or case."""
+    """A sticky GPU error: after it every CUDA call of this process fails, whatever the kernel or case. That is
+    torch.AcceleratorError (torch >= 2.8 raises it for CUDA and HIP errors), or, once this process holds a CUDA/HIP
+    context, a RuntimeError naming a CUDA or HIP error (C++ extensions' own error checks raise those). Without a
+    context no GPU error can be sticky: a plug-in's RuntimeError that only says "CUDA error" in a CPU run fails its
+    case as any other error does, and the campaign goes on."""
     accelerator_error = getattr(torch, "AcceleratorError", None)  # torch >= 2.8; a RuntimeError subclass
     if accelerator_error is not None and isinstance(e, accelerator_error):
         return True
-    return isinstance(e, RuntimeError) and ("CUDA error" in str(e) or "HIP error" in str(e))
+    return (isinstance(e, RuntimeError) and torch.cuda.is_initialized()
+            and ("CUDA error" in str(e) or "HIP error" in str(e)))
 
 
 def error_message(e: BaseException) -> str:
