@@ -240,3 +240,13 @@ def test_a_boundary_between_tokens_0_and_1_leaves_the_second_pair_to_tell(combo)
     bf16 = check_rounding(batch, _tiled_from_the_end("bf16"), workers=1)
     assert not bf16[0].ok and bf16[0].err_over_bound > 2, bf16[0].detail
     assert all(r.ok for r in check_rounding(batch, _tiled_from_the_end(None), workers=1))
+
+
+def test_a_failed_probe_lse_names_the_lse_not_p():
+    """P's rounding does not reach the lse: a base-2 lse fails rounding.lse with the lse's hint, and its out (right)
+    passes without the P hint."""
+    result = run_case(smoke_cases("bf16")[0], from_callable(mutants.lse_base2))
+    checks = {c.name: c for c in result.checks}
+    assert not checks["rounding.lse"].ok and "its base, its scale" in checks["rounding.lse"].detail
+    assert "P rounded more coarsely" not in checks["rounding.lse"].detail
+    assert checks["rounding.out"].ok and "P rounded more coarsely" not in checks["rounding.out"].detail

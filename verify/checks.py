@@ -419,8 +419,9 @@ def _probe_run(name: str, where: str, probe: DecodeBatch, kernel: Kernel, worker
     """The kernel on a probe batch (the case's worker count when it takes one) against the oracle within
     `_tier1_bound` for the numerics it declares for the probe, both computed on the probe as built, before the
     kernel runs: checks ``name``.out and ``name``.lse, their details led by ``where`` and the declaration (its
-    `KernelNumerics.describe`), ``on_fail`` appended to a failure's. A raise, a contract break or a write into the
-    probe's inputs fails the check with its message (a device fault propagates)."""
+    `KernelNumerics.describe`), ``on_fail`` appended to a failed ``name``.out's, `_LSE_HINT` to a failed
+    ``name``.lse's (P's rounding does not reach the lse). A raise, a contract break or a write into the probe's
+    inputs fails the check with its message (a device fault propagates)."""
     try:
         numerics = kernel.numerics(probe)
     except ValueError as e:  # Unsupported too: the kernel took the case, so its probe (same shapes and dtypes)
@@ -433,8 +434,12 @@ def _probe_run(name: str, where: str, probe: DecodeBatch, kernel: Kernel, worker
     out, lse = _moved(*result, ref[0].device, copy=False)
     results = check_tier1(out, lse, ref, bound, numerics.out_dtype, name=name)
     for r in results:
-        r.detail = f"{where}; declared {numerics.describe()}: {r.detail}" + ("" if r.ok else on_fail)
+        hint = on_fail if r.name.endswith(".out") else _LSE_HINT
+        r.detail = f"{where}; declared {numerics.describe()}: {r.detail}" + ("" if r.ok else hint)
     return results
+
+
+_LSE_HINT = " (an lse other than ln Σ exp(σ q·k): its base, its scale, the scores, or the merge of the pieces)"
 
 
 def check_partials(batch: DecodeBatch, kernel: Kernel, workers: int) -> list[CheckResult]:
