@@ -5,7 +5,8 @@ tier-1 bound of the next step's contents."""
 
 import pytest
 
-from verify import mutants
+from mla_fast.backends import Unsupported
+from verify import cli, mutants
 from verify.cases import Case
 from verify.checks import run_case
 from verify.kernels import from_callable
@@ -32,3 +33,23 @@ def test_a_kernel_that_derives_everything_afresh_passes(dtype):
     assert checks["rerun"].detail.endswith("the bits of the case's run")
     assert 0 < checks["rerun.out"].err_over_bound <= 1  # compared with the next step's oracle, not skipped
     assert "q negated and" in checks["rerun.out"].detail and "new tokens written" in checks["rerun.out"].detail
+
+
+def refuses_empty(batch):
+    """A kernel without empty requests in its scope, as FlashMLA's dense fp8 one: `Unsupported` for them."""
+    if bool((batch.seq_lens == 0).any()):
+        raise Unsupported("no kernel for a request of 0 tokens")
+    return mutants.correct(batch)
+
+
+def test_a_next_step_the_kernel_refuses_passes_as_refused_and_is_warned(capsys):
+    """The next step empties a request (with three or more): a kernel that refuses empty requests refuses it, which
+    passes as rerun.refused, with its reason, and the campaign's report warns."""
+    case = Case(seq_lens=(40, 70, 9), q_lens=(1, 2, 1), heads=2)
+    result = run_case(case, from_callable(refuses_empty))
+    checks = {c.name: c.detail for c in result.checks}
+    assert result.ok and "rerun.out" not in checks, result.describe()
+    assert checks["rerun.refused"].startswith("the same tensors rewritten in place as the next step")
+    assert "refused: Unsupported: no kernel for a request of 0 tokens" in checks["rerun.refused"]
+    assert cli.main(["--impl", "tests.test_rerun_check:refuses_empty", "--case", case.to_json()]) == 0
+    assert "rerun.refused: the kernel refused the rerun check's batches in 1 cases" in capsys.readouterr().err

@@ -606,13 +606,17 @@ def check_rerun(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, 
     spare pages, the longest halved, one emptied, the slots only the old step read set to NaN, q negated, new
     tokens): ``rerun.out`` / ``.lse`` against the oracle on the new contents, within their tier-1 bound. An eager
     call that memoises what it derived from its inputs by their identity or address (a plan keyed by data_ptr, a
-    converted cache) decodes the old step there; every other check passes it new tensors."""
+    converted cache) decodes the old step there; every other check passes it new tensors. A kernel that refuses
+    either batch (`Unsupported`: the next step empties a request, which some kernels do not take) passes as
+    ``rerun.refused``, and the report warns."""
     static, first_spare = next_step.with_room(batch)
-    got, why = _watched(static, lambda: _run(kernel, static, workers))
+    here = "the run on a copy with room to grow"
+    got, why = _refusable(static, kernel, workers)
+    if isinstance(why, Unsupported):
+        return [CheckResult("rerun.refused", True, detail=f"{here}: refused: {error_message(why)}")]
     if why is not None:
-        return [CheckResult("rerun", False, detail=f"the run on a copy with room to grow: {why}")]
-    results = _as_first("rerun", "the run on a copy with room to grow", got, "the case's run", first, ref,
-                        lambda: (bound, out_dtype))
+        return [CheckResult("rerun", False, detail=f"{here}: {why}")]
+    results = _as_first("rerun", here, got, "the case's run", first, ref, lambda: (bound, out_dtype))
     where, new_slots = next_step.next_layout(static, first_spare)
     where = where.replace("the next step in place", "the same tensors rewritten in place as the next step")
     where += ", " + next_step.next_values(static, new_slots).replace(" after plan()", "")
@@ -621,7 +625,9 @@ def check_rerun(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, 
     except ValueError as e:  # Unsupported too: the next step is a batch of the case's shapes and dtypes
         return results + [CheckResult("rerun.out", False, detail=f"{where}: the kernel's numerics raised {e}")]
     ref_next = mla_decode_ref(static)  # [T, H, L], [T, H] fp64 on the new contents
-    got, why = _watched(static, lambda: _run(kernel, static, workers))
+    got, why = _refusable(static, kernel, workers)
+    if isinstance(why, Unsupported):  # a batch outside the kernel's scope (an emptied request, say)
+        return results + [CheckResult("rerun.refused", True, detail=f"{where}: refused: {error_message(why)}")]
     if why is not None:
         return results + [CheckResult("rerun.out", False, detail=f"{where}: {why}")]
     out, lse = _moved(*got, ref_next[0].device, copy=False)
@@ -630,6 +636,16 @@ def check_rerun(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, 
     for r in rerun:
         r.detail = f"{where}: {r.detail}"
     return results + rerun
+
+
+def _refusable(batch: DecodeBatch, kernel: Kernel, workers: int) -> tuple[tuple | None, str | Unsupported | None]:
+    """`_watched` of the kernel's run on ``batch``, except that an `Unsupported` it raises is returned as it is (in
+    the place of why there are no outputs), for the caller to pass as a refusal."""
+    before = input_snapshot(batch)
+    run = _run(kernel, batch, workers)
+    if isinstance(run[1], Unsupported):
+        return None, run[1]
+    return _watched(batch, lambda: run, before)
 
 
 def _as_first(name: str, where: str, second: tuple, earlier: str, first: tuple, ref,

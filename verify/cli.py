@@ -604,6 +604,9 @@ def _warnings(summary: dict, deterministic: bool = True) -> list[str]:
     if refused := summary.get("layout.refused"):
         warnings.append(f"layout.refused: the kernel refused strided inputs in {refused['cases']} cases, which the "
                         f"layout check then did not try (serving engines pass views); e.g. {refused['worst_detail']}")
+    if refused := summary.get("rerun.refused"):
+        warnings.append(f"rerun.refused: the kernel refused the rerun check's batches in {refused['cases']} cases, "
+                        f"which it then did not check; e.g. {refused['worst_detail']}")
     if refused := summary.get("step.refused"):
         warnings.append(f"step.refused: the kernel's graph-capturable step refused {refused['cases']} cases, which "
                         f"the step check then did not drive; e.g. {refused['worst_detail']}")
