@@ -115,6 +115,11 @@ class KernelNumerics:
         partial_dtype: dtype a split's output is stored in between the split pass and the merge (its lse is fp32):
             fp32 for this module's kernels, FlashMLA and aiter; FlashInfer's MLA stores ``partial_o`` in the output
             dtype. verify.bounds.merge_bound charges its unit roundoff once per split output.
+        plan_invariant_scores: every token's score comes out the same whatever plan cuts its row (its dot product
+            summed over the channels in one order, whatever tile or split holds the token: this module's kernels,
+            and MMA-based kernels generally). verify.bounds.split_bound then takes the score errors as common to
+            the two runs the split check compares. False (a kernel that scores a split row with another kernel,
+            tile shape or summation order): each run is charged its own score errors, a looser split bound.
     """
 
     p_fmt: str | None
@@ -127,6 +132,7 @@ class KernelNumerics:
     scale_then_round: bool = False
     gamma_pv_per_token: float = 0.0
     partial_dtype: torch.dtype = torch.float32
+    plan_invariant_scores: bool = True
 
     def __post_init__(self):
         for name in ("p_scale", "gamma_qk", "gamma_pv", "gamma_pv_per_token"):
@@ -142,6 +148,8 @@ class KernelNumerics:
         if self.p_scale > top:  # P = 1 would saturate
             raise ValueError(f"KernelNumerics.p_scale: expected at most {self.p_fmt or 'fp32'}'s max {top:g} (P = 1 "
                              f"times it must not saturate), got {self.p_scale!r}")
+        if not isinstance(self.plan_invariant_scores, bool):
+            raise ValueError(f"KernelNumerics.plan_invariant_scores must be a bool, got {self.plan_invariant_scores!r}")
         if self.partial_dtype not in WIDE_DTYPES.values():
             raise ValueError(f"KernelNumerics.partial_dtype: expected one of {list(WIDE_DTYPES.values())}, got "
                              f"{self.partial_dtype!r}")
@@ -154,9 +162,10 @@ class KernelNumerics:
         p = f"P {self.p_fmt or 'fp32'}" + (f" x{self.p_scale:g}" if self.p_scale != 1 else "")
         stage = ", fp8 scaled then rounded" if self.scale_then_round else ""
         partials = f", split partials {name(self.partial_dtype)}" if self.partial_dtype != torch.float32 else ""
+        scores = "" if self.plan_invariant_scores else ", scores vary with the plan"
         return (f"{p}, QK {name(self.qk_operand)} gamma {self.gamma_qk:.3g}, PV {name(self.pv_operand)} gamma "
                 f"{self.gamma_pv:.3g} + {self.gamma_pv_per_token:.3g}/token, out {name(self.out_dtype)}{stage}"
-                f"{partials}")
+                f"{partials}{scores}")
 
 
 def triton_numerics(mma: str, block_n: int = BLOCK_N) -> KernelNumerics:

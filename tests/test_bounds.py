@@ -574,6 +574,53 @@ def test_split_bound_holds_across_plans_and_catches_a_wrong_scale():
         split_bound(batch, _fp32_numerics(batch, p_scale=0.0), splits)
 
 
+def _skewed_scores(batch, direction: float, gamma: float):
+    """The decode in fp64 with every score moved by direction x gamma x σ Σ|q||k| (the most a kernel declaring
+    gamma_qk = gamma may err by), its sign alternating over the tokens: a kernel whose score error depends on the
+    plan (``direction`` +1 under one, -1 under another). -> (out [T, H, L], lse [T, H]) fp64."""
+    L, T, H = batch.kv_lora_rank, batch.num_tokens, batch.num_heads
+    q = batch.dequantized_q()  # [T, H, D]
+    visible = batch.visible_tokens()  # [T]
+    out, lse = torch.zeros(T, H, L, dtype=torch.float64), torch.full((T, H), -math.inf, dtype=torch.float64)
+    qo = batch.qo_indptr.tolist()
+    for b in range(batch.batch_size):
+        rows = slice(qo[b], qo[b + 1])
+        K = batch.request_kv(b)  # [s, D] fp64
+        sign = 1.0 - 2.0 * (torch.arange(K.shape[0]) % 2)  # [s] +1, -1, ...
+        skew = direction * gamma * batch.sm_scale * torch.einsum("nhd,sd->nhs", q[rows].abs(), K.abs()) * sign
+        mask = torch.arange(K.shape[0])[None, :] < visible[rows, None]  # [n, s]
+        s = (batch.sm_scale * torch.einsum("nhd,sd->nhs", q[rows], K) + skew).masked_fill(~mask[:, None, :], -math.inf)
+        lse[rows] = torch.logsumexp(s, dim=-1)  # [n, H]
+        p = torch.exp(s - torch.where(torch.isfinite(lse[rows]), lse[rows], 0.0)[..., None])  # [n, H, s]
+        out[rows] = torch.einsum("nhs,sc->nhc", p, K[:, :L])
+    return out, lse
+
+
+def test_scores_that_vary_with_the_plan_are_declared_not_charged_by_default():
+    """A kernel whose scores err by its declared gamma_qk one way under one plan and the other way under another
+    passes tier 1 under both, fails split_bound as declared by default (plan-invariant scores: their errors
+    shared by the two runs), and passes it once it declares plan_invariant_scores=False (each run charged its
+    own score errors)."""
+    batch = _bf16_batch("gauss1", seq=(0, 700, 90, 1), q_lens=(1, 2, 1, 3))
+    gamma = 2.0**-10
+    numerics = dataclasses.replace(_fp32_numerics(batch, out_dtype=torch.float32), gamma_qk=gamma)
+    ref = mla_decode_ref(batch)
+    a, b = _skewed_scores(batch, 1.0, gamma), _skewed_scores(batch, -1.0, gamma)
+    tier1 = kernel_bound(batch, numerics, ref=ref)
+    for run in (a, b):
+        assert compare(run[0], ref[0], tier1.out, out_dtype=torch.float32).ok
+        assert compare(run[1], ref[1], tier1.lse).ok
+    shared = split_bound(batch, numerics, 4)
+    worst = compare(a[0], b[0], shared.out, out_dtype=torch.float32).err_over_bound_max
+    own = split_bound(batch, dataclasses.replace(numerics, plan_invariant_scores=False), 4)
+    rep = compare(a[0], b[0], own.out, out_dtype=torch.float32)
+    print(f"\nscores skewed by ±gamma_qk: split.out err/bound {worst:.3g} (shared scores), {_report(rep)} (own)")
+    assert worst > 1, worst
+    assert rep.ok and compare(a[1], b[1], own.lse).ok
+    with pytest.raises(ValueError, match="plan_invariant_scores must be a bool"):
+        dataclasses.replace(numerics, plan_invariant_scores=0)
+
+
 # ---- §5(e) statistics -----------------------------------------------------------------------------------------------
 
 

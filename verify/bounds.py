@@ -552,7 +552,9 @@ def split_bound(batch: DecodeBatch, numerics, num_splits: int) -> Bound:
     For outputs rounded to out_dtype add u_out (|round a| + |round b|)(1 + u_out) + 2 eta_out. Without the shared
     scores the runs could differ by the score term tanh(ω_acc/4) R̂, most of kernel_bound on peaky rows; with them P
     rounding (u_P Σ p̂|v̂|, η_P), exp and accumulation remain, which a bound of 2 merge_bound alone misses: fp16 or
-    bf16 P rounded under different maxima already differs by ~u_P p̂_j per token.
+    bf16 P rounded under different maxima already differs by ~u_P p̂_j per token. A kernel that declares its scores
+    plan-dependent (``numerics.plan_invariant_scores`` False) is charged each run's own score errors instead
+    (``shared_scores=False``: twice the §5(f) distance to the oracle's o, that score term included).
     """
     _check_numerics(batch, numerics)
     q_operand = _q_operand(batch, numerics)  # batch-wide
@@ -560,7 +562,7 @@ def split_bound(batch: DecodeBatch, numerics, num_splits: int) -> Bound:
     def bucket_bound(bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
         st, A_max, V, o, kw = _kernel_grid(bucket, numerics, None, q_operand)
         kw["u_out"] = kw["eta_out"] = 0.0  # before output rounding
-        out, lse = _rounding_bound(st, A_max, V, o, **kw, shared_scores=True)  # [B, N, H, L], [B, N, H]
+        out, lse = _rounding_bound(st, A_max, V, o, **kw, shared_scores=numerics.plan_invariant_scores)
         return bucket.grid.unpad(out), bucket.grid.unpad(lse)  # [t, H, L], [t, H]
 
     out, lse = by_bucket(batch.buckets(), bucket_bound)  # [T, H, L], [T, H]
