@@ -120,6 +120,9 @@ class KernelNumerics:
             and MMA-based kernels generally). verify.bounds.split_bound then takes the score errors as common to
             the two runs the split check compares. False (a kernel that scores a split row with another kernel,
             tile shape or summation order): each run is charged its own score errors, a looser split bound.
+        l_from_rounded_p: the row sum l (the softmax's denominator) is summed from P as rounded to ``p_fmt`` for the
+            P.V MMA, not from the unrounded P (this module's kernels, FlashMLA and vLLM's sum the unrounded one).
+            verify.bounds then charges l's rounding on out and lse too: with bf16 P the lse moves by up to 2^-9.
     """
 
     p_fmt: str | None
@@ -133,6 +136,7 @@ class KernelNumerics:
     gamma_pv_per_token: float = 0.0
     partial_dtype: torch.dtype = torch.float32
     plan_invariant_scores: bool = True
+    l_from_rounded_p: bool = False
 
     def __post_init__(self):
         for name in ("p_scale", "gamma_qk", "gamma_pv", "gamma_pv_per_token"):
@@ -148,8 +152,9 @@ class KernelNumerics:
         if self.p_scale > top:  # P = 1 would saturate
             raise ValueError(f"KernelNumerics.p_scale: expected at most {self.p_fmt or 'fp32'}'s max {top:g} (P = 1 "
                              f"times it must not saturate), got {self.p_scale!r}")
-        if not isinstance(self.plan_invariant_scores, bool):
-            raise ValueError(f"KernelNumerics.plan_invariant_scores must be a bool, got {self.plan_invariant_scores!r}")
+        for name in ("plan_invariant_scores", "l_from_rounded_p"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"KernelNumerics.{name} must be a bool, got {getattr(self, name)!r}")
         if self.partial_dtype not in WIDE_DTYPES.values():
             raise ValueError(f"KernelNumerics.partial_dtype: expected one of {list(WIDE_DTYPES.values())}, got "
                              f"{self.partial_dtype!r}")
@@ -162,7 +167,8 @@ class KernelNumerics:
         p = f"P {self.p_fmt or 'fp32'}" + (f" x{self.p_scale:g}" if self.p_scale != 1 else "")
         stage = ", fp8 scaled then rounded" if self.scale_then_round else ""
         partials = f", split partials {name(self.partial_dtype)}" if self.partial_dtype != torch.float32 else ""
-        scores = "" if self.plan_invariant_scores else ", scores vary with the plan"
+        scores = ("" if self.plan_invariant_scores else ", scores vary with the plan") + (
+            ", row sum from rounded P" if self.l_from_rounded_p else "")
         return (f"{p}, QK {name(self.qk_operand)} gamma {self.gamma_qk:.3g}, PV {name(self.pv_operand)} gamma "
                 f"{self.gamma_pv:.3g} + {self.gamma_pv_per_token:.3g}/token, out {name(self.out_dtype)}{stage}"
                 f"{partials}{scores}")

@@ -250,3 +250,28 @@ def test_a_failed_probe_lse_names_the_lse_not_p():
     assert not checks["rounding.lse"].ok and "its base, its scale" in checks["rounding.lse"].detail
     assert "P rounded more coarsely" not in checks["rounding.lse"].detail
     assert checks["rounding.out"].ok and "P rounded more coarsely" not in checks["rounding.out"].detail
+
+
+def _l_from(rounded: bool, declared: bool) -> Kernel:
+    """The mutants' split-KV decode with P rounded to bf16 for P.V, its row sum l from the rounded P (``rounded``)
+    or the unrounded one, declaring ``l_from_rounded_p=declared``."""
+    def decode(batch):
+        return mutants._decode(batch, p_fmt="bf16", l_rounded=rounded)
+
+    decode.numerics = dataclasses.replace(DEFAULT_NUMERICS, p_fmt="bf16", l_from_rounded_p=declared)
+    return from_callable(decode, f"l_rounded_{rounded}_declared_{declared}")
+
+
+@pytest.mark.parametrize("case", smoke_cases("bf16")[:3], ids=lambda c: c.describe())
+def test_a_row_sum_of_the_rounded_p_is_declared_or_fails_the_probes_lse(case):
+    """A row sum taken from the bf16 P moves the lse by up to 2^-9, which the default declaration (l from the
+    unrounded P) does not charge: the rounding probe's lse fails it (exact scores leave nothing else to hide it).
+    Declared (``l_from_rounded_p``), it passes every check, and so does a kernel that sums the unrounded P under
+    that looser declaration."""
+    undeclared = run_case(case, _l_from(True, False))
+    failed = {c.name for c in undeclared.checks if not c.ok}
+    assert "rounding.lse" in failed and failed <= {"rounding.lse", "tier1.lse", "rerun.lse"}, undeclared.describe()
+    declared = run_case(case, _l_from(True, True))
+    assert declared.ok, declared.describe()
+    assert "row sum from rounded P" in declared.numerics
+    assert run_case(case, _l_from(False, True)).ok

@@ -263,6 +263,7 @@ def _rounding_bound(
     score_abs: torch.Tensor | float = 0.0,
     eta_v: float = 0.0,
     shared_scores: bool = False,
+    l_rounded: bool = False,
     R: torch.Tensor | None = None,
     pv: torch.Tensor | None = None,
     dev: torch.Tensor | None = None,
@@ -275,7 +276,8 @@ def _rounding_bound(
     A kernel that computes, in arithmetic of unit roundoff u_arith (fp32 for GPU kernels),
         s̃_j = fl(σ <q̃, k̃_j>)             error <= gamma_qk · A_j + score_abs  (operands q̃, k̃ as the MMA sees them:
                                           their relative rounding folded into gamma_qk, absolute η into score_abs)
-        p̃_j = exp(s̃_j - m̃) (1 + ε_j)      |ε_j| <= exp_rel, same p̃ in the numerator and in l (l from unrounded P)
+        p̃_j = exp(s̃_j - m̃) (1 + ε_j)      |ε_j| <= exp_rel, same p̃ in the numerator and in l (l from unrounded P;
+                                          l_rounded: from the rounded P_j, below)
         P_j = round(p̃_j)                  |P_j - p̃_j| <= u_p p̃_j + min(eta_p, p̃_j)   (underflow flushes to 0)
         o = fl(Σ_j P_j ṽ_j) / fl(Σ_j p̃_j) |ṽ_jc - v̂_jc| <= (relative part, in gamma_pv) + eta_v; accumulation
                                           errors gamma_pv Σ P|v| and gamma_pv · l
@@ -300,6 +302,10 @@ def _rounding_bound(
     ln(1 + gamma_pv) <= gamma_pv / (1 - gamma_pv), and evaluating log2, adding m and converting base 2 -> e in fp32
     costs <= 16 u_arith (|m̂| + ln l̂):
         |lse^ker - lse^| <= ω / 2 + gamma_pv / (1 - gamma_pv) + 16 u_arith (|m̂| + ln l̂)
+    l_rounded: the kernel sums the rounded P_j into l (no declared kernel of ours or the peers' does). Each P_j is
+    within u_p P̃_j + min(eta_p, p̃_j) of p̃_j, so that l moves by a factor within 1 ± r, r = u_p + f, where
+    f = Σ_j min(eta_p / l̂, p̂_j) (the flushed part, in units of l̂) times e^2ω (the kernel's p̃ and l̃ against p̂, l̂):
+    out gains e^ω r |o| (the division by l; o_mag as below) and lse r / (1 - r) >= |ln(1 ± r)|.
     shared_scores: bound the distance to o* = Σ_j softmax(s̃)_j v̂_j (and lse* = ln Σ_j e^s̃_j) instead, the error of
     everything after the scores (``split_bound``): the hull term and the LSE take ω_own only; |ô| becomes
     |o*| <= |ô| + min{tanh(ω_qk/4) R̂, (e^ω_qk - 1) min(Σ_j p̂_j |v̂_j|, dev)} (§5(c)); e^ω keeps ω_qk
@@ -314,8 +320,11 @@ def _rounding_bound(
     pv = torch.einsum("bnhs,bsc->bnhc", st.p, V.abs()) if pv is None else pv  # [B, N, H, L] Σ_j p̂_j |v̂_jc|
     dev = _deviation(st, V) if dev is None else dev  # [B, N, H, L] >= Σ_j p̂_j |v̂_jc - mean_c|
     flush_v = 0.0  # [B, N, H, L] underflow error per unit l̂: min(η_P / l̂, p̂_j) summed against |v̂_j| (0 if η_P = 0)
+    flush_l = 0.0  # [B, N, H] the same summed over the tokens: the flushed part of a row sum of rounded P
     if eta_p:
-        flush_v = torch.einsum("bnhs,bsc->bnhc", torch.minimum(eta_p / st.l[..., None], st.p), V.abs())
+        flushed = torch.minimum(eta_p / st.l[..., None], st.p)  # [B, N, H, S]
+        flush_v = torch.einsum("bnhs,bsc->bnhc", flushed, V.abs())
+        flush_l = flushed.sum(dim=-1)
     c_pv = _col((1 + u_p) * (1 + gamma_pv) - 1)  # [B, 1, 1, 1] or float
     growth = torch.exp(omega)[..., None]  # [B, N, H, 1] kernel weights <= e^ω p̂
     hull_omega = omega_own if shared_scores else omega  # [B, N, H] score errors not common to the compared results
@@ -328,11 +337,16 @@ def _rounding_bound(
         + _col(gamma_pv) * o_mag  # fp32 row sum l
         + _hull_term(hull_omega, R, pv, dev, torch.exp(omega - hull_omega))  # score errors (§5(b), (c))
     )  # [B, N, H, L]
+    r_l = torch.where(seen, u_p + torch.exp(2 * omega) * flush_l, 0.0) if l_rounded else None  # [B, N, H]
+    if r_l is not None:  # a row sum of the rounded P: the division by it
+        inner = inner + growth * r_l[..., None] * o_mag
     out = _col((1 + u_out) * (1 + gamma_pv)) * inner  # [B, N, H, L]
     g = torch.as_tensor(gamma_pv, dtype=F64, device=hull_omega.device)  # [] or [B, 1, 1]
     ln_l = torch.where(g < 1, g / (1 - g), math.inf)  # >= ln(1 + g); g >= 1 (a long request's per-token charge): no
     # finite bound on l's log, so none on lse (g / (1 - g) was negative, and compare() refused it)
     lse = hull_omega / 2 + ln_l + 16 * u_arith * (st.m.abs() + torch.log(st.l))  # [B, N, H]
+    if r_l is not None:
+        lse = lse + torch.where(r_l < 1, r_l / (1 - r_l), math.inf)  # >= |ln(1 ± r)|
     return out, torch.where(seen, lse, 0.0)
 
 
@@ -438,7 +452,7 @@ def _kernel_grid(bucket: Bucket, numerics, ref: tuple[torch.Tensor, torch.Tensor
     L, D, sigma = batch.kv_lora_rank, batch.head_dim, batch.sm_scale
     u_p, eta_p = (0.0, 0.0) if uniform_p else _p_rounding(numerics)
     common = dict(u_out=_unit_roundoff(numerics.out_dtype), eta_out=_half_min_subnormal(numerics.out_dtype), u_p=u_p,
-                  eta_p=eta_p, exp_rel=EXP32_REL, u_arith=U32)
+                  eta_p=eta_p, exp_rel=EXP32_REL, u_arith=U32, l_rounded=numerics.l_from_rounded_p)
     mask = grid.mask  # [B, N, S]
 
     # operand values as the MMA gets them (fed) and the factor from their units to real units
@@ -501,9 +515,9 @@ def kernel_bound(batch: DecodeBatch, numerics, *, ref: tuple[torch.Tensor, torch
     MMAs see are exact in them; P rounds once more when pv_operand is coarser than p_fmt); scale_then_round (the
     MMAs see code · scale rounded to the operand dtype, not the codes); gamma_qk, gamma_pv + gamma_pv_per_token x
     seq_len (per request); out_dtype (u_out).
-    Derivation in ``_kernel_grid`` and ``_rounding_bound``. Assumes the row sum l is accumulated from
-    unrounded P (vLLM FlashMLA, mla_fast): a kernel that sums the rounded P needs another (u_P + η_P/l̂)·|ô| term on
-    out, and ln(1 + u_P + η_P/l̂) on lse.
+    Derivation in ``_kernel_grid`` and ``_rounding_bound``. The row sum l is taken as accumulated from unrounded P
+    (vLLM, FlashMLA, mla_fast); a kernel that sums the rounded P declares l_from_rounded_p, which adds
+    (u_P + the flushed part of l)·|ô| on out and about as much on lse (``_rounding_bound``'s l_rounded).
     The fp32 split-KV merge is not included: add ``merge_bound`` for split kernels.
 
     Args:
