@@ -331,7 +331,8 @@ def test_device_fault_detection(monkeypatch):
     """torch.AcceleratorError always; a RuntimeError naming a CUDA or HIP error (a C++ extension's own check) only
     once the process holds a GPU context: without one, no GPU error can be sticky."""
     assert is_device_fault(torch.AcceleratorError("an illegal memory access was encountered"))
-    assert not is_device_fault(RuntimeError(ILLEGAL_ADDRESS))  # this CPU process has no CUDA context
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # a CPU process (on a GPU machine too)
+    assert not is_device_fault(RuntimeError(ILLEGAL_ADDRESS))
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     assert is_device_fault(RuntimeError(ILLEGAL_ADDRESS)) and is_device_fault(RuntimeError("HIP error: invalid"))
     assert not is_device_fault(RuntimeError("kernel exploded")) and not is_device_fault(ValueError(ILLEGAL_ADDRESS))
