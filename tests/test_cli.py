@@ -343,10 +343,11 @@ def says_cuda_error(batch):
     raise RuntimeError(f"my_kernel: {ILLEGAL_ADDRESS} (my own check, no GPU here)")
 
 
-def test_a_cuda_error_text_without_a_gpu_context_fails_cases_but_stops_nothing(capsys, tmp_path):
+def test_a_cuda_error_text_without_a_gpu_context_fails_cases_but_stops_nothing(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # a CPU process, also on a GPU machine
     path = tmp_path / "r.json"
     code, _, err = run(capsys, "--impl", "tests.test_cli:says_cuda_error", "--cases", "3", "--max-seq-len", "64",
-                       "--jobs", "1", "--json", str(path))
+                       "--device", "cpu", "--jobs", "1", "--json", str(path))
     assert code == cli.EXIT_FAILED, err
     report = json.loads(path.read_text())
     assert report["cases"] == 3 and report["failed"] == 3 and report.get("not_run", 0) == 0, report.get("stopped")
