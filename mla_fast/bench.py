@@ -44,6 +44,7 @@ import torch
 
 from mla_fast.gpu_clocks import ClockSampler, smi_id
 from mla_fast.read_floor import read_floor_fn
+from mla_fast.report_path import unwritable
 from mla_fast.vllm_peer import vllm_fn
 from mla_ref.decode import DecodeBatch
 
@@ -694,9 +695,7 @@ def main(argv=None) -> None:
     if args.no_peers and args.peers is not None:
         parser.error("--no-peers and --peers: give one")
     if args.json is not None:  # before the GPU work, not after the first row
-        from verify.cli import _writable
-
-        if why := _writable(args.json):
+        if why := unwritable(args.json):
             parser.error(f"--json: cannot write {args.json}: {why}")
     if not torch.cuda.is_available():
         raise SystemExit("mla-bench needs a CUDA GPU")

@@ -32,6 +32,7 @@ from concurrent.futures.process import BrokenProcessPool
 from importlib import metadata
 
 from mla_fast.backends import BACKENDS as REGISTRY
+from mla_fast.report_path import unwritable
 from verify.cases import FP8_FORMATS, Case
 from verify.checks import CaseResult, CheckResult, is_device_fault, json_number
 
@@ -116,18 +117,6 @@ def _at_most(limit: int):
         return value
 
     return parse
-
-
-def _writable(path: str) -> str | None:
-    """Why `path` cannot be written (its folder is missing or read-only, or it is a folder), or None."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        return f"{path} is a folder"
-    if not os.path.isdir(folder):
-        return f"folder {folder} does not exist"
-    if not os.access(folder, os.W_OK):
-        return f"folder {folder} is not writable"
-    return None
 
 
 def _positive_seconds(text: str) -> float:
@@ -728,7 +717,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot == "-":
         return usage("--plot: expected a file path for the PNG ('-', stdout, is for --json)")
     for flag, path in (("--json", args.json), ("--plot", args.plot)):  # before the campaign, not after it
-        if path is not None and path != "-" and (why := _writable(path)):
+        if path is not None and path != "-" and (why := unwritable(path)):
             return usage(f"{flag}: cannot write {path}: {why}")
     if args.plot:  # before the campaign, not after it
         try:

@@ -49,6 +49,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from mla_fast.report_path import unwritable
 from mla_ref.config import MLAConfig
 from mla_ref.decode import DecodeBatch
 from mla_ref.fp8 import FORMATS, quantize
@@ -572,9 +573,7 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error(f"--{name}: expected an integer >= 1, got {getattr(args, name)}")
         if args.max_kl is not None and not args.max_kl >= 0:  # a KL is >= 0: a negative bar always fails
             parser.error(f"--max-kl: expected a number >= 0, got {args.max_kl}")
-        from verify.cli import _writable
-
-        if args.json and args.json != "-" and (why := _writable(args.json)):  # before the run, not after it
+        if args.json and args.json != "-" and (why := unwritable(args.json)):  # before the run, not after it
             parser.error(f"--json: cannot write {args.json}: {why}")
     except SystemExit as e:  # --help (0) or a usage error (2, message already printed): returned, as mla-verify does
         return int(e.code or 0)
