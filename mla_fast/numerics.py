@@ -122,7 +122,7 @@ class KernelNumerics:
             tile shape or summation order): each run is charged its own score errors, a looser split bound.
         l_from_rounded_p: the row sum l (the softmax's denominator) is summed from P as rounded to ``p_fmt`` for the
             P.V MMA, not from the unrounded P (this module's kernels, FlashMLA and vLLM's sum the unrounded one).
-            verify.bounds then charges l's rounding on out and lse too: with bf16 P the lse moves by up to 2^-9.
+            verify.bounds then charges l's rounding on out and lse too: with bf16 P the lse moves by up to about 2^-8.
     """
 
     p_fmt: str | None

@@ -11,7 +11,7 @@ from mla_ref.decode import make_decode_batch, mla_decode_ref
 from mla_ref.fp8 import round_p
 from verify import mutants
 from verify.cases import SM_SCALE, Case
-from verify.checks import check_rounding, run_case
+from verify.checks import _tier1_bound, check_rounding, check_tier1, run_case
 from verify.kernels import DEFAULT_NUMERICS, Kernel, from_callable
 from verify.rounding_probe import T_RANGE, probe_x, rounding_probe
 from verify.strategies import smoke_cases
@@ -252,14 +252,14 @@ def test_a_failed_probe_lse_names_the_lse_not_p():
     assert checks["rounding.out"].ok and "P rounded more coarsely" not in checks["rounding.out"].detail
 
 
-def _l_from(rounded: bool, declared: bool) -> Kernel:
-    """The mutants' split-KV decode with P rounded to bf16 for P.V, its row sum l from the rounded P (``rounded``)
-    or the unrounded one, declaring ``l_from_rounded_p=declared``."""
+def _l_from(rounded: bool, declared: bool, p_fmt: str = "bf16", p_scale: float = 1.0) -> Kernel:
+    """The mutants' split-KV decode with P rounded to ``p_fmt`` (× ``p_scale``) for P.V, its row sum l from the
+    rounded P (``rounded``) or the unrounded one, declaring ``l_from_rounded_p=declared``."""
     def decode(batch):
-        return mutants._decode(batch, p_fmt="bf16", l_rounded=rounded)
+        return mutants._decode(batch, p_fmt=p_fmt, p_scale=p_scale, l_rounded=rounded)
 
-    decode.numerics = dataclasses.replace(DEFAULT_NUMERICS, p_fmt="bf16", l_from_rounded_p=declared)
-    return from_callable(decode, f"l_rounded_{rounded}_declared_{declared}")
+    decode.numerics = dataclasses.replace(DEFAULT_NUMERICS, p_fmt=p_fmt, p_scale=p_scale, l_from_rounded_p=declared)
+    return from_callable(decode, f"l_rounded_{rounded}_declared_{declared}_{p_fmt}_x{p_scale:g}")
 
 
 @pytest.mark.parametrize("case", smoke_cases("bf16")[:3], ids=lambda c: c.describe())
@@ -275,3 +275,34 @@ def test_a_row_sum_of_the_rounded_p_is_declared_or_fails_the_probes_lse(case):
     assert declared.ok, declared.describe()
     assert "row sum from rounded P" in declared.numerics
     assert run_case(case, _l_from(False, True)).ok
+
+
+@pytest.mark.parametrize(("n", "k"), [(1024, 4.4), (4096, 1.0)])
+def test_a_row_sum_of_flushed_p_stays_in_its_declared_bound(n, k):
+    """e4m3fn P without a scale flushes p < 2^-10 to 0: a row whose every split starts with a token of score 0 and
+    value +1 and whose other tokens score -7 (flushed) with value -k loses their whole mass from a rounded row sum,
+    while its output nearly cancels. The declared bound charges the division by that row sum on the bound itself,
+    not only on |ô| (a review's rows: err/bound 1.02 and 1.61 before)."""
+    q = torch.zeros(1, 1, 576)
+    q[..., 512] = 1.0  # [1, 1, D] the score is the token's first rope channel
+    kv = torch.zeros(n, 576)
+    kv[:, :512], kv[:, 512] = -k, -7.0
+    dominant = torch.arange(0, n, n // 4)  # one per split of the mutants' decode (4 splits)
+    kv[dominant, :512], kv[dominant, 512] = 1.0, 0.0
+    batch = make_decode_batch(q.bfloat16(), [kv.bfloat16()], sm_scale=1.0, kv_lora_rank=512, page_size=64,
+                              generator=torch.Generator().manual_seed(0))
+    kernel = _l_from(True, True, "e4m3fn")
+    ref = mla_decode_ref(batch)
+    results = check_tier1(*kernel.run(batch), ref, _tier1_bound(batch, kernel, kernel.numerics(batch), ref),
+                          torch.bfloat16)
+    assert all(r.ok for r in results), [r.detail for r in results]
+
+
+def test_a_row_sum_of_scaled_p_carries_its_common_factor_into_the_partials_lse():
+    """Under the partials probe every P is one value, so a row sum of the rounded P is n P: P's rounding, a common
+    factor of the output (which cancels), moves the lse by ln(P / p̃). With p_scale 100 (not a value of e4m3fn
+    after × 1) that is up to 2^-4; the declared bound charges it (a review: partials.lse 32613 before)."""
+    kernel = _l_from(True, True, "e4m3fn", p_scale=100.0)
+    result = run_case(smoke_cases("bf16")[0], kernel)
+    assert result.ok, result.describe()
+    assert {c.name for c in result.checks} >= {"partials.out", "partials.lse"}

@@ -303,9 +303,12 @@ def _rounding_bound(
     costs <= 16 u_arith (|m̂| + ln l̂):
         |lse^ker - lse^| <= ω / 2 + gamma_pv / (1 - gamma_pv) + 16 u_arith (|m̂| + ln l̂)
     l_rounded: the kernel sums the rounded P_j into l (no declared kernel of ours or the peers' does). Each P_j is
-    within u_p P̃_j + min(eta_p, p̃_j) of p̃_j, so that l moves by a factor within 1 ± r, r = u_p + f, where
-    f = Σ_j min(eta_p / l̂, p̂_j) (the flushed part, in units of l̂) times e^2ω (the kernel's p̃ and l̃ against p̂, l̂):
-    out gains e^ω r |o| (the division by l; o_mag as below) and lse r / (1 - r) >= |ln(1 ± r)|.
+    within u_p p̃_j + min(eta_p, p̃_j) of p̃_j, so its row sum L_P = l̃ (1 + θ), |θ| <= r = u_p + e^ω f, where
+    f = Σ_j min(eta_p / l̂, p̂_j) is the flushed part in units of l̂ (the kernel's normalised weights are within e^ω
+    of p̂). The kernel's o = o_u l̃ / L_P, with o_u the same numerator over l̃ (what the bound above covers:
+    |o_u - ô| <= B, so |o_u| <= o_mag + B), and |l̃ / L_P - 1| <= r / (1 - r): out's bound becomes
+    (B + r o_mag) / (1 - r), and lse gains r / (1 - r) >= |ln(1 + θ)|. (A fifty-second-session review: charging r
+    o_mag alone missed the flushed mass on rows whose ô cancels, 1.6x on crafted e4m3fn-P rows.)
     shared_scores: bound the distance to o* = Σ_j softmax(s̃)_j v̂_j (and lse* = ln Σ_j e^s̃_j) instead, the error of
     everything after the scores (``split_bound``): the hull term and the LSE take ω_own only; |ô| becomes
     |o*| <= |ô| + min{tanh(ω_qk/4) R̂, (e^ω_qk - 1) min(Σ_j p̂_j |v̂_j|, dev)} (§5(c)); e^ω keeps ω_qk
@@ -337,9 +340,10 @@ def _rounding_bound(
         + _col(gamma_pv) * o_mag  # fp32 row sum l
         + _hull_term(hull_omega, R, pv, dev, torch.exp(omega - hull_omega))  # score errors (§5(b), (c))
     )  # [B, N, H, L]
-    r_l = torch.where(seen, u_p + torch.exp(2 * omega) * flush_l, 0.0) if l_rounded else None  # [B, N, H]
-    if r_l is not None:  # a row sum of the rounded P: the division by it
-        inner = inner + growth * r_l[..., None] * o_mag
+    r_l = torch.where(seen, u_p + torch.exp(omega) * flush_l, 0.0) if l_rounded else None  # [B, N, H]
+    if r_l is not None:  # a row sum of the rounded P: o = o_u l̃ / L_P, |l̃ / L_P - 1| <= r / (1 - r)
+        r = r_l[..., None]  # [B, N, H, 1]
+        inner = torch.where(r < 1, (inner + r * o_mag) / (1 - r).clamp(min=1e-300), math.inf)
     out = _col((1 + u_out) * (1 + gamma_pv)) * inner  # [B, N, H, L]
     g = torch.as_tensor(gamma_pv, dtype=F64, device=hull_omega.device)  # [] or [B, 1, 1]
     ln_l = torch.where(g < 1, g / (1 - g), math.inf)  # >= ln(1 + g); g >= 1 (a long request's per-token charge): no
@@ -516,8 +520,9 @@ def kernel_bound(batch: DecodeBatch, numerics, *, ref: tuple[torch.Tensor, torch
     MMAs see code · scale rounded to the operand dtype, not the codes); gamma_qk, gamma_pv + gamma_pv_per_token x
     seq_len (per request); out_dtype (u_out).
     Derivation in ``_kernel_grid`` and ``_rounding_bound``. The row sum l is taken as accumulated from unrounded P
-    (vLLM, FlashMLA, mla_fast); a kernel that sums the rounded P declares l_from_rounded_p, which adds
-    (u_P + the flushed part of l)·|ô| on out and about as much on lse (``_rounding_bound``'s l_rounded).
+    (vLLM, FlashMLA, mla_fast); a kernel that sums the rounded P declares l_from_rounded_p: with r = u_P + the
+    flushed part of l, out's bound B becomes (B + r |ô|) / (1 - r) and lse gains r / (1 - r) (``_rounding_bound``'s
+    l_rounded); under uniform_p its lse also gains δ / (1 - δ), P's common factor, since l = n P.
     The fp32 split-KV merge is not included: add ``merge_bound`` for split kernels.
 
     Args:
@@ -546,6 +551,8 @@ def kernel_bound(batch: DecodeBatch, numerics, *, ref: tuple[torch.Tensor, torch
                      dev=_deviation(st, V))  # shared by both terms
         b_out, b_lse = _rounding_bound(st, A_max, V, o, **kw, **stats)  # [B, N, H, L], [B, N, H]
         b_out = (1 + u_common) * b_out + u_common * o.abs()  # [B, N, H, L] (unchanged unless uniform_p)
+        if uniform_p and numerics.l_from_rounded_p:  # l = n P: P's common factor reaches the lse, ln(1 + δ)
+            b_lse = b_lse + torch.where(st.seen[..., None], u_common / (1 - u_common), 0.0)  # [B, N, H]
         s_out, s_lse = _fp64_slack(st, A_max, V, o, D, bucket.batch.seq_lens, **stats)  # the oracle's fp64 rounding
         return bucket.grid.unpad(b_out + s_out), bucket.grid.unpad(b_lse + s_lse)  # [t, H, L], [t, H]
 

@@ -89,6 +89,7 @@ def _decode(
     gain: float = 1.0,
     acc_dtype: torch.dtype = torch.float32,
     p_fmt: str | None = None,
+    p_scale: float = 1.0,
     partial_dtype: torch.dtype = torch.float32,
     position_bits: int | None = None,
     merge_shift: int = 0,
@@ -102,8 +103,8 @@ def _decode(
     Per request: gather its pages, cut its tokens into up to MAX_SPLITS splits (on BLOCK boundaries), run an online
     softmax over BLOCK-token steps inside each split (running max m, sum l and output acc in ``acc_dtype``), then
     merge the splits with the LSE formula (or, ``merge="mean"``, by averaging them), their sums starting at split
-    ``merge_shift`` (mod the number of splits) instead of the first. P is rounded to ``p_fmt`` for P.V; the row sum
-    l adds the unrounded P, or (``l_rounded``) the rounded one.
+    ``merge_shift`` (mod the number of splits) instead of the first. P is rounded to ``p_fmt`` (times ``p_scale``,
+    then divided by it) for P.V; the row sum l adds the unrounded P, or (``l_rounded``) the rounded one.
     """
     L, H, ps = batch.kv_lora_rank, batch.num_heads, batch.page_size
     sigma = batch.sm_scale if sm_scale is None else sm_scale
@@ -137,7 +138,8 @@ def _decode(
         per_split = -(-n_blocks // min(MAX_SPLITS, max(n_blocks, 1))) * BLOCK if n_blocks else BLOCK
         starts = range(0, max(K.shape[0], 1), per_split)
         parts = [_split(rows, K[j : j + per_split], j, visible, sigma, D, L, acc_dtype, empty_nan, max_sub, p_fmt,
-                        max_init, max_before_mask, tail if j == starts[-1] else None, l_rounded) for j in starts]
+                        max_init, max_before_mask, tail if j == starts[-1] else None, l_rounded, p_scale)
+                 for j in starts]
         o_s = torch.stack([p[0] for p in parts])  # [S, n, H, L]
         lse_s = torch.stack([p[1] for p in parts])  # [S, n, H]
         if len(parts) > 1:  # split outputs stored in partial_dtype for the merge (their lse in fp32)
@@ -149,7 +151,7 @@ def _decode(
 
 
 def _split(rows, K, start, visible, sigma, D, L, acc_dtype, empty_nan, max_sub, p_fmt, max_init=-math.inf,
-           max_before_mask=False, tail=None, l_rounded=False):
+           max_before_mask=False, tail=None, l_rounded=False, p_scale=1.0):
     """One split: online softmax over BLOCK-token steps. rows [n, H, D'], K [m, D'] -> (o [n, H, L], lse [n, H]).
     ``tail`` [e, D'] (max_before_mask, the last split): the slots of the request's last page past its length, which
     the split's last tile loads with it: they enter that tile's max."""
@@ -173,7 +175,7 @@ def _split(rows, K, start, visible, sigma, D, L, acc_dtype, empty_nan, max_sub, 
         m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)  # [n, H] no token seen yet: shift by 0
         alpha = torch.exp(m - m_safe)  # [n, H] rescale of the old sums (0 while m = -inf)
         p = torch.exp(s - m_safe[..., None])  # [n, H, b]
-        p_pv = p if p_fmt is None else round_p(p, p_fmt)  # [n, H, b] P as P.V sees it
+        p_pv = p if p_fmt is None else round_p(p, p_fmt, p_scale)  # [n, H, b] P as P.V sees it
         l = (alpha * l.float() + (p_pv if l_rounded else p).sum(dim=-1)).to(acc_dtype)  # l: unrounded p by default
         acc = (alpha[..., None] * acc.float() + torch.einsum("nhb,bc->nhc", p_pv, Kb[:, :L])).to(acc_dtype)
         m = m_new
