@@ -9,7 +9,7 @@ from mla_fast.backends import Unsupported
 from verify import cli, mutants
 from verify.cases import Case
 from verify.checks import run_case
-from verify.kernels import from_callable
+from verify.kernels import DEFAULT_NUMERICS, from_callable
 
 CASES = {"bf16": Case(seq_lens=(0, 37, 130, 3), q_lens=(1, 2, 3, 1), heads=4, page_size=16),
          "fp8": Case(seq_lens=(70, 5), q_lens=(2, 1), heads=8, kv_dtype="fp8", q_dtype="fp8", scale_mode="static")}
@@ -53,3 +53,27 @@ def test_a_next_step_the_kernel_refuses_passes_as_refused_and_is_warned(capsys):
     assert "refused: Unsupported: no kernel for a request of 0 tokens" in checks["rerun.refused"]
     assert cli.main(["--impl", "tests.test_rerun_check:refuses_empty", "--case", case.to_json()]) == 0
     assert "rerun.refused: the kernel refused the rerun check's batches in 1 cases" in capsys.readouterr().err
+
+
+def _capped_numerics(batch):
+    if int(batch.seq_lens.max()) > 4096:
+        raise Unsupported("no kernel past 4096 tokens")
+    return DEFAULT_NUMERICS
+
+
+def capped(batch):
+    """A kernel with a length cap that its numerics enforce too: `Unsupported` past 4096 tokens."""
+    _capped_numerics(batch)
+    return mutants.correct(batch)
+
+
+capped.numerics = _capped_numerics
+
+
+def test_a_next_step_the_kernels_numerics_refuse_passes_as_refused():
+    """The next step grows a request past twice the longest: numerics that refuse it (as the kernel does) make
+    rerun.refused, not a failure (a review's kernel with a length cap)."""
+    result = run_case(Case(seq_lens=(3000, 40), q_lens=(1, 1), heads=2), from_callable(capped))
+    checks = {c.name: c.detail for c in result.checks}
+    assert result.ok and "refused: Unsupported: no kernel past 4096 tokens" in checks["rerun.refused"], \
+        result.describe()

@@ -606,9 +606,10 @@ def check_rerun(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, 
     spare pages, the longest halved, one emptied, the slots only the old step read set to NaN, q negated, new
     tokens): ``rerun.out`` / ``.lse`` against the oracle on the new contents, within their tier-1 bound. An eager
     call that memoises what it derived from its inputs by their identity or address (a plan keyed by data_ptr, a
-    converted cache) decodes the old step there; every other check passes it new tensors. A kernel that refuses
-    either batch (`Unsupported`: the next step empties a request, which some kernels do not take) passes as
-    ``rerun.refused``, and the report warns."""
+    converted cache) decodes the old step there; every other check passes it new tensors or the same contents. A
+    kernel that refuses either batch (`Unsupported` from its run or its numerics: the next step empties a request
+    and grows one past twice the longest, which some kernels do not take) passes as ``rerun.refused``, and the
+    report warns."""
     static, first_spare = next_step.with_room(batch)
     here = "the run on a copy with room to grow"
     got, why = _refusable(static, kernel, workers)
@@ -622,7 +623,9 @@ def check_rerun(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, 
     where += ", " + next_step.next_values(static, new_slots).replace(" after plan()", "")
     try:
         numerics = kernel.numerics(static)
-    except ValueError as e:  # Unsupported too: the next step is a batch of the case's shapes and dtypes
+    except Unsupported as e:  # a batch outside the kernel's scope (a length cap its numerics enforce, say)
+        return results + [CheckResult("rerun.refused", True, detail=f"{where}: refused: {error_message(e)}")]
+    except ValueError as e:
         return results + [CheckResult("rerun.out", False, detail=f"{where}: the kernel's numerics raised {e}")]
     ref_next = mla_decode_ref(static)  # [T, H, L], [T, H] fp64 on the new contents
     got, why = _refusable(static, kernel, workers)
