@@ -37,41 +37,50 @@ def _free_slots(batch) -> list[tuple[int, int, torch.Tensor]]:
 
 
 @pytest.mark.parametrize("combo", sorted(COMBOS))
-def test_probe_writes_only_the_last_pages_unused_slots(combo):
+def test_probe_writes_only_the_unused_slots_and_two_added_pages(combo):
+    """The probe's page p + 1 is the case's page p, but for the free slots of each request's last page; pages 0 and
+    P + 1 are new and finite (where a tile past the last page may read); the block table's used entries move up by
+    one, its unused ones stay as built; q, the lengths and the scales are the case's."""
     batch = _case(combo).materialize()[0]
     probe = padding_probe(batch, mla_decode_ref(batch)[1])
-    pb = probe.batch
-    for name in ("q", "block_table", "seq_lens", "q_lens"):
+    pb, P = probe.batch, batch.num_pages
+    for name in ("q", "seq_lens", "q_lens"):
         assert getattr(pb, name) is getattr(batch, name), name
     assert (pb.q_scale, pb.kv_scale, pb.sm_scale) == (batch.q_scale, batch.kv_scale, batch.sm_scale)
-    written = torch.zeros(batch.kv_cache.shape[:2], dtype=torch.bool)  # [P, ps]
+    used = batch.used_entries  # [B, W]
+    assert torch.equal(pb.block_table[used], batch.block_table[used] + 1)
+    assert torch.equal(pb.block_table[~used], batch.block_table[~used])
+    assert pb.kv_cache.shape[0] == P + 2 and torch.isfinite(pb.kv_cache[[0, P + 1]].float()).all()
+    written = torch.zeros(batch.kv_cache.shape[:2], dtype=torch.bool)  # [P, ps] in the case's page ids
     for _, page, free in _free_slots(batch):
         written[page] |= free
     assert probe.slots == int(written.sum()) == 11 + 14 + 13  # the requests of 37, 130 and 3 tokens
-    same = pb.kv_cache.view(torch.uint8).view(*written.shape, -1) == batch.kv_cache.view(torch.uint8).view(
+    moved = pb.kv_cache[1 : P + 1]  # [P, ps, D] the case's pages in the probe
+    same = moved.view(torch.uint8).view(*written.shape, -1) == batch.kv_cache.view(torch.uint8).view(
         *written.shape, -1)  # [P, ps, D * bytes]
     assert same[~written].all()  # every other byte as built: the tokens and the NaN of the spare pages
-    assert torch.isfinite(pb.kv_cache[written].float()).all()
+    assert torch.isfinite(moved[written].float()).all()
     assert torch.isnan(batch.kv_cache[written].float()).all()  # where the case had its NaN
 
 
 def test_bf16_tokens_reach_the_margin_up_to_their_rounding():
-    """In bf16 the minimum-norm token is exact before rounding (each request has at most 576 (row, head)s): every
-    row's hostile score is lse + MARGIN within the rounding of the token to bf16, at most 2^-8 |σ q_d k_d| per
-    channel (one bf16 unit roundoff of each k_d, products and sums in fp64)."""
+    """In bf16 each row's group token (one or two rows per group here) is the minimum-norm solution, exact before
+    rounding: the row's score of it is lse + MARGIN within the rounding of the token to bf16,
+    at most 2^-8 |σ q_d k_d| per channel (one bf16 unit roundoff of each k_d, products and sums in fp64)."""
     batch = _case("bf16").materialize()[0]
     lse = mla_decode_ref(batch)[1]  # [T, H]
     probe = padding_probe(batch, lse)
     q, qo = batch.dequantized_q(), batch.qo_indptr.tolist()  # [T, H, D]
     for b, page, free in _free_slots(batch):
-        k = probe.batch.kv_cache[page, free].double()  # [f, D] one token in every free slot
-        assert (k == k[0]).all()
+        slots = free.nonzero()[:, 0]  # [f]
         rows = batch.sm_scale * q[qo[b] : qo[b + 1]].reshape(-1, q.shape[-1])  # [m, D]
         lse_rows = lse[qo[b] : qo[b + 1]].reshape(-1)  # [m]
-        target = torch.where(torch.isfinite(lse_rows), lse_rows, 0.0) + MARGIN  # [m] a row that sees nothing: 0
-        rounding = 2**-8 * (rows.abs() @ k[0].abs())  # [m] one bf16 unit roundoff per channel
-        assert ((rows @ k[0] - target).abs() <= rounding).all()
-    assert MARGIN - 1 < probe.margin <= MARGIN + 1  # the reported smallest margin, from the rounded tokens
+        G = min(len(slots), rows.shape[0])  # groups: rows r = g mod G share slot g's token
+        for r in range(rows.shape[0]):
+            k = probe.batch.kv_cache[page + 1, slots[r % G]].double()  # [D] row r's group token
+            target = (lse_rows[r] if torch.isfinite(lse_rows[r]) else 0.0) + MARGIN
+            assert abs(float(rows[r] @ k) - target) <= 2**-8 * float(rows[r].abs() @ k.abs())  # two bf16 ulps
+    assert MARGIN - 1 < probe.margin and probe.unprobed == 0  # the reported smallest margin, rounded tokens
 
 
 def test_the_linear_program_reaches_the_closed_form_optimum_of_one_row():
@@ -92,24 +101,34 @@ def test_the_linear_program_reaches_the_closed_form_optimum_of_one_row():
 
 @pytest.mark.parametrize("combo", ["fp8kv", "fp8", "fp8kv_fnuz"])
 def test_fp8_tokens_stay_in_the_format_and_deal_the_rows_into_groups(combo):
-    """fp8: every written code is finite, within the format's max, and with more rows than GROUP_ROWS (128 heads)
-    each slot holds its group's token: several distinct tokens, and the reported margin is what they reach."""
+    """fp8: every written code is finite, within the format's max, and with more rows than free slots (128 heads)
+    each slot holds its group's token: as many distinct tokens as slots, and the reported margin is what they
+    reach."""
     batch = _case(combo, seq_lens=(37,), q_lens=(2,), heads=128).materialize()[0]
     lse = mla_decode_ref(batch)[1]  # [T, H]
     probe = padding_probe(batch, lse)
     ((_, page, free),) = _free_slots(batch)
-    codes = probe.batch.kv_cache[page, free].float()  # [f, D]
+    codes = probe.batch.kv_cache[page + 1, free].float()  # [f, D]
     assert torch.isfinite(codes).all() and float(codes.abs().max()) <= fp8_format(batch.kv_cache.dtype).max
-    assert len({tuple(row.tolist()) for row in codes}) == 8  # 256 (row, head)s in groups of 32, 11 free slots
+    assert len({tuple(row.tolist()) for row in codes}) == 11  # 256 (row, head)s in 11 groups, one per free slot
     k = codes.double() * batch.kv_scale  # [f, D]
     scores = batch.sm_scale * batch.dequantized_q().reshape(-1, 576) @ k.T  # [256, f]
     assert probe.margin == pytest.approx(float((scores.amax(dim=1) - lse.reshape(-1)).min()), abs=1e-9)
 
 
-def test_no_unused_slot_skips_the_probe():
+def test_full_last_pages_are_probed_through_the_added_pages_and_no_tokens_skips_it():
+    """Every last page full (pages of 16, lengths 16 and 64): no slot to write, but the added pages 0 and last hold
+    a token for each request's first row, for a tile that reads past its last page; a batch whose requests have no
+    tokens has nothing to probe (padding.skipped)."""
     batch = _case("bf16", seq_lens=(0, 16, 64), q_lens=(1, 1, 2)).materialize()[0]
-    assert "no request has an unused slot" in padding_probe(batch, mla_decode_ref(batch)[1])
+    probe = padding_probe(batch, mla_decode_ref(batch)[1])
+    assert probe.slots == 0 and probe.rows == 0 and "no unused last-page slot" in probe.describe()
+    assert torch.isfinite(probe.batch.kv_cache[[0, -1]].float()).all()
     result = run_case(_case("bf16", seq_lens=(0, 16, 64), q_lens=(1, 1, 2)), from_callable(mutants.correct))
+    assert result.ok and "padding" in {c.name for c in result.checks}
+    empty = _case("bf16", seq_lens=(0, 0), q_lens=(1, 2)).materialize()[0]
+    assert padding_probe(empty, mla_decode_ref(empty)[1]) == "no request with tokens and query rows"
+    result = run_case(_case("bf16", seq_lens=(0, 0), q_lens=(1, 2)), from_callable(mutants.correct))
     assert result.ok and "padding.skipped" in {c.name for c in result.checks}
 
 
@@ -127,3 +146,16 @@ def test_a_max_over_the_padding_fails_the_padding_check_alone(combo):
     detail = {c.name: c.detail for c in right.checks}["padding"]
     assert right.ok and detail.endswith("the bits of the run on the NaN-padded cache"), right.describe()
     assert math.isfinite(float(detail.split("at least ")[1].split(" ")[0]))
+
+
+def test_a_tile_past_the_last_page_reads_the_added_page_0():
+    """Pages of 16 under 64-token tiles: the request of 32 tokens fills its last page (no free slot), but its tile
+    spans two more block-table entries, which a kernel with masked loads reads as page 0. The probe's page 0 holds
+    hostile tokens, so a tile max over those slots moves that request's rows too; a kernel that masks first keeps
+    its bits there."""
+    case = _case("bf16", seq_lens=(32, 37), q_lens=(1, 1))
+    batch = case.materialize()[0]
+    probe = padding_probe(batch, mla_decode_ref(batch)[1]).batch
+    for kernel, moves in ((mutants.max_before_mask, True), (mutants.correct, False)):
+        before, after = kernel(batch)[0][0], kernel(probe)[0][0]  # [H, L] request 0's row
+        assert torch.equal(before.view(torch.int16), after.view(torch.int16)) != moves, kernel.__name__

@@ -49,8 +49,9 @@ turns one knob, the way such bugs happen in real kernels:
 |                       | (right answers, another tensor's memory overwritten)         |                               |
 | max_init_zero         | the running max starts at 0, not -inf: rows whose scores all | tier1 / finite (the shifted   |
 |                       | lie below about -87 flush to 0                               | case)                         |
-| max_before_mask       | each tile's max over every slot it loads (the last page's    | padding (a partial last       |
-|                       | unused slots too) before the mask, NaN-blind                 | page); tier1 (shifted case)   |
+| max_before_mask       | each tile's max over every slot it loads (whole pages to the | padding (a partial last page, |
+|                       | tile's end, entries past the request's read as page 0)       | or a tile past the last       |
+|                       | before the mask, NaN-blind                                   | page); tier1 (shifted case)   |
 | packed_rows_wrap      | the packed (row, head) index r H + h kept in 8 bits          | tier1 (128 heads, MTP 3-4)    |
 | plan_cached_by_ptr    | its eager call memoises its plan (the lengths) by the        | rerun (any)                   |
 |                       | addresses of the batch's length and block-table tensors      |                               |
@@ -123,7 +124,12 @@ def _decode(
             first = (pages.to(torch.int32) * (ps * batch.head_dim)).long() % batch.kv_cache.numel()  # [n_pages]
             pages = first // (ps * batch.head_dim)  # [n_pages]
         K = batch.kv_cache[pages].reshape(n_pages * ps, batch.head_dim)  # [n_pages * ps, D] whole pages
-        tail = K[s:].float() * kv_scale if max_before_mask else None  # [n_pages * ps - s, D] the last page's rest
+        tail = None  # max_before_mask: the slots the last tile loads past the request's tokens
+        if max_before_mask:  # whole pages up to the tile's end; entries past the request's pages read as page 0
+            tile_pages = -(-(-(-s // BLOCK) * BLOCK) // ps)  # pages the last 64-token tile spans
+            ids = torch.zeros(max(tile_pages, n_pages), dtype=torch.long, device=dev)  # masked loads: other=0
+            ids[:n_pages] = pages
+            tail = batch.kv_cache[ids].reshape(-1, batch.head_dim)[s : tile_pages * ps].float() * kv_scale
         K = (K if full_last_page else K[:s]).float() * kv_scale  # [s, D]
         if position_bits is not None:  # token j read at position j mod 2^bits: a counter that wraps
             K = K[torch.arange(K.shape[0], device=dev) % 2**position_bits]  # [s, D]
@@ -448,10 +454,11 @@ def max_init_zero(batch):
 
 
 def max_before_mask(batch):
-    """Each tile's max taken over every slot it loads (the last one: the rest of the request's last page too),
-    before the causal and length mask, NaN ignored as GPU max instructions do (so the NaN padding hides it): a row
-    that may not see a dominant newer token (the shifted smoke case's +120), or a finite stale token in the last
-    page's unused slots (the padding probe), is shifted by it, and its own tokens flush to 0."""
+    """Each tile's max taken over every slot it loads, before the causal and length mask, NaN ignored as GPU max
+    instructions do (so the NaN padding hides it); the last 64-token tile loads whole pages to its end, the
+    block-table entries past the request's pages read as page 0 (masked loads with other=0). A row that may not
+    see a dominant newer token (the shifted smoke case's +120), or a finite stale token in the slots past its
+    length (the padding probe's, on the last page and on page 0), is shifted by it, and its own tokens flush to 0."""
     return _decode(batch, max_before_mask=True)
 
 

@@ -6,25 +6,32 @@ fails. But NaN hides one kind of read: a max. GPU max instructions (``fmaxf``, T
 ``maxnumf``) drop NaN, so a kernel whose tile max runs over every slot it loaded, before the length mask, passes on
 NaN padding; in serving those slots hold stale finite tokens of an earlier request, and one that scores 90 above a
 row's own tokens flushes them all to 0 in fp32 (the row comes out 0 or NaN, its lse wrong). The probe writes, into
-the unused slots of each request's last page, tokens that every query row of that request scores MARGIN (200)
-nats above its own lse, as far as the cache format allows, so that a max over padded slots shifts the row's own
-tokens past fp32's smallest subnormal (e^-103.3):
+the unused slots of each request's last page, tokens that its query rows score MARGIN (200) nats above their lse
+or more, as far as the cache format allows, so that a max over padded slots shifts the rows' own tokens past fp32's
+smallest subnormal (e^-103.3). A request's m (row, head)s are dealt round-robin into G = min(free slots, m) groups
+(one row each wherever the slots suffice), and group g's token fills the free slots i with i = g mod G:
 
-- 16-bit and wider caches: one token, the minimum-norm solution of σ q_r · k = lse_r + MARGIN over every (row,
-  head) r of the request (`torch.linalg.pinv`; exact while the request has at most 576 of them, independent);
-- fp8 caches, whose range binds (|k| <= the format's max x kv_scale): the m (row, head)s dealt round-robin into
-  G = min(free slots, ceil(m / GROUP_ROWS)) groups, and the token of group g, written into the free slots i with
-  i = g mod G, maximizes the group's smallest σ q_r · k - lse_r up to MARGIN within that range (a linear program,
-  `scipy.optimize.linprog`), then is rounded to the format (its optimum mostly sits at ±max, exact there).
+- 16-bit and wider caches: the minimum-norm solution of σ q_r · k = lse_r + MARGIN over the group's rows r
+  (`torch.linalg.pinv`; exact while a group has at most 576 independent rows);
+- fp8 caches, whose range binds (|k| <= the format's max x kv_scale): for one row, k = sign(σ q_r) times the
+  smaller of that bound and (lse_r + MARGIN) / |σ q_r|_1 (the most any token in range can score, capped at the
+  target); for several, the k in range that maximizes the group's smallest σ q_r · k - lse_r up to MARGIN (a linear
+  program, `scipy.optimize.linprog`, whose optimum may overshoot it); then rounded to the format.
 
 lse_r is the oracle's (a row that sees no token takes 0). `PaddingProbe.margin` is the smallest best hostile score
-minus lse over the probed rows as written (after rounding): the fp8 range and rows past 576 reach less, and a
-row with margin < 0 is not probed; the check reports it.
+minus lse over the probed rows, as written: fp8's range, and groups of more rows than channels, reach less (a row
+whose margin is below 0 is not probed; `PaddingProbe.unprobed` counts them).
 
-Nothing else changes: the lengths, pages, q, the block table, the scales and the tokens, so a kernel must give the
-bits of its run on the NaN-padded batch (a kernel that declares run-to-run variation: the tier-1 bound). Pages no
-request names keep their NaN: reading one is an addressing bug, which NaN already shows. A request whose last page
-is full (or that has no tokens) has no unused slot: with none in the batch the probe is skipped.
+A kernel whose tile spans several pages (pages smaller than its tile) may also load the block-table entries past a
+request's last page, masked to page 0 (``other=0``) or clamped to the last page: the probe therefore moves every
+page up by one (the block table's used entries + 1, its unused ones as built) and adds a page in front (page 0)
+and one at the end, whose slots hold the requests' hostile tokens in turn.
+
+Nothing else changes: the lengths, q, the scales and every token, so a kernel must give the bits of its run on the
+NaN-padded batch (a kernel that declares run-to-run variation: the tier-1 bound). Pages no request names keep their
+NaN: reading one is an addressing bug, which NaN already shows. A request whose last page is full has no unused
+slot; it gives the edge pages a token for its first row. Only a batch without a request that has both tokens and
+query rows is not probed.
 """
 
 from __future__ import annotations
@@ -39,7 +46,6 @@ from mla_ref.decode import DecodeBatch, is_fp8
 from mla_ref.fp8 import fp8_format, quantize
 
 MARGIN = 200.0  # nats above each row's lse: e^-200 is far below fp32's smallest subnormal, e^-103.3
-GROUP_ROWS = 32  # (row, head)s per fp8 token's linear program: its time grows fast with them (128: 0.1 s, 512: 1.4 s)
 
 
 @dataclass(frozen=True)
@@ -47,20 +53,27 @@ class PaddingProbe:
     """The probe batch and what it reached.
 
     Attributes:
-        batch: the case's batch with hostile tokens in its requests' unused last-page slots (its own tensors
-            elsewhere: only the cache is a copy).
-        slots: how many slots were written.
-        margin: min over the probed requests' (row, head)s of σ q · k - lse (nats), after rounding to the cache
-            format; inf where every probed row sees no token.
+        batch: the case's values with hostile tokens in its requests' unused last-page slots and on two added pages
+            (page 0 and the last; the case's pages moved up by one, its block table's used entries with them).
+        slots: how many last-page slots were written.
+        margin: min over the probed requests' (row, head)s that see a token of their best hostile score σ q · k
+            minus lse (nats), as written; inf where no such row.
+        unprobed: how many of those rows have a margin below 0 (no hostile token above their lse).
+        rows: how many rows were probed (seeing a token, in a request with an unused last-page slot).
     """
 
     batch: DecodeBatch
     slots: int
     margin: float
+    unprobed: int
+    rows: int
 
     def describe(self) -> str:
-        return (f"padding probe: {self.slots} unused last-page slots hold a finite token that every row of its "
-                f"request scores at least {self.margin:.1f} above its lse (NaN elsewhere as built)")
+        below = f", {self.unprobed} of {self.rows} rows below their lse (not probed)" if self.unprobed else ""
+        slots = (f"{self.slots} unused last-page slots hold finite tokens that the rows of their request score at "
+                 f"least {self.margin:.1f} above their lse{below}" if self.slots else "no unused last-page slot")
+        return (f"padding probe: {slots}; pages 0 and last added with such tokens (where a tile past a request's "
+                "last page reads), the case's pages moved up by one (NaN elsewhere as built)")
 
 
 def min_norm_token(scores: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -72,14 +85,20 @@ def min_norm_token(scores: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
 
 def bounded_token(scores: torch.Tensor, lse: torch.Tensor, bound: float) -> torch.Tensor:
     """[D] fp64: a k with |k| <= bound in every channel that maximizes min_r (scores k - lse)_r up to MARGIN, for
-    scores [m, D] and lse [m] as in `min_norm_token` (a linear program in (k, t): maximize t subject to
-    scores k - t >= lse, t <= MARGIN)."""
+    scores [m, D] and lse [m] as in `min_norm_token`. One row: sign(scores) times the smaller of the bound and
+    (lse + MARGIN) / |scores|_1, in closed form; several: a linear program in (k, t), maximize t subject to
+    scores k - t >= lse, t <= MARGIN."""
     m, D = scores.shape
-    lse = torch.where(torch.isfinite(lse), lse, 0.0).numpy()  # [m]
+    lse = torch.where(torch.isfinite(lse), lse, 0.0)  # [m]
+    if m == 1:
+        size = float(scores.abs().sum())
+        level = bound if size == 0 else min(bound, float(lse[0] + MARGIN) / size)
+        return torch.sign(scores[0]) * max(level, 0.0)  # [D]
     cost = np.zeros(D + 1)
     cost[-1] = -1.0  # maximize t
     a_ub = np.hstack([-scores.numpy(), np.ones((m, 1))])  # [m, D + 1]: t - scores k <= -lse
-    res = linprog(cost, A_ub=a_ub, b_ub=-lse, bounds=[(-bound, bound)] * D + [(None, MARGIN)], method="highs")
+    res = linprog(cost, A_ub=a_ub, b_ub=-lse.numpy(), bounds=[(-bound, bound)] * D + [(None, MARGIN)],
+                  method="highs")
     if res.status != 0:  # always feasible (k = 0, t = min(-lse)) and bounded: a solver failure is ours
         raise RuntimeError(f"padding probe: linprog failed: {res.message}")
     return torch.from_numpy(res.x[:D])  # [D]
@@ -96,50 +115,60 @@ def _codes(k: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
 
 def hostile_tokens(scores: torch.Tensor, lse: torch.Tensor, free: int, batch: DecodeBatch) -> torch.Tensor:
     """[free, D] codes of the cache's format for a request's ``free`` unused slots, from its score matrix
-    scores [m, D] and its rows' lse [m] (module docstring)."""
-    if not is_fp8(batch.kv_cache.dtype):
-        return _codes(min_norm_token(scores, lse), batch).expand(free, -1)  # [free, D]
-    bound = fp8_format(batch.kv_cache.dtype).max * batch.kv_scale  # the largest value the cache holds
-    G = min(free, -(-scores.shape[0] // GROUP_ROWS))  # groups of rows: one token each
-    tokens = torch.stack([bounded_token(scores[g::G], lse[g::G], bound) for g in range(G)])  # [G, D]
-    return _codes(tokens, batch)[torch.arange(free) % G]  # [free, D] slot i holds group i mod G's token
+    scores [m, D] and its rows' lse [m] (module docstring): slot i holds group i mod G's token."""
+    G = min(free, scores.shape[0])  # groups of rows: one token each
+    if is_fp8(batch.kv_cache.dtype):
+        bound = fp8_format(batch.kv_cache.dtype).max * batch.kv_scale  # the largest value the cache holds
+        tokens = [bounded_token(scores[g::G], lse[g::G], bound) for g in range(G)]
+    else:
+        tokens = [min_norm_token(scores[g::G], lse[g::G]) for g in range(G)]
+    return _codes(torch.stack(tokens), batch)[torch.arange(free) % G]  # [free, D]
 
 
 def padding_probe(batch: DecodeBatch, lse: torch.Tensor) -> PaddingProbe | str:
     """The probe of ``batch`` (module docstring) for its oracle's ``lse`` [T, H], or why it has none: no request
-    with an unused slot on its last page. The hostile tokens are solved for in fp64 on the CPU."""
-    ps, dev = batch.page_size, batch.device
+    with tokens and query rows. The hostile tokens are solved for in fp64 on the CPU."""
+    ps, dev, P = batch.page_size, batch.device, batch.num_pages
     lse = lse.detach().double().cpu()  # [T, H]
     q = batch.dequantized_q().cpu()  # [T, H, D] fp64
     D = q.shape[-1]
     qo, table = batch.qo_indptr.tolist(), batch.block_table.cpu()
-    used = torch.zeros(batch.kv_cache.shape[:2], dtype=torch.bool)  # [P, ps] slots holding some request's token
+    used = torch.zeros(P, ps, dtype=torch.bool)  # [P, ps] slots holding some request's token
     pages, slots, _ = batch.token_addresses()  # [N] each
     used[pages.cpu(), slots.cpu()] = True
-    cache = batch.kv_cache.clone()  # [P, ps, D] the probe's: the case's stays as built
-    probed = []  # (request, its last page, that page's free slots [ps] bool)
+    cache = batch.kv_cache.new_empty((P + 2,) + tuple(batch.kv_cache.shape[1:]))  # [P + 2, ps, D]
+    cache[1 : P + 1] = batch.kv_cache  # the case's pages, moved up by one
+    probed, edge = [], []  # (request, its last page in the probe, its free slots [ps] bool); the edge pages' tokens
     for b, s in enumerate(batch.seq_lens.tolist()):
-        if s % ps == 0 or qo[b] == qo[b + 1]:  # no tokens, a full last page, or no query row
+        if s == 0 or qo[b] == qo[b + 1]:  # no tokens or no query row
             continue
         last = int(table[b, (s - 1) // ps])
         free = ~used[last]  # [ps] the last page's slots no request uses
-        if not bool(free.any()):
-            continue
         scores = batch.sm_scale * q[qo[b] : qo[b + 1]].reshape(-1, D)  # [n_b H, D]
-        tokens = hostile_tokens(scores, lse[qo[b] : qo[b + 1]].reshape(-1), int(free.sum()), batch)  # [free, D]
-        cache[last, free.to(dev)] = tokens.to(dev)
-        probed.append((b, last, free))
-    if not probed:
-        return "no request has an unused slot on its last page (every length a multiple of the page size)"
-    probe = batch.replace(kv_cache=cache)
+        lse_b = lse[qo[b] : qo[b + 1]].reshape(-1)  # [n_b H]
+        if not bool(free.any()):  # a full last page: a token for its first row, for the edge pages only
+            edge.append(hostile_tokens(scores[:1], lse_b[:1], 1, batch))
+            continue
+        tokens = hostile_tokens(scores, lse_b, int(free.sum()), batch)  # [free, D]
+        cache[last + 1, free.to(dev)] = tokens.to(dev)
+        probed.append((b, last + 1, free))
+        edge.append(tokens)
+    if not edge:
+        return "no request with tokens and query rows"
+    edge = torch.cat(edge)[torch.arange(ps) % sum(len(t) for t in edge)]  # [ps] the requests' tokens in turn
+    cache[0], cache[P + 1] = edge.to(dev), edge.to(dev)
+    moved = torch.where(batch.used_entries, batch.block_table + 1, batch.block_table)  # [B, W] unused as built
+    probe = batch.replace(kv_cache=cache, block_table=moved)
     scale = batch.kv_scale if is_fp8(cache.dtype) else 1.0
-    margin = float("inf")
+    margins = []
     for b, last, free in probed:  # what was written, read back (a page two requests end on holds the later's)
         q_rows = q[qo[b] : qo[b + 1]].reshape(-1, D)  # [n_b H, D]
         lse_rows = lse[qo[b] : qo[b + 1]].reshape(-1)  # [n_b H]
         seen = torch.isfinite(lse_rows)  # [n_b H] rows that see a token
-        if bool(seen.any()):
-            k = cache[last].cpu()[free].double() * scale  # [free, D] dequantized
-            best = (batch.sm_scale * q_rows[seen] @ k.T).amax(dim=1)  # [rows] each row's best hostile score
-            margin = min(margin, float((best - lse_rows[seen]).min()))
-    return PaddingProbe(probe, int(sum(int(f.sum()) for _, _, f in probed)), margin)
+        k = cache[last].cpu()[free].double() * scale  # [free, D] dequantized
+        best = (batch.sm_scale * q_rows[seen] @ k.T).amax(dim=1)  # [rows] each row's best hostile score
+        margins.append(best - lse_rows[seen])
+    margin = torch.cat(margins) if margins else torch.zeros(0, dtype=torch.float64)  # [probed rows]
+    return PaddingProbe(probe, int(sum(int(f.sum()) for _, _, f in probed)),
+                        float(margin.min()) if margin.numel() else float("inf"), int((margin < 0).sum()),
+                        margin.numel())
