@@ -77,3 +77,22 @@ def test_a_next_step_the_kernels_numerics_refuse_passes_as_refused():
     checks = {c.name: c.detail for c in result.checks}
     assert result.ok and "refused: Unsupported: no kernel past 4096 tokens" in checks["rerun.refused"], \
         result.describe()
+
+
+_SCALES: dict = {}
+
+
+def scale_memo_by_ptr(batch):
+    """A wrapper that memoises the folded score scale σ q_scale by the address of q (a review's): a serving loop's
+    dynamic fp8 q scale changes every step, and the next step decodes with the old one."""
+    key = (batch.q.data_ptr(), tuple(batch.q.shape))
+    q_scale = _SCALES.setdefault(key, batch.q_scale)
+    return mutants.correct(batch.replace(q_scale=q_scale))
+
+
+def test_the_next_step_of_an_fp8_q_takes_a_new_q_scale():
+    _SCALES.clear()
+    result = run_case(CASES["fp8"], from_callable(scale_memo_by_ptr))
+    failed = {c.name: c.detail for c in result.checks if not c.ok}
+    assert {"rerun.out", "rerun.lse"} <= set(failed) and "q_scale doubled" in failed["rerun.lse"], result.describe()
+    assert run_case(CASES["fp8"], from_callable(mutants.correct)).ok

@@ -61,7 +61,7 @@ import torch
 
 from mla_fast.backends import Unsupported
 from mla_fast.numerics import KernelNumerics
-from mla_ref.decode import DecodeBatch, mla_decode_ref
+from mla_ref.decode import DecodeBatch, is_fp8, mla_decode_ref
 from verify import bounds, next_step
 from verify.cases import Case
 from verify.freed_memory import FreeBlocks, size_text
@@ -604,7 +604,8 @@ def check_rerun(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, 
     ``bound``: a wider block table may take another path), then on the same tensors after the next decode step was
     written into them in place (`next_step.next_layout` and `next_values`: requests rotated, one grown onto the
     spare pages, the longest halved, one emptied, the slots only the old step read set to NaN, q negated, new
-    tokens): ``rerun.out`` / ``.lse`` against the oracle on the new contents, within their tier-1 bound. An eager
+    tokens; an fp8 q's scale doubled, as a dynamic q scale changes from step to step): ``rerun.out`` / ``.lse``
+    against the oracle on the new contents, within their tier-1 bound. An eager
     call that memoises what it derived from its inputs by their identity or address (a plan keyed by data_ptr, a
     converted cache) decodes the old step there; every other check passes it new tensors or the same contents. A
     kernel that refuses either batch (`Unsupported` from its run or its numerics: the next step empties a request
@@ -621,6 +622,9 @@ def check_rerun(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, 
     where, new_slots = next_step.next_layout(static, first_spare)
     where = where.replace("the next step in place", "the same tensors rewritten in place as the next step")
     where += ", " + next_step.next_values(static, new_slots).replace(" after plan()", "")
+    if is_fp8(static.q.dtype) and static.q_scale is not None:  # a dynamic fp8 q's scale changes every step
+        static = static.replace(q_scale=2 * static.q_scale)
+        where += ", q_scale doubled"
     try:
         numerics = kernel.numerics(static)
     except Unsupported as e:  # a batch outside the kernel's scope (a length cap its numerics enforce, say)
