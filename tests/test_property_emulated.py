@@ -23,7 +23,13 @@ FP8_SEARCH_WORST = (
          dist="outlier", num_workers=32, seed=179),
 )
 
-test_emulated_bf16 = mla_property_test(emulated, dtype="bf16", max_seq_len=1024)
+# the fifty-second session's bf16 search (1209 cases, 2 jobs, 0 failed): the worst rerun.out, 0.976
+BF16_SEARCH_WORST = (
+    Case(seq_lens=(103, 298, 64, 41, 18, 28, 4, 65), q_lens=(1, 3, 4, 4, 1, 1, 3, 1), heads=20, page_size=64,
+         dist="gauss1", num_workers=8, seed=530559),
+)
+
+test_emulated_bf16 = mla_property_test(emulated, dtype="bf16", max_seq_len=1024, examples=BF16_SEARCH_WORST)
 test_emulated_fp8 = mla_property_test(emulated, dtype="fp8", max_seq_len=1024, examples=FP8_SEARCH_WORST)
 test_emulated_fp8_fnuz = mla_property_test(emulated, dtype="fp8", fp8_format="e4m3fnuz", max_seq_len=512, smoke=False)
 
