@@ -1022,3 +1022,14 @@ def test_an_output_coarser_than_declared_fails_the_contract_naming_both_dtypes()
     [check] = run_case(case, from_callable(decode), "cpu").failed
     assert check.name == "contract"
     assert "torch.float8_e4m3fn is coarser than the declared out_dtype torch.bfloat16" in check.detail
+
+
+@pytest.mark.parametrize("argv", [[], ["--dtype", "fp8", "--cases", "3", "-x"], ["--far", "on", "--heads", "16"],
+                                  ["--case", SMALL.to_json(), "--seed", "0"]])
+def test_one_parse_gives_argparses_arguments_and_the_flags_given(argv):
+    """main parses argv once, every option starting unset so that the flags given show (defaults given explicitly
+    too, e.g. --seed 0): the same arguments as a plain parse_args, and the set of flags on the command line."""
+    parser = cli.build_parser()
+    args, given = cli._parse(parser, argv)
+    assert vars(args) == vars(parser.parse_args(argv))
+    assert given == {a.dest for a in parser._actions if set(a.option_strings) & set(argv)}

@@ -676,12 +676,16 @@ CASE_FIXES = {"dtype": "--dtype", "fp8_format": "--fp8-format", "heads": "--head
 _UNSET = object()
 
 
-def _given(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
-    """The dests of the options on the command line, defaults or not: argparse fills a default only where the
-    namespace it is given lacks the attribute."""
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse.Namespace, set[str]]:
+    """(the parsed arguments, the dests of the options on the command line, defaults or not), in one parse:
+    argparse fills a default only where the namespace it is given lacks the attribute, so every option starts
+    unset and those left unset take their defaults afterwards (none is a string that a type would convert)."""
     dests = [a.dest for a in parser._actions if a.option_strings and a.dest != "help"]
-    ns = parser.parse_args(argv, namespace=argparse.Namespace(**{d: _UNSET for d in dests}))
-    return {d for d in dests if getattr(ns, d) is not _UNSET}
+    args = parser.parse_args(argv, namespace=argparse.Namespace(**{d: _UNSET for d in dests}))
+    given = {d for d in dests if getattr(args, d) is not _UNSET}
+    for d in set(dests) - given:
+        setattr(args, d, parser.get_default(d))
+    return args, given
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -692,10 +696,9 @@ def main(argv: list[str] | None = None) -> int:
         return _model(argv[1:])
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, given = _parse(parser, argv)
     except SystemExit as e:  # --help (0) or a usage error (2, message already printed)
         return int(e.code or 0)
-    given = _given(parser, argv)
 
     from rich.console import Console
 
