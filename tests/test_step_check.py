@@ -103,7 +103,7 @@ def test_the_next_step_is_a_valid_batch_whose_oracle_reads_no_nan(dtype, index):
     assert torch.isnan(static.kv_cache[new_slots].float()).all()  # nothing written before the plan
     stale = old - _slot_set(static)  # read by the old step only
     assert all(torch.isnan(static.kv_cache[p, s].float()).all() for p, s in stale) and f"{len(stale)} slots" in where
-    where += ", then " + next_values(static, new_slots)
+    where += ", then " + next_values(static, new_slots) + " after plan()"
     assert all(getattr(static, n) is t for n, t in tensors.items())
     assert torch.equal(static.q.float(), torch.where(q0 == 0, q0, -q0)) and "q negated" in where
     assert not torch.isnan(static.kv_cache[new_slots].float()).any()

@@ -564,10 +564,10 @@ def check_repeat(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple,
     if why is not None:
         return [CheckResult("repeat", False, detail=f"{where}: {why}")]
     return _as_first("repeat", where, second, "the first run", first, ref,
-                     _judge_repeat(kernel, bound, out_dtype, "the kernel declares itself deterministic"))
+                     _same_bits_judge(kernel, bound, out_dtype, "the kernel declares itself deterministic"))
 
 
-def _judge_repeat(kernel: Kernel, bound: bounds.Bound, out_dtype: torch.dtype, what: str):
+def _same_bits_judge(kernel: Kernel, bound: bounds.Bound, out_dtype: torch.dtype, what: str):
     """The judge of a rerun on values a kernel must not see (`_as_first`'s ``judge``): a deterministic kernel must
     give the first run's bits (``what`` says why they may not change), one declared nondeterministic must stay in
     the tier-1 ``bound``."""
@@ -592,7 +592,7 @@ def check_padding(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple
     second, why = _watched(probe.batch, lambda: _run(kernel, probe.batch, workers))
     if why is not None:
         return [CheckResult("padding", False, detail=f"{where}: {why}")]
-    judge = _judge_repeat(kernel, bound, out_dtype, "the slots past each request's length changed the result: the "
+    judge = _same_bits_judge(kernel, bound, out_dtype, "the slots past each request's length changed the result: the "
                                                    "kernel reads them (a max over loaded slots before the mask?)")
     return _as_first("padding", where, second, "the run on the NaN-padded cache", first, ref, judge)
 
@@ -620,8 +620,7 @@ def check_rerun(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, 
         return [CheckResult("rerun", False, detail=f"{here}: {why}")]
     results = _as_first("rerun", here, got, "the case's run", first, ref, lambda: (bound, out_dtype))
     where, new_slots = next_step.next_layout(static, first_spare)
-    where = where.replace("the next step in place", "the same tensors rewritten in place as the next step")
-    where += ", " + next_step.next_values(static, new_slots).replace(" after plan()", "")
+    where = f"the same tensors rewritten in place as the next step: {where}, {next_step.next_values(static, new_slots)}"
     if is_fp8(static.q.dtype) and static.q_scale is not None:  # a dynamic fp8 q's scale changes every step
         static = static.replace(q_scale=2 * static.q_scale)
         where += ", q_scale doubled"
@@ -871,6 +870,7 @@ def _drive_step(batch: DecodeBatch, kernel: Kernel, first: tuple, ref, bound: bo
                              if kernel.deterministic else (lambda: step_judge))
         _poisoned(captured, inputs)
     where, new_slots = next_step.next_layout(static, first_spare)
+    where = f"the next step in place: {where}"
     try:
         why = _planned(step, static)
     except Exception as e:
@@ -886,7 +886,7 @@ def _drive_step(batch: DecodeBatch, kernel: Kernel, first: tuple, ref, bound: bo
     # would show the replay's writes as a wrong oracle or as writes into the inputs), and given back before those
     # copies are compared (the comparisons allocate as much again)
     held = FreeBlocks.take(device) if device.type == "cuda" and FreeBlocks.supported() else None
-    where += ", then " + next_step.next_values(static, new_slots)
+    where += ", then " + next_step.next_values(static, new_slots) + " after plan()"
     ref_next = mla_decode_ref(static)  # [T, H, L], [T, H] fp64 on the new contents
     before, freed = input_snapshot(static), []
 

@@ -127,7 +127,7 @@ def _decode(
         tail = None  # max_before_mask: the slots the last tile loads past the request's tokens
         if max_before_mask:  # whole pages up to the tile's end; entries past the request's pages read as page 0
             tile_pages = -(-(-(-s // BLOCK) * BLOCK) // ps)  # pages the last 64-token tile spans
-            ids = torch.zeros(max(tile_pages, n_pages), dtype=torch.long, device=dev)  # masked loads: other=0
+            ids = torch.zeros(tile_pages, dtype=torch.long, device=dev)  # masked loads: other=0 (>= n_pages)
             ids[:n_pages] = pages
             tail = batch.kv_cache[ids].reshape(-1, batch.head_dim)[s : tile_pages * ps].float() * kv_scale
         K = (K if full_last_page else K[:s]).float() * kv_scale  # [s, D]
@@ -159,8 +159,8 @@ def _decode(
 def _split(rows, K, start, visible, sigma, D, L, acc_dtype, empty_nan, max_sub, p_fmt, max_init=-math.inf,
            max_before_mask=False, tail=None, l_rounded=False, p_scale=1.0):
     """One split: online softmax over BLOCK-token steps. rows [n, H, D'], K [m, D'] -> (o [n, H, L], lse [n, H]).
-    ``tail`` [e, D'] (max_before_mask, the last split): the slots of the request's last page past its length, which
-    the split's last tile loads with it: they enter that tile's max."""
+    ``tail`` [e, D'] (max_before_mask, the last split): the slots its last tile loads past the request's tokens
+    (whole pages to the tile's end, entries past the request's pages read as page 0): they enter that tile's max."""
     n, H = rows.shape[:2]
     dev = rows.device
     m = torch.full((n, H), max_init, device=dev)  # [n, H] running max

@@ -84,7 +84,7 @@ def with_room(batch: DecodeBatch) -> tuple[DecodeBatch, int]:
     return static, kv.shape[0]
 
 
-def _slots(batch: DecodeBatch) -> torch.Tensor:
+def used_slots(batch: DecodeBatch) -> torch.Tensor:
     """[P, page_size] bool: the cache slots holding a token of some request of ``batch``."""
     pages, slots, _ = batch.token_addresses()  # [N] each, every valid token
     mask = torch.zeros(batch.kv_cache.shape[:2], dtype=torch.bool, device=batch.device)  # [P, ps]
@@ -98,7 +98,7 @@ def next_layout(batch: DecodeBatch, first_spare: int) -> tuple[str, torch.Tensor
     bool: the grown request's new slots, which `next_values` fills)."""
     B, ps = batch.batch_size, batch.page_size
     old_lens = batch.seq_lens.tolist()
-    old_slots = _slots(batch)  # [P, ps]
+    old_slots = used_slots(batch)  # [P, ps]
     order = torch.arange(B, device=batch.device).roll(1)  # [B] new request i = old request order[i]
     batch.q_lens.copy_(batch.q_lens[order])  # [B]
     batch.block_table.copy_(batch.block_table[order])  # [B, W']
@@ -112,10 +112,10 @@ def next_layout(batch: DecodeBatch, first_spare: int) -> tuple[str, torch.Tensor
                                                            dtype=batch.block_table.dtype, device=batch.device)
         pages, slots = batch.token_slots(grown)  # [new length] each
         new_slots[pages[old_len:], slots[old_len:]] = True  # read by the new step only
-    stale = old_slots & ~_slots(batch)  # [P, ps] read by the old step only
+    stale = old_slots & ~used_slots(batch)  # [P, ps] read by the old step only
     raw, nan = _nan_bits(batch.kv_cache)
     raw[stale] = nan
-    where = f"the next step in place: requests rotated by one, seq_lens {old_lens} -> {batch.seq_lens.tolist()}"
+    where = f"requests rotated by one, seq_lens {old_lens} -> {batch.seq_lens.tolist()}"
     if grown >= 0:
         where += f" (request {grown} grown past twice the old longest)"
     return where + f", {int(stale.sum())} slots the old step read set to NaN", new_slots
@@ -134,4 +134,4 @@ def next_values(batch: DecodeBatch, new_slots: torch.Tensor, seed: int = 0) -> s
     codes = quantize(x, kv.dtype, scale=batch.kv_scale)[0] if is_fp8(kv.dtype) else x.to(kv.dtype)  # [n, D]
     bits = _BITS[kv.element_size()]
     kv.view(bits)[new_slots] = codes.view(bits).to(batch.device)
-    return f"q negated and {n} new tokens written after plan()"
+    return f"q negated and {n} new tokens written"

@@ -44,6 +44,7 @@ from scipy.optimize import linprog
 
 from mla_ref.decode import DecodeBatch, is_fp8
 from mla_ref.fp8 import fp8_format, quantize
+from verify.next_step import used_slots
 
 MARGIN = 200.0  # nats above each row's lse: e^-200 is far below fp32's smallest subnormal, e^-103.3
 
@@ -133,12 +134,10 @@ def padding_probe(batch: DecodeBatch, lse: torch.Tensor) -> PaddingProbe | str:
     q = batch.dequantized_q().cpu()  # [T, H, D] fp64
     D = q.shape[-1]
     qo, table = batch.qo_indptr.tolist(), batch.block_table.cpu()
-    used = torch.zeros(P, ps, dtype=torch.bool)  # [P, ps] slots holding some request's token
-    pages, slots, _ = batch.token_addresses()  # [N] each
-    used[pages.cpu(), slots.cpu()] = True
+    used = used_slots(batch).cpu()  # [P, ps] slots holding some request's token
     cache = batch.kv_cache.new_empty((P + 2,) + tuple(batch.kv_cache.shape[1:]))  # [P + 2, ps, D]
     cache[1 : P + 1] = batch.kv_cache  # the case's pages, moved up by one
-    probed, edge = [], []  # (request, its last page in the probe, its free slots [ps] bool); the edge pages' tokens
+    probed, edge = [], []  # (scores, lse, last page in the probe, free slots [ps] bool) of each; edge pages' tokens
     for b, s in enumerate(batch.seq_lens.tolist()):
         if s == 0 or qo[b] == qo[b + 1]:  # no tokens or no query row
             continue
@@ -151,7 +150,7 @@ def padding_probe(batch: DecodeBatch, lse: torch.Tensor) -> PaddingProbe | str:
             continue
         tokens = hostile_tokens(scores, lse_b, int(free.sum()), batch)  # [free, D]
         cache[last + 1, free.to(dev)] = tokens.to(dev)
-        probed.append((b, last + 1, free))
+        probed.append((scores, lse_b, last + 1, free))
         edge.append(tokens)
     if not edge:
         return "no request with tokens and query rows"
@@ -161,14 +160,12 @@ def padding_probe(batch: DecodeBatch, lse: torch.Tensor) -> PaddingProbe | str:
     probe = batch.replace(kv_cache=cache, block_table=moved)
     scale = batch.kv_scale if is_fp8(cache.dtype) else 1.0
     margins = []
-    for b, last, free in probed:  # what was written, read back (a page two requests end on holds the later's)
-        q_rows = q[qo[b] : qo[b + 1]].reshape(-1, D)  # [n_b H, D]
-        lse_rows = lse[qo[b] : qo[b + 1]].reshape(-1)  # [n_b H]
-        seen = torch.isfinite(lse_rows)  # [n_b H] rows that see a token
+    for scores, lse_b, last, free in probed:  # what was written, read back (a page two requests end on: the later's)
+        seen = torch.isfinite(lse_b)  # [n_b H] rows that see a token
         k = cache[last].cpu()[free].double() * scale  # [free, D] dequantized
-        best = (batch.sm_scale * q_rows[seen] @ k.T).amax(dim=1)  # [rows] each row's best hostile score
-        margins.append(best - lse_rows[seen])
+        best = (scores[seen] @ k.T).amax(dim=1)  # [rows] each row's best hostile score
+        margins.append(best - lse_b[seen])
     margin = torch.cat(margins) if margins else torch.zeros(0, dtype=torch.float64)  # [probed rows]
-    return PaddingProbe(probe, int(sum(int(f.sum()) for _, _, f in probed)),
+    return PaddingProbe(probe, int(sum(int(f.sum()) for *_, f in probed)),
                         float(margin.min()) if margin.numel() else float("inf"), int((margin < 0).sum()),
                         margin.numel())
