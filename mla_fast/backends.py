@@ -17,6 +17,8 @@ a `KernelNumerics` read by verify's kernel bound, numerics.md §5(f)).
 |            | rows, fp8 caches >32 rows; else Unsupported)            |                                          |
 | gluon_fp8  | `triton` with the Gluon fp8 kernel pinned (fp8 caches,  | CUDA sm_90 (no interpreter)              |
 |            | q_len <= 4; else Unsupported)                           |                                          |
+| triton_invariant | `triton_decode.decode_invariant`: batch-invariant | a GPU, or TRITON_INTERPRET=1 (CPU, slow) |
+|            | (fixed splits and geometry, q_len <= 4), declared so    |                                          |
 | aiter      | ROCm/aiter persistent MLA (`mla_fast.aiter_backend`)    | ROCm, amd-aiter, gfx942/gfx950           |
 | flashinfer | FlashInfer `BatchMLAPagedAttentionWrapper`, FA3         | CUDA sm_90, flashinfer-python            |
 | flashmla   | FlashMLA dense decode (sgl-flash-mla legacy SM90)       | CUDA sm_90, sgl-flash-mla                |
@@ -89,6 +91,8 @@ class Backend:
             plug-in contract), for our kernels (`TritonMLADecode`), FlashInfer (its wrapper in CUDA-graph mode) and
             FlashMLA (its scheduler's metadata replanned into the step's tensors); None for the others. verify's
             step check drives it as a serving loop does.
+        batch_invariant: a request's rows keep their bits whatever else its batch holds (`triton_invariant`);
+            verify's batch check then asks for them, else for its tier-1 bound.
     """
 
     name: str
@@ -101,6 +105,7 @@ class Backend:
     max_splits: Callable[[DecodeBatch], int] = blocks_of_64
     deterministic: bool = True
     step: Callable[[DecodeBatch, int], object] | None = None
+    batch_invariant: bool = False
 
     def __call__(self, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
         return self.run(batch)
@@ -279,6 +284,45 @@ def _step_forced(kernel: str):
     return step
 
 
+INVARIANT_MAX_Q_LEN = 4  # the triton_invariant backend's kernel geometry: MTP rows up to 4, the issue's range
+
+
+def _invariant_q_len(batch: DecodeBatch, q_len: int) -> None:
+    if q_len > INVARIANT_MAX_Q_LEN:
+        raise Unsupported(f"triton_invariant fixes its kernel geometry for q_len <= {INVARIANT_MAX_Q_LEN}")
+    from mla_fast.triton_decode import fnuz_unsupported
+
+    if reason := fnuz_unsupported(batch):
+        raise Unsupported(reason)
+
+
+def _run_invariant(batch: DecodeBatch, num_workers: int | None = None):
+    from mla_fast import triton_decode as td
+
+    _invariant_q_len(batch, td._max_q_len(batch))
+    return td.decode_invariant(batch, max_q_len=INVARIANT_MAX_Q_LEN, num_workers=num_workers)
+
+
+def _invariant_numerics(batch: DecodeBatch) -> KernelNumerics:
+    from mla_fast import triton_decode as td
+
+    combo = td.dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
+    return td.kernel_numerics(td.invariant_config(batch, INVARIANT_MAX_Q_LEN), combo)
+
+
+def _step_invariant(batch: DecodeBatch, max_q_len: int):
+    from mla_fast import triton_decode as td
+
+    _invariant_q_len(batch, max_q_len)
+    return td.invariant_step(batch, INVARIANT_MAX_Q_LEN)
+
+
+def _invariant_max_splits(batch: DecodeBatch) -> int:
+    from mla_fast.triton_decode import INVARIANT_SPLIT_TOKENS
+
+    return most_pieces(batch, INVARIANT_SPLIT_TOKENS)
+
+
 def _run_aiter(batch: DecodeBatch):
     from mla_fast.aiter_backend import aiter_decode, aiter_refusal
 
@@ -418,6 +462,10 @@ BACKENDS: dict[str, Backend] = {
                 _run_emulated),
         Backend("triton", "mla_fast persistent split-KV Triton kernel", _run_triton, _probe_triton, _triton_numerics,
                 _run_triton, step=_step_triton),
+        Backend("triton_invariant", "mla_fast Triton kernel, batch-invariant (fixed splits and geometry)",
+                _run_invariant, _probe_triton, _invariant_numerics, _run_invariant,
+                max_splits=_invariant_max_splits, step=_step_invariant,
+                batch_invariant=True),
         Backend("seesaw", "mla_fast with the Gluon seesaw kernel pinned", _run_forced("seesaw"),
                 lambda: _probe_gluon("the seesaw kernel"), _forced_numerics("seesaw"), _run_forced("seesaw"),
                 step=_step_forced("seesaw")),

@@ -59,6 +59,14 @@ On 132 workers (h = 16, one head group), measured on one H200 with the Triton ke
   93.0 vs 98.4 µs. b = 32 of 4096: 59.1 vs 60.7 µs; b = 1 of 8192: 18.6 vs 20.1 µs (128 vs 65 pieces); 32 of
   4096 at 128 heads (66 workers): 145.8 vs 156.4 µs.
 
+Fixed splits (``split_tokens``), for batch-invariant decoding. Every plan above cuts a request where the whole
+batch puts the cuts, so a request's pieces, and with them the bits of its merged output, change with the other
+requests. With ``split_tokens = S`` every tile is cut at each multiple of S tokens instead (``ceil(s / S)``
+pieces, a request of at most S tokens whole), whatever else the batch holds; the items, in line order, go to the
+workers contiguously with the least busiest worker over all such partitions (the unsplit plan's search, over items
+instead of tiles). Cost: a request longer than S always pays a reduce, and one shorter than S runs on one worker
+(vLLM's batch-invariant mode sets FlashInfer's fixed split size, 2048 tokens, for the same reason).
+
 Worked example of the line plan: ``seq_lens = [1000, 100, 0]``, ``q_lens = 1``, ``block_n = 64``, ``OVH = 5``, 4
 workers, one head group. Blocks are 16, 2, 0; tile lengths 21, 7, 5 start at 0, 21, 28; ``C = 33`` and ``Q = 9``:
 cuts at 9, 18, 27. Cut 9 lies 4 blocks into tile 0 (after its overhead 0..5), cut 18 lies 13 blocks in; cut 27 lies
@@ -314,6 +322,7 @@ def plan_decode(
     max_splits: int | None = None,
     head_group: int | None = None,
     min_tail: int = 1,
+    split_tokens: int | None = None,
 ) -> WorkPlan:
     """Plan a persistent split-KV decode (cost model and guarantees in the module docstring).
 
@@ -331,6 +340,9 @@ def plan_decode(
             last block alone with fewer tokens moves one block earlier. aiter's own metadata keeps a tail of at
             least max q_len tokens, and its fp8 kernels gave NaN on tails under 4 (aiter-contract.md §5, §11);
             mla_fast.aiter_backend plans with max(4, max q_len). Pieces before the last hold whole blocks.
+        split_tokens: cut every tile at each multiple of this many tokens (a multiple of block_n), and nowhere else:
+            the fixed-split plan (module docstring), whose pieces of a request do not depend on the other requests.
+            None: the least busiest worker of the three candidate plans. Excludes max_splits and min_tail > 1.
 
     Returns:
         WorkPlan with int32 tensors on the device of seq_lens (computed on the CPU): of the line plan, the unsplit
@@ -338,8 +350,12 @@ def plan_decode(
         partial rows (less reduce work), then to that order.
     """
     line = _line(seq_lens, q_lens, num_heads, num_workers, block_n, fixed_overhead, max_splits, head_group, min_tail)
+    if split_tokens is not None:
+        _check_split_tokens(split_tokens, block_n, max_splits, min_tail)
     if line.tile_req.size == 0:  # no requests: no items, every worker idle
         return _on_device(_build(line, _idle(line)), line.device)
+    if split_tokens is not None:
+        return _on_device(_build(line, _fixed_cut(line, split_tokens // block_n)), line.device)
     best = _cut(line, _line_cuts(line, max_splits), split=max_splits != 1)
     unsplit = _unsplit_cuts(line, best.key)
     if unsplit is not None:
@@ -452,14 +468,40 @@ def _fits(ends: np.ndarray, cost: int, workers: int) -> bool:
     return at == ends.size - 1
 
 
+def _least_fill(ends: np.ndarray, workers: int, lo: int, cap: int) -> int | None:
+    """The least cost in [lo, cap] at which the pieces between boundaries ``ends`` ([N + 1], 0 first, C last) fill
+    at most ``workers`` workers contiguously (`_fits`), or None: found by doubling a step up from ``lo`` (the
+    optimum is usually within a few units of a good lower bound), then bisecting."""
+    if lo > cap:
+        return None
+    step, hi = 1, lo
+    while not _fits(ends, hi, workers):
+        if hi == cap:
+            return None
+        lo, hi, step = hi + 1, min(hi + step, cap), 2 * step
+    while lo < hi:  # hi fits, and nothing below lo does
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if _fits(ends, mid, workers) else (mid + 1, hi)
+    return hi
+
+
+def _greedy_fill(ends: np.ndarray, cost: int, workers: int) -> list[int]:
+    """[workers - 1] indices into ``ends`` where workers 1.. start when each worker in turn takes pieces while they
+    fit in ``cost`` (a cost that `_fits`): the workers past the last piece stay idle."""
+    bounds, starts, at = ends.tolist(), [], 0
+    for _ in range(workers - 1):
+        at = bisect.bisect_right(bounds, bounds[at] + cost) - 1
+        starts.append(at)
+    return starts
+
+
 def _unsplit_cuts(line: _Line, beat: tuple[int, int]) -> np.ndarray | None:
     """[W - 1] cuts of the best unsplit plan, or None when it cannot beat the key ``beat`` (busiest worker's cost,
     partial rows: an unsplit plan has none, so it must cost less, or as much when ``beat`` has partial rows).
 
     Whole tiles, contiguous, the least busiest worker over all such partitions. With at most W tiles that is one
-    tile per worker. Otherwise its cost lies in [max(longest tile, ceil(C / W)), ...]: the least that `_fits`,
-    found by doubling a step up from the lower bound (the optimum is usually within a few units of it), then
-    bisecting; the cuts are the greedy fill's at that cost, so the workers past the last tile stay idle."""
+    tile per worker. Otherwise its cost lies in [max(longest tile, ceil(C / W)), ...]: the least that `_fits`
+    (`_least_fill`); the cuts are the greedy fill's at that cost."""
     T, W = line.blocks.size, line.num_workers
     cap = beat[0] if beat[1] > 0 else beat[0] - 1  # the most the plan may cost and still win
     lo = max(int((line.blocks + line.ovh).max()), _ceil_div(line.total, W))  # the longest tile with T <= W
@@ -468,19 +510,41 @@ def _unsplit_cuts(line: _Line, beat: tuple[int, int]) -> np.ndarray | None:
     if T <= W:
         return np.concatenate([line.start[1:], np.full(W - T, line.total)])  # [W - 1]
     ends = np.append(line.start, line.total)  # [T + 1] tile boundaries on the line
-    step, hi = 1, lo
-    while not _fits(ends, hi, W):
-        if hi == cap:
-            return None
-        lo, hi, step = hi + 1, min(hi + step, cap), 2 * step
-    while lo < hi:  # hi fits, and nothing below lo does
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if _fits(ends, mid, W) else (mid + 1, hi)
-    bounds, cuts, at = ends.tolist(), [], 0
-    for _ in range(W - 1):
-        at = bisect.bisect_right(bounds, bounds[at] + hi) - 1
-        cuts.append(bounds[at])
-    return np.array(cuts, dtype=np.int64)  # [W - 1]
+    cost = _least_fill(ends, W, lo, cap)
+    return None if cost is None else ends[_greedy_fill(ends, cost, W)]  # [W - 1]
+
+
+def _fixed_cut(line: _Line, split_blocks: int) -> _Cut:
+    """The fixed-split plan (module docstring): tile t in max(1, ceil(blocks_t / split_blocks)) pieces cut at the
+    multiples of split_blocks, the items in line order dealt contiguously to the workers with the least busiest
+    worker (`_least_fill`, between the costliest item or ceil(total / W) and the whole line)."""
+    B, G, W, ovh = line.seq.size, line.num_heads // line.head_group, line.num_workers, line.ovh
+    pieces = np.maximum(_ceil_div(line.blocks, split_blocks), 1)  # [T]
+    first = _exclusive_cumsum(pieces)  # [T] index of each tile's first item
+    item_tile = np.repeat(np.arange(pieces.size), pieces)  # [N]
+    blk_start = (np.arange(item_tile.size) - first[item_tile]) * split_blocks  # [N]
+    blk_end = np.minimum(blk_start + split_blocks, line.blocks[item_tile])  # [N]
+    ends = _indptr(blk_end - blk_start + ovh)  # [N + 1] item boundaries on a line of the items' costs
+    total = int(ends[-1])
+    cost = _least_fill(ends, W, max(int(np.diff(ends).max()), _ceil_div(total, W)), total)
+    worker_indptr = np.array([0, *_greedy_fill(ends, cost, W), item_tile.size], dtype=np.int64)  # [W + 1]
+    busiest = int((ends[worker_indptr[1:]] - ends[worker_indptr[:-1]]).max())
+    req_pieces = np.where(pieces > 1, pieces, 0).reshape(B, G).max(1)  # [B]
+    partial_rows = int((req_pieces * line.qlen).sum())
+    return _Cut(pieces=pieces, first=first, item_tile=item_tile, blk_start=blk_start, blk_end=blk_end,
+                worker_indptr=worker_indptr, req_pieces=req_pieces, partial_rows=partial_rows,
+                key=(busiest, partial_rows))
+
+
+def _check_split_tokens(split_tokens, block_n: int, max_splits: int | None, min_tail: int) -> None:
+    _check_int(split_tokens, "split_tokens", 1)
+    if split_tokens % block_n:
+        raise ValueError(f"split_tokens must be a multiple of block_n ({block_n}): splits fall on block boundaries, "
+                         f"got {split_tokens}")
+    if max_splits is not None:
+        raise ValueError(f"max_splits must be None with split_tokens (the pieces are fixed by it), got {max_splits}")
+    if min_tail != 1:
+        raise ValueError(f"min_tail must be 1 with split_tokens (the cuts are fixed by it), got {min_tail}")
 
 
 def _even_cuts(line: _Line, max_splits: int | None) -> tuple[np.ndarray, int, int] | None:

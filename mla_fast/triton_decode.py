@@ -1301,10 +1301,11 @@ def check_outputs(batch, out: torch.Tensor, lse: torch.Tensor) -> None:
             raise ValueError(f"{name} must be contiguous in its last dim (stride 1), got strides {t.stride()}")
 
 
-def make_plan(batch, config: KernelConfig, num_workers: int | None = None, seq_lens=None, q_lens=None):
+def make_plan(batch, config: KernelConfig, num_workers: int | None = None, seq_lens=None, q_lens=None,
+              split_tokens: int | None = None):
     """WorkPlan for `batch` with this kernel's granularity (host sync: the planner reads seq_lens). seq_lens, q_lens:
     the batch's lengths already on the host (CPU int tensors [B]), read instead (no sync; the plan is then on the
-    CPU)."""
+    CPU). split_tokens: the planner's fixed splits (`planner.plan_decode`), None: its least busiest worker."""
     device = batch.q.device
     return planner.plan_decode(
         batch.seq_lens if seq_lens is None else seq_lens,
@@ -1314,6 +1315,7 @@ def make_plan(batch, config: KernelConfig, num_workers: int | None = None, seq_l
         block_n=config.plan_block_n,
         fixed_overhead=config.fixed_overhead,
         head_group=config.head_group * config.head_split,
+        split_tokens=split_tokens,
     )
 
 
@@ -1472,7 +1474,7 @@ def launch(batch, plan, out, lse, config: KernelConfig, workspace=None, q_scale=
 
 
 def decode(batch, *, plan=None, out=None, lse=None, config: KernelConfig | None = None, num_workers: int | None = None,
-           reduce_pieces: int | None = None):
+           reduce_pieces: int | None = None, max_q_len: int | None = None):
     """Triton MLA decode of a `DecodeBatch` -> (out [T, H, L], lse [T, H] fp32 natural log).
 
     plan: a `WorkPlan` from `make_plan` (computed here when None: one host sync). out / lse: optional preallocated
@@ -1482,6 +1484,8 @@ def decode(batch, *, plan=None, out=None, lse=None, config: KernelConfig | None 
     batches with more than 16 packed rows per program take the Gluon kernel).
     reduce_pieces: split pieces merged per step of the reduce (None: `plan_reduce_pieces`; a `TritonMLADecode`'s
     reduce_pieces gives its bits).
+    max_q_len: the q_len the launch's rows per program are sized for (max_q_len x config.head_group), at least the
+    batch's largest (ValueError); None: the batch's largest. The default config is chosen for it too.
 
     Eager entry point: it validates every field of the batch, values included (`DecodeBatch.validate`, one host
     sync; a block-table entry outside the cache would otherwise fault the kernel), and a given plan against the
@@ -1497,7 +1501,12 @@ def decode(batch, *, plan=None, out=None, lse=None, config: KernelConfig | None 
     check_outputs(batch, out, lse)
     if batch.batch_size == 0:
         return out, lse
-    max_q_len = _max_q_len(batch)
+    if max_q_len is None:
+        max_q_len = _max_q_len(batch)
+    else:
+        planner._check_int(max_q_len, "max_q_len", 1)
+        if max_q_len < _max_q_len(batch):
+            raise ValueError(f"max_q_len must be >= the batch's largest q_len {_max_q_len(batch)}, got {max_q_len}")
     config = config or batch_config(batch, max_q_len)
     if max_q_len * config.head_group > MAX_ROWS:
         raise ValueError(f"q_len x head_group must be <= {MAX_ROWS}, got {max_q_len} x {config.head_group}")
@@ -1509,6 +1518,53 @@ def decode(batch, *, plan=None, out=None, lse=None, config: KernelConfig | None 
         planner.check_plan(plan, batch.seq_lens, batch.q_lens, H)
     launch(batch, plan, out, lse, config, max_rows=max_q_len * config.head_group, reduce_pieces=reduce_pieces)
     return out, lse
+
+
+# ---- batch-invariant decoding ------------------------------------------------------------------------------------
+INVARIANT_SPLIT_TOKENS = 1024  # decode_invariant's fixed split: pieces of this many tokens (planner.plan_decode)
+INVARIANT_MAX_Q_LEN = 1  # decode_invariant's default rows per request the kernel geometry is fixed for
+
+
+def invariant_config(batch, max_q_len: int = INVARIANT_MAX_Q_LEN) -> KernelConfig:
+    """The launch choices of batch-invariant decoding: `default_config` for what a deployment fixes (the dtypes,
+    heads and page size, the device's Gluon kernels for them, the q_len rows are sized for) and nothing a batch
+    changes (its size, its cache tokens: the Gluon fp8 kernel's rule counts them, so it is not offered), and no
+    pair merge (the even plan's in-kernel merge of two-piece tiles, which only some batches take). No host sync."""
+    from mla_fast import gluon_decode
+
+    planner._check_int(max_q_len, "max_q_len", 1)
+    combo = dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
+    config = default_config(combo, batch.num_heads, max_q_len, None, seesaw=gluon_decode.supported(batch),
+                            page_size=batch.page_size)
+    return replace(config, pair_merge=False)
+
+
+def decode_invariant(batch, *, max_q_len: int = INVARIANT_MAX_Q_LEN, split_tokens: int = INVARIANT_SPLIT_TOKENS,
+                     out=None, lse=None, num_workers: int | None = None):
+    """Batch-invariant `decode` -> (out [T, H, L], lse [T, H] fp32 natural log): the bits of a request's rows depend
+    on its own q rows, tokens, scales and sm_scale only, not on the other requests, their order or their number
+    (vLLM's batch-invariant serving). The default `decode` plans over the whole batch, so a request's split points,
+    and with them the rounding of its merged output, move with its neighbours (within the kernel bound). Here:
+
+    - the kernel geometry is `invariant_config(batch, max_q_len)` (ValueError for a batch with longer q_lens);
+    - every request is cut at each multiple of ``split_tokens`` tokens and nowhere else (`planner.plan_decode`'s
+      fixed splits; a request of at most split_tokens tokens runs whole on one worker and writes out directly);
+    - the reduce merges STEP_REDUCE_PIECES pieces per step (its summation order), whatever the plan's largest tile.
+
+    Which worker runs a piece changes with the batch; the arithmetic of a piece does not. Same rounding points as
+    `decode` (`kernel_numerics(invariant_config(...))`). The graph-capturable form: `invariant_step`."""
+    config = invariant_config(batch, max_q_len)
+    plan = make_plan(batch, config, num_workers, split_tokens=split_tokens) if batch.batch_size else None
+    return decode(batch, plan=plan, out=out, lse=lse, config=config, reduce_pieces=STEP_REDUCE_PIECES,
+                  max_q_len=max_q_len)
+
+
+def invariant_step(batch, max_q_len: int = INVARIANT_MAX_Q_LEN, split_tokens: int = INVARIANT_SPLIT_TOKENS,
+                   num_workers: int | None = None) -> "TritonMLADecode":
+    """The graph-capturable form of `decode_invariant` (the same config, splits and reduce steps: its bits)."""
+    return TritonMLADecode(batch, max_q_len=max_q_len, num_workers=num_workers,
+                           config=invariant_config(batch, max_q_len), reduce_pieces=STEP_REDUCE_PIECES,
+                           split_tokens=split_tokens)
 
 
 _STEP_TENSORS = ("q", "kv_cache", "block_table", "seq_lens")  # the batch tensors a TritonMLADecode's run() reads
@@ -1537,6 +1593,8 @@ class TritonMLADecode:
         max_items, max_partial_rows: capacities of the plan buffers (defaults sized for one item per (request, head
             group) per worker plus splits). The kernels read the plan's work items, worker ranges and reduce_final
             rows only, so only those are kept.
+        split_tokens: the planner's fixed splits for every plan() (`planner.plan_decode`; `invariant_step`), None: its
+            least busiest worker. The default capacities then hold every request cut at the block table's capacity.
         reduce_pieces: split pieces per tile that the reduce kernel's steps are sized for (`reduce_blocks`), fixed
             for the step so that eager runs and graph replays give the same bits whatever the plan (the step shape
             sets the merge's summation order). Tiles with more pieces are merged in more steps. Default
@@ -1546,9 +1604,12 @@ class TritonMLADecode:
 
     def __init__(self, batch, *, max_q_len: int = 1, num_workers: int | None = None, config: KernelConfig | None = None,
                  max_items: int | None = None, max_partial_rows: int | None = None,
-                 reduce_pieces: int | None = None):
+                 reduce_pieces: int | None = None, split_tokens: int | None = None):
         batch.validate()
         check_batch(batch)
+        if split_tokens is not None:
+            planner._check_int(split_tokens, "split_tokens", 1)
+        self.split_tokens = split_tokens
         if reduce_pieces is not None:
             planner._check_int(reduce_pieces, "reduce_pieces", 1)
         planner._check_int(max_q_len, "max_q_len", 1)
@@ -1563,7 +1624,10 @@ class TritonMLADecode:
         self.max_rows = max_q_len * self.config.head_group
         self.num_workers = num_workers or max(1, self.config.workers_per_sm * num_sms(device) // self.config.head_split)
         groups = B * triton.cdiv(H, self.config.head_group * self.config.head_split)
-        max_items = max_items or groups + 2 * self.num_workers
+        if split_tokens is None:
+            max_items = max_items or groups + 2 * self.num_workers
+        else:  # every request as long as the block table holds, in pieces of split_tokens
+            max_items = max_items or groups * max(1, -(-batch.block_table.shape[1] * batch.page_size // split_tokens))
         max_partial_rows = max_partial_rows or max_q_len * (max_items + self.num_workers)
         # the plan's buffers: views of one int32 buffer, filled by one copy from a host staging buffer of the same
         # layout (pinned, two of them used in turn, each reused once its last copy has completed); each view starts
@@ -1635,7 +1699,8 @@ class TritonMLADecode:
                 raise ValueError(f"plan: q_lens must add up to q's rows {batch.q.shape[0]}, got {q_lens.tolist()}")
         if q_lens.numel() and int(q_lens.max()) > self.max_q_len:
             raise ValueError(f"plan: q_lens must be <= this step's max_q_len {self.max_q_len}, got {q_lens.tolist()}")
-        p = make_plan(batch, self.config, self.num_workers, seq_lens=seq_lens, q_lens=q_lens)  # on the CPU
+        p = make_plan(batch, self.config, self.num_workers, seq_lens=seq_lens, q_lens=q_lens,
+                      split_tokens=self.split_tokens)  # on the CPU
         n, t = p.work_items.shape[0], p.reduce_final.shape[0]
         if n > self.work_items.shape[0] or t > self.reduce_final.shape[0]:
             raise ValueError(f"plan needs {n} items / {t} tiles, above this step's capacities")

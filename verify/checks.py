@@ -69,6 +69,7 @@ from verify.kernels import Kernel, outputs
 from verify.metrics import compare
 from verify.padding_probe import padding_probe
 from verify.partials_probe import partials_probe
+from verify.regrouped import regrouped_batch
 from verify.rounding_probe import rounding_probe
 from verify.strided_inputs import strided_batch
 
@@ -644,6 +645,37 @@ def check_rerun(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, 
     return results + rerun
 
 
+def check_batch(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, ref) -> list[CheckResult]:
+    """The kernel run again on `regrouped_batch(batch)` (the case's worker count when it takes one): the case's
+    requests reversed, the first dropped, the longest added again, so that every request has other neighbours, a
+    new position and a batch of another size and length. Its rows against the rows of the case's run ``first`` they
+    come from: a kernel that declares itself batch-invariant (`Kernel.batch_invariant`) must give their bits, NaN
+    included; any other passes within the tier-1 bound of the numerics it declares for the regrouped batch (a
+    split-KV plan cuts a request where the whole batch puts the cuts). A kernel that refuses the regrouped batch
+    (`Unsupported` from its run or its numerics) passes as ``batch.refused``, and the report warns."""
+    regrouped = regrouped_batch(batch)
+    where = regrouped.describe()
+    got, why = _refusable(regrouped.batch, kernel, workers)
+    if isinstance(why, Unsupported):
+        return [CheckResult("batch.refused", True, detail=f"{where}: refused: {error_message(why)}")]
+    if why is not None:
+        return [CheckResult("batch", False, detail=f"{where}: {why}")]
+    first_rows = tuple(t if t is None else t.index_select(0, regrouped.rows.to(t.device)) for t in first)
+    ref_rows = tuple(t.index_select(0, regrouped.rows.to(t.device)) for t in ref)  # the oracle's rows, reindexed
+
+    def judge():
+        if kernel.batch_invariant:
+            return ("the kernel declares itself batch-invariant (a plug-in whose rows may vary with their batch "
+                    "leaves .batch_invariant False, the default: the check then takes the tier-1 bound)")
+        try:
+            numerics = kernel.numerics(regrouped.batch)
+        except ValueError as e:  # Unsupported too: the kernel ran on the regrouped batch, so its numerics must take it
+            return f"the kernel's numerics for the regrouped batch raised {error_message(e)}"
+        return _tier1_bound(regrouped.batch, kernel, numerics, ref_rows), numerics.out_dtype
+
+    return _as_first("batch", where, got, "the case's run", first_rows, ref_rows, judge)
+
+
 def _refusable(batch: DecodeBatch, kernel: Kernel, workers: int) -> tuple[tuple | None, str | Unsupported | None]:
     """`_watched` of the kernel's run on ``batch``, except that an `Unsupported` it raises is returned as it is (in
     the place of why there are no outputs), for the caller to pass as a refusal."""
@@ -1019,6 +1051,7 @@ def run_case(case: Case, kernel: Kernel, device: str = "cpu", far: bool | None =
         result.checks += check_layout(batch, kernel, case.num_workers, (out_d, lse_d), ref)
         result.checks += check_padding(batch, kernel, case.num_workers, (out_d, lse_d), ref, bound,
                                        numerics.out_dtype)
+        result.checks += check_batch(batch, kernel, case.num_workers, (out_d, lse_d), ref)
         result.checks += check_rerun(batch, kernel, case.num_workers, (out_d, lse_d), ref, bound,
                                      numerics.out_dtype)
         if kernel.step is not None:

@@ -26,6 +26,9 @@ worker count (instead of ``my_decode``), and the split-invariance check runs it 
 Two runs on the same batch must give the same bits (the ``repeat`` check); a plug-in whose results vary from run
 to run by design (split outputs merged by atomics, work stealing) declares ``my_decode.deterministic = False``, and
 the second run is then held to the tier-1 bound instead.
+A request's rows may change bits when its batch changes (the ``batch`` check regroups the requests: a split-KV
+plan cuts a request where the whole batch puts the cuts) within the tier-1 bound; a plug-in for batch-invariant
+serving declares ``my_decode.batch_invariant = True``, and the check then asks for the bits.
 A plug-in with a CUDA-graph-capturable step says so with ``my_decode.step = factory``, ``factory(batch, max_q_len)
 -> step`` (built once for that batch's shapes, up to max_q_len query rows per request) with ``step.plan(batch)``
 (eager: reads the batch's current lengths, may sync) and ``step.run() -> out | (out, lse)`` (launches only, on the
@@ -66,6 +69,7 @@ DEFAULT_NUMERICS = KernelNumerics(
 )
 
 
+BATCH_INVARIANT = "declared batch-invariant: the batch check asks for each request's bits in a regrouped batch"
 NONDETERMINISTIC = "declared nondeterministic: the repeat check takes the tier-1 bound, not the first run's bits"
 
 
@@ -86,6 +90,9 @@ class Kernel:
         deterministic: whether two runs on the same batch (and worker count) give the same bits (`Backend.
             deterministic`, a plug-in's ``.deterministic``; True unless declared otherwise): the repeat check then
             asks for them, else for the tier-1 bound.
+        batch_invariant: whether a request's rows keep their bits in any batch (`Backend.batch_invariant`, a
+            plug-in's ``.batch_invariant``; False unless declared): the batch check then asks for them, else for
+            the tier-1 bound.
         step: (batch, max_q_len) -> a graph-capturable step with plan(batch) and run() (`Backend.step`, a plug-in's
             ``.step``; module docstring), run by the step check; None: no such check.
     """
@@ -99,6 +106,7 @@ class Kernel:
     nan_deviation: str = ""
     deterministic: bool = True
     step: Callable[[DecodeBatch, int], object] | None = None
+    batch_invariant: bool = False
 
 
 def from_backend(name: str) -> Kernel:
@@ -115,9 +123,11 @@ def from_backend(name: str) -> Kernel:
         reason += f"; nan check not run, declared: {backend.nan_deviation}"
     if not backend.deterministic:
         reason += f"; {NONDETERMINISTIC}"
+    if backend.batch_invariant:
+        reason += f"; {BATCH_INVARIANT}"
     return Kernel(backend.name, backend.run, backend.numerics, backend.run_workers, backend.max_splits,
                   reason=reason, nan_deviation=backend.nan_deviation, deterministic=backend.deterministic,
-                  step=backend.step)
+                  step=backend.step, batch_invariant=backend.batch_invariant)
 
 
 def from_impl(spec: str) -> Kernel:
@@ -170,13 +180,18 @@ def from_callable(fn, name: str | None = None) -> Kernel:
         raise ValueError(f"--impl {name}: .deterministic must be True or False, got {deterministic!r}")
     if not deterministic:
         reason += f"; {NONDETERMINISTIC}"
+    batch_invariant = getattr(fn, "batch_invariant", False)
+    if not isinstance(batch_invariant, bool):
+        raise ValueError(f"--impl {name}: .batch_invariant must be True or False, got {batch_invariant!r}")
+    if batch_invariant:
+        reason += f"; {BATCH_INVARIANT}"
     step = getattr(fn, "step", None)
     if step is not None and not callable(step):
         raise ValueError(f"--impl {name}: .step must be a callable (batch, max_q_len) -> step, got {type(step)}")
     if step is not None:
         reason += "; graph-capturable step through .step"
     return Kernel(name, fn, numerics, workers, max_splits=max_splits, reason=reason, deterministic=deterministic,
-                  step=step)
+                  step=step, batch_invariant=batch_invariant)
 
 
 def _is_numerics(value: object) -> str | None:
