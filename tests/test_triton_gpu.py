@@ -480,6 +480,62 @@ def test_cuda_graph_replay_equals_eager():
     _check_graph_replays_equal_eager(step, ([100, 0, 3000, 700], [50, 0, 2000, 64]))
 
 
+INVARIANT_CASES = [  # (combo, heads, max_q_len, page_size): the kernels invariant_config takes on an H200 (bf16:
+    # the Triton kernel at 16 rows, the seesaw at 64; fp8 caches: the staged Triton path at 16 rows, the fp8 seesaw
+    # at 64), on pages of 64, 16 and 3
+    ("bf16", 16, 1, 64), ("bf16", 16, 4, 16), ("bf16", 128, 1, 64), ("bf16", 64, 2, 3),
+    ("fp8kv", 16, 1, 64), ("fp8kv", 128, 1, 16), ("fp8", 16, 2, 64), ("fp8", 128, 1, 64),
+]
+
+
+@pytest.mark.parametrize("combo, heads, max_q_len, page_size", INVARIANT_CASES, ids=str)
+def test_decode_invariant_keeps_each_requests_bits_in_any_batch(combo, heads, max_q_len, page_size):
+    """decode_invariant: every request's rows have the same bits in its batch, in the batch regrouped (reversed,
+    one dropped, the longest again: verify.regrouped) and alone, while the default decode's move (its plan cuts a
+    request where the batch puts the cuts); the rows within the kernel bound (err / bound <= 1) with the merge of
+    the invariant plan's pieces; the graph-capturable invariant_step replayed gives the eager bits."""
+    from mla_fast.triton_decode import (
+        INVARIANT_SPLIT_TOKENS,
+        decode,
+        decode_invariant,
+        invariant_config,
+        invariant_step,
+        kernel_numerics,
+    )
+    from verify.regrouped import regrouped_batch
+
+    q_lens = tuple((1 + i % max_q_len) for i in range(6))
+    case = TritonCase((4097, 0, 1500, 64, 9000, 700), q_lens, heads=heads, page_size=page_size, combo=combo,
+                      L=512, R=64, seed=heads + max_q_len)
+    batch = case.batch("cuda")
+    out, lse = decode_invariant(batch, max_q_len=max_q_len)
+    numerics = kernel_numerics(invariant_config(batch, max_q_len), combo)
+    r = check(out, lse, batch, numerics, num_splits=-(-9000 // INVARIANT_SPLIT_TOKENS))
+    assert r["out_ratio"] <= 1 and r["lse_ratio"] <= 1 and r["empty_ok"], r
+    regrouped = regrouped_batch(batch)
+    again = decode_invariant(regrouped.batch, max_q_len=max_q_len)
+    assert same_bits(again, (out[regrouped.rows], lse[regrouped.rows]))
+    starts = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
+    for b in range(len(q_lens)):
+        rows = slice(starts[b], starts[b + 1])
+        alone = batch.replace(q=batch.q[rows], block_table=batch.block_table[b:b + 1],
+                              seq_lens=batch.seq_lens[b:b + 1], q_lens=batch.q_lens[b:b + 1])
+        assert same_bits(decode_invariant(alone, max_q_len=max_q_len), (out[rows], lse[rows])), b
+    default, default_again = decode(batch), decode(regrouped.batch)  # the property is not vacuous: these move
+    assert not same_bits(default_again, (default[0][regrouped.rows], default[1][regrouped.rows]))
+    step = invariant_step(batch, max_q_len)
+    step.plan()
+    step.run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step.run()
+    step.out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert same_bits((step.out, step.lse), (out, lse))
+
+
 _MEMCHECK_SCRIPT = """
 import torch
 from triton_cases import TritonCase
