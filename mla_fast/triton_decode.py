@@ -1528,14 +1528,15 @@ INVARIANT_MAX_Q_LEN = 1  # decode_invariant's default rows per request the kerne
 def invariant_config(batch, max_q_len: int = INVARIANT_MAX_Q_LEN) -> KernelConfig:
     """The launch choices of batch-invariant decoding: `default_config` for what a deployment fixes (the dtypes,
     heads and page size, the device's Gluon kernels for them, the q_len rows are sized for) and nothing a batch
-    changes (its size, its cache tokens: the Gluon fp8 kernel's rule counts them, so it is not offered), and no
-    pair merge (the even plan's in-kernel merge of two-piece tiles, which only some batches take). No host sync."""
-    from mla_fast import gluon_decode
+    changes (its size; its cache tokens, which the Gluon fp8 kernel's rule counts: that kernel is taken only where
+    the rule takes it whatever the tokens, at most two programs per worker), and no pair merge (the even plan's
+    in-kernel merge of two-piece tiles, which only some batches take). No host sync."""
+    from mla_fast import gluon_decode, gluon_fp8
 
     planner._check_int(max_q_len, "max_q_len", 1)
     combo = dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
     config = default_config(combo, batch.num_heads, max_q_len, None, seesaw=gluon_decode.supported(batch),
-                            page_size=batch.page_size)
+                            fp8_gluon=gluon_fp8.supported(batch), page_size=batch.page_size)
     return replace(config, pair_merge=False)
 
 

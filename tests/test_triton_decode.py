@@ -1332,8 +1332,91 @@ def test_gluon_fp8_channel_permutations_agree_with_their_layouts():
     assert channel_bits(g8._O_STORE, 1) == [[1, 2, 0, 0], [0, 0, 4, 8, 16], [32, 64]]
 
 
+INVARIANT_CASES = {  # decode_invariant under the interpreter: MTP up to 2, empty and split requests
+    "bf16": TritonCase((130, 0, 70, 5), (1, 2, 1, 2), page_size=16, seed=50),
+    "fp8kv": TritonCase((130, 0, 70, 5), (1, 2, 1, 2), page_size=3, combo="fp8kv", seed=51),
+}
+INVARIANT_SPLIT = 64  # tokens per fixed piece (a multiple of the planner's 64-token block): 130 tokens, 3 pieces
+
+
+def _invariant_worker() -> dict:
+    """Runs in a subprocess with TRITON_INTERPRET=1: for each INVARIANT_CASES batch, decode_invariant's rows against
+    the oracle (err / bound), against its rows in the regrouped batch (verify.regrouped) and decoded alone (bits),
+    and invariant_step's run (bits); the default decode (on the interpreter's 16-token blocks, as in _worker) in the
+    regrouped batch (bits, expected to move)."""
+    from triton_cases import check
+
+    from mla_fast import triton_decode as td
+    from verify.regrouped import regrouped_batch
+
+    report = {}
+    for name, case in INVARIANT_CASES.items():
+        batch = case.batch()
+        run = dict(max_q_len=2, split_tokens=INVARIANT_SPLIT, num_workers=case.num_workers)
+        out, lse = td.decode_invariant(batch, **run)
+        config = td.invariant_config(batch, 2)
+        plan = td.make_plan(batch, config, case.num_workers, split_tokens=INVARIANT_SPLIT)
+        r = check(out, lse, batch, td.kernel_numerics(config, case.combo), plan.max_pieces)
+        regrouped = regrouped_batch(batch)
+        r["regrouped"] = same_bits(td.decode_invariant(regrouped.batch, **run), (out[regrouped.rows],
+                                                                                 lse[regrouped.rows]))
+        starts = [0, *itertools.accumulate(case.q_lens)]
+        r["alone"] = [same_bits(td.decode_invariant(batch.replace(
+            q=batch.q[starts[b]:starts[b + 1]], block_table=batch.block_table[b:b + 1],
+            seq_lens=batch.seq_lens[b:b + 1], q_lens=batch.q_lens[b:b + 1]), **run),
+            (out[starts[b]:starts[b + 1]], lse[starts[b]:starts[b + 1]])) for b in range(len(case.q_lens))]
+        step = td.invariant_step(batch, 2, split_tokens=INVARIANT_SPLIT, num_workers=case.num_workers)
+        step.plan()
+        r["step"] = same_bits(step.run(), (out, lse))
+        fine = replace(td.batch_config(batch, 2), block_n=BLOCK_N, plan_block_n=PLAN_BLOCK_N, fixed_overhead=1)
+        default, moved = (td.decode(b, config=fine, num_workers=case.num_workers) for b in (batch, regrouped.batch))
+        r["default_regrouped"] = same_bits(moved, (default[0][regrouped.rows], default[1][regrouped.rows]))
+        r["max_pieces"] = plan.max_pieces
+        report[name] = r
+    return report
+
+
+@pytest.fixture(scope="module")
+def invariant_report():
+    pytest.importorskip("triton", reason=NEEDS_TRITON)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE)]))
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--invariant-worker"], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", sorted(INVARIANT_CASES))
+def test_decode_invariant_keeps_each_requests_bits_in_any_batch(invariant_report, name):
+    """decode_invariant (fixed 64-token pieces, the geometry of invariant_config at q_len 2): its rows within the
+    kernel bound (err / bound <= 1, the merge of its pieces charged), the same bits in the regrouped batch, alone,
+    and from invariant_step; the default decode's rows do move when regrouped (the property is not vacuous)."""
+    r = invariant_report[name]
+    assert r["out_ratio"] <= 1 and r["lse_ratio"] <= 1 and r["finite"] and r["empty_ok"], r
+    assert r["max_pieces"] == 3  # the 130-token request is split, so the reduce runs
+    assert r["regrouped"] and all(r["alone"]) and r["step"], r
+    assert not r["default_regrouped"], r
+
+
+def test_invariant_config_ignores_the_batch_size_and_lengths():
+    """invariant_config depends on the dtypes, heads, page size and max_q_len only: one request of 9000 tokens and
+    64 short ones get the same config (the default's batch_config does not), and a bad max_q_len is refused."""
+    td = pytest.importorskip("mla_fast.triton_decode")
+    one = TritonCase((9000,), (1,), heads=64, L=512, R=64).batch()
+    many = TritonCase((5,) * 64, (1,) * 64, heads=64, L=512, R=64).batch()
+    assert td.invariant_config(one) == td.invariant_config(many)
+    assert td.batch_config(one, 1) != td.batch_config(many, 1)
+    assert not td.invariant_config(one).pair_merge
+    with pytest.raises(ValueError, match="max_q_len"):
+        td.invariant_config(one, 0)
+    with pytest.raises(ValueError, match="max_q_len must be >= the batch's largest q_len 2"):
+        td.decode_invariant(TritonCase((5,), (2,)).batch(), max_q_len=1)
+
+
 if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
     print(json.dumps(_worker()))
+if __name__ == "__main__" and sys.argv[1:] == ["--invariant-worker"]:
+    print(json.dumps(_invariant_worker()))
 
 
 def test_reduce_varlen_bench_cases_take_the_documented_steps():

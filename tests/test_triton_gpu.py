@@ -481,10 +481,10 @@ def test_cuda_graph_replay_equals_eager():
 
 
 INVARIANT_CASES = [  # (combo, heads, max_q_len, page_size): the kernels invariant_config takes on an H200 (bf16:
-    # the Triton kernel at 16 rows, the seesaw at 64; fp8 caches: the staged Triton path at 16 rows, the fp8 seesaw
-    # at 64), on pages of 64, 16 and 3
+    # the Triton kernel at 16 rows, the seesaw at 64; fp8 caches: the Gluon fp8 kernel at 16 heads (q_len 1-2), the
+    # fp8 seesaw at 128 heads, the staged Triton path on pages of 3), on pages of 64, 16 and 3
     ("bf16", 16, 1, 64), ("bf16", 16, 4, 16), ("bf16", 128, 1, 64), ("bf16", 64, 2, 3),
-    ("fp8kv", 16, 1, 64), ("fp8kv", 128, 1, 16), ("fp8", 16, 2, 64), ("fp8", 128, 1, 64),
+    ("fp8kv", 16, 1, 64), ("fp8kv", 128, 1, 16), ("fp8", 16, 2, 64), ("fp8", 128, 1, 64), ("fp8kv", 16, 1, 3),
 ]
 
 

@@ -647,7 +647,7 @@ def check_rerun(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, 
 
 def check_batch(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, ref) -> list[CheckResult]:
     """The kernel run again on `regrouped_batch(batch)` (the case's worker count when it takes one): the case's
-    requests reversed, the first dropped, the longest added again, so that every request has other neighbours, a
+    requests reversed, the first dropped, the longest added twice, so that every request has other neighbours, a
     new position and a batch of another size and length. Its rows against the rows of the case's run ``first`` they
     come from: a kernel that declares itself batch-invariant (`Kernel.batch_invariant`) must give their bits, NaN
     included; any other passes within the tier-1 bound of the numerics it declares for the regrouped batch (a

@@ -55,6 +55,9 @@ turns one knob, the way such bugs happen in real kernels:
 | packed_rows_wrap      | the packed (row, head) index r H + h kept in 8 bits          | tier1 (128 heads, MTP 3-4)    |
 | plan_cached_by_ptr    | its eager call memoises its plan (the lengths) by the        | rerun (any)                   |
 |                       | addresses of the batch's length and block-table tensors      |                               |
+| splits_follow_batch   | a request cut into pieces of the batch's tokens / 16, while  | batch (a request of more      |
+|                       | it declares itself batch-invariant (as `correct` does: its   | than one piece)               |
+|                       | splits depend on the request alone)                          |                               |
 """
 
 from __future__ import annotations
@@ -98,6 +101,7 @@ def _decode(
     max_before_mask: bool = False,
     packed_row_bits: int | None = None,
     l_rounded: bool = False,
+    batch_splits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV online-softmax MLA decode -> (out [T, H, L] bf16, lse [T, H] fp32). Defaults = no bug.
 
@@ -105,7 +109,9 @@ def _decode(
     softmax over BLOCK-token steps inside each split (running max m, sum l and output acc in ``acc_dtype``), then
     merge the splits with the LSE formula (or, ``merge="mean"``, by averaging them), their sums starting at split
     ``merge_shift`` (mod the number of splits) instead of the first. P is rounded to ``p_fmt`` (times ``p_scale``,
-    then divided by it) for P.V; the row sum l adds the unrounded P, or (``l_rounded``) the rounded one.
+    then divided by it) for P.V; the row sum l adds the unrounded P, or (``l_rounded``) the rounded one. With
+    ``batch_splits`` a request is cut into pieces of ceil(the batch's tokens / 16) tokens instead, as a planner
+    spreading the batch over 16 workers cuts it.
     """
     L, H, ps = batch.kv_lora_rank, batch.num_heads, batch.page_size
     sigma = batch.sm_scale if sm_scale is None else sm_scale
@@ -116,6 +122,7 @@ def _decode(
     out = torch.zeros(batch.num_tokens, H, L, dtype=torch.float32, device=dev)  # [T, H, L]
     lse = torch.full((batch.num_tokens, H), -math.inf, dtype=torch.float32, device=dev)  # [T, H]
     qo = batch.qo_indptr.tolist()
+    batch_piece = max(1, -(-int(batch.seq_lens.sum()) // 16))  # batch_splits: tokens per piece
     for b, (s, n) in enumerate(zip(batch.seq_lens.tolist(), batch.q_lens.tolist())):
         n_pages = -(-s // ps)
         pages = (batch.block_table[b, :n_pages].long() + page_shift) % batch.num_pages  # [n_pages]
@@ -142,6 +149,8 @@ def _decode(
             rows = rows.reshape(n * H, -1)[packed].reshape(n, H, -1)  # [n, H, D]
         n_blocks = -(-K.shape[0] // BLOCK)
         per_split = -(-n_blocks // min(MAX_SPLITS, max(n_blocks, 1))) * BLOCK if n_blocks else BLOCK
+        if batch_splits:
+            per_split = batch_piece
         starts = range(0, max(K.shape[0], 1), per_split)
         parts = [_split(rows, K[j : j + per_split], j, visible, sigma, D, L, acc_dtype, empty_nan, max_sub, p_fmt,
                         max_init, max_before_mask, tail if j == starts[-1] else None, l_rounded, p_scale)
@@ -291,6 +300,7 @@ def correct(batch):
 
 
 correct.step = _Step
+correct.batch_invariant = True  # each request's splits and sums depend on that request alone
 
 
 def wrong_scale(batch):
@@ -446,6 +456,16 @@ def merge_order_varies(batch):
     return _decode(batch, merge_shift=k)
 
 
+def splits_follow_batch(batch):
+    """A request's pieces are ceil(the batch's tokens / 16) tokens long, as a planner that spreads the batch's work
+    over 16 workers cuts them, while the kernel declares itself batch-invariant: every result is right (within
+    the merge bound), but a request's bits change with its neighbours."""
+    return _decode(batch, batch_splits=True)
+
+
+splits_follow_batch.batch_invariant = True
+
+
 def max_init_zero(batch):
     """The running max starts at 0 instead of -inf: right while a row has a score above about -87; where every
     score it sees is lower (the shifted smoke case's earlier MTP rows, at -120) exp flushes to 0 and the row comes
@@ -511,6 +531,7 @@ MUTANTS = (
     "seq_lens_cleared", "cache_padding_written", "nan_dropped", "no_max_subtraction", "int32_offsets",
     "p_rounded_bf16", "bf16_partials", "ignores_strides", "uint16_positions", "hardcoded_scale", "merge_order_varies",
     "stale_plan", "realloc_workspace", "max_init_zero", "max_before_mask", "packed_rows_wrap", "plan_cached_by_ptr",
+    "splits_follow_batch",
 )  # fmt: skip
 FP8_ONLY = ("kv_scale_ignored", "q_scale_ignored")  # need fp8 inputs with a scale != 1
 FAR_ONLY = ("int32_offsets",)  # need the far check, on by default on CUDA devices only (mla-verify --far on)

@@ -1,4 +1,4 @@
-"""A batch's requests in another batch: reordered, one dropped, one added (the ``batch`` check,
+"""A batch's requests in another batch: reordered, one dropped, the longest added twice (the ``batch`` check,
 `verify.checks.check_batch`).
 
 A request's rows should not depend on what else is in its batch. A split-KV kernel plans over the whole batch, so
@@ -8,9 +8,10 @@ stay within the tier-1 bound but change bits. A kernel that declares itself batc
 `regrouped_batch` changes everything about the batch but the rows' own inputs:
 
     order      the requests reversed
-    size       the case's first request dropped when there are two or more; a copy of its longest request
-               (the first of equal length) appended, naming the same pages with its own copy of the q rows
-    work       so the batch size, every request's neighbours and position, and the total tokens all change
+    size       the case's first request dropped when there are two or more; two copies of its longest request
+               (the first of equal length) appended, naming the same pages, each with its own copy of the q rows
+    work       so the batch size (one more) and the total tokens (s_max - s_0 + s_max more: a plan over the whole
+               batch cuts elsewhere) change, and every request's neighbours and position
 
 The cache, the NaN in its unused slots and the scales are the case's own tensors; the block table's rows, q's rows
 and the lengths are copied in the new order. Row ``i`` of the new batch is row ``rows[i]`` of the case, so the
@@ -41,7 +42,8 @@ class RegroupedBatch:
     rows: torch.Tensor
 
     def describe(self) -> str:
-        return f"the requests regrouped as {self.requests.tolist()} of the case's (reversed, one dropped, one added)"
+        return (f"the requests regrouped as {self.requests.tolist()} of the case's (reversed, the first dropped, the "
+                "longest added twice)")
 
 
 def regrouped_batch(batch: DecodeBatch) -> RegroupedBatch:
@@ -50,7 +52,7 @@ def regrouped_batch(batch: DecodeBatch) -> RegroupedBatch:
     seq = batch.seq_lens.long().cpu()  # [B]
     order = list(range(B - 1, 0 if B >= 2 else -1, -1))  # reversed, request 0 dropped when B >= 2
     if B:
-        order.append(int(torch.argmax(seq)))  # the first longest request again
+        order += [int(torch.argmax(seq))] * 2  # the first longest request, twice again
     requests = torch.tensor(order, dtype=torch.long)  # [B']
     q_lens = batch.q_lens.long().cpu()  # [B]
     starts = torch.cumsum(q_lens, 0) - q_lens  # [B] first q row of each request

@@ -1,0 +1,152 @@
+"""Batch invariance on the CPU: the planner's fixed splits, the regrouped batch of the ``batch`` check, and the check
+itself on plug-ins (the Triton kernel's decode_invariant: tests/test_triton_decode.py under the interpreter,
+tests/test_triton_gpu.py on a GPU).
+
+Every comparison here is of bits, plan integers or the check's own verdicts; no tolerance is chosen here (the check's
+tier-1 bound is verify.bounds').
+"""
+
+import itertools
+
+import pytest
+import torch
+
+from mla_fast.planner import BATCH, KV_END, KV_START, plan_decode
+from mla_ref.decode import mla_decode_ref
+from verify import mutants
+from verify.cases import Case
+from verify.checks import _moved, check_batch
+from verify.kernels import from_callable
+from verify.regrouped import regrouped_batch
+
+
+def _pieces(plan, request: int) -> list[tuple[int, int]]:
+    """The (kv_start, kv_end) of a request's items, in KV order."""
+    items = plan.work_items[plan.work_items[:, BATCH] == request]  # [n, 8]
+    return sorted(zip(items[:, KV_START].tolist(), items[:, KV_END].tolist()))
+
+
+def _least_contiguous_max(costs: list[int], workers: int) -> int:
+    """The least busiest worker over every partition of the items, in order, into at most ``workers`` contiguous
+    runs (brute force over the cut positions)."""
+    n, best = len(costs), sum(costs)
+    for cuts in itertools.combinations(range(1, n), min(workers, n) - 1):
+        bounds = (0, *cuts, n)
+        best = min(best, max(sum(costs[a:b]) for a, b in itertools.pairwise(bounds)))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_fixed_splits_cut_each_request_by_itself_and_balance_the_workers(seed):
+    """With split_tokens S every request is cut at the multiples of S and nowhere else, whatever else the batch
+    holds (the same pieces alone, reversed, beside others); each worker runs a contiguous run of the items, the
+    busiest as light as any such partition allows (brute force); partial rows only for requests longer than S."""
+    g = torch.Generator().manual_seed(seed)
+    B, S, W = 5, 128, int(torch.randint(1, 5, (1,), generator=g))
+    seq = torch.randint(0, 600, (B,), generator=g)
+    seq[0] = 0  # an empty request: one item of no tokens
+    q = torch.randint(1, 4, (B,), generator=g)
+    plan = plan_decode(seq, q, 16, W, split_tokens=S)
+    for b in range(B):
+        s = int(seq[b])
+        want = [(k, min(k + S, s)) for k in range(0, max(s, 1), S)] if s else [(0, 0)]
+        assert _pieces(plan, b) == want
+        assert _pieces(plan_decode(seq[b:b + 1], q[b:b + 1], 16, 132, split_tokens=S), 0) == want
+        flipped = plan_decode(seq.flip(0), q.flip(0), 16, W + 3, split_tokens=S)
+        assert _pieces(flipped, B - 1 - b) == want
+    costs = plan.item_costs().tolist()
+    assert plan.worker_costs().max() == _least_contiguous_max(costs, W)
+    assert plan.num_partial_rows == sum(int(q[b]) * len(_pieces(plan, b)) for b in range(B) if int(seq[b]) > S)
+
+
+def test_fixed_splits_refuse_what_they_cannot_keep():
+    seq, q = torch.tensor([100, 7]), torch.ones(2, dtype=torch.long)
+    with pytest.raises(ValueError, match="split_tokens must be a multiple of block_n"):
+        plan_decode(seq, q, 16, 4, split_tokens=100)
+    with pytest.raises(ValueError, match="max_splits must be None with split_tokens"):
+        plan_decode(seq, q, 16, 4, split_tokens=128, max_splits=2)
+    with pytest.raises(ValueError, match="min_tail must be 1 with split_tokens"):
+        plan_decode(seq, q, 16, 4, split_tokens=128, min_tail=4)
+    with pytest.raises(ValueError, match="split_tokens must be an int >= 1"):
+        plan_decode(seq, q, 16, 4, split_tokens=0)
+    assert plan_decode(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), 16, 4,
+                       split_tokens=64).num_items == 0
+
+
+@pytest.mark.parametrize("seq_lens, q_lens, requests", [
+    ((40, 0, 70), (1, 2, 1), [2, 1, 2, 2]),  # reversed, request 0 dropped, the longest (2) twice
+    ((9,), (3,), [0, 0, 0]),  # one request: it and its two copies
+    ((5, 5), (1, 2), [1, 0, 0]),  # equal lengths: the first longest
+])
+def test_regrouped_batch_reindexes_rows_and_keeps_the_cache(seq_lens, q_lens, requests):
+    """The regrouped batch names the same pages for each request (the cache itself shared), copies q's rows in the
+    new order, and changes the batch size and total tokens; the oracle's rows are the case's, reindexed (the
+    oracle computes each request on its own: bits, compared per request's rows)."""
+    batch, _ = Case(seq_lens=seq_lens, q_lens=q_lens, heads=2, page_size=16, kv_lora_rank=64, rope_dim=32,
+                    seed=1).materialize()
+    r = regrouped_batch(batch)
+    assert r.requests.tolist() == requests
+    assert r.batch.kv_cache is batch.kv_cache
+    assert torch.equal(r.batch.block_table, batch.block_table[requests])
+    assert r.batch.seq_lens.tolist() == [seq_lens[b] for b in requests]
+    starts = [0, *itertools.accumulate(q_lens)]
+    rows = [t for b in requests for t in range(starts[b], starts[b + 1])]
+    assert r.rows.tolist() == rows and torch.equal(r.batch.q, batch.q[rows])
+    assert r.batch.batch_size == (len(seq_lens) + 1 if len(seq_lens) > 1 else 3)
+    assert int(r.batch.seq_lens.sum()) > int(batch.seq_lens.sum())
+    out, lse = mla_decode_ref(batch)
+    out_r, lse_r = mla_decode_ref(r.batch.validate())
+    assert torch.equal(out_r, out[rows]) and torch.equal(lse_r, lse[rows])
+
+
+CASE = Case(seq_lens=(300, 129, 0, 127), q_lens=(1, 2, 1, 1), heads=4, page_size=16, seed=3)
+
+
+def _check(fn):
+    batch, _ = CASE.materialize()
+    ref = mla_decode_ref(batch)  # [T, H, L], [T, H] fp64
+    kernel = from_callable(fn)
+    first = _moved(*fn(batch), ref[0].device)
+    return {r.name: r for r in check_batch(batch, kernel, CASE.num_workers, first, ref)}
+
+
+def test_the_batch_check_asks_a_declared_invariant_kernel_for_its_bits():
+    """mutants.correct (each request's splits its own) keeps its bits; splits_follow_batch, declared invariant but
+    cut by the batch's tokens, fails by name; the same kernel undeclared passes within the tier-1 bound."""
+    assert _check(mutants.correct)["batch"].ok
+    assert "bits of the case's run" in _check(mutants.correct)["batch"].detail
+    failed = _check(mutants.splits_follow_batch)["batch"]
+    assert not failed.ok and "declares itself batch-invariant" in failed.detail and "out bytes differ" in failed.detail
+
+    def undeclared(batch):
+        return mutants.splits_follow_batch(batch)
+
+    results = _check(undeclared)
+    assert results["batch.out"].ok and results["batch.lse"].ok and "out bytes differ" in results["batch.out"].detail
+
+
+def test_the_batch_check_fails_rows_that_depend_on_their_neighbours():
+    """A kernel (undeclared) that is right on the case's batch but scales its first request's out by 1.5 in any
+    other batch: regrouped, those rows leave the tier-1 bound."""
+
+    def first_request_special(batch):
+        out, lse = mutants.correct(batch)
+        if batch.batch_size != len(CASE.seq_lens):  # another batch: the kernel mis-scales its first request
+            n = int(batch.q_lens[0])
+            out[:n] = (out[:n].float() * 1.5).to(out.dtype)
+        return out, lse
+
+    results = _check(first_request_special)
+    assert not results["batch.out"].ok and results["batch.lse"].ok, results["batch.out"].detail
+
+
+def test_a_plug_ins_batch_invariant_flag_must_be_a_bool():
+    def decode(batch):
+        return mutants.correct(batch)
+
+    decode.batch_invariant = "yes"
+    with pytest.raises(ValueError, match=r"\.batch_invariant must be True or False"):
+        from_callable(decode)
+    decode.batch_invariant = True
+    kernel = from_callable(decode)
+    assert kernel.batch_invariant and "declared batch-invariant" in kernel.reason
