@@ -868,6 +868,26 @@ def test_strided_inputs_a_kernel_refuses_pass_and_are_warned_about(capsys, tmp_p
     assert "expected a contiguous cache" in warning and "layout" not in report["checks"]
 
 
+def refuses_repeated_lengths(batch):
+    """The mutants' correct kernel, refusing (Unsupported) two requests of the same nonzero length, which the batch
+    check's regrouped batch always holds (its longest request twice)."""
+    lens = [s for s in batch.seq_lens.tolist() if s]
+    if len(set(lens)) < len(lens):
+        raise Unsupported("two requests of the same length")
+    return correct(batch)
+
+
+def test_regrouped_batches_a_kernel_refuses_pass_and_are_warned_about(capsys, tmp_path):
+    """An Unsupported for the batch check's regrouped batch passes as batch.refused, counted, and warned about."""
+    path = tmp_path / "r.json"
+    code, _, err = run(capsys, "--impl", "tests.test_cli:refuses_repeated_lengths", "--cases", "3", "--jobs", "1",
+                       "--json", str(path))
+    report = json.loads(path.read_text())
+    assert code == 0 and report["checks"]["batch.refused"]["cases"] == 3, err
+    (warning,) = [w for w in report["warnings"] if w.startswith("batch.refused")]
+    assert "regrouped batches in 3 cases" in warning and "two requests of the same length" in warning
+
+
 def refuses_long_requests(batch):
     """The mutants' correct kernel, refusing (Unsupported) a request longer than the default --max-seq-len."""
     if batch.batch_size and int(batch.seq_lens.max()) > 4096:

@@ -141,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
         "rounded), the layout check (q, cache and block table as strided views into NaN-padded buffers), the\n"
         "padding probe (finite tokens past each request's length that its rows would prefer, where the case has\n"
         "NaN: the same bits), the rerun check (the kernel called again on its tensors rewritten in place as the\n"
-        "next decode step), and on\n"
+        "next decode step), the batch check (the requests regrouped: the same bits for a kernel declared\n"
+        "batch-invariant, else the tier-1 bound), and on\n"
         "CUDA devices the far check (the pages moved past element 2^31 of a larger cache, where int32 offsets\n"
         "wrap) and the long cases (a request of 2^16 + 65 tokens in more than 64 pieces); for kernels with a\n"
         "graph-capturable step, the step check (planned, run, captured in a CUDA graph on CUDA, given the next\n"
@@ -593,6 +594,9 @@ def _warnings(summary: dict, deterministic: bool = True) -> list[str]:
     if refused := summary.get("layout.refused"):
         warnings.append(f"layout.refused: the kernel refused strided inputs in {refused['cases']} cases, which the "
                         f"layout check then did not try (serving engines pass views); e.g. {refused['worst_detail']}")
+    if refused := summary.get("batch.refused"):
+        warnings.append(f"batch.refused: the kernel refused the batch check's regrouped batches in {refused['cases']} "
+                        f"cases, which it then did not check; e.g. {refused['worst_detail']}")
     if refused := summary.get("rerun.refused"):
         warnings.append(f"rerun.refused: the kernel refused the rerun check's batches in {refused['cases']} cases, "
                         f"which it then did not check; e.g. {refused['worst_detail']}")
