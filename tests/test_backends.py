@@ -22,7 +22,7 @@ from mla_fast.flashmla_backend import flashmla_inputs, padded_rows
 from mla_ref import fp8
 from mla_ref.decode import make_decode_batch, mla_decode_ref
 
-NAMES = {"ref", "emulated", "triton", "seesaw", "gluon_fp8", "aiter", "flashinfer", "flashmla"}
+NAMES = {"ref", "emulated", "triton", "triton_invariant", "seesaw", "gluon_fp8", "aiter", "flashinfer", "flashmla"}
 
 
 def _batch(dtype="bf16", seed=0, seq_lens=(0, 70, 130), q_lens=(1, 1, 1), kv_dtype=None, heads=16, page_size=16):
@@ -180,6 +180,24 @@ def test_declared_numerics_of_our_kernels():
     assert get["gluon_fp8"](fp8_batch).gamma_qk > get["triton"](fp8_batch).gamma_qk
     ours = ("triton", "gluon_fp8")
     assert all(get[name](b).partial_dtype == torch.float32 for name in ours for b in (bf16, fp8_batch))
+
+
+def test_only_the_invariant_backend_declares_batch_invariance_and_it_fixes_its_q_len():
+    """triton_invariant declares batch invariance (the batch check then asks it for bits), the kernel geometry of
+    invariant_config at q_len 4 and the merge of pieces of 1024 tokens; longer MTP rows are Unsupported, by name,
+    from its run and from its graph-capturable step."""
+    pytest.importorskip("triton", reason="our kernels' dispatch needs triton (pip install triton==3.6.0)")
+    from mla_fast import triton_decode as td
+
+    assert [n for n, b in backends.BACKENDS.items() if b.batch_invariant] == ["triton_invariant"]
+    invariant = backends.BACKENDS["triton_invariant"]
+    batch = _batch("fp8kv", seq_lens=(0, 70, 2049))
+    assert invariant.numerics(batch) == td.kernel_numerics(td.invariant_config(batch, 4), "fp8kv")
+    assert invariant.max_splits(batch) == 3  # 2049 tokens in pieces of 1024
+    long_rows = _batch("bf16", q_lens=(5, 1, 1))
+    for call in (lambda: invariant(long_rows), lambda: invariant.step(long_rows, 5)):
+        with pytest.raises(backends.Unsupported, match="fixes its kernel geometry for q_len <= 4"):
+            call()
 
 
 @pytest.mark.parametrize("name,dtype,heads,page_size,reason", [
