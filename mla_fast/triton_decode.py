@@ -1530,13 +1530,17 @@ def invariant_config(batch, max_q_len: int = INVARIANT_MAX_Q_LEN) -> KernelConfi
     heads and page size, the device's Gluon kernels for them, the q_len rows are sized for) and nothing a batch
     changes (its size; its cache tokens, which the Gluon fp8 kernel's rule counts: that kernel is taken only where
     the rule takes it whatever the tokens, at most two programs per worker), and no pair merge (the even plan's
-    in-kernel merge of two-piece tiles, which only some batches take). No host sync."""
+    in-kernel merge of two-piece tiles, which only some batches take). q is taken as contiguous: whether a view is
+    depends on its row count (a [1, H, D] view of a wider buffer is contiguous, [2, H, D] is not), which would give
+    a request alone another kernel; `decode_invariant` copies a strided q, `invariant_step` refuses one. No host
+    sync."""
     from mla_fast import gluon_decode, gluon_fp8
 
     planner._check_int(max_q_len, "max_q_len", 1)
     combo = dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
-    config = default_config(combo, batch.num_heads, max_q_len, None, seesaw=gluon_decode.supported(batch),
-                            fp8_gluon=gluon_fp8.supported(batch), page_size=batch.page_size)
+    dense = batch.replace(q=torch.empty_like(batch.q, memory_format=torch.contiguous_format))  # q's shape, dense
+    config = default_config(combo, batch.num_heads, max_q_len, None, seesaw=gluon_decode.supported(dense),
+                            fp8_gluon=gluon_fp8.supported(dense), page_size=batch.page_size)
     return replace(config, pair_merge=False)
 
 
@@ -1553,7 +1557,10 @@ def decode_invariant(batch, *, max_q_len: int = INVARIANT_MAX_Q_LEN, split_token
     - the reduce merges STEP_REDUCE_PIECES pieces per step (its summation order), whatever the plan's largest tile.
 
     Which worker runs a piece changes with the batch; the arithmetic of a piece does not. Same rounding points as
-    `decode` (`kernel_numerics(invariant_config(...))`). The graph-capturable form: `invariant_step`."""
+    `decode` (`kernel_numerics(invariant_config(...))`). A strided q is copied first (`invariant_config`). The
+    graph-capturable form: `invariant_step`."""
+    if isinstance(batch.q, torch.Tensor) and not batch.q.is_contiguous():
+        batch = batch.replace(q=batch.q.contiguous())
     config = invariant_config(batch, max_q_len)
     plan = make_plan(batch, config, num_workers, split_tokens=split_tokens) if batch.batch_size else None
     return decode(batch, plan=plan, out=out, lse=lse, config=config, reduce_pieces=STEP_REDUCE_PIECES,
@@ -1562,7 +1569,11 @@ def decode_invariant(batch, *, max_q_len: int = INVARIANT_MAX_Q_LEN, split_token
 
 def invariant_step(batch, max_q_len: int = INVARIANT_MAX_Q_LEN, split_tokens: int = INVARIANT_SPLIT_TOKENS,
                    num_workers: int | None = None) -> "TritonMLADecode":
-    """The graph-capturable form of `decode_invariant` (the same config, splits and reduce steps: its bits)."""
+    """The graph-capturable form of `decode_invariant` (the same config, splits and reduce steps: its bits). Its q
+    must be contiguous (ValueError: `invariant_config`)."""
+    if not batch.q.is_contiguous():
+        raise ValueError(f"invariant_step: q must be contiguous (the kernel chosen must not depend on how many rows a "
+                         f"view of a wider buffer has), got strides {tuple(batch.q.stride())}")
     return TritonMLADecode(batch, max_q_len=max_q_len, num_workers=num_workers,
                            config=invariant_config(batch, max_q_len), reduce_pieces=STEP_REDUCE_PIECES,
                            split_tokens=split_tokens)

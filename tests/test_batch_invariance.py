@@ -17,7 +17,7 @@ from verify import mutants
 from verify.cases import Case
 from verify.checks import _moved, check_batch
 from verify.kernels import from_callable
-from verify.regrouped import regrouped_batch
+from verify.regrouped import regrouped_batches
 
 
 def _pieces(plan, request: int) -> list[tuple[int, int]]:
@@ -73,30 +73,33 @@ def test_fixed_splits_refuse_what_they_cannot_keep():
                        split_tokens=64).num_items == 0
 
 
-@pytest.mark.parametrize("seq_lens, q_lens, requests", [
-    ((40, 0, 70), (1, 2, 1), [2, 1, 2, 2]),  # reversed, request 0 dropped, the longest (2) twice
-    ((9,), (3,), [0, 0, 0]),  # one request: it and its two copies
-    ((5, 5), (1, 2), [1, 0, 0]),  # equal lengths: the first longest
+@pytest.mark.parametrize("seq_lens, q_lens, grown, shrunk", [
+    ((40, 0, 70), (1, 2, 1), [2, 1, 2, 2], [1, 0]),  # grown: reversed, request 0 dropped, the longest (2) twice
+    ((9,), (3,), [0, 0, 0], None),  # one request: it and its two copies; nothing to shrink
+    ((5, 5), (1, 2), [1, 0, 0], [1]),  # equal lengths: the first longest
 ])
-def test_regrouped_batch_reindexes_rows_and_keeps_the_cache(seq_lens, q_lens, requests):
-    """The regrouped batch names the same pages for each request (the cache itself shared), copies q's rows in the
-    new order, and changes the batch size and total tokens; the oracle's rows are the case's, reindexed (the
-    oracle computes each request on its own: bits, compared per request's rows)."""
+def test_regrouped_batches_reindex_rows_and_keep_the_cache(seq_lens, q_lens, grown, shrunk):
+    """Each regrouped batch names the same pages for each request (the cache itself shared), copies q's rows in the
+    new order, and changes the batch size and total tokens (the grown one up, the shrunk one down); the oracle's
+    rows are the case's, reindexed (the oracle computes each request on its own: bits)."""
     batch, _ = Case(seq_lens=seq_lens, q_lens=q_lens, heads=2, page_size=16, kv_lora_rank=64, rope_dim=32,
                     seed=1).materialize()
-    r = regrouped_batch(batch)
-    assert r.requests.tolist() == requests
-    assert r.batch.kv_cache is batch.kv_cache
-    assert torch.equal(r.batch.block_table, batch.block_table[requests])
-    assert r.batch.seq_lens.tolist() == [seq_lens[b] for b in requests]
-    starts = [0, *itertools.accumulate(q_lens)]
-    rows = [t for b in requests for t in range(starts[b], starts[b + 1])]
-    assert r.rows.tolist() == rows and torch.equal(r.batch.q, batch.q[rows])
-    assert r.batch.batch_size == (len(seq_lens) + 1 if len(seq_lens) > 1 else 3)
-    assert int(r.batch.seq_lens.sum()) > int(batch.seq_lens.sum())
+    regroupings = regrouped_batches(batch)
+    assert [r.how for r in regroupings] == ["grown"] + (["shrunk"] if shrunk else [])
     out, lse = mla_decode_ref(batch)
-    out_r, lse_r = mla_decode_ref(r.batch.validate())
-    assert torch.equal(out_r, out[rows]) and torch.equal(lse_r, lse[rows])
+    starts = [0, *itertools.accumulate(q_lens)]
+    for r, requests in zip(regroupings, (grown, shrunk)):
+        assert r.requests.tolist() == requests
+        assert r.batch.kv_cache is batch.kv_cache
+        assert torch.equal(r.batch.block_table, batch.block_table[requests])
+        assert r.batch.seq_lens.tolist() == [seq_lens[b] for b in requests]
+        rows = [t for b in requests for t in range(starts[b], starts[b + 1])]
+        assert r.rows.tolist() == rows and torch.equal(r.batch.q, batch.q[rows])
+        out_r, lse_r = mla_decode_ref(r.batch.validate())
+        assert torch.equal(out_r, out[rows]) and torch.equal(lse_r, lse[rows])
+    tokens = [int(r.batch.seq_lens.sum()) for r in regroupings]
+    assert tokens[0] > sum(seq_lens) and all(t < sum(seq_lens) for t in tokens[1:])
+    assert regroupings[0].batch.batch_size == (len(seq_lens) + 1 if len(seq_lens) > 1 else 3)
 
 
 CASE = Case(seq_lens=(300, 129, 0, 127), q_lens=(1, 2, 1, 1), heads=4, page_size=16, seed=3)
@@ -123,6 +126,53 @@ def test_the_batch_check_asks_a_declared_invariant_kernel_for_its_bits():
 
     results = _check(undeclared)
     assert results["batch.out"].ok and results["batch.lse"].ok and "out bytes differ" in results["batch.out"].detail
+    assert results["batch.shrunk.out"].ok and results["batch.shrunk.lse"].ok
+
+
+def test_the_shrunk_batch_sees_cuts_that_follow_the_longest_request():
+    """A kernel declared invariant whose pieces are sized from the batch's longest request (found by a review):
+    the grown batch keeps its longest length, so its bits hold there; without the longest request they move."""
+    from mla_fast.emulate import run_plan_reference
+    from mla_fast.planner import plan_decode
+
+    def by_longest(batch):
+        split = 64 * -(-int(batch.seq_lens.max()) // 256)  # four pieces for the longest request
+        plan = plan_decode(batch.seq_lens, batch.q_lens, batch.num_heads, 4, split_tokens=split)
+        out, lse = run_plan_reference(batch, plan, torch.float32)
+        return out.to(torch.bfloat16), lse
+
+    by_longest.batch_invariant = True
+    results = _check(by_longest)
+    assert results["batch"].ok and not results["batch.shrunk"].ok, results["batch.shrunk"].detail
+    assert "declares itself batch-invariant" in results["batch.shrunk"].detail
+
+
+def test_a_regrouped_batch_the_kernel_or_its_numerics_refuse_passes_as_refused():
+    """Unsupported from the run or from the numerics of a regrouped batch: batch.refused / batch.shrunk.refused."""
+    from mla_fast.backends import Unsupported
+
+    def few_requests(batch):
+        if batch.batch_size > len(CASE.seq_lens):
+            raise Unsupported("more requests than the case")
+        return mutants.correct(batch)
+
+    results = _check(few_requests)
+    assert results["batch.refused"].ok and "more requests than the case" in results["batch.refused"].detail
+    assert results["batch.shrunk"].ok  # its shrunk batch, with fewer requests, keeps the bits (declared invariant)
+
+    from verify.kernels import DEFAULT_NUMERICS
+
+    def numerics_refuse(batch):  # undeclared: its numerics are asked for on the regrouped batches
+        return mutants.correct(batch)
+
+    def numerics(batch):
+        if batch.batch_size < len(CASE.seq_lens):
+            raise Unsupported("fewer requests than the case")
+        return DEFAULT_NUMERICS
+
+    numerics_refuse.numerics = numerics
+    results = _check(numerics_refuse)
+    assert results["batch.shrunk.refused"].ok and "fewer requests" in results["batch.shrunk.refused"].detail
 
 
 def test_the_batch_check_fails_rows_that_depend_on_their_neighbours():

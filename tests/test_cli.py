@@ -75,18 +75,22 @@ def faults_on_two_heads(batch):
 
 CALLS = [0]
 CASE_QS: list = []  # the q of every case seen (held, so that no later q reuses its id)
+CASE_KVS: list = []  # and its cache
 
 
 def wrong_from_the_150th_call(batch):
     """Right for the first 149 cases of this process, then out doubled: a failure late in a search. A case is a new
     q: the nan check's second call on the same case shares it, and neither the rounding probe's q (0 on every latent
     channel), the layout check's strided copy of the case's q nor the rerun check's copy (a block table with room
-    for `grown_length`; its q is rewritten in place for its second call) is a case."""
+    for `grown_length`; its q is rewritten in place for its second call) nor the batch check's regrouped batch (a
+    new q over the case's own cache) is a case."""
     probe = not batch.q[..., : batch.kv_lora_rank].any()  # verify.rounding_probe's q
     strided = batch.q.untyped_storage().nbytes() > batch.q.numel() * batch.q.element_size()  # a view into padding
     roomy = batch.block_table.shape[1] * batch.page_size >= grown_length(batch.seq_lens, batch.page_size)  # rerun's
-    if not probe and not strided and not any(q is batch.q for q in CASE_QS):
+    regrouped = any(kv is batch.kv_cache for kv in CASE_KVS)
+    if not probe and not strided and not regrouped and not any(q is batch.q for q in CASE_QS):
         CASE_QS.append(batch.q)
+        CASE_KVS.append(batch.kv_cache)
         CALLS[0] += not roomy
     out, lse = correct(batch)
     return (out * 2 if CALLS[0] >= 150 else out), lse
@@ -639,6 +643,7 @@ def test_search_stopped_in_its_target_phase_reports_the_cases_that_ran(capsys, t
     the stop raised by the calls it still makes after it (report_multiple_bugs=False)."""
     CALLS[0] = 0
     CASE_QS.clear()
+    CASE_KVS.clear()
     path = tmp_path / "r.json"
     code, _, err = run(capsys, "--impl", "tests.test_cli:wrong_from_the_150th_call", "--profile", "search", "--cases",
                        "200", "--max-seq-len", "64", "--seed", "1", "--exitfirst", "--json", str(path))

@@ -1347,7 +1347,7 @@ def _invariant_worker() -> dict:
     from triton_cases import check
 
     from mla_fast import triton_decode as td
-    from verify.regrouped import regrouped_batch
+    from verify.regrouped import regrouped_batches
 
     report = {}
     for name, case in INVARIANT_CASES.items():
@@ -1357,9 +1357,10 @@ def _invariant_worker() -> dict:
         config = td.invariant_config(batch, 2)
         plan = td.make_plan(batch, config, case.num_workers, split_tokens=INVARIANT_SPLIT)
         r = check(out, lse, batch, td.kernel_numerics(config, case.combo), plan.max_pieces)
-        regrouped = regrouped_batch(batch)
-        r["regrouped"] = same_bits(td.decode_invariant(regrouped.batch, **run), (out[regrouped.rows],
-                                                                                 lse[regrouped.rows]))
+        regroupings = regrouped_batches(batch)  # grown and shrunk
+        r["regrouped"] = [same_bits(td.decode_invariant(g.batch, **run), (out[g.rows], lse[g.rows]))
+                          for g in regroupings]
+        regrouped = regroupings[0]
         starts = [0, *itertools.accumulate(case.q_lens)]
         r["alone"] = [same_bits(td.decode_invariant(batch.replace(
             q=batch.q[starts[b]:starts[b + 1]], block_table=batch.block_table[b:b + 1],
@@ -1394,7 +1395,7 @@ def test_decode_invariant_keeps_each_requests_bits_in_any_batch(invariant_report
     r = invariant_report[name]
     assert r["out_ratio"] <= 1 and r["lse_ratio"] <= 1 and r["finite"] and r["empty_ok"], r
     assert r["max_pieces"] == 3  # the 130-token request is split, so the reduce runs
-    assert r["regrouped"] and all(r["alone"]) and r["step"], r
+    assert r["regrouped"] == [True, True] and all(r["alone"]) and r["step"], r
     assert not r["default_regrouped"], r
 
 
@@ -1411,6 +1412,27 @@ def test_invariant_config_ignores_the_batch_size_and_lengths():
         td.invariant_config(one, 0)
     with pytest.raises(ValueError, match="max_q_len must be >= the batch's largest q_len 2"):
         td.decode_invariant(TritonCase((5,), (2,)).batch(), max_q_len=1)
+
+
+def test_invariant_config_takes_q_as_contiguous(monkeypatch):
+    """A q that is a view of a wider buffer is contiguous at one row and not at two (found by a review): with a
+    Gluon kernel that needs contiguous q, a request alone would take it and the same request in a batch would not.
+    invariant_config takes q as contiguous (decode_invariant copies a strided one), invariant_step refuses one."""
+    td = pytest.importorskip("mla_fast.triton_decode")
+    from mla_fast import gluon_decode
+
+    monkeypatch.setattr(gluon_decode, "supported", lambda batch: batch.q.is_contiguous())  # as on an H200
+    batch = TritonCase((100, 70), (1, 1), heads=16, L=512, R=64).batch()
+    wide = torch.zeros(2, 32, 576, dtype=batch.q.dtype)
+    wide[:, :16] = batch.q
+    strided = batch.replace(q=wide[:, :16])  # [2, 16, 576] of a 32-head buffer
+    alone = batch.replace(q=wide[:1, :16], block_table=batch.block_table[:1], seq_lens=batch.seq_lens[:1],
+                          q_lens=batch.q_lens[:1])
+    assert alone.q.is_contiguous() and not strided.q.is_contiguous()
+    assert td.invariant_config(alone, 4) == td.invariant_config(strided, 4) == td.invariant_config(batch, 4)
+    assert td.invariant_config(batch, 4).kernel == "gluon"  # 64 rows: the seesaw this stand-in offers
+    with pytest.raises(ValueError, match="invariant_step: q must be contiguous"):
+        td.invariant_step(strided)
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:

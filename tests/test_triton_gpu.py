@@ -502,7 +502,7 @@ def test_decode_invariant_keeps_each_requests_bits_in_any_batch(combo, heads, ma
         invariant_step,
         kernel_numerics,
     )
-    from verify.regrouped import regrouped_batch
+    from verify.regrouped import regrouped_batches
 
     q_lens = tuple((1 + i % max_q_len) for i in range(6))
     case = TritonCase((4097, 0, 1500, 64, 9000, 700), q_lens, heads=heads, page_size=page_size, combo=combo,
@@ -512,9 +512,9 @@ def test_decode_invariant_keeps_each_requests_bits_in_any_batch(combo, heads, ma
     numerics = kernel_numerics(invariant_config(batch, max_q_len), combo)
     r = check(out, lse, batch, numerics, num_splits=-(-9000 // INVARIANT_SPLIT_TOKENS))
     assert r["out_ratio"] <= 1 and r["lse_ratio"] <= 1 and r["empty_ok"], r
-    regrouped = regrouped_batch(batch)
-    again = decode_invariant(regrouped.batch, max_q_len=max_q_len)
-    assert same_bits(again, (out[regrouped.rows], lse[regrouped.rows]))
+    regrouped, shrunk = regrouped_batches(batch)
+    for g in (regrouped, shrunk):
+        assert same_bits(decode_invariant(g.batch, max_q_len=max_q_len), (out[g.rows], lse[g.rows])), g.how
     starts = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
     for b in range(len(q_lens)):
         rows = slice(starts[b], starts[b + 1])

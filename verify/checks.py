@@ -69,7 +69,7 @@ from verify.kernels import Kernel, outputs
 from verify.metrics import compare
 from verify.padding_probe import padding_probe
 from verify.partials_probe import partials_probe
-from verify.regrouped import regrouped_batch
+from verify.regrouped import regrouped_batches
 from verify.rounding_probe import rounding_probe
 from verify.strided_inputs import strided_batch
 
@@ -646,34 +646,47 @@ def check_rerun(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, 
 
 
 def check_batch(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, ref) -> list[CheckResult]:
-    """The kernel run again on `regrouped_batch(batch)` (the case's worker count when it takes one): the case's
-    requests reversed, the first dropped, the longest added twice, so that every request has other neighbours, a
-    new position and a batch of another size and length. Its rows against the rows of the case's run ``first`` they
-    come from: a kernel that declares itself batch-invariant (`Kernel.batch_invariant`) must give their bits, NaN
-    included; any other passes within the tier-1 bound of the numerics it declares for the regrouped batch (a
-    split-KV plan cuts a request where the whole batch puts the cuts). A kernel that refuses the regrouped batch
-    (`Unsupported` from its run or its numerics) passes as ``batch.refused``, and the report warns."""
-    regrouped = regrouped_batch(batch)
-    where = regrouped.describe()
-    got, why = _refusable(regrouped.batch, kernel, workers)
-    if isinstance(why, Unsupported):
-        return [CheckResult("batch.refused", True, detail=f"{where}: refused: {error_message(why)}")]
-    if why is not None:
-        return [CheckResult("batch", False, detail=f"{where}: {why}")]
-    first_rows = tuple(t if t is None else t.index_select(0, regrouped.rows.to(t.device)) for t in first)
-    ref_rows = tuple(t.index_select(0, regrouped.rows.to(t.device)) for t in ref)  # the oracle's rows, reindexed
+    """The kernel run again on `regrouped_batches(batch)` (the case's worker count when it takes one): the case's
+    requests reversed, the first dropped and the longest added twice (``batch``), and with two or more requests
+    reversed without the longest (``batch.shrunk``), so that the batch's size, tokens and longest request change and
+    the requests move. Each row against the row of the case's run ``first`` it comes from: a kernel that declares
+    itself batch-invariant (`Kernel.batch_invariant`) must give its bits, NaN included; any other passes within the
+    tier-1 bound of the numerics it declares for that batch (a split-KV plan cuts a request where the whole batch
+    puts the cuts). A kernel that refuses a regrouped batch (`Unsupported` from its run or its numerics) passes as
+    ``batch.refused`` / ``batch.shrunk.refused``, and the report warns."""
+    results = []
+    for regrouped in regrouped_batches(batch):
+        name = "batch" if regrouped.how == "grown" else "batch.shrunk"
+        where = regrouped.describe()
+        got, why = _refusable(regrouped.batch, kernel, workers)
+        if isinstance(why, Unsupported):
+            results.append(CheckResult(f"{name}.refused", True, detail=f"{where}: refused: {error_message(why)}"))
+            continue
+        if why is not None:
+            results.append(CheckResult(name, False, detail=f"{where}: {why}"))
+            continue
+        first_rows = tuple(t if t is None else t.index_select(0, regrouped.rows.to(t.device)) for t in first)
+        ref_rows = tuple(t.index_select(0, regrouped.rows.to(t.device)) for t in ref)  # the oracle's, reindexed
+        numerics = None
+        if not kernel.batch_invariant:
+            try:
+                numerics = kernel.numerics(regrouped.batch)
+            except Unsupported as e:  # a batch outside the kernel's scope (a cap on requests its numerics enforce)
+                results.append(CheckResult(f"{name}.refused", True, detail=f"{where}: refused: {error_message(e)}"))
+                continue
+            except ValueError as e:  # the kernel ran on the regrouped batch, so its numerics must take it
+                results.append(CheckResult(name, False, detail=f"{where}: the kernel's numerics for the regrouped "
+                                                               f"batch raised {error_message(e)}"))
+                continue
 
-    def judge():
-        if kernel.batch_invariant:
-            return ("the kernel declares itself batch-invariant (a plug-in whose rows may vary with their batch "
-                    "leaves .batch_invariant False, the default: the check then takes the tier-1 bound)")
-        try:
-            numerics = kernel.numerics(regrouped.batch)
-        except ValueError as e:  # Unsupported too: the kernel ran on the regrouped batch, so its numerics must take it
-            return f"the kernel's numerics for the regrouped batch raised {error_message(e)}"
-        return _tier1_bound(regrouped.batch, kernel, numerics, ref_rows), numerics.out_dtype
+        def judge(regrouped=regrouped, numerics=numerics, ref_rows=ref_rows):
+            if numerics is None:
+                return ("the kernel declares itself batch-invariant (a plug-in whose rows may vary with their batch "
+                        "leaves .batch_invariant False, the default: the check then takes the tier-1 bound)")
+            return _tier1_bound(regrouped.batch, kernel, numerics, ref_rows), numerics.out_dtype
 
-    return _as_first("batch", where, got, "the case's run", first_rows, ref_rows, judge)
+        results += _as_first(name, where, got, "the case's run", first_rows, ref_rows, judge)
+    return results
 
 
 def _refusable(batch: DecodeBatch, kernel: Kernel, workers: int) -> tuple[tuple | None, str | Unsupported | None]:
