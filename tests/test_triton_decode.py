@@ -416,14 +416,20 @@ def _interpreter_e4m3_nan() -> float:
     return float(y)
 
 
-@pytest.fixture(scope="module")
-def report():
+def _interpreted(flag: str) -> dict:
+    """This file run as a script with ``flag`` ("--worker", "--invariant-worker") under TRITON_INTERPRET=1: the
+    worker's JSON report."""
     pytest.importorskip("triton", reason=NEEDS_TRITON)
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE)]))
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker"], capture_output=True,
-                          text=True, env=env, timeout=600)
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), flag], capture_output=True, text=True,
+                          env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def report():
+    return _interpreted("--worker")
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -1379,12 +1385,7 @@ def _invariant_worker() -> dict:
 
 @pytest.fixture(scope="module")
 def invariant_report():
-    pytest.importorskip("triton", reason=NEEDS_TRITON)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE)]))
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--invariant-worker"], capture_output=True,
-                          text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return _interpreted("--invariant-worker")
 
 
 @pytest.mark.parametrize("name", sorted(INVARIANT_CASES))
