@@ -287,7 +287,8 @@ def _step_forced(kernel: str):
 INVARIANT_MAX_Q_LEN = 4  # the triton_invariant backend's kernel geometry: MTP rows up to 4, the issue's range
 
 
-def _invariant_q_len(batch: DecodeBatch, q_len: int) -> None:
+def _invariant_unsupported(batch: DecodeBatch, q_len: int) -> None:
+    """Unsupported where triton_invariant takes no such rows (q_len) or this platform's Triton no such format."""
     if q_len > INVARIANT_MAX_Q_LEN:
         raise Unsupported(f"triton_invariant fixes its kernel geometry for q_len <= {INVARIANT_MAX_Q_LEN}")
     from mla_fast.triton_decode import fnuz_unsupported
@@ -299,7 +300,7 @@ def _invariant_q_len(batch: DecodeBatch, q_len: int) -> None:
 def _run_invariant(batch: DecodeBatch, num_workers: int | None = None):
     from mla_fast import triton_decode as td
 
-    _invariant_q_len(batch, td._max_q_len(batch))
+    _invariant_unsupported(batch, td._max_q_len(batch))
     return td.decode_invariant(batch, max_q_len=INVARIANT_MAX_Q_LEN, num_workers=num_workers)
 
 
@@ -313,7 +314,7 @@ def _invariant_numerics(batch: DecodeBatch) -> KernelNumerics:
 def _step_invariant(batch: DecodeBatch, max_q_len: int):
     from mla_fast import triton_decode as td
 
-    _invariant_q_len(batch, max_q_len)
+    _invariant_unsupported(batch, max_q_len)
     return td.invariant_step(batch, INVARIANT_MAX_Q_LEN)
 
 

@@ -1538,7 +1538,8 @@ def invariant_config(batch, max_q_len: int = INVARIANT_MAX_Q_LEN) -> KernelConfi
 
     planner._check_int(max_q_len, "max_q_len", 1)
     combo = dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
-    dense = batch.replace(q=torch.empty_like(batch.q, memory_format=torch.contiguous_format))  # q's shape, dense
+    dense = batch if batch.q.is_contiguous() else batch.replace(  # a stand-in of q's shape, dense
+        q=torch.empty_like(batch.q, memory_format=torch.contiguous_format))
     config = default_config(combo, batch.num_heads, max_q_len, None, seesaw=gluon_decode.supported(dense),
                             fp8_gluon=gluon_fp8.supported(dense), page_size=batch.page_size)
     return replace(config, pair_merge=False)

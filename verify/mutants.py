@@ -122,7 +122,7 @@ def _decode(
     out = torch.zeros(batch.num_tokens, H, L, dtype=torch.float32, device=dev)  # [T, H, L]
     lse = torch.full((batch.num_tokens, H), -math.inf, dtype=torch.float32, device=dev)  # [T, H]
     qo = batch.qo_indptr.tolist()
-    batch_piece = max(1, -(-int(batch.seq_lens.sum()) // 16))  # batch_splits: tokens per piece
+    batch_piece = max(1, -(-int(batch.seq_lens.sum()) // 16)) if batch_splits else None  # tokens per piece
     for b, (s, n) in enumerate(zip(batch.seq_lens.tolist(), batch.q_lens.tolist())):
         n_pages = -(-s // ps)
         pages = (batch.block_table[b, :n_pages].long() + page_shift) % batch.num_pages  # [n_pages]
