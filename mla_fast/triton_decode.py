@@ -1634,6 +1634,9 @@ class TritonMLADecode:
         device = batch.q.device
         H, L, B = batch.num_heads, batch.kv_lora_rank, batch.batch_size
         self.config = config or batch_config(batch, max_q_len)
+        if split_tokens is not None and split_tokens % self.config.plan_block_n:
+            raise ValueError(f"split_tokens must be a multiple of the config's plan_block_n "
+                             f"({self.config.plan_block_n}: every plan() cuts on those blocks), got {split_tokens}")
         self.max_rows = max_q_len * self.config.head_group
         self.num_workers = num_workers or max(1, self.config.workers_per_sm * num_sms(device) // self.config.head_split)
         groups = B * triton.cdiv(H, self.config.head_group * self.config.head_split)

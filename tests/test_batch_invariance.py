@@ -6,6 +6,7 @@ Every comparison here is of bits, plan integers or the check's own verdicts; no 
 tier-1 bound is verify.bounds').
 """
 
+import dataclasses
 import itertools
 
 import pytest
@@ -73,44 +74,78 @@ def test_fixed_splits_refuse_what_they_cannot_keep():
                        split_tokens=64).num_items == 0
 
 
+def test_a_step_refuses_fixed_splits_off_its_blocks_when_built():
+    """TritonMLADecode(split_tokens=S) with S not a multiple of its config's plan_block_n: ValueError at
+    construction, naming the field, rather than at its first plan()."""
+    from mla_fast.triton_decode import TritonMLADecode
+
+    batch, _ = CASE.materialize()
+    step = TritonMLADecode(batch, max_q_len=2, num_workers=4, split_tokens=128)
+    block = step.config.plan_block_n
+    with pytest.raises(ValueError, match=rf"split_tokens must be a multiple of the config's plan_block_n \({block}"):
+        TritonMLADecode(batch, max_q_len=2, num_workers=4, split_tokens=block + block // 2)
+
+
 @pytest.mark.parametrize("seq_lens, q_lens, grown, shrunk", [
-    ((40, 0, 70), (1, 2, 1), [2, 1, 2, 2], [1, 0]),  # grown: reversed, request 0 dropped, the longest (2) twice
-    ((9,), (3,), [0, 0, 0], None),  # one request: it and its two copies; nothing to shrink
-    ((5, 5), (1, 2), [1, 0, 0], [1]),  # equal lengths: the first longest
+    ((40, 0, 70), (1, 2, 1), [2, 1, 2], [1, 0]),  # grown: reversed, request 0 dropped, the longest (2), a longer one
+    ((300, 129, 300, 127), (1, 2, 1, 1), [3, 2, 1, 0], [3, 1]),  # a tie: the shrunk batch drops both longest
+    ((9,), (3,), [0, 0, 0], None),  # one request shorter than a page: it and two copies; nothing to shrink
+    ((5, 5), (1, 2), [1, 0, 0], [1]),  # equal lengths under a page: the longest twice; the first longest dropped
+    ((50, 50, 50), (1, 1, 2), [2, 1, 0], [2, 1]),  # equal lengths: a longer request; the first longest dropped
 ])
 def test_regrouped_batches_reindex_rows_and_keep_the_cache(seq_lens, q_lens, grown, shrunk):
     """Each regrouped batch names the same pages for each request (the cache itself shared), copies q's rows in the
-    new order, and changes the batch size and total tokens (the grown one up, the shrunk one down); the oracle's
-    rows are the case's, reindexed (the oracle computes each request on its own: bits)."""
-    batch, _ = Case(seq_lens=seq_lens, q_lens=q_lens, heads=2, page_size=16, kv_lora_rank=64, rope_dim=32,
+    new order, and changes the batch size, its total tokens (the grown one up, the shrunk one down) and, where it
+    can, its longest length; the oracle's rows are the case's, reindexed (the oracle computes each request on its
+    own: bits). The grown batch's longer request reads the longest's full pages, then all of its pages, with the
+    longest's q rows, and sees no NaN slot."""
+    P = 16
+    batch, _ = Case(seq_lens=seq_lens, q_lens=q_lens, heads=2, page_size=P, kv_lora_rank=64, rope_dim=32,
                     seed=1).materialize()
     regroupings = regrouped_batches(batch)
     assert [r.how for r in regroupings] == ["grown"] + (["shrunk"] if shrunk else [])
     out, lse = mla_decode_ref(batch)
     starts = [0, *itertools.accumulate(q_lens)]
+    s_max, longest = max(seq_lens), seq_lens.index(max(seq_lens))
     for r, requests in zip(regroupings, (grown, shrunk)):
         assert r.requests.tolist() == requests
-        assert r.batch.kv_cache is batch.kv_cache
-        assert torch.equal(r.batch.block_table, batch.block_table[requests])
-        assert r.batch.seq_lens.tolist() == [seq_lens[b] for b in requests]
+        assert r.batch.kv_cache is batch.kv_cache and r.compared.kv_cache is batch.kv_cache
+        n, W = len(requests), batch.block_table.shape[1]
+        assert torch.equal(r.batch.block_table[:n, :W], batch.block_table[requests])
+        assert r.compared.seq_lens.tolist() == [seq_lens[b] for b in requests]
         rows = [t for b in requests for t in range(starts[b], starts[b + 1])]
-        assert r.rows.tolist() == rows and torch.equal(r.batch.q, batch.q[rows])
+        assert r.rows.tolist() == rows and torch.equal(r.compared.q, batch.q[rows])
         out_r, lse_r = mla_decode_ref(r.batch.validate())
-        assert torch.equal(out_r, out[rows]) and torch.equal(lse_r, lse[rows])
+        assert torch.equal(r.case_rows(out_r), out[rows]) and torch.equal(r.case_rows(lse_r), lse[rows])
+        assert torch.isfinite(out_r).all()
+        longer = r.batch.batch_size - n
+        assert longer == (r.how == "grown" and s_max >= P)
+        if longer:
+            full, pages = s_max // P, -(-s_max // P)
+            table = batch.block_table[longest]
+            assert r.batch.seq_lens[-1] == full * P + s_max > s_max
+            assert r.batch.block_table[-1, :full + pages].tolist() == table[:full].tolist() + table[:pages].tolist()
+            assert torch.equal(r.batch.q[len(rows):], batch.q[starts[longest]:starts[longest + 1]])
+        else:
+            assert r.batch is r.compared
     tokens = [int(r.batch.seq_lens.sum()) for r in regroupings]
     assert tokens[0] > sum(seq_lens) and all(t < sum(seq_lens) for t in tokens[1:])
     assert regroupings[0].batch.batch_size == (len(seq_lens) + 1 if len(seq_lens) > 1 else 3)
+    if s_max >= P:
+        assert int(regroupings[0].batch.seq_lens.max()) > s_max
+    if shrunk and len(set(seq_lens)) > 1:
+        assert int(regroupings[1].batch.seq_lens.max()) < s_max
 
 
 CASE = Case(seq_lens=(300, 129, 0, 127), q_lens=(1, 2, 1, 1), heads=4, page_size=16, seed=3)
 
 
-def _check(fn):
-    batch, _ = CASE.materialize()
+def _check(fn, case: Case = CASE):
+    batch, _ = case.materialize()
     ref = mla_decode_ref(batch)  # [T, H, L], [T, H] fp64
     kernel = from_callable(fn)
     first = _moved(*fn(batch), ref[0].device)
-    return {r.name: r for r in check_batch(batch, kernel, CASE.num_workers, first, ref)}
+    return {r.name: r for r in check_batch(batch, kernel, case.num_workers, first, ref)}
 
 
 def test_the_batch_check_asks_a_declared_invariant_kernel_for_its_bits():
@@ -129,22 +164,15 @@ def test_the_batch_check_asks_a_declared_invariant_kernel_for_its_bits():
     assert results["batch.shrunk.out"].ok and results["batch.shrunk.lse"].ok
 
 
-def test_the_shrunk_batch_sees_cuts_that_follow_the_longest_request():
-    """A kernel declared invariant whose pieces are sized from the batch's longest request (found by a review):
-    the grown batch keeps its longest length, so its bits hold there; without the longest request they move."""
-    from mla_fast.emulate import run_plan_reference
-    from mla_fast.planner import plan_decode
-
-    def by_longest(batch):
-        split = 64 * -(-int(batch.seq_lens.max()) // 256)  # four pieces for the longest request
-        plan = plan_decode(batch.seq_lens, batch.q_lens, batch.num_heads, 4, split_tokens=split)
-        out, lse = run_plan_reference(batch, plan, torch.float32)
-        return out.to(torch.bfloat16), lse
-
-    by_longest.batch_invariant = True
-    results = _check(by_longest)
-    assert results["batch"].ok and not results["batch.shrunk"].ok, results["batch.shrunk"].detail
-    assert "declares itself batch-invariant" in results["batch.shrunk"].detail
+@pytest.mark.parametrize("seq_lens", [(300, 129, 0, 127), (300, 129, 300, 127)])
+def test_both_regroupings_see_cuts_that_follow_the_longest_request(seq_lens):
+    """mutants.splits_follow_longest (declared invariant, its pieces sized from the batch's longest request) fails
+    both regroupings, also when two requests share the longest length (the grown batch's longer request, the
+    shrunk batch without both)."""
+    case = dataclasses.replace(CASE, seq_lens=seq_lens)
+    results = _check(mutants.splits_follow_longest, case)
+    for name in ("batch", "batch.shrunk"):
+        assert not results[name].ok and "declares itself batch-invariant" in results[name].detail, name
 
 
 def test_a_regrouped_batch_the_kernel_or_its_numerics_refuse_passes_as_refused():

@@ -873,24 +873,25 @@ def test_strided_inputs_a_kernel_refuses_pass_and_are_warned_about(capsys, tmp_p
     assert "expected a contiguous cache" in warning and "layout" not in report["checks"]
 
 
-def refuses_repeated_lengths(batch):
-    """The mutants' correct kernel, refusing (Unsupported) two requests of the same nonzero length, which the batch
-    check's regrouped batch always holds (its longest request twice)."""
-    lens = [s for s in batch.seq_lens.tolist() if s]
-    if len(set(lens)) < len(lens):
-        raise Unsupported("two requests of the same length")
+def refuses_shared_pages(batch):
+    """The mutants' correct kernel, refusing (Unsupported) two requests that read the same page, which the batch
+    check's grown batch always holds (the longest request twice, or it and a longer request on its pages) and a
+    case's batch never does."""
+    pages = batch.block_table[batch.used_entries].tolist()
+    if len(set(pages)) < len(pages):
+        raise Unsupported("two requests that read the same page")
     return correct(batch)
 
 
 def test_regrouped_batches_a_kernel_refuses_pass_and_are_warned_about(capsys, tmp_path):
     """An Unsupported for the batch check's regrouped batch passes as batch.refused, counted, and warned about."""
     path = tmp_path / "r.json"
-    code, _, err = run(capsys, "--impl", "tests.test_cli:refuses_repeated_lengths", "--cases", "3", "--jobs", "1",
+    code, _, err = run(capsys, "--impl", "tests.test_cli:refuses_shared_pages", "--cases", "3", "--jobs", "1",
                        "--json", str(path))
     report = json.loads(path.read_text())
     assert code == 0 and report["checks"]["batch.refused"]["cases"] == 3, err
     (warning,) = [w for w in report["warnings"] if w.startswith("batch.refused")]
-    assert "regrouped batches in 3 cases" in warning and "two requests of the same length" in warning
+    assert "regrouped batches in 3 cases" in warning and "two requests that read the same page" in warning
 
 
 def refuses_long_requests(batch):

@@ -1364,8 +1364,8 @@ def _invariant_worker() -> dict:
         plan = td.make_plan(batch, config, case.num_workers, split_tokens=INVARIANT_SPLIT)
         r = check(out, lse, batch, td.kernel_numerics(config, case.combo), plan.max_pieces)
         regroupings = regrouped_batches(batch)  # grown and shrunk
-        r["regrouped"] = [same_bits(td.decode_invariant(g.batch, **run), (out[g.rows], lse[g.rows]))
-                          for g in regroupings]
+        r["regrouped"] = [same_bits(tuple(map(g.case_rows, td.decode_invariant(g.batch, **run))),
+                                    (out[g.rows], lse[g.rows])) for g in regroupings]
         regrouped = regroupings[0]
         starts = [0, *itertools.accumulate(case.q_lens)]
         r["alone"] = [same_bits(td.decode_invariant(batch.replace(
@@ -1377,7 +1377,8 @@ def _invariant_worker() -> dict:
         r["step"] = same_bits(step.run(), (out, lse))
         fine = replace(td.batch_config(batch, 2), block_n=BLOCK_N, plan_block_n=PLAN_BLOCK_N, fixed_overhead=1)
         default, moved = (td.decode(b, config=fine, num_workers=case.num_workers) for b in (batch, regrouped.batch))
-        r["default_regrouped"] = same_bits(moved, (default[0][regrouped.rows], default[1][regrouped.rows]))
+        r["default_regrouped"] = same_bits(tuple(map(regrouped.case_rows, moved)),
+                                           (default[0][regrouped.rows], default[1][regrouped.rows]))
         r["max_pieces"] = plan.max_pieces
         report[name] = r
     return report

@@ -491,9 +491,10 @@ INVARIANT_CASES = [  # (combo, heads, max_q_len, page_size): the kernels invaria
 @pytest.mark.parametrize("combo, heads, max_q_len, page_size", INVARIANT_CASES, ids=str)
 def test_decode_invariant_keeps_each_requests_bits_in_any_batch(combo, heads, max_q_len, page_size):
     """decode_invariant: every request's rows have the same bits in its batch, in the batch regrouped (reversed,
-    one dropped, the longest again: verify.regrouped) and alone, while the default decode's move (its plan cuts a
-    request where the batch puts the cuts); the rows within the kernel bound (err / bound <= 1) with the merge of
-    the invariant plan's pieces; the graph-capturable invariant_step replayed gives the eager bits."""
+    one dropped, the longest again and a longer request: verify.regrouped) and alone, while the default decode's
+    move (its plan cuts a request where the batch puts the cuts); the rows within the kernel bound (err / bound <= 1)
+    with the merge of the invariant plan's pieces; the graph-capturable invariant_step replayed gives the eager
+    bits."""
     from mla_fast.triton_decode import (
         INVARIANT_SPLIT_TOKENS,
         decode,
@@ -514,7 +515,8 @@ def test_decode_invariant_keeps_each_requests_bits_in_any_batch(combo, heads, ma
     assert r["out_ratio"] <= 1 and r["lse_ratio"] <= 1 and r["empty_ok"], r
     regrouped, shrunk = regrouped_batches(batch)
     for g in (regrouped, shrunk):
-        assert same_bits(decode_invariant(g.batch, max_q_len=max_q_len), (out[g.rows], lse[g.rows])), g.how
+        got = tuple(map(g.case_rows, decode_invariant(g.batch, max_q_len=max_q_len)))  # the case's requests' rows
+        assert same_bits(got, (out[g.rows], lse[g.rows])), g.how
     starts = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
     for b in range(len(q_lens)):
         rows = slice(starts[b], starts[b + 1])
@@ -522,6 +524,7 @@ def test_decode_invariant_keeps_each_requests_bits_in_any_batch(combo, heads, ma
                               seq_lens=batch.seq_lens[b:b + 1], q_lens=batch.q_lens[b:b + 1])
         assert same_bits(decode_invariant(alone, max_q_len=max_q_len), (out[rows], lse[rows])), b
     default, default_again = decode(batch), decode(regrouped.batch)  # the property is not vacuous: these move
+    default_again = tuple(map(regrouped.case_rows, default_again))
     assert not same_bits(default_again, (default[0][regrouped.rows], default[1][regrouped.rows]))
     step = invariant_step(batch, max_q_len)
     step.plan()

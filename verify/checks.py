@@ -242,11 +242,14 @@ def _moved(out: torch.Tensor, lse: torch.Tensor | None, device: torch.device, co
 
 
 def _tier1_bound(batch: DecodeBatch, kernel: Kernel, numerics: KernelNumerics, ref,
-                 uniform_p: bool = False) -> bounds.Bound:
+                 uniform_p: bool = False, splits_of: DecodeBatch | None = None) -> bounds.Bound:
     """kernel_bound for the declared ``numerics`` (``uniform_p``: see there) + merge_bound (its partials in the
     declared partial_dtype) times (1 + u_out): the kernel may split rows up to max_splits times, and rounding the
-    merged value to the output dtype moves it by u_out of the merge error too (kernel_bound charges u_out |ô|)."""
-    merge = bounds.merge_bound(batch, kernel.max_splits(batch), partial_dtype=numerics.partial_dtype)
+    merged value to the output dtype moves it by u_out of the merge error too (kernel_bound charges u_out |ô|).
+    ``splits_of``: the batch the kernel ran on when ``batch`` is some of its requests (both bounds are per row), for
+    max_splits; None: ``batch``."""
+    splits = kernel.max_splits(batch if splits_of is None else splits_of)
+    merge = bounds.merge_bound(batch, splits, partial_dtype=numerics.partial_dtype)
     u_out = bounds._unit_roundoff(numerics.out_dtype)
     return bounds.kernel_bound(batch, numerics, ref=ref, uniform_p=uniform_p) + bounds.Bound(merge.out * (1 + u_out),
                                                                                               merge.lse)
@@ -647,13 +650,15 @@ def check_rerun(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, 
 
 def check_batch(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, ref) -> list[CheckResult]:
     """The kernel run again on `regrouped_batches(batch)` (the case's worker count when it takes one): the case's
-    requests reversed, the first dropped and the longest added twice (``batch``), and with two or more requests
-    reversed without the longest (``batch.shrunk``), so that the batch's size, tokens and longest request change and
-    the requests move. Each row against the row of the case's run ``first`` it comes from: a kernel that declares
-    itself batch-invariant (`Kernel.batch_invariant`) must give its bits, NaN included; any other passes within the
-    tier-1 bound of the numerics it declares for that batch (a split-KV plan cuts a request where the whole batch
-    puts the cuts). A kernel that refuses a regrouped batch (`Unsupported` from its run or its numerics) passes as
-    ``batch.refused`` / ``batch.shrunk.refused``, and the report warns."""
+    requests reversed, the first dropped, the longest added and a longer request on its pages (``batch``), and with
+    two or more requests reversed without the longest (``batch.shrunk``), so that the batch's size, tokens and
+    longest length change and the requests move. Each row of a case's request against the row of the case's run
+    ``first`` it comes from (the longer request's rows are not judged): a kernel that declares itself
+    batch-invariant (`Kernel.batch_invariant`) must give its bits, NaN included; any other passes within the tier-1
+    bound of the numerics it declares for the regrouped batch, with the most splits the kernel may give a row of it
+    (a split-KV plan cuts a request where the whole batch puts the cuts). A kernel that refuses a regrouped batch
+    (`Unsupported` from its run or its numerics) passes as ``batch.refused`` / ``batch.shrunk.refused``, and the
+    report warns."""
     results = []
     for regrouped in regrouped_batches(batch):
         name = "batch" if regrouped.how == "grown" else "batch.shrunk"
@@ -665,6 +670,7 @@ def check_batch(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, 
         if why is not None:
             results.append(CheckResult(name, False, detail=f"{where}: {why}"))
             continue
+        got = tuple(map(regrouped.case_rows, got))  # [T'', H, L], [T'', H]: the rows of the case's requests
         first_rows = tuple(t if t is None else t.index_select(0, regrouped.rows.to(t.device)) for t in first)
         ref_rows = tuple(t.index_select(0, regrouped.rows.to(t.device)) for t in ref)  # the oracle's, reindexed
         numerics = None
@@ -683,7 +689,8 @@ def check_batch(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, 
             if numerics is None:
                 return ("the kernel declares itself batch-invariant (a plug-in whose rows may vary with their batch "
                         "leaves .batch_invariant False, the default: the check then takes the tier-1 bound)")
-            return _tier1_bound(regrouped.batch, kernel, numerics, ref_rows), numerics.out_dtype
+            return (_tier1_bound(regrouped.compared, kernel, numerics, ref_rows, splits_of=regrouped.batch),
+                    numerics.out_dtype)
 
         results += _as_first(name, where, got, "the case's run", first_rows, ref_rows, judge)
     return results

@@ -58,6 +58,9 @@ turns one knob, the way such bugs happen in real kernels:
 | splits_follow_batch   | a request cut into pieces of the batch's tokens / 16, while  | batch (a request of more      |
 |                       | it declares itself batch-invariant (as `correct` does: its   | than one piece)               |
 |                       | splits depend on the request alone)                          |                               |
+| splits_follow_longest | a request cut into pieces sized as the batch's longest       | batch (a request of more than |
+|                       | request's (its blocks over 4 splits), while it declares      | one piece, a longest request  |
+|                       | itself batch-invariant                                       | of >= 1 full page)            |
 """
 
 from __future__ import annotations
@@ -102,6 +105,7 @@ def _decode(
     packed_row_bits: int | None = None,
     l_rounded: bool = False,
     batch_splits: bool = False,
+    longest_splits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV online-softmax MLA decode -> (out [T, H, L] bf16, lse [T, H] fp32). Defaults = no bug.
 
@@ -111,7 +115,8 @@ def _decode(
     ``merge_shift`` (mod the number of splits) instead of the first. P is rounded to ``p_fmt`` (times ``p_scale``,
     then divided by it) for P.V; the row sum l adds the unrounded P, or (``l_rounded``) the rounded one. With
     ``batch_splits`` a request is cut into pieces of ceil(the batch's tokens / 16) tokens instead, as a planner
-    spreading the batch over 16 workers cuts it.
+    spreading the batch over 16 workers cuts it; with ``longest_splits`` into the pieces of the batch's longest
+    request, as a kernel that sizes its splits once for the batch, from its longest request, cuts it.
     """
     L, H, ps = batch.kv_lora_rank, batch.num_heads, batch.page_size
     sigma = batch.sm_scale if sm_scale is None else sm_scale
@@ -123,6 +128,10 @@ def _decode(
     lse = torch.full((batch.num_tokens, H), -math.inf, dtype=torch.float32, device=dev)  # [T, H]
     qo = batch.qo_indptr.tolist()
     batch_piece = max(1, -(-int(batch.seq_lens.sum()) // 16)) if batch_splits else None  # tokens per piece
+    if longest_splits:  # the longest request's piece: its whole pages' blocks over up to MAX_SPLITS splits
+        s_max = int(batch.seq_lens.max()) if batch.batch_size else 0
+        longest_blocks = -(-(-(-s_max // ps) * ps) // BLOCK)  # blocks of its whole pages
+        batch_piece = -(-longest_blocks // min(MAX_SPLITS, max(longest_blocks, 1))) * BLOCK or BLOCK
     for b, (s, n) in enumerate(zip(batch.seq_lens.tolist(), batch.q_lens.tolist())):
         n_pages = -(-s // ps)
         pages = (batch.block_table[b, :n_pages].long() + page_shift) % batch.num_pages  # [n_pages]
@@ -149,7 +158,7 @@ def _decode(
             rows = rows.reshape(n * H, -1)[packed].reshape(n, H, -1)  # [n, H, D]
         n_blocks = -(-K.shape[0] // BLOCK)
         per_split = -(-n_blocks // min(MAX_SPLITS, max(n_blocks, 1))) * BLOCK if n_blocks else BLOCK
-        if batch_splits:
+        if batch_splits or longest_splits:
             per_split = batch_piece
         starts = range(0, max(K.shape[0], 1), per_split)
         parts = [_split(rows, K[j : j + per_split], j, visible, sigma, D, L, acc_dtype, empty_nan, max_sub, p_fmt,
@@ -466,6 +475,17 @@ def splits_follow_batch(batch):
 splits_follow_batch.batch_invariant = True
 
 
+def splits_follow_longest(batch):
+    """A request's pieces are the batch's longest request's (its 64-token blocks over up to 4 splits), as a kernel
+    that sizes its splits once per batch from the longest request does, while it declares itself batch-invariant:
+    every result is right, but a request's bits change when the batch's longest length does, even where two
+    requests share it."""
+    return _decode(batch, longest_splits=True)
+
+
+splits_follow_longest.batch_invariant = True
+
+
 def max_init_zero(batch):
     """The running max starts at 0 instead of -inf: right while a row has a score above about -87; where every
     score it sees is lower (the shifted smoke case's earlier MTP rows, at -120) exp flushes to 0 and the row comes
@@ -531,7 +551,7 @@ MUTANTS = (
     "seq_lens_cleared", "cache_padding_written", "nan_dropped", "no_max_subtraction", "int32_offsets",
     "p_rounded_bf16", "bf16_partials", "ignores_strides", "uint16_positions", "hardcoded_scale", "merge_order_varies",
     "stale_plan", "realloc_workspace", "max_init_zero", "max_before_mask", "packed_rows_wrap", "plan_cached_by_ptr",
-    "splits_follow_batch",
+    "splits_follow_batch", "splits_follow_longest",
 )  # fmt: skip
 FP8_ONLY = ("kv_scale_ignored", "q_scale_ignored")  # need fp8 inputs with a scale != 1
 FAR_ONLY = ("int32_offsets",)  # need the far check, on by default on CUDA devices only (mla-verify --far on)

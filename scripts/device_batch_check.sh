@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The batch check (verify.regrouped: the grown batch with its longer request, the shrunk one without every longest
+# request) on one H200: the GPU invariance test, then campaigns on every backend that runs there, through one MPS
+# daemon, each writing $OUT/b_<name>.json, and a table of how many cases kept their bits and how many stayed within
+# the bound (with the largest err / bound) for batch and batch.shrunk, in $OUT/log.txt. Fifty-fourth session: the
+# README's "The batch check on every backend".
+# Two device tool calls (each within the 600 s a call may take; carry .whl, the peers' wheels):
+#   bash scripts/device_batch_check.sh [SECONDS] ours      the GPU invariance test, our two backends
+#   bash scripts/device_batch_check.sh [SECONDS] peers     FlashInfer and FlashMLA
+seconds=${1:-70}
+group=${2:-ours}
+source "$(dirname "$0")/device_env.sh" /tmp/mla_batch_out
+if [ "$group" = ours ]; then
+  step "GPU invariance test"
+  python3 -m pytest -q tests/test_triton_gpu.py -k "decode_invariant_keeps" 2>&1 | tail -3 | tee -a "$log"
+fi
+mps_start
+campaign() {  # name, mla-verify args...
+  local name=$1; shift
+  timeout $((seconds + 120)) python3 -m verify --jobs 14 --time-limit "$seconds" --json "$OUT/b_$name.json" "$@" \
+    > "/tmp/b_$name.txt" 2>&1
+  echo "=== b_$name: exit $?, $*" >> "$log"
+  grep -E "cases|stopped|FAILED|Error" "/tmp/b_$name.txt" | head -5 >> "$log"
+}
+step "campaigns, ${seconds} s each"
+if [ "$group" = ours ]; then
+  campaign invariant_bf16 --backend triton_invariant --dtype bf16 --cases 300
+  campaign invariant_fp8 --backend triton_invariant --dtype fp8 --cases 300
+  campaign triton_bf16 --backend triton --dtype bf16 --cases 300
+  campaign triton_fp8 --backend triton --dtype fp8 --cases 300
+else
+  campaign flashinfer_bf16 --backend flashinfer --dtype bf16 --cases 300
+  campaign flashmla_bf16 --backend flashmla --dtype bf16 --cases 300
+  campaign flashmla_fp8 --backend flashmla --dtype fp8 --cases 300
+fi
+mps_stop
+python3 - "$OUT" <<'PY' | tee -a "$log"
+import glob, json, os, sys
+print("| campaign | cases | failed | batch: bits / bound (max) | batch.shrunk: bits / bound (max) | wall s |")
+for path in sorted(glob.glob(os.path.join(sys.argv[1], "b_*.json"))):
+    r = json.load(open(path))
+    c = r["checks"]
+    def cell(name):
+        bits, bound = c.get(name, {}).get("cases", 0), c.get(name + ".out", {})
+        refused = c.get(name + ".refused", {}).get("cases", 0)
+        worst = bound.get("max_err_over_bound")
+        return f"{bits} / {bound.get('cases', 0)}" + (f" ({worst:.3f})" if worst is not None else "") + \
+            (f", {refused} refused" if refused else "")
+    unsupported = sum(v if isinstance(v, int) else len(v) for v in r["unsupported"].values())
+    print(f"| {os.path.basename(path)[2:-5]} | {r['cases']} ({unsupported} unsupported) | {r['failed']} "
+          f"| {cell('batch')} | {cell('batch.shrunk')} | {r.get('seconds', 0):.1f} |")
+PY
+step done
