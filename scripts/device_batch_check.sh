@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The batch check (verify.regrouped: the grown batch with its longer request, the shrunk one without every longest
-# request) on one H200: the GPU invariance test, then campaigns on every backend that runs there, through one MPS
-# daemon, each writing $OUT/b_<name>.json, and a table of how many cases kept their bits and how many stayed within
-# the bound (with the largest err / bound) for batch and batch.shrunk, in $OUT/log.txt. Fifty-fourth session: the
-# README's "The batch check on every backend".
+# request, the mtp one with a 2-row request beside single-row ones) on one H200: the GPU invariance test, then
+# campaigns on every backend that runs there, through one MPS daemon, each writing $OUT/b_<name>.json, and a table
+# of how many cases kept their bits and how many stayed within the bound (with the largest err / bound) for batch,
+# batch.shrunk and batch.mtp, in $OUT/log.txt. Fifty-fourth session: the README's "The batch check on every backend".
 # Two device tool calls (each within the 600 s a call may take; carry .whl, the peers' wheels):
 #   bash scripts/device_batch_check.sh [SECONDS] ours      the GPU invariance test, our two backends
 #   bash scripts/device_batch_check.sh [SECONDS] peers     FlashInfer and FlashMLA
@@ -36,7 +36,8 @@ fi
 mps_stop
 python3 - "$OUT" <<'PY' | tee -a "$log"
 import glob, json, os, sys
-print("| campaign | cases | failed | batch: bits / bound (max) | batch.shrunk: bits / bound (max) | wall s |")
+print("| campaign | cases | failed | batch: bits / bound (max) | batch.shrunk: bits / bound (max) "
+      "| batch.mtp: bits / bound (max) | wall s |")
 for path in sorted(glob.glob(os.path.join(sys.argv[1], "b_*.json"))):
     r = json.load(open(path))
     c = r["checks"]
@@ -48,6 +49,6 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "b_*.json"))):
             (f", {refused} refused" if refused else "")
     unsupported = sum(v if isinstance(v, int) else len(v) for v in r["unsupported"].values())
     print(f"| {os.path.basename(path)[2:-5]} | {r['cases']} ({unsupported} unsupported) | {r['failed']} "
-          f"| {cell('batch')} | {cell('batch.shrunk')} | {r.get('seconds', 0):.1f} |")
+          f"| {cell('batch')} | {cell('batch.shrunk')} | {cell('batch.mtp')} | {r.get('seconds', 0):.1f} |")
 PY
 step done

@@ -86,28 +86,35 @@ def test_a_step_refuses_fixed_splits_off_its_blocks_when_built():
         TritonMLADecode(batch, max_q_len=2, num_workers=4, split_tokens=block + block // 2)
 
 
-@pytest.mark.parametrize("seq_lens, q_lens, grown, shrunk", [
-    ((40, 0, 70), (1, 2, 1), [2, 1, 2], [1, 0]),  # grown: reversed, request 0 dropped, the longest (2), a longer one
-    ((300, 129, 300, 127), (1, 2, 1, 1), [3, 2, 1, 0], [3, 1]),  # a tie: the shrunk batch drops both longest
-    ((9,), (3,), [0, 0, 0], None),  # one request shorter than a page: it and two copies; nothing to shrink
-    ((5, 5), (1, 2), [1, 0, 0], [1]),  # equal lengths under a page: the longest twice; the first longest dropped
-    ((50, 50, 50), (1, 1, 2), [2, 1, 0], [2, 1]),  # equal lengths: a longer request; the first longest dropped
+@pytest.mark.parametrize("seq_lens, q_lens, grown, shrunk, added", [
+    ((40, 0, 70), (1, 2, 1), [2, 1, 2], [1, 0], 134),  # reversed, request 0 dropped, the longest (2), a longer one
+    ((300, 129, 300, 127), (1, 1, 1, 1), [3, 2, 1, 0], [3, 1], 588),  # a tie: shrunk drops both; single rows: mtp
+    ((9,), (3,), [0, 0], None, 9),  # one request shorter than a page: the added one no longer
+    ((5, 5), (1, 1), [1, 0], [1], 5),  # equal lengths under a page: the first longest dropped
+    ((50, 50, 50), (1, 1, 2), [2, 1, 0], [2, 1], 98),  # equal lengths: the added request is longer
+    ((1, 0), (1, 1), [1, 0], [1], 1),  # one token: no mtp batch (no more rows than tokens)
 ])
-def test_regrouped_batches_reindex_rows_and_keep_the_cache(seq_lens, q_lens, grown, shrunk):
+def test_regrouped_batches_reindex_rows_and_keep_the_cache(seq_lens, q_lens, grown, shrunk, added):
     """Each regrouped batch names the same pages for each request (the cache itself shared), copies q's rows in the
-    new order, and changes the batch size, its total tokens (the grown one up, the shrunk one down) and, where it
-    can, its longest length; the oracle's rows are the case's, reindexed (the oracle computes each request on its
-    own: bits). The grown batch's longer request reads the longest's full pages, then all of its pages, with the
-    longest's q rows, and sees no NaN slot."""
+    new order, and changes the batch size, its total tokens (the grown and mtp ones up, the shrunk one down) and,
+    where it can, its longest length (grown, shrunk) and largest q_len (mtp); the oracle's rows are the case's,
+    reindexed (the oracle computes each request on its own: bits). The grown batch's added request reads the
+    longest's full pages, then all of its pages, with its q rows; the mtp batch's the longest's tokens with its row
+    twice; neither sees a NaN slot."""
     P = 16
     batch, _ = Case(seq_lens=seq_lens, q_lens=q_lens, heads=2, page_size=P, kv_lora_rank=64, rope_dim=32,
                     seed=1).materialize()
     regroupings = regrouped_batches(batch)
-    assert [r.how for r in regroupings] == ["grown"] + (["shrunk"] if shrunk else [])
+    mtp = max(q_lens) == 1 and max(seq_lens) >= 2
+    assert [r.how for r in regroupings] == ["grown"] + (["shrunk"] if shrunk else []) + (["mtp"] if mtp else [])
     out, lse = mla_decode_ref(batch)
     starts = [0, *itertools.accumulate(q_lens)]
     s_max, longest = max(seq_lens), seq_lens.index(max(seq_lens))
-    for r, requests in zip(regroupings, (grown, shrunk)):
+    longest_rows = batch.q[starts[longest]:starts[longest + 1]]  # [n, H, D]
+    table = batch.block_table[longest]  # [W]
+    full, pages = s_max // P, -(-s_max // P)
+    for r in regroupings:
+        requests = {"grown": grown, "shrunk": shrunk, "mtp": list(range(len(seq_lens)))}[r.how]
         assert r.requests.tolist() == requests
         assert r.batch.kv_cache is batch.kv_cache and r.compared.kv_cache is batch.kv_cache
         n, W = len(requests), batch.block_table.shape[1]
@@ -118,18 +125,18 @@ def test_regrouped_batches_reindex_rows_and_keep_the_cache(seq_lens, q_lens, gro
         out_r, lse_r = mla_decode_ref(r.batch.validate())
         assert torch.equal(r.case_rows(out_r), out[rows]) and torch.equal(r.case_rows(lse_r), lse[rows])
         assert torch.isfinite(out_r).all()
-        longer = r.batch.batch_size - n
-        assert longer == (r.how == "grown" and s_max >= P)
-        if longer:
-            full, pages = s_max // P, -(-s_max // P)
-            table = batch.block_table[longest]
-            assert r.batch.seq_lens[-1] == full * P + s_max > s_max
-            assert r.batch.block_table[-1, :full + pages].tolist() == table[:full].tolist() + table[:pages].tolist()
-            assert torch.equal(r.batch.q[len(rows):], batch.q[starts[longest]:starts[longest + 1]])
-        else:
+        if r.how == "shrunk":
             assert r.batch is r.compared
-    tokens = [int(r.batch.seq_lens.sum()) for r in regroupings]
-    assert tokens[0] > sum(seq_lens) and all(t < sum(seq_lens) for t in tokens[1:])
+        elif r.how == "grown":
+            assert r.batch.batch_size == n + 1 and int(r.batch.seq_lens[-1]) == added
+            assert r.batch.block_table[-1, :full + pages].tolist() == table[:full].tolist() + table[:pages].tolist()
+            assert torch.equal(r.batch.q[len(rows):], longest_rows)
+        else:
+            assert r.batch.batch_size == n + 1 and r.batch.q_lens[-1] == 2 and r.batch.seq_lens[-1] == s_max
+            assert r.batch.block_table[-1, :pages].tolist() == table[:pages].tolist()
+            assert torch.equal(r.batch.q[len(rows):], longest_rows.expand(2, -1, -1))
+    tokens = {r.how: int(r.batch.seq_lens.sum()) for r in regroupings}
+    assert tokens["grown"] > sum(seq_lens) and tokens.get("shrunk", 0) < sum(seq_lens)
     assert regroupings[0].batch.batch_size == (len(seq_lens) + 1 if len(seq_lens) > 1 else 3)
     if s_max >= P:
         assert int(regroupings[0].batch.seq_lens.max()) > s_max
@@ -167,12 +174,34 @@ def test_the_batch_check_asks_a_declared_invariant_kernel_for_its_bits():
 @pytest.mark.parametrize("seq_lens", [(300, 129, 0, 127), (300, 129, 300, 127)])
 def test_both_regroupings_see_cuts_that_follow_the_longest_request(seq_lens):
     """mutants.splits_follow_longest (declared invariant, its pieces sized from the batch's longest request) fails
-    both regroupings, also when two requests share the longest length (the grown batch's longer request, the
-    shrunk batch without both)."""
+    both regroupings, also when two requests share the longest length (the grown batch's added request is longer,
+    the shrunk batch has neither)."""
     case = dataclasses.replace(CASE, seq_lens=seq_lens)
     results = _check(mutants.splits_follow_longest, case)
     for name in ("batch", "batch.shrunk"):
         assert not results[name].ok and "declares itself batch-invariant" in results[name].detail, name
+
+
+def test_the_grown_batch_sees_tiles_that_follow_the_largest_q_len():
+    """mutants.tiles_follow_q_len (declared invariant, its softmax steps 64 / the batch's largest q_len tokens):
+    plain decode requests beside the mtp batch's 2-row request change bits, so batch.mtp fails it (and nothing
+    else); a kernel that takes one query row per request refuses that batch alone."""
+    single = dataclasses.replace(CASE, q_lens=(1, 1, 1, 1))
+    results = _check(mutants.tiles_follow_q_len, single)
+    assert {name for name, r in results.items() if not r.ok} == {"batch.mtp"}, results
+    assert "declares itself batch-invariant" in results["batch.mtp"].detail
+    assert "2 query rows" in results["batch.mtp"].detail
+
+    from mla_fast.backends import Unsupported
+
+    def one_row(batch):
+        if batch.batch_size and int(batch.q_lens.max()) > 1:
+            raise Unsupported("one query row per request")
+        return mutants.correct(batch)
+
+    one_row.batch_invariant = True
+    results = _check(one_row, single)
+    assert results["batch.mtp.refused"].ok and results["batch"].ok and results["batch.shrunk"].ok
 
 
 def test_a_regrouped_batch_the_kernel_or_its_numerics_refuse_passes_as_refused():

@@ -491,7 +491,8 @@ INVARIANT_CASES = [  # (combo, heads, max_q_len, page_size): the kernels invaria
 @pytest.mark.parametrize("combo, heads, max_q_len, page_size", INVARIANT_CASES, ids=str)
 def test_decode_invariant_keeps_each_requests_bits_in_any_batch(combo, heads, max_q_len, page_size):
     """decode_invariant: every request's rows have the same bits in its batch, in the batch regrouped (reversed,
-    one dropped, the longest again and a longer request: verify.regrouped) and alone, while the default decode's
+    one dropped, the longest again and a longer request; and beside a 2-row request, declared max_q_len 2:
+    verify.regrouped) and alone, while the default decode's
     move (its plan cuts a request where the batch puts the cuts); the rows within the kernel bound (err / bound <= 1)
     with the merge of the invariant plan's pieces; the graph-capturable invariant_step replayed gives the eager
     bits."""
@@ -513,10 +514,19 @@ def test_decode_invariant_keeps_each_requests_bits_in_any_batch(combo, heads, ma
     numerics = kernel_numerics(invariant_config(batch, max_q_len), combo)
     r = check(out, lse, batch, numerics, num_splits=-(-9000 // INVARIANT_SPLIT_TOKENS))
     assert r["out_ratio"] <= 1 and r["lse_ratio"] <= 1 and r["empty_ok"], r
-    regrouped, shrunk = regrouped_batches(batch)
-    for g in (regrouped, shrunk):
+    regroupings = regrouped_batches(batch)  # grown, shrunk and, with one row per request, mtp
+    for g in regroupings:
+        if g.how == "mtp":  # its 2-row request is past the declared max_q_len 1: refused by name; declared 2, the
+            # plain requests keep their bits beside it
+            with pytest.raises(ValueError, match="max_q_len must be >="):
+                decode_invariant(g.batch, max_q_len=max_q_len)
+            wide = decode_invariant(batch, max_q_len=2)
+            got = tuple(map(g.case_rows, decode_invariant(g.batch, max_q_len=2)))
+            assert same_bits(got, (wide[0][g.rows], wide[1][g.rows])), g.how
+            continue
         got = tuple(map(g.case_rows, decode_invariant(g.batch, max_q_len=max_q_len)))  # the case's requests' rows
         assert same_bits(got, (out[g.rows], lse[g.rows])), g.how
+    regrouped = regroupings[0]
     starts = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
     for b in range(len(q_lens)):
         rows = slice(starts[b], starts[b + 1])

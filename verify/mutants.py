@@ -61,6 +61,8 @@ turns one knob, the way such bugs happen in real kernels:
 | splits_follow_longest | a request cut into pieces sized as the batch's longest       | batch (a request of more than |
 |                       | request's (its blocks over 4 splits), while it declares      | one piece, a longest request  |
 |                       | itself batch-invariant                                       | of >= 1 full page)            |
+| tiles_follow_q_len    | online-softmax steps of 64 / (the batch's largest q_len)     | batch (requests of one query  |
+|                       | tokens, while it declares itself batch-invariant             | row, one of > 32 tokens)      |
 """
 
 from __future__ import annotations
@@ -106,6 +108,7 @@ def _decode(
     l_rounded: bool = False,
     batch_splits: bool = False,
     longest_splits: bool = False,
+    rows_tiles: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV online-softmax MLA decode -> (out [T, H, L] bf16, lse [T, H] fp32). Defaults = no bug.
 
@@ -116,7 +119,9 @@ def _decode(
     then divided by it) for P.V; the row sum l adds the unrounded P, or (``l_rounded``) the rounded one. With
     ``batch_splits`` a request is cut into pieces of ceil(the batch's tokens / 16) tokens instead, as a planner
     spreading the batch over 16 workers cuts it; with ``longest_splits`` into the pieces of the batch's longest
-    request, as a kernel that sizes its splits once for the batch, from its longest request, cuts it.
+    request, as a kernel that sizes its splits once for the batch, from its longest request, cuts it; with
+    ``rows_tiles`` the online softmax steps over BLOCK / (the batch's largest q_len) tokens, as a kernel that keeps
+    its tile's rows x tokens fixed and sizes it once for the batch does.
     """
     L, H, ps = batch.kv_lora_rank, batch.num_heads, batch.page_size
     sigma = batch.sm_scale if sm_scale is None else sm_scale
@@ -128,6 +133,7 @@ def _decode(
     lse = torch.full((batch.num_tokens, H), -math.inf, dtype=torch.float32, device=dev)  # [T, H]
     qo = batch.qo_indptr.tolist()
     batch_piece = max(1, -(-int(batch.seq_lens.sum()) // 16)) if batch_splits else None  # tokens per piece
+    block = BLOCK // max(batch.q_lens.tolist(), default=1) if rows_tiles else BLOCK  # tokens per softmax step
     if longest_splits:  # the longest request's piece: its whole pages' blocks over up to MAX_SPLITS splits
         s_max = int(batch.seq_lens.max()) if batch.batch_size else 0
         longest_blocks = -(-(-(-s_max // ps) * ps) // BLOCK)  # blocks of its whole pages
@@ -162,7 +168,7 @@ def _decode(
             per_split = batch_piece
         starts = range(0, max(K.shape[0], 1), per_split)
         parts = [_split(rows, K[j : j + per_split], j, visible, sigma, D, L, acc_dtype, empty_nan, max_sub, p_fmt,
-                        max_init, max_before_mask, tail if j == starts[-1] else None, l_rounded, p_scale)
+                        max_init, max_before_mask, tail if j == starts[-1] else None, l_rounded, p_scale, block)
                  for j in starts]
         o_s = torch.stack([p[0] for p in parts])  # [S, n, H, L]
         lse_s = torch.stack([p[1] for p in parts])  # [S, n, H]
@@ -175,8 +181,8 @@ def _decode(
 
 
 def _split(rows, K, start, visible, sigma, D, L, acc_dtype, empty_nan, max_sub, p_fmt, max_init=-math.inf,
-           max_before_mask=False, tail=None, l_rounded=False, p_scale=1.0):
-    """One split: online softmax over BLOCK-token steps. rows [n, H, D'], K [m, D'] -> (o [n, H, L], lse [n, H]).
+           max_before_mask=False, tail=None, l_rounded=False, p_scale=1.0, block=BLOCK):
+    """One split: online softmax over ``block``-token steps. rows [n, H, D'], K [m, D'] -> (o [n, H, L], lse [n, H]).
     ``tail`` [e, D'] (max_before_mask, the last split): the slots its last tile loads past the request's tokens
     (whole pages to the tile's end, entries past the request's pages read as page 0): they enter that tile's max."""
     n, H = rows.shape[:2]
@@ -184,14 +190,14 @@ def _split(rows, K, start, visible, sigma, D, L, acc_dtype, empty_nan, max_sub, 
     m = torch.full((n, H), max_init, device=dev)  # [n, H] running max
     l = torch.zeros(n, H, dtype=acc_dtype, device=dev)  # [n, H] running Σ exp(s - m)
     acc = torch.zeros(n, H, L, dtype=acc_dtype, device=dev)  # [n, H, L] running Σ exp(s - m) v
-    for j in range(0, K.shape[0], BLOCK):
-        Kb = K[j : j + BLOCK]  # [b, D]
+    for j in range(0, K.shape[0], block):
+        Kb = K[j : j + block]  # [b, D]
         pos = start + j + torch.arange(Kb.shape[0], device=dev)  # [b] token positions
         s = sigma * torch.einsum("nhd,bd->nhb", rows[..., :D], Kb[:, :D])  # [n, H, b]
         masked = s.masked_fill(~(pos[None, :] < visible[:, None])[:, None, :], -math.inf)  # [n, H, b]
         # [n, H] the tile's max; max_before_mask: over every slot it loads, masked or not, NaN-blind
         tile_max = (s.nan_to_num(nan=-math.inf) if max_before_mask else masked).amax(dim=-1)
-        if tail is not None and tail.shape[0] and j + BLOCK >= K.shape[0]:  # the last tile: the page's rest too
+        if tail is not None and tail.shape[0] and j + block >= K.shape[0]:  # the last tile: the page's rest too
             s_tail = sigma * torch.einsum("nhd,ed->nhe", rows[..., :D], tail[:, :D])  # [n, H, e]
             tile_max = torch.maximum(tile_max, s_tail.nan_to_num(nan=-math.inf).amax(dim=-1))
         s = masked
@@ -486,6 +492,16 @@ def splits_follow_longest(batch):
 splits_follow_longest.batch_invariant = True
 
 
+def tiles_follow_q_len(batch):
+    """The online softmax steps over 64 / (the batch's largest q_len) tokens, as a kernel that keeps its tile's
+    rows x tokens fixed and sizes the tile once per batch does, while it declares itself batch-invariant: every
+    result is right, but a plain decode request's bits change when an MTP request joins its batch."""
+    return _decode(batch, rows_tiles=True)
+
+
+tiles_follow_q_len.batch_invariant = True
+
+
 def max_init_zero(batch):
     """The running max starts at 0 instead of -inf: right while a row has a score above about -87; where every
     score it sees is lower (the shifted smoke case's earlier MTP rows, at -120) exp flushes to 0 and the row comes
@@ -551,7 +567,7 @@ MUTANTS = (
     "seq_lens_cleared", "cache_padding_written", "nan_dropped", "no_max_subtraction", "int32_offsets",
     "p_rounded_bf16", "bf16_partials", "ignores_strides", "uint16_positions", "hardcoded_scale", "merge_order_varies",
     "stale_plan", "realloc_workspace", "max_init_zero", "max_before_mask", "packed_rows_wrap", "plan_cached_by_ptr",
-    "splits_follow_batch", "splits_follow_longest",
+    "splits_follow_batch", "splits_follow_longest", "tiles_follow_q_len",
 )  # fmt: skip
 FP8_ONLY = ("kv_scale_ignored", "q_scale_ignored")  # need fp8 inputs with a scale != 1
 FAR_ONLY = ("int32_offsets",)  # need the far check, on by default on CUDA devices only (mla-verify --far on)
