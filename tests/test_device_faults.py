@@ -42,8 +42,8 @@ def _calls_of_a_clean_case(monkeypatch) -> int:
 
 
 def test_a_clean_case_runs_every_rerunning_check(monkeypatch):
-    """first run, repeat, split, nan, rounding, partials, layout, padding, batch (two), rerun (two), far: thirteen
-    runs on this smoke case."""
+    """first run, repeat, split, nan, rounding, partials, layout, padding, batch (two: grown and shrunk; its MTP rows
+    leave no mtp batch), rerun (two), far: thirteen runs on this smoke case."""
     assert _calls_of_a_clean_case(monkeypatch) == 13
 
 
