@@ -86,35 +86,42 @@ def test_a_step_refuses_fixed_splits_off_its_blocks_when_built():
         TritonMLADecode(batch, max_q_len=2, num_workers=4, split_tokens=block + block // 2)
 
 
-@pytest.mark.parametrize("seq_lens, q_lens, grown, shrunk, added", [
-    ((40, 0, 70), (1, 2, 1), [2, 1, 2], [1, 0], 134),  # reversed, request 0 dropped, the longest (2), a longer one
-    ((300, 129, 300, 127), (1, 1, 1, 1), [3, 2, 1, 0], [3, 1], 588),  # a tie: shrunk drops both; single rows: mtp
-    ((9,), (3,), [0, 0], None, 9),  # one request shorter than a page: the added one no longer
-    ((5, 5), (1, 1), [1, 0], [1], 5),  # equal lengths under a page: the first longest dropped
-    ((50, 50, 50), (1, 1, 2), [2, 1, 0], [2, 1], 98),  # equal lengths: the added request is longer
-    ((1, 0), (1, 1), [1, 0], [1], 1),  # one token: no mtp batch (no more rows than tokens)
+FP64_ROWS = 2**-40  # relative: the oracle sums a request's tokens in another order when its length bucket changes
+# (fp64, about 1e-16 relative), 2^12 fp64 ulps, far below any bound a check takes
+
+
+@pytest.mark.parametrize("seq_lens, q_lens, grown, shrunk, mtp, added", [
+    ((40, 0, 70), (1, 2, 1), [2, 1, 2], [1, 0], [0, 2], 134),  # reversed, request 0 dropped, the longest (2) and a
+    # longer request; mtp: the 2-row request dropped
+    ((300, 129, 300, 127), (1, 1, 1, 1), [3, 2, 1, 0], [3, 1], [0, 1, 2, 3], 588),  # a tie: shrunk drops both;
+    # single rows: mtp adds a 2-row request
+    ((9,), (3,), [0, 0], None, None, 9),  # one request shorter than a page: the added one no longer; no mtp
+    ((5, 5), (1, 1), [1, 0], [1], [0, 1], 5),  # equal lengths under a page: the first longest dropped
+    ((50, 50, 50), (1, 1, 2), [2, 1, 0], [2, 1], [0, 1], 98),  # equal lengths: the added request is longer
+    ((1, 0), (1, 1), [1, 0], [1], None, 1),  # one token: no mtp batch (no more rows than tokens)
+    ((33, 7), (2, 2), [1, 0], [1], None, 65),  # one q_len above 1: no mtp batch
 ])
-def test_regrouped_batches_reindex_rows_and_keep_the_cache(seq_lens, q_lens, grown, shrunk, added):
+@pytest.mark.parametrize("P", [1, 3, 16, 64])
+def test_regrouped_batches_reindex_rows_and_keep_the_cache(seq_lens, q_lens, grown, shrunk, mtp, added, P):
     """Each regrouped batch names the same pages for each request (the cache itself shared), copies q's rows in the
-    new order, and changes the batch size, its total tokens (the grown and mtp ones up, the shrunk one down) and,
-    where it can, its longest length (grown, shrunk) and largest q_len (mtp); the oracle's rows are the case's,
-    reindexed (the oracle computes each request on its own: bits). The grown batch's added request reads the
-    longest's full pages, then all of its pages, with its q rows; the mtp batch's the longest's tokens with its row
-    twice; neither sees a NaN slot."""
-    P = 16
+    new order, and changes the batch size, its total tokens (the grown one up, the shrunk one down) and, where it
+    can, its longest length (grown, shrunk) and largest q_len (mtp); the oracle's rows are the case's, reindexed
+    (up to fp64 rounding). The grown batch's added request reads the longest's full pages, then all of its pages,
+    with its q rows; the mtp batch's added one (single-row cases) the longest's tokens with its row twice; neither
+    sees a NaN slot."""
     batch, _ = Case(seq_lens=seq_lens, q_lens=q_lens, heads=2, page_size=P, kv_lora_rank=64, rope_dim=32,
                     seed=1).materialize()
     regroupings = regrouped_batches(batch)
-    mtp = max(q_lens) == 1 and max(seq_lens) >= 2
+    s_max, longest = max(seq_lens), seq_lens.index(max(seq_lens))
+    added = added if P == 16 else s_max // P * P + s_max  # the table's added tokens are for pages of 16
     assert [r.how for r in regroupings] == ["grown"] + (["shrunk"] if shrunk else []) + (["mtp"] if mtp else [])
     out, lse = mla_decode_ref(batch)
     starts = [0, *itertools.accumulate(q_lens)]
-    s_max, longest = max(seq_lens), seq_lens.index(max(seq_lens))
     longest_rows = batch.q[starts[longest]:starts[longest + 1]]  # [n, H, D]
     table = batch.block_table[longest]  # [W]
     full, pages = s_max // P, -(-s_max // P)
     for r in regroupings:
-        requests = {"grown": grown, "shrunk": shrunk, "mtp": list(range(len(seq_lens)))}[r.how]
+        requests = {"grown": grown, "shrunk": shrunk, "mtp": mtp}[r.how]
         assert r.requests.tolist() == requests
         assert r.batch.kv_cache is batch.kv_cache and r.compared.kv_cache is batch.kv_cache
         n, W = len(requests), batch.block_table.shape[1]
@@ -123,25 +130,32 @@ def test_regrouped_batches_reindex_rows_and_keep_the_cache(seq_lens, q_lens, gro
         rows = [t for b in requests for t in range(starts[b], starts[b + 1])]
         assert r.rows.tolist() == rows and torch.equal(r.compared.q, batch.q[rows])
         out_r, lse_r = mla_decode_ref(r.batch.validate())
-        assert torch.equal(r.case_rows(out_r), out[rows]) and torch.equal(r.case_rows(lse_r), lse[rows])
+        for got, want in ((r.case_rows(out_r), out[rows]), (r.case_rows(lse_r), lse[rows])):
+            assert torch.equal(got.isfinite(), want.isfinite())
+            assert (got - want).nan_to_num().abs().max() <= FP64_ROWS * want.nan_to_num(0, 0, 0).abs().max()
         assert torch.isfinite(out_r).all()
-        if r.how == "shrunk":
-            assert r.batch is r.compared
+        added_rows = r.batch.q[len(rows):]  # [rows of the added request, H, D]
+        if r.batch is r.compared:
+            assert r.how == "shrunk" or (r.how == "mtp" and max(q_lens) > 1)
         elif r.how == "grown":
             assert r.batch.batch_size == n + 1 and int(r.batch.seq_lens[-1]) == added
             assert r.batch.block_table[-1, :full + pages].tolist() == table[:full].tolist() + table[:pages].tolist()
-            assert torch.equal(r.batch.q[len(rows):], longest_rows)
+            assert torch.equal(added_rows, longest_rows)
         else:
             assert r.batch.batch_size == n + 1 and r.batch.q_lens[-1] == 2 and r.batch.seq_lens[-1] == s_max
             assert r.batch.block_table[-1, :pages].tolist() == table[:pages].tolist()
-            assert torch.equal(r.batch.q[len(rows):], longest_rows.expand(2, -1, -1))
-    tokens = {r.how: int(r.batch.seq_lens.sum()) for r in regroupings}
-    assert tokens["grown"] > sum(seq_lens) and tokens.get("shrunk", 0) < sum(seq_lens)
-    assert regroupings[0].batch.batch_size == (len(seq_lens) + 1 if len(seq_lens) > 1 else 3)
+            assert torch.equal(added_rows, longest_rows.expand(2, -1, -1))
+    by = {r.how: r.batch for r in regroupings}
+    assert by["grown"].batch_size == (len(seq_lens) + 1 if len(seq_lens) > 1 else 3)
+    assert int(by["grown"].seq_lens.sum()) > sum(seq_lens)
     if s_max >= P:
-        assert int(regroupings[0].batch.seq_lens.max()) > s_max
-    if shrunk and len(set(seq_lens)) > 1:
-        assert int(regroupings[1].batch.seq_lens.max()) < s_max
+        assert int(by["grown"].seq_lens.max()) > s_max
+    if shrunk:
+        assert int(by["shrunk"].seq_lens.sum()) < sum(seq_lens)
+        if len(set(seq_lens)) > 1:
+            assert int(by["shrunk"].seq_lens.max()) < s_max
+    if mtp:
+        assert int(by["mtp"].q_lens.max()) != max(q_lens)
 
 
 CASE = Case(seq_lens=(300, 129, 0, 127), q_lens=(1, 2, 1, 1), heads=4, page_size=16, seed=3)
@@ -182,15 +196,16 @@ def test_both_regroupings_see_cuts_that_follow_the_longest_request(seq_lens):
         assert not results[name].ok and "declares itself batch-invariant" in results[name].detail, name
 
 
-def test_the_grown_batch_sees_tiles_that_follow_the_largest_q_len():
+def test_the_mtp_batch_sees_tiles_that_follow_the_largest_q_len():
     """mutants.tiles_follow_q_len (declared invariant, its softmax steps 64 / the batch's largest q_len tokens):
-    plain decode requests beside the mtp batch's 2-row request change bits, so batch.mtp fails it (and nothing
-    else); a kernel that takes one query row per request refuses that batch alone."""
+    plain decode requests beside the mtp batch's added 2-row request change bits, and so do the rest of a mixed
+    batch without its 2-row request, so batch.mtp fails it (and nothing else here); a kernel that takes one query
+    row per request refuses the single-row case's mtp batch alone."""
     single = dataclasses.replace(CASE, q_lens=(1, 1, 1, 1))
-    results = _check(mutants.tiles_follow_q_len, single)
-    assert {name for name, r in results.items() if not r.ok} == {"batch.mtp"}, results
-    assert "declares itself batch-invariant" in results["batch.mtp"].detail
-    assert "2 query rows" in results["batch.mtp"].detail
+    for case, how in ((single, "2 query rows"), (CASE, "every request of the largest q_len dropped")):
+        results = _check(mutants.tiles_follow_q_len, case)
+        assert {name for name, r in results.items() if not r.ok} == {"batch.mtp"}, results
+        assert "declares itself batch-invariant" in results["batch.mtp"].detail and how in results["batch.mtp"].detail
 
     from mla_fast.backends import Unsupported
 
@@ -202,6 +217,27 @@ def test_the_grown_batch_sees_tiles_that_follow_the_largest_q_len():
     one_row.batch_invariant = True
     results = _check(one_row, single)
     assert results["batch.mtp.refused"].ok and results["batch"].ok and results["batch.shrunk"].ok
+
+
+def test_the_bound_takes_the_splits_of_the_batch_the_kernel_ran_on():
+    """An undeclared kernel's rows in a regrouped batch are judged with the most splits it declares for the batch
+    it ran on, added request included (its rows are not judged, but the plan that cut the compared rows was made
+    for the whole batch): max_splits is asked of that batch, not of the compared requests alone."""
+    asked = []
+
+    def decode(batch):  # undeclared: its pieces follow the batch's tokens, so the grown batch's bits move
+        return mutants.splits_follow_batch(batch)
+
+    def max_splits(batch):
+        asked.append(batch.batch_size)
+        return 16  # splits_follow_batch: pieces of ceil(tokens / 16), so at most 16 per request
+
+    decode.max_splits = max_splits
+    results = _check(decode)
+    assert results["batch.out"].ok and "out bytes differ" in results["batch.out"].detail, results
+    grown = regrouped_batches(CASE.materialize()[0])[0]
+    assert grown.batch.batch_size == grown.compared.batch_size + 1
+    assert grown.batch.batch_size in asked and grown.compared.batch_size not in asked, asked
 
 
 def test_a_regrouped_batch_the_kernel_or_its_numerics_refuse_passes_as_refused():

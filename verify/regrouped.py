@@ -12,15 +12,17 @@ stay within the tier-1 bound but change bits. A kernel that declares itself batc
                than any request of the case when f >= 1), with the longest's q rows
     shrunk     (two or more requests) the requests reversed without every request of the longest length, or,
                when all have that length, without the first of them
-    mtp        (every request has one query row, the longest two tokens or more) the requests as they are, then
-               one request more, never judged: the longest's tokens with 2 query rows (its row twice), as a
-               speculative-decoding request beside plain decode ones
+    mtp        (requests of different q_lens) the requests as they are without every request of the largest
+               q_len; (every request has one query row, the longest two tokens or more) the requests as they are,
+               then one request more, never judged: the longest's tokens with 2 query rows (its row twice), as a
+               speculative-decoding request beside plain decode ones; (every request has the same q_len > 1) none
 
 so the batch size, its total tokens, its longest length (the grown one's longer unless s_max < P; the shrunk one's
-shorter unless all requests have one length) and its largest q_len (mtp) change, and the requests move (in the grown
-batch all but the middle one of an odd count; a lone request cannot). A kernel whose cuts follow the batch's longest
-request is caught even when two requests share that length, and one whose tiles follow the batch's largest q_len
-where the case's requests all have one row; a kernel that takes one row per request refuses only the mtp batch.
+shorter unless all requests have one length) and its largest q_len (mtp; the grown one's too where the first request
+held it alone) change, and the requests move (in the grown batch all but the middle one of an odd count; a lone
+request cannot). A kernel whose cuts follow the batch's longest request is caught even when two requests share that
+length, and one whose tiles follow the batch's largest q_len wherever the case's q_lens differ or are all 1; a
+kernel that takes one row per request refuses only the mtp batch of single-row requests.
 
 Each request names pages of the case, with its own copy of the q rows. The cache, the NaN in its unused slots and
 the scales are the case's own tensors; the block table's rows (widened with ``INVALID_PAGE`` for the added request),
@@ -62,8 +64,10 @@ class RegroupedBatch:
         return None if t is None else t[: self.rows.shape[0]]
 
     def describe(self) -> str:
-        what = {"grown": "reversed, the first dropped, the longest added", "shrunk": "reversed, the longest dropped",
-                "mtp": "as they are"}[self.how]
+        what = {"grown": "reversed, the first dropped, the longest added",
+                "shrunk": "reversed, every request of the longest length dropped",
+                "mtp": "as they are" if self.batch.batch_size > self.compared.batch_size
+                else "as they are, every request of the largest q_len dropped"}[self.how]
         if self.batch.batch_size > self.compared.batch_size:
             tokens, rows = int(self.batch.seq_lens[-1]), int(self.batch.q_lens[-1])
             what += (f", then a request of {tokens} token{'s' if tokens != 1 else ''} on the longest's pages with "
@@ -72,29 +76,33 @@ class RegroupedBatch:
 
 
 def regrouped_batches(batch: DecodeBatch) -> list[RegroupedBatch]:
-    """The module docstring's grown batch, with two or more requests its shrunk one, and where every request has one
-    query row its mtp one (one host sync)."""
+    """The module docstring's grown batch, with two or more requests its shrunk one, and unless every request has the
+    same q_len > 1 its mtp one (the lengths read once to the host)."""
     B = batch.batch_size
     seq, n = batch.seq_lens.long().cpu(), batch.q_lens.long().cpu()  # [B], [B]
     if not B:
-        return [_regroup(batch, [], "grown")]
+        return [_regroup(batch, [], "grown", n)]
     longest = int(torch.argmax(seq))  # the first longest request
     s_max, first = int(seq[longest]), int(n[:longest].sum())  # its tokens, its first q row
     longest_rows = list(range(first, first + int(n[longest])))  # its q rows
     full = s_max // batch.page_size  # its full pages
-    grown = _regroup(batch, list(range(B - 1, 0 if B >= 2 else -1, -1)) + [longest], "grown")
+    grown = _regroup(batch, list(range(B - 1, 0 if B >= 2 else -1, -1)) + [longest], "grown", n)
     batches = [_with_added(grown, batch, longest, full, s_max, longest_rows)]
     if B >= 2:
         rest = [b for b in range(B - 1, -1, -1) if int(seq[b]) < s_max]
-        batches.append(_regroup(batch, rest or [b for b in range(B - 1, -1, -1) if b != longest], "shrunk"))
-    if int(n.max()) == 1 and s_max >= 2:
-        batches.append(_with_added(_regroup(batch, list(range(B)), "mtp"), batch, longest, 0, s_max, longest_rows * 2))
+        batches.append(_regroup(batch, rest or [b for b in range(B - 1, -1, -1) if b != longest], "shrunk", n))
+    q_max = int(n.max())
+    if int(n.min()) < q_max:  # the largest q_len dropped: the rest keep their order
+        batches.append(_regroup(batch, [b for b in range(B) if int(n[b]) < q_max], "mtp", n))
+    elif q_max == 1 and s_max >= 2:  # a 2-row request beside single-row ones
+        mtp = _regroup(batch, list(range(B)), "mtp", n)
+        batches.append(_with_added(mtp, batch, longest, 0, s_max, longest_rows * 2))
     return batches
 
 
-def _regroup(batch: DecodeBatch, order: list[int], how: str) -> RegroupedBatch:
-    """The requests ``order`` of ``batch`` (repeats allowed) as a batch of their own."""
-    q_lens = batch.q_lens.long().cpu()  # [B]
+def _regroup(batch: DecodeBatch, order: list[int], how: str, q_lens: torch.Tensor) -> RegroupedBatch:
+    """The requests ``order`` of ``batch`` (repeats allowed) as a batch of their own (``q_lens`` [B]: the batch's, on
+    the CPU)."""
     starts = torch.cumsum(q_lens, 0) - q_lens  # [B] first q row of each request
     rows = torch.cat([torch.arange(int(starts[b]), int(starts[b] + q_lens[b])) for b in order]
                      or [torch.zeros(0, dtype=torch.long)]).to(batch.device)  # [T'']
