@@ -152,9 +152,14 @@ class KernelNumerics:
         if self.p_scale > top:  # P = 1 would saturate
             raise ValueError(f"KernelNumerics.p_scale: expected at most {self.p_fmt or 'fp32'}'s max {top:g} (P = 1 "
                              f"times it must not saturate), got {self.p_scale!r}")
-        for name in ("plan_invariant_scores", "l_from_rounded_p"):
+        for name in ("scale_then_round", "plan_invariant_scores", "l_from_rounded_p"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"KernelNumerics.{name} must be a bool, got {getattr(self, name)!r}")
+        for name in ("qk_operand", "pv_operand", "out_dtype"):  # a string such as "bf16" is p_fmt's form, not theirs
+            x = getattr(self, name)
+            if not isinstance(x, torch.dtype) or not x.is_floating_point:
+                raise ValueError(f"KernelNumerics.{name} must be a floating-point torch.dtype (e.g. torch.bfloat16), "
+                                 f"got {x!r}")
         if self.partial_dtype not in WIDE_DTYPES.values():
             raise ValueError(f"KernelNumerics.partial_dtype: expected one of {list(WIDE_DTYPES.values())}, got "
                              f"{self.partial_dtype!r}")

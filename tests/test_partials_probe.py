@@ -248,6 +248,20 @@ def test_fp16_partials_that_overflow_and_saturating_p_scales_are_refused():
         dataclasses.replace(DEFAULT_NUMERICS, partial_dtype=torch.float64)  # no bound for it
 
 
+@pytest.mark.parametrize("field, value", [("qk_operand", "bf16"), ("pv_operand", torch.int8),
+                                          ("out_dtype", torch.int8), ("out_dtype", None)])
+def test_numerics_refuse_a_dtype_field_that_is_no_floating_dtype(field, value):
+    """A plug-in's declaration with "bf16" (p_fmt's string form) or an integer dtype where a torch floating dtype
+    belongs: ValueError naming the field when declared, not a traceback from inside the bound later."""
+    with pytest.raises(ValueError, match=rf"KernelNumerics.{field} must be a floating-point torch.dtype"):
+        dataclasses.replace(DEFAULT_NUMERICS, **{field: value})
+
+
+def test_numerics_refuse_a_scale_then_round_that_is_no_bool():
+    with pytest.raises(ValueError, match="KernelNumerics.scale_then_round must be a bool, got 'False'"):
+        dataclasses.replace(DEFAULT_NUMERICS, scale_then_round="False")  # truthy: it would have loosened the bound
+
+
 def test_a_plug_in_that_cuts_finer_than_64_tokens_declares_it_and_is_probed(monkeypatch):
     # rows of 60 tokens cut in 16-token pieces with bf16 partials: under the default max_splits (64-token pieces:
     # one) the check does not run; declared, it does and fails
