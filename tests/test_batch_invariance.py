@@ -283,6 +283,30 @@ def test_the_batch_check_fails_rows_that_depend_on_their_neighbours():
     assert not results["batch.out"].ok and results["batch.lse"].ok, results["batch.out"].detail
 
 
+@pytest.mark.parametrize("attr, meant", [("batch_invarient", "batch_invariant"), ("numeric", "numerics"),
+                                         ("max_split", "max_splits"), ("determinstic", "deterministic")])
+def test_a_misspelt_plug_in_attribute_is_refused_by_name(attr, meant):
+    """The default would stay in force unseen (a kernel checked as undeclared): ValueError naming the one meant."""
+    def decode(batch):
+        return mutants.correct(batch)
+
+    setattr(decode, attr, True)
+    with pytest.raises(ValueError, match=rf"\.{attr} is not an attribute the verifier reads; did you mean \.{meant}\?"):
+        from_callable(decode)
+    decode.unrelated_note = "kept"  # a name far from every declaration is the plug-in's own business
+    delattr(decode, attr)
+    assert from_callable(decode).batch_invariant is False
+
+
+def test_a_batch_invariant_plug_in_must_be_deterministic():
+    def decode(batch):
+        return mutants.correct(batch)
+
+    decode.batch_invariant, decode.deterministic = True, False
+    with pytest.raises(ValueError, match=r"\.batch_invariant = True needs \.deterministic = True"):
+        from_callable(decode)
+
+
 def test_a_plug_ins_batch_invariant_flag_must_be_a_bool():
     def decode(batch):
         return mutants.correct(batch)

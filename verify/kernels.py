@@ -28,7 +28,10 @@ to run by design (split outputs merged by atomics, work stealing) declares ``my_
 the second run is then held to the tier-1 bound instead.
 A request's rows may change bits when its batch changes (the ``batch`` check regroups the requests: a split-KV
 plan cuts a request where the whole batch puts the cuts) within the tier-1 bound; a plug-in for batch-invariant
-serving declares ``my_decode.batch_invariant = True``, and the check then asks for the bits.
+serving declares ``my_decode.batch_invariant = True``, and the check then asks for the bits (so it must also be
+deterministic: ValueError otherwise).
+On a plug-in function, an attribute whose name is close to one of these (``batch_invarient``, ``numeric``) is
+refused with a ValueError that names the one meant, since a misspelt declaration would leave the default in force.
 A plug-in with a CUDA-graph-capturable step says so with ``my_decode.step = factory``, ``factory(batch, max_q_len)
 -> step`` (built once for that batch's shapes, up to max_q_len query rows per request) with ``step.plan(batch)``
 (eager: reads the batch's current lengths, may sync) and ``step.run() -> out | (out, lse)`` (launches only, on the
@@ -43,9 +46,11 @@ refuses a batch raises ``Unsupported`` (``step.refused`` then passes, and the re
 
 from __future__ import annotations
 
+import difflib
 import os
 import pkgutil
 import sys
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -71,6 +76,7 @@ DEFAULT_NUMERICS = KernelNumerics(
 
 BATCH_INVARIANT = "declared batch-invariant: the batch check asks for each request's bits in a regrouped batch"
 NONDETERMINISTIC = "declared nondeterministic: the repeat check takes the tier-1 bound, not the first run's bits"
+PLUG_IN_ATTRIBUTES = ("numerics", "max_splits", "run_workers", "deterministic", "batch_invariant", "step")  # read
 
 
 @dataclass(frozen=True)
@@ -150,6 +156,11 @@ def from_callable(fn, name: str | None = None) -> Kernel:
     name = name or f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', type(fn).__name__)}"
     if not callable(fn):
         raise ValueError(f"--impl {name}: expected a callable, got {type(fn).__name__}")
+    if isinstance(fn, types.FunctionType):  # a misspelt declaration would be ignored: the defaults taken silently
+        for attr in vars(fn):
+            if attr not in PLUG_IN_ATTRIBUTES and (near := difflib.get_close_matches(attr, PLUG_IN_ATTRIBUTES, 1, 0.8)):
+                raise ValueError(f"--impl {name}: .{attr} is not an attribute the verifier reads; did you mean "
+                                 f".{near[0]}? (it reads {', '.join('.' + a for a in PLUG_IN_ATTRIBUTES)})")
     declared = getattr(fn, "numerics", None)
     if declared is None:
         numerics, reason = (lambda batch: DEFAULT_NUMERICS), "plug-in, default numerics (fp32 P, bf16 out)"
@@ -183,6 +194,9 @@ def from_callable(fn, name: str | None = None) -> Kernel:
     batch_invariant = getattr(fn, "batch_invariant", False)
     if not isinstance(batch_invariant, bool):
         raise ValueError(f"--impl {name}: .batch_invariant must be True or False, got {batch_invariant!r}")
+    if batch_invariant and not deterministic:
+        raise ValueError(f"--impl {name}: .batch_invariant = True needs .deterministic = True (the batch check asks "
+                         f"for the bits of the case's run, which a kernel whose bits vary from run to run cannot keep)")
     if batch_invariant:
         reason += f"; {BATCH_INVARIANT}"
     step = getattr(fn, "step", None)
