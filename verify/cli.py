@@ -60,9 +60,17 @@ plug-in contract (--impl package.module:function):
   bound assumes fp32 scores and P, fp32 accumulation, bf16 output (verify.kernels.DEFAULT_NUMERICS).
   Two runs on the same batch must give the same bits; function.deterministic = False declares run-to-run
   variation by design (atomics, work stealing), and the second run is then held to the tier-1 bound.
+  function.max_splits = N or (batch) -> N: the most pieces any row is cut into (default: pieces of at least
+  64 tokens), charged by the split-merge bound; a plug-in that cuts finer must declare it.
+  function.run_workers = fn(batch, num_workers): the kernel over that many persistent workers; each case runs
+  it with the case's worker count, and the split check with another.
+  function.batch_invariant = True: a request's bits must not depend on its batch (the batch check regroups the
+  requests and asks for them; else the tier-1 bound); needs deterministic.
   function.step = factory(batch, max_q_len) -> step with step.plan(batch) and step.run() -> out | (out, lse)
   (a CUDA-graph-capturable step): the step check builds, plans, runs, captures and replays it (on CUDA), then
-  writes the next decode step into the same batch tensors, plans again and replays (verify.next_step).
+  writes the next decode step into the same batch tensors, plans again and replays (verify.next_step);
+  step.numerics (a KernelNumerics or a callable of the batch) for a step that fixes its kernel when built.
+  A function attribute misspelling one of these is refused (verify.kernels: the whole contract).
   A plug-in that raises or returns the wrong shape or dtype fails its case with the message.
   For an input it has no kernel for, raise mla_fast.backends.Unsupported("reason"): the case is counted as
   unsupported under that reason (neither passed nor failed; keep case-specific values out of the reason).
