@@ -22,7 +22,7 @@ def test_a_plan_memoised_by_address_fails_the_rerun_check_alone(dtype):
     assert set(failed) == {"rerun.out", "rerun.lse"}, result.describe()
     assert failed["rerun.out"].startswith("the same tensors rewritten in place as the next step: requests rotated")
     checks = {c.name: c.detail for c in result.checks}
-    assert checks["rerun"].endswith("the bits of the case's run")  # the first call on the roomy copy is right
+    assert checks["rerun.room"].endswith("the bits of the case's run")  # the first call on the roomy copy is right
 
 
 @pytest.mark.parametrize("dtype", sorted(CASES))
@@ -30,7 +30,7 @@ def test_a_kernel_that_derives_everything_afresh_passes(dtype):
     result = run_case(CASES[dtype], from_callable(mutants.correct))
     checks = {c.name: c for c in result.checks}
     assert result.ok, result.describe()
-    assert checks["rerun"].detail.endswith("the bits of the case's run")
+    assert checks["rerun.room"].detail.endswith("the bits of the case's run")
     assert 0 < checks["rerun.out"].err_over_bound <= 1  # compared with the next step's oracle, not skipped
     assert "q negated and" in checks["rerun.out"].detail and "new tokens written" in checks["rerun.out"].detail
 

@@ -604,7 +604,7 @@ def check_padding(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple
 def check_rerun(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, ref, bound: bounds.Bound,
                 out_dtype: torch.dtype) -> list[CheckResult]:
     """The kernel called as a serving loop without CUDA graphs calls it: on copies of the batch's tensors with
-    room to grow (`next_step.with_room`), against the case's run ``first`` (``rerun``: the bits, else the tier-1
+    room to grow (`next_step.with_room`), against the case's run ``first`` (``rerun.room``: the bits, else the tier-1
     ``bound``: a wider block table may take another path), then on the same tensors after the next decode step was
     written into them in place (`next_step.next_layout` and `next_values`: requests rotated, one grown onto the
     spare pages, the longest halved, one emptied, the slots only the old step read set to NaN, q negated, new
@@ -621,8 +621,8 @@ def check_rerun(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, 
     if isinstance(why, Unsupported):
         return [CheckResult("rerun.refused", True, detail=f"{here}: refused: {error_message(why)}")]
     if why is not None:
-        return [CheckResult("rerun", False, detail=f"{here}: {why}")]
-    results = _as_first("rerun", here, got, "the case's run", first, ref, lambda: (bound, out_dtype))
+        return [CheckResult("rerun.room", False, detail=f"{here}: {why}")]
+    results = _as_first("rerun.room", here, got, "the case's run", first, ref, lambda: (bound, out_dtype))
     where, new_slots = next_step.next_layout(static, first_spare)
     where = f"the same tensors rewritten in place as the next step: {where}, {next_step.next_values(static, new_slots)}"
     if is_fp8(static.q.dtype) and static.q_scale is not None:  # a dynamic fp8 q's scale changes every step
