@@ -64,6 +64,9 @@ turns one knob, the way such bugs happen in real kernels:
 | tiles_follow_q_len    | online-softmax steps of 64 / (the batch's largest q_len)     | batch.mtp (q_lens that differ |
 |                       | tokens, while it declares itself batch-invariant             | or are all 1, a request of    |
 |                       |                                                              | > 32 tokens)                  |
+| big_batch_mtp_mask    | past 16 requests, every request masked as if it had the      | tier1 (the 64-request smoke   |
+|                       | batch's largest q_len (a [B, max q_len] row grid read from   | case, MTP rows among single   |
+|                       | its first row)                                               | ones)                         |
 """
 
 from __future__ import annotations
@@ -110,6 +113,7 @@ def _decode(
     batch_splits: bool = False,
     longest_splits: bool = False,
     rows_tiles: bool = False,
+    big_batch_rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV online-softmax MLA decode -> (out [T, H, L] bf16, lse [T, H] fp32). Defaults = no bug.
 
@@ -122,7 +126,8 @@ def _decode(
     spreading the batch over 16 workers cuts it; with ``longest_splits`` into the pieces of the batch's longest
     request, as a kernel that sizes its splits once for the batch, from its longest request, cuts it; with
     ``rows_tiles`` the online softmax steps over BLOCK / (the batch's largest q_len) tokens, as a kernel that keeps
-    its tile's rows x tokens fixed and sizes it once for the batch does.
+    its tile's rows x tokens fixed and sizes it once for the batch does. With ``big_batch_rows`` = R, a batch of
+    more than R requests masks every request's rows as if it had the batch's largest q_len.
     """
     L, H, ps = batch.kv_lora_rank, batch.num_heads, batch.page_size
     sigma = batch.sm_scale if sm_scale is None else sm_scale
@@ -134,7 +139,8 @@ def _decode(
     lse = torch.full((batch.num_tokens, H), -math.inf, dtype=torch.float32, device=dev)  # [T, H]
     qo = batch.qo_indptr.tolist()
     batch_piece = max(1, -(-int(batch.seq_lens.sum()) // 16)) if batch_splits else None  # tokens per piece
-    block = BLOCK // max(batch.q_lens.tolist(), default=1) if rows_tiles else BLOCK  # tokens per softmax step
+    q_max = max(batch.q_lens.tolist(), default=1)  # the batch's largest q_len
+    block = BLOCK // q_max if rows_tiles else BLOCK  # tokens per softmax step
     if longest_splits:  # the longest request's piece: its whole pages' blocks over up to MAX_SPLITS splits
         s_max = int(batch.seq_lens.max()) if batch.batch_size else 0
         longest_blocks = -(-(-(-s_max // ps) * ps) // BLOCK)  # blocks of its whole pages
@@ -157,7 +163,8 @@ def _decode(
         if position_bits is not None:  # token j read at position j mod 2^bits: a counter that wraps
             K = K[torch.arange(K.shape[0], device=dev) % 2**position_bits]  # [s, D]
         r = torch.arange(n, device=dev)  # [n] MTP row index
-        visible = s - n + r + 1 + torch.where(r < n - 1, causal_slack, 0)  # [n] tokens each row sees
+        rows_as = q_max if big_batch_rows is not None and batch.batch_size > big_batch_rows else n  # the mask's q_len
+        visible = s - rows_as + r + 1 + torch.where(r < n - 1, causal_slack, 0)  # [n] tokens each row sees
         visible = (visible + (K.shape[0] - s)).clamp(min=0) if full_last_page else visible.clamp(0, s)  # [n]
         rows = q[qo[b] : qo[b + 1]]  # [n, H, D]
         if packed_row_bits is not None:  # packed (row, head) index r H + h read modulo 2^bits: a counter that wraps
@@ -503,6 +510,14 @@ def tiles_follow_q_len(batch):
 tiles_follow_q_len.batch_invariant = True
 
 
+def big_batch_mtp_mask(batch):
+    """In batches of more than 16 requests (a large-batch path: a [B, largest q_len] grid of query rows) every
+    request's causal mask is that of the batch's largest q_len, its rows taken as the grid's first ones: a request
+    with fewer rows sees that many tokens fewer. Right in every drawn case (at most 8 requests); only the smoke
+    prefix's 64-request batch, whose MTP requests sit among single-row ones, shows it."""
+    return _decode(batch, big_batch_rows=16)
+
+
 def max_init_zero(batch):
     """The running max starts at 0 instead of -inf: right while a row has a score above about -87; where every
     score it sees is lower (the shifted smoke case's earlier MTP rows, at -120) exp flushes to 0 and the row comes
@@ -568,7 +583,7 @@ MUTANTS = (
     "seq_lens_cleared", "cache_padding_written", "nan_dropped", "no_max_subtraction", "int32_offsets",
     "p_rounded_bf16", "bf16_partials", "ignores_strides", "uint16_positions", "hardcoded_scale", "merge_order_varies",
     "stale_plan", "realloc_workspace", "max_init_zero", "max_before_mask", "packed_rows_wrap", "plan_cached_by_ptr",
-    "splits_follow_batch", "splits_follow_longest", "tiles_follow_q_len",
+    "splits_follow_batch", "splits_follow_longest", "tiles_follow_q_len", "big_batch_mtp_mask",
 )  # fmt: skip
 FP8_ONLY = ("kv_scale_ignored", "q_scale_ignored")  # need fp8 inputs with a scale != 1
 FAR_ONLY = ("int32_offsets",)  # need the far check, on by default on CUDA devices only (mla-verify --far on)

@@ -188,8 +188,11 @@ def smoke_cases(
         # every score shifted to -120 but the newest token's, +120, which only the last MTP row sees, in requests
         # of several tiles and splits: a running max started at 0, or a merge or tile that keeps its first max
         dict(seq_lens=(700, 3, 130), q_lens=(2, 1, 3), heads=4, num_workers=8, dist="shifted", seed=18),
-        # a batch of 64 requests (drawn: up to --max-batch, 8; a request index of three bits wraps)
-        dict(seq_lens=tuple(37 * i % 101 for i in range(64)), q_lens=(1,) * 64, heads=2, page_size=16,
+        # a batch of 64 requests (drawn: up to --max-batch, 8; a request index of three bits wraps), MTP rows of 3
+        # in every ninth request and of 4 in the last among single rows (a large-batch path that takes the batch's
+        # largest q_len for every request)
+        dict(seq_lens=tuple(37 * i % 101 for i in range(64)),
+             q_lens=tuple(4 if i == 63 else 3 if i % 9 == 4 else 1 for i in range(64)), heads=2, page_size=16,
              num_workers=16, dist="gauss1", seed=17),
     ]
     out = []
