@@ -59,9 +59,10 @@ def _field_error(field: str, expectation: str, got: object) -> ValueError:
     return ValueError(f"DecodeBatch.{field}: expected {expectation}, got {got}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class DecodeBatch:
-    """One paged MLA decode step, in the layout of vLLM's MLA backends.
+    """One paged MLA decode step, in the layout of vLLM's MLA backends. Frozen: a field is never rebound (``replace``
+    gives another batch; the tensors themselves are shared and may be written in place, as a serving loop does).
 
     Attributes:
         q: [T, H, L+R] absorbed queries ``[q_nope · W_UK | q_pe]``; bf16, fp16, fp32, fp64 or fp8.
@@ -86,8 +87,8 @@ class DecodeBatch:
     kv_scale: float | None = None
 
     def __post_init__(self) -> None:
-        if self.q_lens is None and isinstance(self.seq_lens, torch.Tensor):
-            self.q_lens = torch.ones_like(self.seq_lens)
+        if self.q_lens is None and isinstance(self.seq_lens, torch.Tensor):  # frozen: set once, here
+            object.__setattr__(self, "q_lens", torch.ones_like(self.seq_lens))
 
     # ---- shape helpers -------------------------------------------------------------------------------------
     @property

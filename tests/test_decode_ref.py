@@ -339,6 +339,31 @@ def test_good_batch_validates_and_defaults_q_lens():
     assert b2.q_lens.tolist() == [1, 1] and b2.validate() is b2
 
 
+def test_a_batch_is_frozen_so_a_kernel_cannot_rebind_its_fields():
+    """A kernel handed the verifier's DecodeBatch cannot rebind a field (its tensors' bytes are the inputs check's
+    business): a plug-in that tries fails its case by name, where a rebound seq_lens used to surface later as a
+    verifier error inside the bound. replace() makes another batch."""
+    import dataclasses
+
+    from verify import mutants
+    from verify.checks import run_case
+    from verify.kernels import from_callable
+    from verify.strategies import smoke_cases
+
+    batch = good_batch()
+    with pytest.raises(dataclasses.FrozenInstanceError, match="seq_lens"):
+        batch.seq_lens = batch.seq_lens.long()
+    assert batch.replace(sm_scale=0.5).sm_scale == 0.5 and batch.sm_scale != 0.5
+
+    def rebinds(batch):
+        batch.seq_lens = batch.seq_lens.long()
+        return mutants.correct(batch)
+
+    result = run_case(smoke_cases("bf16")[1], from_callable(rebinds), "cpu")
+    failed = {c.name: c.detail for c in result.checks if not c.ok}
+    assert set(failed) == {"contract"} and "cannot assign to field 'seq_lens'" in failed["contract"], failed
+
+
 @pytest.mark.parametrize("seq_lens", [(40, 0, 70, 1), (0, 0), (5,)])
 def test_token_addresses_are_every_requests_token_slots_in_order(seq_lens):
     """DecodeBatch.token_addresses (flat, every request at once) gives request b's token_slots, in request order,
