@@ -993,19 +993,26 @@ def test_a_plugin_module_that_fails_to_import_is_a_usage_error(capsys, tmp_path,
 @pytest.mark.parametrize("attr, value, wanted", [("numerics", "bf16", "a KernelNumerics"),
                                                  ("max_splits", 0, "an int >= 1"),
                                                  ("max_splits", 2.0, "an int >= 1")])
-def test_a_per_batch_declaration_with_a_bad_value_fails_naming_it(attr, value, wanted):
+def test_a_per_batch_declaration_with_a_bad_value_fails_naming_it(attr, value, wanted, monkeypatch):
     """A plug-in's callable `.numerics` or `.max_splits` that returns a bad value raises naming the plug-in and the
     attribute (the campaign fails the case with that message; it had been an AttributeError deep in the bounds, or
     the planner's "num_splits: expected an int >= 1", naming neither)."""
     from verify.checks import run_case
-    from verify.kernels import from_callable
+    from verify.kernels import DeclarationError, from_callable
 
     def decode(batch):
         return correct(batch)
 
     setattr(decode, attr, lambda batch: value)
-    with pytest.raises(ValueError, match=re.escape(f"--impl mine: .{attr}(batch) must return {wanted}, got {value!r}")):
-        run_case(Case(seq_lens=(70, 3), q_lens=(1, 1), heads=2), from_callable(decode, "mine"), "cpu")
+    message = f"--impl mine: .{attr}(batch) must return {wanted}, got {value!r}"
+    case = Case(seq_lens=(70, 3), q_lens=(1, 1), heads=2)
+    with pytest.raises(DeclarationError, match=re.escape(message)):
+        run_case(case, from_callable(decode, "mine"), "cpu")
+    from verify import cli  # a campaign reports it as the plug-in's failed declaration, not a verifier error
+
+    monkeypatch.setattr(cli, "_KERNEL", from_callable(decode, "mine"))
+    result = cli._run_one(case)
+    assert [(c.name, c.ok, c.detail) for c in result.checks] == [("declaration", False, message)]
 
 
 def test_a_replay_reports_the_cases_dtype_not_the_flags_default(capsys, tmp_path):

@@ -35,6 +35,7 @@ from mla_fast.backends import BACKENDS as REGISTRY
 from mla_fast.report_path import unwritable
 from verify.cases import FP8_FORMATS, Case
 from verify.checks import CaseResult, CheckResult, is_device_fault, json_number
+from verify.kernels import DeclarationError
 
 SCHEMA_VERSION = 1
 LOG_WIDTH = 140  # console columns when stderr is not a terminal (and $COLUMNS unset): the summary table whole
@@ -221,13 +222,16 @@ class WorkerDied(RuntimeError):
 
 
 def _run_one(case: Case) -> CaseResult:
-    """run_case that never raises: a verifier error becomes a failed 'verifier' check with its traceback (a device
-    fault there, e.g. from a GPU context already lost, also stops the campaign)."""
+    """run_case that never raises: a plug-in's malformed per-batch declaration becomes a failed 'declaration' check,
+    any other error a failed 'verifier' check with its traceback (a device fault there, e.g. from a GPU context
+    already lost, also stops the campaign)."""
     from verify.checks import run_case
 
     t0 = time.perf_counter()
     try:
         return run_case(case, _KERNEL, _DEVICE, _FAR)
+    except DeclarationError as e:  # the plug-in's per-batch declaration: its mistake, named, no traceback
+        return CaseResult(case, [CheckResult("declaration", False, detail=str(e))], time.perf_counter() - t0)
     except (Exception, SystemExit) as e:  # SystemExit: a plug-in's sys.exit() outside a kernel call (plan, step)
         tb = traceback.format_exc(limit=-3).strip().replace("\n", " | ")
         check = CheckResult("verifier", False, detail=f"verifier error {type(e).__name__}: {e} [{tb}]")

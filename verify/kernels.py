@@ -216,14 +216,19 @@ def _is_splits(value: object) -> str | None:
     return None if is_int(value) and value >= 1 else "an int >= 1"
 
 
+class DeclarationError(ValueError):
+    """A plug-in's per-batch declaration (``.numerics`` or ``.max_splits`` as a callable) returned something outside
+    the contract: the plug-in's mistake, reported as a failed ``declaration`` check, not as a verifier error."""
+
+
 def _checked(declared: Callable[[DecodeBatch], object], name: str, attr: str,
              expect: Callable[[object], str | None]) -> Callable[[DecodeBatch], object]:
-    """A plug-in's per-batch declaration whose return value is checked: a ValueError naming the plug-in and the
-    attribute (the case then fails with it) instead of an error deep in the bounds."""
+    """A plug-in's per-batch declaration whose return value is checked: a DeclarationError naming the plug-in and
+    the attribute (the case then fails with it) instead of an error deep in the bounds."""
     def call(batch: DecodeBatch):
         value = declared(batch)
         if (wanted := expect(value)) is not None:
-            raise ValueError(f"--impl {name}: {attr}(batch) must return {wanted}, got {value!r}")
+            raise DeclarationError(f"--impl {name}: {attr}(batch) must return {wanted}, got {value!r}")
         return value
     return call
 
