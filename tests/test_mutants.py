@@ -179,3 +179,17 @@ def test_a_scale_ignored_on_the_fp8_q_path_alone_fails_the_fp8_smoke_prefix():
     two σ cases had bf16 q; found by a review)."""
     assert main(["--impl", "tests.test_mutants:hardcoded_scale_for_fp8_q", "--dtype", "fp8", "--cases",
                  str(len(smoke_cases("fp8"))), "--jobs", "1"]) == 1
+
+
+def test_a_failed_tier1_check_names_its_worst_row_in_the_batchs_terms():
+    """The MTP off-by-one's worst rows are named as request, query row and the tokens it sees (flat row indices
+    alone left the request to be worked out from q_lens)."""
+    from verify import mutants
+    from verify.checks import run_case
+    from verify.kernels import from_callable
+
+    case = smoke_cases("bf16")[0]  # request 5: 2 tokens, 4 query rows (rows 8-11)
+    result = run_case(case, from_callable(mutants.mtp_causal_off_by_one), "cpu")
+    failed = {c.name: c.detail for c in result.checks if not c.ok}
+    assert failed["tier1.out"].endswith("worst row 10: request 5, its query row 1 of 4, which sees 0 of its 2 tokens")
+    assert failed["tier1.lse"].endswith("worst row 11: request 5, its query row 2 of 4, which sees 1 of its 2 tokens")

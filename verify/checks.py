@@ -161,6 +161,21 @@ def _bounded(name: str, actual: torch.Tensor, expected: torch.Tensor, bound: tor
     return CheckResult(name, rep.ok, rep.err_over_bound_max, rep.err_over_bound_median, rep.describe(), rep.to_json())
 
 
+def _with_rows(batch: DecodeBatch, results: list[CheckResult]) -> list[CheckResult]:
+    """``results`` with each failed one's worst query row (its largest err / bound, else its largest difference)
+    named in the batch's terms: the request, the row within it, the tokens it sees (an MTP row sees fewer)."""
+    for r in results:
+        index = (r.report or {}).get("worst_index") or (r.report or {}).get("max_abs_index")
+        if not r.ok and index:
+            t = int(index[0])  # out [T, H, L] and lse [T, H] both lead with the query row
+            b = int(batch.row_request()[t])
+            first, n, s = int(batch.qo_indptr[b]), int(batch.q_lens[b]), int(batch.seq_lens[b])
+            seen = int(batch.visible_tokens()[t])
+            r.detail += (f"\n  worst row {t}: request {b}, its query row {t - first} of {n}, which sees {seen} of its "
+                         f"{s} tokens")
+    return results
+
+
 def is_device_fault(e: BaseException) -> bool:
     """A sticky GPU error: after it every CUDA call of this process fails, whatever the kernel or case. That is
     torch.AcceleratorError (torch >= 2.8 raises it for CUDA and HIP errors), or, once this process holds a CUDA/HIP
@@ -1057,7 +1072,7 @@ def run_case(case: Case, kernel: Kernel, device: str = "cpu", far: bool | None =
     try:
         out_d, lse_d = _moved(out, lse, ref[0].device)
         bound = _tier1_bound(batch, kernel, numerics, ref)  # tier 1 (and far)
-        result.checks += check_tier1(out_d, lse_d, ref, bound, numerics.out_dtype)
+        result.checks += _with_rows(batch, check_tier1(out_d, lse_d, ref, bound, numerics.out_dtype))
         result.checks.append(check_empty(batch, out_d, lse_d))
         result.checks.append(check_finite(batch, out_d, lse_d))
         result.checks += check_repeat(batch, kernel, case.num_workers, (out_d, lse_d), ref, bound,
