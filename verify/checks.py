@@ -451,7 +451,7 @@ def _probe_run(name: str, where: str, probe: DecodeBatch, kernel: Kernel, worker
     if why is not None:
         return [CheckResult(name, False, detail=f"{where}: {why}")]
     out, lse = _moved(*result, ref[0].device, copy=False)
-    results = check_tier1(out, lse, ref, bound, numerics.out_dtype, name=name)
+    results = _with_rows(probe, check_tier1(out, lse, ref, bound, numerics.out_dtype, name=name))
     for r in results:
         hint = on_fail if r.name.endswith(".out") else _LSE_HINT
         r.detail = f"{where}; declared {numerics.describe()}: {r.detail}" + ("" if r.ok else hint)
@@ -656,8 +656,8 @@ def check_rerun(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, 
     if why is not None:
         return results + [CheckResult("rerun.out", False, detail=f"{where}: {why}")]
     out, lse = _moved(*got, ref_next[0].device, copy=False)
-    rerun = check_tier1(out, lse, ref_next, _tier1_bound(static, kernel, numerics, ref_next), numerics.out_dtype,
-                        name="rerun")
+    rerun = _with_rows(static, check_tier1(out, lse, ref_next, _tier1_bound(static, kernel, numerics, ref_next),
+                                           numerics.out_dtype, name="rerun"))
     for r in rerun:
         r.detail = f"{where}: {r.detail}"
     return results + rerun
@@ -974,7 +974,7 @@ def _drive_step(batch: DecodeBatch, kernel: Kernel, first: tuple, ref, bound: bo
     if why is not None:
         return results + freed + [CheckResult("step.replan", False, detail=f"{where}, {how}: {why}")]
     out, lse = _moved(*got, ref_next[0].device, copy=False)
-    replan = check_tier1(out, lse, ref_next, *judge_next, name="step.replan")
+    replan = _with_rows(static, check_tier1(out, lse, ref_next, *judge_next, name="step.replan"))
     for r in replan:
         r.detail = f"{where}, {how}: {r.detail}"
     return results + freed + replan
