@@ -58,7 +58,7 @@ def test_far_mutant_fails_the_far_check_alone(name):
     result = run_case(case, from_callable(getattr(mutants, name)), "cpu", far=True)
     failed = {c.name: c.detail for c in result.checks if not c.ok}
     assert set(failed) <= {"far.out", "far.lse"} and failed, result.describe()
-    assert "out bytes differ from the run on the compact cache" in failed["far.out"]
+    assert "out elements differ from the run on the compact cache" in failed["far.out"]
     assert run_case(case, from_callable(getattr(mutants, name)), "cpu").ok  # far off by default on a CPU
     right = run_case(case, from_callable(mutants.correct), "cpu", far=True)
     far = {c.name: c.detail for c in right.checks}["far"]

@@ -93,7 +93,8 @@ def test_the_first_difference_is_located():
     detail = _checks(result)["repeat"].detail
     v = mutants.correct(case.materialize("cpu")[0])[0][2, 0, 0].item()
     assert v != 0 and not result.ok
-    assert f"1 out bytes differ from the first run, 0 lse bytes (first at out[2, 0, 0]: {-v!r} vs {v!r})" in detail
+    first = f"first at out[2, 0, 0]: {-v!r} vs {v!r}"
+    assert f"1 out elements differ from the first run, 0 lse elements ({first})" in detail
 
 
 def _raise(e):
@@ -146,3 +147,18 @@ def test_the_declaration_is_a_bool_and_backends_carry_theirs(monkeypatch):
     monkeypatch.setitem(BACKENDS, "emulated", dataclasses.replace(BACKENDS["emulated"], deterministic=False))
     kernel = from_backend("emulated")
     assert not kernel.deterministic and NONDETERMINISTIC in kernel.reason
+
+
+def test_the_difference_counts_elements_not_bytes():
+    """Two bf16 elements moved, one in both of its bytes: 2 elements differ (3 bytes do); NaNs of other payloads
+    differ too."""
+    from verify.checks import _elements_differ
+
+    a = torch.tensor([1.0, 2.0, 3.0, float("nan")], dtype=torch.bfloat16)
+    b = a.clone()
+    b[0] = -1.0  # the sign: one byte
+    b[1] = 2.0 ** -20  # exponent and mantissa: both bytes
+    assert _elements_differ(a, b) == 2
+    c = a.clone()
+    c.view(torch.int16)[3] ^= 1  # another NaN payload
+    assert _elements_differ(a, c) == 1 and _elements_differ(a, a.clone()) == 0

@@ -71,7 +71,7 @@ def test_a_kernel_that_ignores_a_stride_fails_the_layout_check_alone(dense):
         result = run_case(smoke_cases(dtype)[0], from_callable(partly_dense), "cpu")
         failed = {c.name: c.detail for c in result.checks if not c.ok}
         assert set(failed) == {"layout.out", "layout.lse"}, result.describe()
-        assert "out bytes differ from the run on the contiguous inputs" in failed["layout.out"]
+        assert "out elements differ from the run on the contiguous inputs" in failed["layout.out"]
 
 
 @pytest.mark.parametrize("name", ["q", "kv_cache", "block_table"])

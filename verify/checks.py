@@ -741,9 +741,9 @@ def _as_first(name: str, where: str, second: tuple, earlier: str, first: tuple, 
     elif _bytes(out).equal(_bytes(first[0])) and (lse is None or _bytes(lse).equal(_bytes(first[1]))):
         return [CheckResult(name, True, detail=f"{where}: the bits of {earlier}")]
     else:
-        differ = f"{int((_bytes(out) != _bytes(first[0])).sum())} out bytes differ from {earlier}"
+        differ = f"{_elements_differ(out, first[0])} out elements differ from {earlier}"
         if lse is not None:
-            differ += f", {int((_bytes(lse) != _bytes(first[1])).sum())} lse bytes"
+            differ += f", {_elements_differ(lse, first[1])} lse elements"
         differ += f" ({_first_difference(out, lse, first)})"
     judged = judge()
     if isinstance(judged, str):
@@ -1019,6 +1019,11 @@ def _changed(tensors: dict[str, torch.Tensor], before: dict[str, torch.Tensor]) 
     """"name (n bytes)" for each of ``tensors`` whose bytes differ from its byte copy in ``before``."""
     return [f"{name} ({int((_bytes(tensors[name]) != b).sum())} bytes)" for name, b in before.items()
             if not torch.equal(_bytes(tensors[name]), b)]
+
+
+def _elements_differ(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many elements of two tensors of one dtype and shape differ in their bits (NaN payloads included)."""
+    return int((_bytes(a) != _bytes(b)).view(-1, a.element_size()).any(dim=1).sum())
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
