@@ -177,6 +177,8 @@ def test_the_batch_check_asks_a_declared_invariant_kernel_for_its_bits():
     failed = _check(mutants.splits_follow_batch)["batch"]
     assert not failed.ok and "declares itself batch-invariant" in failed.detail
     assert "out elements differ" in failed.detail
+    # the first moved row named in the case's terms: the grown batch's row 0 is the case's row 4 (request 3, last)
+    assert "the first case row 4: request 3, its query row 0 of 1, which sees 127 of its 127 tokens" in failed.detail
 
     def undeclared(batch):
         return mutants.splits_follow_batch(batch)

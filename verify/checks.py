@@ -161,19 +161,27 @@ def _bounded(name: str, actual: torch.Tensor, expected: torch.Tensor, bound: tor
     return CheckResult(name, rep.ok, rep.err_over_bound_max, rep.err_over_bound_median, rep.describe(), rep.to_json())
 
 
-def _with_rows(batch: DecodeBatch, results: list[CheckResult]) -> list[CheckResult]:
+def _with_rows(rows: DecodeBatch | Callable[[int], str] | None, results: list[CheckResult]) -> list[CheckResult]:
     """``results`` with each failed one's worst query row (its largest err / bound, else its largest difference)
-    named in the batch's terms: the request, the row within it, the tokens it sees (an MTP row sees fewer)."""
+    named: in a batch's terms (`_row_words`), or by a callable of the row index; None: as they are."""
     for r in results:
         index = (r.report or {}).get("worst_index") or (r.report or {}).get("max_abs_index")
-        if not r.ok and index:
-            t = int(index[0])  # out [T, H, L] and lse [T, H] both lead with the query row
-            b = int(batch.row_request()[t])
-            first, n, s = int(batch.qo_indptr[b]), int(batch.q_lens[b]), int(batch.seq_lens[b])
-            seen = int(batch.visible_tokens()[t])
-            r.detail += (f"\n  worst row {t}: request {b}, its query row {t - first} of {n}, which sees {seen} of its "
-                         f"{s} tokens")
+        if rows is not None and not r.ok and index:
+            r.detail += f"\n  worst {_named_row(rows, int(index[0]))}"  # out and lse both lead with the query row
     return results
+
+
+def _named_row(rows: DecodeBatch | Callable[[int], str], t: int) -> str:
+    return _row_words(rows, t) if isinstance(rows, DecodeBatch) else rows(t)
+
+
+def _row_words(batch: DecodeBatch, t: int) -> str:
+    """Query row ``t`` of ``batch`` in its terms: the request, the row within it, the tokens it sees (an MTP row
+    sees fewer)."""
+    b = int(batch.row_request()[t])
+    first, n, s = int(batch.qo_indptr[b]), int(batch.q_lens[b]), int(batch.seq_lens[b])
+    return (f"row {t}: request {b}, its query row {t - first} of {n}, which sees {int(batch.visible_tokens()[t])} of "
+            f"its {s} tokens")
 
 
 def is_device_fault(e: BaseException) -> bool:
@@ -541,7 +549,8 @@ def _far_run(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, ref
     second, why = _outputs_of((raw, exc), far)
     if why is not None:
         return [CheckResult("far", False, detail=f"{where}: {why}")]
-    return _as_first("far", where, second, "the run on the compact cache", first, ref, lambda: (bound, out_dtype))
+    return _as_first("far", where, second, "the run on the compact cache", first, ref, lambda: (bound, out_dtype),
+                     rows_of=batch)
 
 
 @contextlib.contextmanager
@@ -583,7 +592,8 @@ def check_repeat(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple,
     if why is not None:
         return [CheckResult("repeat", False, detail=f"{where}: {why}")]
     return _as_first("repeat", where, second, "the first run", first, ref,
-                     _same_bits_judge(kernel, bound, out_dtype, "the kernel declares itself deterministic"))
+                     _same_bits_judge(kernel, bound, out_dtype, "the kernel declares itself deterministic"),
+                     rows_of=batch)
 
 
 def _same_bits_judge(kernel: Kernel, bound: bounds.Bound, out_dtype: torch.dtype, what: str):
@@ -613,7 +623,8 @@ def check_padding(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple
         return [CheckResult("padding", False, detail=f"{where}: {why}")]
     judge = _same_bits_judge(kernel, bound, out_dtype, "the slots past each request's length changed the result: the "
                                                    "kernel reads them (a max over loaded slots before the mask?)")
-    return _as_first("padding", where, second, "the run on the NaN-padded cache", first, ref, judge)
+    return _as_first("padding", where, second, "the run on the NaN-padded cache", first, ref, judge,
+                     rows_of=probe.batch)
 
 
 def check_rerun(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, ref, bound: bounds.Bound,
@@ -637,7 +648,8 @@ def check_rerun(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, 
         return [CheckResult("rerun.refused", True, detail=f"{here}: refused: {error_message(why)}")]
     if why is not None:
         return [CheckResult("rerun.room", False, detail=f"{here}: {why}")]
-    results = _as_first("rerun.room", here, got, "the case's run", first, ref, lambda: (bound, out_dtype))
+    results = _as_first("rerun.room", here, got, "the case's run", first, ref, lambda: (bound, out_dtype),
+                        rows_of=static)
     where, new_slots = next_step.next_layout(static, first_spare)
     where = f"the same tensors rewritten in place as the next step: {where}, {next_step.next_values(static, new_slots)}"
     if is_fp8(static.q.dtype) and static.q_scale is not None:  # a dynamic fp8 q's scale changes every step
@@ -709,7 +721,8 @@ def check_batch(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, 
             return (_tier1_bound(regrouped.compared, kernel, numerics, ref_rows, splits_of=regrouped.batch),
                     numerics.out_dtype)
 
-        results += _as_first(name, where, got, "the case's run", first_rows, ref_rows, judge)
+        results += _as_first(name, where, got, "the case's run", first_rows, ref_rows, judge,
+                             rows_of=lambda t, rows=regrouped.rows: "case " + _row_words(batch, int(rows[t])))
     return results
 
 
@@ -724,12 +737,15 @@ def _refusable(batch: DecodeBatch, kernel: Kernel, workers: int) -> tuple[tuple 
 
 
 def _as_first(name: str, where: str, second: tuple, earlier: str, first: tuple, ref,
-              judge: Callable[[], tuple[bounds.Bound, torch.dtype] | str]) -> list[CheckResult]:
+              judge: Callable[[], tuple[bounds.Bound, torch.dtype] | str],
+              rows_of: DecodeBatch | Callable[[int], str] | None = None) -> list[CheckResult]:
     """A second run (out, lse) on the values of the first run ``first`` (``earlier`` names it: "the run on the
     contiguous inputs"), in another memory layout or the same: passes with the first run's bits; otherwise within
     the tier-1 bound and output dtype ``judge()`` gives (computed only then; a kernel whose bits vary from run to
     run, or that takes another code path for this layout): checks ``name``.out and ``name``.lse. ``judge()`` may
-    instead return why different bits are not allowed, which fails check ``name`` with where they first differ."""
+    instead return why different bits are not allowed, which fails check ``name`` with where they first differ.
+    ``rows_of``: the batch whose rows ``first`` holds (or a callable naming row t), to name a failure's row as
+    request and query row."""
     out, lse = second
     if (lse is None) != (first[1] is None):
         return [CheckResult(name, False, detail=f"{where}: lse returned by only one of this run and {earlier}")]
@@ -747,11 +763,27 @@ def _as_first(name: str, where: str, second: tuple, earlier: str, first: tuple, 
         differ += f" ({_first_difference(out, lse, first)})"
     judged = judge()
     if isinstance(judged, str):
+        t = _first_moved_row((out, lse), first) if rows_of is not None else None
+        if t is not None:
+            differ += f", the first {_named_row(rows_of, t)}"
         return [CheckResult(name, False, detail=f"{where}, {differ}: {judged}")]
-    results = check_tier1(out, lse, ref, *judged, name=name)
+    results = _with_rows(rows_of, check_tier1(out, lse, ref, *judged, name=name))
     for r in results:
         r.detail = f"{where}, {differ}: {r.detail}"
     return results
+
+
+def _first_moved_row(second: tuple, first: tuple) -> int | None:
+    """The first query row whose out or lse bits differ between two runs of one dtype each (None: none, or the
+    dtypes differ)."""
+    moved = None
+    for a, b in zip(second, first):
+        if a is None or a.dtype != b.dtype or not a.numel():
+            continue
+        rows = (_bytes(a) != _bytes(b)).view(a.shape[0], -1).any(dim=1)  # [T] this tensor's rows that moved
+        moved = rows if moved is None else moved | rows
+    found = moved.nonzero() if moved is not None else None  # [moved rows, 1]
+    return int(found[0, 0]) if found is not None and found.numel() else None
 
 
 def _first_difference(out: torch.Tensor, lse: torch.Tensor | None, first: tuple) -> str:
@@ -803,7 +835,7 @@ def check_layout(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple,
             return f"the kernel's numerics for the strided batch raised {error_message(e)}"
         return _tier1_bound(strided.batch, kernel, numerics, ref), numerics.out_dtype
 
-    return _as_first("layout", where, second, "the run on the contiguous inputs", first, ref, judge)
+    return _as_first("layout", where, second, "the run on the contiguous inputs", first, ref, judge, rows_of=batch)
 
 
 def check_step(batch: DecodeBatch, kernel: Kernel, first: tuple, ref, bound: bounds.Bound,
@@ -915,7 +947,8 @@ def _drive_step(batch: DecodeBatch, kernel: Kernel, first: tuple, ref, bound: bo
     step_judge = (bound, out_dtype) if declared is None else step_bound(static, ref)
     if isinstance(step_judge, str):
         return [CheckResult("step", False, detail=step_judge)]
-    results = _as_first("step", "the step's eager run", eager, "the case's run", first, ref, lambda: step_judge)
+    results = _as_first("step", "the step's eager run", eager, "the case's run", first, ref, lambda: step_judge,
+                        rows_of=static)
     replay, how = step.run, "run again"
     if device.type == "cuda":
         capture, failure = _capture(step, device)
