@@ -754,18 +754,19 @@ def _as_first(name: str, where: str, second: tuple, earlier: str, first: tuple, 
     if dtypes != [t.dtype for t in first if t is not None]:  # no bits to compare: only a bound can judge it
         differ = (f"this run returned {', '.join(map(str, dtypes))} where {earlier} returned "
                   f"{', '.join(str(t.dtype) for t in first if t is not None)}")
+        moved_row = None
     elif _bytes(out).equal(_bytes(first[0])) and (lse is None or _bytes(lse).equal(_bytes(first[1]))):
         return [CheckResult(name, True, detail=f"{where}: the bits of {earlier}")]
     else:
         differ = f"{_elements_differ(out, first[0])} out elements differ from {earlier}"
         if lse is not None:
             differ += f", {_elements_differ(lse, first[1])} lse elements"
-        differ += f" ({_first_difference(out, lse, first)})"
+        located, moved_row = _first_difference(out, lse, first)
+        differ += f" ({located})"
     judged = judge()
     if isinstance(judged, str):
-        t = _first_moved_row((out, lse), first) if rows_of is not None else None
-        if t is not None:
-            differ += f", the first {_named_row(rows_of, t)}"
+        if rows_of is not None and moved_row is not None:
+            differ += f", the first {_named_row(rows_of, moved_row)}"
         return [CheckResult(name, False, detail=f"{where}, {differ}: {judged}")]
     results = _with_rows(rows_of, check_tier1(out, lse, ref, *judged, name=name))
     for r in results:
@@ -773,37 +774,22 @@ def _as_first(name: str, where: str, second: tuple, earlier: str, first: tuple, 
     return results
 
 
-def _first_moved_row(second: tuple, first: tuple) -> int | None:
-    """The first query row whose out or lse bits differ between two runs of one dtype each (None: none, or the
-    dtypes differ)."""
-    moved = None
-    for a, b in zip(second, first):
-        if a is None or a.dtype != b.dtype or not a.numel():
-            continue
-        rows = (_bytes(a) != _bytes(b)).view(a.shape[0], -1).any(dim=1)  # [T] this tensor's rows that moved
-        moved = rows if moved is None else moved | rows
-    found = moved.nonzero() if moved is not None else None  # [moved rows, 1]
-    return int(found[0, 0]) if found is not None and found.numel() else None
-
-
-def _first_difference(out: torch.Tensor, lse: torch.Tensor | None, first: tuple) -> str:
-    """Where two runs' results (of one dtype each) first differ in their bits, out before lse: "first at
+def _first_difference(out: torch.Tensor, lse: torch.Tensor | None, first: tuple) -> tuple[str, int | None]:
+    """Where two runs' results (of one dtype each) first differ in their bits, out before lse: ("first at
     out[t, h, c]: a vs b" (this run's value first; their bits in hex too where the values print alike, as NaNs of
-    other payloads do), or "" when they do not."""
+    other payloads do), its query row t), or ("", None) when they do not."""
     for name, a, b in (("out", out, first[0]), ("lse", lse, first[1])):
         if a is None:
             continue
-        size = a.element_size()
-        raw_a, raw_b = _bytes(a).view(a.numel(), size), _bytes(b).view(b.numel(), size)  # [N, size] each
-        hits = (raw_a != raw_b).any(dim=1).nonzero()
+        hits = _moved_elements(a, b).nonzero()  # [moved, 1] flat element indices
         if hits.numel():
             i = int(hits[0])
-            at = ", ".join(str(int(k)) for k in torch.unravel_index(torch.tensor(i), a.shape))
+            index = [int(k) for k in torch.unravel_index(torch.tensor(i), a.shape)]
             x, y = repr(a.reshape(-1)[i].item()), repr(b.reshape(-1)[i].item())
             if x == y:  # little-endian bytes, printed most significant first
-                x, y = (f"{x} (0x{bytes(r[i].tolist()[::-1]).hex()})" for r in (raw_a, raw_b))
-            return f"first at {name}[{at}]: {x} vs {y}"
-    return ""
+                x, y = (f"{x} (0x{bytes(_bytes(t).view(t.numel(), -1)[i].tolist()[::-1]).hex()})" for t in (a, b))
+            return f"first at {name}[{', '.join(map(str, index))}]: {x} vs {y}", index[0]
+    return "", None
 
 
 def check_layout(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, ref) -> list[CheckResult]:
@@ -1054,9 +1040,14 @@ def _changed(tensors: dict[str, torch.Tensor], before: dict[str, torch.Tensor]) 
             if not torch.equal(_bytes(tensors[name]), b)]
 
 
+def _moved_elements(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[numel] bool: the elements of two tensors of one dtype and shape whose bits differ (NaN payloads included)."""
+    return (_bytes(a) != _bytes(b)).view(a.numel(), a.element_size()).any(dim=1)
+
+
 def _elements_differ(a: torch.Tensor, b: torch.Tensor) -> int:
-    """How many elements of two tensors of one dtype and shape differ in their bits (NaN payloads included)."""
-    return int((_bytes(a) != _bytes(b)).view(-1, a.element_size()).any(dim=1).sum())
+    """How many elements of two tensors of one dtype and shape differ in their bits."""
+    return int(_moved_elements(a, b).sum())
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
