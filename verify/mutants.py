@@ -138,14 +138,15 @@ def _decode(
     out = torch.zeros(batch.num_tokens, H, L, dtype=torch.float32, device=dev)  # [T, H, L]
     lse = torch.full((batch.num_tokens, H), -math.inf, dtype=torch.float32, device=dev)  # [T, H]
     qo = batch.qo_indptr.tolist()
-    batch_piece = max(1, -(-int(batch.seq_lens.sum()) // 16)) if batch_splits else None  # tokens per piece
-    q_max = max(batch.q_lens.tolist(), default=1)  # the batch's largest q_len
+    seq_lens, q_lens = batch.seq_lens.tolist(), batch.q_lens.tolist()  # read once, for the loop and the knobs
+    batch_piece = max(1, -(-sum(seq_lens) // 16)) if batch_splits else None  # tokens per piece
+    q_max = max(q_lens, default=1)  # the batch's largest q_len
     block = BLOCK // q_max if rows_tiles else BLOCK  # tokens per softmax step
     if longest_splits:  # the longest request's piece: its whole pages' blocks over up to MAX_SPLITS splits
-        s_max = int(batch.seq_lens.max()) if batch.batch_size else 0
+        s_max = max(seq_lens, default=0)
         longest_blocks = -(-(-(-s_max // ps) * ps) // BLOCK)  # blocks of its whole pages
         batch_piece = -(-longest_blocks // min(MAX_SPLITS, max(longest_blocks, 1))) * BLOCK or BLOCK
-    for b, (s, n) in enumerate(zip(batch.seq_lens.tolist(), batch.q_lens.tolist())):
+    for b, (s, n) in enumerate(zip(seq_lens, q_lens)):
         n_pages = -(-s // ps)
         pages = (batch.block_table[b, :n_pages].long() + page_shift) % batch.num_pages  # [n_pages]
         if int32_offsets:  # the page's first element as int32 arithmetic leaves it: wrapped past 2^31, and read
