@@ -95,11 +95,12 @@ FP64_ROWS = 2**-40  # relative: the oracle sums a request's tokens in another or
     # longer request; mtp: the 2-row request dropped
     ((300, 129, 300, 127), (1, 1, 1, 1), [3, 2, 1, 0], [3, 1], [0, 1, 2, 3], 588),  # a tie: shrunk drops both;
     # single rows: mtp adds a 2-row request
-    ((9,), (3,), [0, 0], None, None, 9),  # one request shorter than a page: the added one no longer; no mtp
+    ((9,), (3,), [0, 0], None, [0], 9),  # one request shorter than a page: the added one no longer; mtp: 4 rows
+    ((3,), (3,), [0, 0], None, None, 3),  # no more tokens than rows: no mtp batch
     ((5, 5), (1, 1), [1, 0], [1], [0, 1], 5),  # equal lengths under a page: the first longest dropped
     ((50, 50, 50), (1, 1, 2), [2, 1, 0], [2, 1], [0, 1], 98),  # equal lengths: the added request is longer
     ((1, 0), (1, 1), [1, 0], [1], None, 1),  # one token: no mtp batch (no more rows than tokens)
-    ((33, 7), (2, 2), [1, 0], [1], None, 65),  # one q_len above 1: no mtp batch
+    ((33, 7), (2, 2), [1, 0], [1], [0, 1], 65),  # one q_len above 1: mtp adds a 3-row request
 ])
 @pytest.mark.parametrize("P", [1, 3, 16, 64])
 def test_regrouped_batches_reindex_rows_and_keep_the_cache(seq_lens, q_lens, grown, shrunk, mtp, added, P):
@@ -107,8 +108,8 @@ def test_regrouped_batches_reindex_rows_and_keep_the_cache(seq_lens, q_lens, gro
     new order, and changes the batch size, its total tokens (the grown one up, the shrunk one down) and, where it
     can, its longest length (grown, shrunk) and largest q_len (mtp); the oracle's rows are the case's, reindexed
     (up to fp64 rounding). The grown batch's added request reads the longest's full pages, then all of its pages,
-    with its q rows; the mtp batch's added one (single-row cases) the longest's tokens with its row twice; neither
-    sees a NaN slot."""
+    with its q rows; the mtp batch's added one (cases of one q_len n) the longest's tokens with its n rows and the
+    last one again; neither sees a NaN slot."""
     batch, _ = Case(seq_lens=seq_lens, q_lens=q_lens, heads=2, page_size=P, kv_lora_rank=64, rope_dim=32,
                     seed=1).materialize()
     regroupings = regrouped_batches(batch)
@@ -136,15 +137,16 @@ def test_regrouped_batches_reindex_rows_and_keep_the_cache(seq_lens, q_lens, gro
         assert torch.isfinite(out_r).all()
         added_rows = r.batch.q[len(rows):]  # [rows of the added request, H, D]
         if r.batch is r.compared:
-            assert r.how == "shrunk" or (r.how == "mtp" and max(q_lens) > 1)
+            assert r.how == "shrunk" or (r.how == "mtp" and len(set(q_lens)) > 1)
         elif r.how == "grown":
             assert r.batch.batch_size == n + 1 and int(r.batch.seq_lens[-1]) == added
             assert r.batch.block_table[-1, :full + pages].tolist() == table[:full].tolist() + table[:pages].tolist()
             assert torch.equal(added_rows, longest_rows)
         else:
-            assert r.batch.batch_size == n + 1 and r.batch.q_lens[-1] == 2 and r.batch.seq_lens[-1] == s_max
+            assert r.batch.batch_size == n + 1 and r.batch.q_lens[-1] == max(q_lens) + 1
+            assert r.batch.seq_lens[-1] == s_max
             assert r.batch.block_table[-1, :pages].tolist() == table[:pages].tolist()
-            assert torch.equal(added_rows, longest_rows.expand(2, -1, -1))
+            assert torch.equal(added_rows, torch.cat([longest_rows, longest_rows[-1:]]))
     by = {r.how: r.batch for r in regroupings}
     assert by["grown"].batch_size == (len(seq_lens) + 1 if len(seq_lens) > 1 else 3)
     assert int(by["grown"].seq_lens.sum()) > sum(seq_lens)
@@ -201,11 +203,14 @@ def test_both_regroupings_see_cuts_that_follow_the_longest_request(seq_lens):
 
 def test_the_mtp_batch_sees_tiles_that_follow_the_largest_q_len():
     """mutants.tiles_follow_q_len (declared invariant, its softmax steps 64 / the batch's largest q_len tokens):
-    plain decode requests beside the mtp batch's added 2-row request change bits, and so do the rest of a mixed
-    batch without its 2-row request, so batch.mtp fails it (and nothing else here); a kernel that takes one query
-    row per request refuses the single-row case's mtp batch alone."""
+    plain decode requests beside the mtp batch's added 2-row request change bits, MTP requests of 2 rows beside a
+    3-row one too, and so do the rest of a mixed batch without its 2-row request, so batch.mtp fails it (and
+    nothing else here); a kernel that takes one query row per request refuses the single-row case's mtp batch
+    alone."""
     single = dataclasses.replace(CASE, q_lens=(1, 1, 1, 1))
-    for case, how in ((single, "2 query rows"), (CASE, "every request of the largest q_len dropped")):
+    pairs = dataclasses.replace(CASE, q_lens=(2, 2, 2, 2))
+    for case, how in ((single, "2 query rows"), (pairs, "3 query rows"),
+                      (CASE, "every request of the largest q_len dropped")):
         results = _check(mutants.tiles_follow_q_len, case)
         assert {name for name, r in results.items() if not r.ok} == {"batch.mtp"}, results
         assert "declares itself batch-invariant" in results["batch.mtp"].detail and how in results["batch.mtp"].detail

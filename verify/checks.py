@@ -677,17 +677,16 @@ def check_rerun(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, 
 
 def check_batch(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, ref) -> list[CheckResult]:
     """The kernel run again on `regrouped_batches(batch)` (the case's worker count when it takes one): the case's
-    requests reversed, the first dropped, the longest added and a longer request on its pages (``batch``), with two
-    or more requests reversed without every request of the longest length (``batch.shrunk``), and the requests
-    without every request of the largest q_len, or where every request has one query row beside a 2-row request
-    (``batch.mtp``), so that the batch's size, tokens, longest length and largest q_len change and the requests
-    move. Each row of a case's request against the row of the case's run
-    ``first`` it comes from (an added request's rows are not judged): a kernel that declares itself
-    batch-invariant (`Kernel.batch_invariant`) must give its bits, NaN included; any other passes within the tier-1
-    bound of the numerics it declares for the regrouped batch, with the most splits the kernel may give a row of it
-    (a split-KV plan cuts a request where the whole batch puts the cuts). A kernel that refuses a regrouped batch
-    (`Unsupported` from its run or its numerics) passes as ``batch.refused`` / ``batch.shrunk.refused`` /
-    ``batch.mtp.refused``, and the report warns."""
+    requests reversed, the first dropped, the longest added and a longer request on its pages (``batch``), with two or
+    more requests reversed without every request of the longest length (``batch.shrunk``), and the requests without
+    every request of the largest q_len, or where every request has the same q_len n beside a request of n + 1 rows
+    (``batch.mtp``), so that the batch's size, tokens, longest length and largest q_len change and the requests move.
+    Each row of a case's request against the row of the case's run ``first`` it comes from (an added request's rows are
+    not judged): a kernel that declares itself batch-invariant (`Kernel.batch_invariant`) must give its bits, NaN
+    included; any other passes within the tier-1 bound of the numerics it declares for the regrouped batch, with the
+    most splits the kernel may give a row of it (a split-KV plan cuts a request where the whole batch puts the cuts). A
+    kernel that refuses a regrouped batch (`Unsupported` from its run or its numerics) passes as ``batch.refused`` /
+    ``batch.shrunk.refused`` / ``batch.mtp.refused``, and the report warns."""
     results = []
     for regrouped in regrouped_batches(batch):
         name = {"grown": "batch", "shrunk": "batch.shrunk", "mtp": "batch.mtp"}[regrouped.how]

@@ -61,9 +61,9 @@ turns one knob, the way such bugs happen in real kernels:
 | splits_follow_longest | a request cut into pieces sized as the batch's longest       | batch (a request of more than |
 |                       | request's (its blocks over 4 splits), while it declares      | one piece, a longest request  |
 |                       | itself batch-invariant                                       | of >= 1 full page)            |
-| tiles_follow_q_len    | online-softmax steps of 64 / (the batch's largest q_len)     | batch.mtp (q_lens that differ |
-|                       | tokens, while it declares itself batch-invariant             | or are all 1, a request of    |
-|                       |                                                              | > 32 tokens)                  |
+| tiles_follow_q_len    | online-softmax steps of 64 / (the batch's largest q_len)     | batch.mtp (a request longer   |
+|                       | tokens, while it declares itself batch-invariant             | than the smaller of the case's|
+|                       |                                                              | and the mtp batch's steps)    |
 | big_batch_mtp_mask    | past 16 requests, every request masked as if it had the      | tier1 (the 64-request smoke   |
 |                       | batch's largest q_len (a [B, max q_len] row grid read from   | case, MTP rows among single   |
 |                       | its first row)                                               | ones)                         |

@@ -13,16 +13,17 @@ stay within the tier-1 bound but change bits. A kernel that declares itself batc
     shrunk     (two or more requests) the requests reversed without every request of the longest length, or,
                when all have that length, without the first of them
     mtp        (requests of different q_lens) the requests as they are without every request of the largest
-               q_len; (every request has one query row, the longest two tokens or more) the requests as they are,
-               then one request more, never judged: the longest's tokens with 2 query rows (its row twice), as a
-               speculative-decoding request beside plain decode ones; (every request has the same q_len > 1) none
+               q_len; (every request has the same q_len n, the longest n + 1 tokens or more) the requests as they
+               are, then one request more, never judged: the longest's tokens with n + 1 query rows (its rows, the
+               last one twice): with n = 1 a speculative-decoding request beside plain decode ones
 
 so the batch size, its total tokens, its longest length (the grown one's longer unless s_max < P; the shrunk one's
 shorter unless all requests have one length) and its largest q_len (mtp; the grown one's too where the first request
 held it alone) change, and the requests move (in the grown batch all but the middle one of an odd count; a lone
 request cannot). A kernel whose cuts follow the batch's longest request is caught even when two requests share that
-length, and one whose tiles follow the batch's largest q_len wherever the case's q_lens differ or are all 1; a
-kernel that takes one row per request refuses only the mtp batch of single-row requests.
+length, and one whose tiles follow the batch's largest q_len wherever the longest request has more tokens than
+query rows or the q_lens differ; a kernel that takes one row per request, or at most n, refuses only the mtp batch
+of requests of one q_len (1, or n).
 
 Each request names pages of the case, with its own copy of the q rows. The cache, the NaN in its unused slots and
 the scales are the case's own tensors; the block table's rows (widened with ``INVALID_PAGE`` for the added request),
@@ -76,8 +77,8 @@ class RegroupedBatch:
 
 
 def regrouped_batches(batch: DecodeBatch) -> list[RegroupedBatch]:
-    """The module docstring's grown batch, with two or more requests its shrunk one, and unless every request has the
-    same q_len > 1 its mtp one (the lengths read once to the host)."""
+    """The module docstring's grown batch, with two or more requests its shrunk one, and its mtp one where the q_lens
+    differ or the longest request has more tokens than query rows (the lengths read once to the host)."""
     B = batch.batch_size
     seq, n = batch.seq_lens.long().cpu(), batch.q_lens.long().cpu()  # [B], [B]
     if not B:
@@ -94,9 +95,9 @@ def regrouped_batches(batch: DecodeBatch) -> list[RegroupedBatch]:
     q_max = int(n.max())
     if int(n.min()) < q_max:  # the largest q_len dropped: the rest keep their order
         batches.append(_regroup(batch, [b for b in range(B) if int(n[b]) < q_max], "mtp", n))
-    elif q_max == 1 and s_max >= 2:  # a 2-row request beside single-row ones
+    elif s_max > q_max:  # a request of q_max + 1 rows beside the case's (no more rows than tokens)
         mtp = _regroup(batch, list(range(B)), "mtp", n)
-        batches.append(_with_added(mtp, batch, longest, 0, s_max, longest_rows * 2))
+        batches.append(_with_added(mtp, batch, longest, 0, s_max, longest_rows + longest_rows[-1:]))
     return batches
 
 
