@@ -183,7 +183,8 @@ def test_a_scale_ignored_on_the_fp8_q_path_alone_fails_the_fp8_smoke_prefix():
 
 def test_a_failed_tier1_check_names_its_worst_row_in_the_batchs_terms():
     """The MTP off-by-one's worst rows are named as request, query row and the tokens it sees (flat row indices
-    alone left the request to be worked out from q_lens)."""
+    alone left the request to be worked out from q_lens), and so is the first row whose NaN / inf positions differ
+    from the oracle's; a check failed by those positions alone names no passing row as its worst."""
     from verify import mutants
     from verify.checks import run_case
     from verify.kernels import from_callable
@@ -193,3 +194,12 @@ def test_a_failed_tier1_check_names_its_worst_row_in_the_batchs_terms():
     failed = {c.name: c.detail for c in result.checks if not c.ok}
     assert failed["tier1.out"].endswith("worst row 10: request 5, its query row 1 of 4, which sees 0 of its 2 tokens")
     assert failed["tier1.lse"].endswith("worst row 11: request 5, its query row 2 of 4, which sees 1 of its 2 tokens")
+    # lse finite where the oracle's is -inf (a row that sees nothing): that row named first
+    assert ("first NaN/inf mismatch on row 10: request 5, its query row 1 of 4, which sees 0 of its 2 tokens\n"
+            in failed["tier1.lse"])
+    # failed by its NaN alone (no finite element over the bound): the mismatched row named, not a passing worst one
+    result = run_case(case, from_callable(mutants.nan_empty), "cpu")
+    failed = {c.name: c.detail for c in result.checks if not c.ok}
+    assert "elements over the bound: 0 /" in failed["tier1.out"] and "worst row" not in failed["tier1.out"]
+    assert failed["tier1.out"].endswith(
+        "first NaN/inf mismatch on row 0: request 0, its query row 0 of 2, which sees 0 of its 0 tokens")

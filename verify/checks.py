@@ -162,12 +162,19 @@ def _bounded(name: str, actual: torch.Tensor, expected: torch.Tensor, bound: tor
 
 
 def _with_rows(rows: DecodeBatch | Callable[[int], str] | None, results: list[CheckResult]) -> list[CheckResult]:
-    """``results`` with each failed one's worst query row (its largest err / bound, else its largest difference)
-    named: in a batch's terms (`_row_words`), or by a callable of the row index; None: as they are."""
+    """``results`` with each failed one's rows named: the first whose NaN / inf positions differ from the oracle's,
+    and the worst (its largest err / bound, else its largest difference) unless only those positions failed it; in a
+    batch's terms (`_row_words`), or by a callable of the row index; None: as they are."""
     for r in results:
-        index = (r.report or {}).get("worst_index") or (r.report or {}).get("max_abs_index")
-        if rows is not None and not r.ok and index:
-            r.detail += f"\n  worst {_named_row(rows, int(index[0]))}"  # out and lse both lead with the query row
+        report = r.report or {}
+        if rows is None or r.ok:
+            continue
+        mismatch = report.get("nonfinite_first_index")  # out and lse both lead with the query row
+        if mismatch:
+            r.detail += f"\n  first NaN/inf mismatch on {_named_row(rows, int(mismatch[0]))}"
+        index = report.get("worst_index") or report.get("max_abs_index")
+        if index and (report.get("violations", 1) or not mismatch):
+            r.detail += f"\n  worst {_named_row(rows, int(index[0]))}"
     return results
 
 

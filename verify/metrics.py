@@ -131,6 +131,7 @@ class Report:
         ok: the non-finite masks agree and err <= bound at every finite position.
         out_dtype: the format ULPs are counted in.
         nonfinite_count: positions where either side is NaN or ±inf.
+        nonfinite_first_index: the first position whose NaN / +inf / -inf class differs (() when they agree).
     """
 
     name: str
@@ -152,6 +153,7 @@ class Report:
     ok: bool
     out_dtype: str = "bfloat16"
     nonfinite_count: int = 0
+    nonfinite_first_index: tuple = ()
 
     @property
     def numel(self) -> int:
@@ -223,21 +225,23 @@ def _nonfinite_stats(a: torch.Tensor, e: torch.Tensor) -> tuple[list[torch.Tenso
     return ints, floats
 
 
-def _nonfinite_detail(counts: list[int], values: list[float], shape: tuple) -> tuple[bool, str, int]:
-    """Host side of ``_nonfinite_stats``: (masks agree, detail, positions non-finite on either side)."""
-    problems = []
+def _nonfinite_detail(counts: list[int], values: list[float], shape: tuple) -> tuple[bool, str, int, tuple]:
+    """Host side of ``_nonfinite_stats``: (masks agree, detail, positions non-finite on either side, the first
+    differing position over the classes: () when they agree)."""
+    problems, firsts = [], []
     for k, (label, _) in enumerate(_NONFINITE):
         n_diff, n_a, n_e, first = counts[4 * k : 4 * k + 4]
         if n_diff:
             va, ve = values[2 * k : 2 * k + 2]
+            firsts.append(first)
             problems.append(
                 f"{label} at {n_diff} positions differ (actual {n_a}, expected {n_e};"
                 f" first at {_index(first, shape)}: actual {va}, expected {ve})"
             )
     count = counts[4 * len(_NONFINITE)]
     if problems:
-        return False, "; ".join(problems), count
-    return True, f"NaN/inf positions agree ({count} non-finite)", count
+        return False, "; ".join(problems), count, _index(min(firsts), shape)
+    return True, f"NaN/inf positions agree ({count} non-finite)", count, ()
 
 
 def _lower_median(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -310,7 +314,7 @@ def compare(
         floats += [ratio.max(), _lower_median(ratio, finite)]
     counts, values = _to_host(ints, floats)
 
-    mask_ok, detail, n_nonfinite = _nonfinite_detail(counts, values, shape)
+    mask_ok, detail, n_nonfinite, first_nonfinite = _nonfinite_detail(counts, values, shape)
     k, f = 4 * len(_NONFINITE) + 1, 2 * len(_NONFINITE)
     (i_abs, i_rel, max_ulp), (max_abs, at_a, at_e, max_rel, denom, dot) = counts[k : k + 3], values[f : f + 6]
     obm = obmed = math.nan
@@ -342,6 +346,7 @@ def compare(
         ok=mask_ok and violations == 0,
         out_dtype=str(out_dtype).removeprefix("torch."),
         nonfinite_count=n_nonfinite,
+        nonfinite_first_index=first_nonfinite,
     )
 
 
