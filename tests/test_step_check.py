@@ -3,7 +3,9 @@
 Build on copies of the batch's tensors with room to grow, plan, run; on CUDA capture run() in a graph and replay
 it; then write the next step's layout into the same tensors (verify.next_step.next_layout: requests rotated, one
 grown past twice the old longest, the longest halved, one emptied, what only the old step read set to NaN), plan again,
-write its new q and tokens (next_values), replay, against the oracle on the new contents. Every other check calls
+write its new q and tokens (next_values), replay, against the oracle on the new contents; then one plain decode
+step (decode_layout: each request grown by its q_len; decode_values: new tokens of weight about 1/2), plan, write,
+replay, against the oracle (step.decode). Every other check calls
 a kernel afresh on each batch, so a step that keeps the lengths it was first planned with passes all of them. CUDA
 graph capture runs in the CUDA tests below and tests/test_peers_gpu.py; here run() is called again where a GPU
 would replay it.
@@ -17,7 +19,7 @@ from mla_ref.decode import mla_decode_ref
 from verify import mutants
 from verify.checks import run_case
 from verify.kernels import from_callable
-from verify.next_step import next_layout, next_lengths, next_values, with_room
+from verify.next_step import decode_layout, decode_values, next_layout, next_lengths, next_values, with_room
 from verify.strategies import smoke_cases
 
 
@@ -35,16 +37,27 @@ def _failed(result) -> dict:
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
-def test_the_correct_step_passes_and_a_step_that_plans_once_fails_the_replan_alone(dtype):
+def test_the_correct_step_passes_and_a_step_that_plans_once_fails_the_replan_and_the_decode_step(dtype):
     case = smoke_cases(dtype)[0]
     right = run_case(case, from_callable(mutants.correct), "cpu")
     names = {c.name: c.detail for c in right.checks}
     # the step decodes unsplit (`mutants._dense_decode`), the plain run in splits: other bits, within the bound
-    assert right.ok and {"step.out", "step.lse", "step.replan.out", "step.replan.lse"} <= set(names), right.describe()
+    steps = {"step.out", "step.lse", "step.replan.out", "step.replan.lse", "step.decode.out", "step.decode.lse"}
+    assert right.ok and steps <= set(names), right.describe()
     assert "differ from the case's run" in names["step.out"] and "run again" in names["step.replan.out"]
     failed = _failed(run_case(case, from_callable(mutants.stale_plan), "cpu"))
-    assert set(failed) == {"step.replan.out", "step.replan.lse"}, failed
+    assert set(failed) == {"step.replan.out", "step.replan.lse", "step.decode.out", "step.decode.lse"}, failed
     assert "seq_lens [0, 1, 63, 65, 300, 2] -> [0, 0, 1, 63, 665, 150] (request 4 grown" in failed["step.replan.out"]
+    assert "seq_lens [0, 0, 1, 63, 665, 150] -> [0, 0, 2, 65, 666, 153]" in failed["step.decode.out"]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_a_plan_that_keeps_its_pieces_for_one_decode_step_fails_the_decode_step_alone(dtype):
+    """Found by a review: a plan() fast path for the same requests a few tokens longer (its pieces kept) passed the
+    step check, whose one next step rotated the requests. The decode step grows each by its q_len, with new tokens
+    of weight about 1/2 in their rows: every smoke case fails it, and nothing else (the shifted case too)."""
+    failed = [_failed(run_case(case, from_callable(mutants.fast_path_plan), "cpu")) for case in smoke_cases(dtype)]
+    assert all(set(f) == {"step.decode.out", "step.decode.lse"} for f in failed), failed
 
 
 def test_a_one_element_output_with_any_stride_is_compared_not_a_verifier_error():
@@ -150,15 +163,17 @@ class CopiesQWhenPlanning(mutants._Step):
 @pytest.mark.parametrize("plug_in", [with_step(CapsItsGrid), with_step(RoundsItsGridUp),
                                      with_step(CopiesQWhenPlanning)],
                          ids=["caps_its_grid", "rounds_its_grid_up", "copies_q_when_planning"])
-def test_a_step_sized_at_capture_or_reading_q_when_it_plans_fails_the_replan_alone(plug_in):
+def test_a_step_sized_at_capture_or_reading_q_when_it_plans_fails_the_replan(plug_in):
     """Found by reviews: a next step that only shrank and reordered the requests, its q written before the plan,
     passed the first and the last (0 of 6 smoke cases failed); one that grew a request by only a page and a token
-    past the longest passed a grid rounded up to a power of two in 16 of 24. Now every smoke case fails them, on the
-    replan alone. (Not the shifted smoke case: there the tokens a capped grid misses score -120 against a newest
-    token's +120, a weight of e^-240, nothing in fp32: a capped grid gives the right answer.)"""
+    past the longest passed a grid rounded up to a power of two in 16 of 24. Now every smoke case fails them on the
+    replan, and a capped grid the decode step after it too (only the steps past the first plan). (Not the shifted
+    smoke case: there the tokens a capped grid misses score -120 against a newest token's +120, a weight of e^-240,
+    nothing in fp32: a capped grid gives the right answer.)"""
     cases = [c for c in smoke_cases("bf16") + smoke_cases("fp8") if c.dist != "shifted"]
     failed = [_failed(run_case(case, from_callable(plug_in), "cpu")) for case in cases]
-    assert all(set(f) <= {"step.replan.out", "step.replan.lse"} for f in failed), failed
+    later = {"step.replan.out", "step.replan.lse", "step.decode.out", "step.decode.lse"}
+    assert all(set(f) <= later for f in failed), failed
     assert sum("step.replan.out" in f for f in failed) == len(cases), failed
 
 
@@ -244,8 +259,9 @@ def test_a_step_whose_declared_numerics_are_tighter_than_its_rounding_fails():
                                        gamma_pv_per_token=0.0)
 
     failed = _failed(run_case(smoke_cases("bf16")[0], from_callable(with_step(_DeclaresFp64)), "cpu"))
-    # bf16 out under an fp64 declaration: the step's eager run (step.out) and its replan fail, nothing else
-    assert set(failed) == {"step.out", "step.replan.out"}, failed
+    # bf16 out under an fp64 declaration: the step's eager run (step.out), its replan and decode step fail, nothing
+    # else
+    assert set(failed) == {"step.out", "step.replan.out", "step.decode.out"}, failed
 
 
 needs_cuda = pytest.mark.gpu  # CUDA graph capture: conftest.py skips these without a CUDA GPU (ROCm's HIP too)
@@ -315,8 +331,9 @@ def test_on_cuda_free_blocks_show_a_replay_that_writes_a_freed_tensor():
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_our_steps_pass_the_step_check_on_cuda(backend, dtype):
     """Our graph-capturable step (TritonMLADecode, each kernel pinned in turn) on the smoke cases: captured,
-    replayed with its eager bits, refilled and replayed right; where a pinned kernel takes no such batch the step
-    refuses it (step.refused) as the backend's run does (the case is then unsupported)."""
+    replayed with its eager bits, refilled and replayed right, twice (the replan, the decode step); where a pinned
+    kernel takes no such batch the step refuses it (step.refused) as the backend's run does (the case is then
+    unsupported)."""
     from verify.kernels import from_backend
 
     kernel = from_backend(backend)
@@ -326,8 +343,8 @@ def test_our_steps_pass_the_step_check_on_cuda(backend, dtype):
         if result.unsupported:
             continue
         names = {c.name for c in result.checks}  # step, or step.out / .lse where the step's bits differ (bound)
-        assert result.ok and {"step.graph", "step.replan.out"} <= names and names & {"step", "step.out"}, (
-            result.describe())
+        later = {"step.graph", "step.replan.out", "step.decode.out"}
+        assert result.ok and later <= names and names & {"step", "step.out"}, result.describe()
         ran += 1
     if not ran and backend != "triton":  # the Gluon kernels take sm_90 batches only; the Triton kernel takes all
         pytest.skip(f"{backend} took none of the {dtype} smoke cases on this GPU")
@@ -389,3 +406,56 @@ class _WritesItsCache(mutants._Step):
 def test_a_step_that_returns_or_writes_its_inputs_fails_by_name(plug_in, words):
     failed = _failed(run_case(smoke_cases("bf16")[0], from_callable(plug_in), "cpu"))
     assert set(failed) == {"step"} and words in failed["step"], failed
+
+
+_UNIT_ROUNDOFF = {torch.bfloat16: 2**-8, torch.float8_e4m3fn: 2**-4, torch.float8_e4m3fnuz: 2**-4}  # half an ulp, rel.
+_HALF_SUBNORMAL = {torch.bfloat16: 0.0, torch.float8_e4m3fn: 2**-10, torch.float8_e4m3fnuz: 2**-11}  # absolute
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("index", range(4))
+def test_the_decode_step_grows_each_request_by_its_q_len_with_new_tokens_that_weigh_one_half(dtype, index):
+    """decode_layout grows each non-empty request of the step after next_layout by its q_len, in place: old tokens
+    keep their slots, new ones go into the request's partly used last page or spare pages no request used, NaN
+    until decode_values writes them after the plan. Each new token 0 then scores its row 0's log-sum-exp over the
+    old tokens on every head (weight 1/2 beside them), up to rounding k to the cache's format: |Δs| <= σ Σ_d |q_d|
+    |k_d| u / (1 - u) + σ Σ_d |q_d| (half the smallest subnormal) kv_scale, u half an ulp (relative)."""
+    batch = _case_batch(dtype, index)
+    static, first_spare = with_room(batch)
+    next_values(static, next_layout(static, first_spare)[1])
+    before = static.seq_lens.clone()
+    old_slots, old_table, old_kv = _slot_set(static), static.block_table.clone(), static.kv_cache.clone()
+    where, old = decode_layout(static, first_spare)
+    grows = before > 0
+    assert torch.equal(old, before) and static.validate() is static and "each non-empty one grown" in where
+    assert torch.equal(static.seq_lens, torch.where(grows, before + static.q_lens, before))
+    for b in range(static.batch_size):
+        kept = int(static.pages_per_request[b]) if not grows[b] else -(-int(before[b]) // static.page_size)
+        assert torch.equal(static.block_table[b, :kept], old_table[b, :kept])  # old tokens where they were
+        assert (static.block_table[b, kept:int(static.pages_per_request[b])] >= first_spare).all()
+    new = _slot_set(static) - old_slots
+    assert len(new) == int((static.seq_lens - before).sum()) and not new & old_slots
+    assert all(torch.isnan(static.kv_cache[p, s].float()).all() for p, s in new)  # nothing before the plan
+    assert all(int(p) >= first_spare or any(int(p) == int(q) for q, _ in old_slots) for p, _ in new)
+    assert "new tokens written" in decode_values(static, old)
+    changed = {(int(p), int(s)) for p, s in torch.nonzero((static.kv_cache.view(torch.uint8) !=
+                                                           old_kv.view(torch.uint8)).any(-1)).tolist()}
+    assert changed == new and not any(torch.isnan(static.kv_cache[p, s].float()).any() for p, s in new)
+    q = static.dequantized_q()  # [T, H, D] fp64
+    kv_dtype, scale = static.kv_cache.dtype, static.kv_scale if static.kv_cache.dtype != torch.bfloat16 else 1.0
+    u, tiny = _UNIT_ROUNDOFF[kv_dtype], _HALF_SUBNORMAL[kv_dtype] * scale
+    first_rows = static.qo_indptr.long()[:-1]  # [B] row 0 of each request
+    checked = 0
+    for b in torch.nonzero(grows).flatten().tolist():
+        K = static.request_kv(b)  # [s_b, D] fp64 dequantized
+        k, old_k = K[int(before[b])], K[: int(before[b])]  # [D] new token 0, [old, D]
+        code = static.kv_cache[tuple(static.token_slots(b)[i][int(before[b])] for i in range(2))]
+        if kv_dtype != torch.bfloat16 and code.float().abs().max() >= torch.finfo(kv_dtype).max:
+            continue  # saturated: its score may fall short of the target
+        row = q[first_rows[b]]  # [H, D]
+        lse_old = torch.logsumexp(static.sm_scale * row @ old_k.T, dim=-1)  # [H]
+        s = static.sm_scale * row @ k  # [H]
+        slack = static.sm_scale * (row.abs() @ (k.abs() * u / (1 - u) + tiny))  # [H]
+        assert ((s - lse_old).abs() <= slack).all(), (b, (s - lse_old).tolist(), slack.tolist())
+        checked += 1
+    assert checked >= 1

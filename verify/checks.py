@@ -842,15 +842,18 @@ def check_step(batch: DecodeBatch, kernel: Kernel, first: tuple, ref, bound: bou
     NaN), planned again, its new q and new tokens written (`next_values`, after the plan, as a serving step's graph
     writes them), replayed (on a CPU run again) into poisoned outputs: ``step.replan.out`` / ``.lse`` against the
     oracle on the new contents, within their tier-1 bound. A step that bakes the captured step into its launch (a
-    plan made once, a grid sized by the captured lengths, q or the cache copied when it plans) fails the last. On
-    CUDA that replay runs while tensors of ours hold every block the caching allocator has free
+    plan made once, a grid sized by the captured lengths, q or the cache copied when it plans) fails the last. Then
+    the step after that one (`_decode_step`, ``step.decode.out`` / ``.lse``): the same requests, each non-empty one
+    grown by its q_len tokens, planned, its new tokens (each built to weigh about 1/2 in its query row) written after
+    the plan, replayed, against the oracle: a plan() that keeps its pieces for the same requests a few tokens longer
+    fails it. On CUDA the replan's replay runs while tensors of ours hold every block the caching allocator has free
     (`verify.freed_memory`): ``step.freed`` fails if it wrote any, as a graph does whose buffer plan() replaced;
     one that reads such a buffer (a scale or metadata tensor made anew by each plan) reads NaN / -1 bytes there.
     Under an allocator other than torch's native one (cudaMallocAsync has no snapshot) step.freed does not run.
     Bounds take the step's own ``numerics`` (a KernelNumerics, or a callable of the batch) where it declares them
     (a step fixes its kernel when built, while the kernel's numerics(batch) follow each batch), else the kernel's.
-    A plan() that writes into the step's inputs fails ``step`` (the first plan) or ``step.replan``, as a run() that
-    does, or returns a view of them, fails its check. A step that refuses the batch, or the next step
+    A plan() that writes into the step's inputs fails ``step`` (the first plan), ``step.replan`` or ``step.decode``,
+    as a run() that does, or returns a view of them, fails its check. A step that refuses the batch, or a later step
     (`Unsupported`), passes as ``step.refused``."""
     with _releasing(batch.device):  # after _drive_step has returned: the step, its buffers and graph are gone
         return _drive_step(batch, kernel, first, ref, bound, out_dtype)
@@ -1002,7 +1005,41 @@ def _drive_step(batch: DecodeBatch, kernel: Kernel, first: tuple, ref, bound: bo
     replan = _with_rows(static, check_tier1(out, lse, ref_next, *judge_next, name="step.replan"))
     for r in replan:
         r.detail = f"{where}, {how}: {r.detail}"
-    return results + freed + replan
+    _poisoned(got, inputs)  # judged: the step's next replay must write them anew
+    return results + freed + replan + _decode_step(static, step, first_spare, replay, how, step_bound)
+
+
+def _decode_step(static: DecodeBatch, step, first_spare: int, replay, how: str, step_bound) -> list[CheckResult]:
+    """``step.decode`` (check_step's last step): the step after the replan's written in place
+    (`next_step.decode_layout`: the same requests, each non-empty one grown by its q_len tokens), planned, its new
+    tokens written after the plan (`decode_values`: each built to weigh about 1/2 in its query row), replayed into
+    poisoned outputs, against the oracle on the new contents within its tier-1 bound (``step_bound``)."""
+    device = static.device
+    where, old_lens = next_step.decode_layout(static, first_spare)
+    where = f"the step after: {where}"
+    try:
+        why = _planned(step, static)
+    except Exception as e:
+        if is_device_fault(e):
+            raise
+        if isinstance(e, Unsupported):
+            return [CheckResult("step.refused", True, detail=f"{where}: refused: {error_message(e)}")]
+        return [CheckResult("step.decode", False, detail=f"{where}: planning it raised {error_message(e)}")]
+    if why is not None:
+        return [CheckResult("step.decode", False, detail=f"{where}: {why}")]
+    where += ", then " + next_step.decode_values(static, old_lens) + " after plan()"
+    ref = mla_decode_ref(static)  # [T, H, L], [T, H] fp64 on the new contents
+    got, why = _watched(static, lambda: _call(replay, device=device))
+    judge = step_bound(static, ref) if why is None else None
+    if why is None and isinstance(judge, str):
+        why = judge
+    if why is not None:
+        return [CheckResult("step.decode", False, detail=f"{where}, {how}: {why}")]
+    out, lse = _moved(*got, ref[0].device, copy=False)
+    results = _with_rows(static, check_tier1(out, lse, ref, *judge, name="step.decode"))
+    for r in results:
+        r.detail = f"{where}, {how}: {r.detail}"
+    return results
 
 
 def _freed_check(held: FreeBlocks, where: str) -> list[CheckResult]:

@@ -44,6 +44,9 @@ turns one knob, the way such bugs happen in real kernels:
 | stale_plan            | its graph-capturable step keeps the lengths of its first     | step.replan (any)             |
 |                       | plan: a replay after the next step was written into its      |                               |
 |                       | buffers decodes it with the captured step's lengths          |                               |
+| fast_path_plan        | its graph-capturable step's plan() keeps its pieces (the     | step.decode (any)             |
+|                       | lengths it planned) when the same requests come back grown   |                               |
+|                       | by at most their q_len: one decode step's new tokens unread  |                               |
 | realloc_workspace     | its graph-capturable step allocates a new workspace at each  | step.freed (any; CUDA only)   |
 |                       | plan(): the replay after the next plan writes the freed one  |                               |
 |                       | (right answers, another tensor's memory overwritten)         |                               |
@@ -284,10 +287,13 @@ class _Step:
     buffers, and run() decodes the step's batch with them into an fp32 workspace, then out and lse from it.
     ``stale``: only the first plan() copies the lengths, as a step that bakes the captured step's lengths into its
     launch does. ``realloc``: every plan() allocates a new workspace (a buffer sized to the plan), dropping the one
-    a captured graph writes."""
+    a captured graph writes. ``fast_path``: a plan() for the same q_lens with every length grown by 0 to its q_len
+    keeps the planned lengths, as a plan that reuses its pieces for the next decode step does."""
 
-    def __init__(self, batch: DecodeBatch, max_q_len: int, stale: bool = False, realloc: bool = False):
+    def __init__(self, batch: DecodeBatch, max_q_len: int, stale: bool = False, realloc: bool = False,
+                 fast_path: bool = False):
         self.batch, self.max_q_len, self.stale, self.realloc, self.planned = batch, max_q_len, stale, realloc, False
+        self.fast_path = fast_path
         self.seq_lens, self.q_lens = batch.seq_lens.clone(), batch.q_lens.clone()  # [B] each, the step's buffers
         self.workspace = self._workspace()  # [T, H, L + 1] fp32: out's channels, then lse
 
@@ -297,7 +303,9 @@ class _Step:
         if batch.batch_size and int(batch.q_lens.max()) > self.max_q_len:
             raise ValueError(f"plan: q_lens must be <= the step's max_q_len {self.max_q_len}, got "
                              f"{batch.q_lens.tolist()}")
-        if not (self.stale and self.planned):
+        grew = batch.seq_lens - self.seq_lens  # [B]
+        one_step = torch.equal(batch.q_lens, self.q_lens) and bool(((grew >= 0) & (grew <= batch.q_lens)).all())
+        if not (self.stale and self.planned) and not (self.fast_path and self.planned and one_step):
             self.seq_lens.copy_(batch.seq_lens)
             self.q_lens.copy_(batch.q_lens)
         if self.realloc:
@@ -578,13 +586,24 @@ def realloc_workspace(batch):
 realloc_workspace.step = lambda batch, max_q_len: _Step(batch, max_q_len, realloc=True)
 
 
+def fast_path_plan(batch):
+    """Right when called; its graph-capturable step's plan() takes a fast path when the same requests come back
+    grown by at most their q_len (one decode step): it keeps the pieces, here the lengths, it planned last, so a
+    replay reads each request as it was a step before and never its newest tokens (found by a review: a step check
+    whose next step always rotated the requests never took that path)."""
+    return _decode(batch)
+
+
+fast_path_plan.step = lambda batch, max_q_len: _Step(batch, max_q_len, fast_path=True)
+
+
 MUTANTS = (
     "wrong_scale", "drop_rope", "page_off_by_one", "last_page_unmasked", "lse_base2", "kv_scale_ignored",
     "q_scale_ignored", "average_splits", "mtp_causal_off_by_one", "nan_empty", "out_gain", "bf16_accumulation",
     "seq_lens_cleared", "cache_padding_written", "nan_dropped", "no_max_subtraction", "int32_offsets",
     "p_rounded_bf16", "bf16_partials", "ignores_strides", "uint16_positions", "hardcoded_scale", "merge_order_varies",
-    "stale_plan", "realloc_workspace", "max_init_zero", "max_before_mask", "packed_rows_wrap", "plan_cached_by_ptr",
-    "splits_follow_batch", "splits_follow_longest", "tiles_follow_q_len", "big_batch_mtp_mask",
+    "stale_plan", "fast_path_plan", "realloc_workspace", "max_init_zero", "max_before_mask", "packed_rows_wrap",
+    "plan_cached_by_ptr", "splits_follow_batch", "splits_follow_longest", "tiles_follow_q_len", "big_batch_mtp_mask",
 )  # fmt: skip
 FP8_ONLY = ("kv_scale_ignored", "q_scale_ignored")  # need fp8 inputs with a scale != 1
 FAR_ONLY = ("int32_offsets",)  # need the far check, on by default on CUDA devices only (mla-verify --far on)

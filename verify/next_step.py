@@ -19,13 +19,22 @@ block-table columns. `next_layout` then writes the next step's lengths and pages
 
 `next_values` writes the new contents after the step has planned, as a serving step's graph produces them: q
 negated (exact in every format) and fresh token values in the grown request's new slots.
+
+`decode_layout` then writes the step after that one: the same requests in the same order, each non-empty one grown
+by its q_len tokens (one plain decode step; empty ones stay empty), the pages the growth newly needs taken from the
+spare ones. A plan() that takes a fast path when the same requests come back a few tokens longer (keeping the old
+pieces, or work sized by the old lengths) misses just those tokens, so `decode_values` builds each new token to carry
+about half of its query row's weight: token i of a request, the newest that the request's row i sees, is the
+least-norm solution of sm_scale · <q_h, k> = the row's log-sum-exp over its old tokens, for every head h at once.
+Random new tokens would weigh e^-12 beside a sink token, e^-240 in the shifted data, and no bound would see them
+missing.
 """
 
 from __future__ import annotations
 
 import torch
 
-from mla_ref.decode import INVALID_PAGE, DecodeBatch, is_fp8
+from mla_ref.decode import INVALID_PAGE, DecodeBatch, is_fp8, mla_decode_ref
 from mla_ref.fp8 import quantize
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # an integer view of each element size
@@ -71,13 +80,17 @@ def next_lengths(seq_lens: torch.Tensor, page_size: int) -> tuple[torch.Tensor, 
 
 
 def with_room(batch: DecodeBatch) -> tuple[DecodeBatch, int]:
-    """(copies of the batch's tensors with room for `next_layout`'s grown request, the first spare page): the
-    cache with enough NaN pages after its own for `grown_length` tokens, the block table widened to them with
-    INVALID_PAGE entries. The same attention as ``batch``: nothing reads the room yet."""
+    """(copies of the batch's tensors with room for `next_layout`'s grown request and `decode_layout`'s growth, the
+    first spare page): the cache with enough NaN pages after its own for `grown_length` tokens plus the pages of
+    q_len more tokens per request, the block table widened to them with INVALID_PAGE entries. The same attention
+    as ``batch``: nothing reads the room yet."""
     ps, kv, table = batch.page_size, batch.kv_cache, batch.block_table
-    pages = -(-grown_length(batch.seq_lens, ps) // ps)  # spare pages, and the grown request's block-table width
+    B, q_max = batch.batch_size, int(batch.q_lens.max()) if batch.batch_size else 1
+    grown = -(-grown_length(batch.seq_lens, ps) // ps)  # the grown request's pages
+    step = -(-q_max // ps)  # at most this many more pages per request in one decode step
+    pages = grown + B * step  # spare pages
     spare = nan_fill_(kv.new_empty((pages,) + tuple(kv.shape[1:])))  # [pages, ps, D]
-    wide = table.new_full((table.shape[0], max(pages, table.shape[1])), INVALID_PAGE)  # [B, W']
+    wide = table.new_full((table.shape[0], max(grown, table.shape[1]) + step), INVALID_PAGE)  # [B, W']
     wide[:, : table.shape[1]] = table
     static = batch.replace(q=batch.q.clone(), kv_cache=torch.cat([kv, spare]), block_table=wide,
                            seq_lens=batch.seq_lens.clone(), q_lens=batch.q_lens.clone())
@@ -135,3 +148,58 @@ def next_values(batch: DecodeBatch, new_slots: torch.Tensor, seed: int = 0) -> s
     bits = _BITS[kv.element_size()]
     kv.view(bits)[new_slots] = codes.view(bits).to(batch.device)
     return f"q negated and {n} new tokens written"
+
+
+def decode_layout(batch: DecodeBatch, first_spare: int) -> tuple[str, torch.Tensor]:
+    """Write the step after `next_layout`'s into ``batch`` (the same `with_room` copy) in place: the same requests
+    in the same order and the same q_lens, each non-empty request grown by its q_len tokens (empty ones stay empty),
+    the pages that growth newly needs taken from the spare ones not yet in the block table. Lengths only grow, so no
+    slot turns stale. -> (a description, [B] the lengths before, which `decode_values` takes)."""
+    B, ps = batch.batch_size, batch.page_size
+    old = batch.seq_lens.clone()  # [B]
+    new = torch.where(old > 0, old + batch.q_lens.to(old.dtype), old)  # [B]
+    have, need = batch.pages_per_request.tolist(), (-(-new.long() // ps)).tolist()  # pages before / after
+    free = max(first_spare, int(batch.block_table[batch.used_entries].max()) + 1 if int(old.sum()) else first_spare)
+    taken = sum(n - h for h, n in zip(have, need))
+    if free + taken > batch.num_pages:
+        raise ValueError(f"decode_layout: batch needs {taken} spare pages from page {free} on, it has "
+                         f"{batch.num_pages - free} (a with_room copy has room for one decode step)")
+    for b in range(B):
+        batch.block_table[b, have[b]:need[b]] = torch.arange(free, free + need[b] - have[b],
+                                                             dtype=batch.block_table.dtype, device=batch.device)
+        free += need[b] - have[b]
+    batch.seq_lens.copy_(new)
+    return (f"the same requests one decode step later, each non-empty one grown by its q_len tokens: seq_lens "
+            f"{old.tolist()} -> {new.tolist()}, {taken} spare pages taken"), old
+
+
+def decode_values(batch: DecodeBatch, old_lens: torch.Tensor) -> str:
+    """Write `decode_layout`'s new tokens after the plan: new token i of a request (position old length + i, the
+    newest its query row i sees) is the least-norm k with sm_scale · <q_h, k> = the row's log-sum-exp over its old
+    tokens for every head h (fp64 on the dequantized q, then rounded to the cache's format: fp8 quantized with
+    kv_scale, saturating), so that beside those tokens it weighs about 1/2 on every head. q is kept. ``old_lens``
+    [B]: the lengths before `decode_layout`. -> a description with the least weight a new token reached beside its
+    row's old tokens (below 1/2 where rounding, saturation or q's rank kept it from its target)."""
+    request = batch.row_request()  # [T]
+    rows = torch.nonzero(batch.seq_lens.long()[request] > old_lens.long()[request]).flatten()  # [t] rows that grew
+    if not rows.numel():
+        return "no request to grow"
+    owner = request[rows]  # [t]
+    i = rows - batch.qo_indptr.long()[owner]  # [t] row in its request = its new token's index
+    old = old_lens.to(batch.device)[owner]  # [t]
+    alone = batch.replace(q=batch.q[rows], block_table=batch.block_table[owner], seq_lens=old,
+                          q_lens=torch.ones_like(old))  # each grown row as a request of its old tokens
+    lse = mla_decode_ref(alone)[1]  # [t, H] fp64 natural log
+    q = batch.sm_scale * alone.dequantized_q()  # [t, H, D] fp64
+    k = (torch.linalg.pinv(q) @ lse[..., None])[..., 0]  # [t, D] least norm: q_h · k = lse_h for each h
+    kv = batch.kv_cache
+    codes = quantize(k, kv.dtype, scale=batch.kv_scale)[0] if is_fp8(kv.dtype) else k.to(kv.dtype)  # [t, D]
+    position = old + i  # [t]
+    pages = batch.block_table.long()[owner, position // batch.page_size]  # [t]
+    bits = _BITS[kv.element_size()]
+    kv.view(bits)[pages, position % batch.page_size] = codes.view(bits)
+    real = codes.to(torch.float64) * (batch.kv_scale if is_fp8(kv.dtype) else 1.0)  # [t, D]
+    s = torch.einsum("thd,td->th", q, real)  # [t, H] the new tokens' scores
+    weight = torch.sigmoid(s - lse)  # [t, H] e^s / (e^s + e^lse)
+    return (f"{rows.numel()} new tokens written, each built to weigh about 1/2 beside its query row's old tokens "
+            f"on every head (median {float(weight.median()):.3g}, least {float(weight.min()):.3g})")
