@@ -275,15 +275,18 @@ class _SyncingStep(mutants._Step):
 @needs_cuda
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_on_cuda_the_step_is_captured_and_replayed(dtype):
-    """The correct step's graph replays its eager run's bits and replays the refilled step right; the step that
-    plans once fails the replay after the refill; a run() that reads the device on the host cannot be captured."""
+    """The correct step's graph replays its eager run's bits and replays the refilled steps right; the step that
+    plans once fails the replays after the refills, the one that keeps its plan for one decode step the last alone;
+    a run() that reads the device on the host cannot be captured."""
     case = smoke_cases(dtype)[0]
     right = run_case(case, from_callable(mutants.correct), "cuda", far=False)
     names = {c.name: c.detail for c in right.checks}
     assert right.ok and names["step.graph"].endswith("the bits of the step's eager run"), right.describe()
-    assert "replayed" in names["step.replan.out"]
+    assert "replayed" in names["step.replan.out"] and "replayed" in names["step.decode.out"]
     failed = _failed(run_case(case, from_callable(mutants.stale_plan), "cuda", far=False))
-    assert set(failed) == {"step.replan.out", "step.replan.lse"}, failed
+    assert set(failed) == {"step.replan.out", "step.replan.lse", "step.decode.out", "step.decode.lse"}, failed
+    failed = _failed(run_case(case, from_callable(mutants.fast_path_plan), "cuda", far=False))
+    assert set(failed) == {"step.decode.out", "step.decode.lse"}, failed
     failed = _failed(run_case(case, from_callable(with_step(_SyncingStep)), "cuda", far=False))
     assert set(failed) == {"step.graph"} and "could not be captured in a CUDA graph" in failed["step.graph"], failed
 
