@@ -83,7 +83,7 @@ def test_far_pages_keeps_unused_block_table_entries_and_poisons_the_new_pages(dt
     not e4m3fn's 0x7F, which is a finite 240 there); two shifted pages start below the threshold."""
     batch = CASES["fp8_p3_w3"].batch()
     batch = batch.replace(kv_cache=batch.kv_cache.float().to(dtype))  # the values do not matter here
-    far = far_pages(batch, beyond=2**12)  # a small threshold: the same construction, a small cache
+    far = far_pages(batch, beyond=2**12, page_ids=0)  # a small threshold: the same construction, a small cache
     shift = far.kv_cache.shape[0] - batch.kv_cache.shape[0]
     used = batch.used_entries
     assert torch.equal(far.block_table[used], batch.block_table[used] + shift)
@@ -104,11 +104,25 @@ def test_far_pages_moves_a_lone_first_page_past_the_threshold_and_refuses_bad_ar
     batch = make_decode_batch(q, [torch.randn(5, 96, generator=g).bfloat16()], sm_scale=0.1, kv_lora_rank=64,
                               page_size=16, generator=g)
     batch = batch.replace(block_table=torch.zeros_like(batch.block_table))  # the request on page 0
-    far = far_pages(batch, beyond=2**12)
+    far = far_pages(batch, beyond=2**12, page_ids=0)
     assert int(far.block_table[0, 0]) * far.kv_cache.stride(0) >= 2**12
-    for kwargs in (dict(beyond=0), dict(below=-1), dict(below=1.5), dict(beyond=True)):
-        with pytest.raises(ValueError, match="far_pages.(beyond|below): expected an int"):
+    assert int(far_pages(batch, beyond=1).block_table[0, 0]) == 2**16  # the default page_ids: past 16-bit ids
+    for kwargs in (dict(beyond=0), dict(below=-1), dict(below=1.5), dict(beyond=True), dict(page_ids=-1)):
+        with pytest.raises(ValueError, match="far_pages.(beyond|below|page_ids): expected an int"):
             far_pages(batch, **kwargs)
+
+
+def test_far_pages_puts_the_used_pages_past_page_id_2_16_where_that_lies_past_element_2_31():
+    """Pages of 64 DeepSeek-V3 tokens (36864 elements) pass element 2^31 at page 58255, under 2^16: a page id kept
+    in 16 bits would still be right there (a review found it). The used pages from the third on now get ids past
+    2^16 (their offsets past 2^31 too), the two below stay under both; here with a small ``beyond``, so that the
+    page ids alone set the shift."""
+    batch = CASES["fp8_p3_w3"].batch()
+    far = far_pages(batch, beyond=2**12)
+    used, below = batch.used_entries, batch.block_table.long() < 2  # [B, max_pages] each
+    ids = far.block_table.long()
+    assert (ids[used & ~below] >= 2**16).all() and (ids[used & below] < 2**16).all()
+    assert (ids[used & below] == batch.block_table.long()[used & below] + 2**16 - 2).all()
 
 
 @pytest.mark.parametrize("error", [

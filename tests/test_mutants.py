@@ -46,15 +46,33 @@ def test_long_mutant_fails_the_long_case_alone(name):
     assert run_case(case, from_callable(mutants.correct), "cpu").ok
 
 
+def test_request_index_mutant_fails_the_big_batch_smoke_case_alone():
+    """Found by a review: a request index kept in 8 bits passed every check while the largest batch built had 65
+    requests. The smoke prefix's batch of 260 (65 non-empty, every fourth, request 256 among them) fails it, on
+    tier1; every other smoke case passes it, and the correct kernel passes the big batch."""
+    from verify import mutants
+    from verify.checks import run_case
+    from verify.kernels import from_callable
+    from verify.strategies import BIG_BATCH
+
+    *others, big = smoke_cases("bf16")
+    assert len(big.seq_lens) == BIG_BATCH > 256 and big.seq_lens[256] > 0
+    result = run_case(big, from_callable(mutants.request_index_8bit), "cpu")
+    assert "tier1.out" in {c.name for c in result.checks if not c.ok}, result.describe()
+    assert all(run_case(case, from_callable(mutants.request_index_8bit), "cpu").ok for case in others)
+    assert run_case(big, from_callable(mutants.correct), "cpu").ok
+
+
 @pytest.mark.parametrize("name", FAR_ONLY)
 def test_far_mutant_fails_the_far_check_alone(name):
-    """int32 element offsets are right on every small cache: only the far check (its pages past element 2^31)
+    """int32 element offsets and 16-bit page ids are right on every small cache: only the far check (its pages past
+    element 2^31 and page id 2^16; on this case's pages of 64 the ids reach 2^16 only since the fifty-sixth session)
     tells, and it is off by default on a CPU; the correct kernel passes it bit for bit."""
     from verify import mutants
     from verify.checks import run_case
     from verify.kernels import from_callable
 
-    case = smoke_cases("fp8")[0]  # fp8: a 2.1 GB far cache (bf16 would take 4.3 GB)
+    case = smoke_cases("fp8")[0]  # fp8: a 2.4 GB far cache (bf16 would take 4.8 GB)
     result = run_case(case, from_callable(getattr(mutants, name)), "cpu", far=True)
     failed = {c.name: c.detail for c in result.checks if not c.ok}
     assert set(failed) <= {"far.out", "far.lse"} and failed, result.describe()

@@ -176,8 +176,9 @@ FAR = [  # (backend, case): the default dispatch per combo and the pinned Gluon 
 
 @pytest.mark.parametrize("name,case", FAR, ids=lambda x: x if isinstance(x, str) else f"{x.combo}_p{x.page_size}")
 def test_pages_past_2_31_elements_give_the_bits_of_the_compact_cache(name, case):
-    """verify.checks.far_pages moves the used pages past element 2^31 of a 4.3 GB (bf16) or 2.1 GB (fp8) cache,
-    NaN in front: page offsets computed in int32 wrap there. Same lengths, same plan: the same bits, no NaN."""
+    """verify.checks.far_pages moves the used pages past element 2^31 and page id 2^16 of a 4.3-4.8 GB (bf16) or
+    2.1-2.4 GB (fp8) cache, NaN in front: page offsets computed in int32, and 16-bit page ids, wrap there. Same
+    lengths, same plan: the same bits, no NaN."""
     from mla_fast import backends
     from verify.checks import far_pages
 

@@ -34,9 +34,10 @@
 |                | step (`next_step`): an eager call that memoises by its inputs'  | the next step: kernel_bound +  |
 |                | identity or address decodes the old step                        | merge_bound of its contents    |
 | inputs         | q, cache, block table and lengths: after the kernel = before    | byte for byte                  |
-| far            | the kernel again with the pages moved past element 2^31 of a    | the first run's bits, else     |
-|                | larger cache, NaN in front (`far_pages`): int32 offsets wrap    | kernel_bound + merge_bound     |
-|                | there (on CUDA devices by default: a 2-4 GB cache per case)     |                                |
+| far            | the kernel again with the pages moved past element 2^31 and     | the first run's bits, else     |
+|                | page id 2^16 of a larger cache, NaN in front (`far_pages`):     | kernel_bound + merge_bound     |
+|                | int32 offsets and 16-bit page ids wrap there (on CUDA devices   |                                |
+|                | by default: a 2-5 GB cache per case, 9.7 GB on pages of 128)    |                                |
 
 err/bound is the largest elementwise |actual - expected| / bound (> 1: violated); checks without a bound report
 None. A kernel that raises or breaks the contract fails the case with its message; the other checks then do not run.
@@ -75,6 +76,7 @@ from verify.strided_inputs import strided_batch
 
 ALT_WORKERS = 132  # second worker count when a case uses one worker (an H200's SMs: a split per block)
 FAR_ELEMENTS = 2**31  # cache elements past which int32 element offsets wrap (far check)
+FAR_PAGE_IDS = 2**16  # page ids past which 16-bit ones wrap (far check)
 
 
 @dataclass
@@ -495,21 +497,25 @@ def check_partials(batch: DecodeBatch, kernel: Kernel, workers: int) -> list[Che
                               "different lengths wrongly, or a P that is not one value per row)")
 
 
-def far_pages(batch: DecodeBatch, beyond: int = FAR_ELEMENTS, below: int = 2) -> DecodeBatch:
+def far_pages(batch: DecodeBatch, beyond: int = FAR_ELEMENTS, below: int = 2, page_ids: int = FAR_PAGE_IDS
+              ) -> DecodeBatch:
     """``batch`` with its cache moved to the end of a larger one: used page p becomes page p + shift, where shift
-    leaves pages below min(``below``, the largest used page) starting under element ``beyond`` and every later
-    page past it, so at least one used page lies past it. The pages in front hold NaN (fp8: the format's NaN code)
-    and nobody owns them, so a kernel that reads a wrapped offset reads NaN or faults. The lengths are the same, so
-    a planned kernel makes the same plan; unused block-table entries keep their values. Allocates (shift + P)
-    pages: past 2^31 elements, 4.3 GB of bf16, 2.1 GB of fp8. One host sync."""
-    for name, value, least in (("beyond", beyond, 1), ("below", below, 0)):
+    leaves pages below min(``below``, the largest used page) starting under element ``beyond`` and with ids under
+    ``page_ids``, and every later page past both, so at least one used page lies past them. The pages in front hold
+    NaN (fp8: the format's NaN code) and nobody owns them, so a kernel that reads a wrapped offset, or a page id
+    kept in 16 bits, reads NaN or faults. The lengths are the same, so a planned kernel makes the same plan; unused
+    block-table entries keep their values. Allocates (shift + P) pages: past 2^31 elements, 4.3 GB of bf16, 2.1 GB
+    of fp8; on pages of more than 56 DeepSeek-V3 tokens (576 elements) 2^16 pages are more: 4.8 GB of bf16 on pages
+    of 64, 9.7 GB on pages of 128. One host sync."""
+    for name, value, least in (("beyond", beyond, 1), ("below", below, 0), ("page_ids", page_ids, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"far_pages.{name}: expected an int >= {least}, got {value!r}")
     kv = batch.kv_cache  # [P, ps, D]
     per_page = kv.shape[1] * kv.shape[2]  # elements per page
     used = batch.used_entries  # [B, max_pages]
     last = int(torch.where(used, batch.block_table, 0).max()) if used.numel() else 0  # the largest used page
-    shift = max(0, -(-beyond // per_page) - min(below, last))  # page p starts past `beyond` iff p >= min(below, last)
+    first = max(-(-beyond // per_page), page_ids)  # the first page past both element `beyond` and id `page_ids`
+    shift = max(0, first - min(below, last))  # page p lands there or past it iff p >= min(below, last)
     far = torch.empty((shift + kv.shape[0],) + tuple(kv.shape[1:]), dtype=kv.dtype, device=kv.device)  # [P', ps, D]
     far[:shift] = torch.tensor(float("nan")).to(kv.dtype)  # the format's NaN code (e4m3fnuz: 0x80)
     far[shift:] = kv
@@ -527,8 +533,9 @@ def check_far(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, re
               out_dtype: torch.dtype) -> list[CheckResult]:
     """The kernel run again on ``far_pages(batch)`` (the case's worker count when it takes one): a production cache
     is many GB, and an element offset page x page_stride computed in int32 wraps past 2^31 (3.7 M bf16 tokens of
-    576). Passes with the bits of the first run ``first`` (out, lse); a kernel whose bits vary from run to run
-    passes within the tier-1 bound instead. A wrapped offset reads the NaN in front (or outside the cache). The far
+    576), a page id kept in 16 bits past 2^16 pages. Passes with the bits of the first run ``first`` (out, lse); a
+    kernel whose bits vary from run to run passes within the tier-1 bound instead. A wrapped offset or page id reads
+    the NaN in front (or outside the cache). The far
     cache goes back to the device when the check ends (`release_cached`): the campaign's other worker processes share
     the GPU. A far cache, or a run on it, that does not fit in memory fails the check and says so."""
     with _releasing(batch.device):  # after _far_run has returned: its frame, and so the far cache, is gone
@@ -543,14 +550,17 @@ def _far_run(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, ref
     except RuntimeError as e:  # torch.OutOfMemoryError too; not a kernel failure, but the check needs its cache
         if not _out_of_memory(e):
             raise
-        return [CheckResult("far", False, detail=f"the far cache (past element 2^31) {_no_room(batch, e)}")]
+        return [CheckResult("far", False, detail=f"the far cache (past element 2^31 and page id 2^16) "
+                                                    f"{_no_room(batch, e)}")]
     raw, exc = _run(kernel, far, workers)
     if exc is not None and is_device_fault(exc):
         raise exc  # before anything here touches the device, which now fails every call
     offsets = far.block_table.long() * far.kv_cache.stride(0)  # [B, max_pages] first element of each page
     used = far.used_entries  # [B, max_pages]
-    past, n_used = torch.stack([(used & (offsets >= FAR_ELEMENTS)).sum(), used.sum()]).tolist()
-    where = f"{past} of {n_used} used pages past element 2^31 of a {far.kv_cache.numel() / 2**30:.2f} Gi-element cache"
+    past, n_used = torch.stack([(used & (offsets >= FAR_ELEMENTS) & (far.block_table >= FAR_PAGE_IDS)).sum(),
+                                used.sum()]).tolist()
+    where = (f"{past} of {n_used} used pages past element 2^31 and page id 2^16 of a "
+             f"{far.kv_cache.numel() / 2**30:.2f} Gi-element cache")
     if exc is not None and _out_of_memory(exc):
         return [CheckResult("far", False, detail=f"{where}: the run {_no_room(batch, exc)}")]
     second, why = _outputs_of((raw, exc), far)

@@ -152,11 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
         "NaN: the same bits), the rerun check (the kernel called again on its tensors rewritten in place as the\n"
         "next decode step), the batch check (the requests regrouped: the same bits for a kernel declared\n"
         "batch-invariant, else the tier-1 bound), and on\n"
-        "CUDA devices the far check (the pages moved past element 2^31 of a larger cache, where int32 offsets\n"
-        "wrap) and the long cases (a request of 2^16 + 65 tokens in more than 64 pieces); for kernels with a\n"
+        "CUDA devices the far check (the pages moved past element 2^31 and page id 2^16 of a larger cache, where\n"
+        "int32 offsets and 16-bit page ids wrap) and the long cases (a request of 2^16 + 65 tokens in more than\n"
+        "64 pieces); for kernels with a\n"
         "graph-capturable step, the step check (planned, run, captured in a CUDA graph on CUDA, given the next\n"
         "decode step in place, planned again and replayed; on CUDA that replay must leave the allocator's free\n"
-        "memory unwritten).\n"
+        "memory unwritten; then one plain decode step, each request grown by its q_len, the same way).\n"
         "Subcommand: 'mla-verify model ...' checks a whole MLA layer (verify.model_check).",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -197,8 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "with it")
     p.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failed case (not unsupported)")
     p.add_argument("--far", choices=("auto", "on", "off"), default="auto",
-                   help="the far check: each case again with its pages past element 2^31 of a 2-4 GB cache (int32 "
-                        "offsets wrap there); auto = on CUDA devices, where the fill takes milliseconds (default); "
+                   help="the far check: each case again with its pages past element 2^31 and page id 2^16 of a "
+                        "2-5 GB cache (9.7 GB on pages of 128; int32 offsets and 16-bit page ids wrap there); "
+                        "auto = on CUDA devices, where the fill takes milliseconds (default); "
                         "each worker process holds one such cache: fewer --jobs where memory is short")
     p.add_argument("--long", choices=("auto", "on", "off"), default="auto",
                    help="the long cases after the smoke prefix: one request of 2^16 + 65 tokens cut into more than "
@@ -825,8 +827,8 @@ def main(argv: list[str] | None = None) -> int:
     console.print(f"mla-verify: kernel {kernel.name} ({kernel.reason}); device {device}; {what}", markup=False,
                   highlight=False)
     if not _FAR:
-        console.print("mla-verify: the far check is off (pages past element 2^31 of a 2-4 GB cache, on CUDA devices by "
-                      "default; --far on runs it here)", markup=False, highlight=False)
+        console.print("mla-verify: the far check is off (pages past element 2^31 and page id 2^16 of a 2-5 GB cache, "
+                      "on CUDA devices by default; --far on runs it here)", markup=False, highlight=False)
     if device.type == "cuda":
         report["mps"] = mps_running()
     if device.type == "cuda" and jobs > 1 and n > 1 and not report["mps"]:

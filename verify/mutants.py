@@ -1,7 +1,7 @@
 """Planted-bug decode kernels: each one must make the default `mla-verify` campaign fail (exit 1); the two scale
-mutants (``kv_scale_ignored``, ``q_scale_ignored``) need fp8 cases, ``--dtype fp8``, ``int32_offsets`` the far
-check (on by default on CUDA devices; ``--far on`` on a CPU), ``uint16_positions`` the long cases (the same;
-``--long on``) and ``realloc_workspace`` a CUDA device (its bug needs a CUDA graph).
+mutants (``kv_scale_ignored``, ``q_scale_ignored``) need fp8 cases, ``--dtype fp8``, ``int32_offsets`` and
+``page_ids_16bit`` the far check (on by default on CUDA devices; ``--far on`` on a CPU), ``uint16_positions`` the
+long cases (the same; ``--long on``) and ``realloc_workspace`` a CUDA device (its bug needs a CUDA graph).
 
 Use them as plug-ins, ``mla-verify --impl verify.mutants:NAME``; ``correct`` is the same kernel without a bug and
 must pass. All share one small split-KV, online-softmax decode (`_decode`) in fp32 with bf16 output; each mutant
@@ -27,6 +27,7 @@ turns one knob, the way such bugs happen in real kernels:
 | no_max_subtraction    | softmax without the max subtracted: exp(s) overflows         | finite / tier1 (wide logits)  |
 | int32_offsets         | cache rows addressed by int32 element offsets, which wrap    | far (CUDA, or `run_case(...,  |
 |                       | past 2^31 elements (3.7 M bf16 tokens)                       | far=True)`; any case)         |
+| page_ids_16bit        | page ids kept in 16 bits: page 2^16 + p read as page p       | far (as int32_offsets)        |
 | p_rounded_bf16        | P rounded to bf16 before P.V, fp32 P declared (the plug-in   | rounding (a request of >= 2   |
 |                       | default): one bf16 ulp per weight, below the output's        | tokens)                       |
 | bf16_partials         | split outputs stored in bf16 for the merge (lse fp32), fp32  | partials (a request of > 64   |
@@ -67,9 +68,11 @@ turns one knob, the way such bugs happen in real kernels:
 | tiles_follow_q_len    | online-softmax steps of 64 / (the batch's largest q_len)     | batch.mtp (a request longer   |
 |                       | tokens, while it declares itself batch-invariant             | than the smaller of the case's|
 |                       |                                                              | and the mtp batch's steps)    |
-| big_batch_mtp_mask    | past 16 requests, every request masked as if it had the      | tier1 (the 64-request smoke   |
+| big_batch_mtp_mask    | past 16 requests, every request masked as if it had the      | tier1 (the 260-request smoke  |
 |                       | batch's largest q_len (a [B, max q_len] row grid read from   | case, MTP rows among single   |
 |                       | its first row)                                               | ones)                         |
+| request_index_8bit    | a request's block-table row read at its index mod 256        | tier1 / finite (the 260-      |
+|                       |                                                              | request smoke case)           |
 """
 
 from __future__ import annotations
@@ -117,6 +120,8 @@ def _decode(
     longest_splits: bool = False,
     rows_tiles: bool = False,
     big_batch_rows: int | None = None,
+    request_bits: int | None = None,
+    page_id_bits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV online-softmax MLA decode -> (out [T, H, L] bf16, lse [T, H] fp32). Defaults = no bug.
 
@@ -130,7 +135,9 @@ def _decode(
     request, as a kernel that sizes its splits once for the batch, from its longest request, cuts it; with
     ``rows_tiles`` the online softmax steps over BLOCK / (the batch's largest q_len) tokens, as a kernel that keeps
     its tile's rows x tokens fixed and sizes it once for the batch does. With ``big_batch_rows`` = R, a batch of
-    more than R requests masks every request's rows as if it had the batch's largest q_len.
+    more than R requests masks every request's rows as if it had the batch's largest q_len. With ``request_bits``
+    a request's block-table row is read at its index modulo 2^bits (a request index that wraps); with
+    ``page_id_bits`` each page id modulo 2^bits (a page id that wraps).
     """
     L, H, ps = batch.kv_lora_rank, batch.num_heads, batch.page_size
     sigma = batch.sm_scale if sm_scale is None else sm_scale
@@ -151,7 +158,10 @@ def _decode(
         batch_piece = -(-longest_blocks // min(MAX_SPLITS, max(longest_blocks, 1))) * BLOCK or BLOCK
     for b, (s, n) in enumerate(zip(seq_lens, q_lens)):
         n_pages = -(-s // ps)
-        pages = (batch.block_table[b, :n_pages].long() + page_shift) % batch.num_pages  # [n_pages]
+        row = b % 2**request_bits if request_bits is not None else b  # the block-table row it reads
+        pages = (batch.block_table[row, :n_pages].long() + page_shift) % batch.num_pages  # [n_pages]
+        if page_id_bits is not None:
+            pages = pages % 2**page_id_bits  # [n_pages]
         if int32_offsets:  # the page's first element as int32 arithmetic leaves it: wrapped past 2^31, and read
             # modulo the cache's size (a GPU would read outside the allocation, or fault)
             first = (pages.to(torch.int32) * (ps * batch.head_dim)).long() % batch.kv_cache.numel()  # [n_pages]
@@ -523,8 +533,23 @@ def big_batch_mtp_mask(batch):
     """In batches of more than 16 requests (a large-batch path: a [B, largest q_len] grid of query rows) every
     request's causal mask is that of the batch's largest q_len, its rows taken as the grid's first ones: a request
     with fewer rows sees that many tokens fewer. Right in every drawn case (at most 8 requests); only the smoke
-    prefix's 64-request batch, whose MTP requests sit among single-row ones, shows it."""
+    prefix's 260-request batch, whose MTP requests sit among single-row ones, shows it."""
     return _decode(batch, big_batch_rows=16)
+
+
+def page_ids_16bit(batch):
+    """Page ids kept in 16 bits (a block table narrowed to uint16 for its metadata, say): page 65536 + p is read as
+    page p. Right on every cache of fewer than 2^16 pages; the far check, whose pages lie past id 2^16 with NaN in
+    front, shows it (found by a review: on pages of 64 and 128 the far check's ids stayed under 2^16)."""
+    return _decode(batch, page_id_bits=16)
+
+
+def request_index_8bit(batch):
+    """A request's block-table row read at its index modulo 256, as a kernel that keeps the request index of its
+    work items in 8 bits does: request 256 reads request 0's pages. Right in every batch of at most 256 requests;
+    only the smoke prefix's 260-request batch, whose request 256 has tokens, shows it (found by a review: the
+    largest batch built then had 65 requests)."""
+    return _decode(batch, request_bits=8)
 
 
 def max_init_zero(batch):
@@ -604,8 +629,9 @@ MUTANTS = (
     "p_rounded_bf16", "bf16_partials", "ignores_strides", "uint16_positions", "hardcoded_scale", "merge_order_varies",
     "stale_plan", "fast_path_plan", "realloc_workspace", "max_init_zero", "max_before_mask", "packed_rows_wrap",
     "plan_cached_by_ptr", "splits_follow_batch", "splits_follow_longest", "tiles_follow_q_len", "big_batch_mtp_mask",
+    "request_index_8bit", "page_ids_16bit",
 )  # fmt: skip
 FP8_ONLY = ("kv_scale_ignored", "q_scale_ignored")  # need fp8 inputs with a scale != 1
-FAR_ONLY = ("int32_offsets",)  # need the far check, on by default on CUDA devices only (mla-verify --far on)
+FAR_ONLY = ("int32_offsets", "page_ids_16bit")  # need the far check, on by default on CUDA devices only (--far on)
 LONG_ONLY = ("uint16_positions",)  # need the long cases, on by default on CUDA devices only (mla-verify --long on)
 CUDA_ONLY = ("realloc_workspace",)  # needs a CUDA graph: its replay keeps the address plan() freed

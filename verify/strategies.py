@@ -119,6 +119,9 @@ def _sm_scale() -> st.SearchStrategy[float]:
     return st.one_of(st.just(SM_SCALE), st.just(SM_SCALE), st.just(SM_SCALE), config)
 
 
+BIG_BATCH = 260  # requests of the smoke prefix's largest batch: indices past 2^8 (one CUDA-graph padding step past 256)
+
+
 def smoke_cases(
     dtype: str = "bf16",
     *,
@@ -133,7 +136,8 @@ def smoke_cases(
     and sink scores, 128 heads on pages of 32 with logits past fp32 exp's overflow, a dominant newest token in a
     long request, pages of 128, two softmax scales other than DeepSeek-V3's (which most drawn cases take), for fp8
     both q dtypes, every scale mode, subnormals, ties and saturation; then 128 heads with MTP rows of 3 and 4, MTP
-    rows of 5 and 8, scores shifted by -120 with a newest token at +120, and a batch of 64 requests.
+    rows of 5 and 8, scores shifted by -120 with a newest token at +120, and a batch of 260 requests (65 of them
+    non-empty).
 
     Lengths are clipped to max_seq_len; heads / page_size override the hand-picked values when given.
     """
@@ -188,12 +192,13 @@ def smoke_cases(
         # every score shifted to -120 but the newest token's, +120, which only the last MTP row sees, in requests
         # of several tiles and splits: a running max started at 0, or a merge or tile that keeps its first max
         dict(seq_lens=(700, 3, 130), q_lens=(2, 1, 3), heads=4, num_workers=8, dist="shifted", seed=18),
-        # a batch of 64 requests (drawn: up to --max-batch, 8; a request index of three bits wraps), MTP rows of 3
-        # in every ninth request and of 4 in the last among single rows (a large-batch path that takes the batch's
-        # largest q_len for every request)
-        dict(seq_lens=tuple(37 * i % 101 for i in range(64)),
-             q_lens=tuple(4 if i == 63 else 3 if i % 9 == 4 else 1 for i in range(64)), heads=2, page_size=16,
-             num_workers=16, dist="gauss1", seed=17),
+        # a batch of 260 requests (drawn: up to --max-batch, 8), as a CUDA graph padded past 256 holds them: 65 of
+        # them non-empty, every fourth, so that requests past index 127 and 255 read tokens (a request index of 8
+        # bits, signed or not, wraps), MTP rows of 3 in every ninth of those and of 4 in the last among single rows
+        # (a large-batch path that takes the batch's largest q_len for every request)
+        dict(seq_lens=tuple(37 * (j // 4) % 101 if j % 4 == 0 else 0 for j in range(BIG_BATCH)),
+             q_lens=tuple(1 if j % 4 else 4 if j == 4 * 64 else 3 if j // 4 % 9 == 4 else 1 for j in range(BIG_BATCH)),
+             heads=2, page_size=16, num_workers=16, dist="gauss1", seed=17),
     ]
     out = []
     for kw in picked:
