@@ -224,6 +224,22 @@ class _SecondPlanRaises(mutants._Step):
         super().plan(batch)
 
 
+class _ThirdPlanRefusesOrRaises(mutants._Step):
+    """Its third plan (the decode step) refuses the batch (``refuse``) or raises."""
+
+    refuse = False
+
+    def plan(self, batch):
+        self.plans = getattr(self, "plans", 0) + 1
+        if self.plans == 3:
+            raise Unsupported("no room for one more step") if self.refuse else RuntimeError("decode step exploded")
+        super().plan(batch)
+
+
+class _ThirdPlanRefuses(_ThirdPlanRefusesOrRaises):
+    refuse = True
+
+
 def test_a_refused_step_passes_as_refused_and_a_raising_plan_fails_by_name():
     case = smoke_cases("bf16")[0]
     refused = run_case(case, from_callable(refuses_steps), "cpu")
@@ -235,6 +251,12 @@ def test_a_refused_step_passes_as_refused_and_a_raising_plan_fails_by_name():
     failed = _failed(run_case(case, from_callable(with_step(_SecondPlanRaises)), "cpu"))
     assert set(failed) == {"step.replan"} and "planning it raised RuntimeError: workspace too small" in failed[
         "step.replan"]
+    failed = _failed(run_case(case, from_callable(with_step(_ThirdPlanRefusesOrRaises)), "cpu"))
+    assert set(failed) == {"step.decode"} and "planning it raised RuntimeError: decode step exploded" in failed[
+        "step.decode"] and failed["step.decode"].startswith("the step after: the same requests one decode step")
+    refused = {c.name: c for c in run_case(case, from_callable(with_step(_ThirdPlanRefuses)), "cpu").checks}
+    assert refused["step.refused"].ok and "refused: Unsupported: no room for one more step" in refused[
+        "step.refused"].detail and refused["step.replan.out"].ok
 
 
 def test_a_step_that_is_not_callable_is_refused_by_name():

@@ -978,16 +978,8 @@ def _drive_step(batch: DecodeBatch, kernel: Kernel, first: tuple, ref, bound: bo
         _poisoned(captured, inputs)
     where, new_slots = next_step.next_layout(static, first_spare)
     where = f"the next step in place: {where}"
-    try:
-        why = _planned(step, static)
-    except Exception as e:
-        if is_device_fault(e):
-            raise
-        if isinstance(e, Unsupported):  # a batch outside the step's declared scope, as its first plan may refuse
-            return results + [CheckResult("step.refused", True, detail=f"{where}: refused: {error_message(e)}")]
-        return results + [CheckResult("step.replan", False, detail=f"{where}: planning it raised {error_message(e)}")]
-    if why is not None:
-        return results + [CheckResult("step.replan", False, detail=f"{where}: {why}")]
+    if (ended := _replanned(step, static, "step.replan", where)) is not None:
+        return results + ended
     # every block the caching allocator holds free once plan() has run, taken by poisoned tensors of ours before
     # anything else allocates (the oracle's results, or the byte copies of the inputs, in a block plan() freed
     # would show the replay's writes as a wrong oracle or as writes into the inputs), and given back before those
@@ -1019,6 +1011,22 @@ def _drive_step(batch: DecodeBatch, kernel: Kernel, first: tuple, ref, bound: bo
     return results + freed + replan + _decode_step(static, step, first_spare, replay, how, step_bound)
 
 
+def _replanned(step, batch: DecodeBatch, name: str, where: str) -> list[CheckResult] | None:
+    """``step.plan(batch)`` for a later step (check ``name``, its layout described by ``where``): None when it
+    planned without writing into its inputs, else the results that end the step check there: ``step.refused`` for
+    an `Unsupported` (a batch outside the step's declared scope, as its first plan may refuse), else ``name``
+    failed, with why."""
+    try:
+        why = _planned(step, batch)
+    except Exception as e:
+        if is_device_fault(e):
+            raise
+        if isinstance(e, Unsupported):
+            return [CheckResult("step.refused", True, detail=f"{where}: refused: {error_message(e)}")]
+        return [CheckResult(name, False, detail=f"{where}: planning it raised {error_message(e)}")]
+    return None if why is None else [CheckResult(name, False, detail=f"{where}: {why}")]
+
+
 def _decode_step(static: DecodeBatch, step, first_spare: int, replay, how: str, step_bound) -> list[CheckResult]:
     """``step.decode`` (check_step's last step): the step after the replan's written in place
     (`next_step.decode_layout`: the same requests, each non-empty one grown by its q_len tokens), planned, its new
@@ -1027,16 +1035,8 @@ def _decode_step(static: DecodeBatch, step, first_spare: int, replay, how: str, 
     device = static.device
     where, old_lens = next_step.decode_layout(static, first_spare)
     where = f"the step after: {where}"
-    try:
-        why = _planned(step, static)
-    except Exception as e:
-        if is_device_fault(e):
-            raise
-        if isinstance(e, Unsupported):
-            return [CheckResult("step.refused", True, detail=f"{where}: refused: {error_message(e)}")]
-        return [CheckResult("step.decode", False, detail=f"{where}: planning it raised {error_message(e)}")]
-    if why is not None:
-        return [CheckResult("step.decode", False, detail=f"{where}: {why}")]
+    if (ended := _replanned(step, static, "step.decode", where)) is not None:
+        return ended
     where += ", then " + next_step.decode_values(static, old_lens) + " after plan()"
     ref = mla_decode_ref(static)  # [T, H, L], [T, H] fp64 on the new contents
     got, why = _watched(static, lambda: _call(replay, device=device))
