@@ -694,7 +694,8 @@ def test_split_check_compares_two_different_worker_counts():
     and fails a kernel whose result depends on it: here the emulated backend with σ 1 % off whenever it runs with
     another count than the case's. (A review's mutant that reran the same count compared the run with itself and
     survived every test.)"""
-    from verify.checks import check_split, run_case
+    from mla_ref.decode import mla_decode_ref
+    from verify.checks import _tier1_bound, check_split, run_case
     from verify.kernels import from_backend
 
     emulated = from_backend("emulated")
@@ -706,9 +707,17 @@ def test_split_check_compares_two_different_worker_counts():
     kernel = dataclasses.replace(emulated, run_workers=drifting)
     batch, _ = case.materialize("cpu")
     first = emulated.run_workers(batch, 8)
-    results = {r.name: r for r in check_split(batch, kernel, emulated.numerics(batch), first, 8)}
+    ref = mla_decode_ref(batch)  # [T, H, L], [T, H] fp64
+    bound = _tier1_bound(batch, emulated, emulated.numerics(batch), ref)
+    results = {r.name: r for r in check_split(batch, kernel, emulated.numerics(batch), first, 8, ref, bound)}
     assert not results["split.out"].ok and not results["split.lse"].ok, results
     assert "8 workers vs 1" in results["split.out"].detail
+    # the drifting run is the 1-worker one, and the split check says so (found by a review: it was named "actual"
+    # only as the 8-worker run's counterpart)
+    assert not results["split.tier1.out"].ok and not results["split.tier1.lse"].ok, results
+    assert results["split.tier1.out"].detail.startswith("the 1-worker run vs the oracle: ")
+    right = {r.name: r for r in check_split(batch, emulated, emulated.numerics(batch), first, 8, ref, bound)}
+    assert all(r.ok for r in right.values()) and {"split.tier1.out", "split.out"} <= set(right), right
     assert run_case(case, emulated, "cpu").ok  # the same case passes without the drift
 
 

@@ -9,6 +9,8 @@
 | split.out/.lse | the kernel under several worker counts vs one worker (no split) | split_bound + output ulps      |
 |                | (kernels with `run_workers`: emulated, triton, seesaw,          |                                |
 |                | gluon_fp8, plug-ins that set it)                                |                                |
+| split.tier1.*  | that second run vs the fp64 oracle: names a wrong one-worker    | kernel_bound + merge_bound     |
+|                | path as such                                                    |                                |
 | empty          | rows that see no token: out exactly 0, lse -inf                 | —                              |
 | finite         | rows that see tokens: out and lse finite (inputs are finite)    | —                              |
 | nan            | the kernel again with a NaN in one valid token (`nan_probe`):   | exact (masks)                  |
@@ -311,9 +313,12 @@ def check_tier2(batch_q: DecodeBatch, batch_exact: DecodeBatch, ref_q) -> list[C
     ]
 
 
-def check_split(batch: DecodeBatch, kernel: Kernel, numerics, first: tuple, workers: int) -> list[CheckResult]:
+def check_split(batch: DecodeBatch, kernel: Kernel, numerics, first: tuple, workers: int, ref,
+                bound: bounds.Bound) -> list[CheckResult]:
     """The kernel's result ``first`` (its run with ``workers`` persistent workers) agrees with a second run: one
-    worker (no split), or ALT_WORKERS when ``workers`` is 1.
+    worker (no split), or ALT_WORKERS when ``workers`` is 1 (``split.out`` / ``.lse``); and that second run agrees
+    with the oracle ``ref`` within the case's tier-1 ``bound`` (``split.tier1.out`` / ``.lse``), so that a wrong
+    one-worker path is named as such, not as a split run that differs from it.
 
     Both runs compute the same scores; P rounding under each piece's running max, exp, accumulation and the merge
     differ: within bounds.split_bound before output rounding (numerics.md §5(f,g)). For out of dtype u_out,
@@ -329,6 +334,10 @@ def check_split(batch: DecodeBatch, kernel: Kernel, numerics, first: tuple, work
     if (first[1] is None) != (second[1] is None):
         return [CheckResult("split.lse", False, detail=f"lse returned by only one of the {workers}- and "
                                                        f"{other}-worker runs")]
+    alone = _with_rows(batch, check_tier1(*_moved(*second, ref[0].device, copy=False), ref, bound, numerics.out_dtype,
+                                          name="split.tier1"))
+    for r in alone:
+        r.detail = f"the {other}-worker run vs the oracle: {r.detail}"
     u_out = bounds._unit_roundoff(numerics.out_dtype)  # unit roundoff of the output dtype, as the bounds take it
     eta_out = bounds._half_min_subnormal(numerics.out_dtype)  # its absolute error below the normal range
     split = bounds.split_bound(batch, numerics, kernel.max_splits(batch))  # [T, H, L], [T, H] before output rounding
@@ -339,14 +348,14 @@ def check_split(batch: DecodeBatch, kernel: Kernel, numerics, first: tuple, work
         b = second[i].detach().to(a.device).double()
         if i == 0:
             both = torch.isfinite(a) & torch.isfinite(b)
-            bound = split.out.to(a.device) + torch.where(both, u_out * (a.abs() + b.abs()) * (1 + u_out) + 2 * eta_out,
+            limit = split.out.to(a.device) + torch.where(both, u_out * (a.abs() + b.abs()) * (1 + u_out) + 2 * eta_out,
                                                          0.0)
         else:
-            bound = split.lse.to(a.device)
-        r = _bounded(name, a, b, bound, out_dtype)
+            limit = split.lse.to(a.device)
+        r = _bounded(name, a, b, limit, out_dtype)
         r.detail = f"{workers} workers vs {other}: {r.detail}"
         results.append(r)
-    return results
+    return alone + results
 
 
 def _floating(x: torch.Tensor) -> torch.Tensor:
@@ -1162,7 +1171,7 @@ def run_case(case: Case, kernel: Kernel, device: str = "cpu", far: bool | None =
         if case.is_fp8:
             result.checks += check_tier2(batch, batch_exact, ref)
         if kernel.run_workers is not None:
-            result.checks += check_split(batch, kernel, numerics, (out_d, lse_d), case.num_workers)
+            result.checks += check_split(batch, kernel, numerics, (out_d, lse_d), case.num_workers, ref, bound)
         if not kernel.nan_deviation:  # a backend's declared deviation is in the campaign's report instead
             result.checks.append(check_nan(batch, kernel, case.num_workers))
         result.checks += check_rounding(batch, kernel, case.num_workers)
