@@ -1007,17 +1007,29 @@ def _drive_step(batch: DecodeBatch, kernel: Kernel, first: tuple, ref, bound: bo
         return run
 
     got, why = _watched(static, replay_and_release, before)
-    judge_next = step_bound(static, ref_next) if why is None else None
-    if why is None and isinstance(judge_next, str):
-        why = judge_next
-    if why is not None:
-        return results + freed + [CheckResult("step.replan", False, detail=f"{where}, {how}: {why}")]
-    out, lse = _moved(*got, ref_next[0].device, copy=False)
-    replan = _with_rows(static, check_tier1(out, lse, ref_next, *judge_next, name="step.replan"))
-    for r in replan:
-        r.detail = f"{where}, {how}: {r.detail}"
+    replan = _judged(static, "step.replan", f"{where}, {how}", ref_next, (got, why), step_bound)
+    if any(r.name == "step.replan" for r in replan):  # the replay could not be judged: no step after it
+        return results + freed + replan
     _poisoned(got, inputs)  # judged: the step's next replay must write them anew
     return results + freed + replan + _decode_step(static, step, first_spare, replay, how, step_bound)
+
+
+def _judged(static: DecodeBatch, name: str, where: str, ref, watched: tuple, step_bound) -> list[CheckResult]:
+    """A later step's replay, ``watched`` (`_watched`'s (result, why)), against the oracle ``ref`` on the step's
+    contents within the tier-1 bound of the numerics the step rounds with (``step_bound``): ``name``.out / .lse, or
+    ``name`` failed with why when the replay (or the step's numerics) gave nothing to judge; each detail led by
+    ``where``."""
+    got, why = watched
+    judge = step_bound(static, ref) if why is None else None
+    if why is None and isinstance(judge, str):
+        why = judge
+    if why is not None:
+        return [CheckResult(name, False, detail=f"{where}: {why}")]
+    out, lse = _moved(*got, ref[0].device, copy=False)
+    results = _with_rows(static, check_tier1(out, lse, ref, *judge, name=name))
+    for r in results:
+        r.detail = f"{where}: {r.detail}"
+    return results
 
 
 def _replanned(step, batch: DecodeBatch, name: str, where: str) -> list[CheckResult] | None:
@@ -1041,24 +1053,14 @@ def _decode_step(static: DecodeBatch, step, first_spare: int, replay, how: str, 
     (`next_step.decode_layout`: the same requests, each non-empty one grown by its q_len tokens), planned, its new
     tokens written after the plan (`decode_values`: each built to weigh about 1/2 in its query row), replayed into
     poisoned outputs, against the oracle on the new contents within its tier-1 bound (``step_bound``)."""
-    device = static.device
     where, old_lens = next_step.decode_layout(static, first_spare)
     where = f"the step after: {where}"
     if (ended := _replanned(step, static, "step.decode", where)) is not None:
         return ended
     where += ", then " + next_step.decode_values(static, old_lens) + " after plan()"
     ref = mla_decode_ref(static)  # [T, H, L], [T, H] fp64 on the new contents
-    got, why = _watched(static, lambda: _call(replay, device=device))
-    judge = step_bound(static, ref) if why is None else None
-    if why is None and isinstance(judge, str):
-        why = judge
-    if why is not None:
-        return [CheckResult("step.decode", False, detail=f"{where}, {how}: {why}")]
-    out, lse = _moved(*got, ref[0].device, copy=False)
-    results = _with_rows(static, check_tier1(out, lse, ref, *judge, name="step.decode"))
-    for r in results:
-        r.detail = f"{where}, {how}: {r.detail}"
-    return results
+    watched = _watched(static, lambda: _call(replay, device=static.device))
+    return _judged(static, "step.decode", f"{where}, {how}", ref, watched, step_bound)
 
 
 def _freed_check(held: FreeBlocks, where: str) -> list[CheckResult]:

@@ -159,7 +159,8 @@ def decode_layout(batch: DecodeBatch, first_spare: int) -> tuple[str, torch.Tens
     old = batch.seq_lens.clone()  # [B]
     new = torch.where(old > 0, old + batch.q_lens.to(old.dtype), old)  # [B]
     have, need = batch.pages_per_request.tolist(), (-(-new.long() // ps)).tolist()  # pages before / after
-    free = max(first_spare, int(batch.block_table[batch.used_entries].max()) + 1 if int(old.sum()) else first_spare)
+    used = batch.block_table[batch.used_entries]  # [pages in use]
+    free = max(first_spare, int(used.max()) + 1 if used.numel() else 0)  # the first spare page not yet taken
     taken = sum(n - h for h, n in zip(have, need))
     if free + taken > batch.num_pages:
         raise ValueError(f"decode_layout: batch needs {taken} spare pages from page {free} on, it has "
