@@ -16,23 +16,16 @@ if [ "$group" = ours ]; then
   python3 -m pytest -q tests/test_triton_gpu.py -k "decode_invariant_keeps" 2>&1 | tail -3 | tee -a "$log"
 fi
 mps_start
-campaign() {  # name, mla-verify args...
-  local name=$1; shift
-  timeout $((seconds + 120)) python3 -m verify --jobs 14 --time-limit "$seconds" --json "$OUT/b_$name.json" "$@" \
-    > "/tmp/b_$name.txt" 2>&1
-  echo "=== b_$name: exit $?, $*" >> "$log"
-  grep -E "cases|stopped|FAILED|Error" "/tmp/b_$name.txt" | head -5 >> "$log"
-}
 step "campaigns, ${seconds} s each"
 if [ "$group" = ours ]; then
-  campaign invariant_bf16 --backend triton_invariant --dtype bf16 --cases 300
-  campaign invariant_fp8 --backend triton_invariant --dtype fp8 --cases 300
-  campaign triton_bf16 --backend triton --dtype bf16 --cases 300
-  campaign triton_fp8 --backend triton --dtype fp8 --cases 300
+  pool_campaign b_invariant_bf16 "$seconds" --backend triton_invariant --dtype bf16 --cases 300
+  pool_campaign b_invariant_fp8 "$seconds" --backend triton_invariant --dtype fp8 --cases 300
+  pool_campaign b_triton_bf16 "$seconds" --backend triton --dtype bf16 --cases 300
+  pool_campaign b_triton_fp8 "$seconds" --backend triton --dtype fp8 --cases 300
 else
-  campaign flashinfer_bf16 --backend flashinfer --dtype bf16 --cases 300
-  campaign flashmla_bf16 --backend flashmla --dtype bf16 --cases 300
-  campaign flashmla_fp8 --backend flashmla --dtype fp8 --cases 300
+  pool_campaign b_flashinfer_bf16 "$seconds" --backend flashinfer --dtype bf16 --cases 300
+  pool_campaign b_flashmla_bf16 "$seconds" --backend flashmla --dtype bf16 --cases 300
+  pool_campaign b_flashmla_fp8 "$seconds" --backend flashmla --dtype fp8 --cases 300
 fi
 mps_stop
 python3 - "$OUT" <<'PY' | tee -a "$log"

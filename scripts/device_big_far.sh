@@ -9,21 +9,15 @@ source "$(dirname "$0")/device_env.sh" /tmp/mla_big_out
 step "GPU far tests"
 python3 -m pytest -q tests/test_triton_gpu.py -k "pages_past_2_31" 2>&1 | tail -2 | tee -a "$log"
 mps_start
-campaign() {  # name, mla-verify args...
-  local name=$1; shift
-  timeout 400 python3 -m verify --jobs 14 --json "$OUT/g_$name.json" "$@" > "/tmp/g_$name.txt" 2>&1
-  echo "=== g_$name: exit $?, $*" >> "$log"
-  grep -E "cases:|FAILED|Error" "/tmp/g_$name.txt" | head -4 >> "$log"
-}
 step "smoke prefix campaigns"
-campaign triton_bf16 --backend triton --dtype bf16 --cases 15
-campaign triton_fp8 --backend triton --dtype fp8 --cases 17
-campaign invariant_bf16 --backend triton_invariant --dtype bf16 --cases 15
-campaign flashinfer_bf16 --backend flashinfer --dtype bf16 --cases 15
-campaign flashmla_bf16 --backend flashmla --dtype bf16 --cases 15
-campaign flashmla_fp8 --backend flashmla --dtype fp8 --cases 17
-campaign request_index_8bit --impl verify.mutants:request_index_8bit --dtype bf16 --cases 15
-campaign page_ids_16bit --impl verify.mutants:page_ids_16bit --dtype bf16 --cases 15
+pool_campaign g_triton_bf16 280 --backend triton --dtype bf16 --cases 15
+pool_campaign g_triton_fp8 280 --backend triton --dtype fp8 --cases 17
+pool_campaign g_invariant_bf16 280 --backend triton_invariant --dtype bf16 --cases 15
+pool_campaign g_flashinfer_bf16 280 --backend flashinfer --dtype bf16 --cases 15
+pool_campaign g_flashmla_bf16 280 --backend flashmla --dtype bf16 --cases 15
+pool_campaign g_flashmla_fp8 280 --backend flashmla --dtype fp8 --cases 17
+pool_campaign g_request_index_8bit 280 --impl verify.mutants:request_index_8bit --dtype bf16 --cases 15
+pool_campaign g_page_ids_16bit 280 --impl verify.mutants:page_ids_16bit --dtype bf16 --cases 15
 mps_stop
 python3 - "$OUT" <<'PY' | tee -a "$log"
 import glob, json, os, sys

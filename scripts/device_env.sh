@@ -1,7 +1,7 @@
 # Sourced by the scripts/device_*.sh measurement scripts (device tool call, carry .whl): from the repository root,
 # $OUT created (default: the first argument), the carried peer wheels installed into /tmp/site (exit status in
 # $wheels_rc), PYTHONPATH set, $MLA_BENCH_VLLM_SRC set when .whl/vllm/triton_decode_attention.py was carried, `step`
-# logging a headed line to $OUT/log.txt, and `mps_start` / `mps_stop` for campaigns in worker processes (without an
+# logging a headed line to $OUT/log.txt, `mps_start` / `mps_stop` for campaigns in worker processes (without an
 # MPS daemon their kernels time-slice the GPU: 1560 vs 4166 cases/min on one H200).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -19,3 +19,13 @@ step() { echo "=== $* ($(date +%T))" | tee -a "$log"; }
 mps_start() { python3 -c "import sys; from verify.cli import mps_running; sys.exit(not mps_running())" \
   || nvidia-cuda-mps-control -d || echo "no MPS daemon"; }
 mps_stop() { echo quit | nvidia-cuda-mps-control 2>/dev/null; }
+# `pool_campaign NAME SECONDS [mla-verify args...]`: one mla-verify campaign through the pool (14 jobs, under the MPS
+# daemon mps_start started) with a time limit of SECONDS, its JSON at $OUT/NAME.json and its output at /tmp/NAME.txt;
+# its exit status, arguments and summary lines go to the log. Killed 120 s past the limit (compiles, a slow last case).
+pool_campaign() {
+  local name=$1 seconds=$2; shift 2
+  timeout $((seconds + 120)) python3 -m verify --jobs 14 --time-limit "$seconds" --json "$OUT/$name.json" "$@" \
+    > "/tmp/$name.txt" 2>&1
+  echo "=== $name: exit $?, $*" >> "$log"
+  grep -E "cases|stopped|FAILED|Error" "/tmp/$name.txt" | head -5 >> "$log"
+}

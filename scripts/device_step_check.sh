@@ -18,23 +18,16 @@ else
   python3 -m pytest -q -m gpu tests/test_peers_gpu.py -k step 2>&1 | tail -3 | tee -a "$log"
 fi
 mps_start
-campaign() {  # name, mla-verify args...
-  local name=$1; shift
-  timeout $((seconds + 120)) python3 -m verify --jobs 14 --time-limit "$seconds" --json "$OUT/s_$name.json" "$@" \
-    > "/tmp/s_$name.txt" 2>&1
-  echo "=== s_$name: exit $?, $*" >> "$log"
-  grep -E "cases|stopped|FAILED|Error" "/tmp/s_$name.txt" | head -5 >> "$log"
-}
 step "campaigns, ${seconds} s each"
 if [ "$group" = ours ]; then
-  campaign triton_bf16 --backend triton --dtype bf16 --cases 300
-  campaign triton_fp8 --backend triton --dtype fp8 --cases 300
-  campaign fast_path_plan --impl verify.mutants:fast_path_plan --dtype bf16 --cases 100
-  campaign correct --impl verify.mutants:correct --dtype bf16 --cases 100
+  pool_campaign s_triton_bf16 "$seconds" --backend triton --dtype bf16 --cases 300
+  pool_campaign s_triton_fp8 "$seconds" --backend triton --dtype fp8 --cases 300
+  pool_campaign s_fast_path_plan "$seconds" --impl verify.mutants:fast_path_plan --dtype bf16 --cases 100
+  pool_campaign s_correct "$seconds" --impl verify.mutants:correct --dtype bf16 --cases 100
 else
-  campaign flashinfer_bf16 --backend flashinfer --dtype bf16 --cases 300
-  campaign flashmla_bf16 --backend flashmla --dtype bf16 --cases 300
-  campaign flashmla_fp8 --backend flashmla --dtype fp8 --cases 300
+  pool_campaign s_flashinfer_bf16 "$seconds" --backend flashinfer --dtype bf16 --cases 300
+  pool_campaign s_flashmla_bf16 "$seconds" --backend flashmla --dtype bf16 --cases 300
+  pool_campaign s_flashmla_fp8 "$seconds" --backend flashmla --dtype fp8 --cases 300
 fi
 mps_stop
 python3 - "$OUT" <<'PY' | tee -a "$log"

@@ -11,6 +11,7 @@ import pytest
 from verify import cli
 
 SCRIPTS = sorted((Path(__file__).resolve().parents[1] / "scripts").glob("device_*.sh"))
+ENV = Path(__file__).resolve().parents[1] / "scripts" / "device_env.sh"  # sourced by the others: its wrappers too
 VERIFY_FLAGS = {s for a in cli.build_parser()._actions for s in a.option_strings}
 
 
@@ -19,7 +20,8 @@ def verify_commands(text: str) -> list[str]:
     the arguments of each call of a shell function that passes its own ("$@") to such a command."""
     joined = text.replace("\\\n", " ")
     commands = [re.split(r"\s(?:2>&1|>|\|)", m.group(1))[0] for m in re.finditer(r"python3 -m verify (.*)", joined)]
-    for name, body in re.findall(r"^(\w+)\(\)\s*\{(.*?)^\}", joined, re.M | re.S):
+    # a function whose body starts on the next line (one-line functions, `f() { ...; }`, have no `}` line)
+    for name, body in re.findall(r"^(\w+)\(\)\s*\{[ \t]*(?:#[^\n]*)?\n(.*?)^\}", joined, re.M | re.S):
         if "python3 -m verify" in body and '"$@"' in body:
             commands += [m.group(1) for m in re.finditer(rf"^\s*{name} (.*?)\s*&?\s*$", joined, re.M)]
     return [" ".join(c.split()) for c in commands]
@@ -30,6 +32,13 @@ def flags(command: str) -> set[str]:
     return set(re.findall(r"(?<!\S)--[a-z][a-z0-9-]*", command))
 
 
+def test_the_shared_campaign_wrappers_calls_are_checked():
+    """device_env.sh's pool_campaign runs the device scripts' campaigns: their arguments are checked with it."""
+    text = ENV.read_text() + (ENV.parent / "device_step_check.sh").read_text()
+    calls = [c for c in verify_commands(text) if c.startswith("s_")]
+    assert calls and all("--dtype" in c for c in calls), calls
+
+
 def test_there_are_device_scripts_that_run_mla_verify():
     assert len(SCRIPTS) >= 5
     assert sum(len(verify_commands(p.read_text())) for p in SCRIPTS) >= 4
@@ -38,7 +47,10 @@ def test_there_are_device_scripts_that_run_mla_verify():
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
 def test_device_script_parses_and_uses_known_verify_flags(script):
     subprocess.run(["bash", "-n", str(script)], check=True)
-    for command in verify_commands(script.read_text()):
+    text = script.read_text()
+    if script != ENV and "device_env.sh" in text:  # calls of device_env.sh's wrappers, with their definitions
+        text = ENV.read_text() + text
+    for command in verify_commands(text):
         unknown = flags(command) - VERIFY_FLAGS
         assert not unknown, f"{script.name}: {command!r} uses {sorted(unknown)}"
 
