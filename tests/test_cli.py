@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mla_fast.backends import BACKENDS, Unsupported
-from verify import cli
+from verify import cli, kernels
 from verify.cases import Case
 from verify.checks import is_device_fault
 from verify.kernels import DEFAULT_NUMERICS
@@ -560,6 +560,28 @@ def test_a_search_worker_that_fails_stops_the_campaign_with_its_report(capsys, m
     assert "STOPPED" in err
 
 
+def dies(batch):
+    """A kernel that crashes its process on every batch."""
+    import os
+
+    os._exit(11)
+
+
+def test_a_search_worker_the_kernel_crashes_names_its_case(capsys, monkeypatch, tmp_path):
+    """--profile search --jobs 2: a search worker that the kernel kills names the case it was running, with a repro
+    line (the case is drawn inside the worker, so only its in-flight file tells)."""
+    import verify.strategies
+
+    monkeypatch.setattr(verify.strategies, "smoke_cases", lambda *a, **k: [])
+    path = tmp_path / "r.json"
+    code, _, err = run(capsys, "--impl", "tests.test_cli:dies", "--profile", "search", "--cases", "4", "--jobs", "2",
+                       "--max-seq-len", "64", "--json", str(path))
+    stopped = json.loads(path.read_text())["stopped"]
+    assert code == cli.EXIT_FAILED and "exited with code 11" in stopped["reason"], err
+    case = Case.from_json(shlex.split(stopped["repro"])[2])
+    assert f"while running case {case.describe()}" in stopped["reason"] and max(case.seq_lens) <= 64
+
+
 def dies_on_page_16(batch):
     """A kernel that crashes its process (as a segfault does) on pages of 16, right otherwise."""
     import os
@@ -569,16 +591,36 @@ def dies_on_page_16(batch):
     return correct(batch)
 
 
-def test_a_pool_worker_the_kernel_crashes_stops_the_campaign(capsys, tmp_path):
+def test_a_pool_worker_the_kernel_crashes_stops_the_campaign_naming_the_case(capsys, tmp_path):
     """--jobs 2: a kernel that kills its worker process stops the campaign with a reason and exit 1, reporting the
     cases before it. A multiprocessing Pool replaced the dead worker and waited for its result forever (found by a
-    review); the executor breaks instead."""
+    review); the executor breaks instead. The case that crashed it is named with its repro line (until the
+    fifty-seventh session it was not: the executor kills the other worker too, so each case in flight is run alone
+    again), and that line replays it."""
     path = tmp_path / "r.json"
     code, _, err = run(capsys, "--impl", "tests.test_cli:dies_on_page_16", "--cases", "20", "--max-seq-len", "128",
                        "--jobs", "2", "--json", str(path))
     report = json.loads(path.read_text())
-    assert code == cli.EXIT_FAILED and "worker died" in report["stopped"]["reason"], err
+    stopped = report["stopped"]
+    assert code == cli.EXIT_FAILED and "worker died" in stopped["reason"], err
     assert report["not_run"] > 0 and report["cases"] + report["not_run"] == 20
+    assert " ps16 " in stopped["case"] and "\n" not in stopped["repro"], stopped
+    assert "faulting case:\n  mla-verify --case " in err
+    replayed = Case.from_json(shlex.split(stopped["repro"])[2])
+    assert replayed.page_size == 16 and replayed.to_json() in err
+
+
+def test_a_crash_among_several_cases_in_flight_is_named_by_running_each_alone(monkeypatch):
+    """The pool's crash report with two suspects: the one that crashes a fresh worker alone is named, not the one
+    that runs (a worker killed while the crash broke the pool)."""
+    import multiprocessing
+
+    crashing, fine = Case(seq_lens=(5,), page_size=16), Case(seq_lens=(5,), page_size=4)
+    monkeypatch.setattr(cli, "_KERNEL", kernels.from_impl("tests.test_cli:dies_on_page_16"))
+    e = cli._crash_named([fine, crashing], multiprocessing.get_context("fork"), (1,))
+    assert e.cases == (crashing,) and "crashed its worker again" in str(e), e
+    e = cli._crash_named([], multiprocessing.get_context("fork"), (1,))
+    assert e.cases == () and "unknown" in str(e)
 
 
 def test_exitfirst_says_why_the_campaign_stopped(capsys, tmp_path):

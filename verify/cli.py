@@ -15,15 +15,18 @@ campaign the same way, without a failure. ``--profile search`` runs one Hypothes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import math
 import multiprocessing
 import os
 import platform
+import shutil
 import socket
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from collections import Counter
@@ -216,11 +219,18 @@ GPU_JOBS = 14  # default processes feeding one GPU (each holds a CUDA context, ~
 _KERNEL = None  # the kernel of this process (inherited by forked workers)
 _DEVICE = "cpu"
 _FAR: bool | None = None  # run_case's far: None = on CUDA devices
+_INFLIGHT_DIR: str | None = None  # a worker process: where it writes the case it runs (<pid>.json), see _run_one
 
 
 class WorkerDied(RuntimeError):
     """A worker process ended without its results: the kernel crashed it (a segfault, os._exit) or, in a search, the
-    verifier raised there. The campaign stops and reports the cases that ran (exit 1)."""
+    verifier raised there. The campaign stops and reports the cases that ran (exit 1). ``cases``: the cases the dead
+    worker may have been running (one when it is known: the one that crashed its worker again when run alone, or a
+    search worker's case in flight); empty when unknown."""
+
+    def __init__(self, message: str, cases: tuple[Case, ...] = ()):
+        super().__init__(message)
+        self.cases = cases
 
 
 def _run_one(case: Case) -> CaseResult:
@@ -230,6 +240,10 @@ def _run_one(case: Case) -> CaseResult:
     from verify.checks import run_case
 
     t0 = time.perf_counter()
+    inflight = None if _INFLIGHT_DIR is None else os.path.join(_INFLIGHT_DIR, f"{os.getpid()}.json")
+    if inflight is not None:  # a file survives the process: if the kernel kills it, the parent reads the case here
+        with open(inflight, "w") as f:
+            f.write(case.to_json())
     try:
         return run_case(case, _KERNEL, _DEVICE, _FAR)
     except DeclarationError as e:  # the plug-in's per-batch declaration: its mistake, named, no traceback
@@ -238,16 +252,22 @@ def _run_one(case: Case) -> CaseResult:
         tb = traceback.format_exc(limit=-3).strip().replace("\n", " | ")
         check = CheckResult("verifier", False, detail=f"verifier error {type(e).__name__}: {e} [{tb}]")
         return CaseResult(case, [check], time.perf_counter() - t0, device_fault=is_device_fault(e))
+    finally:
+        if inflight is not None:
+            with contextlib.suppress(FileNotFoundError):  # a case that ends after the campaign stopped, folder gone
+                os.unlink(inflight)
 
 
 def _worker_init(threads: int = 1, kernel_spec: tuple[str, str] | None = None, device: str | None = None,
-                 far: bool | None = None) -> None:
-    """Pool worker setup: CPU threads per process; a spawned worker (GPU campaigns) also resolves its own kernel
-    (``("backend", name)`` or ``("impl", module:function)``), device and far setting, since it inherits no state."""
-    global _KERNEL, _DEVICE, _FAR
+                 far: bool | None = None, inflight_dir: str | None = None) -> None:
+    """Pool worker setup: CPU threads per process, the folder where it names its case in flight (`_run_one`); a
+    spawned worker (GPU campaigns) also resolves its own kernel (``("backend", name)`` or ``("impl",
+    module:function)``), device and far setting, since it inherits no state."""
+    global _KERNEL, _DEVICE, _FAR, _INFLIGHT_DIR
     import torch
 
     torch.set_num_threads(threads)
+    _INFLIGHT_DIR = inflight_dir
     if kernel_spec is not None:
         from verify import kernels
 
@@ -346,7 +366,8 @@ def _search_parallel(dtype: str, shape: dict, n: int, seed: int, jobs: int, on_r
 
     method = _start_method(_DEVICE)
     ctx = multiprocessing.get_context(method)
-    init = (max(1, _usable_cores() // jobs), kernel_spec if method == "spawn" else None, _DEVICE, _FAR)
+    inflight = tempfile.mkdtemp(prefix="mla-verify-inflight-")
+    init = (max(1, _usable_cores() // jobs), kernel_spec if method == "spawn" else None, _DEVICE, _FAR, inflight)
     messages, stop = ctx.Queue(), ctx.Event()
     shares = [n // jobs + (i < n % jobs) for i in range(jobs)]
     workers = {i: ctx.Process(target=_search_worker, args=(i, share, seed + i, dtype, shape, init, messages, stop),
@@ -361,8 +382,12 @@ def _search_parallel(dtype: str, shape: dict, n: int, seed: int, jobs: int, on_r
             except queue.Empty:
                 dead = [i for i in running if workers[i].exitcode is not None and messages.empty()]
                 if dead:
+                    w = workers[dead[0]]
+                    case = _case_in_flight(inflight, f"{w.pid}.json")
                     raise WorkerDied(f"search worker {dead[0]} (seed {seed + dead[0]}) exited with code "
-                                     f"{workers[dead[0]].exitcode} without reporting its end") from None
+                                     f"{w.exitcode} without reporting its end" + (
+                                         f", while running case {case.describe()}" if case else ""),
+                                     (case,) if case else ()) from None
                 continue
             if kind == "error":
                 raise WorkerDied(f"search worker {index} (seed {seed + index}) failed:\n{payload}")
@@ -376,6 +401,7 @@ def _search_parallel(dtype: str, shape: dict, n: int, seed: int, jobs: int, on_r
             w.join(timeout=60)
             if w.is_alive():
                 w.terminate()
+        shutil.rmtree(inflight, ignore_errors=True)
 
 
 def mps_running() -> bool:
@@ -426,21 +452,58 @@ def _run_all(cases: list[Case], jobs: int, on_result, kernel_spec: tuple[str, st
             raise ValueError("kernel_spec: spawned workers need the kernel's spec to resolve it; got None")
         ctx = multiprocessing.get_context(method)
         init = (max(1, _usable_cores() // jobs), kernel_spec, _DEVICE, _FAR) if method == "spawn" else (1,)
-        # an executor, not a Pool: a Pool replaces a worker the kernel crashed and waits for its result forever
-        executor = ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init, initargs=init)
-        try:
-            for result in executor.map(_run_one, cases):
-                if not on_result(result):
-                    return
-        except BrokenProcessPool:
-            raise WorkerDied("a worker process died without returning its case's result (the kernel crashed it, "
-                             "e.g. a segfault; --jobs 1 runs the cases in order in this process)") from None
-        finally:
-            executor.shutdown(wait=False, cancel_futures=True)  # the cases in flight finish, the queued ones do not
-        return
+        with tempfile.TemporaryDirectory(prefix="mla-verify-inflight-") as inflight:
+            # an executor, not a Pool: a Pool replaces a worker the kernel crashed and waits for its result forever
+            executor = ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init,
+                                           initargs=(init + (None,) * 4)[:4] + (inflight,))
+            try:
+                for result in executor.map(_run_one, cases):
+                    if not on_result(result):
+                        return
+                return
+            except BrokenProcessPool:
+                suspects = sorted(_cases_in_flight(inflight), key=cases.index)
+            finally:
+                executor.shutdown(wait=False, cancel_futures=True)  # cases in flight finish, queued ones do not
+        raise _crash_named(suspects, ctx, init)
     for case in cases:
         if not on_result(_run_one(case)):
             return
+
+
+def _case_in_flight(folder: str, name: str) -> Case | None:
+    """The case a worker process was running when it died, from the file `_run_one` left in folder (None: none)."""
+    try:
+        with open(os.path.join(folder, name)) as f:
+            text = f.read()
+    except FileNotFoundError:
+        return None
+    return Case.from_json(text) if text else None  # empty: killed between opening the file and writing it
+
+
+def _cases_in_flight(folder: str) -> list[Case]:
+    """The cases that pool workers were running when the pool broke: the files `_run_one` left in folder."""
+    return [case for name in os.listdir(folder) if (case := _case_in_flight(folder, name)) is not None]
+
+
+def _crash_named(suspects: list[Case], ctx, init: tuple) -> WorkerDied:
+    """The error for a pool that a kernel broke, naming the case that crashed it. When the pool breaks, the
+    executor kills its other workers too, so every worker's case in flight is a suspect: each is run again alone,
+    in a fresh worker process, in case order, until one kills that worker as well."""
+    message = "a worker process died without returning its case's result (the kernel crashed it, e.g. a segfault)"
+    for case in suspects if len(suspects) > 1 else ():
+        with ProcessPoolExecutor(1, mp_context=ctx, initializer=_worker_init, initargs=init) as alone:
+            try:
+                alone.submit(_run_one, case).result()
+            except BrokenProcessPool:
+                return WorkerDied(f"{message}; run alone, case {case.describe()} crashed its worker again",
+                                  (case,))
+    if len(suspects) == 1:
+        return WorkerDied(f"{message} while running case {suspects[0].describe()}", tuple(suspects))
+    if suspects:
+        return WorkerDied(f"{message} while running one of {len(suspects)} cases; none crashed when run alone",
+                          tuple(suspects))
+    return WorkerDied(f"{message}; its case is unknown (the worker died before naming it)")
 
 
 # ---- reporting --------------------------------------------------------------------------------------------------
@@ -910,6 +973,9 @@ def main(argv: list[str] | None = None) -> int:
             console.print("mla-verify: interrupted; reporting the cases that ran")
         except WorkerDied as e:
             stopped.update(reason=f"worker died: {e}", fault=True)
+            if e.cases:
+                stopped.update(case=" | ".join(c.describe() for c in e.cases),
+                               repro="\n  ".join(c.repro(flags) for c in e.cases))
             progress.console.print(f"mla-verify: STOPPED after case {len(results)} of {n}: {e}", markup=False,
                                    highlight=False)
     seconds = time.perf_counter() - t0
