@@ -591,12 +591,14 @@ def dies_on_page_16(batch):
     return correct(batch)
 
 
-def test_a_pool_worker_the_kernel_crashes_stops_the_campaign_naming_the_case(capsys, tmp_path):
+@pytest.mark.parametrize("method", ["fork", "spawn"])  # spawn: the GPU pool's start method, forced on the CPU
+def test_a_pool_worker_the_kernel_crashes_stops_the_campaign_naming_the_case(capsys, tmp_path, monkeypatch, method):
     """--jobs 2: a kernel that kills its worker process stops the campaign with a reason and exit 1, reporting the
     cases before it. A multiprocessing Pool replaced the dead worker and waited for its result forever (found by a
     review); the executor breaks instead. The case that crashed it is named with its repro line (until the
     fifty-seventh session it was not: the executor kills the other worker too, so each case in flight is run alone
     again), and that line replays it."""
+    monkeypatch.setattr(cli, "_start_method", lambda device: method)
     path = tmp_path / "r.json"
     code, _, err = run(capsys, "--impl", "tests.test_cli:dies_on_page_16", "--cases", "20", "--max-seq-len", "128",
                        "--jobs", "2", "--json", str(path))
