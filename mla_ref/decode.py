@@ -40,6 +40,7 @@ FP8_DTYPES = tuple(
     if hasattr(torch, name)
 )
 Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64, *FP8_DTYPES)
+ORACLE_DTYPES = (torch.float64, torch.float32)  # what mla_decode_ref computes in: fp64 the oracle, fp32 a quick look
 INVALID_PAGE = 2_147_480_000  # what unused block-table entries hold in built batches (as FlashMLA's tests do)
 
 
@@ -563,7 +564,8 @@ def make_decode_batch(
 
 
 def mla_decode_ref(batch: DecodeBatch, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
-    """The oracle: absorbed MLA decode over the paged cache, computed in ``dtype`` (fp64 by default).
+    """The oracle: absorbed MLA decode over the paged cache, computed in ``dtype`` (fp64 by default; fp32 also
+    taken, ``ORACLE_DTYPES``, anything else a ValueError).
 
     Requests in length buckets (``DecodeBatch.buckets``), each bucket's at once on its padded grid ([b, N] query rows,
     S tokens, masked): per row the same sums as a row-by-row loop, up to the summation order of the batched dot
@@ -572,6 +574,8 @@ def mla_decode_ref(batch: DecodeBatch, dtype: torch.dtype = torch.float64) -> tu
     Returns:
         out: [T, H, L] in ``dtype``; lse: [T, H] natural log in ``dtype``. Rows that see no token: out 0, lse -inf.
     """
+    if dtype not in ORACLE_DTYPES:
+        raise ValueError(f"mla_decode_ref.dtype: expected one of {[str(d) for d in ORACLE_DTYPES]}, got {dtype!r}")
     batch.validate()
     return by_bucket(batch.buckets(), lambda bucket: _decode_grid(bucket.batch, bucket.grid, dtype))
 

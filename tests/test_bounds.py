@@ -642,6 +642,15 @@ def test_rms_estimate_is_a_statistic_not_an_oracle():
     assert ratios["coherent"] < 1.0
 
 
+@pytest.mark.parametrize("alpha", [0.0, 1.0, float("nan"), "0.001", None, True])
+def test_prob_bound_names_a_bad_failure_probability(alpha):
+    """alpha must be a number in (0, 1): a string or None raised TypeError from the comparison (found by a review),
+    and True passed as 1 would have meant a certain failure."""
+    batch_q, batch_exact = _fp8_pair("gauss1")
+    with pytest.raises(ValueError, match="alpha: expected a failure probability in"):
+        prob_bound(batch_q, batch_exact, alpha=alpha)
+
+
 def test_bucketed_bounds_equal_one_grid(monkeypatch):
     """Requests of very different lengths go in length buckets (DecodeBatch.buckets); every bound equals its
     one-grid evaluation (waste = inf: the whole batch on one padded grid) up to fp64 summation order. The long
@@ -724,8 +733,9 @@ def test_deviation_bounds_the_mean_absolute_deviation(n_tokens):
         dev = _deviation(st, V)  # [1, 3, H, L]
         assert (dev >= mad).all(), (pad, (mad - dev).max())
         assert (dev[:, 2] == 0).all()  # a row that sees nothing
-        slack_root = math.sqrt(4 * (1 + 4) * 2**-53)  # one token: no spread, the root of its fp64 slack only
-        assert (dev[0, 1] <= 1.01 * slack_root * V[0, 0].abs()).all()
+        slack = 4 * (1 + 4) * 2**-53  # one token: no spread, the root of its fp64 slack only
+        fp64_roundings = (1 + 2**-53) ** 4  # the product slack·v², the sum, the sqrt and the (1 + slack) factor
+        assert (dev[0, 1] <= math.sqrt(slack) * V[0, 0].abs() * (1 + slack) * fp64_roundings).all()
 
 
 def test_hull_term_holds_for_the_worst_score_perturbations_and_tightens_long_rows():
@@ -829,6 +839,23 @@ def test_operand_overflow_flag_for_fp8_operands(monkeypatch):
     for top, ok in ((448.0, True), (449.0, False), (1000.0, False)):
         fed = torch.tensor([[0.5, -top], [1.0, 2.0]], dtype=torch.float64)  # [2, 2]
         assert bool(_operand_error(fed, torch.float8_e4m3fn)[2]) is ok, top
+
+
+@pytest.mark.parametrize("where", ["kv_cache", "q"])
+def test_kernel_bound_refuses_values_that_overflow_the_kernels_operand(where):
+    """A cache (or q) value beyond the operand dtype's range is no rounding the bound can charge: kernel_bound names
+    the input and the operand (fp16's max is 65504) instead of returning an inf bound that any output would meet."""
+    from verify.cases import Case
+    from verify.kernels import DEFAULT_NUMERICS
+
+    batch = Case(seq_lens=(5, 3), q_lens=(1, 2), heads=2).materialize()[0]
+    big = getattr(batch, where).clone()
+    big.view(-1)[7] = 2.0**20  # beyond fp16's 65504, exact in bf16
+    numerics = dataclasses.replace(DEFAULT_NUMERICS, qk_operand=torch.float16, pv_operand=torch.float16)
+    message = rf"{where}: values up to 1.049e\+06 overflow the kernel's torch.float16 operand"
+    with pytest.raises(ValueError, match=message):
+        kernel_bound(batch.replace(**{where: big}), numerics)
+    kernel_bound(batch, numerics)  # in range: no error
 
 
 def test_an_fp32_output_below_the_normal_range_is_charged_its_absolute_rounding():

@@ -308,6 +308,10 @@ def good_batch():
                                 "kv_cache": b.kv_cache.to(torch.float8_e4m3fn), "kv_scale": 1e20}),
         ("q", lambda b: {"q": b.q[:, :0]}),  # no heads
         ("kv_lora_rank", lambda b: {"kv_lora_rank": True}),
+        ("kv_cache", lambda b: {"kv_cache": b.kv_cache.to(torch.int32)}),  # wrong dtype
+        ("kv_cache", lambda b: {"kv_cache": b.kv_cache[:, :0]}),  # pages of 0 tokens
+        ("seq_lens", lambda b: {"seq_lens": b.seq_lens.to("meta")}),  # another device than q's
+        ("kv_cache", lambda b: {"kv_cache": b.kv_cache.to("meta")}),
     ],
 )
 def test_validation_names_the_field(field, change):
@@ -316,6 +320,21 @@ def test_validation_names_the_field(field, change):
         bad.validate()
     with pytest.raises(ValueError, match=rf"DecodeBatch\.{field}:"):
         mla_decode_ref(bad)
+
+
+def test_flashmla_layout_needs_uniform_q_lens():
+    batch = good_batch()
+    assert len(set(batch.q_lens.tolist())) > 1
+    with pytest.raises(ValueError, match=r"DecodeBatch\.q_lens: expected uniform"):
+        batch.to_flashmla()
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, "float64", torch.float8_e4m3fn, None])
+def test_the_oracle_names_a_bad_dtype(dtype):
+    """mla_decode_ref's dtype must be a torch floating dtype wide enough to compute in: an int dtype raised
+    "expected scalar type Float", a string "Invalid device string" (found by a review)."""
+    with pytest.raises(ValueError, match=r"mla_decode_ref\.dtype: expected"):
+        mla_decode_ref(good_batch(), dtype)
 
 
 def test_pages_per_request_does_not_wrap_int32():

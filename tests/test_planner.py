@@ -372,15 +372,21 @@ def least_busiest_partition(lengths: list[int], workers: int) -> int:
     return best[-1]
 
 
-@given(st.lists(st.integers(0, 40), min_size=1, max_size=24), st.integers(1, 10), st.integers(0, 6))
-@example([1] * 6, 3, 0)  # greedy fills of 2 per worker: a fill of 3 would leave a worker idle
-@example([1, 4, 6, 4, 8, 8], 3, 0)  # the stride cut's 16 against 12
-@example([0, 0, 5, 0], 2, 0)  # tiles of no cost
-@example([40] * 24, 10, 6)
-def test_the_unsplit_plan_is_the_best_contiguous_partition_of_whole_tiles(blocks, workers, overhead):
+def unsplit_case(blocks, workers: int, overhead: int) -> PlanCase:
+    """Requests of whole 64-token blocks, one q row and one head group each, split at most once (i.e. never)."""
+    return PlanCase(tuple(n * 64 for n in blocks), (1,) * len(blocks), 16, 16, workers, 64, overhead, 1)
+
+
+@given(st.builds(unsplit_case, st.lists(st.integers(0, 40), min_size=1, max_size=24), st.integers(1, 10),
+                 st.integers(0, 6)))
+@example(unsplit_case([1] * 6, 3, 0))  # greedy fills of 2 per worker: a fill of 3 would leave a worker idle
+@example(unsplit_case([1, 4, 6, 4, 8, 8], 3, 0))  # the stride cut's 16 against 12
+@example(unsplit_case([0, 0, 5, 0], 2, 0))  # tiles of no cost
+@example(unsplit_case([40] * 24, 10, 6))
+def test_the_unsplit_plan_is_the_best_contiguous_partition_of_whole_tiles(case: PlanCase):
     """Whole tiles of blocks + OVH each: the unsplit candidate's busiest worker costs the least that any contiguous
     partition onto the workers does; the plan splits no tile."""
-    case = PlanCase(tuple(n * 64 for n in blocks), (1,) * len(blocks), 16, 16, workers, 64, overhead, 1)
+    blocks, workers, overhead = [s // 64 for s in case.seq_lens], case.num_workers, case.fixed_overhead
     plan = candidates(case)["unsplit"]
     check_all(case, plan)
     assert plan.num_partial_rows == 0

@@ -113,3 +113,17 @@ def test_long_reaches_the_property_test():
 
     mla_property_test(uint16_positions, dtype="bf16", device=torch.device("cpu"), max_seq_len=64, smoke=False,
                       hypothesis_settings=dict(max_examples=1, derandomize=True, database=None))()
+
+
+def test_examples_must_be_cases():
+    """A pinned example that is no Case is refused when the test is built, naming the argument (it failed only when
+    the test ran, with an AttributeError on .repro; found by a review)."""
+    import pytest
+
+    from verify.cases import Case
+    from verify.mutants import correct
+
+    for examples in ([1], [Case(), "{}"]):
+        with pytest.raises(ValueError, match=r"mla_property_test\.examples: expected Case instances"):
+            mla_property_test(correct, examples=examples)
+    assert callable(mla_property_test(correct, examples=[Case()]))

@@ -434,7 +434,8 @@ def test_a_step_that_returns_or_writes_its_inputs_fails_by_name(plug_in, words):
 
 
 _UNIT_ROUNDOFF = {torch.bfloat16: 2**-8, torch.float8_e4m3fn: 2**-4, torch.float8_e4m3fnuz: 2**-4}  # half an ulp, rel.
-_HALF_SUBNORMAL = {torch.bfloat16: 0.0, torch.float8_e4m3fn: 2**-10, torch.float8_e4m3fnuz: 2**-11}  # absolute
+# half the least subnormal, absolute: bf16's is 2^-133, e4m3fn's 2^-9, e4m3fnuz's 2^-10
+_HALF_SUBNORMAL = {torch.bfloat16: 2**-134, torch.float8_e4m3fn: 2**-10, torch.float8_e4m3fnuz: 2**-11}
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])

@@ -840,8 +840,8 @@ def prob_bound(batch_q: DecodeBatch, batch_exact: DecodeBatch, *, alpha: float =
         |Δo_c| <= min{tanh(ω_p/4) R_c, (e^ω_p - 1) Σ_j p_j|v_jc|} + λ' sqrt(Σ_j p_j² (e^v_jc)²),  ω_p = 2 max_j δ^p_j
     with λ' = sqrt(2 ln(2 T H L / α)); |Δlse| <= max_j δ^p_j.
     """
-    if not 0 < alpha < 1:
-        raise ValueError(f"alpha: expected a failure probability in (0, 1), got {alpha}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < 1:
+        raise ValueError(f"alpha: expected a failure probability in (0, 1), got {alpha!r}")
     L, H, T = batch_q.kv_lora_rank, batch_q.num_heads, batch_q.num_tokens
     sigma = batch_q.sm_scale
     n_pairs = max(int(batch_q.visible_tokens().sum()) * H, 1)

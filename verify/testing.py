@@ -80,6 +80,9 @@ def mla_property_test(
     decoration, deadline=None, which Hypothesis allows once). The other arguments shape the drawn cases as the
     `mla-verify` flags of the same names.
     """
+    bad = [c for c in examples if not isinstance(c, Case)]
+    if isinstance(examples, (str, bytes)) or bad:
+        raise ValueError(f"mla_property_test.examples: expected Case instances, got {bad[:1] or examples!r}")
     kernel = from_callable(fn)
     shape = dict(fp8_format=fp8_format, max_seq_len=max_seq_len, heads=heads, page_size=page_size)
     flags = f"--impl {kernel.name}" + (f" --device {device}" if device else "")  # the repro replays where it ran
