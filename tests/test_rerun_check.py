@@ -19,10 +19,24 @@ CASES = {"bf16": Case(seq_lens=(0, 37, 130, 3), q_lens=(1, 2, 3, 1), heads=4, pa
 def test_a_plan_memoised_by_address_fails_the_rerun_check_alone(dtype):
     result = run_case(CASES[dtype], from_callable(mutants.plan_cached_by_ptr))
     failed = {c.name: c.detail for c in result.checks if not c.ok}
-    assert set(failed) == {"rerun.out", "rerun.lse"}, result.describe()
+    assert set(failed) == {"rerun.out", "rerun.lse", "rerun.decode.out", "rerun.decode.lse"}, result.describe()
     assert failed["rerun.out"].startswith("the same tensors rewritten in place as the next step: requests rotated")
     checks = {c.name: c.detail for c in result.checks}
     assert checks["rerun.room"].endswith("the bits of the case's run")  # the first call on the roomy copy is right
+
+
+@pytest.mark.parametrize("dtype", sorted(CASES))
+def test_a_plan_kept_for_one_decode_step_fails_the_rerun_decode_step_alone(dtype):
+    """An eager wrapper that replans when the lengths change, except when the same requests come back grown by at
+    most their q_len (mutants.eager_fast_path): the next step rotates the requests, so it replans and passes; the
+    plain decode step after it (rerun.decode, added after a review) reads no new token, and fails."""
+    mutants._FAST_PLANS.clear()
+    result = run_case(CASES[dtype], from_callable(mutants.eager_fast_path))
+    failed = {c.name: c.detail for c in result.checks if not c.ok}
+    assert set(failed) == {"rerun.decode.out", "rerun.decode.lse"}, result.describe()
+    assert failed["rerun.decode.out"].startswith("the same tensors rewritten in place as the step after: the same "
+                                                 "requests one decode step later")
+    assert "new tokens written, each built to weigh about 1/2" in failed["rerun.decode.out"]
 
 
 @pytest.mark.parametrize("dtype", sorted(CASES))
@@ -33,6 +47,7 @@ def test_a_kernel_that_derives_everything_afresh_passes(dtype):
     assert checks["rerun.room"].detail.endswith("the bits of the case's run")
     assert 0 < checks["rerun.out"].err_over_bound <= 1  # compared with the next step's oracle, not skipped
     assert "q negated and" in checks["rerun.out"].detail and "new tokens written" in checks["rerun.out"].detail
+    assert 0 < checks["rerun.decode.out"].err_over_bound <= 1  # and the decode step after it with its own
 
 
 def refuses_empty(batch):

@@ -661,12 +661,14 @@ def check_rerun(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, 
     written into them in place (`next_step.next_layout` and `next_values`: requests rotated, one grown onto the
     spare pages, the longest halved, one emptied, the slots only the old step read set to NaN, q negated, new
     tokens; an fp8 q's scale doubled, as a dynamic q scale changes from step to step): ``rerun.out`` / ``.lse``
-    against the oracle on the new contents, within their tier-1 bound. An eager
-    call that memoises what it derived from its inputs by their identity or address (a plan keyed by data_ptr, a
-    converted cache) decodes the old step there; every other check passes it new tensors or the same contents. A
-    kernel that refuses either batch (`Unsupported` from its run or its numerics: the next step empties a request
-    and grows one past twice the longest, which some kernels do not take) passes as ``rerun.refused``, and the
-    report warns."""
+    against the oracle on the new contents, within their tier-1 bound; then once more after a plain decode step
+    (`next_step.decode_layout` and `decode_values`: the same requests, each non-empty one grown by its q_len tokens
+    that each weigh about 1/2 in their query row): ``rerun.decode.out`` / ``.lse``. An eager call that memoises what
+    it derived from its inputs by their identity or address (a plan keyed by data_ptr, a converted cache), or that
+    keeps such a plan while the same requests grow by at most their q_len, decodes the old step there; every other
+    check passes it new tensors or the same contents. A kernel that refuses a batch (`Unsupported` from its run or
+    its numerics: the next step empties a request and grows one past twice the longest, which some kernels do not
+    take) passes as ``rerun.refused``, and the report warns."""
     static, first_spare = next_step.with_room(batch)
     here = "the run on a copy with room to grow"
     got, why = _refusable(static, kernel, workers)
@@ -681,24 +683,37 @@ def check_rerun(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, 
     if is_fp8(static.q.dtype) and static.q_scale is not None:  # a dynamic fp8 q's scale changes every step
         static = static.replace(q_scale=2 * static.q_scale)
         where += ", q_scale doubled"
+    results += _rerun_step(static, kernel, workers, "rerun", where)
+    if any(r.name == "rerun.refused" for r in results):
+        return results
+    where, old_lens = next_step.decode_layout(static, first_spare)
+    where = f"the same tensors rewritten in place as the step after: {where}, "
+    where += next_step.decode_values(static, old_lens)
+    return results + _rerun_step(static, kernel, workers, "rerun.decode", where)
+
+
+def _rerun_step(static: DecodeBatch, kernel: Kernel, workers: int, name: str, where: str) -> list[CheckResult]:
+    """One eager call of check_rerun's on ``static`` rewritten in place (as ``where`` says): ``name``.out / .lse
+    against the oracle on the new contents within their tier-1 bound, ``name`` failed when the call or its numerics
+    gave nothing to judge, or ``rerun.refused``."""
     try:
         numerics = kernel.numerics(static)
     except Unsupported as e:  # a batch outside the kernel's scope (a length cap its numerics enforce, say)
-        return results + [CheckResult("rerun.refused", True, detail=f"{where}: refused: {error_message(e)}")]
+        return [CheckResult("rerun.refused", True, detail=f"{where}: refused: {error_message(e)}")]
     except ValueError as e:
-        return results + [CheckResult("rerun.out", False, detail=f"{where}: the kernel's numerics raised {e}")]
+        return [CheckResult(f"{name}.out", False, detail=f"{where}: the kernel's numerics raised {e}")]
     ref_next = mla_decode_ref(static)  # [T, H, L], [T, H] fp64 on the new contents
     got, why = _refusable(static, kernel, workers)
     if isinstance(why, Unsupported):  # a batch outside the kernel's scope (an emptied request, say)
-        return results + [CheckResult("rerun.refused", True, detail=f"{where}: refused: {error_message(why)}")]
+        return [CheckResult("rerun.refused", True, detail=f"{where}: refused: {error_message(why)}")]
     if why is not None:
-        return results + [CheckResult("rerun.out", False, detail=f"{where}: {why}")]
+        return [CheckResult(f"{name}.out", False, detail=f"{where}: {why}")]
     out, lse = _moved(*got, ref_next[0].device, copy=False)
     rerun = _with_rows(static, check_tier1(out, lse, ref_next, _tier1_bound(static, kernel, numerics, ref_next),
-                                           numerics.out_dtype, name="rerun"))
+                                           numerics.out_dtype, name=name))
     for r in rerun:
         r.detail = f"{where}: {r.detail}"
-    return results + rerun
+    return rerun
 
 
 def check_batch(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, ref) -> list[CheckResult]:

@@ -59,6 +59,9 @@ turns one knob, the way such bugs happen in real kernels:
 | packed_rows_wrap      | the packed (row, head) index r H + h kept in 8 bits          | tier1 (128 heads, MTP 3-4)    |
 | plan_cached_by_ptr    | its eager call memoises its plan (the lengths) by the        | rerun (any)                   |
 |                       | addresses of the batch's length and block-table tensors      |                               |
+| eager_fast_path       | its eager call memoises its plan by the addresses of the     | rerun.decode (any)            |
+|                       | batch's tensors and keeps it when the same requests come     |                               |
+|                       | back grown by at most their q_len: a step's new tokens unread|                               |
 | splits_follow_batch   | a request cut into pieces of the batch's tokens / 16, while  | batch (a request of more      |
 |                       | it declares itself batch-invariant (as `correct` does: its   | than one piece)               |
 |                       | splits depend on the request alone)                          |                               |
@@ -291,6 +294,13 @@ def _dense_decode(batch: DecodeBatch, seq_lens: torch.Tensor, q_lens: torch.Tens
     return out.to(torch.bfloat16), torch.where(seen, m_safe + torch.log(torch.where(seen, l, 1.0)), -math.inf)
 
 
+def _one_decode_step(seq_lens: torch.Tensor, q_lens: torch.Tensor, batch: DecodeBatch) -> bool:
+    """``batch`` holds the requests of the lengths ``seq_lens`` / ``q_lens`` [B] one decode step later: the same
+    q_lens, each length grown by 0 to its q_len (the condition a plan's fast path keys on)."""
+    grew = batch.seq_lens - seq_lens  # [B]
+    return torch.equal(batch.q_lens, q_lens) and bool(((grew >= 0) & (grew <= batch.q_lens)).all())
+
+
 class _Step:
     """A graph-capturable step (the plug-in contract's ``.step``) of the unsplit decode `_dense_decode`: plan(batch)
     copies the batch's lengths into the step's own device buffers, as a serving step's plan fills its metadata
@@ -313,8 +323,7 @@ class _Step:
         if batch.batch_size and int(batch.q_lens.max()) > self.max_q_len:
             raise ValueError(f"plan: q_lens must be <= the step's max_q_len {self.max_q_len}, got "
                              f"{batch.q_lens.tolist()}")
-        grew = batch.seq_lens - self.seq_lens  # [B]
-        one_step = torch.equal(batch.q_lens, self.q_lens) and bool(((grew >= 0) & (grew <= batch.q_lens)).all())
+        one_step = _one_decode_step(self.seq_lens, self.q_lens, batch)
         if not (self.stale and self.planned) and not (self.fast_path and self.planned and one_step):
             self.seq_lens.copy_(batch.seq_lens)
             self.q_lens.copy_(batch.q_lens)
@@ -590,6 +599,24 @@ def plan_cached_by_ptr(batch):
     return _decode(batch.replace(seq_lens=seq_lens, q_lens=q_lens))
 
 
+_FAST_PLANS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # eager_fast_path's memo
+
+
+def eager_fast_path(batch):
+    """An eager wrapper that memoises its plan (the lengths it splits by) keyed by the addresses and shapes of the
+    batch's length and block-table tensors, as plan_cached_by_ptr does, but replans whenever the lengths change,
+    except when the same requests come back one decode step later (the same q_lens, each length grown by at most its
+    q_len): then it keeps the pieces it planned, here the lengths, and never reads that step's new tokens. The eager
+    twin of fast_path_plan (found by a review: the rerun check's next step rotates the requests, so only a plain
+    decode step after it, ``rerun.decode``, takes that path)."""
+    key = tuple((t.data_ptr(), tuple(t.shape)) for t in (batch.seq_lens, batch.q_lens, batch.block_table))
+    seq_lens = batch.seq_lens
+    if key in _FAST_PLANS and _one_decode_step(*_FAST_PLANS[key], batch):
+        seq_lens = _FAST_PLANS[key][0]
+    _FAST_PLANS[key] = (seq_lens.clone(), batch.q_lens.clone())
+    return _decode(batch.replace(seq_lens=seq_lens))
+
+
 def stale_plan(batch):
     """Right when called; its graph-capturable step plans once: plan() copies the lengths of the step it was built
     for and keeps them, so a replay after the batch buffers were refilled with the next step decodes the new q and
@@ -628,8 +655,8 @@ MUTANTS = (
     "seq_lens_cleared", "cache_padding_written", "nan_dropped", "no_max_subtraction", "int32_offsets",
     "p_rounded_bf16", "bf16_partials", "ignores_strides", "uint16_positions", "hardcoded_scale", "merge_order_varies",
     "stale_plan", "fast_path_plan", "realloc_workspace", "max_init_zero", "max_before_mask", "packed_rows_wrap",
-    "plan_cached_by_ptr", "splits_follow_batch", "splits_follow_longest", "tiles_follow_q_len", "big_batch_mtp_mask",
-    "request_index_8bit", "page_ids_16bit",
+    "plan_cached_by_ptr", "eager_fast_path", "splits_follow_batch", "splits_follow_longest", "tiles_follow_q_len",
+    "big_batch_mtp_mask", "request_index_8bit", "page_ids_16bit",
 )  # fmt: skip
 FP8_ONLY = ("kv_scale_ignored", "q_scale_ignored")  # need fp8 inputs with a scale != 1
 FAR_ONLY = ("int32_offsets", "page_ids_16bit")  # need the far check, on by default on CUDA devices only (--far on)
