@@ -17,6 +17,7 @@ Conventions handled here:
   e4m3fnuz is re-expressed as e4m3fn bit-exactly.
 
 Inputs FlashMLA has no kernel for raise `mla_fast.backends.Unsupported`:
+- a latent other than 512 or a rope other than 64 (MiniCPM3's 256 and 32, say);
 - bf16 q with an fp8 cache (the dense fp8 kernel is fp8 x fp8);
 - a request with seq_len 0 on the dense fp8 kernel: for seqlen_k = 0 its `compute_attn_1rowblock_splitkv_mla`
   starts at n_block = ceil(0 / 64) - 1 = -1 and loads the page `block_table[b][-1]`, outside request b's row (before
@@ -39,6 +40,13 @@ PAGE_SIZE = 64  # the only page_block_size of FlashMLA's dense decode
 BF16_Q_FP8_CACHE = "flashmla: bf16 q with an fp8 cache (FlashMLA's dense fp8 kernel is fp8 x fp8)"
 FP8_EMPTY_REQUEST = "flashmla fp8: a request with seq_len 0 (the dense fp8 kernel reads block_table[b][-1])"
 DENSE_DTYPES = "flashmla.q/kv_cache: FlashMLA's dense kernel takes both bf16 or both fp16"
+DEEPSEEK_DIMS = "flashmla: kv_lora_rank 512 and rope_dim 64 only (its kernels are built for heads of 576 / 512)"
+
+
+def dims_refusal(batch: DecodeBatch) -> None:
+    """Unsupported (DEEPSEEK_DIMS) unless the batch has DeepSeek's latent of 512 and rope of 64."""
+    if (batch.kv_lora_rank, batch.rope_dim) != (512, 64):
+        raise Unsupported(DEEPSEEK_DIMS)
 
 
 def repage(batch: DecodeBatch, page_size: int = PAGE_SIZE) -> DecodeBatch:
@@ -94,6 +102,7 @@ def flashmla_inputs(batch: DecodeBatch) -> dict:
     """flash_mla_with_kvcache arguments for `batch` (see module docstring), plus "rows" ([T] positions of the real
     rows in the flattened [B * s_q] outputs). Unsupported for inputs FlashMLA has no kernel for."""
     batch.validate()
+    dims_refusal(batch)
     if batch.page_size != PAGE_SIZE:
         batch = repage(batch, PAGE_SIZE)
     rows, s_q = padded_rows(batch.q_lens)  # [T], s_q_max
@@ -184,6 +193,7 @@ class FlashMLAStep:
         import flash_mla
 
         q, kv = batch.q.dtype, batch.kv_cache.dtype
+        dims_refusal(batch)
         if batch.page_size != PAGE_SIZE:
             raise Unsupported(f"flashmla step: pages of {PAGE_SIZE} only (others are repaged per call)")
         if torch.float8_e4m3fnuz in (q, kv) or (is_fp8(q) and not is_fp8(kv)):

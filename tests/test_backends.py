@@ -21,6 +21,7 @@ from mla_fast.flashinfer_backend import flashinfer_inputs, split_q_scale
 from mla_fast.flashmla_backend import flashmla_inputs, padded_rows
 from mla_ref import fp8
 from mla_ref.decode import make_decode_batch, mla_decode_ref
+from verify.cases import Case
 
 NAMES = {"ref", "emulated", "triton", "triton_invariant", "seesaw", "gluon_fp8", "aiter", "flashinfer", "flashmla"}
 
@@ -278,6 +279,9 @@ def test_flashmla_unsupported_inputs_say_why():
     with pytest.raises(backends.Unsupported, match="seq_len 0"):
         flashmla_inputs(_batch("fp8"))  # request 0 is empty: the fp8 kernel would read block_table[0][-1]
     assert flashmla_inputs(_batch("fp8", kv_dtype="bf16"))["descale"] is None  # fp8 q, bf16 cache: the bf16 kernel
+    minicpm3 = Case(seq_lens=(5, 70), q_lens=(1, 1), kv_lora_rank=256, rope_dim=32, heads=4).materialize()[0]
+    with pytest.raises(backends.Unsupported, match="kv_lora_rank 512 and rope_dim 64 only"):
+        flashmla_inputs(minicpm3)  # its kernels are built for heads of 576 / 512
 
 
 # ---- FlashInfer adapter (CPU parts) -------------------------------------------------------------------------------

@@ -46,6 +46,25 @@ def test_long_mutant_fails_the_long_case_alone(name):
     assert run_case(case, from_callable(mutants.correct), "cpu").ok
 
 
+@pytest.mark.parametrize("name", ["rope_width_64", "full_tile_fast_path"])
+def test_minicpm3_smoke_case_catches_a_fixed_rope_width_and_a_full_tile_fast_path(name):
+    """Found by a review: every case had DeepSeek's latent of 512 and rope of 64, and no smoke case MTP rows on a
+    length of whole 64-token tiles. The MiniCPM3-shaped smoke case (latent 256, rope 32, 40 heads; lengths 128 and
+    64 with 3 and 2 rows) fails both on tier1; the first smoke case (DeepSeek's shape, MTP on other lengths) passes
+    them, and the correct kernel passes the new case."""
+    from verify import mutants
+    from verify.checks import run_case
+    from verify.kernels import from_callable
+
+    first, *_, minicpm3, big = smoke_cases("bf16")
+    assert (minicpm3.kv_lora_rank, minicpm3.rope_dim, minicpm3.heads) == (256, 32, 40)
+    assert "L256R32" in minicpm3.describe()
+    result = run_case(minicpm3, from_callable(getattr(mutants, name)), "cpu")
+    assert "tier1.out" in {c.name for c in result.checks if not c.ok}, result.describe()
+    assert run_case(first, from_callable(getattr(mutants, name)), "cpu").ok
+    assert run_case(minicpm3, from_callable(mutants.correct), "cpu").ok
+
+
 def test_request_index_mutant_fails_the_big_batch_smoke_case_alone():
     """Found by a review: a request index kept in 8 bits passed every check while the largest batch built had 65
     requests. The smoke prefix's batch of 260 (65 non-empty, every fourth, request 256 among them) fails it, on

@@ -52,6 +52,7 @@ from mla_ref.fp8 import FORMATS, quantize
 SM_SCALE_RANGE = (2.0**-16, 2.0**16)  # σ a Case takes (drawn: 0.072-0.22); DecodeBatch takes any finite σ > 0
 SM_SCALE = 0.1352338  # DeepSeek-V3 σ = 192^-1/2 · mscale² (numerics.md §1.3)
 NO_YARN_SM_SCALE = 192**-0.5  # the same model without YaRN's mscale² (a short-context config)
+MINICPM3_SM_SCALE = 96**-0.5  # MiniCPM3: q·k head dim 64 + 32 (longrope: no mscale); its latent is 256, its rope 32
 V2_LITE_SM_SCALE = 192**-0.5 * (0.1 * 0.707 * math.log(40) + 1) ** 2  # DeepSeek-V2-Lite: mscale_all_dim 0.707
 DISTRIBUTIONS = ("gauss1", "gauss4", "wide", "outlier", "sink", "recent", "coherent", "near_max", "shifted")
 SCORE_STD = {"gauss4": 4.0, "wide": 32.0}  # the others: 1
@@ -153,7 +154,9 @@ class Case:
         seqs = ",".join(map(str, self.seq_lens))
         qs = ",".join(map(str, self.q_lens))
         sigma = "" if self.sm_scale == SM_SCALE else f" σ{self.sm_scale:.4g}"
-        return f"{dt} {self.dist} H{self.heads} ps{self.page_size} seq[{seqs}] q[{qs}] w{self.num_workers}{sigma}"
+        dims = "" if (self.kv_lora_rank, self.rope_dim) == (512, 64) else f" L{self.kv_lora_rank}R{self.rope_dim}"
+        return (f"{dt} {self.dist} H{self.heads}{dims} ps{self.page_size} seq[{seqs}] q[{qs}] w{self.num_workers}"
+                f"{sigma}")
 
     # ---- serialisation and replay -----------------------------------------------------------------------------
     def to_json(self) -> str:

@@ -74,6 +74,10 @@ turns one knob, the way such bugs happen in real kernels:
 | big_batch_mtp_mask    | past 16 requests, every request masked as if it had the      | tier1 (the 260-request smoke  |
 |                       | batch's largest q_len (a [B, max q_len] row grid read from   | case, MTP rows among single   |
 |                       | its first row)                                               | ones)                         |
+| rope_width_64         | scores over the latent and the last 64 channels, DeepSeek's  | tier1 (the MiniCPM3 smoke     |
+|                       | rope width, whatever the batch's rope_dim                    | case: latent 256, rope 32)    |
+| full_tile_fast_path   | a request of whole 64-token tiles skips the causal mask:     | tier1 (MTP rows on a length   |
+|                       | its MTP rows see the newer tokens                            | of whole tiles)               |
 | request_index_8bit    | a request's block-table row read at its index mod 256        | tier1 / finite (the 260-      |
 |                       |                                                              | request smoke case)           |
 """
@@ -125,6 +129,8 @@ def _decode(
     big_batch_rows: int | None = None,
     request_bits: int | None = None,
     page_id_bits: int | None = None,
+    rope_width: int | None = None,
+    full_tiles_unmasked: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV online-softmax MLA decode -> (out [T, H, L] bf16, lse [T, H] fp32). Defaults = no bug.
 
@@ -140,11 +146,17 @@ def _decode(
     its tile's rows x tokens fixed and sizes it once for the batch does. With ``big_batch_rows`` = R, a batch of
     more than R requests masks every request's rows as if it had the batch's largest q_len. With ``request_bits``
     a request's block-table row is read at its index modulo 2^bits (a request index that wraps); with
-    ``page_id_bits`` each page id modulo 2^bits (a page id that wraps).
+    ``page_id_bits`` each page id modulo 2^bits (a page id that wraps). With ``rope_width`` = W the scores take the
+    latent's L channels plus the last W (a rope width fixed at W while L is read from the batch). With
+    ``full_tiles_unmasked`` a request whose length is a whole number of BLOCK-token tiles has every row see every
+    token (a fast path for full tiles that skips the causal mask).
     """
     L, H, ps = batch.kv_lora_rank, batch.num_heads, batch.page_size
     sigma = batch.sm_scale if sm_scale is None else sm_scale
     q = batch.q.float() * (batch.q_scale if is_fp8(batch.q.dtype) and use_q_scale else 1.0)  # [T, H, D]
+    if rope_width is not None:  # channel c counts once for c < L and once for c >= D - W: twice, or not at all
+        c = torch.arange(batch.head_dim, device=batch.device)  # [D]
+        q = q * ((c < L).float() + (c >= batch.head_dim - rope_width).float())  # [T, H, D]
     kv_scale = batch.kv_scale if is_fp8(batch.kv_cache.dtype) and use_kv_scale else 1.0
     D = batch.head_dim if rope else L  # channels the scores use
     dev = batch.device
@@ -182,6 +194,8 @@ def _decode(
         r = torch.arange(n, device=dev)  # [n] MTP row index
         rows_as = q_max if big_batch_rows is not None and batch.batch_size > big_batch_rows else n  # the mask's q_len
         visible = s - rows_as + r + 1 + torch.where(r < n - 1, causal_slack, 0)  # [n] tokens each row sees
+        if full_tiles_unmasked and s % BLOCK == 0:
+            visible = torch.full_like(visible, s)  # [n] every row every token
         visible = (visible + (K.shape[0] - s)).clamp(min=0) if full_last_page else visible.clamp(0, s)  # [n]
         rows = q[qo[b] : qo[b + 1]]  # [n, H, D]
         if packed_row_bits is not None:  # packed (row, head) index r H + h read modulo 2^bits: a counter that wraps
@@ -599,6 +613,20 @@ def plan_cached_by_ptr(batch):
     return _decode(batch.replace(seq_lens=seq_lens, q_lens=q_lens))
 
 
+def rope_width_64(batch):
+    """The scores over the latent's L channels and the last 64, DeepSeek's rope width, whatever the batch's rope_dim
+    is: right for every DeepSeek-shaped batch; with MiniCPM3's latent of 256 and rope of 32, q_c k_c counts twice on
+    latent channels 224-255 (found by a review: every drawn case had the rope of 64)."""
+    return _decode(batch, rope_width=64)
+
+
+def full_tile_fast_path(batch):
+    """A request whose length is a whole number of 64-token tiles takes a fast path without the causal mask: each
+    of its MTP rows sees every token, the newer ones too (found by a review: no smoke case had MTP rows on such a
+    length)."""
+    return _decode(batch, full_tiles_unmasked=True)
+
+
 _FAST_PLANS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # eager_fast_path's memo
 
 
@@ -656,7 +684,7 @@ MUTANTS = (
     "p_rounded_bf16", "bf16_partials", "ignores_strides", "uint16_positions", "hardcoded_scale", "merge_order_varies",
     "stale_plan", "fast_path_plan", "realloc_workspace", "max_init_zero", "max_before_mask", "packed_rows_wrap",
     "plan_cached_by_ptr", "eager_fast_path", "splits_follow_batch", "splits_follow_longest", "tiles_follow_q_len",
-    "big_batch_mtp_mask", "request_index_8bit", "page_ids_16bit",
+    "big_batch_mtp_mask", "request_index_8bit", "page_ids_16bit", "rope_width_64", "full_tile_fast_path",
 )  # fmt: skip
 FP8_ONLY = ("kv_scale_ignored", "q_scale_ignored")  # need fp8 inputs with a scale != 1
 FAR_ONLY = ("int32_offsets", "page_ids_16bit")  # need the far check, on by default on CUDA devices only (--far on)

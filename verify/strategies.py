@@ -21,7 +21,7 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from mla_ref.config import yarn_get_mscale
-from verify.cases import DISTRIBUTIONS, NO_YARN_SM_SCALE, SM_SCALE, V2_LITE_SM_SCALE, Case
+from verify.cases import DISTRIBUTIONS, MINICPM3_SM_SCALE, NO_YARN_SM_SCALE, SM_SCALE, V2_LITE_SM_SCALE, Case
 
 HEADS = (1, 2, 4, 5, 8, 16, 20, 32, 40, 64, 128)  # above 16: drawn where the lengths leave room in the work
 # budget; 40, 20 and 5: MiniCPM3's 40 MLA heads and their tensor-parallel shares, not a power of two
@@ -129,20 +129,22 @@ def smoke_cases(
     max_seq_len: int = 4096,
     heads: int | None = None,
     page_size: int | None = None,
-    kv_lora_rank: int = 512,
-    rope_dim: int = 64,
+    kv_lora_rank: int | None = None,
+    rope_dim: int | None = None,
 ) -> list[Case]:
     """The fixed prefix of every campaign: empty rows, length 1, page edges, MTP, splits, a long request, peaky
     and sink scores, 128 heads on pages of 32 with logits past fp32 exp's overflow, a dominant newest token in a
     long request, pages of 128, two softmax scales other than DeepSeek-V3's (which most drawn cases take), for fp8
     both q dtypes, every scale mode, subnormals, ties and saturation; then 128 heads with MTP rows of 3 and 4, MTP
-    rows of 5 and 8, scores shifted by -120 with a newest token at +120, and a batch of 260 requests (65 of them
+    rows of 5 and 8, scores shifted by -120 with a newest token at +120, MiniCPM3's shape (40 heads, a latent of
+    256 and a rope of 32, with MTP rows on lengths of whole tiles), and a batch of 260 requests (65 of them
     non-empty).
 
-    Lengths are clipped to max_seq_len; heads / page_size override the hand-picked values when given.
+    Lengths are clipped to max_seq_len; heads / page_size / kv_lora_rank / rope_dim override the hand-picked values
+    when given (the latent and rope are DeepSeek-V3's 512 and 64 but in MiniCPM3's case).
     """
     fp8 = dtype == "fp8"
-    base = dict(kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, kv_dtype=dtype, fp8_format=fp8_format)
+    base = dict(kv_lora_rank=512, rope_dim=64, kv_dtype=dtype, fp8_format=fp8_format)
     picked = [
         # empty request, length 1, page edges, MTP rows (one with q_len > seq_len), 8 workers
         dict(seq_lens=(0, 1, 63, 65, 300, 2), q_lens=(2, 1, 2, 1, 3, 4), heads=8, num_workers=8, dist="gauss1",
@@ -192,6 +194,11 @@ def smoke_cases(
         # every score shifted to -120 but the newest token's, +120, which only the last MTP row sees, in requests
         # of several tiles and splits: a running max started at 0, or a merge or tile that keeps its first max
         dict(seq_lens=(700, 3, 130), q_lens=(2, 1, 3), heads=4, num_workers=8, dist="shifted", seed=18),
+        # MiniCPM3's shape (every drawn case is DeepSeek's 512 + 64): a latent of 256 and a rope of 32, so a rope
+        # width or latent read as 64 / 512 shows; 40 heads; MTP rows on lengths of whole 64-token tiles (a fast
+        # path for full tiles that skips the causal mask shows), an empty request, a split one
+        dict(seq_lens=(300, 0, 128, 64), q_lens=(2, 1, 3, 2), heads=40, kv_lora_rank=256, rope_dim=32, page_size=16,
+             num_workers=8, dist="gauss1", sm_scale=MINICPM3_SM_SCALE, q_dtype="fp8" if fp8 else "bf16", seed=19),
         # a batch of 260 requests (drawn: up to --max-batch, 8), as a CUDA graph padded past 256 holds them: 65 of
         # them non-empty, every fourth, so that requests past index 127 and 255 read tokens (a request index of 8
         # bits, signed or not, wraps), MTP rows of 3 in every ninth of those and of 4 in the last among single rows
@@ -208,6 +215,10 @@ def smoke_cases(
             kw["heads"] = heads
         if page_size is not None:
             kw["page_size"] = page_size
+        if kv_lora_rank is not None:
+            kw["kv_lora_rank"] = kv_lora_rank
+        if rope_dim is not None:
+            kw["rope_dim"] = rope_dim
         out.append(Case(**kw))
     return out
 
