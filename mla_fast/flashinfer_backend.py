@@ -21,6 +21,11 @@ Conventions handled here:
   the rest of q_scale, q_scale / 2^k in [2^-1/2, 2^1/2], folded into sm_scale (`split_q_scale`). The scores are
   unchanged and the raw logits keep the scale of a bf16 deployment, so the sentinel above stays e^-thousands.
 - e4m3fnuz inputs are re-expressed as e4m3fn bit-exactly (`aiter_backend.e4m3fnuz_to_fn`).
+- DeepSeek's latent of 512 and rope of 64 only (`DEEPSEEK_DIMS`, Unsupported otherwise). Measured on an H200 with
+  MiniCPM3's 256 and 32 (the smoke prefix's case, fifty-seventh session): the fp8 path raises ("FP8 kv_data_type for
+  MLA currently only supports head_dim_ckv=512 and head_dim_kpe=64"), the bf16 FA3 path takes them without a word
+  and returns wrong rows (tier1, layout and partials 10-450x their bounds, an lse of 1.5e9), then faults with an
+  illegal memory access, which under MPS took another worker's context with it.
 """
 
 from __future__ import annotations
@@ -32,6 +37,16 @@ import torch
 from mla_ref.decode import DecodeBatch, is_fp8
 
 WORKSPACE_BYTES = 256 * 1024 * 1024  # float workspace of the wrapper (peers.md measured with 256 MB)
+DEEPSEEK_DIMS = ("flashinfer: kv_lora_rank 512 and rope_dim 64 only (its fp8 MLA raises for others; its bf16 FA3 MLA "
+                 "returned wrong rows and faulted at 256 / 32, measured: mla_fast/flashinfer_backend.py)")
+
+
+def dims_refusal(batch: DecodeBatch) -> None:
+    """Unsupported (DEEPSEEK_DIMS) unless the batch has DeepSeek's latent of 512 and rope of 64."""
+    from mla_fast.backends import Unsupported
+
+    if (batch.kv_lora_rank, batch.rope_dim) != (512, 64):
+        raise Unsupported(DEEPSEEK_DIMS)
 _WORKSPACES: dict[torch.device, torch.Tensor] = {}
 
 
@@ -56,8 +71,10 @@ def split_q_scale(q8: torch.Tensor, q_scale: float, dtype: torch.dtype) -> tuple
 
 
 def flashinfer_inputs(batch: DecodeBatch) -> dict:
-    """The wrapper's plan()/run() arguments for `batch` (see module docstring); ValueError for unsupported dtypes."""
+    """The wrapper's plan()/run() arguments for `batch` (see module docstring); ValueError for unsupported dtypes,
+    Unsupported for other latent or rope sizes than DeepSeek's."""
     batch.validate()
+    dims_refusal(batch)
     layout = batch.to_flashinfer()
     q, kv, sm_scale = batch.q, batch.kv_cache, float(batch.sm_scale)
     kv_scale = batch.kv_scale
@@ -118,6 +135,7 @@ class FlashInferStep:
 
         from mla_fast.backends import Unsupported
 
+        dims_refusal(batch)
         if is_fp8(batch.q.dtype):
             raise Unsupported("flashinfer step: fp8 q (converted to bf16 per call, with a host-side check)")
         if batch.kv_cache.dtype == torch.float8_e4m3fnuz:  # a captured graph would read the first call's copy

@@ -284,6 +284,16 @@ def test_flashmla_unsupported_inputs_say_why():
         flashmla_inputs(minicpm3)  # its kernels are built for heads of 576 / 512
 
 
+def test_flashinfer_refuses_other_latent_and_rope_sizes():
+    """Measured on an H200 (fifty-seventh session): FlashInfer 0.6.14's bf16 FA3 MLA at a latent of 256 and a rope
+    of 32 returned wrong rows, then faulted; its fp8 path raised. The adapter refuses them by name."""
+    for dtype in ("bf16", "fp8"):
+        minicpm3 = Case(seq_lens=(5, 70), q_lens=(1, 1), kv_lora_rank=256, rope_dim=32, heads=4, kv_dtype=dtype,
+                        q_dtype=dtype).materialize()[0]
+        with pytest.raises(backends.Unsupported, match="kv_lora_rank 512 and rope_dim 64 only"):
+            flashinfer_inputs(minicpm3)
+
+
 # ---- FlashInfer adapter (CPU parts) -------------------------------------------------------------------------------
 
 
