@@ -153,6 +153,9 @@ def _features(cs: list[Case]) -> set[str]:
         found |= {"workers>blocks"} if c.num_workers > sum(pages) else set()
         found |= {"heads:not_pow2"} if c.heads & (c.heads - 1) else set()
         found |= {"sigma:other"} if c.sm_scale != Case().sm_scale else set()
+        found |= {"dims:other"} if (c.kv_lora_rank, c.rope_dim) != (512, 64) else set()
+        found |= {"mtp:whole_tiles"} if any(n > 1 and s and s % 64 == 0 for n, s in zip(c.q_lens, c.seq_lens)) \
+            else set()
         found |= {f"dist:{c.dist}", f"scale:{c.scale_mode}", f"q:{c.q_dtype}"}
     return found
 
@@ -161,12 +164,12 @@ def test_smoke_prefix_reaches_every_feature():
     bf16 = _features(smoke_cases("bf16"))
     fp8 = _features(smoke_cases("fp8"))
     for f in ["empty", "len1", "mtp", "q_len>seq_len", "long", "partial_page", "workers>blocks", "dist:gauss4",
-              "dist:sink", "dist:outlier", "dist:coherent"]:
+              "dist:sink", "dist:outlier", "dist:coherent", "heads:not_pow2", "dims:other", "mtp:whole_tiles"]:
         assert f in bf16 and f in fp8, f
     for f in ["dist:near_max", "scale:dynamic", "scale:static", "scale:unit", "q:fp8", "q:bf16"]:
         assert f in fp8, f
-    for cases_ in (smoke_cases("bf16"), smoke_cases("fp8")):  # σ other than V3's, fp8 q among them for fp8
-        assert len({c.sm_scale for c in cases_}) == 3
+    for cases_ in (smoke_cases("bf16"), smoke_cases("fp8")):  # σ other than V3's (V2-Lite's, no YaRN, MiniCPM3's)
+        assert len({c.sm_scale for c in cases_}) == 4
     assert any(c.q_dtype == "fp8" and c.sm_scale != Case().sm_scale for c in smoke_cases("fp8"))
 
 
@@ -222,3 +225,9 @@ def test_wide_data_reaches_logits_past_fp32_exp_overflow():
     top = max(float(s.max()) for s in _scores(Case(seq_lens=(90, 5, 130), q_lens=(1, 2, 1), heads=128, dist="wide",
                                                     seed=9)))
     assert top > math.log(torch.finfo(torch.float32).max)  # 88.72
+
+
+def test_smoke_prefix_takes_other_latent_and_rope_sizes():
+    """The smoke cases' latent and rope are DeepSeek's but in MiniCPM3's case; given, they override every case."""
+    assert {(c.kv_lora_rank, c.rope_dim) for c in smoke_cases("bf16")} == {(512, 64), (256, 32)}
+    assert {(c.kv_lora_rank, c.rope_dim) for c in smoke_cases("fp8", kv_lora_rank=128, rope_dim=16)} == {(128, 16)}
