@@ -177,7 +177,8 @@ def test_help_lists_every_flag(capsys):
     code, out, _ = run(capsys, "--help")
     assert code == 0
     for flag in ["--dtype", "--fp8-format", "--backend", "--impl", "--cases", "--seed", "--max-seq-len", "--heads",
-                 "--page-size", "--max-batch", "--profile", "--device", "--json", "--plot", "--case", "--jobs",
+                 "--page-size", "--kv-lora-rank", "--rope-dim", "--max-batch", "--profile", "--device", "--json",
+                 "--plot", "--case", "--jobs",
                  "--time-limit", "--exitfirst", "--far", "--long", "exit codes", "plug-in contract", "model"]:
         assert flag in out, flag
 
@@ -199,13 +200,29 @@ def test_help_lists_every_flag(capsys):
              ["--case", '{"seq_lens": [70]}', "--fp8-format", "e4m3fnuz", "--dtype", "fp8"],
              ["--case", '{"seq_lens": [70]}', "--heads", "4"], ["--case", '{"seq_lens": [70]}', "--cases", "9"],
              ["--impl", "verify.mutants:correct", "--backend", "emulated"], ["--fp8-format", "e4m3fnuz"],
-             ["--plot", "-"]],
+             ["--plot", "-"], ["--kv-lora-rank", "0"], ["--rope-dim", "4097"], ["--case", '{"rope_dim": 100000}'],
+             ["--case", '{"seq_lens": [70]}', "--kv-lora-rank", "256"]],
 )
 def test_bad_usage_exits_2_with_one_line(capsys, argv):
     code, out, err = run(capsys, *argv)
     assert code == 2
     assert len(err.strip().splitlines()) == 1 and "error" in err, err
     assert out == ""
+
+
+def test_latent_and_rope_widths_reach_every_case(capsys, tmp_path):
+    """--kv-lora-rank / --rope-dim fix L and R in every case, the smoke prefix's and the drawn ones (MiniCPM3's
+    shape here), and the correct kernel passes them; the fixed rope width of rope_width_64 fails every case with
+    tier1."""
+    path = tmp_path / "r.json"
+    flags = ["--kv-lora-rank", "256", "--rope-dim", "32", "--max-seq-len", "64", "--cases", "20", "--jobs", "1"]
+    code, _, err = run(capsys, "--impl", "verify.mutants:correct", *flags, "--json", str(path))
+    report = json.loads(path.read_text())
+    assert code == 0 and report["cases"] == 20, err
+    assert {(r["case"]["kv_lora_rank"], r["case"]["rope_dim"]) for r in report["results"]} == {(256, 32)}
+    code, _, _ = run(capsys, "--impl", "verify.mutants:rope_width_64", *flags, "--json", str(path))
+    report = json.loads(path.read_text())
+    assert code == cli.EXIT_FAILED and report["checks"]["tier1.out"]["failed"] >= 18, report["checks"]["tier1.out"]
 
 
 def test_max_batch_bounds_the_drawn_requests_and_far_is_reported(capsys, tmp_path):

@@ -117,6 +117,7 @@ MAX_SEQ_LEN = 2**18  # longest --max-seq-len (DeepSeek-V3 serves 163840 tokens):
 # case hold a few GB; far longer ones fail to allocate, which a campaign would report as a failed case
 MAX_CASE_HEADS = 1024  # most heads a --case may ask for (DeepSeek-V3 has 128): the oracle's grids grow with them
 MAX_PAGE_SIZE = 4096  # largest page a case may fix (drawn: up to 64, smoke 128): every request holds whole pages
+MAX_WIDTH = 4096  # widest latent or rope a campaign may fix (DeepSeek: 512 and 64; MiniCPM3: 256 and 32)
 
 
 def _at_most(limit: int):
@@ -182,6 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"fix the number of query heads (default drawn; at most {MAX_CASE_HEADS})")
     p.add_argument("--page-size", type=_at_most(MAX_PAGE_SIZE), metavar="P",
                    help=f"fix the page size (default drawn; at most {MAX_PAGE_SIZE})")
+    p.add_argument("--kv-lora-rank", type=_at_most(MAX_WIDTH), metavar="L",
+                   help="the latent width L of every case (default DeepSeek's 512, but in the smoke prefix's "
+                        "MiniCPM3-shaped case: 256)")
+    p.add_argument("--rope-dim", type=_at_most(MAX_WIDTH), metavar="R",
+                   help="the rope width R of every case (default DeepSeek's 64; that smoke case: 32)")
     p.add_argument("--max-batch", type=_positive_int, default=8, metavar="B",
                    help="most requests per drawn case (default 8; the work budget then draws fewer heads)")
     p.add_argument("--profile", choices=tuple(DEFAULT_CASES), default="ci", help="case generation profile (below)")
@@ -753,6 +759,7 @@ def _model(argv: list[str]) -> int:
 
 # flags that shape or draw the campaign's cases: a --case replay takes none of them
 CASE_FIXES = {"dtype": "--dtype", "fp8_format": "--fp8-format", "heads": "--heads", "page_size": "--page-size",
+              "kv_lora_rank": "--kv-lora-rank", "rope_dim": "--rope-dim",
               "max_seq_len": "--max-seq-len", "max_batch": "--max-batch", "seed": "--seed", "cases": "--cases",
               "profile": "--profile", "long": "--long", "time_limit": "--time-limit", "exitfirst": "--exitfirst"}
 _UNSET = object()
@@ -815,11 +822,13 @@ def main(argv: list[str] | None = None) -> int:
             replay = Case.from_json(args.case)
         except (ValueError, TypeError) as e:
             return usage(f"--case: {e}")
-        if (max(replay.seq_lens) > MAX_SEQ_LEN or replay.heads > MAX_CASE_HEADS
-                or replay.page_size > MAX_PAGE_SIZE):  # before it fails to allocate
-            return usage(f"--case: expected seq_lens <= {MAX_SEQ_LEN}, heads <= {MAX_CASE_HEADS} and page_size <= "
-                         f"{MAX_PAGE_SIZE} (--max-seq-len's, --heads' and --page-size's limits), got seq_lens "
-                         f"{list(replay.seq_lens)}, heads {replay.heads}, page_size {replay.page_size}")
+        if (max(replay.seq_lens) > MAX_SEQ_LEN or replay.heads > MAX_CASE_HEADS or replay.page_size > MAX_PAGE_SIZE
+                or max(replay.kv_lora_rank, replay.rope_dim) > MAX_WIDTH):  # before it fails to allocate
+            return usage(f"--case: expected seq_lens <= {MAX_SEQ_LEN}, heads <= {MAX_CASE_HEADS}, page_size <= "
+                         f"{MAX_PAGE_SIZE} and kv_lora_rank, rope_dim <= {MAX_WIDTH} (--max-seq-len's, --heads', "
+                         f"--page-size's and --kv-lora-rank's limits), got seq_lens {list(replay.seq_lens)}, heads "
+                         f"{replay.heads}, page_size {replay.page_size}, kv_lora_rank {replay.kv_lora_rank}, rope_dim "
+                         f"{replay.rope_dim}")
 
     import torch
 
@@ -903,7 +912,7 @@ def main(argv: list[str] | None = None) -> int:
     from verify.strategies import long_cases, smoke_cases
 
     shape = dict(fp8_format=args.fp8_format, max_seq_len=args.max_seq_len, heads=args.heads, page_size=args.page_size,
-                 max_batch=args.max_batch)
+                 kv_lora_rank=args.kv_lora_rank, rope_dim=args.rope_dim, max_batch=args.max_batch)
     fixed = {k: v for k, v in shape.items() if k != "max_batch"}  # the smoke prefix keeps its batches
     smoke, longs = smoke_cases(args.dtype, **fixed), (long_cases(args.dtype, **fixed) if long else [])
     if longs and n < len(smoke) + len(longs):

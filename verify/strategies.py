@@ -51,14 +51,15 @@ def cases(
     max_seq_len: int = 4096,
     heads: int | None = None,
     page_size: int | None = None,
-    kv_lora_rank: int = 512,
-    rope_dim: int = 64,
+    kv_lora_rank: int | None = None,
+    rope_dim: int | None = None,
     max_batch: int = 8,
     work_budget: int = WORK_BUDGET,
 ) -> Case:
     """Draw a `Case` of the given kernel dtype ("bf16": bf16 q and KV; "fp8": fp8 KV, q bf16 or fp8).
 
     heads / page_size: fixed when given, else drawn. Lengths never exceed max_seq_len; 1 to max_batch requests.
+    kv_lora_rank / rope_dim: the latent and rope widths L and R (None: DeepSeek's 512 and 64).
     """
     if dtype not in ("bf16", "fp8"):
         raise ValueError(f"cases.dtype: expected 'bf16' or 'fp8', got {dtype!r}")
@@ -94,8 +95,8 @@ def cases(
         q_lens=tuple(q_lens),
         heads=heads,
         page_size=page,
-        kv_lora_rank=kv_lora_rank,
-        rope_dim=rope_dim,
+        kv_lora_rank=kv_lora_rank or 512,
+        rope_dim=rope_dim or 64,
         q_dtype=q_dtype,
         kv_dtype=dtype,
         fp8_format=fp8_format,
@@ -232,8 +233,8 @@ def long_cases(
     fp8_format: str = "e4m3fn",
     heads: int | None = None,
     page_size: int | None = None,
-    kv_lora_rank: int = 512,
-    rope_dim: int = 64,
+    kv_lora_rank: int | None = None,
+    rope_dim: int | None = None,
     **_ignored,
 ) -> list[Case]:
     """The long cases (`mla-verify --long`, on CUDA devices by default): one request of LONG_SEQ_LEN tokens, past
@@ -245,5 +246,6 @@ def long_cases(
     2-core CPU, milliseconds on a GPU."""
     q_dtypes = ("bf16", "fp8") if dtype == "fp8" else ("bf16",)
     return [Case(seq_lens=(LONG_SEQ_LEN, 3, 1), q_lens=(2, 1, 1), heads=heads or 16, page_size=page_size or 64,
-                 kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, q_dtype=q_dtype, kv_dtype=dtype, fp8_format=fp8_format,
-                 dist="recent", num_workers=132, seed=12 + i) for i, q_dtype in enumerate(q_dtypes)]
+                 kv_lora_rank=kv_lora_rank or 512, rope_dim=rope_dim or 64, q_dtype=q_dtype, kv_dtype=dtype,
+                 fp8_format=fp8_format, dist="recent", num_workers=132, seed=12 + i)
+            for i, q_dtype in enumerate(q_dtypes)]

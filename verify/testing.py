@@ -59,6 +59,8 @@ def mla_property_test(
     max_seq_len: int = 4096,
     heads: int | None = None,
     page_size: int | None = None,
+    kv_lora_rank: int | None = None,
+    rope_dim: int | None = None,
     max_batch: int = 8,
     device: str | None = None,
     far: bool | None = None,
@@ -84,7 +86,8 @@ def mla_property_test(
     if isinstance(examples, (str, bytes)) or bad:
         raise ValueError(f"mla_property_test.examples: expected Case instances, got {bad[:1] or examples!r}")
     kernel = from_callable(fn)
-    shape = dict(fp8_format=fp8_format, max_seq_len=max_seq_len, heads=heads, page_size=page_size)
+    shape = dict(fp8_format=fp8_format, max_seq_len=max_seq_len, heads=heads, page_size=page_size,
+                 kv_lora_rank=kv_lora_rank, rope_dim=rope_dim)
     flags = f"--impl {kernel.name}" + (f" --device {device}" if device else "")  # the repro replays where it ran
     flags += "" if far is None else f" --far {'on' if far else 'off'}"  # and with the same checks
 
