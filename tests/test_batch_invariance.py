@@ -18,7 +18,8 @@ from verify import mutants
 from verify.cases import Case
 from verify.checks import _moved, check_batch
 from verify.kernels import from_callable
-from verify.regrouped import regrouped_batches
+from verify.next_step import negated
+from verify.regrouped import regrouped_batches, shared_batch
 
 
 def _pieces(plan, request: int) -> list[tuple[int, int]]:
@@ -161,6 +162,58 @@ def test_regrouped_batches_reindex_rows_and_keep_the_cache(seq_lens, q_lens, gro
 
 
 CASE = Case(seq_lens=(300, 129, 0, 127), q_lens=(1, 2, 1, 1), heads=4, page_size=16, seed=3)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("seq_lens, q_lens", [((300, 129, 0, 127), (1, 2, 1, 1)), ((5,), (3,)), ((0, 70), (2, 2))])
+def test_the_shared_batch_puts_the_case_between_two_siblings_on_the_longests_pages(dtype, seq_lens, q_lens):
+    """The shared batch: a sibling of the longest request (its block-table row, length and q_len, its q rows
+    negated, exactly), the case's requests as they are, the sibling again; the cache is the case's and the case's
+    rows, from the first sibling's rows on, get the case's oracle answer (up to fp64 rounding). A case without a
+    token has none."""
+    batch = Case(seq_lens=seq_lens, q_lens=q_lens, heads=2, page_size=16, kv_lora_rank=64, rope_dim=32, seed=2,
+                 kv_dtype=dtype, q_dtype=dtype).materialize()[0]
+    shared = shared_batch(batch)
+    longest, B = seq_lens.index(max(seq_lens)), len(seq_lens)
+    starts = [0, *itertools.accumulate(q_lens)]
+    n = q_lens[longest]
+    assert shared.how == "shared" and shared.compared is batch and shared.offset == n
+    assert shared.batch.kv_cache is batch.kv_cache and shared.batch.batch_size == B + 2
+    for b in (0, B + 1):
+        assert torch.equal(shared.batch.block_table[b], batch.block_table[longest])
+        assert (int(shared.batch.seq_lens[b]), int(shared.batch.q_lens[b])) == (seq_lens[longest], n)
+    assert torch.equal(shared.batch.block_table[1 : B + 1], batch.block_table)
+    sibling = batch.q[starts[longest] : starts[longest + 1]]  # [n, H, D]
+    q = shared.batch.q.float()  # [n + T + n, H, D]
+    assert torch.equal(q[:n], -sibling.float()) and torch.equal(q[-n:], -sibling.float())
+    assert torch.equal(shared.batch.q[n : n + batch.num_tokens].view(torch.uint8), batch.q.view(torch.uint8))
+    out, lse = mla_decode_ref(batch)
+    out_s, lse_s = mla_decode_ref(shared.batch.validate())
+    for got, want in ((shared.case_rows(out_s), out), (shared.case_rows(lse_s), lse)):
+        assert torch.equal(got.isfinite(), want.isfinite())
+        assert (got - want).nan_to_num().abs().max() <= FP64_ROWS * want.nan_to_num(0, 0, 0).abs().max()
+    assert "with its q rows negated" in shared.describe()
+    assert shared_batch(batch.replace(seq_lens=torch.zeros_like(batch.seq_lens))) is None
+
+
+def test_negated_is_exact_and_keeps_zeros_positive():
+    """The siblings' q: -x in every format, zeros +0 (e4m3fnuz has no -0: its 0x80 is NaN)."""
+    x = torch.tensor([0.0, 1.5, -2.0, 224.0])  # 224: in e4m3fnuz's range (240) and e4m3fn's
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+        y = negated(x.to(dtype))
+        assert y.dtype == dtype and torch.equal(y.float(), torch.where(x == 0, x, -x).to(dtype).float())
+        assert not torch.isnan(y.float()).any() and not torch.signbit(y.float()[0])
+
+
+def test_a_kernel_that_reuses_a_pages_results_for_its_later_readers_fails_the_shared_batch_alone():
+    """mutants.shared_page_reuse (a request on an earlier one's pages takes that request's results, as per-page
+    results kept by page id for their first reader are): the shared batch's first sibling, negated q, reads the
+    longest's pages first, so the longest takes its rows; no other batch has two requests with other q on one page
+    (the grown one repeats the longest with its own q). The correct kernel keeps its bits there."""
+    results = _check(mutants.shared_page_reuse)  # undeclared: the rows judged within the tier-1 bound
+    assert {name for name, r in results.items() if not r.ok} == {"batch.shared.out", "batch.shared.lse"}, results
+    correct = _check(mutants.correct)
+    assert correct["batch.shared"].ok and "bits of the case's run" in correct["batch.shared"].detail
 
 
 def _check(fn, case: Case = CASE):

@@ -72,7 +72,7 @@ from verify.kernels import Kernel, outputs
 from verify.metrics import compare
 from verify.padding_probe import padding_probe
 from verify.partials_probe import partials_probe
-from verify.regrouped import regrouped_batches
+from verify.regrouped import regrouped_batches, shared_batch
 from verify.rounding_probe import rounding_probe
 from verify.strided_inputs import strided_batch
 
@@ -721,16 +721,19 @@ def check_batch(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, 
     requests reversed, the first dropped, the longest added and a longer request on its pages (``batch``), with two or
     more requests reversed without every request of the longest length (``batch.shrunk``), and the requests without
     every request of the largest q_len, or where every request has the same q_len n beside a request of n + 1 rows
-    (``batch.mtp``), so that the batch's size, tokens, longest length and largest q_len change and the requests move.
-    Each row of a case's request against the row of the case's run ``first`` it comes from (an added request's rows are
-    not judged): a kernel that declares itself batch-invariant (`Kernel.batch_invariant`) must give its bits, NaN
-    included; any other passes within the tier-1 bound of the numerics it declares for the regrouped batch, with the
-    most splits the kernel may give a row of it (a split-KV plan cuts a request where the whole batch puts the cuts). A
-    kernel that refuses a regrouped batch (`Unsupported` from its run or its numerics) passes as ``batch.refused`` /
-    ``batch.shrunk.refused`` / ``batch.mtp.refused``, and the report warns."""
+    (``batch.mtp``), so that the batch's size, tokens, longest length and largest q_len change and the requests move;
+    then `shared_batch(batch)`: the requests as they are between two requests on the longest's very pages with its q
+    rows negated (``batch.shared``: one prefix's pages read with other queries, prefix caching). Each row of a case's
+    request against the row of the case's run ``first`` it comes from (an added request's rows are not judged): a
+    kernel that declares itself batch-invariant (`Kernel.batch_invariant`) must give its bits, NaN included; any
+    other passes within the tier-1 bound of the numerics it declares for the regrouped batch, with the most splits
+    the kernel may give a row of it (a split-KV plan cuts a request where the whole batch puts the cuts). A kernel
+    that refuses a regrouped batch (`Unsupported` from its run or its numerics) passes as ``batch.refused`` /
+    ``batch.shrunk.refused`` / ``batch.mtp.refused`` / ``batch.shared.refused``, and the report warns."""
     results = []
-    for regrouped in regrouped_batches(batch):
-        name = {"grown": "batch", "shrunk": "batch.shrunk", "mtp": "batch.mtp"}[regrouped.how]
+    shared = shared_batch(batch)
+    for regrouped in regrouped_batches(batch) + ([shared] if shared is not None else []):
+        name = {"grown": "batch", "shrunk": "batch.shrunk", "mtp": "batch.mtp", "shared": "batch.shared"}[regrouped.how]
         where = regrouped.describe()
         got, why = _refusable(regrouped.batch, kernel, workers)
         if isinstance(why, Unsupported):

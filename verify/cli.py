@@ -677,7 +677,7 @@ def _warnings(summary: dict, deterministic: bool = True) -> list[str]:
     if refused := summary.get("layout.refused"):
         warnings.append(f"layout.refused: the kernel refused strided inputs in {refused['cases']} cases, which the "
                         f"layout check then did not try (serving engines pass views); e.g. {refused['worst_detail']}")
-    for name in ("batch.refused", "batch.shrunk.refused", "batch.mtp.refused"):
+    for name in ("batch.refused", "batch.shrunk.refused", "batch.mtp.refused", "batch.shared.refused"):
         if refused := summary.get(name):
             warnings.append(f"{name}: the kernel refused the batch check's regrouped batches in {refused['cases']} "
                             f"cases, which it then did not check; e.g. {refused['worst_detail']}")

@@ -78,6 +78,9 @@ turns one knob, the way such bugs happen in real kernels:
 |                       | rope width, whatever the batch's rope_dim                    | case: latent 256, rope 32)    |
 | full_tile_fast_path   | a request of whole 64-token tiles skips the causal mask:     | tier1 (MTP rows on a length   |
 |                       | its MTP rows see the newer tokens                            | of whole tiles)               |
+| shared_page_reuse     | a request on an earlier one's pages (same first page, length | batch.shared (any with a      |
+|                       | and q_len) takes that request's results: per-page results    | token)                        |
+|                       | kept by page id for the first reader                         |                               |
 | request_index_8bit    | a request's block-table row read at its index mod 256        | tier1 / finite (the 260-      |
 |                       |                                                              | request smoke case)           |
 """
@@ -627,6 +630,22 @@ def full_tile_fast_path(batch):
     return _decode(batch, full_tiles_unmasked=True)
 
 
+def shared_page_reuse(batch):
+    """A request on the same pages as an earlier one in its batch (the same first page, length and q_len: a
+    sibling on one prefix, as parallel sampling makes them) takes that request's results, as a kernel that keeps
+    its per-page results by physical page id for the rows of the first request to read the page does: right while
+    such requests have the same queries (found by a review: no batch the checks built had two requests with other
+    queries on one page)."""
+    out, lse = _decode(batch)  # [T, H, L], [T, H]
+    qo, first_page = batch.qo_indptr.tolist(), batch.block_table[:, 0].tolist()
+    readers: dict[tuple[int, int, int], int] = {}  # (first page, length, q_len) -> the first request reading it
+    for b, (s, n) in enumerate(zip(batch.seq_lens.tolist(), batch.q_lens.tolist())):
+        if s:
+            a = readers.setdefault((first_page[b], s, n), b)
+            out[qo[b] : qo[b + 1]], lse[qo[b] : qo[b + 1]] = out[qo[a] : qo[a + 1]], lse[qo[a] : qo[a + 1]]
+    return out, lse
+
+
 _FAST_PLANS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # eager_fast_path's memo
 
 
@@ -685,6 +704,7 @@ MUTANTS = (
     "stale_plan", "fast_path_plan", "realloc_workspace", "max_init_zero", "max_before_mask", "packed_rows_wrap",
     "plan_cached_by_ptr", "eager_fast_path", "splits_follow_batch", "splits_follow_longest", "tiles_follow_q_len",
     "big_batch_mtp_mask", "request_index_8bit", "page_ids_16bit", "rope_width_64", "full_tile_fast_path",
+    "shared_page_reuse",
 )  # fmt: skip
 FP8_ONLY = ("kv_scale_ignored", "q_scale_ignored")  # need fp8 inputs with a scale != 1
 FAR_ONLY = ("int32_offsets", "page_ids_16bit")  # need the far check, on by default on CUDA devices only (--far on)

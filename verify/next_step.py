@@ -134,12 +134,17 @@ def next_layout(batch: DecodeBatch, first_spare: int) -> tuple[str, torch.Tensor
     return where + f", {int(stale.sum())} slots the old step read set to NaN", new_slots
 
 
+def negated(q: torch.Tensor) -> torch.Tensor:
+    """-q in q's dtype, exact in every format (fp8 widened to negate it); zeros kept +0: e4m3fnuz has no -0."""
+    wide = q.float() if is_fp8(q.dtype) else q  # fp8 has no neg
+    return torch.where(wide == 0, wide, -wide).to(q.dtype)
+
+
 def next_values(batch: DecodeBatch, new_slots: torch.Tensor, seed: int = 0) -> str:
     """Write the next step's contents after its plan: q negated (zeros kept +0, exact in every format) and, in the
     ``new_slots`` [P, ps], token values drawn from a standard normal (seeded; fp8 caches quantized with the batch's
     kv_scale, saturating). -> a description."""
-    q = batch.q.float() if is_fp8(batch.q.dtype) else batch.q  # [T, H, D] fp8 widened (exact): it has no neg
-    batch.q.copy_(torch.where(q == 0, q, -q).to(batch.q.dtype))  # zeros kept +0: e4m3fnuz has no -0
+    batch.q.copy_(negated(batch.q))
     n = int(new_slots.sum())
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, batch.head_dim, generator=g)  # [n, D] fp32

@@ -17,6 +17,14 @@ stay within the tier-1 bound but change bits. A kernel that declares itself batc
                are, then one request more, never judged: the longest's tokens with n + 1 query rows (its rows, the
                last one twice): with n = 1 a speculative-decoding request beside plain decode ones
 
+and, apart from these (`shared_batch`),
+
+    shared     the requests as they are between two siblings of the longest request, never judged: its block-table
+               row (its very pages), its length and q_len, its q rows negated: requests on one prefix's pages with
+               other queries, as vLLM's prefix caching and parallel sampling make them, first and last in the batch,
+               so a kernel that keeps per-page results and lets the first or the last reader of a page write them
+               shows (found by a review: no other batch had two requests with different q on one page)
+
 so the batch size, its total tokens, its longest length (the grown one's longer unless s_max < P; the shrunk one's
 shorter unless all requests have one length) and its largest q_len (mtp; the grown one's too where the first request
 held it alone) change, and the requests move (in the grown batch all but the middle one of an odd count; a lone
@@ -27,8 +35,9 @@ of requests of one q_len (1, or n).
 
 Each request names pages of the case, with its own copy of the q rows. The cache, the NaN in its unused slots and
 the scales are the case's own tensors; the block table's rows (widened with ``INVALID_PAGE`` for the added request),
-q's rows and the lengths are copied in the new order. Row ``i`` of a new batch, for ``i < len(rows)``, is row
-``rows[i]`` of the case, so the oracle's answer is the case's, reindexed; the added request's rows come after.
+q's rows and the lengths are copied in the new order. Row ``offset + i`` of a new batch, for ``i < len(rows)``, is
+row ``rows[i]`` of the case, so the oracle's answer is the case's, reindexed; the added requests' rows come after
+(before too, in the shared batch: ``offset`` rows).
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from mla_ref.decode import INVALID_PAGE, DecodeBatch
+from verify.next_step import negated
 
 
 @dataclass(frozen=True)
@@ -45,13 +55,15 @@ class RegroupedBatch:
     """A regrouped batch and where its rows come from.
 
     Attributes:
-        batch: the `DecodeBatch` the kernel runs on: the case's requests, then (grown, mtp) the added request.
-        compared: the same without the added request (``batch`` itself when there is none): the requests whose rows
-            are the case's, for the bound of those rows.
+        batch: the `DecodeBatch` the kernel runs on: the case's requests, then (grown, mtp) the added request;
+            (shared) between the two siblings.
+        compared: the same without the added requests (``batch`` itself when there is none): the requests whose
+            rows are the case's, for the bound of those rows.
         requests: [B''] int64 (CPU), the case's request behind each request of ``compared``.
         rows: [T''] int64 (on the batch's device), the case's query row behind each row of ``compared``, which are
-            the first T'' rows of ``batch``.
-        how: "grown", "shrunk" or "mtp" (module docstring).
+            the T'' rows of ``batch`` from ``offset`` on.
+        how: "grown", "shrunk", "mtp" or "shared" (module docstring).
+        offset: rows of ``batch`` before the case's (the shared batch's first sibling's), else 0.
     """
 
     batch: DecodeBatch
@@ -59,12 +71,17 @@ class RegroupedBatch:
     requests: torch.Tensor
     rows: torch.Tensor
     how: str
+    offset: int = 0
 
     def case_rows(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """The rows of a run's out [T', H, L] or lse [T', H] on ``batch`` that come from the case (None stays None)."""
-        return None if t is None else t[: self.rows.shape[0]]
+        return None if t is None else t[self.offset : self.offset + self.rows.shape[0]]
 
     def describe(self) -> str:
+        if self.how == "shared":
+            return ("the case's requests as they are between two requests on the longest's pages (its block-table "
+                    "row, length and q_len) with its q rows negated, not judged: one prefix's pages read with other "
+                    "queries first and last in the batch")
         what = {"grown": "reversed, the first dropped, the longest added",
                 "shrunk": "reversed, every request of the longest length dropped",
                 "mtp": "as they are" if self.batch.batch_size > self.compared.batch_size
@@ -138,3 +155,22 @@ def _with_added(regrouped: RegroupedBatch, batch: DecodeBatch, longest: int, ful
         seq_lens=torch.cat([compared.seq_lens, torch.tensor([full * batch.page_size + s_max], **as_field)]),
         q_lens=torch.cat([compared.q_lens, torch.tensor([len(q_rows)], **as_field)]),  # [B'' + 1]
     ))
+
+
+def shared_batch(batch: DecodeBatch) -> RegroupedBatch | None:
+    """The module docstring's shared batch, or None when the case has no token to share (every request empty)."""
+    seq, n = batch.seq_lens.long().cpu(), batch.q_lens.long().cpu()  # [B], [B]
+    if not batch.batch_size or not int(seq.max()):
+        return None
+    longest = int(torch.argmax(seq))
+    first = int(n[:longest].sum())
+    sibling = negated(batch.q[first : first + int(n[longest])])  # [n, H, D] the longest's q rows negated
+    order = torch.tensor([longest, *range(batch.batch_size), longest], dtype=torch.long, device=batch.device)
+    shared = batch.replace(
+        q=torch.cat([sibling, batch.q, sibling]),  # [n + T + n, H, D]
+        block_table=batch.block_table.index_select(0, order),  # [B + 2, W]
+        seq_lens=batch.seq_lens.index_select(0, order),  # [B + 2]
+        q_lens=batch.q_lens.index_select(0, order),  # [B + 2]
+    )
+    rows = torch.arange(batch.num_tokens, device=batch.device)  # [T]
+    return RegroupedBatch(shared, batch, torch.arange(batch.batch_size), rows, "shared", offset=sibling.shape[0])
