@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The fifty-seventh session's checks on one H200: the rerun check's plain decode step (`rerun.decode`: the eager
-# kernel called once more after the same requests grew by their q_len), the MiniCPM3-shaped smoke case (latent 256,
-# rope 32, 40 heads) and a pool worker the kernel kills, named by its case on CUDA (spawned workers). Campaigns
-# through one MPS daemon, each writing $OUT/r_<name>.json, and a table of rerun.decode (cases, median and largest
-# err / bound) and of the MiniCPM3 case's result in $OUT/log.txt. The README's "rerun.decode and the MiniCPM3 case".
+# kernel called once more after the same requests grew by their q_len), the batch check's shared batch
+# (`batch.shared`: the case between two siblings of its longest request on its very pages, other q), the
+# MiniCPM3-shaped smoke case (latent 256, rope 32, 40 heads) and a pool worker the kernel kills, named by its case on
+# CUDA (spawned workers). Campaigns through one MPS daemon, each writing $OUT/r_<name>.json, and a table of
+# rerun.decode (cases, median and largest err / bound), batch.shared (bits kept / within the bound) and of the
+# MiniCPM3 case's result in $OUT/log.txt. The README's "rerun.decode, batch.shared and the MiniCPM3 case".
 # Two device tool calls (each within the 600 s a call may take; carry .whl, the peers' wheels):
 #   bash scripts/device_rerun_decode.sh [SECONDS] ours    the crash naming, our Triton backends, the new mutants
 #   bash scripts/device_rerun_decode.sh [SECONDS] peers   FlashInfer and FlashMLA, and their GPU step tests
@@ -25,6 +27,7 @@ if [ "$group" = ours ]; then
   pool_campaign r_eager_fast_path "$seconds" --impl verify.mutants:eager_fast_path --dtype bf16 --cases 100
   pool_campaign r_rope_width_64 "$seconds" --impl verify.mutants:rope_width_64 --dtype bf16 --cases 100
   pool_campaign r_full_tile_fast_path "$seconds" --impl verify.mutants:full_tile_fast_path --dtype bf16 --cases 100
+  pool_campaign r_shared_page_reuse "$seconds" --impl verify.mutants:shared_page_reuse --dtype bf16 --cases 100
 else
   step "GPU step tests of the peers (the smoke prefix, MiniCPM3's case included)"
   python3 -m pytest -q -m gpu tests/test_peers_gpu.py -k step 2>&1 | tail -3 | tee -a "$log"
@@ -37,7 +40,7 @@ mps_stop
 python3 - "$OUT" <<'PY' | tee -a "$log"
 import glob, json, os, sys
 print("| campaign | cases (unsupported) | failed | rerun.decode.out: cases, median, max | rerun.out max "
-      "| the MiniCPM3 case | wall s |")
+      "| batch.shared: bits / bound (max) | the MiniCPM3 case | wall s |")
 for path in sorted(glob.glob(os.path.join(sys.argv[1], "r_*.json"))):
     r = json.load(open(path))
     c = r["checks"]
@@ -54,8 +57,12 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "r_*.json"))):
         failed = [f["checks"] for f in r["failures"] if f["case"]["kv_lora_rank"] == 256]
         if failed:
             state += " (" + ", ".join(ch["name"] for ch in failed[0][:4]) + ")"
+    shared, shared_out = c.get("batch.shared", {}), c.get("batch.shared.out", {})
+    sh = f"{shared.get('cases', 0)} / {shared_out.get('cases', 0)} ({shared_out.get('max_err_over_bound')})"
+    failed_shared = shared.get("failed", 0) + shared_out.get("failed", 0)
+    sh += f", {failed_shared} failed" if failed_shared else ""
     unsupported = sum(v if isinstance(v, int) else len(v) for v in r["unsupported"].values())
     print(f"| {os.path.basename(path)[2:-5]} | {r['cases']} ({unsupported}) | {r['failed']} | {cell} | "
-          f"{rerun.get('max_err_over_bound')} | {state} | {r.get('seconds', 0):.1f} |")
+          f"{rerun.get('max_err_over_bound')} | {sh} | {state} | {r.get('seconds', 0):.1f} |")
 PY
 step done
