@@ -334,10 +334,8 @@ def check_split(batch: DecodeBatch, kernel: Kernel, numerics, first: tuple, work
     if (first[1] is None) != (second[1] is None):
         return [CheckResult("split.lse", False, detail=f"lse returned by only one of the {workers}- and "
                                                        f"{other}-worker runs")]
-    alone = _with_rows(batch, check_tier1(*_moved(*second, ref[0].device, copy=False), ref, bound, numerics.out_dtype,
-                                          name="split.tier1"))
-    for r in alone:
-        r.detail = f"the {other}-worker run vs the oracle: {r.detail}"
+    alone = _tier1_of(batch, second, ref, (bound, numerics.out_dtype), "split.tier1",
+                      f"the {other}-worker run vs the oracle")
     u_out = bounds._unit_roundoff(numerics.out_dtype)  # unit roundoff of the output dtype, as the bounds take it
     eta_out = bounds._half_min_subnormal(numerics.out_dtype)  # its absolute error below the normal range
     split = bounds.split_bound(batch, numerics, kernel.max_splits(batch))  # [T, H, L], [T, H] before output rounding
@@ -708,12 +706,20 @@ def _rerun_step(static: DecodeBatch, kernel: Kernel, workers: int, name: str, wh
         return [CheckResult("rerun.refused", True, detail=f"{where}: refused: {error_message(why)}")]
     if why is not None:
         return [CheckResult(f"{name}.out", False, detail=f"{where}: {why}")]
-    out, lse = _moved(*got, ref_next[0].device, copy=False)
-    rerun = _with_rows(static, check_tier1(out, lse, ref_next, _tier1_bound(static, kernel, numerics, ref_next),
-                                           numerics.out_dtype, name=name))
-    for r in rerun:
+    judge = (_tier1_bound(static, kernel, numerics, ref_next), numerics.out_dtype)
+    return _tier1_of(static, got, ref_next, judge, name, where)
+
+
+def _tier1_of(batch: DecodeBatch, got: tuple, ref, judge: tuple[bounds.Bound, torch.dtype], name: str,
+              where: str) -> list[CheckResult]:
+    """A later run's (out, lse) ``got`` on ``batch`` against the oracle ``ref`` within ``judge`` (its tier-1 bound
+    and output dtype): ``name``.out / .lse, a failure's row named as request and query row, each detail led by
+    ``where``."""
+    out, lse = _moved(*got, ref[0].device, copy=False)
+    results = _with_rows(batch, check_tier1(out, lse, ref, *judge, name=name))
+    for r in results:
         r.detail = f"{where}: {r.detail}"
-    return rerun
+    return results
 
 
 def check_batch(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, ref) -> list[CheckResult]:
@@ -1043,11 +1049,7 @@ def _judged(static: DecodeBatch, name: str, where: str, ref, watched: tuple, ste
         why = judge
     if why is not None:
         return [CheckResult(name, False, detail=f"{where}: {why}")]
-    out, lse = _moved(*got, ref[0].device, copy=False)
-    results = _with_rows(static, check_tier1(out, lse, ref, *judge, name=name))
-    for r in results:
-        r.detail = f"{where}: {r.detail}"
-    return results
+    return _tier1_of(static, got, ref, judge, name, where)
 
 
 def _replanned(step, batch: DecodeBatch, name: str, where: str) -> list[CheckResult] | None:

@@ -457,11 +457,12 @@ def _run_all(cases: list[Case], jobs: int, on_result, kernel_spec: tuple[str, st
         if method == "spawn" and kernel_spec is None:
             raise ValueError("kernel_spec: spawned workers need the kernel's spec to resolve it; got None")
         ctx = multiprocessing.get_context(method)
-        init = (max(1, _usable_cores() // jobs), kernel_spec, _DEVICE, _FAR) if method == "spawn" else (1,)
+        spawn = method == "spawn"  # forked workers inherit the kernel, device and far setting, and run one thread
+        init = (max(1, _usable_cores() // jobs) if spawn else 1, kernel_spec if spawn else None, _DEVICE, _FAR)
         with tempfile.TemporaryDirectory(prefix="mla-verify-inflight-") as inflight:
             # an executor, not a Pool: a Pool replaces a worker the kernel crashed and waits for its result forever
             executor = ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init,
-                                           initargs=(init + (None,) * 4)[:4] + (inflight,))
+                                           initargs=init + (inflight,))
             try:
                 for result in executor.map(_run_one, cases):
                     if not on_result(result):

@@ -604,12 +604,18 @@ def packed_rows_wrap(batch):
 _PLANS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # plan_cached_by_ptr's memo
 
 
+def _address_key(batch: DecodeBatch) -> tuple:
+    """The addresses and shapes of the batch's length and block-table tensors: what an eager wrapper that skips
+    replanning keys its plan by."""
+    return tuple((t.data_ptr(), tuple(t.shape)) for t in (batch.seq_lens, batch.q_lens, batch.block_table))
+
+
 def plan_cached_by_ptr(batch):
     """An eager wrapper that memoises its plan (host copies of the lengths it splits by) keyed by the addresses and
     shapes of the batch's length and block-table tensors, as a wrapper that skips the host sync of replanning
     does: right on every new batch, wrong once a serving loop rewrites those tensors in place for the next step
     (the rerun check); caught elsewhere only where the allocator hands a later case the same addresses."""
-    key = tuple((t.data_ptr(), tuple(t.shape)) for t in (batch.seq_lens, batch.q_lens, batch.block_table))
+    key = _address_key(batch)
     if key not in _PLANS:
         _PLANS[key] = (batch.seq_lens.clone(), batch.q_lens.clone())
     seq_lens, q_lens = _PLANS[key]
@@ -656,7 +662,7 @@ def eager_fast_path(batch):
     q_len): then it keeps the pieces it planned, here the lengths, and never reads that step's new tokens. The eager
     twin of fast_path_plan (found by a review: the rerun check's next step rotates the requests, so only a plain
     decode step after it, ``rerun.decode``, takes that path)."""
-    key = tuple((t.data_ptr(), tuple(t.shape)) for t in (batch.seq_lens, batch.q_lens, batch.block_table))
+    key = _address_key(batch)
     seq_lens = batch.seq_lens
     if key in _FAST_PLANS and _one_decode_step(*_FAST_PLANS[key], batch):
         seq_lens = _FAST_PLANS[key][0]
