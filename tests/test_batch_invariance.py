@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mla_fast.planner import BATCH, KV_END, KV_START, plan_decode
-from mla_ref.decode import mla_decode_ref
+from mla_ref.decode import INVALID_PAGE, mla_decode_ref
 from verify import mutants
 from verify.cases import Case
 from verify.checks import _moved, check_batch
@@ -165,34 +165,48 @@ CASE = Case(seq_lens=(300, 129, 0, 127), q_lens=(1, 2, 1, 1), heads=4, page_size
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
-@pytest.mark.parametrize("seq_lens, q_lens", [((300, 129, 0, 127), (1, 2, 1, 1)), ((5,), (3,)), ((0, 70), (2, 2))])
-def test_the_shared_batch_puts_the_case_between_two_siblings_on_the_longests_pages(dtype, seq_lens, q_lens):
-    """The shared batch: a sibling of the longest request (its block-table row, length and q_len, its q rows
-    negated, exactly), the case's requests as they are, the sibling again; the cache is the case's and the case's
-    rows, from the first sibling's rows on, get the case's oracle answer (up to fp64 rounding). A case without a
-    token has none."""
+@pytest.mark.parametrize("seq_lens, q_lens, full",
+                         [((300, 129, 0, 127), (1, 2, 1, 1), 18), ((5,), (3,), 0), ((0, 70), (2, 2), 4),
+                          ((20, 3), (3, 1), 1)])
+def test_the_shared_batch_puts_the_case_among_siblings_on_the_longests_pages(dtype, seq_lens, q_lens, full):
+    """The shared batch: where the longest request has f >= 1 full pages, a sibling on its first ceil(f / 2) pages
+    and then its first max(1, f // 2) again, max(f, 2) P tokens; a sibling on its block-table row and length; the
+    case's requests as they are; that sibling again. Each sibling has the longest's q_len and its q rows negated,
+    exactly; the cache is the case's and the case's rows, from the siblings' rows on, get the case's oracle answer
+    (up to fp64 rounding). A case without a token has none."""
     batch = Case(seq_lens=seq_lens, q_lens=q_lens, heads=2, page_size=16, kv_lora_rank=64, rope_dim=32, seed=2,
                  kv_dtype=dtype, q_dtype=dtype).materialize()[0]
     shared = shared_batch(batch)
     longest, B = seq_lens.index(max(seq_lens)), len(seq_lens)
     starts = [0, *itertools.accumulate(q_lens)]
-    n = q_lens[longest]
-    assert shared.how == "shared" and shared.compared is batch and shared.offset == n
-    assert shared.batch.kv_cache is batch.kv_cache and shared.batch.batch_size == B + 2
-    for b in (0, B + 1):
-        assert torch.equal(shared.batch.block_table[b], batch.block_table[longest])
-        assert (int(shared.batch.seq_lens[b]), int(shared.batch.q_lens[b])) == (seq_lens[longest], n)
-    assert torch.equal(shared.batch.block_table[1 : B + 1], batch.block_table)
+    n, before = q_lens[longest], 2 if full else 1  # the longest's q rows, the siblings before the case
+    assert shared.how == "shared" and shared.compared is batch and shared.offset == before * n
+    assert shared.batch.kv_cache is batch.kv_cache and shared.batch.batch_size == B + before + 1
+    assert torch.equal(shared.batch.q_lens.cpu(), torch.tensor([n] * before + list(q_lens) + [n], dtype=torch.int32))
+    table, W = shared.batch.block_table, batch.block_table.shape[1]  # [B + before + 1, >= W]
+    assert (table[:, W:] == INVALID_PAGE).all()
+    for b in (before - 1, B + before):
+        assert torch.equal(table[b, :W], batch.block_table[longest])
+        assert int(shared.batch.seq_lens[b]) == seq_lens[longest]
+    assert torch.equal(table[before : B + before, :W], batch.block_table)
+    if full:  # the partial sibling: the first half of the longest's full pages, then its first pages again
+        own = batch.block_table[longest]
+        pages = torch.cat([own[: (full + 1) // 2], own[: max(1, full // 2)]])
+        assert torch.equal(table[0, : pages.shape[0]], pages) and (table[0, pages.shape[0] :] == INVALID_PAGE).all()
+        assert int(shared.batch.seq_lens[0]) == max(full, 2) * 16 != seq_lens[longest]
     sibling = batch.q[starts[longest] : starts[longest + 1]]  # [n, H, D]
-    q = shared.batch.q.float()  # [n + T + n, H, D]
-    assert torch.equal(q[:n], -sibling.float()) and torch.equal(q[-n:], -sibling.float())
-    assert torch.equal(shared.batch.q[n : n + batch.num_tokens].view(torch.uint8), batch.q.view(torch.uint8))
+    q = shared.batch.q.float()  # [before n + T + n, H, D]
+    for rows in (*q[: before * n].split(n), q[-n:]):  # each sibling's rows
+        assert torch.equal(rows, -sibling.float())
+    rows = shared.case_rows(shared.batch.q)
+    assert torch.equal(rows.view(torch.uint8), batch.q.view(torch.uint8))
     out, lse = mla_decode_ref(batch)
     out_s, lse_s = mla_decode_ref(shared.batch.validate())
     for got, want in ((shared.case_rows(out_s), out), (shared.case_rows(lse_s), lse)):
         assert torch.equal(got.isfinite(), want.isfinite())
         assert (got - want).nan_to_num().abs().max() <= FP64_ROWS * want.nan_to_num(0, 0, 0).abs().max()
-    assert "with its q rows negated" in shared.describe()
+    assert "its q rows negated" in shared.describe()
+    assert ("the first half of its full pages" in shared.describe()) == bool(full)
     assert shared_batch(batch.replace(seq_lens=torch.zeros_like(batch.seq_lens))) is None
 
 
@@ -214,6 +228,24 @@ def test_a_kernel_that_reuses_a_pages_results_for_its_later_readers_fails_the_sh
     assert {name for name, r in results.items() if not r.ok} == {"batch.shared.out", "batch.shared.lse"}, results
     correct = _check(mutants.correct)
     assert correct["batch.shared"].ok and "bits of the case's run" in correct["batch.shared"].detail
+
+
+def test_a_kernel_that_takes_a_shared_first_page_for_a_shared_prefix_fails_the_shared_batch_alone():
+    """mutants.prefix_by_first_page (requests starting on one page read the first one's pages up to the shorter's
+    full pages, a cascade kernel's prefix detection by first page id): the shared batch's first sibling shares only
+    the first half of the longest's full pages, so the longest reads that sibling's repeated pages in the place of
+    its own later ones; a sibling on the longest's whole row, as every other batch's added requests are, leaves
+    its rows right. The correct kernel keeps its bits there."""
+    results = _check(mutants.prefix_by_first_page)  # undeclared: the rows judged within the tier-1 bound
+    assert {name for name, r in results.items() if not r.ok} == {"batch.shared.out", "batch.shared.lse"}, results
+    assert "request 0" in results["batch.shared.out"].detail  # the longest, 300 tokens on 16-token pages
+    batch, _ = CASE.materialize()
+    shared = shared_batch(batch)
+    whole = shared.batch.replace(  # the same batch without its partial sibling: every sibling on the whole row
+        q=shared.batch.q[1:], block_table=shared.batch.block_table[1:], seq_lens=shared.batch.seq_lens[1:],
+        q_lens=shared.batch.q_lens[1:])
+    for fn in (mutants.prefix_by_first_page, mutants.correct):
+        assert torch.equal(fn(whole)[0][1:-1].view(torch.int16), mutants.correct(batch)[0].view(torch.int16))
 
 
 def _check(fn, case: Case = CASE):

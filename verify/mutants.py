@@ -81,6 +81,9 @@ turns one knob, the way such bugs happen in real kernels:
 | shared_page_reuse     | a request on an earlier one's pages (same first page, length | batch.shared (any with a      |
 |                       | and q_len) takes that request's results: per-page results    | token)                        |
 |                       | kept by page id for the first reader                         |                               |
+| prefix_by_first_page  | requests starting on one page taken to share every page up   | batch.shared (a longest       |
+|                       | to the shorter one's full pages (a cascade kernel's prefix   | request of >= 1 full page)    |
+|                       | detection): each reads the first such request's pages there |                               |
 | request_index_8bit    | a request's block-table row read at its index mod 256        | tier1 / finite (the 260-      |
 |                       |                                                              | request smoke case)           |
 """
@@ -652,6 +655,23 @@ def shared_page_reuse(batch):
     return out, lse
 
 
+def prefix_by_first_page(batch):
+    """Requests that start on one physical page are taken to share a prefix up to the shorter one's full pages, as a
+    cascade kernel that detects shared prefixes by the first page id alone (not the run of equal pages) does: each
+    reads the pages of the first request starting there for those pages. Right while such requests share every one
+    of them, as siblings on one block-table row do (found by a review: every sibling the checks built shared all its
+    pages with the longest request)."""
+    table, P = batch.block_table.clone(), batch.page_size  # [B, W]
+    seq_lens = batch.seq_lens.tolist()
+    leaders: dict[int, int] = {}  # first page -> the first request starting there
+    for b, s in enumerate(seq_lens):
+        if s:
+            a = leaders.setdefault(int(table[b, 0]), b)
+            common = min(s, seq_lens[a]) // P  # the shorter one's full pages
+            table[b, :common] = batch.block_table[a, :common]
+    return _decode(batch.replace(block_table=table))
+
+
 _FAST_PLANS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # eager_fast_path's memo
 
 
@@ -710,7 +730,7 @@ MUTANTS = (
     "stale_plan", "fast_path_plan", "realloc_workspace", "max_init_zero", "max_before_mask", "packed_rows_wrap",
     "plan_cached_by_ptr", "eager_fast_path", "splits_follow_batch", "splits_follow_longest", "tiles_follow_q_len",
     "big_batch_mtp_mask", "request_index_8bit", "page_ids_16bit", "rope_width_64", "full_tile_fast_path",
-    "shared_page_reuse",
+    "shared_page_reuse", "prefix_by_first_page",
 )  # fmt: skip
 FP8_ONLY = ("kv_scale_ignored", "q_scale_ignored")  # need fp8 inputs with a scale != 1
 FAR_ONLY = ("int32_offsets", "page_ids_16bit")  # need the far check, on by default on CUDA devices only (--far on)

@@ -19,11 +19,17 @@ stay within the tier-1 bound but change bits. A kernel that declares itself batc
 
 and, apart from these (`shared_batch`),
 
-    shared     the requests as they are between two siblings of the longest request, never judged: its block-table
-               row (its very pages), its length and q_len, its q rows negated: requests on one prefix's pages with
-               other queries, as vLLM's prefix caching and parallel sampling make them, first and last in the batch,
-               so a kernel that keeps per-page results and lets the first or the last reader of a page write them
-               shows (found by a review: no other batch had two requests with different q on one page)
+    shared     the requests as they are among siblings of the longest request, never judged, each with its q rows
+               negated, its q_len and a row of its pages: first (where the longest has f >= 1 full pages) a sibling
+               that shares only a part of its prefix: its first ceil(f / 2) pages, then its first max(1, f // 2)
+               pages once more, where the longest goes on to its later pages (full pages: every slot valid; its
+               length their max(f, 2) P tokens); then one on its very block-table row and length, before the
+               case's requests and after them: requests on one prefix's pages with other queries, as vLLM's prefix
+               caching and parallel sampling make them, so a kernel that keeps per-page results and lets the first
+               or the last reader of a page write them shows (found by a review: no other batch had two requests
+               with different q on one page), and so does one that takes requests starting on one page to share
+               every page up to the shorter one's length (a cascade kernel's prefix detection; found by a review:
+               every sibling shared all its pages)
 
 so the batch size, its total tokens, its longest length (the grown one's longer unless s_max < P; the shrunk one's
 shorter unless all requests have one length) and its largest q_len (mtp; the grown one's too where the first request
@@ -56,14 +62,14 @@ class RegroupedBatch:
 
     Attributes:
         batch: the `DecodeBatch` the kernel runs on: the case's requests, then (grown, mtp) the added request;
-            (shared) between the two siblings.
+            (shared) among the siblings.
         compared: the same without the added requests (``batch`` itself when there is none): the requests whose
             rows are the case's, for the bound of those rows.
         requests: [B''] int64 (CPU), the case's request behind each request of ``compared``.
         rows: [T''] int64 (on the batch's device), the case's query row behind each row of ``compared``, which are
             the T'' rows of ``batch`` from ``offset`` on.
         how: "grown", "shrunk", "mtp" or "shared" (module docstring).
-        offset: rows of ``batch`` before the case's (the shared batch's first sibling's), else 0.
+        offset: rows of ``batch`` before the case's (the shared batch's siblings' before it), else 0.
     """
 
     batch: DecodeBatch
@@ -79,9 +85,11 @@ class RegroupedBatch:
 
     def describe(self) -> str:
         if self.how == "shared":
-            return ("the case's requests as they are between two requests on the longest's pages (its block-table "
-                    "row, length and q_len) with its q rows negated, not judged: one prefix's pages read with other "
-                    "queries first and last in the batch")
+            partial = ("one on the first half of its full pages, then its first pages again, and " if
+                       self.offset > int(self.batch.q_lens[0]) else "")
+            return ("the case's requests as they are among requests on the longest's pages with its q_len and its q "
+                    f"rows negated, not judged: {partial}one on its very block-table row and length, before the "
+                    "case's requests and after them (one prefix's pages read with other queries)")
         what = {"grown": "reversed, the first dropped, the longest added",
                 "shrunk": "reversed, every request of the longest length dropped",
                 "mtp": "as they are" if self.batch.batch_size > self.compared.batch_size
@@ -163,14 +171,30 @@ def shared_batch(batch: DecodeBatch) -> RegroupedBatch | None:
     if not batch.batch_size or not int(seq.max()):
         return None
     longest = int(torch.argmax(seq))
-    first = int(n[:longest].sum())
-    sibling = negated(batch.q[first : first + int(n[longest])])  # [n, H, D] the longest's q rows negated
+    s_max, rows, first = int(seq[longest]), int(n[longest]), int(n[:longest].sum())  # its tokens, q rows, first row
+    sibling = negated(batch.q[first : first + rows])  # [n, H, D] the longest's q rows negated
     order = torch.tensor([longest, *range(batch.batch_size), longest], dtype=torch.long, device=batch.device)
+    table = batch.block_table.index_select(0, order)  # [B + 2, W]
+    q, seq_lens = [sibling, batch.q, sibling], batch.seq_lens.index_select(0, order)  # [B + 2]
+    full = s_max // batch.page_size  # the longest's full pages
+    if full:  # the sibling on a part of its prefix, first: its first ceil(f / 2) pages, then its first pages again
+        own = batch.block_table[longest, : full // 2 or 1]  # [max(1, f - ceil(f / 2))]
+        prefix = torch.cat([batch.block_table[longest, : (full + 1) // 2], own])  # [max(f, 2)] pages
+        width = max(table.shape[1], prefix.shape[0])
+        row = torch.full((1, width), INVALID_PAGE, dtype=table.dtype, device=batch.device)  # [1, width]
+        row[0, : prefix.shape[0]] = prefix
+        wide = torch.full((table.shape[0], width), INVALID_PAGE, dtype=table.dtype, device=batch.device)
+        wide[:, : table.shape[1]] = table  # [B + 2, width]
+        table, q = torch.cat([row, wide]), [sibling, *q]  # [B + 3, width]
+        # its tokens: max(f, 2) P >= q_len, since a request of f = 1 full page has P + r >= q_len tokens, r < P
+        length = torch.tensor([prefix.shape[0] * batch.page_size], dtype=seq_lens.dtype, device=batch.device)
+        seq_lens, order = torch.cat([length, seq_lens]), torch.cat([order[:1], order])  # [B + 3]
     shared = batch.replace(
-        q=torch.cat([sibling, batch.q, sibling]),  # [n + T + n, H, D]
-        block_table=batch.block_table.index_select(0, order),  # [B + 2, W]
-        seq_lens=batch.seq_lens.index_select(0, order),  # [B + 2]
-        q_lens=batch.q_lens.index_select(0, order),  # [B + 2]
+        q=torch.cat(q),  # [(2 or 3) n + T, H, D]
+        block_table=table,  # [B + 2 or 3, W or wider]
+        seq_lens=seq_lens,  # [B + 2 or 3]
+        q_lens=batch.q_lens.index_select(0, order),  # [B + 2 or 3]
     )
-    rows = torch.arange(batch.num_tokens, device=batch.device)  # [T]
-    return RegroupedBatch(shared, batch, torch.arange(batch.batch_size), rows, "shared", offset=sibling.shape[0])
+    offset = (len(q) - 2) * rows  # the siblings' rows before the case's
+    return RegroupedBatch(shared, batch, torch.arange(batch.batch_size), torch.arange(batch.num_tokens,
+                          device=batch.device), "shared", offset=offset)
