@@ -178,7 +178,7 @@ def test_help_lists_every_flag(capsys):
     assert code == 0
     for flag in ["--dtype", "--fp8-format", "--backend", "--impl", "--cases", "--seed", "--max-seq-len", "--heads",
                  "--page-size", "--kv-lora-rank", "--rope-dim", "--max-batch", "--profile", "--device", "--json",
-                 "--plot", "--case", "--jobs",
+                 "--plot", "--case", "--jobs", "--impl-path",
                  "--time-limit", "--exitfirst", "--far", "--long", "exit codes", "plug-in contract", "model"]:
         assert flag in out, flag
 
@@ -1026,6 +1026,33 @@ def test_a_plugin_in_the_working_directory_resolves_as_the_repro_line_names_it(t
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     assert from_impl("wd_plugin_mod:decode").name == "wd_plugin_mod:decode"
+
+
+def test_a_repro_line_names_the_directory_a_plugin_was_found_in_and_replays_from_anywhere(capsys, tmp_path,
+                                                                                            monkeypatch):
+    """A plug-in module found only in the working directory (or under --impl-path) gets ``--impl-path DIR`` in its
+    repro lines, which then replay from another directory with the same failing check (they had resolved only
+    from there: a review's repro replays); one found elsewhere too (an installed package) gets none."""
+    plugins, elsewhere = tmp_path / "plugins", tmp_path / "elsewhere"
+    plugins.mkdir(), elsewhere.mkdir()
+    (plugins / "gain_plugin_mod.py").write_text("from verify.mutants import out_gain as decode\n")
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(plugins), str(elsewhere))])
+    monkeypatch.delitem(sys.modules, "gain_plugin_mod", raising=False)
+    monkeypatch.chdir(plugins)
+    code, out, err = run(capsys, "--impl", "gain_plugin_mod:decode", "--cases", "1", "--jobs", "1")
+    (line,) = {ln.strip()[len("repro: "):] for ln in (out + err).splitlines() if ln.strip().startswith("repro: ")}
+    assert code == cli.EXIT_FAILED and line.endswith(f"--impl gain_plugin_mod:decode --impl-path {plugins}"), line
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(plugins)])
+    monkeypatch.delitem(sys.modules, "gain_plugin_mod")
+    code, out, err = run(capsys, *shlex.split(line)[1:])
+    assert code == cli.EXIT_FAILED and "[tier1.out] FAILED" in out + err, out + err
+    from verify.kernels import impl_path_flag
+
+    assert impl_path_flag("verify.mutants:out_gain") == "" and impl_path_flag("never_imported_mod:f") == ""
+    assert run(capsys, "--impl-path", str(plugins))[0] == cli.EXIT_USAGE
+    code, _, err = run(capsys, "--impl", "gain_plugin_mod:decode", "--impl-path", str(tmp_path / "none"))
+    assert code == cli.EXIT_USAGE and "--impl-path" in err and "expected a directory" in err
 
 
 def test_the_report_names_the_declared_numerics_and_warns_when_the_bound_is_vacuous(capsys, tmp_path):

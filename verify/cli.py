@@ -174,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "that runs on this GPU, else emulated; unavailable ones are reported with their reason (exit 5)")
     p.add_argument("--impl", metavar="MODULE:FUNCTION",
                    help="verify your own kernel instead of --backend (see the plug-in contract below)")
+    p.add_argument("--impl-path", metavar="DIR",
+                   help="directory to import the --impl module from (put first on sys.path; default: the working "
+                   "directory, as under python -m); repro lines name it when the module is found only there")
     p.add_argument("--cases", type=_positive_int, metavar="N",
                    help="cases to run, smoke prefix included (default: 200, or 2000 with --profile search)")
     p.add_argument("--seed", type=int, help="Hypothesis seed (default 0 for ci, random for dev/search)")
@@ -802,6 +805,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.impl and "backend" in given:
         return usage("--impl and --backend each name the kernel to verify: give one")
+    if args.impl_path is not None and not args.impl:
+        return usage("--impl-path is where the --impl module is imported from: give --impl too")
     if args.dtype == "bf16" and "fp8_format" in given:
         return usage("--fp8-format applies to --dtype fp8 (bf16 cases have no fp8 tensors)")
     if args.case is not None and (ignored := [flag for dest, flag in CASE_FIXES.items() if dest in given]):
@@ -856,10 +861,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.impl:
         try:
-            kernel = kernels.from_impl(args.impl)
+            kernel = kernels.from_impl(args.impl, args.impl_path)
         except ValueError as e:
             return usage(str(e))
-        flags = f"--impl {args.impl}"
+        flags = f"--impl {args.impl}" + kernels.impl_path_flag(args.impl)
     else:
         report["backend"] = {"name": args.backend}
         try:

@@ -49,6 +49,7 @@ from __future__ import annotations
 import difflib
 import os
 import pkgutil
+import shlex
 import sys
 import types
 from collections.abc import Callable
@@ -136,19 +137,45 @@ def from_backend(name: str) -> Kernel:
                   step=backend.step, batch_invariant=backend.batch_invariant)
 
 
-def from_impl(spec: str) -> Kernel:
-    """Resolve ``package.module:function`` (pkgutil.resolve_name), importable from the working directory as under
-    ``python -m`` (the ``mla-verify`` console script does not put it on sys.path, so the repro line it prints for a
-    plug-in in the working directory would not have run); ValueError with a one-line reason otherwise."""
+def from_impl(spec: str, path: str | None = None) -> Kernel:
+    """Resolve ``package.module:function`` (pkgutil.resolve_name), importable from ``path`` (``--impl-path``: put
+    first on sys.path) or else from the working directory, as under ``python -m`` (the ``mla-verify`` console script
+    does not put it on sys.path, so the repro line it prints for a plug-in in the working directory would not have
+    run; `impl_path_flag` names the directory in it); ValueError with a one-line reason otherwise."""
     if ":" not in spec:
         raise ValueError(f"--impl: expected 'package.module:function', got {spec!r}")
-    if os.getcwd() not in sys.path and "" not in sys.path:
+    if path is not None:
+        if not os.path.isdir(path):
+            raise ValueError(f"--impl-path {path}: expected a directory to import the --impl module from")
+        sys.path.insert(0, os.path.abspath(path))
+    elif os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         fn = pkgutil.resolve_name(spec)
     except Exception as e:  # ImportError, AttributeError, and whatever importing the module raised (SyntaxError...)
         raise ValueError(f"--impl {spec}: cannot resolve it ({type(e).__name__}: {e})") from None
     return from_callable(fn, spec)
+
+
+def impl_path_flag(name: str) -> str:
+    """`` --impl-path DIR`` for a repro line of the plug-in ``name`` (``module:function``) whose top-level module
+    was imported from a directory that only the working directory or ``--impl-path`` put on sys.path (DIR: that
+    directory, absolute), so that the line replays from any directory; "" for a module found without them (an
+    installed package) or not imported."""
+    top = name.split(":")[0].split(".")[0]
+    module = sys.modules.get(top)
+    file = getattr(module, "__file__", None)
+    if file is None:
+        return ""
+    where = os.path.dirname(os.path.dirname(file) if hasattr(module, "__path__") else file)  # the sys.path entry
+    local = {"", os.getcwd(), where}
+    saved = sys.path[:]
+    sys.path[:] = [p for p in sys.path if p not in local and os.path.abspath(p) != where]
+    try:  # the finders sys.meta_path holds (an editable install's too), sys.path without the local entries
+        elsewhere = any(f.find_spec(top, None) is not None for f in sys.meta_path if hasattr(f, "find_spec"))
+    finally:
+        sys.path[:] = saved
+    return "" if elsewhere else f" --impl-path {shlex.quote(os.path.abspath(where))}"
 
 
 def from_callable(fn, name: str | None = None) -> Kernel:

@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, Phase, example, given, note, settings, targe
 
 from verify.cases import Case
 from verify.checks import run_case
-from verify.kernels import from_callable
+from verify.kernels import from_callable, impl_path_flag
 from verify.strategies import cases, long_cases, smoke_cases
 
 PROFILES = {  # Hypothesis profiles for kernel property tests (this project's tests/conftest.py registers them too)
@@ -88,7 +88,8 @@ def mla_property_test(
     kernel = from_callable(fn)
     shape = dict(fp8_format=fp8_format, max_seq_len=max_seq_len, heads=heads, page_size=page_size,
                  kv_lora_rank=kv_lora_rank, rope_dim=rope_dim)
-    flags = f"--impl {kernel.name}" + (f" --device {device}" if device else "")  # the repro replays where it ran
+    flags = f"--impl {kernel.name}" + impl_path_flag(kernel.name)  # the repro replays from any directory
+    flags += f" --device {device}" if device else ""  # where it ran
     flags += "" if far is None else f" --far {'on' if far else 'off'}"  # and with the same checks
 
     import torch
