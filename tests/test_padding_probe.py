@@ -170,3 +170,20 @@ def test_a_tile_past_the_last_page_reads_the_added_page_0():
     for kernel, moves in ((mutants.max_before_mask, True), (mutants.correct, False)):
         before, after = kernel(batch)[0][0], kernel(probe)[0][0]  # [H, L] request 0's row
         assert torch.equal(before.view(torch.int16), after.view(torch.int16)) != moves, kernel.__name__
+
+
+@pytest.mark.parametrize("seq_lens, page_size, read", [((32, 37), 16, "block-table entries past a request's last page"),
+                                                       ((40, 37), 64, "the unused slots of a request's last page")])
+def test_a_failed_padding_check_names_which_read_moved_the_kernel(seq_lens, page_size, read):
+    """A failed padding check runs the kernel once more on the probe's edge pages alone (the last pages' unused
+    slots left NaN) and says which read it saw: max_before_mask's 64-token tile spans the block-table entries past
+    a full last page of 16 tokens (read as page 0: the edge pages alone move it), while on pages of 64 its tile ends
+    with the request's one page (the edge pages alone keep its bits: the last page's unused slots)."""
+    case = _case("bf16", seq_lens=seq_lens, q_lens=(1, 1), page_size=page_size)
+    batch = case.materialize()[0]
+    edges = padding_probe(batch, mla_decode_ref(batch)[1], last_pages=False)
+    assert edges.slots == 0 and torch.isnan(edges.batch.kv_cache[1:-1].float()).sum() == torch.isnan(
+        batch.kv_cache.float()).sum()  # only the two edge pages added: the case's NaN slots all kept
+    result = run_case(case, from_callable(mutants.max_before_mask))
+    failed = {c.name: c.detail for c in result.checks if not c.ok}
+    assert "padding" in failed and f"the kernel reads {read}" in failed["padding"], result.describe()

@@ -647,8 +647,31 @@ def check_padding(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple
         return [CheckResult("padding", False, detail=f"{where}: {why}")]
     judge = _same_bits_judge(kernel, bound, out_dtype, "the slots past each request's length changed the result: the "
                                                    "kernel reads them (a max over loaded slots before the mask?)")
-    return _as_first("padding", where, second, "the run on the NaN-padded cache", first, ref, judge,
-                     rows_of=probe.batch)
+    results = _as_first("padding", where, second, "the run on the NaN-padded cache", first, ref, judge,
+                        rows_of=probe.batch)
+    if kernel.deterministic and not all(r.ok for r in results):
+        which = _padding_read(batch, kernel, workers, first, ref[1])
+        for r in results:
+            r.detail += "" if r.ok else f"\n  {which}"
+    return results
+
+
+def _padding_read(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, lse: torch.Tensor) -> str:
+    """Which read a failed padding check saw, from one more run of a deterministic kernel on the probe's edge pages
+    alone (its last pages' unused slots left NaN): the first run's bits there mean the unused slots of a request's
+    last page; other bits, the block-table entries past a request's last page (page 0 or the page after)."""
+    edges = padding_probe(batch, lse, last_pages=False)
+    got, why = _watched(edges.batch, lambda: _run(kernel, edges.batch, workers))
+    if why is not None:
+        return f"(the run on the edge pages alone, to tell which read moved it: {why})"
+    got = _moved(*got, first[0].device, copy=False)
+    same = all(a is None or b is None or (a.shape == b.shape and torch.equal(_bytes(a), _bytes(b)))
+               for a, b in zip(first, got))
+    if same:
+        return ("the edge pages alone (page 0 and the last, hostile; the last pages' unused slots NaN) keep the "
+                "bits: the kernel reads the unused slots of a request's last page")
+    return ("the edge pages alone (page 0 and the last, hostile; the last pages' unused slots NaN) move the bits "
+            "too: the kernel reads block-table entries past a request's last page (as page 0, or the page after)")
 
 
 def check_rerun(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, ref, bound: bounds.Bound,

@@ -126,9 +126,11 @@ def hostile_tokens(scores: torch.Tensor, lse: torch.Tensor, free: int, batch: De
     return _codes(torch.stack(tokens), batch)[torch.arange(free) % G]  # [free, D]
 
 
-def padding_probe(batch: DecodeBatch, lse: torch.Tensor) -> PaddingProbe | str:
+def padding_probe(batch: DecodeBatch, lse: torch.Tensor, last_pages: bool = True) -> PaddingProbe | str:
     """The probe of ``batch`` (module docstring) for its oracle's ``lse`` [T, H], or why it has none: no request
-    with tokens and query rows. The hostile tokens are solved for in fp64 on the CPU."""
+    with tokens and query rows. The hostile tokens are solved for in fp64 on the CPU. ``last_pages`` False: the
+    edge pages alone, the last pages' unused slots left NaN (``slots`` 0), to tell which of the two reads moved a
+    kernel (`verify.checks.check_padding`)."""
     ps, dev, P = batch.page_size, batch.device, batch.num_pages
     lse = lse.detach().double().cpu()  # [T, H]
     q = batch.dequantized_q().cpu()  # [T, H, D] fp64
@@ -149,9 +151,10 @@ def padding_probe(batch: DecodeBatch, lse: torch.Tensor) -> PaddingProbe | str:
             edge.append(hostile_tokens(scores[:1], lse_b[:1], 1, batch))
             continue
         tokens = hostile_tokens(scores, lse_b, int(free.sum()), batch)  # [free, D]
-        cache[last + 1, free.to(dev)] = tokens.to(dev)
-        probed.append((scores, lse_b, last + 1, free))
         edge.append(tokens)
+        if last_pages:
+            cache[last + 1, free.to(dev)] = tokens.to(dev)
+            probed.append((scores, lse_b, last + 1, free))
     if not edge:
         return "no request with tokens and query rows"
     edge = torch.cat(edge)[torch.arange(ps) % sum(len(t) for t in edge)]  # [ps] the requests' tokens in turn
