@@ -10,7 +10,7 @@ import torch
 from hypothesis import given
 
 from mla_ref.fp8 import FORMATS
-from verify.cases import COHERENT_KV, DISTRIBUTIONS, NEAR_MAX, OUTLIER_GAIN, Case, static_scale
+from verify.cases import COHERENT_KV, DISTRIBUTIONS, HEAD_OFFSETS, NEAR_MAX, OUTLIER_GAIN, Case, static_scale
 from verify.strategies import WORK_BUDGET, cases, smoke_cases
 
 
@@ -164,7 +164,8 @@ def test_smoke_prefix_reaches_every_feature():
     bf16 = _features(smoke_cases("bf16"))
     fp8 = _features(smoke_cases("fp8"))
     for f in ["empty", "len1", "mtp", "q_len>seq_len", "long", "partial_page", "workers>blocks", "dist:gauss4",
-              "dist:sink", "dist:outlier", "dist:coherent", "heads:not_pow2", "dims:other", "mtp:whole_tiles"]:
+              "dist:sink", "dist:outlier", "dist:coherent", "dist:shifted", "dist:heads", "heads:not_pow2",
+              "dims:other", "mtp:whole_tiles"]:
         assert f in bf16 and f in fp8, f
     for f in ["dist:near_max", "scale:dynamic", "scale:static", "scale:unit", "q:fp8", "q:bf16"]:
         assert f in fp8, f
@@ -217,6 +218,23 @@ def test_sink_and_recent_data_weight_one_token(dist, j):
     for scores in _scores(Case(seq_lens=(300, 2000), q_lens=(2, 1), heads=2, dist=dist, seed=3)):
         rest = scores[:, 1:] if j == 0 else scores[:, :-1]  # [H, s - 1] the other tokens
         assert (scores[:, j] - rest.max(dim=1).values).min() > 12 - 2 * 4  # +12 against the N(0, ~1.4) rest
+
+
+@pytest.mark.parametrize("dtype, scale_mode", [("bf16", "dynamic"), ("fp8", "dynamic"), ("fp8", "static")])
+def test_heads_data_shifts_each_heads_scores_by_its_own_offset(dtype, scale_mode):
+    """heads shifts head h's scores by HEAD_OFFSETS[h mod 5] (0, +120, -120, +60, -60 nats) for every token alike,
+    so heads 1 and 2 lie 240 nats apart (exp of one's max overflows or flushes the other's tokens) while the spread
+    within a head stays the N(0, ~1) of the rest; with fp8 q the static scale covers the offsets (8 stds of the
+    rest would saturate them to 3.5 / σ)."""
+    case = Case(seq_lens=(300, 40), q_lens=(2, 1), heads=6, dist="heads", kv_dtype=dtype,
+                q_dtype=dtype, scale_mode=scale_mode, seed=4)
+    for scores in _scores(case):  # [H, s_b]
+        centre = scores.median(dim=1).values  # [H]
+        offsets = torch.tensor(HEAD_OFFSETS, dtype=torch.float64)[torch.arange(6) % 5]  # [H]
+        # two e4m3 half-ulps (2^-4 each: 1.0 in the cache, c_h / σ in q) of 120, plus the rest's median: < 1
+        assert (centre - offsets).abs().max() < 120 * 2 * 2**-4 + 1
+        assert (scores - centre[:, None]).abs().max() < 8  # the rest's N(0, ~1) spread, unshifted
+        assert float(centre[1] - centre[2]) > 200
 
 
 def test_wide_data_reaches_logits_past_fp32_exp_overflow():

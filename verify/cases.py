@@ -24,6 +24,10 @@ Data distributions (numerics.md §5.1, §8.2), each with q scaled so that scores
 | shifted  | N(0, 1); every token -120, the newest +120            | ~1.4 + 5  | a running max started at 0, or  |
 |          |                                                       | per row   | a merge or tile kept at the     |
 |          |                                                       |           | first max (exp(240) overflows)  |
+| heads    | N(0, 1), the last rope channel 1; q there c_h / σ,    | 1, head h | a max, lse or merge shift taken |
+|          | c_h cycling over HEAD_OFFSETS (0, +120, -120, ...)    | shifted   | from, or reduced over, another  |
+|          |                                                       | by c_h    | head (softmax ignores one shift |
+|          |                                                       |           | shared by every head)           |
 | coherent | 4 repeated rows of ±1.0625, q = ±0.296875 (fp8 ties)  | ~1        | rounding errors that add up     |
 | near_max | N(0, 1), a few entries at s·(448, 464] (static s)     | 1         | saturation (torch's NaN trap)   |
 
@@ -54,7 +58,7 @@ SM_SCALE = 0.1352338  # DeepSeek-V3 σ = 192^-1/2 · mscale² (numerics.md §1.3
 NO_YARN_SM_SCALE = 192**-0.5  # the same model without YaRN's mscale² (a short-context config)
 MINICPM3_SM_SCALE = 96**-0.5  # MiniCPM3: q·k head dim 64 + 32 (longrope: no mscale); its latent is 256, its rope 32
 V2_LITE_SM_SCALE = 192**-0.5 * (0.1 * 0.707 * math.log(40) + 1) ** 2  # DeepSeek-V2-Lite: mscale_all_dim 0.707
-DISTRIBUTIONS = ("gauss1", "gauss4", "wide", "outlier", "sink", "recent", "coherent", "near_max", "shifted")
+DISTRIBUTIONS = ("gauss1", "gauss4", "wide", "outlier", "sink", "recent", "coherent", "near_max", "shifted", "heads")
 SCORE_STD = {"gauss4": 4.0, "wide": 32.0}  # the others: 1
 SCALE_MODES = ("dynamic", "static", "unit")
 DTYPES = ("bf16", "fp8")
@@ -63,6 +67,7 @@ FP8_FORMATS = ("e4m3fn", "e4m3fnuz")
 OUTLIER_GAIN = 3000.0  # numerics.md §5.1: 2 outlier channels × 3000 leave ~36% of the rest subnormal
 SINK_LOGIT = 12.0  # extra logit of the sink token (numerics.md §5.1)
 SHIFT_LOGIT = 120.0  # shifted: every token at -120 (exp underflows in fp32 past -103), the newest at +120
+HEAD_OFFSETS = (0.0, 120.0, -120.0, 60.0, -60.0)  # heads: head h's scores shifted by HEAD_OFFSETS[h % 5] (nats)
 COHERENT_KV = 1.0625  # 1 + 2^-4: an e4m3 tie (between 1 and 1.125), exact in bf16
 COHERENT_Q = 0.296875  # 19/64: an e4m3 tie (between 0.28125 and 0.3125), exact in bf16
 NEAR_MAX_FRACTION = 1 / 256  # share of entries placed beyond fmt.max·s in the near_max distribution
@@ -230,6 +235,8 @@ def static_scale(case: Case, which: str) -> float:
     """Power-of-two static scale covering STD_RANGE stds of the distribution of q or the cache (not of the data)."""
     if case.dist == "coherent":
         amax = COHERENT_Q if which == "q" else COHERENT_KV
+    elif which == "q" and case.dist == "heads":  # the offsets' channel, c_h / σ, outgrows 8 stds of the rest
+        amax = max(STD_RANGE * q_std(case), max(map(abs, HEAD_OFFSETS)) / case.sm_scale)
     elif which == "q":
         amax = STD_RANGE * q_std(case)
     else:
@@ -263,6 +270,11 @@ def _draw(case: Case, g: torch.Generator) -> tuple[torch.Tensor, list[torch.Tens
                 k -= SHIFT_LOGIT * u  # ... every token -120 (plus one constant per row and head, σ (-120) <q_row, u>)
             if k.shape[0]:
                 k[j] += lift * u  # ... and +12 for token j (shifted: the newest at +120)
+    elif case.dist == "heads":  # head h's scores all shifted by c_h: exp of another head's max overflows or flushes
+        c = torch.tensor(HEAD_OFFSETS)[torch.arange(H) % len(HEAD_OFFSETS)]  # [H] nats
+        q[..., -1] = c / case.sm_scale  # [T, H] the last rope channel: σ q k = c_h there ...
+        for k in kv:
+            k[:, -1] = 1.0  # ... for every token alike
     elif case.dist == "near_max" and case.is_fp8:
         fmt = case.fp8_format
         q = _place_near_max(q, static_scale(case, "q"), fmt, g) if case.q_dtype == "fp8" else q

@@ -81,6 +81,8 @@ turns one knob, the way such bugs happen in real kernels:
 | shared_page_reuse     | a request on an earlier one's pages (same first page, length | batch.shared (any with a      |
 |                       | and q_len) takes that request's results: per-page results    | token)                        |
 |                       | kept by page id for the first reader                         |                               |
+| head0_max             | each tile's max of head 0 used for every head of its row (a  | tier1 / finite (the heads     |
+|                       | max broadcast from the wrong lane)                           | smoke case)                   |
 | prefix_by_first_page  | requests starting on one page taken to share every page up   | batch.shared (a longest       |
 |                       | to the shorter one's full pages (a cascade kernel's prefix   | request of >= 1 full page)    |
 |                       | detection): each reads the first such request's pages there |                               |
@@ -137,6 +139,7 @@ def _decode(
     page_id_bits: int | None = None,
     rope_width: int | None = None,
     full_tiles_unmasked: bool = False,
+    head0_max: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV online-softmax MLA decode -> (out [T, H, L] bf16, lse [T, H] fp32). Defaults = no bug.
 
@@ -155,7 +158,8 @@ def _decode(
     ``page_id_bits`` each page id modulo 2^bits (a page id that wraps). With ``rope_width`` = W the scores take the
     latent's L channels plus the last W (a rope width fixed at W while L is read from the batch). With
     ``full_tiles_unmasked`` a request whose length is a whole number of BLOCK-token tiles has every row see every
-    token (a fast path for full tiles that skips the causal mask).
+    token (a fast path for full tiles that skips the causal mask). With ``head0_max`` each tile's max of head 0
+    serves every head of its row (a max broadcast from the wrong lane).
     """
     L, H, ps = batch.kv_lora_rank, batch.num_heads, batch.page_size
     sigma = batch.sm_scale if sm_scale is None else sm_scale
@@ -213,7 +217,8 @@ def _decode(
             per_split = batch_piece
         starts = range(0, max(K.shape[0], 1), per_split)
         parts = [_split(rows, K[j : j + per_split], j, visible, sigma, D, L, acc_dtype, empty_nan, max_sub, p_fmt,
-                        max_init, max_before_mask, tail if j == starts[-1] else None, l_rounded, p_scale, block)
+                        max_init, max_before_mask, tail if j == starts[-1] else None, l_rounded, p_scale, block,
+                        head0_max)
                  for j in starts]
         o_s = torch.stack([p[0] for p in parts])  # [S, n, H, L]
         lse_s = torch.stack([p[1] for p in parts])  # [S, n, H]
@@ -226,7 +231,7 @@ def _decode(
 
 
 def _split(rows, K, start, visible, sigma, D, L, acc_dtype, empty_nan, max_sub, p_fmt, max_init=-math.inf,
-           max_before_mask=False, tail=None, l_rounded=False, p_scale=1.0, block=BLOCK):
+           max_before_mask=False, tail=None, l_rounded=False, p_scale=1.0, block=BLOCK, head0_max=False):
     """One split: online softmax over ``block``-token steps. rows [n, H, D'], K [m, D'] -> (o [n, H, L], lse [n, H]).
     ``tail`` [e, D'] (max_before_mask, the last split): the slots its last tile loads past the request's tokens
     (whole pages to the tile's end, entries past the request's pages read as page 0): they enter that tile's max."""
@@ -245,6 +250,8 @@ def _split(rows, K, start, visible, sigma, D, L, acc_dtype, empty_nan, max_sub, 
         if tail is not None and tail.shape[0] and j + block >= K.shape[0]:  # the last tile: the page's rest too
             s_tail = sigma * torch.einsum("nhd,ed->nhe", rows[..., :D], tail[:, :D])  # [n, H, e]
             tile_max = torch.maximum(tile_max, s_tail.nan_to_num(nan=-math.inf).amax(dim=-1))
+        if head0_max:
+            tile_max = tile_max[:, :1].expand(n, H)  # [n, H] head 0's for every head
         s = masked
         m_new = torch.maximum(m, tile_max) if max_sub else torch.zeros_like(m)  # [n, H] (0: exp(s) unshifted)
         m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)  # [n, H] no token seen yet: shift by 0
@@ -639,6 +646,14 @@ def full_tile_fast_path(batch):
     return _decode(batch, full_tiles_unmasked=True)
 
 
+def head0_max(batch):
+    """Each tile's running max of a row taken from its head 0 for every head, as a kernel that packs (row, head)
+    pairs into a tile and broadcasts the row max from the wrong lane does: softmax ignores a shift, so it is right
+    unless another head's scores lie about 88 nats above head 0's (exp overflows: inf, then NaN) or 103 below (its
+    tokens flush to 0) (found by a review: no case shifted one head against another)."""
+    return _decode(batch, head0_max=True)
+
+
 def shared_page_reuse(batch):
     """A request on the same pages as an earlier one in its batch (the same first page, length and q_len: a
     sibling on one prefix, as parallel sampling makes them) takes that request's results, as a kernel that keeps
@@ -730,7 +745,7 @@ MUTANTS = (
     "stale_plan", "fast_path_plan", "realloc_workspace", "max_init_zero", "max_before_mask", "packed_rows_wrap",
     "plan_cached_by_ptr", "eager_fast_path", "splits_follow_batch", "splits_follow_longest", "tiles_follow_q_len",
     "big_batch_mtp_mask", "request_index_8bit", "page_ids_16bit", "rope_width_64", "full_tile_fast_path",
-    "shared_page_reuse", "prefix_by_first_page",
+    "shared_page_reuse", "prefix_by_first_page", "head0_max",
 )  # fmt: skip
 FP8_ONLY = ("kv_scale_ignored", "q_scale_ignored")  # need fp8 inputs with a scale != 1
 FAR_ONLY = ("int32_offsets", "page_ids_16bit")  # need the far check, on by default on CUDA devices only (--far on)

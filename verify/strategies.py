@@ -137,7 +137,8 @@ def smoke_cases(
     and sink scores, 128 heads on pages of 32 with logits past fp32 exp's overflow, a dominant newest token in a
     long request, pages of 128, two softmax scales other than DeepSeek-V3's (which most drawn cases take), for fp8
     both q dtypes, every scale mode, subnormals, ties and saturation; then 128 heads with MTP rows of 3 and 4, MTP
-    rows of 5 and 8, scores shifted by -120 with a newest token at +120, MiniCPM3's shape (40 heads, a latent of
+    rows of 5 and 8, scores shifted by -120 with a newest token at +120, each head's scores shifted by its own
+    offset, MiniCPM3's shape (40 heads, a latent of
     256 and a rope of 32, with MTP rows on lengths of whole tiles), and a batch of 260 requests (65 of them
     non-empty).
 
@@ -195,6 +196,11 @@ def smoke_cases(
         # every score shifted to -120 but the newest token's, +120, which only the last MTP row sees, in requests
         # of several tiles and splits: a running max started at 0, or a merge or tile that keeps its first max
         dict(seq_lens=(700, 3, 130), q_lens=(2, 1, 3), heads=4, num_workers=8, dist="shifted", seed=18),
+        # each head's scores shifted by its own 0, +120, -120, +60 or -60 nats, in split requests with MTP rows: a
+        # max, lse or merge shift taken from another head (head 0's, or one over the tile's heads) overflows exp or
+        # flushes a head's tokens to 0, where a shift shared by every head (the shifted case's) changes nothing
+        dict(seq_lens=(600, 1, 129), q_lens=(2, 1, 3), heads=8, page_size=16, num_workers=8, dist="heads",
+             q_dtype="fp8" if fp8 else "bf16", seed=20),
         # MiniCPM3's shape (every drawn case is DeepSeek's 512 + 64): a latent of 256 and a rope of 32, so a rope
         # width or latent read as 64 / 512 shows; 40 heads; MTP rows on lengths of whole 64-token tiles (a fast
         # path for full tiles that skips the causal mask shows), an empty request, a split one
