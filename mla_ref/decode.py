@@ -315,12 +315,12 @@ class DecodeBatch:
             if end - i == B:
                 return [Bucket(self, self._grid(N, S), *everything, whole=True)]
             requests = order[i:end].sort().values.to(self.device)  # [b] in their original order
-            sub, rows = self._subset(requests, int(n[i:end].sum()))
+            sub, rows = self.subset(requests, int(n[i:end].sum()))
             buckets.append(Bucket(sub, sub._grid(N, S), requests, rows, whole=False))
             i = end
         return buckets
 
-    def _subset(self, requests: torch.Tensor, t: int) -> tuple[DecodeBatch, torch.Tensor]:
+    def subset(self, requests: torch.Tensor, t: int) -> tuple[DecodeBatch, torch.Tensor]:
         """(the requests [b] as a batch of their own, rows [t] int64 of their query rows in q); t = their Σ q_len.
         Shares kv_cache; fields are not validated again."""
         n = self.q_lens.long()[requests]  # [b]
@@ -477,7 +477,7 @@ class Bucket:
 
     def take(self, other: DecodeBatch) -> DecodeBatch:
         """The bucket's requests of ``other``, a batch with the same seq_lens and q_lens (e.g. the exact twin)."""
-        return other if self.whole else other._subset(self.requests, self.rows.shape[0])[0]
+        return other if self.whole else other.subset(self.requests, self.rows.shape[0])[0]
 
     def rows_of(self, x: torch.Tensor) -> torch.Tensor:
         """[T, ...] tensor of the whole batch -> [t, ...] the bucket's rows."""

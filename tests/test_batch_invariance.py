@@ -169,40 +169,48 @@ CASE = Case(seq_lens=(300, 129, 0, 127), q_lens=(1, 2, 1, 1), heads=4, page_size
                          [((300, 129, 0, 127), (1, 2, 1, 1), 18), ((5,), (3,), 0), ((0, 70), (2, 2), 4),
                           ((20, 3), (3, 1), 1)])
 def test_the_shared_batch_puts_the_case_among_siblings_on_the_longests_pages(dtype, seq_lens, q_lens, full):
-    """The shared batch: where the longest request has f >= 1 full pages, a sibling on its first ceil(f / 2) pages
-    and then its first max(1, f // 2) again, max(f, 2) P tokens; a sibling on its block-table row and length; the
-    case's requests as they are; that sibling again. Each sibling has the longest's q_len and its q rows negated,
-    exactly; the cache is the case's and the case's rows, from the siblings' rows on, get the case's oracle answer
-    (up to fp64 rounding). A case without a token has none."""
+    """The shared batch: a sibling on the longest request's block-table row and length; the case's requests as
+    they are; where the longest has f >= 1 full pages, a sibling on its first ceil(f / 2) pages and then its first
+    max(1, f // 2) again, max(f, 2) P tokens; the first sibling again. Each sibling has the longest's q_len and its
+    q rows negated, exactly, and is an added request, whose batch of its own gets the oracle's answer of its rows
+    there; the cache is the case's and the case's rows get the case's oracle answer (up to fp64 rounding). A case
+    without a token has none."""
     batch = Case(seq_lens=seq_lens, q_lens=q_lens, heads=2, page_size=16, kv_lora_rank=64, rope_dim=32, seed=2,
                  kv_dtype=dtype, q_dtype=dtype).materialize()[0]
     shared = shared_batch(batch)
     longest, B = seq_lens.index(max(seq_lens)), len(seq_lens)
     starts = [0, *itertools.accumulate(q_lens)]
-    n, before = q_lens[longest], 2 if full else 1  # the longest's q rows, the siblings before the case
-    assert shared.how == "shared" and shared.compared is batch and shared.offset == before * n
-    assert shared.batch.kv_cache is batch.kv_cache and shared.batch.batch_size == B + before + 1
-    assert torch.equal(shared.batch.q_lens.cpu(), torch.tensor([n] * before + list(q_lens) + [n], dtype=torch.int32))
-    table, W = shared.batch.block_table, batch.block_table.shape[1]  # [B + before + 1, >= W]
+    n, siblings = q_lens[longest], 3 if full else 2  # the longest's q rows, its siblings
+    assert shared.how == "shared" and shared.compared is batch and shared.offset == n
+    assert shared.added == (0, *range(B + 1, B + siblings))
+    assert shared.batch.kv_cache is batch.kv_cache and shared.batch.batch_size == B + siblings
+    assert torch.equal(shared.batch.q_lens.cpu(), torch.tensor([n, *q_lens] + [n] * (siblings - 1),
+                                                                dtype=torch.int32))
+    table, W = shared.batch.block_table, batch.block_table.shape[1]  # [B + siblings, >= W]
     assert (table[:, W:] == INVALID_PAGE).all()
-    for b in (before - 1, B + before):
+    for b in (0, B + siblings - 1):  # the siblings on the longest's very row
         assert torch.equal(table[b, :W], batch.block_table[longest])
         assert int(shared.batch.seq_lens[b]) == seq_lens[longest]
-    assert torch.equal(table[before : B + before, :W], batch.block_table)
+    assert torch.equal(table[1 : B + 1, :W], batch.block_table)
     if full:  # the partial sibling: the first half of the longest's full pages, then its first pages again
         own = batch.block_table[longest]
         pages = torch.cat([own[: (full + 1) // 2], own[: max(1, full // 2)]])
-        assert torch.equal(table[0, : pages.shape[0]], pages) and (table[0, pages.shape[0] :] == INVALID_PAGE).all()
-        assert int(shared.batch.seq_lens[0]) == max(full, 2) * 16 != seq_lens[longest]
+        assert torch.equal(table[B + 1, : pages.shape[0]], pages)
+        assert (table[B + 1, pages.shape[0] :] == INVALID_PAGE).all()
+        assert int(shared.batch.seq_lens[B + 1]) == max(full, 2) * 16 != seq_lens[longest]
     sibling = batch.q[starts[longest] : starts[longest + 1]]  # [n, H, D]
-    q = shared.batch.q.float()  # [before n + T + n, H, D]
-    for rows in (*q[: before * n].split(n), q[-n:]):  # each sibling's rows
+    q = shared.batch.q.float()  # [T + siblings n, H, D]
+    for rows in (q[:n], *q[n + batch.num_tokens :].split(n)):  # each sibling's rows
         assert torch.equal(rows, -sibling.float())
-    rows = shared.case_rows(shared.batch.q)
-    assert torch.equal(rows.view(torch.uint8), batch.q.view(torch.uint8))
+    assert torch.equal(shared.case_rows(shared.batch.q).view(torch.uint8), batch.q.view(torch.uint8))
     out, lse = mla_decode_ref(batch)
     out_s, lse_s = mla_decode_ref(shared.batch.validate())
-    for got, want in ((shared.case_rows(out_s), out), (shared.case_rows(lse_s), lse)):
+    added, rows = shared.added_batch()
+    assert added.batch_size == siblings and rows.tolist() == list(range(n)) + list(
+        range(n + batch.num_tokens, n + batch.num_tokens + (siblings - 1) * n))
+    out_a, lse_a = mla_decode_ref(added.validate())
+    for got, want in ((shared.case_rows(out_s), out), (shared.case_rows(lse_s), lse), (out_s[rows], out_a),
+                      (lse_s[rows], lse_a)):
         assert torch.equal(got.isfinite(), want.isfinite())
         assert (got - want).nan_to_num().abs().max() <= FP64_ROWS * want.nan_to_num(0, 0, 0).abs().max()
     assert "its q rows negated" in shared.describe()
@@ -230,22 +238,25 @@ def test_a_kernel_that_reuses_a_pages_results_for_its_later_readers_fails_the_sh
     assert correct["batch.shared"].ok and "bits of the case's run" in correct["batch.shared"].detail
 
 
-def test_a_kernel_that_takes_a_shared_first_page_for_a_shared_prefix_fails_the_shared_batch_alone():
-    """mutants.prefix_by_first_page (requests starting on one page read the first one's pages up to the shorter's
-    full pages, a cascade kernel's prefix detection by first page id): the shared batch's first sibling shares only
-    the first half of the longest's full pages, so the longest reads that sibling's repeated pages in the place of
-    its own later ones; a sibling on the longest's whole row, as every other batch's added requests are, leaves
-    its rows right. The correct kernel keeps its bits there."""
-    results = _check(mutants.prefix_by_first_page)  # undeclared: the rows judged within the tier-1 bound
-    assert {name for name, r in results.items() if not r.ok} == {"batch.shared.out", "batch.shared.lse"}, results
-    assert "request 0" in results["batch.shared.out"].detail  # the longest, 300 tokens on 16-token pages
+@pytest.mark.parametrize("mutant", ["prefix_by_first_page", "prefix_first_pair"])
+def test_a_cascade_kernel_that_misjudges_a_shared_prefix_fails_on_the_shared_batchs_partial_sibling(mutant):
+    """Two cascade kernels that detect shared prefixes wrongly (mutants.prefix_by_first_page: every page up to the
+    shorter's length shared by requests starting on one page; prefix_first_pair: the pages the first two such
+    requests share, shared by the later ones too) read the first sibling's pages for the partial sibling, which
+    comes after the case's longest request and shares only the first half of its full pages: its rows, judged
+    against the oracle as an added request, fail, and nothing else does. Without the partial sibling (every
+    sibling on the longest's whole row) both give every row right."""
+    results = _check(getattr(mutants, mutant))  # undeclared: the rows judged within the tier-1 bound
+    failed = {name for name, r in results.items() if not r.ok}
+    assert failed == {"batch.shared.added.out", "batch.shared.added.lse"}, results
+    detail = results["batch.shared.added.out"].detail  # the partial sibling: the second added request, request 5
+    assert "added requests [0, 5, 6] as a batch of their own" in detail and ": request 1, its query row" in detail
     batch, _ = CASE.materialize()
     shared = shared_batch(batch)
-    whole = shared.batch.replace(  # the same batch without its partial sibling: every sibling on the whole row
-        q=shared.batch.q[1:], block_table=shared.batch.block_table[1:], seq_lens=shared.batch.seq_lens[1:],
-        q_lens=shared.batch.q_lens[1:])
-    for fn in (mutants.prefix_by_first_page, mutants.correct):
-        assert torch.equal(fn(whole)[0][1:-1].view(torch.int16), mutants.correct(batch)[0].view(torch.int16))
+    keep = torch.tensor([0, 1, 2, 3, 4, 6])  # [B + 2] every request but the partial sibling (request 5)
+    whole, _ = shared.batch.subset(keep, int(shared.batch.q_lens[keep].sum()))
+    for fn in (getattr(mutants, mutant), mutants.correct):
+        assert torch.equal(fn(whole)[0].view(torch.int16), mutants.correct(whole)[0].view(torch.int16))
 
 
 def _check(fn, case: Case = CASE):

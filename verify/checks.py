@@ -751,9 +751,11 @@ def check_batch(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, 
     more requests reversed without every request of the longest length (``batch.shrunk``), and the requests without
     every request of the largest q_len, or where every request has the same q_len n beside a request of n + 1 rows
     (``batch.mtp``), so that the batch's size, tokens, longest length and largest q_len change and the requests move;
-    then `shared_batch(batch)`: the requests as they are between two requests on the longest's very pages with its q
+    then `shared_batch(batch)`: the requests as they are among siblings of the longest on its pages with its q
     rows negated (``batch.shared``: one prefix's pages read with other queries, prefix caching). Each row of a case's
-    request against the row of the case's run ``first`` it comes from (an added request's rows are not judged): a
+    request against the row of the case's run ``first`` it comes from (an added request's rows, which no case row stands
+    behind, against the oracle on the added requests, `_added_rows`: ``batch.added``, ``batch.mtp.added``,
+    ``batch.shared.added``, within their tier-1 bound): a
     kernel that declares itself batch-invariant (`Kernel.batch_invariant`) must give its bits, NaN included; any
     other passes within the tier-1 bound of the numerics it declares for the regrouped batch, with the most splits
     the kernel may give a row of it (a split-KV plan cuts a request where the whole batch puts the cuts). A kernel
@@ -771,7 +773,7 @@ def check_batch(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, 
         if why is not None:
             results.append(CheckResult(name, False, detail=f"{where}: {why}"))
             continue
-        got = tuple(map(regrouped.case_rows, got))  # [T'', H, L], [T'', H]: the rows of the case's requests
+        whole, got = got, tuple(map(regrouped.case_rows, got))  # [T'', H, L], [T'', H]: the case's requests' rows
         first_rows = tuple(t if t is None else t.index_select(0, regrouped.rows.to(t.device)) for t in first)
         ref_rows = tuple(t.index_select(0, regrouped.rows.to(t.device)) for t in ref)  # the oracle's, reindexed
         numerics = None
@@ -795,7 +797,28 @@ def check_batch(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, 
 
         results += _as_first(name, where, got, "the case's run", first_rows, ref_rows, judge,
                              rows_of=lambda t, rows=regrouped.rows: "case " + _row_words(batch, int(rows[t])))
+        if regrouped.added:
+            results += _added_rows(regrouped, whole, kernel, numerics, f"{name}.added", where)
     return results
+
+
+def _added_rows(regrouped, got: tuple, kernel: Kernel, numerics: KernelNumerics | None, name: str,
+                where: str) -> list[CheckResult]:
+    """The rows a regrouped batch's run ``got`` gives its added requests (`RegroupedBatch.added_batch`: no case row
+    stands behind them) against the oracle on them, within the tier-1 bound of the numerics the kernel declares for
+    the regrouped batch (``numerics``; None: asked here, a batch-invariant kernel's): ``name``.out / .lse."""
+    added, rows = regrouped.added_batch()
+    if numerics is None:
+        try:
+            numerics = kernel.numerics(regrouped.batch)
+        except ValueError as e:  # Unsupported too: the kernel ran on the batch, so its numerics must take it
+            return [CheckResult(f"{name}.out", False, detail=f"{where}: the kernel's numerics for the regrouped "
+                                                              f"batch raised {error_message(e)}")]
+    ref = mla_decode_ref(added)  # [t, H, L], [t, H] fp64
+    got = tuple(t if t is None else t.index_select(0, rows.to(t.device)) for t in got)  # [t, H, L], [t, H]
+    judge = (_tier1_bound(added, kernel, numerics, ref, splits_of=regrouped.batch), numerics.out_dtype)
+    return _tier1_of(added, got, ref, judge, name, f"{where}; its added requests {list(regrouped.added)} as a batch "
+                                                   "of their own (its request i: the i-th of them), against the oracle")
 
 
 def _refusable(batch: DecodeBatch, kernel: Kernel, workers: int) -> tuple[tuple | None, str | Unsupported | None]:

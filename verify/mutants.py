@@ -83,9 +83,11 @@ turns one knob, the way such bugs happen in real kernels:
 |                       | kept by page id for the first reader                         |                               |
 | head0_max             | each tile's max of head 0 used for every head of its row (a  | tier1 / finite (the heads     |
 |                       | max broadcast from the wrong lane)                           | smoke case)                   |
-| prefix_by_first_page  | requests starting on one page taken to share every page up   | batch.shared (a longest       |
-|                       | to the shorter one's full pages (a cascade kernel's prefix   | request of >= 1 full page)    |
+| prefix_by_first_page  | requests starting on one page taken to share every page up   | batch.shared.added (a longest |
+|                       | to the shorter one's full pages (a cascade kernel's prefix   | request of >= 2 full pages)   |
 |                       | detection): each reads the first such request's pages there |                               |
+| prefix_first_pair     | requests starting on one page take the full pages the first  | batch.shared.added (as        |
+|                       | two of them share as shared by all (a cascade kernel)        | prefix_by_first_page)         |
 | request_index_8bit    | a request's block-table row read at its index mod 256        | tier1 / finite (the 260-      |
 |                       |                                                              | request smoke case)           |
 """
@@ -687,6 +689,26 @@ def prefix_by_first_page(batch):
     return _decode(batch.replace(block_table=table))
 
 
+def prefix_first_pair(batch):
+    """Requests (of a full page or more) that start on one physical page form a group whose shared prefix is the
+    run of full pages its first two members share; every later member reads the first one's pages for that run (up
+    to its own full pages), as a cascade kernel that sizes a group's prefix from its first pair does. Right while
+    every member shares at least as much (found by a review: the shared batch's partial sibling came first, so the
+    first pair always shared least)."""
+    table, P, seq_lens = batch.block_table.clone(), batch.page_size, batch.seq_lens.tolist()  # [B, W]
+    groups: dict[int, list[int]] = {}  # first page -> its requests of a full page or more, in batch order
+    for b, s in enumerate(seq_lens):
+        if s >= P:
+            groups.setdefault(int(table[b, 0]), []).append(b)
+    for lead, second, *later in (g for g in groups.values() if len(g) >= 3):
+        full = min(seq_lens[lead], seq_lens[second]) // P
+        shared = int((batch.block_table[lead, :full] == batch.block_table[second, :full]).long().cumprod(0).sum())
+        for b in later:
+            run = min(shared, seq_lens[b] // P)
+            table[b, :run] = batch.block_table[lead, :run]
+    return _decode(batch.replace(block_table=table))
+
+
 _FAST_PLANS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # eager_fast_path's memo
 
 
@@ -745,7 +767,7 @@ MUTANTS = (
     "stale_plan", "fast_path_plan", "realloc_workspace", "max_init_zero", "max_before_mask", "packed_rows_wrap",
     "plan_cached_by_ptr", "eager_fast_path", "splits_follow_batch", "splits_follow_longest", "tiles_follow_q_len",
     "big_batch_mtp_mask", "request_index_8bit", "page_ids_16bit", "rope_width_64", "full_tile_fast_path",
-    "shared_page_reuse", "prefix_by_first_page", "head0_max",
+    "shared_page_reuse", "prefix_by_first_page", "prefix_first_pair", "head0_max",
 )  # fmt: skip
 FP8_ONLY = ("kv_scale_ignored", "q_scale_ignored")  # need fp8 inputs with a scale != 1
 FAR_ONLY = ("int32_offsets", "page_ids_16bit")  # need the far check, on by default on CUDA devices only (--far on)

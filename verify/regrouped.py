@@ -7,29 +7,30 @@ stay within the tier-1 bound but change bits. A kernel that declares itself batc
 `regrouped_batches` gives up to three batches of the case's own requests:
 
     grown      the requests reversed, the first dropped when there are two or more, the longest (the first of
-               equal length) appended, then one request more, read but never judged: the longest's f full pages
+               equal length) appended, then one request more: the longest's f full pages
                of P tokens followed by all of its pages again, f P + s_max tokens (every one a valid slot; longer
                than any request of the case when f >= 1), with the longest's q rows
     shrunk     (two or more requests) the requests reversed without every request of the longest length, or,
                when all have that length, without the first of them
     mtp        (requests of different q_lens) the requests as they are without every request of the largest
                q_len; (every request has the same q_len n, the longest n + 1 tokens or more) the requests as they
-               are, then one request more, never judged: the longest's tokens with n + 1 query rows (its rows, the
+               are, then one request more: the longest's tokens with n + 1 query rows (its rows, the
                last one twice): with n = 1 a speculative-decoding request beside plain decode ones
 
 and, apart from these (`shared_batch`),
 
-    shared     the requests as they are among siblings of the longest request, never judged, each with its q rows
-               negated, its q_len and a row of its pages: first (where the longest has f >= 1 full pages) a sibling
-               that shares only a part of its prefix: its first ceil(f / 2) pages, then its first max(1, f // 2)
-               pages once more, where the longest goes on to its later pages (full pages: every slot valid; its
-               length their max(f, 2) P tokens); then one on its very block-table row and length, before the
-               case's requests and after them: requests on one prefix's pages with other queries, as vLLM's prefix
-               caching and parallel sampling make them, so a kernel that keeps per-page results and lets the first
-               or the last reader of a page write them shows (found by a review: no other batch had two requests
-               with different q on one page), and so does one that takes requests starting on one page to share
-               every page up to the shorter one's length (a cascade kernel's prefix detection; found by a review:
-               every sibling shared all its pages)
+    shared     the requests as they are among siblings of the longest request, each with its q rows negated, its
+               q_len and a row of its pages: one on its very block-table row and length first; after the case's
+               requests (where the longest has f >= 1 full pages) one that shares only a part of its prefix, its
+               first ceil(f / 2) pages, then its first max(1, f // 2) pages once more, where the longest goes on to
+               its later pages (full pages: every slot valid; its length their max(f, 2) P tokens); then one more on
+               its very row and length. Requests on one prefix's pages with other queries, as vLLM's prefix caching
+               and parallel sampling make them, so a kernel that keeps per-page results and lets the first or the
+               last reader of a page write them shows (found by a review: no other batch had two requests with
+               different q on one page), and so does a cascade kernel that detects shared prefixes by the first
+               page id alone and takes every page up to the shorter's length, or the first two requests' common
+               pages, as shared by every request starting there (found by reviews: every sibling shared all its
+               pages, and the siblings' rows were not judged)
 
 so the batch size, its total tokens, its longest length (the grown one's longer unless s_max < P; the shrunk one's
 shorter unless all requests have one length) and its largest q_len (mtp; the grown one's too where the first request
@@ -43,7 +44,9 @@ Each request names pages of the case, with its own copy of the q rows. The cache
 the scales are the case's own tensors; the block table's rows (widened with ``INVALID_PAGE`` for the added request),
 q's rows and the lengths are copied in the new order. Row ``offset + i`` of a new batch, for ``i < len(rows)``, is
 row ``rows[i]`` of the case, so the oracle's answer is the case's, reindexed; the added requests' rows come after
-(before too, in the shared batch: ``offset`` rows).
+(before too, in the shared batch: ``offset`` rows), and `RegroupedBatch.added_batch` gives them as a batch of their
+own, for the oracle to judge them too (added requests had gone unjudged, and a kernel that got only theirs wrong
+passed: a review's cascade kernel).
 """
 
 from __future__ import annotations
@@ -69,7 +72,8 @@ class RegroupedBatch:
         rows: [T''] int64 (on the batch's device), the case's query row behind each row of ``compared``, which are
             the T'' rows of ``batch`` from ``offset`` on.
         how: "grown", "shrunk", "mtp" or "shared" (module docstring).
-        offset: rows of ``batch`` before the case's (the shared batch's siblings' before it), else 0.
+        offset: rows of ``batch`` before the case's (the shared batch's first sibling's), else 0.
+        added: the requests of ``batch`` that are not the case's (grown, mtp: the last; shared: the siblings).
     """
 
     batch: DecodeBatch
@@ -78,6 +82,13 @@ class RegroupedBatch:
     rows: torch.Tensor
     how: str
     offset: int = 0
+    added: tuple[int, ...] = ()
+
+    def added_batch(self) -> tuple[DecodeBatch, torch.Tensor]:
+        """The added requests as a batch of their own (the cache and scales ``batch``'s), and their query rows of
+        ``batch``, [t] int64 on its device."""
+        on = torch.tensor(self.added, dtype=torch.long, device=self.batch.device)  # [a]
+        return self.batch.subset(on, int(self.batch.q_lens[on].sum()))
 
     def case_rows(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """The rows of a run's out [T', H, L] or lse [T', H] on ``batch`` that come from the case (None stays None)."""
@@ -85,11 +96,11 @@ class RegroupedBatch:
 
     def describe(self) -> str:
         if self.how == "shared":
-            partial = ("one on the first half of its full pages, then its first pages again, and " if
-                       self.offset > int(self.batch.q_lens[0]) else "")
+            partial = ("then one on the first half of its full pages and its first pages again, " if
+                       len(self.added) == 3 else "")
             return ("the case's requests as they are among requests on the longest's pages with its q_len and its q "
-                    f"rows negated, not judged: {partial}one on its very block-table row and length, before the "
-                    "case's requests and after them (one prefix's pages read with other queries)")
+                    f"rows negated: one on its very block-table row and length before them, {partial}one on its "
+                    "very row after them (one prefix's pages read with other queries)")
         what = {"grown": "reversed, the first dropped, the longest added",
                 "shrunk": "reversed, every request of the longest length dropped",
                 "mtp": "as they are" if self.batch.batch_size > self.compared.batch_size
@@ -97,7 +108,7 @@ class RegroupedBatch:
         if self.batch.batch_size > self.compared.batch_size:
             tokens, rows = int(self.batch.seq_lens[-1]), int(self.batch.q_lens[-1])
             what += (f", then a request of {tokens} token{'s' if tokens != 1 else ''} on the longest's pages with "
-                     f"{rows} query row{'s' if rows != 1 else ''}, not judged")
+                     f"{rows} query row{'s' if rows != 1 else ''}")
         return f"the requests regrouped as {self.requests.tolist()} of the case's ({what})"
 
 
@@ -157,7 +168,7 @@ def _with_added(regrouped: RegroupedBatch, batch: DecodeBatch, longest: int, ful
     block_table[:B, :W] = compared.block_table  # [B'', W]
     block_table[B, : added.shape[0]] = added  # [full + pages]
     as_field = dict(dtype=batch.seq_lens.dtype, device=batch.device)  # seq_lens and q_lens: int32 on q's device
-    return replace(regrouped, batch=compared.replace(
+    return replace(regrouped, added=(B,), batch=compared.replace(
         q=torch.cat([compared.q, batch.q[torch.tensor(q_rows, device=batch.device)]]),  # [T'' + rows, H, D]
         block_table=block_table,  # [B'' + 1, max(W, full + pages)]
         seq_lens=torch.cat([compared.seq_lens, torch.tensor([full * batch.page_size + s_max], **as_field)]),
@@ -168,33 +179,33 @@ def _with_added(regrouped: RegroupedBatch, batch: DecodeBatch, longest: int, ful
 def shared_batch(batch: DecodeBatch) -> RegroupedBatch | None:
     """The module docstring's shared batch, or None when the case has no token to share (every request empty)."""
     seq, n = batch.seq_lens.long().cpu(), batch.q_lens.long().cpu()  # [B], [B]
-    if not batch.batch_size or not int(seq.max()):
+    B, P = batch.batch_size, batch.page_size
+    if not B or not int(seq.max()):
         return None
     longest = int(torch.argmax(seq))
     s_max, rows, first = int(seq[longest]), int(n[longest]), int(n[:longest].sum())  # its tokens, q rows, first row
     sibling = negated(batch.q[first : first + rows])  # [n, H, D] the longest's q rows negated
-    order = torch.tensor([longest, *range(batch.batch_size), longest], dtype=torch.long, device=batch.device)
-    table = batch.block_table.index_select(0, order)  # [B + 2, W]
-    q, seq_lens = [sibling, batch.q, sibling], batch.seq_lens.index_select(0, order)  # [B + 2]
-    full = s_max // batch.page_size  # the longest's full pages
-    if full:  # the sibling on a part of its prefix, first: its first ceil(f / 2) pages, then its first pages again
-        own = batch.block_table[longest, : full // 2 or 1]  # [max(1, f - ceil(f / 2))]
-        prefix = torch.cat([batch.block_table[longest, : (full + 1) // 2], own])  # [max(f, 2)] pages
-        width = max(table.shape[1], prefix.shape[0])
-        row = torch.full((1, width), INVALID_PAGE, dtype=table.dtype, device=batch.device)  # [1, width]
-        row[0, : prefix.shape[0]] = prefix
-        wide = torch.full((table.shape[0], width), INVALID_PAGE, dtype=table.dtype, device=batch.device)
-        wide[:, : table.shape[1]] = table  # [B + 2, width]
-        table, q = torch.cat([row, wide]), [sibling, *q]  # [B + 3, width]
-        # its tokens: max(f, 2) P >= q_len, since a request of f = 1 full page has P + r >= q_len tokens, r < P
-        length = torch.tensor([prefix.shape[0] * batch.page_size], dtype=seq_lens.dtype, device=batch.device)
-        seq_lens, order = torch.cat([length, seq_lens]), torch.cat([order[:1], order])  # [B + 3]
+    own = batch.block_table[longest]  # [W] its block-table row
+    full = s_max // P  # its full pages
+    # the partial sibling (where it has a full page): its first ceil(f / 2) pages, then its first max(1, f // 2)
+    # again, max(f, 2) P tokens (>= q_len: a request of f = 1 full page has P + r >= q_len tokens, r < P)
+    prefix = torch.cat([own[: (full + 1) // 2], own[: full // 2 or 1]]) if full else own[:0]  # [max(f, 2) or 0]
+    siblings = [(own, s_max)] + ([(prefix, prefix.shape[0] * P)] if full else []) + [(own, s_max)]
+    width = max(batch.block_table.shape[1], prefix.shape[0])
+    table = torch.full((B + len(siblings), width), INVALID_PAGE, dtype=own.dtype, device=batch.device)
+    table[1 : B + 1, : own.shape[0]] = batch.block_table  # [B, W] the case's requests, after the first sibling
+    for i, (pages, _) in zip((0, *range(B + 1, B + len(siblings))), siblings):
+        table[i, : pages.shape[0]] = pages
+    as_field = dict(dtype=batch.seq_lens.dtype, device=batch.device)  # seq_lens and q_lens: int32 on q's device
+    lengths = [length for _, length in siblings]
+    sib_rows = torch.tensor([rows] * (len(siblings) - 1), **as_field)  # [siblings - 1] the later siblings' q_lens
     shared = batch.replace(
-        q=torch.cat(q),  # [(2 or 3) n + T, H, D]
+        q=torch.cat([sibling, batch.q, *[sibling] * (len(siblings) - 1)]),  # [T + (2 or 3) n, H, D]
         block_table=table,  # [B + 2 or 3, W or wider]
-        seq_lens=seq_lens,  # [B + 2 or 3]
-        q_lens=batch.q_lens.index_select(0, order),  # [B + 2 or 3]
+        seq_lens=torch.cat([torch.tensor(lengths[:1], **as_field), batch.seq_lens,
+                            torch.tensor(lengths[1:], **as_field)]),  # [B + 2 or 3]
+        q_lens=torch.cat([sib_rows[:1], batch.q_lens, sib_rows]),  # [B + 2 or 3]
     )
-    offset = (len(q) - 2) * rows  # the siblings' rows before the case's
-    return RegroupedBatch(shared, batch, torch.arange(batch.batch_size), torch.arange(batch.num_tokens,
-                          device=batch.device), "shared", offset=offset)
+    added = (0, *range(B + 1, B + len(siblings)))
+    return RegroupedBatch(shared, batch, torch.arange(B), torch.arange(batch.num_tokens, device=batch.device),
+                          "shared", offset=rows, added=added)
