@@ -105,6 +105,7 @@ from verify.cases import SM_SCALE
 
 BLOCK = 64  # KV tokens per online-softmax step
 MAX_SPLITS = 4  # KV splits per request (split-KV decode), merged by LSE
+DENSE_ROWS = 8  # query rows per step of the graph-capturable steps' dense decode (`_dense_decode`)
 
 
 def _decode(
@@ -297,30 +298,37 @@ def _dense_decode(batch: DecodeBatch, seq_lens: torch.Tensor, q_lens: torch.Tens
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """The attention `_decode` computes, unsplit, in shapes fixed by the batch's tensors (its block table's capacity,
     q's rows) with the lengths ``seq_lens`` / ``q_lens`` [B] read on the device only: no host read, no shape that
-    depends on a length, so a CUDA graph of it replays right with other lengths -> (out [T, H, L] bf16, lse [T, H])."""
+    depends on a length, so a CUDA graph of it replays right with other lengths -> (out [T, H, L] bf16, lse [T, H]).
+    Rows go DENSE_ROWS at a time, each over its request's whole block-table row (a batch of 264 requests with one of
+    12288 tokens took 24 GB in one piece)."""
     L, ps, dev = batch.kv_lora_rank, batch.page_size, batch.device
     B, W = batch.block_table.shape
     q = batch.q.float() * (batch.q_scale if is_fp8(batch.q.dtype) else 1.0)  # [T, H, D]
     kv_scale = batch.kv_scale if is_fp8(batch.kv_cache.dtype) else 1.0
     pages = batch.block_table.long().clamp(0, batch.num_pages - 1)  # [B, W] unused entries: any page, masked below
-    K = batch.kv_cache[pages].reshape(B, W * ps, batch.head_dim).float() * kv_scale  # [B, S, D] S = W * ps slots
-    pos = torch.arange(W * ps, device=dev)  # [S] token positions
-    K = torch.where((pos[None, :] < seq_lens[:, None])[..., None], K, 0.0)  # [B, S, D] NaN padding out of P.V
+    pos = torch.arange(W * ps, device=dev)  # [S] token positions, S = W * ps slots
     ends = torch.cumsum(q_lens.long(), 0)  # [B] one past each request's last row
     t = torch.arange(batch.num_tokens, device=dev)  # [T]
     req = torch.searchsorted(ends, t, right=True).clamp(max=max(B - 1, 0))  # [T] request of each row
     visible = seq_lens.long()[req] - (ends[req] - t) + 1  # [T] tokens row t sees (causal MTP)
-    Kt = K[req]  # [T, S, D] each row's request
-    s = batch.sm_scale * torch.einsum("thd,tsd->ths", q, Kt)  # [T, H, S]
-    s = s.masked_fill(~(pos[None, :] < visible[:, None])[:, None, :], -math.inf)
-    m = s.amax(dim=-1)  # [T, H]
-    m_safe = torch.where(torch.isinf(m), 0.0, m)  # [T, H] no token seen: shift by 0
-    p = torch.exp(s - m_safe[..., None])  # [T, H, S]
-    l = p.sum(dim=-1)  # [T, H]
-    seen = l != 0  # [T, H] a NaN row sum (a NaN token) is no empty row
-    out = torch.einsum("ths,tsc->thc", p, Kt[..., :L]) / torch.where(seen, l, 1.0)[..., None]  # [T, H, L]
-    out = torch.where(seen[..., None], out, 0.0)
-    return out.to(torch.bfloat16), torch.where(seen, m_safe + torch.log(torch.where(seen, l, 1.0)), -math.inf)
+    valid = pos[None, :] < seq_lens.long()[req][:, None]  # [T, S] its request's tokens
+    out = torch.empty(batch.num_tokens, batch.num_heads, L, device=dev)  # [T, H, L]
+    lse = torch.empty(batch.num_tokens, batch.num_heads, device=dev)  # [T, H]
+    for r in range(0, batch.num_tokens, DENSE_ROWS):
+        rows = slice(r, r + DENSE_ROWS)
+        Kt = batch.kv_cache[pages[req[rows]]].flatten(1, 2).float() * kv_scale  # [R, S, D] each row's request
+        Kt = torch.where(valid[rows, :, None], Kt, 0.0)  # [R, S, D] NaN padding out of P.V
+        s = batch.sm_scale * torch.einsum("thd,tsd->ths", q[rows], Kt)  # [R, H, S]
+        s = s.masked_fill(~(pos[None, :] < visible[rows, None])[:, None, :], -math.inf)
+        m = s.amax(dim=-1)  # [R, H]
+        m_safe = torch.where(torch.isinf(m), 0.0, m)  # [R, H] no token seen: shift by 0
+        p = torch.exp(s - m_safe[..., None])  # [R, H, S]
+        l = p.sum(dim=-1)  # [R, H]
+        seen = l != 0  # [R, H] a NaN row sum (a NaN token) is no empty row
+        o = torch.einsum("ths,tsc->thc", p, Kt[..., :L]) / torch.where(seen, l, 1.0)[..., None]  # [R, H, L]
+        out[rows] = torch.where(seen[..., None], o, 0.0)
+        lse[rows] = torch.where(seen, m_safe + torch.log(torch.where(seen, l, 1.0)), -math.inf)
+    return out.to(torch.bfloat16), lse
 
 
 def _one_decode_step(seq_lens: torch.Tensor, q_lens: torch.Tensor, batch: DecodeBatch) -> bool:

@@ -231,6 +231,7 @@ def smoke_cases(
 
 
 LONG_SEQ_LEN = 2**16 + 65  # past 2^16 positions, one token into a page of 64: 1026 blocks of 64
+BIG_SPLIT_BATCH = 264  # requests of the long cases' big split batch: split ones past index 255
 
 
 def long_cases(
@@ -247,11 +248,23 @@ def long_cases(
     2^16 (a token counter or position kept in 16 bits wraps there) and, over 132 workers, cut into more than 64
     pieces (a workspace or merge sized for 64 splits per row overflows), with MTP rows and a dominant newest token
     that only its last row sees (`recent`), beside requests of 3 and 1 tokens (no empty one: FlashMLA's fp8 kernel
-    refuses those, and the smoke prefix has them); fp8 with bf16 and with fp8 q.
+    refuses those, and the smoke prefix has them); fp8 with bf16 and with fp8 q. Then a big split batch: 264
+    requests, 66 of them of 700-1199 tokens and one of 3 x 4096, all of them split over 132 workers (found by a
+    review: no batch the checks built had more than about 16 split tiles, or a split request past index 10, or a
+    request between 4097 and 65600 tokens).
     Drawn cases stay within --max-seq-len (4096 by default), which the long cases ignore: each costs about 20 s on a
     2-core CPU, milliseconds on a GPU."""
     q_dtypes = ("bf16", "fp8") if dtype == "fp8" else ("bf16",)
-    return [Case(seq_lens=(LONG_SEQ_LEN, 3, 1), q_lens=(2, 1, 1), heads=heads or 16, page_size=page_size or 64,
-                 kv_lora_rank=kv_lora_rank or 512, rope_dim=rope_dim or 64, q_dtype=q_dtype, kv_dtype=dtype,
-                 fp8_format=fp8_format, dist="recent", num_workers=132, seed=12 + i)
-            for i, q_dtype in enumerate(q_dtypes)]
+    shape = dict(page_size=page_size or 64, kv_lora_rank=kv_lora_rank or 512, rope_dim=rope_dim or 64, kv_dtype=dtype,
+                 fp8_format=fp8_format, num_workers=132)
+    longest = [Case(seq_lens=(LONG_SEQ_LEN, 3, 1), q_lens=(2, 1, 1), heads=heads or 16, q_dtype=q_dtype,
+                    dist="recent", seed=12 + i, **shape) for i, q_dtype in enumerate(q_dtypes)]
+    # the big split batch: 264 requests, every fourth non-empty (700-1199 tokens; request 256 of 3 * 4096 tokens
+    # with 3 MTP rows), which a planner over 132 workers cuts into pieces (plan_decode: 52 split tiles, up to 11
+    # pieces a row), so that a reduce sized for a few split tiles, a request index of 8 bits in its metadata, or a
+    # last chunk of a long request taken as its length mod the chunk (0 for a whole number of 4096-token chunks) shows
+    seq_lens = [700 + 37 * j % 500 if j % 4 == 0 else 0 for j in range(BIG_SPLIT_BATCH)]
+    q_lens = [2 if j in (24, 96, 200) else 1 for j in range(BIG_SPLIT_BATCH)]
+    seq_lens[256], q_lens[256] = 3 * 4096, 3
+    big = Case(seq_lens=tuple(seq_lens), q_lens=tuple(q_lens), heads=heads or 4, dist="gauss1", seed=21, **shape)
+    return longest + [big]
