@@ -156,13 +156,23 @@ def _emulated_numerics(batch: DecodeBatch) -> KernelNumerics:
                           gamma_pv_per_token=2 * _F32)  # a chopped fp32 add and rescale per token
 
 
+def _combo(batch: DecodeBatch) -> str:
+    """Our kernels' dtype combination for the batch (`dtype_combo`), Unsupported where they take none here (fp16,
+    an e5m2 cache; e4m3fnuz off ROCm: `dtypes_unsupported`)."""
+    from mla_fast import triton_decode as td
+
+    if reason := td.dtypes_unsupported(batch):
+        raise Unsupported(reason)
+    return td.dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
+
+
 def _triton_numerics(batch: DecodeBatch) -> KernelNumerics:
     """The rounding points of the kernel `decode` dispatches the batch to (`batch_config` on its device; one host
     sync for its q_len): on an H100/H200 the Gluon fp8 kernel's fp8 score MMAs for e4m3fn q where it takes the batch,
     else the Triton kernel's (`KERNEL_NUMERICS`, which the other Gluon paths share)."""
     from mla_fast import triton_decode as td
 
-    combo = td.dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
+    combo = _combo(batch)
     return td.kernel_numerics(td.batch_config(batch, td._max_q_len(batch)), combo)
 
 
@@ -171,7 +181,7 @@ def _forced_config(batch: DecodeBatch, kernel: str, q_len: int | None = None):
     or None)."""
     from mla_fast import triton_decode as td
 
-    combo = td.dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
+    combo = _combo(batch)
     return combo, td.forced_config(combo, batch.num_heads, q_len or td._max_q_len(batch), kernel)
 
 
@@ -230,18 +240,18 @@ def _run_emulated(batch: DecodeBatch, num_workers: int = 4):  # 4 by default: sm
 
 
 def _run_triton(batch: DecodeBatch, num_workers: int | None = None):
-    from mla_fast.triton_decode import decode, fnuz_unsupported
+    from mla_fast.triton_decode import decode, dtypes_unsupported
 
-    if reason := fnuz_unsupported(batch):  # a format this platform's Triton cannot compile: no case to check
+    if reason := dtypes_unsupported(batch):  # a format this platform's Triton cannot compile: no case to check
         raise Unsupported(reason)
     return decode(batch, num_workers=num_workers)
 
 
 def _step_triton(batch: DecodeBatch, max_q_len: int):
     """Our graph-capturable step (`TritonMLADecode`, its default config for the batch) up to max_q_len."""
-    from mla_fast.triton_decode import TritonMLADecode, fnuz_unsupported
+    from mla_fast.triton_decode import TritonMLADecode, dtypes_unsupported
 
-    if reason := fnuz_unsupported(batch):
+    if reason := dtypes_unsupported(batch):
         raise Unsupported(reason)
     return TritonMLADecode(batch, max_q_len=max_q_len)
 
@@ -251,7 +261,7 @@ def _pinned(batch: DecodeBatch, kernel: str, q_len: int):
     such rows or cannot run the batch (reasons without the case's values)."""
     from mla_fast import triton_decode as td
 
-    if reason := td.fnuz_unsupported(batch):
+    if reason := td.dtypes_unsupported(batch):
         raise Unsupported(reason)
     _, config = _forced_config(batch, kernel, q_len)
     if config is None:
@@ -291,9 +301,9 @@ def _invariant_unsupported(batch: DecodeBatch, q_len: int) -> None:
     """Unsupported where triton_invariant takes no such rows (q_len) or this platform's Triton no such format."""
     if q_len > INVARIANT_MAX_Q_LEN:
         raise Unsupported(f"triton_invariant fixes its kernel geometry for q_len <= {INVARIANT_MAX_Q_LEN}")
-    from mla_fast.triton_decode import fnuz_unsupported
+    from mla_fast.triton_decode import dtypes_unsupported
 
-    if reason := fnuz_unsupported(batch):
+    if reason := dtypes_unsupported(batch):
         raise Unsupported(reason)
 
 
@@ -307,7 +317,7 @@ def _run_invariant(batch: DecodeBatch, num_workers: int | None = None):
 def _invariant_numerics(batch: DecodeBatch) -> KernelNumerics:
     from mla_fast import triton_decode as td
 
-    combo = td.dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
+    combo = _combo(batch)  # before the config, which needs a combination
     return td.kernel_numerics(td.invariant_config(batch, INVARIANT_MAX_Q_LEN), combo)
 
 

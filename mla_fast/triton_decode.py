@@ -1250,9 +1250,14 @@ def _scale_tensor(scale, device: torch.device) -> torch.Tensor:
     return torch.full((1,), float(scale), dtype=torch.float32, device=device)
 
 
-def fnuz_unsupported(batch) -> str | None:
-    """Why the kernels cannot take the batch's e4m3fnuz q or cache here, or None: Triton compiles e4m3fnuz
-    (fp8e4b8) for AMD CDNA3 only; CUDA devices and Triton 3.6's interpreter refuse the type."""
+def dtypes_unsupported(batch) -> str | None:
+    """Why the kernels cannot take the batch's q and cache dtypes here, or None: they take bf16 / bf16, bf16 / fp8
+    and fp8 / fp8 (`dtype_combo`: not fp16, nor e5m2 caches), and Triton compiles e4m3fnuz (fp8e4b8) for AMD CDNA3
+    only; CUDA devices and Triton 3.6's interpreter refuse the type."""
+    try:
+        dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
+    except ValueError as e:
+        return str(e)
     if torch.version.hip is None or INTERPRET:
         for name in ("q", "kv_cache"):
             if getattr(batch, name).dtype == torch.float8_e4m3fnuz:
@@ -1262,8 +1267,7 @@ def fnuz_unsupported(batch) -> str | None:
 
 def check_batch(batch) -> None:
     """Raise ValueError naming the field when the kernel cannot take `batch`."""
-    dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
-    if reason := fnuz_unsupported(batch):
+    if reason := dtypes_unsupported(batch):
         raise ValueError(reason)
     L, D = batch.kv_lora_rank, batch.q.shape[-1]
     R = D - L

@@ -17,13 +17,40 @@ from verify.strategies import WORK_BUDGET, cases, smoke_cases
 @pytest.mark.parametrize(
     "field, value",
     [("seq_lens", ()), ("seq_lens", (3, -1)), ("q_lens", (1, 1)), ("q_lens", (0,)), ("heads", 0), ("page_size", 0),
-     ("kv_dtype", "fp16"), ("q_dtype", "int8"), ("fp8_format", "e5m2"), ("scale_mode", "auto"), ("dist", "uniform"),
+     ("kv_dtype", "fp16"), ("q_dtype", "fp16"), ("q_dtype", "int8"), ("fp8_format", "e5m2fnuz"),
+     ("scale_mode", "auto"), ("dist", "uniform"),
      ("num_workers", 0), ("seed", -1), ("sm_scale", 0.0), ("sm_scale", 1e-50), ("sm_scale", 1e300),
      ("sm_scale", 1e-40), ("sm_scale", 2.0**17), ("sm_scale", float("nan")), ("sm_scale", True), ("sm_scale", "0.1")],
 )
 def test_bad_field_names_itself(field, value):
     with pytest.raises(ValueError, match=f"Case.{field}"):
         dataclasses.replace(Case(), **{field: value})
+
+
+def test_e5m2_near_max_is_refused_by_name():
+    with pytest.raises(ValueError, match="Case.dist: near_max"):
+        Case(kv_dtype="fp8", fp8_format="e5m2", dist="near_max")
+
+
+@pytest.mark.parametrize("dtype, fmt, q_dtype", [("bf16", "e4m3fn", "fp16"), ("fp8", "e4m3fn", "fp8"),
+                                                  ("fp8", "e4m3fnuz", "fp8")])
+def test_smoke_prefix_brings_the_inputs_a_campaign_does_not_draw(dtype, fmt, q_dtype):
+    """Besides its campaign's dtypes the smoke prefix holds a case of each input DecodeBatch takes that the
+    campaign does not draw: fp16 q and cache (bf16), the other e4m3 format with fp8 q and an e5m2 cache with bf16 q
+    (fp8); their batches hold those dtypes, an fp16 one the same values as its bf16 twin where both are exact."""
+    smoke = smoke_cases(dtype, fp8_format=fmt)
+    extra = [c for c in smoke if c.kv_dtype == "fp16" or (c.is_fp8 and c.fp8_format != fmt)]
+    wanted = {("fp16", "fp16", fmt)} if dtype == "bf16" else {
+        ("fp8", "fp8", "e4m3fnuz" if fmt == "e4m3fn" else "e4m3fn"), ("bf16", "fp8", "e5m2")}
+    assert {(c.q_dtype, c.kv_dtype, c.fp8_format) for c in extra} == wanted
+    names = {"fp16": torch.float16, "e4m3fn": torch.float8_e4m3fn, "e4m3fnuz": torch.float8_e4m3fnuz,
+             "e5m2": torch.float8_e5m2}
+    for c in extra:
+        kernel, exact = c.materialize()
+        assert kernel.kv_cache.dtype == names["fp16" if c.kv_dtype == "fp16" else c.fp8_format]
+        assert kernel.q.dtype == (names[c.fp8_format] if c.q_dtype == "fp8" else
+                                  torch.float16 if c.q_dtype == "fp16" else torch.bfloat16)
+        assert exact.kv_cache.dtype == (torch.float16 if c.kv_dtype == "fp16" else torch.bfloat16)
 
 
 def test_sm_scale_round_trips_scales_q_and_is_what_the_batch_takes():

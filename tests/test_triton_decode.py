@@ -887,6 +887,30 @@ def test_e4m3fnuz_is_refused_off_rocm(monkeypatch):
         assert "e4m3fnuz runs on ROCm only" in (result.unsupported or ""), result.describe()
 
 
+@pytest.mark.parametrize("q_dtype, kv_dtype, fmt", [("fp16", "fp16", "e4m3fn"), ("bf16", "fp8", "e5m2")])
+def test_fp16_and_e5m2_inputs_are_refused_as_unsupported(monkeypatch, q_dtype, kv_dtype, fmt):
+    """Our kernels take bf16 / bf16, bf16 / fp8 and fp8 / fp8 in e4m3: fp16 q and cache, and e5m2 caches, which
+    DecodeBatch takes and the smoke prefix's dtype cases bring, are refused by name (Unsupported, through run,
+    run_workers and the numerics), so that such a case is reported unsupported, not failed by a ValueError in the
+    numerics (found with the dtype smoke cases) nor run on bits read as another format."""
+    pytest.importorskip("mla_fast.triton_decode")
+    from mla_fast.backends import BACKENDS, Unsupported
+    from verify.cases import Case
+    from verify.checks import run_case
+    from verify.kernels import from_backend
+
+    case = Case(seq_lens=(40, 5), q_lens=(1, 1), heads=2, q_dtype=q_dtype, kv_dtype=kv_dtype, fp8_format=fmt)
+    batch = case.materialize()[0]
+    for name in ("triton", "triton_invariant"):
+        backend = BACKENDS[name]
+        for call, args in ((backend.run, (batch,)), (backend.run_workers, (batch, 4)), (backend.numerics, (batch,))):
+            with pytest.raises(Unsupported, match="q/kv_cache dtypes must be bf16/bf16, bf16/fp8 or fp8/fp8"):
+                call(*args)
+        monkeypatch.setitem(BACKENDS, name, dataclasses.replace(backend, probe=lambda: (True, "test")))
+        result = run_case(case, from_backend(name), "cpu")  # the verifier's path, as on a GPU
+        assert result.status == "unsupported" and "dtypes must be" in result.unsupported, result.describe()
+
+
 @pytest.mark.parametrize("combo, heads", [("bf16", 16), ("bf16", 128), ("fp8kv", 16), ("fp8", 64)])
 def test_persistent_grid_is_workers_per_sm_programs_per_sm(monkeypatch, combo, heads):
     """The decode launch is persistent: workers_per_sm x SMs programs (one per SM for the Triton kernel's default

@@ -5,9 +5,10 @@ local `torch.Generator(seed)` on the CPU (identical bits on every machine), then
 
 It returns two batches that share q rows, block table and page order:
 
-- ``batch_exact``: the unquantized inputs, bf16 (what a bf16 model's KV cache holds);
-- ``batch_kernel``: what the kernel under test receives: the same bf16 batch for ``kv_dtype="bf16"``, or its fp8
-  quantization (``real = fp8 · scale``, saturating, mla_ref.fp8.quantize) for ``kv_dtype="fp8"``.
+- ``batch_exact``: the unquantized inputs, bf16 (what a bf16 model's KV cache holds; fp16 for ``kv_dtype="fp16"``);
+- ``batch_kernel``: what the kernel under test receives: the same 16-bit batch for ``kv_dtype="bf16"`` or
+  ``"fp16"``, or its fp8 quantization (``real = fp8 · scale``, saturating, mla_ref.fp8.quantize) for
+  ``kv_dtype="fp8"`` (e4m3fn, e4m3fnuz or e5m2).
 
 Data distributions (numerics.md §5.1, §8.2), each with q scaled so that scores ``s = σ <q, k>`` have the given std:
 
@@ -61,8 +62,10 @@ V2_LITE_SM_SCALE = 192**-0.5 * (0.1 * 0.707 * math.log(40) + 1) ** 2  # DeepSeek
 DISTRIBUTIONS = ("gauss1", "gauss4", "wide", "outlier", "sink", "recent", "coherent", "near_max", "shifted", "heads")
 SCORE_STD = {"gauss4": 4.0, "wide": 32.0}  # the others: 1
 SCALE_MODES = ("dynamic", "static", "unit")
-DTYPES = ("bf16", "fp8")
-FP8_FORMATS = ("e4m3fn", "e4m3fnuz")
+DTYPES = ("bf16", "fp8")  # what a campaign draws (--dtype)
+CASE_DTYPES = (*DTYPES, "fp16")  # what a Case takes: fp16 q and cache too (the smoke prefix's dtype case)
+FP8_FORMATS = ("e4m3fn", "e4m3fnuz")  # a campaign's (--fp8-format)
+CASE_FP8_FORMATS = (*FP8_FORMATS, "e5m2")  # a Case's: e5m2 caches too (vLLM's fp8_e5m2; the smoke prefix's)
 
 OUTLIER_GAIN = 3000.0  # numerics.md §5.1: 2 outlier channels × 3000 leave ~36% of the rest subnormal
 SINK_LOGIT = 12.0  # extra logit of the sink token (numerics.md §5.1)
@@ -85,9 +88,9 @@ class Case:
         heads: query heads H.
         page_size: tokens per cache page.
         kv_lora_rank, rope_dim: L and R (DeepSeek-V3: 512, 64).
-        q_dtype: "bf16" or "fp8" (fp8 q needs fp8 KV).
-        kv_dtype: "bf16" or "fp8".
-        fp8_format: "e4m3fn" or "e4m3fnuz" (ignored for bf16).
+        q_dtype: "bf16", "fp16" or "fp8" (fp8 q needs fp8 KV; fp16 q and KV go together).
+        kv_dtype: "bf16", "fp16" or "fp8".
+        fp8_format: "e4m3fn", "e4m3fnuz" or "e5m2" (ignored for 16-bit KV).
         scale_mode: "dynamic", "static" or "unit" (ignored for bf16).
         dist: data distribution, one of DISTRIBUTIONS.
         num_workers: persistent workers the kernel's plan uses (caps the KV splits of a request).
@@ -122,12 +125,19 @@ class Case:
             value = getattr(self, name)
             if not is_int(value) or value < 1:
                 raise ValueError(f"Case.{name}: expected an int >= 1, got {value!r}")
-        for name, allowed in (("q_dtype", DTYPES), ("kv_dtype", DTYPES), ("fp8_format", FP8_FORMATS),
+        for name, allowed in (("q_dtype", CASE_DTYPES), ("kv_dtype", CASE_DTYPES), ("fp8_format", CASE_FP8_FORMATS),
                               ("scale_mode", SCALE_MODES), ("dist", DISTRIBUTIONS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"Case.{name}: expected one of {allowed}, got {getattr(self, name)!r}")
         if self.q_dtype == "fp8" and self.kv_dtype != "fp8":
-            raise ValueError("Case.q_dtype: fp8 queries need kv_dtype='fp8', got kv_dtype='bf16'")
+            raise ValueError(f"Case.q_dtype: fp8 queries need kv_dtype='fp8', got kv_dtype={self.kv_dtype!r}")
+        if (self.q_dtype == "fp16") != (self.kv_dtype == "fp16"):
+            field = "q_dtype" if self.q_dtype == "fp16" else "kv_dtype"
+            raise ValueError(f"Case.{field}: fp16 goes for q and the cache both (an fp16 model's), got q_dtype="
+                             f"{self.q_dtype!r}, kv_dtype={self.kv_dtype!r}")
+        if self.kv_dtype == "fp8" and self.fp8_format == "e5m2" and self.dist == "near_max":
+            raise ValueError("Case.dist: near_max places values past e4m3's max (NEAR_MAX), not e5m2's: give another "
+                             "dist with fp8_format='e5m2'")
         if not is_int(self.seed) or not 0 <= self.seed < 2**63:
             raise ValueError(f"Case.seed: expected an int in [0, 2^63), got {self.seed!r}")
         if not _fp32_positive(self.sm_scale) or not SM_SCALE_RANGE[0] <= self.sm_scale <= SM_SCALE_RANGE[1]:
@@ -155,7 +165,7 @@ class Case:
 
     def describe(self) -> str:
         """A short human label, e.g. ``fp8(e4m3fn,dynamic)/bf16q gauss4 H16 ps64 seq[1,2048] q[1,2] w4``."""
-        dt = f"fp8({self.fp8_format},{self.scale_mode})/{self.q_dtype}q" if self.is_fp8 else "bf16"
+        dt = f"fp8({self.fp8_format},{self.scale_mode})/{self.q_dtype}q" if self.is_fp8 else self.kv_dtype
         seqs = ",".join(map(str, self.seq_lens))
         qs = ",".join(map(str, self.q_lens))
         sigma = "" if self.sm_scale == SM_SCALE else f" σ{self.sm_scale:.4g}"
@@ -197,7 +207,8 @@ class Case:
         """Build (batch_kernel, batch_exact) on ``device``; both share block_table and page order."""
         g = torch.Generator().manual_seed(self.seed)
         q, kv = _draw(self, g)  # [T, H, D] fp32, B x [s_b, D] fp32
-        q, kv = q.to(torch.bfloat16), [k.to(torch.bfloat16) for k in kv]  # [T, H, D], B x [s_b, D]
+        wide = torch.float16 if self.kv_dtype == "fp16" else torch.bfloat16  # what the model computes in
+        q, kv = q.to(wide), [k.to(wide) for k in kv]  # [T, H, D], B x [s_b, D]
         pages = torch.Generator().set_state(g.get_state())  # the same page order for the fp8 twin
         shape = dict(sm_scale=self.sm_scale, kv_lora_rank=self.kv_lora_rank, page_size=self.page_size,
                      q_lens=list(self.q_lens))

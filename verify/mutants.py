@@ -81,6 +81,8 @@ turns one knob, the way such bugs happen in real kernels:
 | shared_page_reuse     | a request on an earlier one's pages (same first page, length | batch.shared (any with a      |
 |                       | and q_len) takes that request's results: per-page results    | token)                        |
 |                       | kept by page id for the first reader                         |                               |
+| dtype_unchecked       | fp16 read as bf16 bits, e4m3fnuz and e5m2 codes as e4m3fn    | tier1 / finite (the smoke     |
+|                       | ones (no dtype check behind data_ptr())                      | prefix's dtype cases)         |
 | head0_max             | each tile's max of head 0 used for every head of its row (a  | tier1 / finite (the heads     |
 |                       | max broadcast from the wrong lane)                           | smoke case)                   |
 | prefix_by_first_page  | requests starting on one page taken to share every page up   | batch.shared.added (a longest |
@@ -656,6 +658,19 @@ def full_tile_fast_path(batch):
     return _decode(batch, full_tiles_unmasked=True)
 
 
+_AS_ITS_OWN = {torch.float16: torch.bfloat16, torch.float8_e4m3fnuz: torch.float8_e4m3fn,
+               torch.float8_e5m2: torch.float8_e4m3fn}  # dtype_unchecked: the bits of each read as these
+
+
+def dtype_unchecked(batch):
+    """A kernel built for bf16 and e4m3fn and fed through data_ptr() without a dtype check: an fp16 q and cache are
+    read as bf16 bits, e4m3fnuz and e5m2 codes as e4m3fn ones (found by a review: every case of a campaign had its
+    --dtype and --fp8-format, so no such input ever came)."""
+    q, kv = batch.q, batch.kv_cache
+    return _decode(batch.replace(q=q.view(_AS_ITS_OWN.get(q.dtype, q.dtype)),
+                                 kv_cache=kv.view(_AS_ITS_OWN.get(kv.dtype, kv.dtype))))
+
+
 def head0_max(batch):
     """Each tile's running max of a row taken from its head 0 for every head, as a kernel that packs (row, head)
     pairs into a tile and broadcasts the row max from the wrong lane does: softmax ignores a shift, so it is right
@@ -775,7 +790,7 @@ MUTANTS = (
     "stale_plan", "fast_path_plan", "realloc_workspace", "max_init_zero", "max_before_mask", "packed_rows_wrap",
     "plan_cached_by_ptr", "eager_fast_path", "splits_follow_batch", "splits_follow_longest", "tiles_follow_q_len",
     "big_batch_mtp_mask", "request_index_8bit", "page_ids_16bit", "rope_width_64", "full_tile_fast_path",
-    "shared_page_reuse", "prefix_by_first_page", "prefix_first_pair", "head0_max",
+    "shared_page_reuse", "prefix_by_first_page", "prefix_first_pair", "head0_max", "dtype_unchecked",
 )  # fmt: skip
 FP8_ONLY = ("kv_scale_ignored", "q_scale_ignored")  # need fp8 inputs with a scale != 1
 FAR_ONLY = ("int32_offsets", "page_ids_16bit")  # need the far check, on by default on CUDA devices only (--far on)

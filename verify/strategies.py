@@ -21,7 +21,15 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from mla_ref.config import yarn_get_mscale
-from verify.cases import DISTRIBUTIONS, MINICPM3_SM_SCALE, NO_YARN_SM_SCALE, SM_SCALE, V2_LITE_SM_SCALE, Case
+from verify.cases import (
+    CASE_FP8_FORMATS,
+    DISTRIBUTIONS,
+    MINICPM3_SM_SCALE,
+    NO_YARN_SM_SCALE,
+    SM_SCALE,
+    V2_LITE_SM_SCALE,
+    Case,
+)
 
 HEADS = (1, 2, 4, 5, 8, 16, 20, 32, 40, 64, 128)  # above 16: drawn where the lengths leave room in the work
 # budget; 40, 20 and 5: MiniCPM3's 40 MLA heads and their tensor-parallel shares, not a power of two
@@ -138,9 +146,9 @@ def smoke_cases(
     long request, pages of 128, two softmax scales other than DeepSeek-V3's (which most drawn cases take), for fp8
     both q dtypes, every scale mode, subnormals, ties and saturation; then 128 heads with MTP rows of 3 and 4, MTP
     rows of 5 and 8, scores shifted by -120 with a newest token at +120, each head's scores shifted by its own
-    offset, MiniCPM3's shape (40 heads, a latent of
-    256 and a rope of 32, with MTP rows on lengths of whole tiles), and a batch of 260 requests (65 of them
-    non-empty).
+    offset, the inputs the campaign does not draw (fp16 for bf16, the other fp8 formats for fp8), MiniCPM3's shape
+    (40 heads, a latent of 256 and a rope of 32, with MTP rows on lengths of whole tiles), and a batch of 260
+    requests (65 of them non-empty).
 
     Lengths are clipped to max_seq_len; heads / page_size / kv_lora_rank / rope_dim override the hand-picked values
     when given (the latent and rope are DeepSeek-V3's 512 and 64 but in MiniCPM3's case).
@@ -201,6 +209,17 @@ def smoke_cases(
         # flushes a head's tokens to 0, where a shift shared by every head (the shifted case's) changes nothing
         dict(seq_lens=(600, 1, 129), q_lens=(2, 1, 3), heads=8, page_size=16, num_workers=8, dist="heads",
              q_dtype="fp8" if fp8 else "bf16", seed=20),
+    ]
+    # the inputs DecodeBatch takes besides the campaign's: fp16 q and cache (bf16 campaigns), the other fp8 formats
+    # (fp8: e4m3fn or e4m3fnuz, with fp8 q, and e5m2 caches, vLLM's fp8_e5m2, with bf16 q): a kernel must compute
+    # them or refuse them (Unsupported); one that reads their bits as its own format's fails (found by a review: a
+    # kernel templated on bf16 / e4m3fn, fed by data_ptr() without a dtype check, passed every campaign)
+    others = [f for f in CASE_FP8_FORMATS if f != fp8_format] if fp8 else ["fp16"]
+    picked += [dict(seq_lens=(300, 65, 0), q_lens=(2, 1, 1), heads=8, page_size=16, num_workers=8, dist="gauss1",
+                    seed=22 + i, **(dict(q_dtype="fp16", kv_dtype="fp16") if f == "fp16" else
+                                    dict(fp8_format=f, q_dtype="bf16" if f == "e5m2" else "fp8")))
+               for i, f in enumerate(others)]
+    picked += [
         # MiniCPM3's shape (every drawn case is DeepSeek's 512 + 64): a latent of 256 and a rope of 32, so a rope
         # width or latent read as 64 / 512 shows; 40 heads; MTP rows on lengths of whole 64-token tiles (a fast
         # path for full tiles that skips the causal mask shows), an empty request, a split one
