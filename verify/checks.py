@@ -18,6 +18,10 @@
 | rounding       | the kernel again on `rounding_probe(batch)`: exact scores and   | kernel_bound + merge_bound     |
 |                | outputs that cancel to the cache format's rounding of P, so a P | of the probe                   |
 |                | rounded more coarsely than declared fails (numerics.md §5(h))   |                                |
+| rescale        | the kernel again on `rescale_probe(batch)`: the running max     | kernel_bound + merge_bound of  |
+|                | rises at a riser after r tokens of score 0, outputs that cancel | the probe                      |
+|                | to the cache format's rounding: a rescale factor rounded more   |                                |
+|                | coarsely than declared (bf16 under fp32 P) fails                |                                |
 | partials       | the kernel again on `partials_probe(batch)`: all scores 0,      | kernel_bound (P rounding as a  |
 |                | values whose mean over each row is a tiny offset while each     | common factor) + merge_bound   |
 |                | split's mean is not: split outputs stored more coarsely than    | (declared partial dtype) of    |
@@ -73,6 +77,7 @@ from verify.metrics import compare
 from verify.padding_probe import padding_probe
 from verify.partials_probe import partials_probe
 from verify.regrouped import regrouped_batches, shared_batch
+from verify.rescale_probe import rescale_probe
 from verify.rounding_probe import rounding_probe
 from verify.strided_inputs import strided_batch
 
@@ -483,6 +488,19 @@ def _probe_run(name: str, where: str, probe: DecodeBatch, kernel: Kernel, worker
 
 
 _LSE_HINT = " (an lse other than ln Σ exp(σ q·k): its base, its scale, the scores, or the merge of the pieces)"
+
+
+def check_rescale(batch: DecodeBatch, kernel: Kernel, workers: int) -> list[CheckResult]:
+    """The kernel run again on `rescale_probe(batch)` (the case's worker count when it takes one), within the
+    probe's tier-1 bound for the numerics the kernel declares for it: the running max rises at a riser after r
+    tokens of score 0 whose values the riser's cancels, so that the factor exp(m_old - m_new) rescaling the running
+    output rounded more coarsely than the declared P (bf16 under fp32) fails, which on drawn data it does not, nor
+    on the rounding probe, whose max never rises (verify/rescale_probe.py)."""
+    probe = rescale_probe(batch)
+    if isinstance(probe, str):
+        return [CheckResult("rescale.skipped", True, detail=f"no rescale probe: {probe}")]
+    return _probe_run("rescale", probe.describe(), probe.batch, kernel, workers,
+                      on_fail=" (a running output rescaled by exp(m_old - m_new) rounded more coarsely than declared)")
 
 
 def check_partials(batch: DecodeBatch, kernel: Kernel, workers: int) -> list[CheckResult]:
@@ -1243,6 +1261,7 @@ def run_case(case: Case, kernel: Kernel, device: str = "cpu", far: bool | None =
         if not kernel.nan_deviation:  # a backend's declared deviation is in the campaign's report instead
             result.checks.append(check_nan(batch, kernel, case.num_workers))
         result.checks += check_rounding(batch, kernel, case.num_workers)
+        result.checks += check_rescale(batch, kernel, case.num_workers)
         result.checks += check_partials(batch, kernel, case.num_workers)
         result.checks += check_layout(batch, kernel, case.num_workers, (out_d, lse_d), ref)
         result.checks += check_padding(batch, kernel, case.num_workers, (out_d, lse_d), ref, bound,
