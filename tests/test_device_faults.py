@@ -42,13 +42,13 @@ def _calls_of_a_clean_case(monkeypatch) -> int:
 
 
 def test_a_clean_case_runs_every_rerunning_check(monkeypatch):
-    """first run, repeat, split, nan, rounding, partials, layout, padding, batch (four: grown, shrunk, mtp,
-    shared), rerun (three: the roomy copy, the next step, the decode step after it), far: sixteen runs on this smoke
-    case."""
-    assert _calls_of_a_clean_case(monkeypatch) == 16
+    """first run, repeat, split, nan, rounding, rescale, partials, layout, padding, batch (four: grown, shrunk,
+    mtp, shared), rerun (three: the roomy copy, the next step, the decode step after it), far: seventeen runs on
+    this smoke case."""
+    assert _calls_of_a_clean_case(monkeypatch) == 17
 
 
-@pytest.mark.parametrize("n", range(1, 17))
+@pytest.mark.parametrize("n", range(1, 18))
 def test_a_device_fault_in_any_run_fails_the_case_as_a_device_fault(monkeypatch, n):
     monkeypatch.setattr(checks, "far_pages", _small_far)
     result = checks.run_case(smoke_cases("bf16")[0], from_callable(_FaultsOnCall(n)), "cpu", far=True)
