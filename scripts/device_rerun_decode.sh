@@ -29,12 +29,7 @@ if [ "$group" = ours ]; then
   pool_campaign r_full_tile_fast_path "$seconds" --impl verify.mutants:full_tile_fast_path --dtype bf16 --cases 100
   pool_campaign r_shared_page_reuse "$seconds" --impl verify.mutants:shared_page_reuse --dtype bf16 --cases 100
 else
-  step "GPU step tests of the peers (the smoke prefix, MiniCPM3's case included)"
-  python3 -m pytest -q -m gpu tests/test_peers_gpu.py -k step 2>&1 | tail -3 | tee -a "$log"
-  step "campaigns, ${seconds} s each"
-  pool_campaign r_flashinfer_bf16 "$seconds" --backend flashinfer --dtype bf16 --cases 300
-  pool_campaign r_flashmla_bf16 "$seconds" --backend flashmla --dtype bf16 --cases 300
-  pool_campaign r_flashmla_fp8 "$seconds" --backend flashmla --dtype fp8 --cases 300
+  peer_campaigns "$seconds"
 fi
 mps_stop
 python3 - "$OUT" <<'PY' | tee -a "$log"

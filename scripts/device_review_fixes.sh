@@ -21,12 +21,7 @@ if [ "$group" = ours ]; then
   pool_campaign r_head0_max 30 --impl verify.mutants:head0_max --dtype bf16 --cases 60
   pool_campaign r_dtype_unchecked 30 --impl verify.mutants:dtype_unchecked --dtype fp8 --cases 60
 else
-  step "GPU step tests of the peers"
-  python3 -m pytest -q -m gpu tests/test_peers_gpu.py -k step 2>&1 | tail -3 | tee -a "$log"
-  step "campaigns, ${seconds} s each"
-  pool_campaign r_flashinfer_bf16 "$seconds" --backend flashinfer --dtype bf16 --cases 300
-  pool_campaign r_flashmla_bf16 "$seconds" --backend flashmla --dtype bf16 --cases 300
-  pool_campaign r_flashmla_fp8 "$seconds" --backend flashmla --dtype fp8 --cases 300
+  peer_campaigns "$seconds"
 fi
 mps_stop
 python3 - "$OUT" <<'PY' | tee -a "$log"
