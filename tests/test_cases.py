@@ -260,7 +260,7 @@ def test_heads_data_shifts_each_heads_scores_by_its_own_offset(dtype, scale_mode
         offsets = torch.tensor(HEAD_OFFSETS, dtype=torch.float64)[torch.arange(6) % 5]  # [H]
         # two e4m3 half-ulps (2^-4 each: 1.0 in the cache, c_h / σ in q) of 120, plus the rest's median: < 1
         assert (centre - offsets).abs().max() < 120 * 2 * 2**-4 + 1
-        assert (scores - centre[:, None]).abs().max() < 8  # the rest's N(0, ~1) spread, unshifted
+        assert (scores - centre[:, None]).abs().max() < 8  # STD_RANGE stds of the rest's N(0, ~1) scores, unshifted
         assert float(centre[1] - centre[2]) > 200
 
 

@@ -41,6 +41,7 @@ def test_the_probe_cancels_to_the_cache_formats_rounding(combo):
         alpha = 2.0 ** -int(torch.tensor(float(r)).log2().floor())
         H = rows.shape[1]
         own = torch.arange(batch.kv_lora_rank)[None, :] % H == torch.arange(H)[:, None]  # [H, L] head h's channels
+        # half an ulp of the format, relative, of r α e^-t over l >= r; 1 + 2^-20: the fp64 oracle's own rounding
         assert rows[:, own].abs().max() <= 2.0 ** -(mantissa + 1) * alpha * (1 + 2**-20), b
         kv = probe.batch.request_kv(b)  # [s, D] dequantized
         assert torch.equal(kv[:r, : batch.kv_lora_rank].abs(), torch.full_like(kv[:r, : batch.kv_lora_rank], alpha))

@@ -682,10 +682,7 @@ def _padding_read(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple
     got, why = _watched(edges.batch, lambda: _run(kernel, edges.batch, workers))
     if why is not None:
         return f"(the run on the edge pages alone, to tell which read moved it: {why})"
-    got = _moved(*got, first[0].device, copy=False)
-    same = all(a is None or b is None or (a.shape == b.shape and torch.equal(_bytes(a), _bytes(b)))
-               for a, b in zip(first, got))
-    if same:
+    if _same_bits(_moved(*got, first[0].device, copy=False), first):
         return ("the edge pages alone (page 0 and the last, hostile; the last pages' unused slots NaN) keep the "
                 "bits: the kernel reads the unused slots of a request's last page")
     return ("the edge pages alone (page 0 and the last, hostile; the last pages' unused slots NaN) move the bits "
@@ -868,7 +865,7 @@ def _as_first(name: str, where: str, second: tuple, earlier: str, first: tuple, 
         differ = (f"this run returned {', '.join(map(str, dtypes))} where {earlier} returned "
                   f"{', '.join(str(t.dtype) for t in first if t is not None)}")
         moved_row = None
-    elif _bytes(out).equal(_bytes(first[0])) and (lse is None or _bytes(lse).equal(_bytes(first[1]))):
+    elif _same_bits((out, lse), first):
         return [CheckResult(name, True, detail=f"{where}: the bits of {earlier}")]
     else:
         differ = f"{_elements_differ(out, first[0])} out elements differ from {earlier}"
@@ -1191,6 +1188,13 @@ def _changed(tensors: dict[str, torch.Tensor], before: dict[str, torch.Tensor]) 
 def _moved_elements(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """[numel] bool: the elements of two tensors of one dtype and shape whose bits differ (NaN payloads included)."""
     return (_bytes(a) != _bytes(b)).view(a.numel(), a.element_size()).any(dim=1)
+
+
+def _same_bits(a: tuple, b: tuple) -> bool:
+    """Two runs' (out, lse) hold the same bits, NaN payloads included (an lse None in both, or in neither)."""
+    return all((x is None) == (y is None) and (x is None or (x.dtype == y.dtype and x.shape == y.shape
+                                                             and torch.equal(_bytes(x), _bytes(y))))
+               for x, y in zip(a, b))
 
 
 def _elements_differ(a: torch.Tensor, b: torch.Tensor) -> int:

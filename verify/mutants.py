@@ -709,20 +709,27 @@ def shared_page_reuse(batch):
     return out, lse
 
 
+def _first_page_groups(batch: DecodeBatch, min_tokens: int) -> list[list[int]]:
+    """The requests of ``min_tokens`` tokens or more grouped by the physical page they start on, each group in
+    batch order (what a cascade kernel's prefix detection by first page id groups)."""
+    groups: dict[int, list[int]] = {}  # first page -> its requests
+    for b, s in enumerate(batch.seq_lens.tolist()):
+        if s >= min_tokens:
+            groups.setdefault(int(batch.block_table[b, 0]), []).append(b)
+    return list(groups.values())
+
+
 def prefix_by_first_page(batch):
     """Requests that start on one physical page are taken to share a prefix up to the shorter one's full pages, as a
     cascade kernel that detects shared prefixes by the first page id alone (not the run of equal pages) does: each
     reads the pages of the first request starting there for those pages. Right while such requests share every one
     of them, as siblings on one block-table row do (found by a review: every sibling the checks built shared all its
     pages with the longest request)."""
-    table, P = batch.block_table.clone(), batch.page_size  # [B, W]
-    seq_lens = batch.seq_lens.tolist()
-    leaders: dict[int, int] = {}  # first page -> the first request starting there
-    for b, s in enumerate(seq_lens):
-        if s:
-            a = leaders.setdefault(int(table[b, 0]), b)
-            common = min(s, seq_lens[a]) // P  # the shorter one's full pages
-            table[b, :common] = batch.block_table[a, :common]
+    table, P, seq_lens = batch.block_table.clone(), batch.page_size, batch.seq_lens.tolist()  # [B, W]
+    for lead, *later in _first_page_groups(batch, 1):
+        for b in later:
+            common = min(seq_lens[b], seq_lens[lead]) // P  # the shorter one's full pages
+            table[b, :common] = batch.block_table[lead, :common]
     return _decode(batch.replace(block_table=table))
 
 
@@ -733,11 +740,7 @@ def prefix_first_pair(batch):
     every member shares at least as much (found by a review: the shared batch's partial sibling came first, so the
     first pair always shared least)."""
     table, P, seq_lens = batch.block_table.clone(), batch.page_size, batch.seq_lens.tolist()  # [B, W]
-    groups: dict[int, list[int]] = {}  # first page -> its requests of a full page or more, in batch order
-    for b, s in enumerate(seq_lens):
-        if s >= P:
-            groups.setdefault(int(table[b, 0]), []).append(b)
-    for lead, second, *later in (g for g in groups.values() if len(g) >= 3):
+    for lead, second, *later in (g for g in _first_page_groups(batch, P) if len(g) >= 3):
         full = min(seq_lens[lead], seq_lens[second]) // P
         shared = int((batch.block_table[lead, :full] == batch.block_table[second, :full]).long().cumprod(0).sum())
         for b in later:
