@@ -20,12 +20,13 @@ COMBOS = {"bf16": dict(), "fp16": dict(q_dtype="fp16", kv_dtype="fp16"), "fp8kv"
 
 @pytest.mark.parametrize("combo", sorted(COMBOS))
 def test_the_probe_cancels_to_the_cache_formats_rounding(combo):
-    """Each probed request's rows see r tokens of value ±α (α = 2^-floor(log2 r)) at score 0 and a riser at score
-    t whose value cancels them up to the cache format's rounding of r α e^-t (the riser at s0 - 1, or s0 - 2 where
-    s0 - 1 is a multiple of 16): the oracle's output on each head's own channels (c mod H = h, whose riser value
-    was made with that head's t) is at most 2^-(p + 1) α on every row (p the format's mantissa
-    bits: its rounding of r α e^-t, relative, spread over l >= r), while Σ p|v| / l is about 2 α; rows that see
-    fewer than 2 tokens, and empty requests, are not probed (r = -1)."""
+    """Each probed request's rows see r tokens of value ±α (α = 2^-floor(log2 r)) on a staircase of scores k t
+    (k = floor(j / 16) mod K) and a riser at score K t whose value cancels them up to the cache format's rounding
+    of α S (the riser at s0 - 1, or s0 - 2 where s0 - 1 is a multiple of 16): the oracle's output on each head's
+    own channels (c mod H = h, whose riser value was made with that head's t) is at most 2^-(p + 1) α on every row
+    (p the format's mantissa bits: ô = ±(α S - Q(α S)) e^(K t) / l with l >= e^(K t) (S + 1)), while Σ p|v| / l
+    is about 2 α; the levels are exact in the cache's format; rows
+    that see fewer than 2 tokens, and empty requests, are not probed (r = -1)."""
     case = Case(seq_lens=(0, 1, 18, 40, 300), q_lens=(1, 1, 2, 1, 3), heads=4, page_size=16, **COMBOS[combo])
     batch = case.materialize()[0]
     probe = rescale_probe(batch)
@@ -45,7 +46,11 @@ def test_the_probe_cancels_to_the_cache_formats_rounding(combo):
         assert rows[:, own].abs().max() <= 2.0 ** -(mantissa + 1) * alpha * (1 + 2**-20), b
         kv = probe.batch.request_kv(b)  # [s, D] dequantized
         assert torch.equal(kv[:r, : batch.kv_lora_rank].abs(), torch.full_like(kv[:r, : batch.kv_lora_rank], alpha))
-        assert kv[r, batch.kv_lora_rank] == 1 and (kv[r + 1 :] == 0).all() and (kv[:r, batch.kv_lora_rank :] == 0).all()
+        assert kv[r, batch.kv_lora_rank] == 1 and (kv[r + 1 :] == 0).all()
+        assert probe.levels == (8 if combo == "e5m2" else 16)  # codes k / (K scale) exact: e5m2 has 3 bits, e4m3 4
+        levels = torch.arange(r) // 16 % probe.levels  # [r] the staircase, 16 tokens a level
+        assert torch.equal(kv[:r, batch.kv_lora_rank] * probe.levels, levels.double())
+        assert (kv[:r, batch.kv_lora_rank + 1 :] == 0).all()
     assert s0[2] - 2 == probe.risers[2] and "rescale probe: 3 requests" in probe.describe()
 
 
@@ -71,3 +76,17 @@ def test_a_bf16_rescale_factor_fails_the_rescale_check_alone(combo):
     batch = case.materialize()[0]
     assert torch.equal(mutants.alpha_bf16(rounding_probe(batch).batch)[0].view(torch.int16),
                        mutants.correct(rounding_probe(batch).batch)[0].view(torch.int16))  # no rise there
+
+
+@pytest.mark.parametrize("combo", ["bf16", "fp8kv"])
+def test_the_staircase_sees_a_rescale_where_the_risers_piece_is_one_tile(combo):
+    """mutants.alpha_bf16 cuts a request of 300 tokens into pieces [0, 128), [128, 256), [256, 300) of 64-token
+    tiles: the riser's piece is one tile, so its max never rose before the riser's tile, and the first probe (one
+    rise, at the riser) passed it with the correct kernel's err/bound (0.645 bf16, 0.46 fp8kv, measured before the
+    staircase). On the staircase the first piece's max rises from its first tile (levels 0-3) to its second (4-7):
+    rescale.out fails alone, and the correct kernel passes."""
+    case = Case(seq_lens=(300, 5), q_lens=(1, 2), heads=4, dist="gauss1", num_workers=1, seed=3, **COMBOS[combo])
+    bad = run_case(case, from_callable(mutants.alpha_bf16), "cpu")
+    assert {c.name for c in bad.checks if not c.ok} == {"rescale.out"}, bad.describe()
+    right = run_case(case, from_callable(mutants.correct), "cpu")
+    assert right.ok, right.describe()

@@ -19,8 +19,8 @@
 |                | outputs that cancel to the cache format's rounding of P, so a P | of the probe                   |
 |                | rounded more coarsely than declared fails (numerics.md §5(h))   |                                |
 | rescale        | the kernel again on `rescale_probe(batch)`: the running max     | kernel_bound + merge_bound of  |
-|                | rises at a riser after r tokens of score 0, outputs that cancel | the probe                      |
-|                | to the cache format's rounding: a rescale factor rounded more   |                                |
+|                | rises every 16 tokens and at a riser, outputs that cancel to    | the probe                      |
+|                | the cache format's rounding: a rescale factor rounded more      |                                |
 |                | coarsely than declared (bf16 under fp32 P) fails                |                                |
 | partials       | the kernel again on `partials_probe(batch)`: all scores 0,      | kernel_bound (P rounding as a  |
 |                | values whose mean over each row is a tiny offset while each     | common factor) + merge_bound   |
@@ -492,10 +492,11 @@ _LSE_HINT = " (an lse other than ln Σ exp(σ q·k): its base, its scale, the sc
 
 def check_rescale(batch: DecodeBatch, kernel: Kernel, workers: int) -> list[CheckResult]:
     """The kernel run again on `rescale_probe(batch)` (the case's worker count when it takes one), within the
-    probe's tier-1 bound for the numerics the kernel declares for it: the running max rises at a riser after r
-    tokens of score 0 whose values the riser's cancels, so that the factor exp(m_old - m_new) rescaling the running
-    output rounded more coarsely than the declared P (bf16 under fp32) fails, which on drawn data it does not, nor
-    on the rounding probe, whose max never rises (verify/rescale_probe.py)."""
+    probe's tier-1 bound for the numerics the kernel declares for it: the running max rises every 16 tokens (a
+    staircase of levels) and then at a riser whose value cancels the tokens before it, so that the factor
+    exp(m_old - m_new) rescaling the running output rounded more coarsely than the declared P (bf16 under fp32)
+    fails, which on drawn data it does not, nor on the rounding probe, whose max never rises
+    (verify/rescale_probe.py)."""
     probe = rescale_probe(batch)
     if isinstance(probe, str):
         return [CheckResult("rescale.skipped", True, detail=f"no rescale probe: {probe}")]
