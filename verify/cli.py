@@ -22,6 +22,7 @@ import math
 import multiprocessing
 import os
 import platform
+import re
 import shutil
 import socket
 import statistics
@@ -30,6 +31,7 @@ import tempfile
 import time
 import traceback
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from importlib import metadata
@@ -83,8 +85,10 @@ outcomes:
   passed / failed / unsupported per case, counted in the summary and the JSON (unsupported: reason -> cases).
   A CUDA/HIP error (e.g. an illegal memory access) stops the campaign at the faulting case, printing its repro;
   the remaining cases are reported as not run. So does a worker process that dies (a kernel that crashes its
-  process, exit 1; --jobs 1 runs the cases in order in this process), and --time-limit S once S seconds have
-  passed, and -x at a failure, the exit code then that of the cases that ran. The JSON's "stopped" says why.
+  process, exit 1), and --time-limit S once S seconds have passed, and -x at a failure, the exit code then that of
+  the cases that ran. The JSON's "stopped" says why. --jobs 1 runs the cases in order in this process: with --json
+  PATH the report there is rewritten before each case as if that case had ended the process, so a kernel that
+  kills it leaves a report naming the case in flight, with its repro.
 
 exit codes:
   0 every check held (unsupported cases aside)   1 a check failed or a device fault stopped the campaign
@@ -229,6 +233,8 @@ _KERNEL = None  # the kernel of this process (inherited by forked workers)
 _DEVICE = "cpu"
 _FAR: bool | None = None  # run_case's far: None = on CUDA devices
 _INFLIGHT_DIR: str | None = None  # a worker process: where it writes the case it runs (<pid>.json), see _run_one
+_BEFORE_CASE: Callable[[Case], None] | None = None  # this process, --json PATH: rewrites the report naming the case
+# about to run (`main`), so that a kernel that kills the process running the cases (--jobs 1) leaves a report
 
 
 class WorkerDied(RuntimeError):
@@ -249,6 +255,8 @@ def _run_one(case: Case) -> CaseResult:
     from verify.checks import run_case
 
     t0 = time.perf_counter()
+    if _BEFORE_CASE is not None:
+        _BEFORE_CASE(case)
     inflight = None if _INFLIGHT_DIR is None else os.path.join(_INFLIGHT_DIR, f"{os.getpid()}.json")
     if inflight is not None:  # a file survives the process: if the kernel kills it, the parent reads the case here
         with open(inflight, "w") as f:
@@ -272,11 +280,11 @@ def _worker_init(threads: int = 1, kernel_spec: tuple[str, str] | None = None, d
     """Pool worker setup: CPU threads per process, the folder where it names its case in flight (`_run_one`); a
     spawned worker (GPU campaigns) also resolves its own kernel (``("backend", name)`` or ``("impl",
     module:function)``), device and far setting, since it inherits no state."""
-    global _KERNEL, _DEVICE, _FAR, _INFLIGHT_DIR
+    global _KERNEL, _DEVICE, _FAR, _INFLIGHT_DIR, _BEFORE_CASE
     import torch
 
     torch.set_num_threads(threads)
-    _INFLIGHT_DIR = inflight_dir
+    _INFLIGHT_DIR, _BEFORE_CASE = inflight_dir, None  # a forked worker does not write the parent's report
     if kernel_spec is not None:
         from verify import kernels
 
@@ -545,12 +553,12 @@ def _device_info(device: str) -> dict:
 
 def _summary(results: list[CaseResult], flags: str) -> dict:
     """Per check: cases, failed, median and max (over cases) of each case's max err/bound, worst case's repro."""
-    names: list[str] = []
+    by_name: dict[str, list[tuple[CaseResult, CheckResult]]] = {}  # in order of first appearance
     for r in results:
-        names += [c.name for c in r.checks if c.name not in names]
+        for c in r.checks:
+            by_name.setdefault(c.name, []).append((r, c))
     summary = {}
-    for name in names:
-        hits = [(r, c) for r in results for c in r.checks if c.name == name]
+    for name, hits in by_name.items():
         ratios = [c.err_over_bound for _, c in hits if c.err_over_bound is not None]
         failed = [(r, c) for r, c in hits if not c.ok]
         if failed:
@@ -577,9 +585,31 @@ def _failure(r: CaseResult, flags: str) -> dict:
     }
 
 
-def _write_json(path: str, report: dict) -> None:
-    """Write atomically (temporary file + os.replace); '-' writes to stdout."""
-    text = json.dumps(report, indent=1, allow_nan=False)
+def _complete(report: dict, results: list[CaseResult], summary: dict, seconds: float, flags: str,
+              deterministic: bool, not_run: int, stopped: dict, entries: dict[int, dict] | None = None) -> None:
+    """Fill ``report`` with the campaign's outcome: the cases that ran (``results``), their per-check ``summary``
+    (`_summary`), the failures with repro lines, the unsupported reasons, the cases not run and why it stopped.
+    ``entries``: each result's entry in ``results`` by the result's id, kept between calls (the report rewritten
+    before each case)."""
+    entries = {} if entries is None else entries
+    for r in results:
+        if id(r) not in entries:
+            entries[id(r)] = {"case": json.loads(r.case.to_json()), "ok": r.ok, "status": r.status,
+                              "unsupported": r.unsupported, "seconds": round(r.seconds, 4), "numerics": r.numerics,
+                              "err_over_bound": {c.name: json_number(c.err_over_bound) for c in r.checks
+                                                 if c.err_over_bound is not None}}
+    failed = [r for r in results if r.status == "failed"]
+    report["long"] = any(max(r.case.seq_lens) > 2**16 for r in results)  # a request past 2^16 tokens ran
+    report.update(cases=len(results), failed=len(failed), seconds=round(seconds, 3), checks=summary,
+                  numerics=_numerics(results), warnings=_warnings(summary, deterministic, _numerics(results)),
+                  failures=[_failure(r, flags) for r in failed],
+                  unsupported={reason: len(group) for reason, group in _unsupported(results).items()},
+                  not_run=not_run, stopped=stopped or None, results=[entries[id(r)] for r in results])
+
+
+def _write_json(path: str, report: dict, indent: int | None = 1) -> None:
+    """Write atomically (temporary file + os.replace); '-' writes to stdout. ``indent`` None: one line (faster)."""
+    text = json.dumps(report, indent=indent, allow_nan=False)
     if path == "-":
         sys.stdout.write(text + "\n")
         return
@@ -646,11 +676,15 @@ def _numerics(results: list[CaseResult]) -> dict[str, int]:
     return dict(Counter(r.numerics for r in results if r.numerics is not None))
 
 
-def _warnings(summary: dict, deterministic: bool = True) -> list[str]:
+def _warnings(summary: dict, deterministic: bool = True, numerics: dict[str, int] | None = None) -> list[str]:
     """Signs that the checks may be vacuous (never pass / fail): a tier-1 out bound far above every error seen,
     which a declaration looser than the kernel (a gamma too large, an operand dtype too narrow) gives; a rounding
     probe far inside its bound, which a declared P rounding coarser than the kernel's gives; a partials probe far
-    inside its bound, which a declared partial dtype coarser than the kernel's gives; strided inputs the kernel
+    inside its bound, which a declared partial dtype coarser than the kernel's gives (these two calibrated on a
+    bf16 output, whose rounding dominates the probes' bounds: not given where every case declared an fp32 or fp64
+    output (``numerics``: `_numerics`), which leaves the probes' worst-case fp32 charges in charge, so that a
+    correct kernel declaring fp32 P and partials lands near 0.005; found by a review); no lse returned, so no
+    lse check ran; strided inputs the kernel
     refused (the layout check did not run on them); and, for a kernel declared nondeterministic (``deterministic``
     False), second runs that all gave the first run's bits (the repeat check then holds it to a bound it need not
     have: it may be deterministic after all)."""
@@ -672,12 +706,17 @@ def _warnings(summary: dict, deterministic: bool = True) -> list[str]:
          "numerics.md §5(i)): the kernel stores its split outputs more finely than the declared partial_dtype "
          "(above) says, and its bounds charge what it does not do"),
     )
+    wide_out = bool(numerics) and all(re.search(r", out float(32|64)\b", described) for described in numerics)
     warnings = []
-    for name, limit, cases, meaning in signs:
+    for name, limit, cases, meaning in signs[:1] if wide_out else signs:
         x = largest(name)
         if x is not None and x < limit:
             warnings.append(f"{name}: the largest err/bound in {summary[name]['cases']} {cases} is {x:.2g}, below "
                             f"{limit:g}{meaning}")
+    if "tier1.out" in summary and "tier1.lse" not in summary:
+        warnings.append(f"tier1.lse: the kernel returned no lse in all {summary['tier1.out']['cases']} cases, so no "
+                        "lse check ran (a kernel whose lse feeds a merge, e.g. cascade or chunked prefill, should "
+                        "return it)")
     if refused := summary.get("layout.refused"):
         warnings.append(f"layout.refused: the kernel refused strided inputs in {refused['cases']} cases, which the "
                         f"layout check then did not try (serving engines pass views); e.g. {refused['worst_detail']}")
@@ -729,7 +768,7 @@ def _print_summary(console, summary: dict, results: list[CaseResult], seconds: f
         console.print(f"[{i}] {line}", markup=False, highlight=False)
     for described, count in _numerics(results).items():
         console.print(f"declared numerics ({count} cases): {described}", markup=False, highlight=False)
-    for line in _warnings(summary, deterministic):
+    for line in _warnings(summary, deterministic, _numerics(results)):
         console.print(f"mla-verify: warning: {line}", markup=False, highlight=False)
 
 
@@ -783,7 +822,7 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse.N
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``mla-verify`` console script; returns the exit code."""
-    global _KERNEL, _DEVICE, _FAR
+    global _KERNEL, _DEVICE, _FAR, _BEFORE_CASE
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "model":
         return _model(argv[1:])
@@ -938,6 +977,19 @@ def main(argv: list[str] | None = None) -> int:
                         TextColumn("{task.fields[failed]} failed"), TimeElapsedColumn(), console=console,
                         transient=True)
 
+    def before_case(case: Case) -> None:
+        """--json PATH, cases run in this process: the report as it would end if this case killed the process."""
+        done = len(results) + 1
+        crash = {"reason": f"the process ended while running case {done} of {n} (a kernel that crashed it, a "
+                           "segfault or os._exit, or a kill): this report was written before that case ran",
+                 "case": case.describe(), "repro": case.repro(flags), "fault": True}
+        _complete(report, results, _summary(results, flags), time.perf_counter() - t0, flags, kernel.deterministic,
+                  n - len(results), crash, entries)
+        _write_json(args.json, report, indent=None)  # one line: the last report (indented) replaces it
+
+    entries: dict[int, dict] = {}  # each result's report entry, built once (`_complete`)
+
+    _BEFORE_CASE = before_case if args.json and args.json != "-" else None
     with progress:
         task = progress.add_task("cases", total=n, failed=0)
 
@@ -993,6 +1045,8 @@ def main(argv: list[str] | None = None) -> int:
                                repro="\n  ".join(c.repro(flags) for c in e.cases))
             progress.console.print(f"mla-verify: STOPPED after case {len(results)} of {n}: {e}", markup=False,
                                    highlight=False)
+        finally:
+            _BEFORE_CASE = None
     seconds = time.perf_counter() - t0
 
     if replay and results:
@@ -1013,16 +1067,7 @@ def main(argv: list[str] | None = None) -> int:
 
     failed = [r for r in results if r.status == "failed"]
     unsupported = _unsupported(results)
-    report["long"] = any(max(r.case.seq_lens) > 2**16 for r in results)  # a request past 2^16 tokens ran
-    report.update(cases=len(results), failed=len(failed), seconds=round(seconds, 3), checks=summary,
-                  numerics=_numerics(results), warnings=_warnings(summary, kernel.deterministic),
-                  failures=[_failure(r, flags) for r in failed],
-                  unsupported={reason: len(group) for reason, group in unsupported.items()},
-                  not_run=not_run, stopped=stopped or None,
-                  results=[{"case": json.loads(r.case.to_json()), "ok": r.ok, "status": r.status,
-                            "unsupported": r.unsupported, "seconds": round(r.seconds, 4), "numerics": r.numerics,
-                            "err_over_bound": {c.name: json_number(c.err_over_bound) for c in r.checks
-                                               if c.err_over_bound is not None}} for r in results])
+    _complete(report, results, summary, seconds, flags, kernel.deterministic, not_run, stopped)
     if args.json:
         _write_json(args.json, report)
     if args.plot and results:
