@@ -109,7 +109,7 @@ def test_materialize_is_deterministic_and_twins_share_layout():
 
 
 @pytest.mark.parametrize("dist", ["gauss1", "gauss4", "outlier", "sink", "coherent", "near_max"])
-@pytest.mark.parametrize("scale_mode", ["dynamic", "static", "unit"])
+@pytest.mark.parametrize("scale_mode", ["dynamic", "static", "unit", "kv_unit"])
 def test_fp8_twin_within_element_error_model(dist, scale_mode):
     """|dequant(fp8) - exact| <= u|x| + η s + max(|x| - max·s, 0) elementwise (numerics.md §4, saturating)."""
     case = Case(seq_lens=(40, 100), q_lens=(1, 2), heads=2, kv_dtype="fp8", q_dtype="fp8", dist=dist,
@@ -183,6 +183,9 @@ def _features(cs: list[Case]) -> set[str]:
         found |= {"dims:other"} if (c.kv_lora_rank, c.rope_dim) != (512, 64) else set()
         found |= {"mtp:whole_tiles"} if any(n > 1 and s and s % 64 == 0 for n, s in zip(c.q_lens, c.seq_lens)) \
             else set()
+        found |= {"heads:past_64_not_whole"} if c.heads > 64 and c.heads % 64 else set()
+        found |= {"pages:past_256_not_pow2"} if c.page_size > 256 and c.page_size & (c.page_size - 1) else set()
+        found |= {"mtp:past_8"} if max(c.q_lens) > 8 else set()
         found |= {f"dist:{c.dist}", f"scale:{c.scale_mode}", f"q:{c.q_dtype}"}
     return found
 
@@ -192,9 +195,9 @@ def test_smoke_prefix_reaches_every_feature():
     fp8 = _features(smoke_cases("fp8"))
     for f in ["empty", "len1", "mtp", "q_len>seq_len", "long", "partial_page", "workers>blocks", "dist:gauss4",
               "dist:sink", "dist:outlier", "dist:coherent", "dist:shifted", "dist:heads", "heads:not_pow2",
-              "dims:other", "mtp:whole_tiles"]:
+              "dims:other", "mtp:whole_tiles", "heads:past_64_not_whole", "pages:past_256_not_pow2", "mtp:past_8"]:
         assert f in bf16 and f in fp8, f
-    for f in ["dist:near_max", "scale:dynamic", "scale:static", "scale:unit", "q:fp8", "q:bf16"]:
+    for f in ["dist:near_max", "scale:dynamic", "scale:static", "scale:unit", "scale:kv_unit", "q:fp8", "q:bf16"]:
         assert f in fp8, f
     for cases_ in (smoke_cases("bf16"), smoke_cases("fp8")):  # σ other than V3's (V2-Lite's, no YaRN, MiniCPM3's)
         assert len({c.sm_scale for c in cases_}) == 4
@@ -276,3 +279,13 @@ def test_smoke_prefix_takes_other_latent_and_rope_sizes():
     """The smoke cases' latent and rope are DeepSeek's but in MiniCPM3's case; given, they override every case."""
     assert {(c.kv_lora_rank, c.rope_dim) for c in smoke_cases("bf16")} == {(512, 64), (256, 32)}
     assert {(c.kv_lora_rank, c.rope_dim) for c in smoke_cases("fp8", kv_lora_rank=128, rope_dim=16)} == {(128, 16)}
+
+
+def test_kv_unit_takes_a_cache_scale_of_1_and_qs_dynamic_one():
+    """scale_mode "kv_unit" (vLLM's default k_scale 1.0 beside a dynamically quantized fp8 q): the cache's scale is
+    exactly 1 and q's is its amax over the format's max, as "dynamic" gives it for the same case."""
+    kv_unit = Case(seq_lens=(40, 100), q_lens=(1, 2), heads=2, kv_dtype="fp8", q_dtype="fp8", scale_mode="kv_unit")
+    dynamic = dataclasses.replace(kv_unit, scale_mode="dynamic")
+    (a, _), (b, _) = kv_unit.materialize(), dynamic.materialize()
+    assert a.kv_scale == 1.0 and b.kv_scale != 1.0 and a.q_scale == b.q_scale != 1.0
+    assert "kv_unit" in kv_unit.describe() and Case.from_json(kv_unit.to_json()) == kv_unit

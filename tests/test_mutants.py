@@ -23,7 +23,18 @@ def test_correct_kernel_passes(dtype):
     assert _campaign("correct", dtype) == 0
 
 
-@pytest.mark.parametrize("name", [m for m in MUTANTS if m not in CUDA_ONLY])
+# a review's bugs of the fifty-ninth session, each shown by one smoke case (the predicate picks it) that no earlier
+# case reaches: tested on that case alone (a campaign to it runs most of the prefix, minutes each on a CPU)
+ONE_CASE = {
+    "head_tiles_floor": ("bf16", lambda c: c.heads == 96),
+    "page_div_magic16": ("bf16", lambda c: c.page_size == 528),
+    "slot_8bit": ("bf16", lambda c: c.page_size == 528),
+    "mtp_row_3bit": ("bf16", lambda c: max(c.q_lens) == 12),
+    "unit_kv_fastpath": ("fp8", lambda c: c.scale_mode == "kv_unit"),
+}
+
+
+@pytest.mark.parametrize("name", [m for m in MUTANTS if m not in CUDA_ONLY and m not in ONE_CASE])
 def test_mutant_is_caught(name):
     dtype = "fp8" if name in FP8_ONLY else "bf16"
     extra = ("--far", "on") if name in FAR_ONLY else ("--long", "on") if name in LONG_ONLY else ()
@@ -105,7 +116,25 @@ def test_far_mutant_fails_the_far_check_alone(name):
     assert right.ok and far.endswith("the bits of the run on the compact cache")
 
 
-@pytest.mark.parametrize("name", FP8_ONLY)
+@pytest.mark.parametrize("name", sorted(ONE_CASE))
+def test_a_review_mutant_fails_its_smoke_case_on_tier1(name):
+    """Each of these passed the whole default campaign of its review (fifty-ninth session): no case had more than 64
+    heads but 128, pages of more than 128 tokens, a non-power-of-two page but 3 (where a 16-bit magic division is
+    exact below 32768 tokens; on pages of 528 it first misses at token 527), more than 8 MTP rows, or a kv scale
+    of 1 beside fp8 q's dynamic one. The smoke prefix now has one case for each: the mutant fails it on tier1 (so
+    the default campaign exits 1), and the correct kernel passes it."""
+    from verify import mutants
+    from verify.checks import run_case
+    from verify.kernels import from_callable
+
+    dtype, picks = ONE_CASE[name]
+    (case,) = [c for c in smoke_cases(dtype) if picks(c)]
+    result = run_case(case, from_callable(getattr(mutants, name)), "cpu")
+    assert {"tier1.out", "tier1.lse"} <= {c.name for c in result.checks if not c.ok}, result.describe()
+    assert run_case(case, from_callable(mutants.correct), "cpu").ok
+
+
+@pytest.mark.parametrize("name", [m for m in FP8_ONLY if m not in ONE_CASE])
 def test_fp8_mutant_is_harmless_without_fp8(name):
     """Scale bugs cannot show on bf16 inputs (no scales): the campaign must pass, not flag something else."""
     assert _campaign(name, "bf16") == 0

@@ -61,7 +61,7 @@ MINICPM3_SM_SCALE = 96**-0.5  # MiniCPM3: q·k head dim 64 + 32 (longrope: no ms
 V2_LITE_SM_SCALE = 192**-0.5 * (0.1 * 0.707 * math.log(40) + 1) ** 2  # DeepSeek-V2-Lite: mscale_all_dim 0.707
 DISTRIBUTIONS = ("gauss1", "gauss4", "wide", "outlier", "sink", "recent", "coherent", "near_max", "shifted", "heads")
 SCORE_STD = {"gauss4": 4.0, "wide": 32.0}  # the others: 1
-SCALE_MODES = ("dynamic", "static", "unit")
+SCALE_MODES = ("dynamic", "static", "unit", "kv_unit")
 DTYPES = ("bf16", "fp8")  # what a campaign draws (--dtype)
 CASE_DTYPES = (*DTYPES, "fp16")  # what a Case takes: fp16 q and cache too (the smoke prefix's dtype case)
 FP8_FORMATS = ("e4m3fn", "e4m3fnuz")  # a campaign's (--fp8-format)
@@ -91,7 +91,8 @@ class Case:
         q_dtype: "bf16", "fp16" or "fp8" (fp8 q needs fp8 KV; fp16 q and KV go together).
         kv_dtype: "bf16", "fp16" or "fp8".
         fp8_format: "e4m3fn", "e4m3fnuz" or "e5m2" (ignored for 16-bit KV).
-        scale_mode: "dynamic", "static" or "unit" (ignored for bf16).
+        scale_mode: "dynamic", "static" or "unit" (ignored for bf16); "kv_unit": a cache scale of 1 with q's dynamic
+            (vLLM's default k_scale 1.0 beside a dynamically quantized fp8 q).
         dist: data distribution, one of DISTRIBUTIONS.
         num_workers: persistent workers the kernel's plan uses (caps the KV splits of a request).
         seed: seed of the local torch.Generator every tensor comes from.
@@ -227,9 +228,9 @@ class Case:
 
     def _scale(self, which: str) -> float | None:
         """The per-tensor scale of the scale mode (None = dynamic, quantize computes amax / fmt.max)."""
-        if self.scale_mode == "dynamic":
+        if self.scale_mode == "dynamic" or (self.scale_mode == "kv_unit" and which == "q"):
             return None
-        if self.scale_mode == "unit":
+        if self.scale_mode in ("unit", "kv_unit"):
             return 1.0
         return static_scale(self, which)
 

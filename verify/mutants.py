@@ -94,6 +94,13 @@ turns one knob, the way such bugs happen in real kernels:
 |                       | two of them share as shared by all (a cascade kernel)        | prefix_by_first_page)         |
 | request_index_8bit    | a request's block-table row read at its index mod 256        | tier1 / finite (the 260-      |
 |                       |                                                              | request smoke case)           |
+| head_tiles_floor      | H // 64 tiles of 64 heads: heads past the last whole tile    | tier1 / empty (the 96-head    |
+|                       | never computed                                               | smoke case)                   |
+| slot_8bit             | a token's slot in its page kept in 8 bits                    | tier1 (pages of 528)          |
+| mtp_row_3bit          | an MTP row's index kept in 3 bits in the causal mask         | tier1 (12 MTP rows)           |
+| page_div_magic16      | a token's page from a 16-bit magic multiply (j m) >> 16      | tier1 / finite (700 tokens on |
+|                       |                                                              | pages of 528)                 |
+| unit_kv_fastpath      | a kv scale of 1 taken for "no scales": fp8 q's scale dropped | tier1 (fp8: the kv_unit case) |
 """
 
 from __future__ import annotations
@@ -148,6 +155,11 @@ def _decode(
     full_tiles_unmasked: bool = False,
     head0_max: bool = False,
     alpha_fmt: str | None = None,
+    head_tile: int | None = None,
+    slot_bits: int | None = None,
+    row_bits: int | None = None,
+    page_magic_bits: int | None = None,
+    unit_kv_drops_q_scale: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV online-softmax MLA decode -> (out [T, H, L] bf16, lse [T, H] fp32). Defaults = no bug.
 
@@ -169,9 +181,17 @@ def _decode(
     token (a fast path for full tiles that skips the causal mask). With ``head0_max`` each tile's max of head 0
     serves every head of its row (a max broadcast from the wrong lane). With ``alpha_fmt`` the factor
     exp(m_old - m_new) that rescales the running output is rounded to that format (the row sum takes it unrounded).
+    With ``head_tile`` = N, max(1, H // N) tiles of N heads are computed, the heads past them left at out 0, lse
+    -inf. With ``slot_bits`` a token's slot in its page is read modulo 2^bits; with ``row_bits`` an MTP row's index
+    modulo 2^bits in its causal mask; with ``page_magic_bits`` = b a token's logical page is (j ceil(2^b / P)) >> b
+    (a division by a magic multiply, exact for every j below about 2^b / P, and wherever P is a power of two), its
+    slot j mod P. With ``unit_kv_drops_q_scale`` a kv scale of exactly 1 takes the path without scales, q's
+    dropped too.
     """
     L, H, ps = batch.kv_lora_rank, batch.num_heads, batch.page_size
     sigma = batch.sm_scale if sm_scale is None else sm_scale
+    if unit_kv_drops_q_scale and is_fp8(batch.kv_cache.dtype) and float(batch.kv_scale) == 1.0:
+        use_q_scale = False  # the "no scales" path, picked by the cache's scale alone
     q = batch.q.float() * (batch.q_scale if is_fp8(batch.q.dtype) and use_q_scale else 1.0)  # [T, H, D]
     if rope_width is not None:  # channel c counts once for c < L and once for c >= D - W: twice, or not at all
         c = torch.arange(batch.head_dim, device=batch.device)  # [D]
@@ -207,10 +227,20 @@ def _decode(
             ids = torch.zeros(tile_pages, dtype=torch.long, device=dev)  # masked loads: other=0 (>= n_pages)
             ids[:n_pages] = pages
             tail = batch.kv_cache[ids].reshape(-1, batch.head_dim)[s : tile_pages * ps].float() * kv_scale
+        if slot_bits is not None or page_magic_bits is not None:  # token j read at page * P + slot as computed
+            j = torch.arange(n_pages * ps, device=dev)  # [n_pages P]
+            page, slot = j // ps, j % ps  # [n_pages P] each
+            if page_magic_bits is not None:
+                page = (j * -(-(2**page_magic_bits) // ps)) >> page_magic_bits  # [n_pages P] may be one too many
+            if slot_bits is not None:
+                slot = slot % 2**slot_bits  # [n_pages P]
+            K = K[(page * ps + slot) % (n_pages * ps)]  # [n_pages P, D] (past the last page: wrapped to the first)
         K = (K if full_last_page else K[:s]).float() * kv_scale  # [s, D]
         if position_bits is not None:  # token j read at position j mod 2^bits: a counter that wraps
             K = K[torch.arange(K.shape[0], device=dev) % 2**position_bits]  # [s, D]
         r = torch.arange(n, device=dev)  # [n] MTP row index
+        if row_bits is not None:
+            r = r % 2**row_bits  # [n] the row index the mask takes
         rows_as = q_max if big_batch_rows is not None and batch.batch_size > big_batch_rows else n  # the mask's q_len
         visible = s - rows_as + r + 1 + torch.where(r < n - 1, causal_slack, 0)  # [n] tokens each row sees
         if full_tiles_unmasked and s % BLOCK == 0:
@@ -235,6 +265,9 @@ def _decode(
             o_s = o_s.to(partial_dtype).float()
         order = torch.arange(len(parts), device=dev).roll(-merge_shift)  # [S] the order the merge sums them in
         out[qo[b] : qo[b + 1]], lse[qo[b] : qo[b + 1]] = _merge(o_s[order], lse_s[order], merge, empty_nan)
+    if head_tile is not None:  # the heads past the last whole tile: never computed
+        computed = max(1, H // head_tile) * head_tile
+        out[:, computed:], lse[:, computed:] = 0.0, -math.inf
     out = (out * gain).to(torch.bfloat16)
     return out, lse * math.log2(math.e) if lse_base2 else lse
 
@@ -685,6 +718,41 @@ def alpha_bf16(batch):
     return _decode(batch, alpha_fmt="bf16")
 
 
+def head_tiles_floor(batch):
+    """Heads computed in tiles of 64 with H // 64 tiles launched (at least one): right for every head count up to 64
+    and every multiple of 64; at 96 heads, heads 64-95 are never computed (out 0, lse -inf). A review's bug: drawn
+    heads are at most 64 or 128, so the smoke prefix's 96-head case is the one that shows it."""
+    return _decode(batch, head_tile=64)
+
+
+def slot_8bit(batch):
+    """A token's slot in its page kept in 8 bits: right on pages of up to 256 tokens; on pages of 512, slot 256 + i
+    reads slot i (a review's bug: drawn pages stop at 64, the smoke prefix's at 128 until its 528 case)."""
+    return _decode(batch, slot_bits=8)
+
+
+def mtp_row_3bit(batch):
+    """An MTP row's index kept in 3 bits in the causal mask: right for up to 8 query rows; row 8 + i of a request is
+    masked as row i (a review's bug: drawn q_lens stop at 4, the smoke prefix's at 8 until its 12-row case)."""
+    return _decode(batch, row_bits=3)
+
+
+def page_div_magic16(batch):
+    """A token's logical page from a 16-bit magic multiply, (j ceil(2^16 / P)) >> 16, its slot j mod P: exact on
+    pages of a power of two and, elsewhere, below j of about 2^16 / (P e), e = ceil(2^16 / P) - 2^16 / P: on pages
+    of 3 below 32768, so the drawn pages of 3 never show it (a review's bug); on pages of 528 token 527 (page 0's
+    last slot) reads page 1's last slot, the smoke prefix's case of 700 tokens there."""
+    return _decode(batch, page_magic_bits=16)
+
+
+def unit_kv_fastpath(batch):
+    """A kv scale of exactly 1 taken for "no scales": the kernel's unscaled path, which drops fp8 q's scale too.
+    Right wherever both scales are 1 or the cache's is not; vLLM's default k_scale of 1.0 beside a dynamically
+    quantized fp8 q shows it (a review's bug: every case's scale mode set both scales, so the smoke prefix's
+    kv_unit case is the one that shows it)."""
+    return _decode(batch, unit_kv_drops_q_scale=True)
+
+
 def head0_max(batch):
     """Each tile's running max of a row taken from its head 0 for every head, as a kernel that packs (row, head)
     pairs into a tile and broadcasts the row max from the wrong lane does: softmax ignores a shift, so it is right
@@ -808,9 +876,9 @@ MUTANTS = (
     "plan_cached_by_ptr", "eager_fast_path", "splits_follow_batch", "splits_follow_longest", "tiles_follow_q_len",
     "big_batch_mtp_mask", "request_index_8bit", "page_ids_16bit", "rope_width_64", "full_tile_fast_path",
     "shared_page_reuse", "prefix_by_first_page", "prefix_first_pair", "head0_max", "dtype_unchecked",
-    "alpha_bf16",
+    "alpha_bf16", "head_tiles_floor", "slot_8bit", "mtp_row_3bit", "page_div_magic16", "unit_kv_fastpath",
 )  # fmt: skip
-FP8_ONLY = ("kv_scale_ignored", "q_scale_ignored")  # need fp8 inputs with a scale != 1
+FP8_ONLY = ("kv_scale_ignored", "q_scale_ignored", "unit_kv_fastpath")  # need fp8 inputs with a scale != 1
 FAR_ONLY = ("int32_offsets", "page_ids_16bit")  # need the far check, on by default on CUDA devices only (--far on)
 LONG_ONLY = ("uint16_positions",)  # need the long cases, on by default on CUDA devices only (mla-verify --long on)
 CUDA_ONLY = ("realloc_workspace",)  # needs a CUDA graph: its replay keeps the address plan() freed

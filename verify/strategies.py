@@ -146,7 +146,9 @@ def smoke_cases(
     long request, pages of 128, two softmax scales other than DeepSeek-V3's (which most drawn cases take), for fp8
     both q dtypes, every scale mode, subnormals, ties and saturation; then 128 heads with MTP rows of 3 and 4, MTP
     rows of 5 and 8, scores shifted by -120 with a newest token at +120, each head's scores shifted by its own
-    offset, the inputs the campaign does not draw (fp16 for bf16, the other fp8 formats for fp8), MiniCPM3's shape
+    offset, 96 heads, pages of 528 under 700 tokens, 12 MTP rows, for fp8 a cache scale of 1 beside
+    fp8 q's dynamic one, the inputs the campaign does not draw (fp16 for bf16, the other fp8 formats for fp8),
+    MiniCPM3's shape
     (40 heads, a latent of 256 and a rope of 32, with MTP rows on lengths of whole tiles), and a batch of 260
     requests (65 of them non-empty).
 
@@ -209,7 +211,21 @@ def smoke_cases(
         # flushes a head's tokens to 0, where a shift shared by every head (the shifted case's) changes nothing
         dict(seq_lens=(600, 1, 129), q_lens=(2, 1, 3), heads=8, page_size=16, num_workers=8, dist="heads",
              q_dtype="fp8" if fp8 else "bf16", seed=20),
+        # shapes a review's kernels broke on while every case passed them (fifty-ninth session): 96 heads, above
+        # 64 and no multiple of it (a kernel launching H // 64 tiles of 64 heads drops heads 64-95)
+        dict(seq_lens=(70, 5, 0), q_lens=(1, 2, 1), heads=96, page_size=16, num_workers=8, dist="gauss1", seed=25),
+        # pages of 528: past 256 slots (an in-page slot of 8 bits wraps) and no power of two, under a request of
+        # more than a page (a page index from a 16-bit magic multiply, (j ceil(2^16 / P)) >> 16, first misses
+        # j // P at j = 527; on the drawn pages of 3 only past 32767)
+        dict(seq_lens=(700, 300, 0), q_lens=(1, 2, 1), heads=4, page_size=528, num_workers=8, dist="gauss1",
+             seed=26),
+        # 12 MTP rows, past 8 (a row index of 3 bits wraps)
+        dict(seq_lens=(40, 20), q_lens=(12, 1), heads=4, num_workers=4, dist="gauss1", seed=28),
     ]
+    if fp8:  # a cache scale of 1 beside fp8 q's dynamic scale (vLLM's default k_scale): a kernel that takes a unit
+        # kv scale for "no scales" drops q's
+        picked.append(dict(seq_lens=(130, 40), q_lens=(1, 2), heads=4, num_workers=4, dist="gauss1",
+                           scale_mode="kv_unit", q_dtype="fp8", seed=24))
     # the inputs DecodeBatch takes besides the campaign's: fp16 q and cache (bf16 campaigns), the other fp8 formats
     # (fp8: e4m3fn or e4m3fnuz, with fp8 q, and e5m2 caches, vLLM's fp8_e5m2, with bf16 q): a kernel must compute
     # them or refuse them (Unsupported); one that reads their bits as its own format's fails (found by a review: a
