@@ -4,7 +4,8 @@
 # prefix's dtype cases (fp16 q and cache; the other e4m3 format and an e5m2 cache), and the long cases' big split
 # batch (264 requests split over 132 workers, one of 3 x 4096 tokens). Campaigns through one MPS daemon, each
 # writing $OUT/r_<name>.json, and a table in $OUT/log.txt: failing checks, the added rows' largest err / bound, and
-# the status of the heads, dtype and big-batch cases. The README's "Review fixes on the H200".
+# the status of the heads, dtype and big-batch cases, and of the fifty-ninth session's smoke cases (96 heads, pages
+# of 528, 12 MTP rows, fp8's kv_unit scales; seeds 24-28). The README's "Review fixes on the H200".
 # Two device tool calls (each within the 600 s a call may take; carry .whl, the peers' wheels):
 #   bash scripts/device_review_fixes.sh [SECONDS] ours    our Triton backends, and the new mutants
 #   bash scripts/device_review_fixes.sh [SECONDS] peers   FlashInfer and FlashMLA, and their GPU step tests
@@ -27,7 +28,7 @@ mps_stop
 python3 - "$OUT" <<'PY' | tee -a "$log"
 import glob, json, os, sys
 print("| campaign | cases (unsupported) | failed | failing checks | added rows: cases, max err/bound | heads case "
-      "| dtype cases | big split batch | wall s |")
+      "| dtype cases | big split batch | fifty-ninth's cases | wall s |")
 for path in sorted(glob.glob(os.path.join(sys.argv[1], "r_*.json"))):
     r = json.load(open(path))
     c = r["checks"]
@@ -43,8 +44,10 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "r_*.json"))):
     heads = state(lambda k: k["dist"] == "heads" and k["seed"] == 20)
     dtypes = state(lambda k: k["seed"] in (22, 23) and k["seq_lens"] == [300, 65, 0])
     big = state(lambda k: len(k["seq_lens"]) == 264)
+    new = state(lambda k: k["seed"] in (24, 25, 26, 28) and len(k["seq_lens"]) <= 3)
     unsupported = sum(v if isinstance(v, int) else len(v) for v in r["unsupported"].values())
     print(f"| {os.path.basename(path)[2:-5]} | {r['cases']} ({unsupported}) | {r['failed']} | "
-          f"{', '.join(failing[:6]) or '-'} | {cell} | {heads} | {dtypes} | {big} | {r.get('seconds', 0):.1f} |")
+          f"{', '.join(failing[:6]) or '-'} | {cell} | {heads} | {dtypes} | {big} | {new} | "
+          f"{r.get('seconds', 0):.1f} |")
 PY
 step done
