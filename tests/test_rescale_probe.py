@@ -20,13 +20,13 @@ COMBOS = {"bf16": dict(), "fp16": dict(q_dtype="fp16", kv_dtype="fp16"), "fp8kv"
 
 @pytest.mark.parametrize("combo", sorted(COMBOS))
 def test_the_probe_cancels_to_the_cache_formats_rounding(combo):
-    """Each probed request's rows see r tokens of value ±α (α = 2^-floor(log2 r)) on a staircase of scores k t
-    (k = floor(j / 16) mod K) and a riser at score K t whose value cancels them up to the cache format's rounding
-    of α S (the riser at s0 - 1, or s0 - 2 where s0 - 1 is a multiple of 16): the oracle's output on each head's
-    own channels (c mod H = h, whose riser value was made with that head's t) is at most 2^-(p + 1) α on every row
-    (p the format's mantissa bits: ô = ±(α S - Q(α S)) e^(K t) / l with l >= e^(K t) (S + 1)), while Σ p|v| / l
-    is about 2 α; the levels are exact in the cache's format; rows
-    that see fewer than 2 tokens, and empty requests, are not probed (r = -1)."""
+    """Each probed request's rows see r tokens of value ±α (α = 2^-floor(log2 r)) on a staircase of levels
+    k = floor(j / 16) mod K (score 16 t k / K) and a riser at score 16 t whose value cancels them up to the cache
+    format's rounding of α S (the riser at s0 - 1, or s0 - 2 where s0 - 1 is a multiple of 16): the oracle's output
+    on each head's own channels (c mod H = h, whose riser value was made with that head's t) is at most
+    2^-(p + 1) α on every row (p the format's mantissa bits: ô = ±(α S - Q(α S)) e^(16 t) / l with
+    l >= e^(16 t) (S + 1)), while Σ p|v| / l is about 2 α; the levels are exact in the cache's format; rows that see
+    fewer than 2 tokens, and empty requests, are not probed (r = -1)."""
     case = Case(seq_lens=(0, 1, 18, 40, 300), q_lens=(1, 1, 2, 1, 3), heads=4, page_size=16, **COMBOS[combo])
     batch = case.materialize()[0]
     probe = rescale_probe(batch)
@@ -47,7 +47,8 @@ def test_the_probe_cancels_to_the_cache_formats_rounding(combo):
         kv = probe.batch.request_kv(b)  # [s, D] dequantized
         assert torch.equal(kv[:r, : batch.kv_lora_rank].abs(), torch.full_like(kv[:r, : batch.kv_lora_rank], alpha))
         assert kv[r, batch.kv_lora_rank] == 1 and (kv[r + 1 :] == 0).all()
-        assert probe.levels == (8 if combo == "e5m2" else 16)  # codes k / (K scale) exact: e5m2 has 3 bits, e4m3 4
+        # codes k / (K scale) exact: e5m2 has 3 significant bits, e4m3 4, fp16 and bf16 8 or more
+        assert probe.levels == {"e5m2": 8, "fp8kv": 16, "fp8": 16, "fnuz": 16}.get(combo, 256)
         levels = torch.arange(r) // 16 % probe.levels  # [r] the staircase, 16 tokens a level
         assert torch.equal(kv[:r, batch.kv_lora_rank] * probe.levels, levels.double())
         assert (kv[:r, batch.kv_lora_rank + 1 :] == 0).all()
