@@ -1030,6 +1030,7 @@ def test_non_finite_err_over_bound_gives_a_report_not_a_traceback(capsys, tmp_pa
     """An err/bound of inf (a nonzero out where 0 is exact) is kept as the string "inf" in the summary; the loose-bound
     warnings compared it with a float and the campaign died in its summary (found by a review)."""
     assert cli._warnings({"tier1.out": {"cases": 99, "max_err_over_bound": "inf"},
+                          "tier1.lse": {"cases": 99, "max_err_over_bound": 0.5},  # lse given: no lse warning
                           "rounding.out": {"cases": 99, "max_err_over_bound": "nan"},
                           "partials.out": {"cases": 99, "max_err_over_bound": "inf"}}) == []
     path = tmp_path / "r.json"
