@@ -599,9 +599,10 @@ def _complete(report: dict, results: list[CaseResult], summary: dict, seconds: f
                               "err_over_bound": {c.name: json_number(c.err_over_bound) for c in r.checks
                                                  if c.err_over_bound is not None}}
     failed = [r for r in results if r.status == "failed"]
+    numerics = _numerics(results)
     report["long"] = any(max(r.case.seq_lens) > 2**16 for r in results)  # a request past 2^16 tokens ran
     report.update(cases=len(results), failed=len(failed), seconds=round(seconds, 3), checks=summary,
-                  numerics=_numerics(results), warnings=_warnings(summary, deterministic, _numerics(results)),
+                  numerics=numerics, warnings=_warnings(summary, deterministic, numerics),
                   failures=[_failure(r, flags) for r in failed],
                   unsupported={reason: len(group) for reason, group in _unsupported(results).items()},
                   not_run=not_run, stopped=stopped or None, results=[entries[id(r)] for r in results])
@@ -766,9 +767,10 @@ def _print_summary(console, summary: dict, results: list[CaseResult], seconds: f
         console.print(line, markup=False, highlight=False)
     for i, line in enumerate(repros, 1):
         console.print(f"[{i}] {line}", markup=False, highlight=False)
-    for described, count in _numerics(results).items():
+    numerics = _numerics(results)
+    for described, count in numerics.items():
         console.print(f"declared numerics ({count} cases): {described}", markup=False, highlight=False)
-    for line in _warnings(summary, deterministic, _numerics(results)):
+    for line in _warnings(summary, deterministic, numerics):
         console.print(f"mla-verify: warning: {line}", markup=False, highlight=False)
 
 

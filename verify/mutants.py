@@ -878,7 +878,8 @@ MUTANTS = (
     "shared_page_reuse", "prefix_by_first_page", "prefix_first_pair", "head0_max", "dtype_unchecked",
     "alpha_bf16", "head_tiles_floor", "slot_8bit", "mtp_row_3bit", "page_div_magic16", "unit_kv_fastpath",
 )  # fmt: skip
-FP8_ONLY = ("kv_scale_ignored", "q_scale_ignored", "unit_kv_fastpath")  # need fp8 inputs with a scale != 1
+FP8_ONLY = ("kv_scale_ignored", "q_scale_ignored", "unit_kv_fastpath")  # need fp8 inputs (a scale != 1; the last
+# a kv scale of 1 beside fp8 q's own)
 FAR_ONLY = ("int32_offsets", "page_ids_16bit")  # need the far check, on by default on CUDA devices only (--far on)
 LONG_ONLY = ("uint16_positions",)  # need the long cases, on by default on CUDA devices only (mla-verify --long on)
 CUDA_ONLY = ("realloc_workspace",)  # needs a CUDA graph: its replay keeps the address plan() freed
