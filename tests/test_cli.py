@@ -929,11 +929,30 @@ def test_the_probe_warnings_are_not_given_for_a_declared_fp32_output():
     fp32 (or fp64) output neither warning is given; one bf16-output case, or no declaration known, keeps them."""
     summary = {"rounding.out": {"cases": 99, "max_err_over_bound": 0.0048},
                "partials.out": {"cases": 99, "max_err_over_bound": 0.0067}}
-    wide = {dataclasses.replace(DEFAULT_NUMERICS, out_dtype=torch.float32).describe(): 60}
-    assert ", out float32" in next(iter(wide)) and cli._warnings(summary, numerics=wide) == []
-    bf16 = {DEFAULT_NUMERICS.describe(): 60}
-    assert [w.split(":")[0] for w in cli._warnings(summary, numerics=bf16)] == ["rounding.out", "partials.out"]
-    assert len(cli._warnings(summary, numerics={**wide, **bf16})) == 2 and len(cli._warnings(summary)) == 2
+    wide = {"float32", "float64"}
+    assert cli._warnings(summary, out_dtypes=wide) == []
+    bf16 = cli._warnings(summary, out_dtypes={"bfloat16"})
+    assert [w.split(":")[0] for w in bf16] == ["rounding.out", "partials.out"]
+    for kept in ({"float32", "bfloat16"}, {"float32", None}, set(), None):  # a bf16 case, an undeclared one, none
+        assert len(cli._warnings(summary, out_dtypes=kept)) == 2, kept
+
+
+def test_the_declared_out_dtypes_come_from_each_cases_numerics():
+    """`_out_dtypes` reads the out dtype each case's KernelNumerics declared (not its describe() text); a case with
+    no declaration (its numerics raised) gives nothing. The kernel here declares, then refuses the case (cheap)."""
+    from verify.checks import CaseResult, run_case
+
+    def refuses(batch):
+        raise Unsupported("declared, then refused")
+
+    case = Case(seq_lens=(3,), q_lens=(1,), heads=1, seed=0)
+    results = []
+    for out_dtype in (torch.float32, torch.bfloat16):
+        refuses.numerics = dataclasses.replace(DEFAULT_NUMERICS, out_dtype=out_dtype)
+        results.append(run_case(case, kernels.from_callable(refuses)))
+    assert [r.out_dtype for r in results] == ["float32", "bfloat16"]
+    assert cli._out_dtypes(results[:1]) == {"float32"} and cli._out_dtypes(results) == {"float32", "bfloat16"}
+    assert cli._out_dtypes([CaseResult(case)]) == set()
 
 
 def test_a_kernel_that_returns_no_lse_is_warned_about():

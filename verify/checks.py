@@ -126,6 +126,7 @@ class CaseResult:
     unsupported: str | None = None
     device_fault: bool = False
     numerics: str | None = None  # `KernelNumerics.describe()` of what the kernel declared for this case
+    out_dtype: str | None = None  # its declared out dtype ("bfloat16", "float32", ...); None if not a KernelNumerics
 
     @property
     def status(self) -> str:
@@ -1223,6 +1224,8 @@ def run_case(case: Case, kernel: Kernel, device: str = "cpu", far: bool | None =
     try:
         numerics = kernel.numerics(batch)
         result.numerics = numerics.describe() if isinstance(numerics, KernelNumerics) else repr(numerics)
+        if isinstance(numerics, KernelNumerics):
+            result.out_dtype = str(numerics.out_dtype).removeprefix("torch.")
     except Unsupported as e:  # a plug-in's numerics(batch) may refuse the batch as its kernel would
         result.unsupported = str(e)
         result.seconds = time.perf_counter() - t0

@@ -22,7 +22,6 @@ import math
 import multiprocessing
 import os
 import platform
-import re
 import shutil
 import socket
 import statistics
@@ -602,7 +601,7 @@ def _complete(report: dict, results: list[CaseResult], summary: dict, seconds: f
     numerics = _numerics(results)
     report["long"] = any(max(r.case.seq_lens) > 2**16 for r in results)  # a request past 2^16 tokens ran
     report.update(cases=len(results), failed=len(failed), seconds=round(seconds, 3), checks=summary,
-                  numerics=numerics, warnings=_warnings(summary, deterministic, numerics),
+                  numerics=numerics, warnings=_warnings(summary, deterministic, _out_dtypes(results)),
                   failures=[_failure(r, flags) for r in failed],
                   unsupported={reason: len(group) for reason, group in _unsupported(results).items()},
                   not_run=not_run, stopped=stopped or None, results=[entries[id(r)] for r in results])
@@ -677,13 +676,18 @@ def _numerics(results: list[CaseResult]) -> dict[str, int]:
     return dict(Counter(r.numerics for r in results if r.numerics is not None))
 
 
-def _warnings(summary: dict, deterministic: bool = True, numerics: dict[str, int] | None = None) -> list[str]:
+def _out_dtypes(results: list[CaseResult]) -> set[str | None]:
+    """The out dtypes the cases declared (None for a case whose declaration is not a KernelNumerics)."""
+    return {r.out_dtype for r in results if r.numerics is not None}
+
+
+def _warnings(summary: dict, deterministic: bool = True, out_dtypes: set[str | None] | None = None) -> list[str]:
     """Signs that the checks may be vacuous (never pass / fail): a tier-1 out bound far above every error seen,
     which a declaration looser than the kernel (a gamma too large, an operand dtype too narrow) gives; a rounding
     probe far inside its bound, which a declared P rounding coarser than the kernel's gives; a partials probe far
     inside its bound, which a declared partial dtype coarser than the kernel's gives (these two calibrated on a
     bf16 output, whose rounding dominates the probes' bounds: not given where every case declared an fp32 or fp64
-    output (``numerics``: `_numerics`), which leaves the probes' worst-case fp32 charges in charge, so that a
+    output (``out_dtypes``: `_out_dtypes`), which leaves the probes' worst-case fp32 charges in charge, so that a
     correct kernel declaring fp32 P and partials lands near 0.005; found by a review); no lse returned, so no
     lse check ran; strided inputs the kernel
     refused (the layout check did not run on them); and, for a kernel declared nondeterministic (``deterministic``
@@ -707,7 +711,7 @@ def _warnings(summary: dict, deterministic: bool = True, numerics: dict[str, int
          "numerics.md §5(i)): the kernel stores its split outputs more finely than the declared partial_dtype "
          "(above) says, and its bounds charge what it does not do"),
     )
-    wide_out = bool(numerics) and all(re.search(r", out float(32|64)\b", described) for described in numerics)
+    wide_out = bool(out_dtypes) and out_dtypes <= {"float32", "float64"}
     warnings = []
     for name, limit, cases, meaning in signs[:1] if wide_out else signs:
         x = largest(name)
@@ -767,10 +771,9 @@ def _print_summary(console, summary: dict, results: list[CaseResult], seconds: f
         console.print(line, markup=False, highlight=False)
     for i, line in enumerate(repros, 1):
         console.print(f"[{i}] {line}", markup=False, highlight=False)
-    numerics = _numerics(results)
-    for described, count in numerics.items():
+    for described, count in _numerics(results).items():
         console.print(f"declared numerics ({count} cases): {described}", markup=False, highlight=False)
-    for line in _warnings(summary, deterministic, numerics):
+    for line in _warnings(summary, deterministic, _out_dtypes(results)):
         console.print(f"mla-verify: warning: {line}", markup=False, highlight=False)
 
 
