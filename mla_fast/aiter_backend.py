@@ -234,13 +234,18 @@ def e4m3fnuz_to_fn(x: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
     """Re-express e4m3fnuz data as e4m3fn without rounding: (bytes read as fn, scale / 2).
 
     The inverse of `e4m3fn_to_fnuz`: every fnuz byte read as fn is worth twice as much. fnuz NaN 0x80 becomes fn NaN
-    0x7F. fnuz +-240 (0x7F/0xFF) has no fn byte of twice its value (480 > 448): ValueError.
+    0x7F. fnuz +-240 (0x7F/0xFF) has no fn byte of twice its value (480 > 448): `Unsupported` (a ValueError), so that
+    a backend converting fnuz inputs for an e4m3fn kernel declines such data (a dynamic scale puts amax at 240)
+    instead of failing its contract.
     """
+    from mla_fast.backends import Unsupported
+
     if x.dtype != torch.float8_e4m3fnuz:
         raise ValueError(f"e4m3fnuz_to_fn.x: expected float8_e4m3fnuz, got {x.dtype}")
     b = x.view(torch.uint8)
     if bool(((b & 0x7F) == 0x7F).any()):
-        raise ValueError("e4m3fnuz_to_fn.x: holds +-240 (byte 0x7F/0xFF), which e4m3fn cannot hold at half the scale")
+        raise Unsupported("e4m3fnuz_to_fn.x: holds +-240 (byte 0x7F/0xFF), which e4m3fn cannot hold at half the "
+                          "scale (this backend's kernel takes e4m3fn)")
     b = torch.where(b == 0x80, torch.full_like(b, 0x7F), b)  # NaN -> fn NaN
     return b.view(torch.float8_e4m3fn), scale / 2.0
 

@@ -211,9 +211,18 @@ def test_strategy_reaches_the_edges():
     # into generation), so other test orders draw other cases; 150 once drew no near_max case in the full suite
     found = _features(_draw(cases("fp8"), 400, seed=0))
     for f in ["empty", "len1", "mtp", "q_len>seq_len", "long", "partial_page", "workers>blocks", "scale:dynamic",
-              "scale:static", "scale:unit", "q:fp8", "q:bf16", "heads:not_pow2", "sigma:other"] + [
+              "scale:static", "scale:unit", "q:fp8", "q:bf16", "heads:not_pow2", "sigma:other",
+              "pages:past_256_not_pow2", "mtp:past_8"] + [
                   f"dist:{d}" for d in DISTRIBUTIONS]:
         assert f in found, f
+
+
+def test_short_cases_draw_the_head_counts_past_64():
+    """96 and 128 heads fit the work budget only beside few tokens: drawn cases of up to 40 tokens reach both."""
+    from verify.cli import _draw
+
+    drawn = {c.heads for c in _draw(cases("bf16", max_seq_len=40), 200, seed=0)}
+    assert {96, 128} <= drawn, sorted(drawn)
 
 
 def test_drawn_sigma_is_a_configs():

@@ -205,3 +205,32 @@ def test_a_far_run_without_the_lse_of_the_first_fails():
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
     print(json.dumps(_worker(sys.argv[2])))
+
+
+def test_the_far_check_goes_past_page_id_2_16_only_where_that_cache_stays_under_its_cap(monkeypatch):
+    """2^16 pages of 528 DeepSeek tokens are 19.9 Gi-elements (40 GB of bf16): three worker processes at once ran an
+    H200 out of memory. Past FAR_PAGE_ID_ELEMENTS the check moves the pages past element 2^31 only (page_ids 0) and
+    says so; pages of 128 (4.8 Gi-elements) still go past page id 2^16. Here the real far_pages with a small
+    ``beyond``, so that the caches stay small."""
+    from verify import checks
+    from verify.kernels import from_backend
+    from verify.strategies import smoke_cases
+
+    asked = []
+
+    def small_far(batch, page_ids):
+        asked.append(page_ids)
+        return far_pages(batch, beyond=2**12, page_ids=min(page_ids, 4))
+
+    monkeypatch.setattr(checks, "far_pages", small_far)
+    big, p128 = (next(c for c in smoke_cases("bf16") if c.page_size == p) for p in (528, 128))
+    assert 2**16 * 528 * 576 > checks.FAR_PAGE_ID_ELEMENTS >= 2**16 * 128 * 576
+    details = []
+    for case in (big, p128):
+        result = checks.run_case(case, from_backend("emulated"), "cpu", far=True)
+        (far,) = [c for c in result.checks if c.name.startswith("far")]
+        assert far.ok, far.detail
+        details.append(far.detail)
+    assert asked == [0, 2**16]
+    assert "not page id 2^16: 65536 pages of 304128 elements would be 19 Gi-elements" in details[0], details[0]
+    assert "past element 2^31 and page id 2^16" in details[1], details[1]

@@ -43,7 +43,8 @@
 | far            | the kernel again with the pages moved past element 2^31 and     | the first run's bits, else     |
 |                | page id 2^16 of a larger cache, NaN in front (`far_pages`):     | kernel_bound + merge_bound     |
 |                | int32 offsets and 16-bit page ids wrap there (on CUDA devices   |                                |
-|                | by default: a 2-5 GB cache per case, 9.7 GB on pages of 128)    |                                |
+|                | by default: a 2-5 GB cache per case, 9.7 GB on pages of 128;    |                                |
+|                | pages of over 227 DeepSeek tokens only past element 2^31)       |                                |
 
 err/bound is the largest elementwise |actual - expected| / bound (> 1: violated); checks without a bound report
 None. A kernel that raises or breaks the contract fails the case with its message; the other checks then do not run.
@@ -84,6 +85,9 @@ from verify.strided_inputs import strided_batch
 ALT_WORKERS = 132  # second worker count when a case uses one worker (an H200's SMs: a split per block)
 FAR_ELEMENTS = 2**31  # cache elements past which int32 element offsets wrap (far check)
 FAR_PAGE_IDS = 2**16  # page ids past which 16-bit ones wrap (far check)
+FAR_PAGE_ID_ELEMENTS = 2**33  # the far cache goes past page id 2^16 only on pages where that takes at most these
+# elements (17 GB of bf16): pages of up to 227 tokens of 576 (128: 9.7 GB); on larger pages (528: 40 GB, which worker
+# processes sharing a GPU do not hold side by side) past element 2^31 only
 
 
 @dataclass
@@ -560,10 +564,10 @@ def check_far(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, re
               out_dtype: torch.dtype) -> list[CheckResult]:
     """The kernel run again on ``far_pages(batch)`` (the case's worker count when it takes one): a production cache
     is many GB, and an element offset page x page_stride computed in int32 wraps past 2^31 (3.7 M bf16 tokens of
-    576), a page id kept in 16 bits past 2^16 pages. Passes with the bits of the first run ``first`` (out, lse); a
-    kernel whose bits vary from run to run passes within the tier-1 bound instead. A wrapped offset or page id reads
-    the NaN in front (or outside the cache). The far
-    cache goes back to the device when the check ends (`release_cached`): the campaign's other worker processes share
+    576), a page id kept in 16 bits past 2^16 pages (the cache goes past both where 2^16 pages take at most
+    FAR_PAGE_ID_ELEMENTS, else past element 2^31 alone, and the check's detail says which). Passes with the bits of
+    the first run ``first`` (out, lse); a kernel whose bits vary from run to run passes within the tier-1 bound
+    instead. A wrapped offset or page id reads the NaN in front (or outside the cache). The far cache goes back to the device when the check ends (`release_cached`): the campaign's other worker processes share
     the GPU. A far cache, or a run on it, that does not fit in memory fails the check and says so."""
     with _releasing(batch.device):  # after _far_run has returned: its frame, and so the far cache, is gone
         return _far_run(batch, kernel, workers, first, ref, bound, out_dtype)
@@ -572,22 +576,25 @@ def check_far(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, re
 def _far_run(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, ref, bound: bounds.Bound,
              out_dtype: torch.dtype) -> list[CheckResult]:
     """check_far's run (its docstring)."""
+    per_page = batch.kv_cache[0].numel()  # elements per page
+    ids = FAR_PAGE_IDS if FAR_PAGE_IDS * per_page <= FAR_PAGE_ID_ELEMENTS else 0  # 0: past element 2^31 only
+    past_what = "element 2^31" + (" and page id 2^16" if ids else
+                                  f" (not page id 2^16: {FAR_PAGE_IDS} pages of {per_page} elements would be "
+                                  f"{FAR_PAGE_IDS * per_page / 2**30:.0f} Gi-elements)")
     try:
-        far = far_pages(batch)
+        far = far_pages(batch, page_ids=ids)
     except RuntimeError as e:  # torch.OutOfMemoryError too; not a kernel failure, but the check needs its cache
         if not _out_of_memory(e):
             raise
-        return [CheckResult("far", False, detail=f"the far cache (past element 2^31 and page id 2^16) "
-                                                    f"{_no_room(batch, e)}")]
+        return [CheckResult("far", False, detail=f"the far cache (past {past_what}) {_no_room(batch, e)}")]
     raw, exc = _run(kernel, far, workers)
     if exc is not None and is_device_fault(exc):
         raise exc  # before anything here touches the device, which now fails every call
     offsets = far.block_table.long() * far.kv_cache.stride(0)  # [B, max_pages] first element of each page
     used = far.used_entries  # [B, max_pages]
-    past, n_used = torch.stack([(used & (offsets >= FAR_ELEMENTS) & (far.block_table >= FAR_PAGE_IDS)).sum(),
+    past, n_used = torch.stack([(used & (offsets >= FAR_ELEMENTS) & (far.block_table >= ids)).sum(),
                                 used.sum()]).tolist()
-    where = (f"{past} of {n_used} used pages past element 2^31 and page id 2^16 of a "
-             f"{far.kv_cache.numel() / 2**30:.2f} Gi-element cache")
+    where = f"{past} of {n_used} used pages past {past_what} of a {far.kv_cache.numel() / 2**30:.2f} Gi-element cache"
     if exc is not None and _out_of_memory(exc):
         return [CheckResult("far", False, detail=f"{where}: the run {_no_room(batch, exc)}")]
     second, why = _outputs_of((raw, exc), far)

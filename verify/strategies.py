@@ -4,8 +4,12 @@ Edges (each gets its own branch, so Hypothesis draws them often, not once in a m
 - sequence lengths 0 (empty: out 0, lse -inf), 1, page boundaries ±1, 2 pages ±1;
 - one very long request among short ones (uneven splits, long accumulations), in a quarter of the cases;
 - more workers than KV blocks (every block its own split);
-- MTP: q_len 2..4, including q_len > seq_len (leading rows see nothing);
-- pages of 1, 16, 32, 64 and 3 tokens, up to 8 requests (``max_batch``), 1 to 128 heads, some not a power of two;
+- MTP: q_len 2..4, and in one case of 8 one request of 5..16 (a row index of 2 or 3 bits wraps), including
+  q_len > seq_len (leading rows see nothing);
+- pages of 1, 16, 32, 64, 128 and 3 tokens, and of 528 (past 256 slots, no power of two: an in-page slot of 8 bits,
+  or a page index from a 16-bit magic division, breaks past token 527 of a long request); up to 8 requests
+  (``max_batch``); 1 to 128 heads, some not a power of two, 96 above 64 and no multiple of it (a kernel launching
+  H // 64 tiles of 64 drops heads 64-95);
 - the softmax scale: DeepSeek-V3's in three cases of four (the model these kernels serve), else that of another
   MLA config (q·k head dim, YaRN factor and mscale_all_dim drawn: 0.072-0.22). Drawn last in each case.
 Sizes are kept moderate so that a CPU campaign runs hundreds of cases a minute: heads are drawn after the
@@ -31,9 +35,14 @@ from verify.cases import (
     Case,
 )
 
-HEADS = (1, 2, 4, 5, 8, 16, 20, 32, 40, 64, 128)  # above 16: drawn where the lengths leave room in the work
-# budget; 40, 20 and 5: MiniCPM3's 40 MLA heads and their tensor-parallel shares, not a power of two
-PAGE_SIZES = (64, 16, 1, 32, 3)  # 3: a page that no power-of-two tile divides
+HEADS = (1, 2, 4, 5, 8, 16, 20, 32, 40, 64, 96, 128)  # above 16: drawn where the lengths leave room in the work
+# budget; 40, 20 and 5: MiniCPM3's 40 MLA heads and their tensor-parallel shares, not a power of two; 96: above 64
+# and no multiple of it (the fifty-ninth session's review: first only in the smoke prefix)
+PAGE_SIZES = (64, 16, 1, 32, 3, 128, 528)  # 3: a page that no power-of-two tile divides; 128: vLLM's CUTLASS MLA
+# block, larger than a 64-token tile; 528: past 256 slots and no power of two (the review's, as HEADS' 96)
+Q_LENS = (1, 1, 1, 2, 3, 4)  # a request's query rows: mostly 1, MTP otherwise
+LONG_Q_LENS = tuple(range(5, 17))  # one request's in one case of 8: MTP rows past 4 and 8 (2- and 3-bit row indices
+# wrap); sampled, not st.integers, which draws its lower bound in about half the draws
 WORKERS = (1, 2, 4, 8, 32, 132)  # 132: an H200's SMs, more workers than blocks for all but long requests
 WORK_BUDGET = 1 << 15  # q rows × heads × KV tokens per drawn case (a few tens of ms of fp64 oracle on a CPU)
 SHORT_MAX = 512  # the bulk of drawn sequence lengths
@@ -82,7 +91,9 @@ def cases(
     if max_seq_len > short_max and draw(st.sampled_from((False, False, False, True)), label="one_long"):
         i = draw(st.integers(0, n_req - 1))
         seq_lens[i] = draw(st.integers(max(short_max + 1, max_seq_len // 4), max_seq_len), label="long_len")
-    q_lens = [draw(st.sampled_from((1, 1, 1, 2, 3, 4))) for _ in range(n_req)]  # mostly 1, MTP otherwise
+    q_lens = [draw(st.sampled_from(Q_LENS)) for _ in range(n_req)]
+    if draw(st.sampled_from((False,) * 7 + (True,)), label="long_q"):
+        q_lens[draw(st.integers(0, n_req - 1))] = draw(st.sampled_from(LONG_Q_LENS), label="long_q_len")
     rows_tokens = sum(n * s for n, s in zip(q_lens, seq_lens))
     if heads is None:
         fit = [h for h in HEADS if h * rows_tokens <= work_budget] or [1]
@@ -172,8 +183,8 @@ def smoke_cases(
         dict(seq_lens=(90, 5, 130), q_lens=(1, 2, 1), heads=128, page_size=32, num_workers=8, dist="wide", seed=9),
         # a dominant newest token (read by the last MTP row only) in a long request
         dict(seq_lens=(1500, 3), q_lens=(2, 1), heads=2, num_workers=4, dist="recent", seed=10),
-        # pages of 128 (vLLM's CUTLASS MLA block size), larger than a 64-token tile, with its edges and MTP; drawn
-        # pages stop at 64
+        # pages of 128 (vLLM's CUTLASS MLA block size), larger than a 64-token tile, with its edges and MTP (drawn
+        # pages of 128 seldom meet both edges)
         dict(seq_lens=(300, 129, 0, 127), q_lens=(1, 2, 1, 3), heads=16, page_size=128, num_workers=8,
              dist="gauss1", seed=11),
         # other softmax scales than DeepSeek-V3's, which most drawn cases take: YaRN off, and DeepSeek-V2-Lite's
@@ -201,7 +212,7 @@ def smoke_cases(
         # wraps at 256 shows), fp8 q with its dynamic scale
         dict(seq_lens=(130, 65, 200), q_lens=(4, 3, 1), heads=128, num_workers=8, dist="gauss1",
              q_dtype="fp8" if fp8 else "bf16", seed=15),
-        # MTP rows past the drawn 1-4 (a row index of two bits wraps)
+        # MTP rows past 4 (a row index of two bits wraps; drawn in one case of 8)
         dict(seq_lens=(300, 9), q_lens=(8, 5), heads=8, num_workers=4, dist="gauss1", seed=16),
         # every score shifted to -120 but the newest token's, +120, which only the last MTP row sees, in requests
         # of several tiles and splits: a running max started at 0, or a merge or tile that keeps its first max
