@@ -567,8 +567,9 @@ def check_far(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, re
     576), a page id kept in 16 bits past 2^16 pages (the cache goes past both where 2^16 pages take at most
     FAR_PAGE_ID_ELEMENTS, else past element 2^31 alone, and the check's detail says which). Passes with the bits of
     the first run ``first`` (out, lse); a kernel whose bits vary from run to run passes within the tier-1 bound
-    instead. A wrapped offset or page id reads the NaN in front (or outside the cache). The far cache goes back to the device when the check ends (`release_cached`): the campaign's other worker processes share
-    the GPU. A far cache, or a run on it, that does not fit in memory fails the check and says so."""
+    instead. A wrapped offset or page id reads the NaN in front (or outside the cache). The far cache goes back
+    to the device when the check ends (`release_cached`): the campaign's other worker processes share the GPU. A
+    far cache, or a run on it, that does not fit in memory fails the check and says so."""
     with _releasing(batch.device):  # after _far_run has returned: its frame, and so the far cache, is gone
         return _far_run(batch, kernel, workers, first, ref, bound, out_dtype)
 
