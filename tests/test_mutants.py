@@ -182,15 +182,36 @@ def test_a_nan_partial_merged_as_empty_fails_the_nan_check_alone():
     case = smoke_cases("bf16")[0]  # its longest request (300 tokens) is cut in splits
     result = run_case(case, from_callable(mutants.nan_dropped), "cpu")
     failed = {c.name: c.detail for c in result.checks if not c.ok}
-    assert set(failed) == {"nan"}, result.describe()
+    assert set(failed) == {"nan", "nan.first"}, result.describe()  # nan.first: a request of one split, left empty
     assert "out not NaN on 8 of the 8 (row, head)s that read it" in failed["nan"]
     assert run_case(case, from_callable(mutants.correct), "cpu").ok
 
 
+def test_a_reduce_that_weighs_a_nan_partial_by_0_fails_the_first_token_nan_check_alone():
+    """A reduce whose padding slots re-read the first split tile's first partial with weight 0 is right on finite
+    data and on the newest token's NaN (the last piece, which no padding slot reads), and spreads a NaN in the first
+    request's first token to every request of fewer splits (0 NaN = NaN; found by a review that mutated the
+    emulated path's reduce): only ``nan.first`` sees it, on the first smoke case (request 1, one token and one split,
+    beside the 300-token request's splits); the correct kernel passes it."""
+    from verify import mutants
+    from verify.checks import run_case
+    from verify.kernels import from_callable
+
+    case = smoke_cases("bf16")[0]
+    result = run_case(case, from_callable(mutants.reduce_pad_weight0), "cpu")
+    failed = {c.name: c.detail for c in result.checks if not c.ok}
+    assert set(failed) == {"nan.first"}, result.describe()
+    assert "first token of request 1" in failed["nan.first"] and "that do not read it" in failed["nan.first"]
+    passed = {c.name for c in run_case(case, from_callable(mutants.correct), "cpu").checks if c.ok}
+    assert {"nan", "nan.first"} <= passed
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
-def test_the_nan_probe_marks_what_the_oracle_makes_nan(dtype):
+@pytest.mark.parametrize("token", ["newest", "first"])
+def test_the_nan_probe_marks_what_the_oracle_makes_nan(dtype, token):
     """nan_probe's expected mask is the oracle's: NaN out (every channel) and lse on the longest request's last
-    query row only (its earlier MTP rows do not see the newest token), finite elsewhere."""
+    query row only (newest: its earlier MTP rows do not see the newest token), or on every row of the first
+    non-empty request that sees a token (first: its first token), finite elsewhere."""
     import torch
 
     from mla_ref.decode import mla_decode_ref
@@ -198,14 +219,18 @@ def test_the_nan_probe_marks_what_the_oracle_makes_nan(dtype):
 
     for case in smoke_cases(dtype):
         batch, _ = case.materialize("cpu")
-        probe = nan_probe(batch)
+        probe = nan_probe(batch, token)
         if probe is None:
             continue
         nan_batch, expected, row = probe
-        assert bool(expected[row].all()) and int(expected.sum()) == batch.num_heads, case
+        b = int(batch.row_request()[row])
+        rows = int((batch.visible_tokens()[batch.row_request() == b] > 0).sum()) if token == "first" else 1
+        assert bool(expected[row].all()) and int(expected.sum()) == rows * batch.num_heads, case
         out, lse = mla_decode_ref(nan_batch)
         assert torch.equal(torch.isnan(out).all(dim=-1), expected) and torch.equal(torch.isnan(lse), expected), case
         assert torch.equal(torch.isnan(out).any(dim=-1), expected), case
+    with pytest.raises(ValueError, match="nan_probe.token: expected one of"):
+        nan_probe(batch, "last")
 
 
 def test_a_declared_nan_deviation_skips_the_nan_check_and_says_so(monkeypatch):
@@ -229,9 +254,9 @@ def test_a_declared_nan_deviation_skips_the_nan_check_and_says_so(monkeypatch):
     kernel = from_backend("emulated")
     assert "nan check not run, declared: drops NaN partials" in kernel.reason
     result = run_case(case, kernel, "cpu")
-    assert result.ok and "nan" not in {c.name for c in result.checks}, result.describe()
+    assert result.ok and not {"nan", "nan.first"} & {c.name for c in result.checks}, result.describe()
     result = run_case(case, dataclasses.replace(kernel, nan_deviation=""), "cpu")
-    assert [c.name for c in result.checks if not c.ok] == ["nan"], result.describe()
+    assert [c.name for c in result.checks if not c.ok] == ["nan", "nan.first"], result.describe()
 
 
 def hardcoded_scale_for_fp8_q(batch):

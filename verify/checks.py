@@ -13,8 +13,9 @@
 |                | path as such                                                    |                                |
 | empty          | rows that see no token: out exactly 0, lse -inf                 | —                              |
 | finite         | rows that see tokens: out and lse finite (inputs are finite)    | —                              |
-| nan            | the kernel again with a NaN in one valid token (`nan_probe`):   | exact (masks)                  |
-|                | NaN out and lse on the (row, head)s that read it, only there    |                                |
+| nan, nan.first | the kernel again with a NaN in one valid token (`nan_probe`:    | exact (masks)                  |
+|                | the newest's rope channel; the first's latent channel): NaN out |                                |
+|                | and lse on the (row, head)s that read it, only there            |                                |
 | rounding       | the kernel again on `rounding_probe(batch)`: exact scores and   | kernel_bound + merge_bound     |
 |                | outputs that cancel to the cache format's rounding of P, so a P | of the probe                   |
 |                | rounded more coarsely than declared fails (numerics.md §5(h))   |                                |
@@ -402,55 +403,85 @@ def check_finite(batch: DecodeBatch, out: torch.Tensor, lse: torch.Tensor | None
     return CheckResult("finite", True, detail=f"{n_seen} rows finite")
 
 
-def nan_probe(batch: DecodeBatch) -> tuple[DecodeBatch, torch.Tensor, int] | None:
-    """A copy of ``batch`` whose longest request holds NaN in the last channel of its newest token, the [T, H]
-    mask of the (row, head)s that read that token, and that row: the request's last query row, every head (its
-    earlier MTP rows do not see the newest token). The oracle gives NaN out and lse there and nothing else changes
-    (docs/architecture.md: a NaN input never gives a finite answer). None when no request has a token. Host syncs:
-    the lengths, the page, the row."""
+NAN_PROBES = ("newest", "first")  # nan_probe's two tokens, checks "nan" and "nan.first"
+
+
+def nan_probe(batch: DecodeBatch, token: str = "newest") -> tuple[DecodeBatch, torch.Tensor, int] | None:
+    """A copy of ``batch`` with one NaN token, the [T, H] mask of the (row, head)s that read it, and one such row.
+    The oracle gives NaN out and lse there and nothing else changes (docs/architecture.md: a NaN input never gives a
+    finite answer). None when no request has a token. Host syncs: the lengths, the page, the rows.
+
+    token "newest": the last channel (a rope channel: scores only) of the longest request's newest token, read by
+    that request's last query row, every head (its earlier MTP rows do not see it: a mask applied after a NaN
+    score, or a max taken before it, spreads it there).
+    token "first": the first latent channel (c_kv: the scores and P.V) of the first token of the first request that
+    has one, read by each of its rows that sees a token, every head. A reduce or tile that multiplies a partial or a
+    token by a weight of 0 (0 NaN = NaN), such as a reduce whose padding slots re-read the first split tile's first
+    partial, spreads it to other requests' rows (found by a review that mutated the emulated split-KV path)."""
+    if token not in NAN_PROBES:
+        raise ValueError(f"nan_probe.token: expected one of {NAN_PROBES}, got {token!r}")
     seq = batch.seq_lens.tolist()  # [B]
     if not seq or max(seq) == 0:
         return None
-    b = max(range(len(seq)), key=seq.__getitem__)
-    s, ps = seq[b], batch.page_size
-    page = int(batch.block_table[b, (s - 1) // ps])
-    kv = batch.kv_cache.clone()  # [P, page_size, D]
-    kv[page, (s - 1) % ps, -1] = torch.tensor(float("nan")).to(kv.dtype)  # the format's NaN code
-    row = int(batch.qo_indptr[b + 1]) - 1
+    ps = batch.page_size
     expected = torch.zeros(batch.num_tokens, batch.num_heads, dtype=torch.bool, device=batch.device)  # [T, H]
-    expected[row] = True
+    kv = batch.kv_cache.clone()  # [P, page_size, D]
+    nan = torch.tensor(float("nan")).to(kv.dtype)  # the format's NaN code
+    if token == "newest":
+        b = max(range(len(seq)), key=seq.__getitem__)
+        s = seq[b]
+        kv[int(batch.block_table[b, (s - 1) // ps]), (s - 1) % ps, -1] = nan
+        row = int(batch.qo_indptr[b + 1]) - 1
+        expected[row] = True
+    else:
+        b = next(i for i, s in enumerate(seq) if s)
+        kv[int(batch.block_table[b, 0]), 0, 0] = nan
+        first, last = int(batch.qo_indptr[b]), int(batch.qo_indptr[b + 1])
+        expected[first:last] = (batch.visible_tokens()[first:last] > 0)[:, None]  # [n, H] rows that see a token
+        row = last - 1
     return batch.replace(kv_cache=kv), expected, row
 
 
-def check_nan(batch: DecodeBatch, kernel: Kernel, workers: int) -> CheckResult:
-    """The kernel run again on `nan_probe(batch)` (with the case's worker count when it takes one): out (some
-    channel) and lse are NaN exactly on the (row, head)s that read the NaN token. A kernel that merges a NaN partial
-    as an empty split (aiter's reduce), or takes a NaN row sum for an empty row, gives a finite answer there."""
-    probe = nan_probe(batch)
+def check_nan(batch: DecodeBatch, kernel: Kernel, workers: int) -> list[CheckResult]:
+    """The kernel run again on each `nan_probe(batch, token)` (with the case's worker count when it takes one): out
+    (some channel) and lse are NaN exactly on the (row, head)s that read the NaN token: checks ``nan`` (the newest
+    token's rope channel) and ``nan.first`` (the first token's latent channel). A kernel that merges a NaN partial as
+    an empty split (aiter's reduce), or takes a NaN row sum for an empty row, gives a finite answer there; one that
+    weighs a NaN partial or token by 0 where a row does not read it gives NaN elsewhere."""
+    return [_nan_run(batch, kernel, workers, token) for token in NAN_PROBES]
+
+
+def _nan_run(batch: DecodeBatch, kernel: Kernel, workers: int, token: str) -> CheckResult:
+    """check_nan on one probe."""
+    name = "nan" if token == "newest" else f"nan.{token}"
+    probe = nan_probe(batch, token)
     if probe is None:
-        return CheckResult("nan.skipped", True, detail="no request has a token to poison")
+        return CheckResult(f"{name}.skipped", True, detail="no request has a token to poison")
     nan_batch, expected, row = probe
     result, why = _outputs_of(_run(kernel, nan_batch, workers), nan_batch)
     if why is not None:
-        return CheckResult("nan", False, detail=f"with a NaN token: {why}")
+        return CheckResult(name, False, detail=f"with a NaN token: {why}")
     out, lse = result
     expected = expected.to(out.device)
     masks = {"out": torch.isnan(_floating(out)).any(dim=-1)}  # [T, H]
     if lse is not None:
         masks["lse"] = torch.isnan(_floating(lse))  # [T, H]
     problems = []
-    for name, got in masks.items():
+    for what, got in masks.items():
         finite, extra = int((expected & ~got).sum()), int((got & ~expected).sum())
         if finite:
-            problems.append(f"{name} not NaN on {finite} of the {int(expected.sum())} (row, head)s that read it")
+            problems.append(f"{what} not NaN on {finite} of the {int(expected.sum())} (row, head)s that read it")
         if extra:
-            problems.append(f"{name} NaN on {extra} (row, head)s that do not read it")
-    where = f"NaN in the newest token of the longest request, read by row {row}"
+            rows = torch.nonzero((got & ~expected).any(dim=-1)).flatten()[:3].tolist()
+            problems.append(f"{what} NaN on {extra} (row, head)s that do not read it (rows {rows}...)")
+    where = (f"NaN in the newest token of the longest request, read by row {row}" if token == "newest" else
+             f"NaN in the first latent channel of the first token of request {int(batch.row_request()[row])}, read "
+             f"by its {int(expected.any(dim=-1).sum())} rows that see a token")
     if problems:
         sample = f"; row {row} head 0: out[:3] {out[row, 0, :3].float().tolist()}" + (
             f", lse {float(lse[row, 0])}" if lse is not None else "")
-        return CheckResult("nan", False, detail=f"{where}: " + "; ".join(problems) + sample)
-    return CheckResult("nan", True, detail=f"{where}: NaN there only")
+        return CheckResult(name, False, detail=f"{where}: " + "; ".join(problems) + sample)
+    return CheckResult(name, True, detail=f"{where}: NaN there only")
 
 
 def check_rounding(batch: DecodeBatch, kernel: Kernel, workers: int) -> list[CheckResult]:
@@ -1275,7 +1306,7 @@ def run_case(case: Case, kernel: Kernel, device: str = "cpu", far: bool | None =
         if kernel.run_workers is not None:
             result.checks += check_split(batch, kernel, numerics, (out_d, lse_d), case.num_workers, ref, bound)
         if not kernel.nan_deviation:  # a backend's declared deviation is in the campaign's report instead
-            result.checks.append(check_nan(batch, kernel, case.num_workers))
+            result.checks += check_nan(batch, kernel, case.num_workers)
         result.checks += check_rounding(batch, kernel, case.num_workers)
         result.checks += check_rescale(batch, kernel, case.num_workers)
         result.checks += check_partials(batch, kernel, case.num_workers)

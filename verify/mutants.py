@@ -101,6 +101,9 @@ turns one knob, the way such bugs happen in real kernels:
 | page_div_magic16      | a token's page from a 16-bit magic multiply (j m) >> 16      | tier1 / finite (700 tokens on |
 |                       |                                                              | pages of 528)                 |
 | unit_kv_fastpath      | a kv scale of 1 taken for "no scales": fp8 q's scale dropped | tier1 (fp8: the kv_unit case) |
+| reduce_pad_weight0    | a reduce over the batch's most splits per request whose      | nan.first (a request of fewer |
+|                       | padding slots read the first request's first partial with    | splits than another)          |
+|                       | weight 0 (0 NaN = NaN)                                       |                               |
 """
 
 from __future__ import annotations
@@ -160,6 +163,7 @@ def _decode(
     row_bits: int | None = None,
     page_magic_bits: int | None = None,
     unit_kv_drops_q_scale: bool = False,
+    pad_weight0: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV online-softmax MLA decode -> (out [T, H, L] bf16, lse [T, H] fp32). Defaults = no bug.
 
@@ -186,7 +190,9 @@ def _decode(
     modulo 2^bits in its causal mask; with ``page_magic_bits`` = b a token's logical page is (j ceil(2^b / P)) >> b
     (a division by a magic multiply, exact for every j below about 2^b / P, and wherever P is a power of two), its
     slot j mod P. With ``unit_kv_drops_q_scale`` a kv scale of exactly 1 takes the path without scales, q's
-    dropped too.
+    dropped too. With ``pad_weight0`` every request's merge runs over the batch's most splits, its missing ones
+    padding slots that read the first request's first split partial (its row r, or its last) with weight 0, so
+    0 NaN = NaN there.
     """
     L, H, ps = batch.kv_lora_rank, batch.num_heads, batch.page_size
     sigma = batch.sm_scale if sm_scale is None else sm_scale
@@ -210,6 +216,7 @@ def _decode(
         s_max = max(seq_lens, default=0)
         longest_blocks = -(-(-(-s_max // ps) * ps) // BLOCK)  # blocks of its whole pages
         batch_piece = -(-longest_blocks // min(MAX_SPLITS, max(longest_blocks, 1))) * BLOCK or BLOCK
+    splits, first_o = [], None  # pad_weight0: each request's split count; the first request's first partial
     for b, (s, n) in enumerate(zip(seq_lens, q_lens)):
         n_pages = -(-s // ps)
         row = b % 2**request_bits if request_bits is not None else b  # the block-table row it reads
@@ -265,6 +272,13 @@ def _decode(
             o_s = o_s.to(partial_dtype).float()
         order = torch.arange(len(parts), device=dev).roll(-merge_shift)  # [S] the order the merge sums them in
         out[qo[b] : qo[b + 1]], lse[qo[b] : qo[b + 1]] = _merge(o_s[order], lse_s[order], merge, empty_nan)
+        splits.append(len(parts))
+        first_o = o_s[0] if first_o is None and s and n else first_o  # [n0, H, L]
+    if pad_weight0 and first_o is not None:  # each padding slot: 0 x the first partial's row r (or its last)
+        for b, n in enumerate(q_lens):
+            if splits[b] < max(splits) and n:
+                r = torch.arange(n, device=dev).clamp(max=first_o.shape[0] - 1)  # [n]
+                out[qo[b] : qo[b + 1]] += 0.0 * first_o[r]  # [n, H, L] 0, or NaN where the partial is
     if head_tile is not None:  # the heads past the last whole tile: never computed
         computed = max(1, H // head_tile) * head_tile
         out[:, computed:], lse[:, computed:] = 0.0, -math.inf
@@ -835,6 +849,14 @@ def eager_fast_path(batch):
     return _decode(batch.replace(seq_lens=seq_lens))
 
 
+def reduce_pad_weight0(batch):
+    """A reduce that merges every request over the batch's most splits, its padding slots reading the first
+    request's first split partial with weight 0: right on finite data, NaN for every request of fewer splits where
+    that partial is NaN (found by a review that mutated the emulated path's reduce: the nan probe's NaN sat in the
+    newest token, the last piece, which no padding slot reads)."""
+    return _decode(batch, pad_weight0=True)
+
+
 def stale_plan(batch):
     """Right when called; its graph-capturable step plans once: plan() copies the lengths of the step it was built
     for and keeps them, so a replay after the batch buffers were refilled with the next step decodes the new q and
@@ -877,6 +899,7 @@ MUTANTS = (
     "big_batch_mtp_mask", "request_index_8bit", "page_ids_16bit", "rope_width_64", "full_tile_fast_path",
     "shared_page_reuse", "prefix_by_first_page", "prefix_first_pair", "head0_max", "dtype_unchecked",
     "alpha_bf16", "head_tiles_floor", "slot_8bit", "mtp_row_3bit", "page_div_magic16", "unit_kv_fastpath",
+    "reduce_pad_weight0",
 )  # fmt: skip
 FP8_ONLY = ("kv_scale_ignored", "q_scale_ignored", "unit_kv_fastpath")  # need fp8 inputs (a scale != 1; the last
 # a kv scale of 1 beside fp8 q's own)
