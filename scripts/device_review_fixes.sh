@@ -5,7 +5,8 @@
 # batch (264 requests split over 132 workers, one of 3 x 4096 tokens). Campaigns through one MPS daemon, each
 # writing $OUT/r_<name>.json, and a table in $OUT/log.txt: failing checks, the added rows' largest err / bound, and
 # the status of the heads, dtype and big-batch cases, and of the fifty-ninth session's smoke cases (96 heads, pages
-# of 528, 12 MTP rows, fp8's kv_unit scales; seeds 24-28). The README's "Review fixes on the H200".
+# of 528, 12 MTP rows, fp8's kv_unit scales; seeds 24-28), and the sixtieth's nan.first check. The README's "Review
+# fixes on the H200".
 # Two device tool calls (each within the 600 s a call may take; carry .whl, the peers' wheels):
 #   bash scripts/device_review_fixes.sh [SECONDS] ours    our Triton backends, and the new mutants
 #   bash scripts/device_review_fixes.sh [SECONDS] peers   FlashInfer and FlashMLA, and their GPU step tests
@@ -28,7 +29,7 @@ mps_stop
 python3 - "$OUT" <<'PY' | tee -a "$log"
 import glob, json, os, sys
 print("| campaign | cases (unsupported) | failed | failing checks | added rows: cases, max err/bound | heads case "
-      "| dtype cases | big split batch | fifty-ninth's cases | wall s |")
+      "| dtype cases | big split batch | fifty-ninth's cases | nan.first: cases, failed | wall s |")
 for path in sorted(glob.glob(os.path.join(sys.argv[1], "r_*.json"))):
     r = json.load(open(path))
     c = r["checks"]
@@ -48,6 +49,6 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "r_*.json"))):
     unsupported = sum(v if isinstance(v, int) else len(v) for v in r["unsupported"].values())
     print(f"| {os.path.basename(path)[2:-5]} | {r['cases']} ({unsupported}) | {r['failed']} | "
           f"{', '.join(failing[:6]) or '-'} | {cell} | {heads} | {dtypes} | {big} | {new} | "
-          f"{r.get('seconds', 0):.1f} |")
+          f"{c.get('nan.first', {}).get('cases')}, {c.get('nan.first', {}).get('failed')} | {r.get('seconds', 0):.1f} |")
 PY
 step done
