@@ -135,7 +135,7 @@ def test_a_far_cache_that_does_not_fit_fails_the_check_and_says_what_to_do(monke
     from verify.kernels import from_backend
     from verify.strategies import smoke_cases
 
-    def no_room(batch, *args):
+    def no_room(batch, *args, **kwargs):
         raise error
 
     monkeypatch.setattr(checks, "far_pages", no_room)
@@ -155,7 +155,7 @@ def test_a_far_run_out_of_memory_says_so_and_every_far_check_releases_its_cache(
     emulated = from_backend("emulated")
     far_caches, released = [], []
 
-    def small_far(batch, *args):  # a copy stands in for the 2-4 GB cache
+    def small_far(batch, *args, **kwargs):  # a copy stands in for the 2-4 GB cache
         far = batch.replace(kv_cache=batch.kv_cache.clone())
         far_caches.append(far.kv_cache.data_ptr())
         return far
