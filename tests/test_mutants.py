@@ -211,13 +211,19 @@ def test_a_reduce_that_weighs_a_nan_partial_by_0_fails_the_first_token_nan_check
 def test_the_nan_probe_marks_what_the_oracle_makes_nan(dtype, token):
     """nan_probe's expected mask is the oracle's: NaN out (every channel) and lse on the longest request's last
     query row only (newest: its earlier MTP rows do not see the newest token), or on every row of the first
-    non-empty request that sees a token (first: its first token), finite elsewhere."""
+    request with as many tokens as rows (first: its first token), finite elsewhere; also on drawn cases with MTP
+    rows past their lengths (a first request of fewer tokens than rows is passed over: its leading rows read
+    nothing, and the oracle's masked P.V would carry the NaN there)."""
     import torch
 
     from mla_ref.decode import mla_decode_ref
     from verify.checks import nan_probe
+    from verify.cli import _draw
+    from verify.strategies import cases
 
-    for case in smoke_cases(dtype):
+    drawn = [c for c in _draw(cases(dtype, max_seq_len=64), 40, seed=5) if any(n > s for n, s in zip(c.q_lens,
+                                                                                              c.seq_lens))][:8]
+    for case in smoke_cases(dtype) + drawn:
         batch, _ = case.materialize("cpu")
         probe = nan_probe(batch, token)
         if probe is None:

@@ -414,10 +414,11 @@ def nan_probe(batch: DecodeBatch, token: str = "newest") -> tuple[DecodeBatch, t
     token "newest": the last channel (a rope channel: scores only) of the longest request's newest token, read by
     that request's last query row, every head (its earlier MTP rows do not see it: a mask applied after a NaN
     score, or a max taken before it, spreads it there).
-    token "first": the first latent channel (c_kv: the scores and P.V) of the first token of the first request that
-    has one, read by each of its rows that sees a token, every head. A reduce or tile that multiplies a partial or a
-    token by a weight of 0 (0 NaN = NaN), such as a reduce whose padding slots re-read the first split tile's first
-    partial, spreads it to other requests' rows (found by a review that mutated the emulated split-KV path)."""
+    token "first": the first latent channel (c_kv: the scores and P.V) of the first token of the first request with
+    at least as many tokens as query rows (None if none), read by each of its rows, every head. A reduce or tile
+    that multiplies a partial or a token by a weight of 0 (0 NaN = NaN), such as a reduce whose padding slots re-read
+    the first split tile's first partial, spreads it to other requests' rows (found by a review that mutated the
+    emulated split-KV path)."""
     if token not in NAN_PROBES:
         raise ValueError(f"nan_probe.token: expected one of {NAN_PROBES}, got {token!r}")
     seq = batch.seq_lens.tolist()  # [B]
@@ -433,8 +434,11 @@ def nan_probe(batch: DecodeBatch, token: str = "newest") -> tuple[DecodeBatch, t
         kv[int(batch.block_table[b, (s - 1) // ps]), (s - 1) % ps, -1] = nan
         row = int(batch.qo_indptr[b + 1]) - 1
         expected[row] = True
-    else:
-        b = next(i for i, s in enumerate(seq) if s)
+    else:  # a request whose every row sees a token (rows that see none read no token: out 0, lse -inf)
+        n_rows = batch.q_lens.tolist()  # [B]
+        b = next((i for i, (s, n) in enumerate(zip(seq, n_rows)) if s >= n > 0), None)
+        if b is None:
+            return None
         kv[int(batch.block_table[b, 0]), 0, 0] = nan
         first, last = int(batch.qo_indptr[b]), int(batch.qo_indptr[b + 1])
         expected[first:last] = (batch.visible_tokens()[first:last] > 0)[:, None]  # [n, H] rows that see a token
@@ -456,7 +460,8 @@ def _nan_run(batch: DecodeBatch, kernel: Kernel, workers: int, token: str) -> Ch
     name = "nan" if token == "newest" else f"nan.{token}"
     probe = nan_probe(batch, token)
     if probe is None:
-        return CheckResult(f"{name}.skipped", True, detail="no request has a token to poison")
+        return CheckResult(f"{name}.skipped", True, detail="no request has a token to poison" + (
+            "" if token == "newest" else " with as many tokens as query rows"))
     nan_batch, expected, row = probe
     result, why = _outputs_of(_run(kernel, nan_batch, workers), nan_batch)
     if why is not None:
