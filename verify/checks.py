@@ -441,7 +441,7 @@ def nan_probe(batch: DecodeBatch, token: str = "newest") -> tuple[DecodeBatch, t
             return None
         kv[int(batch.block_table[b, 0]), 0, 0] = nan
         first, last = int(batch.qo_indptr[b]), int(batch.qo_indptr[b + 1])
-        expected[first:last] = (batch.visible_tokens()[first:last] > 0)[:, None]  # [n, H] rows that see a token
+        expected[first:last] = True  # [n, H] every row of it sees token 0 (s >= n)
         row = last - 1
     return batch.replace(kv_cache=kv), expected, row
 
@@ -1267,9 +1267,10 @@ def run_case(case: Case, kernel: Kernel, device: str = "cpu", far: bool | None =
     batch, batch_exact = case.materialize(device)
     try:
         numerics = kernel.numerics(batch)
-        result.numerics = numerics.describe() if isinstance(numerics, KernelNumerics) else repr(numerics)
         if isinstance(numerics, KernelNumerics):
-            result.out_dtype = str(numerics.out_dtype).removeprefix("torch.")
+            result.numerics, result.out_dtype = numerics.describe(), str(numerics.out_dtype).removeprefix("torch.")
+        else:
+            result.numerics = repr(numerics)
     except Unsupported as e:  # a plug-in's numerics(batch) may refuse the batch as its kernel would
         result.unsupported = str(e)
         result.seconds = time.perf_counter() - t0
