@@ -593,9 +593,28 @@ def _decode_grid(batch: DecodeBatch, grid: RequestGrid, dtype: torch.dtype) -> t
     m = torch.where(seen, s.amax(dim=-1) if grid.S else 0.0, 0.0)  # [B, N, H] row max (0 if empty)
     p = torch.exp(s - m[..., None])  # [B, N, H, S] unnormalised, exp(-inf) = 0
     l = p.sum(dim=-1)  # [B, N, H]
-    out = torch.einsum("bnhs,bsc->bnhc", p, V) / torch.where(seen, l, 1.0)[..., None]  # [B, N, H, L]
+    out = _p_times_v(p, V, mask) / torch.where(seen, l, 1.0)[..., None]  # [B, N, H, L]
     lse = torch.where(seen, m + torch.log(l), -math.inf)  # [B, N, H]
     return grid.unpad(out), grid.unpad(lse)
+
+
+def _p_times_v(p: torch.Tensor, V: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """P·V where a row reads only the tokens it sees: [B, N, H, S] x [B, S, L] -> [B, N, H, L].
+
+    A matmul would give every row of a request 0·NaN = NaN from a non-finite latent value of a token that the row's
+    causal mask hides (or, with none seen, out NaN instead of 0). So the finite values go through the einsum and each
+    non-finite one (NaN or inf, rare: a probe or an overflow) is added to the rows that see its token only, weighted
+    by their p (which may be 0 there: a token seen but underflowed still gives 0·NaN = NaN).
+    """
+    finite = torch.isfinite(V)  # [B, S, L]
+    out = torch.einsum("bnhs,bsc->bnhc", p, V.where(finite, 0.0))  # [B, N, H, L]
+    if bool(finite.all()):
+        return out
+    b, t, c = (~finite).nonzero(as_tuple=True)  # [k] each: the non-finite values' request, token, channel
+    seen = mask[b, :, t][..., None]  # [k, N, 1] the rows that see each value's token
+    add = torch.where(seen, p[b, :, :, t] * V[b, t, c][:, None, None], 0.0)  # [k, N, H]
+    out.permute(0, 3, 1, 2).index_put_((b, c), add, accumulate=True)  # out[b, :, :, c] += add, in place
+    return out
 
 
 def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from mla_ref.decode import (
@@ -97,6 +97,31 @@ def test_ref_matches_dense_softmax(case):
     out_d, lse_d = dense_softmax_reference(q, kvs, case.q_lens, 0.3, case.L)
     assert torch.isfinite(out).all(), "NaN padding leaked into the output"
     assert_fp64_agree(batch, (out, lse), (out_d, lse_d))
+
+
+@given(dense_cases(), st.data())
+def test_a_nan_latent_value_reaches_only_the_rows_that_see_its_token(case, data):
+    """One NaN latent value of a drawn token: NaN out and lse on the rows that see that token (the dense reference
+    reads only those), every other row as without it, and rows that see no token out 0, lse -inf. A P.V matmul over
+    the request's tokens gave 0 x NaN = NaN to the rows that the causal mask hides the token from."""
+    assume(sum(case.seq_lens))
+    q, kvs, g = dense_inputs(case)
+    clean_batch = make_decode_batch(q, kvs, q_lens=list(case.q_lens), sm_scale=0.3, kv_lora_rank=case.L,
+                                    page_size=case.page_size, generator=torch.Generator().set_state(g.get_state()))
+    kvs = [kv.clone() for kv in kvs]
+    b = data.draw(st.sampled_from([i for i, s in enumerate(case.seq_lens) if s]), label="request")
+    kvs[b][data.draw(st.integers(0, case.seq_lens[b] - 1), label="token"), data.draw(st.integers(0, case.L - 1))] = math.nan
+    batch = make_decode_batch(q, kvs, q_lens=list(case.q_lens), sm_scale=0.3, kv_lora_rank=case.L,
+                              page_size=case.page_size, generator=g)
+    out, lse = mla_decode_ref(batch)
+    out_d, lse_d = dense_softmax_reference(q, kvs, case.q_lens, 0.3, case.L)
+    reads = torch.isnan(lse_d)  # [T, H] the rows that see the token (every head)
+    assert reads.any(), "the request's last row sees every token"
+    assert torch.equal(torch.isnan(lse), reads) and torch.equal(torch.isnan(out).all(dim=-1), reads)
+    clean = ~reads.any(dim=-1)  # [T]
+    assert not torch.isnan(out[clean]).any()
+    # the bound of the batch without the NaN (the poisoned one's is NaN): these rows never read it
+    assert_fp64_agree(clean_batch, (out[clean], lse[clean]), (out_d[clean], lse_d[clean]), rows=clean)
 
 
 def test_real_dims_and_empty_rows():
