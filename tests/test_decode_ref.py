@@ -110,7 +110,8 @@ def test_a_nan_latent_value_reaches_only_the_rows_that_see_its_token(case, data)
                                     page_size=case.page_size, generator=torch.Generator().set_state(g.get_state()))
     kvs = [kv.clone() for kv in kvs]
     b = data.draw(st.sampled_from([i for i, s in enumerate(case.seq_lens) if s]), label="request")
-    kvs[b][data.draw(st.integers(0, case.seq_lens[b] - 1), label="token"), data.draw(st.integers(0, case.L - 1))] = math.nan
+    token = data.draw(st.integers(0, case.seq_lens[b] - 1), label="token")
+    kvs[b][token, data.draw(st.integers(0, case.L - 1), label="channel")] = math.nan
     batch = make_decode_batch(q, kvs, q_lens=list(case.q_lens), sm_scale=0.3, kv_lora_rank=case.L,
                               page_size=case.page_size, generator=g)
     out, lse = mla_decode_ref(batch)
