@@ -178,7 +178,7 @@ def test_help_lists_every_flag(capsys):
     assert code == 0
     for flag in ["--dtype", "--fp8-format", "--backend", "--impl", "--cases", "--seed", "--max-seq-len", "--heads",
                  "--page-size", "--kv-lora-rank", "--rope-dim", "--max-batch", "--profile", "--device", "--json",
-                 "--plot", "--case", "--jobs", "--impl-path",
+                 "--plot", "--case", "--jobs", "--threads", "--impl-path",
                  "--time-limit", "--exitfirst", "--far", "--long", "exit codes", "plug-in contract", "model"]:
         assert flag in out, flag
 
@@ -270,6 +270,32 @@ def test_replay_of_repro_line(capsys, tmp_path):
     assert "[tier1.out] OK" in err and "[empty] OK" in err
 
 
+def test_cases_run_at_the_thread_count_their_repro_lines_carry(capsys, tmp_path, monkeypatch):
+    """On a CPU the cases run at one torch thread count, in this process (--jobs 1) as in forked workers, and every
+    repro line carries it as --threads (a replay had run at torch's default count while the CPU workers ran one, so
+    a plug-in's fp32 reductions could differ in their last bits: a review's replays). main gives this process its
+    count back at the end."""
+    (tmp_path / "threads_plugin_mod.py").write_text(
+        "import torch\nfrom verify.mutants import out_gain\n"
+        "def decode(batch):\n    print('threads', torch.get_num_threads())\n    return out_gain(batch)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = torch.get_num_threads()
+    for argv, threads in ((("--jobs", "1", "--threads", "1"), 1), (("--jobs", "2"), max(1, cli._usable_cores() // 2)),
+                          (("--jobs", "1"), before)):
+        path = tmp_path / "r.json"
+        code, out, err = run(capsys, "--impl", "threads_plugin_mod:decode", "--cases", "2", "--max-seq-len", "64",
+                             *argv, "--json", str(path))
+        report = json.loads(path.read_text())
+        assert code == cli.EXIT_FAILED and report["threads"] == threads, (argv, err)
+        assert all(f["repro"].endswith(f" --threads {threads}") for f in report["failures"]), argv
+        if "2" not in argv:  # the cases ran here (a forked worker's print does not reach capsys)
+            assert {ln for ln in out.splitlines() if ln.startswith("threads ")} == {f"threads {threads}"}, argv
+        assert torch.get_num_threads() == before
+        code, out, err = run(capsys, *shlex.split(report["failures"][0]["repro"])[1:])
+        assert code == cli.EXIT_FAILED and {ln for ln in out.splitlines() if ln.startswith("threads ")} == {
+            f"threads {threads}"}, (argv, out)
+
+
 def test_json_report_schema(capsys, tmp_path):
     path, png = tmp_path / "r.json", tmp_path / "r.png"
     code, _, _ = run(capsys, "--impl", "verify.mutants:out_gain", "--cases", "2", "--max-seq-len", "256", "--jobs", "1",
@@ -283,7 +309,7 @@ def test_json_report_schema(capsys, tmp_path):
     assert report["cases"] == 2 and report["failed"] == len(report["failures"]) >= 1
     failure = report["failures"][0]
     assert failure["repro"].startswith("mla-verify --case ")
-    assert failure["repro"].endswith("--impl verify.mutants:out_gain")
+    assert failure["repro"].endswith(f"--impl verify.mutants:out_gain --threads {torch.get_num_threads()}")
     tier1 = next(c for c in failure["checks"] if c["name"] == "tier1.out")
     assert tier1["err_over_bound"] > 1
     summary = report["checks"]["tier1.out"]
@@ -799,7 +825,7 @@ def test_json_check_summary_is_the_statistics_of_its_cases(capsys, tmp_path):
     assert summary["max_err_over_bound"] == max(values)
     assert summary["median_err_over_bound"] == statistics.median(values)
     worst = Case.from_json(json.dumps(report["results"][values.index(max(values))]["case"]))
-    assert summary["worst_repro"] == worst.repro("--backend emulated")
+    assert summary["worst_repro"] == worst.repro(f"--backend emulated --threads {torch.get_num_threads()}")
 
 
 def test_a_plugin_with_run_workers_gets_the_split_check(capsys, tmp_path):
@@ -1085,7 +1111,8 @@ def test_a_repro_line_names_the_directory_a_plugin_was_found_in_and_replays_from
     monkeypatch.chdir(plugins)
     code, out, err = run(capsys, "--impl", "gain_plugin_mod:decode", "--cases", "1", "--jobs", "1")
     (line,) = {ln.strip()[len("repro: "):] for ln in (out + err).splitlines() if ln.strip().startswith("repro: ")}
-    assert code == cli.EXIT_FAILED and line.endswith(f"--impl gain_plugin_mod:decode --impl-path {plugins}"), line
+    assert code == cli.EXIT_FAILED and line.endswith(f"--impl gain_plugin_mod:decode --impl-path {plugins} --threads "
+                                                      f"{torch.get_num_threads()}"), line
     monkeypatch.chdir(elsewhere)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(plugins)])
     monkeypatch.delitem(sys.modules, "gain_plugin_mod")

@@ -205,6 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="worker processes (default: the usable cores on a CPU, min(14, cores) spawned processes "
                         "sharing one GPU; --case runs in one process; --profile search runs one search unless N > 1, "
                         "then N independent searches with seeds SEED..SEED+N-1)")
+    p.add_argument("--threads", type=_positive_int, metavar="N",
+                   help="torch CPU threads per case, in this process and in each worker (default: torch's count "
+                        "with --jobs 1, else the usable cores split between the workers); on a CPU device repro lines "
+                        "carry the count, since a kernel's fp32 reductions on the CPU may change in their last bits "
+                        "with it")
     p.add_argument("--json", metavar="PATH", help="write the JSON report to PATH ('-' = stdout)")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of err/bound per case and check (needs matplotlib)")
     p.add_argument("--case", metavar="JSON",
@@ -231,6 +236,7 @@ GPU_JOBS = 14  # default processes feeding one GPU (each holds a CUDA context, ~
 _KERNEL = None  # the kernel of this process (inherited by forked workers)
 _DEVICE = "cpu"
 _FAR: bool | None = None  # run_case's far: None = on CUDA devices
+_THREADS = 1  # torch CPU threads per case, in this process and each worker (main: --threads or `_default_threads`)
 _INFLIGHT_DIR: str | None = None  # a worker process: where it writes the case it runs (<pid>.json), see _run_one
 _BEFORE_CASE: Callable[[Case], None] | None = None  # this process, --json PATH: rewrites the report naming the case
 # about to run (`main`), so that a kernel that kills the process running the cases (--jobs 1) leaves a report
@@ -383,7 +389,7 @@ def _search_parallel(dtype: str, shape: dict, n: int, seed: int, jobs: int, on_r
     method = _start_method(_DEVICE)
     ctx = multiprocessing.get_context(method)
     inflight = tempfile.mkdtemp(prefix="mla-verify-inflight-")
-    init = (max(1, _usable_cores() // jobs), kernel_spec if method == "spawn" else None, _DEVICE, _FAR, inflight)
+    init = (_THREADS, kernel_spec if method == "spawn" else None, _DEVICE, _FAR, inflight)
     messages, stop = ctx.Queue(), ctx.Event()
     shares = [n // jobs + (i < n % jobs) for i in range(jobs)]
     workers = {i: ctx.Process(target=_search_worker, args=(i, share, seed + i, dtype, shape, init, messages, stop),
@@ -445,6 +451,16 @@ def _usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def _default_threads(jobs: int) -> int:
+    """torch CPU threads per case without --threads: torch's count when the cases run in this process (jobs 1),
+    else the usable cores split between the worker processes (1 each with the CPU's default of one job a core)."""
+    if jobs == 1:
+        import torch
+
+        return torch.get_num_threads()
+    return max(1, _usable_cores() // jobs)
+
+
 def _start_method(device: str) -> str:
     """How pool workers start: "fork" on a CPU where the platform has it (the workers inherit the kernel), else
     "spawn" (on a GPU, since CUDA cannot be used in a forked child; on a CPU-only platform without fork, e.g.
@@ -467,8 +483,8 @@ def _run_all(cases: list[Case], jobs: int, on_result, kernel_spec: tuple[str, st
         if method == "spawn" and kernel_spec is None:
             raise ValueError("kernel_spec: spawned workers need the kernel's spec to resolve it; got None")
         ctx = multiprocessing.get_context(method)
-        spawn = method == "spawn"  # forked workers inherit the kernel, device and far setting, and run one thread
-        init = (max(1, _usable_cores() // jobs) if spawn else 1, kernel_spec if spawn else None, _DEVICE, _FAR)
+        spawn = method == "spawn"  # forked workers inherit the kernel, device and far setting
+        init = (_THREADS, kernel_spec if spawn else None, _DEVICE, _FAR)
         with tempfile.TemporaryDirectory(prefix="mla-verify-inflight-") as inflight:
             # an executor, not a Pool: a Pool replaces a worker the kernel crashed and waits for its result forever
             executor = ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init,
@@ -827,7 +843,7 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse.N
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``mla-verify`` console script; returns the exit code."""
-    global _KERNEL, _DEVICE, _FAR, _BEFORE_CASE
+    global _KERNEL, _DEVICE, _FAR, _BEFORE_CASE, _THREADS
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "model":
         return _model(argv[1:])
@@ -938,7 +954,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         jobs = args.jobs or (cores if device.type == "cpu" else min(GPU_JOBS, cores))
     kernel_spec = ("impl", args.impl) if args.impl else ("backend", kernel.name)
-    report.update(seed=seed, jobs=jobs)
+    # every case at one thread count, in this process (a search's smoke prefix, a lone case) as in the workers
+    _THREADS = args.threads or _default_threads(jobs)
+    if device.type == "cpu":
+        flags += f" --threads {_THREADS}"
+    report.update(seed=seed, jobs=jobs, threads=_THREADS)
     if replay:  # what ran: the case's own dtypes and format, no drawing
         report.update(profile=None, seed=None, dtype="fp8" if replay.kv_dtype == "fp8" else "bf16",
                       fp8_format=replay.fp8_format)
@@ -1027,6 +1047,8 @@ def main(argv: list[str] | None = None) -> int:
                 return False
             return True
 
+        threads_before = torch.get_num_threads()
+        torch.set_num_threads(_THREADS)  # for the cases run here; given back at the end (main may run in a test)
         try:
             if replay:
                 on_result(_run_one(replay))
@@ -1052,6 +1074,7 @@ def main(argv: list[str] | None = None) -> int:
                                    highlight=False)
         finally:
             _BEFORE_CASE = None
+            torch.set_num_threads(threads_before)
     seconds = time.perf_counter() - t0
 
     if replay and results:

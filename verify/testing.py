@@ -99,13 +99,15 @@ def mla_property_test(
         long = torch.device(dev).type == "cuda"
 
     def test(case: Case) -> None:
-        note(f"repro: {case.repro(flags)}")
+        # and at this process's torch thread count on a CPU (a kernel's fp32 reductions there may depend on it)
+        repro = case.repro(flags + (f" --threads {torch.get_num_threads()}" if torch.device(dev).type == "cpu" else ""))
+        note(f"repro: {repro}")
         result = run_case(case, kernel, dev, far)
         for c in result.checks:  # used by profiles with the target phase (search), ignored otherwise
             if c.err_over_bound is not None and 0 <= c.err_over_bound < float("inf"):
                 target(c.err_over_bound, label=c.name)
         if not result.ok:
-            raise AssertionError(f"{result.describe()}\nrepro: {case.repro(flags)}")
+            raise AssertionError(f"{result.describe()}\nrepro: {repro}")
 
     explicit = (smoke_cases(dtype, **shape) if smoke else []) + (long_cases(dtype, **shape) if long else [])
     explicit += list(examples)
