@@ -275,8 +275,9 @@ def _decode(
         splits.append(len(parts))
         first_o = o_s[0] if first_o is None and s and n else first_o  # [n0, H, L]
     if pad_weight0 and first_o is not None:  # each padding slot: 0 x the first partial's row r (or its last)
+        most = max(splits)
         for b, n in enumerate(q_lens):
-            if splits[b] < max(splits) and n:
+            if splits[b] < most and n:
                 r = torch.arange(n, device=dev).clamp(max=first_o.shape[0] - 1)  # [n]
                 out[qo[b] : qo[b + 1]] += 0.0 * first_o[r]  # [n, H, L] 0, or NaN where the partial is
     if head_tile is not None:  # the heads past the last whole tile: never computed
