@@ -110,7 +110,8 @@ def rescale_probe(batch: DecodeBatch) -> RescaleProbe | str:
     alpha = 2.0 ** -torch.floor(torch.log2(n_old))  # [B] α: r α in [1, 2)
     level = torch.arange(K, dtype=torch.float64)  # [K]
     span = torch.arange(int(r.max())) // STEP  # [r_max] the step each old token lies in
-    per_level = torch.stack([torch.bincount(span[: max(int(n), 0)] % K, minlength=K) for n in r]).double()  # [B, K]
+    seen = torch.nn.functional.one_hot(span % K, K).cumsum(0)  # [r_max, K] tokens of each level among the first j+1
+    per_level = torch.where((r > 0)[:, None], seen[(r - 1).clamp(min=0)], 0).double()  # [B, K] among the first r_b
     S = per_level @ torch.exp(RISE * (level[:, None] / K - 1) * t[None, :])  # [B, H] Σ_{j<r} e^(16 (k_j / K - 1) t_h)
     b = -sign * round_to((alpha[:, None] * S[:, c % H]) / scale, batch.kv_cache.dtype) * scale  # [B, L]
 
