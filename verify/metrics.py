@@ -159,11 +159,6 @@ class Report:
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    @property
-    def all_finite(self) -> bool:
-        """No NaN or ±inf on either side (the condition for Hypothesis ``target()`` observations)."""
-        return self.nonfinite_count == 0
-
     def describe(self) -> str:
         """Multi-line message in the style of torch ``assert_close`` / FlashMLA ``check_is_allclose``."""
         status = "OK" if self.ok else "NOT OK"
