@@ -41,7 +41,6 @@ import torch
 from mla_ref.decode import DecodeBatch, is_fp8
 
 HEADS_PER_GROUP = 16  # aiter's MLA kernels work on 16-head groups (aiter-contract.md §2)
-WORK_FIELDS = ("batch_idx", "partial_qo_loc", "qo_start", "qo_end", "kv_start", "kv_end", "kv_offset", "pad")
 AITER_MIN_TAIL = 4  # fewest KV tokens of a split's last piece in our plans for aiter: its fp8 persistent kernels
 # gave NaN on tails under 4 (ROCm/aiter #2106, #2128; aiter-contract.md §11), and its own metadata keeps a tail of at
 # least max q_len tokens (tail_done_threshold, §5), so that no causal row sees nothing in a split
