@@ -306,8 +306,11 @@ LAYOUT_CASES = ("bf16_p3_mtp2_w3", "fp8kv_p16_w3", "fp8_p1_w5", "bf16_p4_chunks_
 
 def _layout_bitwise(td) -> dict:
     """Each LAYOUT_CASES batch decoded as built and as `verify.strided_inputs.strided_batch` (q, cache and block
-    table as views into NaN-padded buffers), one plan and config: {name: (same bits, no NaN, a split plan)}."""
-    from triton_cases import same_bits
+    table as views into NaN-padded buffers), then into out and lse views of NaN-filled buffers (`strided_outputs`:
+    a wrong row or head stride in a store, e.g. the reduce's out store taking the workspace's head stride, was seen
+    by no check: a review's source mutant), one plan and config: {name: (same bits, no NaN, a split plan, the
+    strided outputs' bits with every element around them still NaN)}."""
+    from triton_cases import outside_is_nan, same_bits, strided_outputs
 
     from verify.strided_inputs import strided_batch
 
@@ -320,8 +323,11 @@ def _layout_bitwise(td) -> dict:
         plan = td.make_plan(batch, config, case.num_workers)
         dense = td.decode(batch, plan=plan, config=config)
         strided = td.decode(strided_batch(batch).batch, plan=plan, config=config)
+        out, lse, out_buffer, lse_buffer = strided_outputs(*dense[0].shape)
+        into_views = td.decode(batch, plan=plan, config=config, out=out, lse=lse)
         seen[name] = (same_bits(dense, strided), not bool(torch.isnan(strided[0].float()).any()),
-                      plan.num_partial_rows > 0)
+                      plan.num_partial_rows > 0, same_bits(dense, into_views) and outside_is_nan(out, out_buffer)
+                      and outside_is_nan(lse, lse_buffer))
     return seen
 
 
@@ -509,8 +515,9 @@ def test_default_config_takes_the_new_paths(report):
 def test_strided_inputs_give_the_bits_of_contiguous_ones(report):
     """The kernels take q's, the cache's and the block table's strides (the layout check's views into NaN-padded
     buffers, verify/strided_inputs.py): the same bits as on the contiguous batch and no NaN, split plans on pages
-    of 1, 3, 4, 8 and 16 (block-table chunks in registers on the last two), MTP and all three dtype combos."""
-    assert report["layout_bitwise"] == {name: [True, True, True] for name in LAYOUT_CASES}
+    of 1, 3, 4, 8 and 16 (block-table chunks in registers on the last two), MTP and all three dtype combos; and
+    out and lse passed as views into NaN-filled buffers get the same bits, every element around them left NaN."""
+    assert report["layout_bitwise"] == {name: [True, True, True, True] for name in LAYOUT_CASES}
 
 
 def test_interleave_gives_the_same_bits(report):

@@ -227,6 +227,29 @@ def test_strided_inputs_give_the_triton_kernels_bits_and_gluon_refuses_them_by_n
 
 
 @pytest.mark.parametrize("case", VARLEN, ids=lambda c: f"{c.combo}_h{c.heads}_p{c.page_size}_s{c.seed}")
+def test_outputs_passed_as_strided_views_get_the_bits_of_fresh_ones(case):
+    """decode(out=, lse=) takes outputs with any row and head stride (`check_outputs`): views into NaN-filled
+    buffers (`triton_cases.strided_outputs`) get the bits of freshly allocated outputs on one plan, with the
+    dispatched kernel (Gluon where it applies) and with the Triton kernel, and every element around them stays NaN
+    (a store with another tensor's head stride, or past the view, shows). The interpreter runs the Triton kernel's
+    half on small cases (tests/test_triton_decode.py)."""
+    from triton_cases import outside_is_nan, strided_outputs
+
+    from mla_fast import triton_decode as td
+
+    batch = case.batch("cuda")
+    for config in {td.batch_config(batch, max(case.q_lens)), td.default_config(case.combo, case.heads,
+                                                                               max(case.q_lens))}:
+        plan = td.make_plan(batch, config)
+        dense = td.decode(batch, plan=plan, config=config)
+        out, lse, out_buffer, lse_buffer = strided_outputs(*dense[0].shape, device="cuda")
+        got = td.decode(batch, plan=plan, config=config, out=out, lse=lse)
+        torch.cuda.synchronize()
+        assert same_bits(dense, got), config.kernel
+        assert outside_is_nan(out, out_buffer) and outside_is_nan(lse, lse_buffer), config.kernel
+
+
+@pytest.mark.parametrize("case", VARLEN, ids=lambda c: f"{c.combo}_h{c.heads}_p{c.page_size}_s{c.seed}")
 def test_varlen_within_kernel_bound(case):
     r = _decode_and_check(case.batch("cuda"))
     assert r["finite"] and r["empty_ok"] and r["out_ratio"] <= 1.0 and r["lse_ratio"] <= 1.0, r

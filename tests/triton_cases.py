@@ -57,6 +57,22 @@ def same_bits(a: tuple, b: tuple) -> bool:
                 and torch.equal(a[1].view(torch.int32), b[1].view(torch.int32)))
 
 
+def strided_outputs(T: int, H: int, L: int, device="cpu") -> tuple[torch.Tensor, ...]:
+    """out [T, H, L] bf16 and lse [T, H] fp32 as views into NaN-filled buffers with a row, a head and channels
+    around them (every stride but the last changed), and the buffers: (out, lse, out_buffer, lse_buffer)."""
+    nan = float("nan")
+    out_buffer = torch.full((T + 2, H + 1, L + 16), nan, dtype=torch.bfloat16, device=device)  # [T + 2, H + 1, L + 16]
+    lse_buffer = torch.full((T + 2, H + 3), nan, device=device)  # [T + 2, H + 3]
+    return out_buffer[1 : T + 1, :H, :L], lse_buffer[1 : T + 1, 1 : H + 1], out_buffer, lse_buffer
+
+
+def outside_is_nan(view: torch.Tensor, buffer: torch.Tensor) -> bool:
+    """Every element of ``buffer`` outside ``view`` (a view into it) is still NaN."""
+    inside = torch.zeros(buffer.shape, dtype=torch.bool, device=buffer.device)
+    inside.as_strided(view.shape, view.stride(), view.storage_offset() - buffer.storage_offset()).fill_(True)
+    return bool(torch.isnan(buffer.float())[~inside].all())
+
+
 def with_nan_token(batch, request: int, token: int, channel: int = 5):
     """`batch` with a NaN in one channel of a valid cache token of `request` (e4m3fn caches: the NaN code 0x7F),
     located through the batch's own paging (`DecodeBatch.token_slots`)."""
