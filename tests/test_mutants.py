@@ -213,7 +213,7 @@ def test_the_nan_probe_marks_what_the_oracle_makes_nan(dtype, token):
     query row only (newest: its earlier MTP rows do not see the newest token), or on every row of the first
     request with as many tokens as rows (first: its first token), finite elsewhere; also on drawn cases with MTP
     rows past their lengths (a first request of fewer tokens than rows is passed over: its leading rows read
-    nothing, and the oracle's masked P.V would carry the NaN there)."""
+    nothing, where a kernel's tile may carry the NaN as 0 x NaN; the oracle gives them out 0, lse -inf)."""
     import torch
 
     from mla_ref.decode import mla_decode_ref

@@ -434,7 +434,7 @@ def nan_probe(batch: DecodeBatch, token: str = "newest") -> tuple[DecodeBatch, t
         kv[int(batch.block_table[b, (s - 1) // ps]), (s - 1) % ps, -1] = nan
         row = int(batch.qo_indptr[b + 1]) - 1
         expected[row] = True
-    else:  # a request whose every row sees a token (rows that see none read no token: out 0, lse -inf)
+    else:  # a request whose every row sees a token (a kernel's tile may give a row that sees none 0 x NaN)
         n_rows = batch.q_lens.tolist()  # [B]
         b = next((i for i, (s, n) in enumerate(zip(seq, n_rows)) if s >= n > 0), None)
         if b is None:
