@@ -71,8 +71,9 @@ def split_q_scale(q8: torch.Tensor, q_scale: float, dtype: torch.dtype) -> tuple
 
 
 def flashinfer_inputs(batch: DecodeBatch) -> dict:
-    """The wrapper's plan()/run() arguments for `batch` (see module docstring); ValueError for unsupported dtypes,
-    Unsupported for other latent or rope sizes than DeepSeek's."""
+    """The wrapper's plan()/run() arguments for `batch` (see module docstring). Unsupported (named) for inputs
+    FlashInfer has no kernel for: other latent or rope sizes than DeepSeek's, a cache that is not bf16, fp16 or
+    e4m3fn (e5m2; e4m3fnuz is converted), q of another dtype than the cache's (bf16 with an fp8 cache)."""
     batch.validate()
     dims_refusal(batch)
     layout = batch.to_flashinfer()
@@ -82,14 +83,16 @@ def flashinfer_inputs(batch: DecodeBatch) -> dict:
         from mla_fast.aiter_backend import e4m3fnuz_to_fn
 
         kv, kv_scale = e4m3fnuz_to_fn(kv, kv_scale)
+    from mla_fast.backends import Unsupported
+
     if kv.dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):
-        raise ValueError(f"flashinfer.kv_cache: expected bf16, fp16 or fp8 e4m3fn, got {kv.dtype}")
+        raise Unsupported(f"flashinfer.kv_cache: expected bf16, fp16 or fp8 e4m3fn, got {kv.dtype}")
     q_dtype = torch.bfloat16 if is_fp8(kv.dtype) else kv.dtype  # fp8 KV takes bf16 q only
     if is_fp8(q.dtype):
         q, rest = split_q_scale(q, batch.q_scale, q_dtype)  # [T, H, D] q8 * 2^k, exact
         sm_scale = sm_scale * rest
     if q.dtype != q_dtype:
-        raise ValueError(f"flashinfer.q: expected {q_dtype} with a {kv.dtype} cache, got {q.dtype}")
+        raise Unsupported(f"flashinfer.q: expected {q_dtype} with a {kv.dtype} cache, got {q.dtype}")
     L = batch.kv_lora_rank
     return {
         "qo_indptr": layout["qo_indptr"],  # [B+1]

@@ -29,13 +29,14 @@ pool_campaign() {
   echo "=== $name: exit $?, $*" >> "$log"
   grep -E "cases|stopped|FAILED|Error" "/tmp/$name.txt" | head -5 >> "$log"
 }
-# `peer_campaigns SECONDS`: the peers' GPU step tests, then FlashInfer bf16 and FlashMLA bf16 and fp8 campaigns
+# `peer_campaigns SECONDS`: the peers' GPU step tests, then FlashInfer bf16 and fp8 and FlashMLA bf16 and fp8 campaigns
 # (pool_campaign, SECONDS each, 300 cases at most), their JSON at $OUT/r_<backend>_<dtype>.json.
 peer_campaigns() {
   step "GPU step tests of the peers"
   python3 -m pytest -q -m gpu tests/test_peers_gpu.py -k step 2>&1 | tail -3 | tee -a "$log"
   step "campaigns, $1 s each"
   pool_campaign r_flashinfer_bf16 "$1" --backend flashinfer --dtype bf16 --cases 300
+  pool_campaign r_flashinfer_fp8 "$1" --backend flashinfer --dtype fp8 --cases 300
   pool_campaign r_flashmla_bf16 "$1" --backend flashmla --dtype bf16 --cases 300
   pool_campaign r_flashmla_fp8 "$1" --backend flashmla --dtype fp8 --cases 300
 }

@@ -8,7 +8,7 @@ The adapter tests compare exactly: padding and power-of-two scalings move values
 
 import ast
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -295,6 +295,22 @@ def test_flashinfer_refuses_other_latent_and_rope_sizes():
 
 
 # ---- FlashInfer adapter (CPU parts) -------------------------------------------------------------------------------
+
+
+def test_flashinfer_refuses_an_e5m2_cache_and_a_q_of_another_dtype_by_name():
+    """Found on an H200 (sixty-second session): the smoke prefix's e5m2 case (vLLM's fp8_e5m2 cache, bf16 q) made
+    FlashInfer's adapter raise a plain ValueError, which the verifier counts as a failed contract, not an input the
+    kernel lacks. FlashInfer has kernels for bf16, fp16 and e4m3fn caches only, with q in bf16 beside an fp8 cache:
+    the adapter now refuses the others with Unsupported, naming the field."""
+    e5m2 = Case(seq_lens=(300, 65, 0), q_lens=(2, 1, 1), heads=8, page_size=16, fp8_format="e5m2", q_dtype="bf16",
+                kv_dtype="fp8").materialize()[0]
+    assert e5m2.kv_cache.dtype == torch.float8_e5m2
+    with pytest.raises(backends.Unsupported, match="flashinfer.kv_cache: expected bf16, fp16 or fp8 e4m3fn"):
+        flashinfer_inputs(e5m2)
+    fp16_q = _batch("bf16")
+    fp16_q = replace(fp16_q, q=fp16_q.q.half())
+    with pytest.raises(backends.Unsupported, match="flashinfer.q: expected torch.bfloat16"):
+        flashinfer_inputs(fp16_q)
 
 
 def test_flashinfer_fp8_q_keeps_raw_logits_at_scale():
