@@ -315,8 +315,9 @@ def _check_scope(batch: DecodeBatch) -> None:
     if batch.kv_lora_rank != 512 or batch.head_dim != 576:
         raise ValueError(f"aiter.kv_cache: expected L+R = 512+64, got {batch.kv_lora_rank}+{batch.rope_dim}")
     for name, t in (("q", batch.q), ("kv_cache", batch.kv_cache)):
-        if t.dtype != torch.bfloat16 and not is_fp8(t.dtype):
-            raise ValueError(f"aiter.{name}: expected bf16 or fp8 (aiter's MLA kernels take no other), got {t.dtype}")
+        if t.dtype not in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+            raise ValueError(f"aiter.{name}: expected bf16 or fp8 e4m3 (aiter's MLA kernels take no other), got "
+                             f"{t.dtype}")
     if is_fp8(batch.q.dtype) and not is_fp8(batch.kv_cache.dtype):
         raise ValueError("aiter.q: fp8 q needs an fp8 KV cache (aiter has no fp8-q/bf16-KV kernel)")
     if not batch.kv_cache.is_contiguous():  # reshape would copy the whole cache on every call, silently
@@ -336,7 +337,7 @@ def aiter_inputs(batch: DecodeBatch, fp8_dtype: torch.dtype | None = None, nativ
 
     Raises ValueError for what aiter cannot run: non-uniform query lengths or one outside AITER_Q_LENS, head counts
     that are neither a multiple of 16 nor a divisor of 16 or above AITER_MAX_HEADS, fp8 q with non-fp8 KV, q/KV
-    dtypes other than bf16/fp8, a cache that is not contiguous.
+    dtypes other than bf16 and e4m3 (e4m3fn or e4m3fnuz, converted to the arch's), a cache that is not contiguous.
     """
     batch.validate()
     _check_scope(batch)

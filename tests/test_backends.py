@@ -294,6 +294,50 @@ def test_flashinfer_refuses_other_latent_and_rope_sizes():
             flashinfer_inputs(minicpm3)
 
 
+def test_every_smoke_case_gets_each_peer_adapters_arguments_or_a_named_refusal():
+    """A peer adapter meets every input the campaigns start with (the smoke prefix: fp16, the other e4m3 format, an
+    e5m2 cache, MiniCPM3's shape, 260 requests) with its kernel's arguments, or with `Unsupported`, which the
+    verifier counts as an input the kernel lacks. Any other error counts as a failed contract: on an H200 FlashInfer's
+    adapter met the e5m2 case with a plain ValueError (sixty-second session). aiter as `_run_aiter` does: its
+    refusal, then its inputs in either arch's fp8 format."""
+    from mla_fast.aiter_backend import aiter_inputs, aiter_refusal
+    from verify.strategies import smoke_cases
+
+    def aiter_arguments(batch, fp8_dtype):
+        if reason := aiter_refusal(batch):
+            raise backends.Unsupported(reason)
+        return aiter_inputs(batch, fp8_dtype=fp8_dtype)
+
+    adapters = {"flashinfer": flashinfer_inputs, "flashmla": flashmla_inputs,
+                "aiter gfx942": lambda b: aiter_arguments(b, torch.float8_e4m3fnuz),
+                "aiter gfx950": lambda b: aiter_arguments(b, torch.float8_e4m3fn)}
+    refused = {name: set() for name in adapters}
+    for dtype in ("bf16", "fp8"):
+        for case in smoke_cases(dtype):
+            batch = case.materialize()[0]
+            for name, adapter in adapters.items():
+                try:
+                    adapter(batch)
+                except backends.Unsupported:
+                    refused[name].add(str(batch.kv_cache.dtype))
+                except ValueError as e:
+                    pytest.fail(f"{name} on {case.describe()}: {type(e).__name__}: {e}")
+    assert all("torch.float8_e5m2" in r for r in refused.values()), refused  # the case this test was written for
+
+
+def test_aiter_refuses_an_e5m2_cache_by_name():
+    """aiter's MLA kernels read e4m3 only (e4m3fnuz on gfx942, e4m3fn on gfx950; the adapter converts between the
+    two). An e5m2 cache (vLLM's fp8_e5m2) with one query length for all requests, which aiter's scope otherwise
+    takes, is refused by `aiter_refusal`, naming the field; before, the conversion raised a plain ValueError."""
+    from mla_fast.aiter_backend import aiter_refusal
+
+    e5m2 = Case(seq_lens=(300, 65, 0), q_lens=(1, 1, 1), heads=16, page_size=16, fp8_format="e5m2", q_dtype="bf16",
+                kv_dtype="fp8").materialize()[0]
+    assert e5m2.kv_cache.dtype == torch.float8_e5m2
+    assert aiter_refusal(e5m2) == "aiter.kv_cache: expected bf16 or fp8 e4m3 (aiter's MLA kernels take no other)"
+    assert aiter_refusal(_batch("fp8kv", q_lens=(1, 1, 1))) is None  # an e4m3fn cache with bf16 q is in scope
+
+
 # ---- FlashInfer adapter (CPU parts) -------------------------------------------------------------------------------
 
 
