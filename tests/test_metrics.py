@@ -76,6 +76,11 @@ def test_ulp_distance_signed_zero_rounding_and_nan():
     assert ulp_distance(nans, nans.roll(1), torch.bfloat16).tolist() == [0, 0, 0]  # any NaN is the same point
     # fp8 saturates: 1e6 -> 448 (0 ulp from 448) instead of torch's NaN
     assert ulp_distance(torch.tensor(448.0), torch.tensor(1e6), torch.float8_e4m3fn) == 0
+    saturating = ((torch.float8_e4m3fnuz, ml_dtypes.float8_e4m3fnuz), (torch.float8_e5m2, ml_dtypes.float8_e5m2),
+                  (torch.float8_e5m2fnuz, ml_dtypes.float8_e5m2fnuz))
+    for dtype, np_type in saturating:  # every fp8 format saturates
+        top = float(ml_dtypes.finfo(np_type).max)
+        assert ulp_distance(torch.tensor(top), torch.tensor(1e6), dtype) == 0, dtype
     with pytest.raises(ValueError, match="dtype"):
         ulp_distance(z, w, torch.int32)
 
@@ -172,6 +177,23 @@ def test_compare_nonfinite_masks():
     assert not rep.ok and "+inf" in rep.nonfinite_detail and "-inf" in rep.nonfinite_detail
 
 
+def test_compare_statistics_cover_positions_finite_on_both_sides():
+    """The Report's statistics (max error, violations, err/bound median, cosine difference) are over the positions
+    where both sides are finite; the masks judge the others, and nonfinite_count counts positions where either side
+    is not finite. Expected values recomputed here with torch.median (its lower median) and plain differences."""
+    actual = torch.tensor([1.0, math.nan, math.inf])
+    rep = compare(actual, torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64), bound=0.1)
+    assert not rep.ok and not rep.nonfinite_mask_ok  # a NaN and an inf where the oracle is finite
+    assert rep.max_abs == 0.0 and rep.violations == 0 and rep.cos_diff == 0.0 and rep.nonfinite_count == 2
+    rep = compare(torch.tensor([math.nan, 1.0]), torch.tensor([1.0, 1.0], dtype=torch.float64), bound=1.0)
+    assert rep.nonfinite_count == 1  # one side's NaN is a non-finite position
+    actual = torch.tensor([1.1, 1.2, 1.3, 1.4, math.nan], dtype=torch.float64)
+    expected = torch.tensor([1.0, 1.0, 1.0, 1.0, math.nan], dtype=torch.float64)
+    rep = compare(actual, expected, bound=1.0)
+    assert rep.ok and rep.err_over_bound_median == float(torch.median((actual - expected)[:4].abs()))  # the lower: 0.2
+    assert rep.err_over_bound_max == float((actual - expected)[:4].abs().max())
+
+
 def test_to_json_round_trips_without_nan():
     expected = torch.tensor([0.0, 1.0, -math.inf], dtype=torch.float64)
     actual = torch.tensor([1e-3, 1.0, -math.inf])
@@ -189,5 +211,7 @@ def test_compare_rejects_bad_input():
         compare(x, torch.zeros(3, 2))
     with pytest.raises(ValueError, match="bound"):
         compare(x, x.double(), bound=-1.0)
+    with pytest.raises(ValueError, match="bound"):  # a NaN bound judges nothing: err > NaN is never true
+        compare(x + 0.5, x.double(), bound=torch.full((2, 3), math.nan, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"bound: expected a float or a tensor broadcastable to \(2, 3\)"):
         compare(x, x.double(), bound=torch.ones(3, 2))  # was a RuntimeError from expand (found by a review)
