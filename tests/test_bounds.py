@@ -927,3 +927,23 @@ def test_the_merge_bound_charges_the_normaliser_sum_of_many_splits():
                           torch.float32)
     assert all(r.ok for r in results), [r.detail for r in results]
     assert results[0].err_over_bound > 0.3  # not a vacuous bound: the merge's error is most of it
+
+
+def test_unit_roundoffs_and_half_min_subnormals_match_numpy_and_ml_dtypes():
+    """The constants every bound is built from, against numpy's and ml_dtypes' format tables (a source-mutation review
+    found a doubled fp32 unit roundoff and a doubled η slipping every other test)."""
+    import ml_dtypes
+    import numpy as np
+
+    assert bounds.U32 == np.finfo(np.float32).eps / 2 and bounds.U64 == np.finfo(np.float64).eps / 2
+    for dtype, table in ((torch.float16, np.finfo(np.float16)), (torch.bfloat16, ml_dtypes.finfo(ml_dtypes.bfloat16)),
+                         (torch.float32, np.finfo(np.float32)), (None, np.finfo(np.float32))):
+        assert bounds._half_min_subnormal(dtype) == float(table.smallest_subnormal) / 2, dtype
+
+
+def test_masked_max_takes_the_visible_maximum_and_zero_for_rows_that_see_nothing():
+    """`_masked_max` of scores that are all negative is their maximum, not the 0 a wrong fill value gives (the
+    activation spread ω of the quantization bound rests on it; a review's mutant filling 0 widened it 1.24x)."""
+    x = torch.tensor([-3.0, -1.0, -7.0], dtype=torch.float64).view(1, 1, 1, 3).expand(1, 2, 1, 3)  # [B, N, H, S]
+    mask = torch.tensor([[[True, True, False], [False, False, False]]])  # [B, N, S]
+    assert bounds._masked_max(x, mask).tolist() == [[[-1.0], [0.0]]]

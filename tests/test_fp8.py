@@ -254,6 +254,16 @@ def test_token_granularity_scales_each_row():
     assert torch.equal(dequantize(q, s, "token"), q.double() * s.double())
 
 
+def test_an_fp64_inputs_scale_is_its_amax_over_max_rounded_once():
+    """The oracle quantizes fp64 tensors too: the scale is amax / max computed in fp64, then rounded to fp32 once.
+    Rounding amax to fp32 first (a source-mutation review's slip: only fp32 inputs were tested) rounds twice."""
+    g = torch.Generator().manual_seed(5)
+    x = 448 * (1 + torch.rand(64, 16, generator=g, dtype=torch.float64))  # [64, 16] fp64, not fp32 values
+    _, s = quantize(x, "e4m3fn", "token")  # [64, 1]
+    assert torch.equal(s, (x.abs().amax(-1, keepdim=True) / 448.0).float())  # fp64 quotient, one rounding
+    assert not torch.equal(s, x.abs().amax(-1, keepdim=True).float() / 448.0)  # the draw tells the two apart
+
+
 def test_tensor_granularity_and_all_zero():
     x = torch.tensor([[0.5, -2.0], [1.0, 0.25]])
     q, s = quantize(x, "e4m3fnuz")
