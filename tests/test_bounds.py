@@ -947,3 +947,45 @@ def test_masked_max_takes_the_visible_maximum_and_zero_for_rows_that_see_nothing
     x = torch.tensor([-3.0, -1.0, -7.0], dtype=torch.float64).view(1, 1, 1, 3).expand(1, 2, 1, 3)  # [B, N, H, S]
     mask = torch.tensor([[[True, True, False], [False, False, False]]])  # [B, N, S]
     assert bounds._masked_max(x, mask).tolist() == [[[-1.0], [0.0]]]
+
+
+@pytest.mark.parametrize("name", ["e4m3fn", "e4m3fnuz", "e5m2"])
+def test_element_error_covers_saturation_and_counts_exactly_what_overflows(name):
+    """`_element_error` on fp8 storage, on values up to twice the format's max at two static scales: its e covers
+    the saturating quantizer's actual error, and its saturated count is the number of elements that ml_dtypes'
+    non-saturating cast sends to NaN or inf (everything past max plus half the spacing at max: 464 for e4m3fn).
+    A review's mutant that put that threshold a whole spacing past max counted too few and gave e below the error."""
+    import ml_dtypes
+    import numpy as np
+
+    f = fp8_format(name)
+    np_type = getattr(ml_dtypes, f"float8_{name}")
+    g = torch.Generator().manual_seed(9)
+    x = f.max * 2 * torch.rand(4096, generator=g, dtype=torch.float64)  # [4096] in [0, 2 max), no exact ties drawn
+    x = torch.cat([x, -x])  # [8192]
+    for scale in (1.0, 0.5):
+        q, s = quantize(x, name, scale=scale)  # saturating
+        actual = (q.double() * s.double() - x).abs()  # [8192]
+        e, saturated = bounds._element_error(x, f.torch_dtype, torch.float64, float(s))
+        assert (actual <= e).all(), float((actual - e).max())
+        overflows = ~np.isfinite((x / float(s)).numpy().astype(np_type).astype(np.float64))  # torch's casts differ
+        assert int(saturated) == int(overflows.sum()) > 0, (int(saturated), int(overflows.sum()))
+
+
+@pytest.mark.parametrize("omega", [0.5, 2.0])
+def test_the_hull_term_is_attained_by_two_groups_of_tokens(omega):
+    """§5(b): the total variation between softmaxes whose scores differ by a spread of at most ω is at most tanh(ω/4),
+    attained by two groups with masses 1 / (1 + e^(ω/2)) and the rest, the first group's scores raised by ω. With
+    values 1 and 0 (R = 1) the output moves by exactly tanh(ω/4), so `_hull_term` must equal that move: a looser
+    term (a review's tanh(ω/2) slipped every test) shows as a ratio below 1."""
+    p1 = 1 / (1 + math.exp(omega / 2))
+    p = torch.tensor([p1, 1 - p1], dtype=torch.float64)  # [S] the exact weights
+    moved = torch.softmax(p.log() + torch.tensor([omega, 0.0], dtype=torch.float64), 0)  # [S] spread ω
+    v = torch.tensor([[1.0], [0.0]], dtype=torch.float64)  # [S, L] R = 1
+    move = float((moved - p) @ v[:, 0])
+    assert move == pytest.approx(math.tanh(omega / 4), rel=1e-12)  # the construction attains §5(b)'s bound
+    st = _Softmax(s=None, p=p.view(1, 1, 1, 2), m=None, l=None, seen=torch.tensor([[True]]), n_vis=torch.tensor([[2]]))
+    pv = (p.view(1, 1, 1, 2) @ v.abs()[None, None]).view(1, 1, 1, 1)  # [B, N, H, L]
+    term = float(_hull_term(torch.tensor([[[omega]]], dtype=torch.float64), torch.ones(1, 1, 1, dtype=torch.float64),
+                            pv, _deviation(st, v[None])))
+    assert move / term == pytest.approx(1, rel=1e-12), (move, term)  # equal up to fp64 rounding of both sides
