@@ -989,3 +989,19 @@ def test_the_hull_term_is_attained_by_two_groups_of_tokens(omega):
     term = float(_hull_term(torch.tensor([[[omega]]], dtype=torch.float64), torch.ones(1, 1, 1, dtype=torch.float64),
                             pv, _deviation(st, v[None])))
     assert move / term == pytest.approx(1, rel=1e-12), (move, term)  # equal up to fp64 rounding of both sides
+
+
+def test_p_rounding_charges_the_coarser_of_p_fmt_and_the_pv_operand_and_uniform_p_three_exp_errors():
+    """`_p_rounding`'s u_P composes P's own rounding with the P.V operand's where that one is coarser: fp32 P fed
+    to a bf16 MMA is rounded to bf16, u_P = (1 + 2^-24)(1 + 2^-8) - 1; bf16 P fed to a bf16 MMA is rounded once,
+    u_P = 2^-8. `_uniform_p_factor` (P from a score equal to the running max, p_scale 1) is 3 ε / (1 - ε) with ε the
+    kernel exp's 2^-22. A review's mutants (the comparison reversed: half the bf16 charge; one ε for three) slipped."""
+    def numerics(p_fmt, pv_operand):
+        return KernelNumerics(p_fmt=p_fmt, p_scale=1.0, qk_operand=torch.bfloat16, pv_operand=pv_operand,
+                              gamma_qk=0.0, gamma_pv=0.0)
+
+    assert bounds._p_rounding(numerics(None, torch.bfloat16))[0] == (1 + 2.0**-24) * (1 + 2.0**-8) - 1  # fp32 units
+    assert bounds._p_rounding(numerics("bf16", torch.bfloat16))[0] == 2.0**-8  # one bf16 rounding: half a bf16 ulp
+    assert bounds._p_rounding(numerics(None, torch.float32))[0] == 2.0**-24  # half an fp32 ulp
+    eps = 2.0**-22  # the kernel exp's relative error, numerics.md §5(f)
+    assert bounds._uniform_p_factor(numerics("bf16", torch.bfloat16)) == 3 * eps / (1 - eps)
