@@ -34,6 +34,7 @@ import math
 
 import torch
 
+from mla_fast.backends import Unsupported, flashinfer_refusal
 from mla_ref.decode import DecodeBatch, is_fp8
 
 WORKSPACE_BYTES = 256 * 1024 * 1024  # float workspace of the wrapper (peers.md measured with 256 MB)
@@ -43,10 +44,10 @@ DEEPSEEK_DIMS = ("flashinfer: kv_lora_rank 512 and rope_dim 64 only (its fp8 MLA
 
 def dims_refusal(batch: DecodeBatch) -> None:
     """Unsupported (DEEPSEEK_DIMS) unless the batch has DeepSeek's latent of 512 and rope of 64."""
-    from mla_fast.backends import Unsupported
-
     if (batch.kv_lora_rank, batch.rope_dim) != (512, 64):
         raise Unsupported(DEEPSEEK_DIMS)
+
+
 _WORKSPACES: dict[torch.device, torch.Tensor] = {}
 
 
@@ -83,8 +84,6 @@ def flashinfer_inputs(batch: DecodeBatch) -> dict:
         from mla_fast.aiter_backend import e4m3fnuz_to_fn
 
         kv, kv_scale = e4m3fnuz_to_fn(kv, kv_scale)
-    from mla_fast.backends import Unsupported
-
     if kv.dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):
         raise Unsupported(f"flashinfer.kv_cache: expected bf16, fp16 or fp8 e4m3fn, got {kv.dtype}")
     q_dtype = torch.bfloat16 if is_fp8(kv.dtype) else kv.dtype  # fp8 KV takes bf16 q only
@@ -136,8 +135,6 @@ class FlashInferStep:
     def __init__(self, batch: DecodeBatch, max_q_len: int, backend: str = "fa3"):
         import flashinfer
 
-        from mla_fast.backends import Unsupported
-
         dims_refusal(batch)
         if is_fp8(batch.q.dtype):
             raise Unsupported("flashinfer step: fp8 q (converted to bf16 per call, with a host-side check)")
@@ -155,8 +152,6 @@ class FlashInferStep:
         self.args = None  # the planned step's flashinfer_inputs
 
     def plan(self, batch: DecodeBatch) -> None:
-        from mla_fast.backends import Unsupported, flashinfer_refusal
-
         if batch is not self.batch:
             raise ValueError("plan: batch must be the step's own (refill its tensors in place)")
         if reason := flashinfer_refusal(batch):
