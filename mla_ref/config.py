@@ -26,7 +26,7 @@ def yarn_get_mscale(factor: float, mscale: float) -> float:
 class YaRN:
     """YaRN context-extension parameters (DeepSeek `ModelArgs`, HF `rope_parameters` with rope_type "yarn").
 
-    factor: position interpolation factor f (40 for DeepSeek-V3).
+    factor: position interpolation factor f >= 1 (40 for DeepSeek-V3; 1 gives plain rope and m = 1).
     original_max_position_embeddings: pre-extension context length (4096).
     beta_fast, beta_slow: rotation counts bounding the interpolation ramp (32, 1).
     mscale: numerator of the cos/sin amplitude factor m(f, mscale) / m(f, mscale_all_dim).
@@ -41,8 +41,8 @@ class YaRN:
     mscale_all_dim: float = 1.0
 
     def __post_init__(self):
-        if not (math.isfinite(self.factor) and self.factor > 0):
-            raise ValueError(f"YaRN.factor must be finite and > 0, got {self.factor}")
+        if not (math.isfinite(self.factor) and self.factor >= 1):  # below 1 HF ramps with a warning, DeepSeek never
+            raise ValueError(f"YaRN.factor must be finite and >= 1 (YaRN stretches the context), got {self.factor}")
         n = self.original_max_position_embeddings
         if not is_int(n) or n <= 0:
             raise ValueError(f"YaRN.original_max_position_embeddings must be an int > 0, got {n!r}")
@@ -95,7 +95,7 @@ class MLAConfig:
 
     @property
     def mscale(self) -> float:
-        """Softmax YaRN factor m = 0.1 * mscale_all_dim * ln(factor) + 1 (1 without YaRN or for factor <= 1)."""
+        """Softmax YaRN factor m = 0.1 * mscale_all_dim * ln(factor) + 1 (1 without YaRN or for factor 1)."""
         if self.rope_scaling is None:
             return 1.0
         return yarn_get_mscale(self.rope_scaling.factor, self.rope_scaling.mscale_all_dim)

@@ -25,7 +25,7 @@ def rope_inv_freq(config: MLAConfig) -> torch.Tensor:
     base = config.rope_theta
     theta = 1.0 / base ** (torch.arange(0, R, 2, dtype=torch.float64) / R)  # [R/2] θ_k
     yarn = config.rope_scaling
-    if yarn is None or yarn.factor <= 1.0:
+    if yarn is None or yarn.factor == 1.0:  # the ramp would blend θ with θ / 1: plain θ, without its roundings
         return theta
 
     def correction_dim(num_rotations: float) -> float:

@@ -100,16 +100,49 @@ def test_config_rejects_bad_fields():
     with pytest.raises(ValueError, match="q_lora_rank"):
         dataclasses.replace(v3, q_lora_rank=0)
     for field, value in [("num_heads", 2.5), ("kv_lora_rank", True), ("q_lora_rank", 1536.0),  # found by reviews
-                         ("rope_theta", math.inf), ("rms_norm_eps", 0.0), ("rms_norm_eps", math.inf)]:
+                         ("rope_theta", math.inf), ("rope_theta", 1.0),  # ln(1) = 0 divides YaRN's correction_dim
+                         ("rms_norm_eps", 0.0), ("rms_norm_eps", math.inf)]:
         with pytest.raises(ValueError, match=f"MLAConfig.{field}"):
             dataclasses.replace(v3, **{field: value})
-    with pytest.raises(ValueError, match="beta"):
-        YaRN(factor=40.0, original_max_position_embeddings=4096, beta_fast=1.0, beta_slow=32.0)
-    for field, value in [("factor", math.inf), ("original_max_position_embeddings", 4096.0),
+    for beta_fast, beta_slow in [(1.0, 32.0), (2.0, 2.0)]:  # the ramp needs beta_fast > beta_slow, strictly
+        with pytest.raises(ValueError, match="beta"):
+            YaRN(factor=40.0, original_max_position_embeddings=4096, beta_fast=beta_fast, beta_slow=beta_slow)
+    for field, value in [("factor", math.inf), ("factor", 0.5),  # below 1 HF ramps (with a warning), DeepSeek never
+                         ("original_max_position_embeddings", 4096.0),
                          ("mscale", math.nan), ("mscale_all_dim", math.nan),
                          ("mscale_all_dim", -1 / (0.1 * math.log(40.0)))]:  # m(40, x) = 0: a zero softmax scale
         with pytest.raises(ValueError, match=f"YaRN.{field}"):
             dataclasses.replace(v3.rope_scaling, **{field: value})
+
+
+def test_from_hf_without_factor_takes_max_positions_over_original():
+    """HF's rule (`factor = max_position_embeddings / original_max_position_embeddings` when it is missing):
+    transformers 5 refuses a yarn config without one, so a plain object with the fields from_hf reads stands in for
+    an older config; it must give the config with 163840 / 4096 = 40 written out."""
+    transformers = pytest.importorskip("transformers")
+    import types
+
+    with_factor = transformers.DeepseekV3Config(rope_parameters=dict(V3_YARN), max_position_embeddings=163840)
+    fields = ("hidden_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+              "qk_rope_head_dim", "v_head_dim", "max_position_embeddings")
+    rope = {k: v for k, v in V3_YARN.items() if k != "factor"}
+    without = types.SimpleNamespace(**{k: getattr(with_factor, k) for k in fields}, rope_parameters=rope)
+    assert MLAConfig.from_hf(without) == MLAConfig.from_hf(with_factor) == MLAConfig.deepseek_v3()
+
+
+def test_from_hf_latent_norm_eps_is_the_one_hf_attention_uses():
+    """HF builds q_a_layernorm / kv_a_layernorm with RMSNorm's default eps, not config.rms_norm_eps (the decoder
+    layers' norms): with rms_norm_eps 0.25 in the config, the oracle's latent-norm eps is still the modules'."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
+
+    hf = transformers.DeepseekV3Config(hidden_size=64, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=16,
+                                       kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                                       max_position_embeddings=163840, rope_parameters=dict(V3_YARN),
+                                       rms_norm_eps=0.25)
+    attention = DeepseekV3Attention(hf, layer_idx=0)
+    assert attention.kv_a_layernorm.variance_epsilon == attention.q_a_layernorm.variance_epsilon
+    assert MLAConfig.from_hf(hf).rms_norm_eps == attention.kv_a_layernorm.variance_epsilon != 0.25
 
 
 def test_from_hf_rejects_unsupported_rope_type():
@@ -145,6 +178,41 @@ def test_yarn_frequencies_match_hf_fp32():
     ours = rope_inv_freq(MLAConfig.from_hf(hf))  # [32] float64
     # HF's fp32 chain (pow, reciprocal, factor product, ramp blend) rounds ≤ 4 times; measured max 2.13 units
     torch.testing.assert_close(inv_freq.double(), ours, rtol=4 * FP32_UNIT, atol=0)
+
+
+@pytest.mark.parametrize("R, rope", [
+    (4, dict(V3_YARN)),  # the ramp's end ceil(dim(beta_slow)) = 2 > R/2 - 1: clamped at R - 1, as HF's dim - 1
+    (16, dict(V3_YARN, beta_fast=16, beta_slow=4)),  # betas other than DeepSeek's: the ramp over pairs 3-5
+    (64, dict(V3_YARN, factor=8.0, original_max_position_embeddings=6)),  # both ends clamp to 0: the 0.001 guard
+])
+def test_yarn_frequencies_match_hf_beyond_the_v3_preset(R, rope):
+    """The V3 preset never reaches the ramp's clamps, its zero-width guard or beta_slow != 1: HF's YaRN there."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = transformers.DeepseekV3Config(hidden_size=64, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=16,
+                                       kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=R, v_head_dim=8,
+                                       max_position_embeddings=163840, rope_parameters=rope)
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["yarn"](hf)  # [R/2] float32
+    ours = rope_inv_freq(MLAConfig.from_hf(hf))  # [R/2] float64
+    torch.testing.assert_close(inv_freq.double(), ours, rtol=4 * FP32_UNIT, atol=0)  # HF's fp32 chain, as above
+
+
+def test_rope_angles_equal_closed_form_cos_sin_at_long_positions():
+    """cos(t θ'_k), sin(t θ'_k) with θ'_k and the angle written out with the math module (numerics.md §1.4): the
+    angles stay fp64 (θ' or φ rounded to fp32 is 2**-24 relative: 1e-2 rad at t = 163839)."""
+    positions = [0, 1, 4095, 4096, 70000, 163839]
+    cos, sin = rope_angles(torch.tensor(positions), MLAConfig.deepseek_v3())  # [6, 32], amplitude 1
+    for i, t in enumerate(positions):
+        for k in range(32):
+            theta = 10000.0 ** (-2 * k / 64)
+            ramp = min(max((k - 10) / 13, 0.0), 1.0)
+            phi = t * (theta * ramp / 40 + theta * (1 - ramp))
+            # θ' within 8 units (test_yarn_frequencies_closed_form_v3), t θ' one more on each side: |Δφ| <= 10 units
+            # of φ; cos and sin move by at most |Δφ|, plus one rounding each in math and in torch
+            tol = 10 * FP64_UNIT * phi + 2 * FP64_UNIT
+            assert abs(cos[i, k].item() - math.cos(phi)) <= tol, (t, k)
+            assert abs(sin[i, k].item() - math.sin(phi)) <= tol, (t, k)
 
 
 def test_rope_angles_amplitude_and_shape():
