@@ -110,7 +110,10 @@ def test_a_nan_latent_value_reaches_only_the_rows_that_see_its_token(case, data)
                                     page_size=case.page_size, generator=torch.Generator().set_state(g.get_state()))
     kvs = [kv.clone() for kv in kvs]
     b = data.draw(st.sampled_from([i for i, s in enumerate(case.seq_lens) if s]), label="request")
-    token = data.draw(st.integers(0, case.seq_lens[b] - 1), label="token")
+    s, n = case.seq_lens[b], case.q_lens[b]
+    # any token, or one of the newest n, which the causal mask hides from the request's earlier rows (a review's
+    # mutants that gave those rows the NaN passed 25 uniform draws)
+    token = data.draw(st.integers(0, s - 1) | st.integers(max(0, s - n), s - 1), label="token")
     kvs[b][token, data.draw(st.integers(0, case.L - 1), label="channel")] = math.nan
     batch = make_decode_batch(q, kvs, q_lens=list(case.q_lens), sm_scale=0.3, kv_lora_rank=case.L,
                               page_size=case.page_size, generator=g)
@@ -136,6 +139,44 @@ def test_real_dims_and_empty_rows():
         assert torch.isneginf(lse[row]).all() and (out[row] == 0).all()
     # q_len 4 over 3 tokens: rows see 0, 1, 2, 3 tokens
     assert torch.isneginf(lse[-4]).all() and torch.isfinite(lse[-3:]).all()
+
+
+def test_visible_tokens_is_what_each_row_sees():
+    """max(0, s - n + r + 1) for row r of a request of n rows over s tokens: a row past the tokens sees 0, never a
+    negative count (the verifier tells empty rows by visible_tokens() == 0)."""
+    batch, _, _ = build(DenseCase(seq_lens=(1, 0, 5), q_lens=(3, 2, 3), heads=1, page_size=4, L=32, R=16, seed=0))
+    assert batch.visible_tokens().tolist() == [0, 0, 1, 0, 0, 3, 4, 5]  # s - n + r + 1 = -1 on two rows
+
+
+def test_rows_whose_scores_all_lie_near_minus_1000_are_finite():
+    """Scores of -1000 + O(1e-3): exp underflows in fp64 unless shifted by the row max (a max clamped at 0 gives
+    0 / 0); the dense reference (torch.softmax / logsumexp shift internally) is finite with lse near -1000."""
+    case = DenseCase(seq_lens=(7, 20), q_lens=(1, 1), heads=2, page_size=4, L=32, R=16, seed=5)
+    q, kvs, g = dense_inputs(case)
+    kvs = [kv * 0.01 for kv in kvs]  # [s, D] each
+    for kv in kvs:
+        kv[:, 0] = 1.0  # channel 0 of every key is 1 ...
+    q[..., 0] = -1000.0 / 0.3  # ... so sm_scale q_0 k_0 = -1000 in every score
+    batch = make_decode_batch(q, kvs, sm_scale=0.3, kv_lora_rank=32, page_size=4, generator=g)
+    out, lse = mla_decode_ref(batch)
+    assert torch.isfinite(out).all() and (lse < -900).all()
+    assert_fp64_agree(batch, (out, lse), dense_softmax_reference(q, kvs, case.q_lens, 0.3, case.L))
+
+
+def test_an_inf_value_with_weight_0_gives_nan_where_the_dense_reference_does():
+    """kv[1, 5] = +inf with q[..., 5] = -1 on request 0's rows: that token's score is -inf, its weight 0, and
+    0 x inf = NaN in channel 5 of every row that sees it, as in the dense softmax @ V (a NaN out means a NaN or inf
+    in a valid input), and nowhere else."""
+    case = DenseCase(seq_lens=(4, 1), q_lens=(3, 2), heads=2, page_size=2, L=32, R=16, seed=9)
+    q, kvs, g = dense_inputs(case)
+    q[:3, :, 5] = -1.0  # [3, H] request 0's rows
+    kvs[0][1, 5] = math.inf
+    batch = make_decode_batch(q, kvs, q_lens=list(case.q_lens), sm_scale=0.3, kv_lora_rank=32, page_size=2,
+                              generator=g)
+    out, lse = mla_decode_ref(batch)
+    out_d, lse_d = dense_softmax_reference(q, kvs, case.q_lens, 0.3, case.L)
+    assert torch.isnan(out_d[:3, :, 5]).all() and not torch.isnan(lse_d).any()  # the fact the test rests on
+    assert torch.equal(torch.isnan(out), torch.isnan(out_d)) and torch.equal(torch.isnan(lse), torch.isnan(lse_d))
 
 
 def test_the_fp64_agreement_bound_is_tight_enough_to_see_a_small_relative_bug():
@@ -275,6 +316,23 @@ def test_fp8_inputs_are_dequantized_with_their_scales():
     out, lse = mla_decode_ref(batch)
     out_d, lse_d = dense_softmax_reference(q8.double() * 0.5, [kv.double() * 0.25 for kv in kv8], case.q_lens, 0.3, 32)
     assert_fp64_agree(batch, (out, lse), (out_d, lse_d))
+    # the views the verifier reads: an fp8 code times a power of two is exact in fp64, so equal
+    q_deq, cache = batch.dequantized()  # [T, H, D], [P, ps, D]
+    pages, slots, _ = batch.token_addresses()  # [N] each
+    assert torch.equal(q_deq, q8.double() * 0.5)
+    assert torch.equal(cache[pages, slots], torch.cat(kv8).double() * 0.25)
+    assert all(torch.equal(batch.request_kv(b), kv.double() * 0.25) for b, kv in enumerate(kv8))
+
+
+def test_make_decode_batch_scatters_the_pages():
+    """The random page order makes a kernel that ignores the block table (reads pages in logical order) fail; 12
+    pages in logical order would hide it."""
+    g = torch.Generator().manual_seed(0)
+    kv = [torch.randn(s, 8, generator=g) for s in (20, 28)]  # 5 + 7 pages of 4
+    batch = make_decode_batch(torch.randn(2, 1, 8, generator=g), kv, sm_scale=0.1, kv_lora_rank=4, page_size=4,
+                              generator=g)
+    used = batch.block_table[batch.used_entries]  # [12] the physical page of each logical page, in logical order
+    assert len(set(used.tolist())) == 12 and used.tolist() != sorted(used.tolist())  # 12 distinct, not ascending
 
 
 def test_converters_describe_the_same_pages():
@@ -316,6 +374,7 @@ def good_batch():
         ("q_lens", lambda b: {"q_lens": torch.tensor([1, 1], dtype=torch.int32)}),  # do not add up to T = 3
         ("q_lens", lambda b: {"q_lens": torch.tensor([0, 3], dtype=torch.int32)}),
         ("q_lens", lambda b: {"q_lens": torch.tensor([3], dtype=torch.int32)}),  # wrong shape
+        ("q_lens", lambda b: {"q_lens": b.q_lens[:, None]}),  # [B, 1]: B elements, not [B] (a review's)
         ("sm_scale", lambda b: {"sm_scale": float("nan")}),  # non-finite
         ("sm_scale", lambda b: {"sm_scale": float("inf")}),
         ("sm_scale", lambda b: {"sm_scale": -1.0}),
@@ -328,6 +387,7 @@ def good_batch():
         # found by a review: values fine as python floats that the kernels' fp32 scale overflows or flushes
         ("sm_scale", lambda b: {"sm_scale": 1e39}),
         ("sm_scale", lambda b: {"sm_scale": True}),
+        ("sm_scale", lambda b: {"sm_scale": 3e38}),  # fits fp32 (max 3.4e38), x log2(e) = 4.3e38 does not
         ("kv_scale", lambda b: {"kv_cache": b.kv_cache.to(torch.float8_e4m3fn), "kv_scale": 1e39}),
         ("kv_scale", lambda b: {"kv_cache": b.kv_cache.to(torch.float8_e4m3fn), "kv_scale": 1e-46}),
         ("sm_scale", lambda b: {"q": b.q.to(torch.float8_e4m3fn), "q_scale": 1e20,  # product above fp32's max
