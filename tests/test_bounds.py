@@ -991,6 +991,25 @@ def test_the_hull_term_is_attained_by_two_groups_of_tokens(omega):
     assert move / term == pytest.approx(1, rel=1e-12), (move, term)  # equal up to fp64 rounding of both sides
 
 
+@pytest.mark.parametrize("delta", [1e-3, 0.25])
+def test_the_lse_score_term_is_attained_by_a_uniform_shift(delta):
+    """§5(f)'s lse: score errors of at most δ = ω / 2 each move lse by at most δ, attained when every score of the
+    row moves by +δ (lse(s + δ) = lse(s) + δ). With score_abs = δ the only error source (every other unit 0), the
+    lse bound must equal that move: ω (a review's mutant) slipped every test as a bound twice the attainable."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 1, 1, 8, generator=g, dtype=torch.float64)  # [B, N, H, D]
+    K = torch.randn(1, 5, 8, generator=g, dtype=torch.float64)  # [B, S, D]
+    st = bounds._softmax(q, K, torch.ones(1, 1, 5, dtype=torch.bool), 0.3)
+    V = K[..., :4]  # [B, S, L]
+    o = torch.einsum("bnhs,bsc->bnhc", st.p, V)  # [B, N, H, L]
+    s = st.s[0, 0, 0]  # [S]
+    move = float(torch.logsumexp(s + delta, 0) - torch.logsumexp(s, 0))
+    assert move == pytest.approx(delta, rel=1e-12)  # the construction attains it
+    _, lse_bound = bounds._rounding_bound(st, st.s.abs().amax(-1), V, o, u_out=0.0, u_p=0.0, eta_p=0.0,
+                                          gamma_qk=0.0, gamma_pv=0.0, exp_rel=0.0, u_arith=0.0, score_abs=delta)
+    assert float(lse_bound) / move == pytest.approx(1, rel=1e-12)  # equal up to fp64 rounding of both sides
+
+
 def test_p_rounding_charges_the_coarser_of_p_fmt_and_the_pv_operand_and_uniform_p_three_exp_errors():
     """`_p_rounding`'s u_P composes P's own rounding with the P.V operand's where that one is coarser: fp32 P fed
     to a bf16 MMA is rounded to bf16, u_P = (1 + 2^-24)(1 + 2^-8) - 1; bf16 P fed to a bf16 MMA is rounded once,
