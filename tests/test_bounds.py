@@ -1010,6 +1010,28 @@ def test_the_lse_score_term_is_attained_by_a_uniform_shift(delta):
     assert float(lse_bound) / move == pytest.approx(1, rel=1e-12)  # equal up to fp64 rounding of both sides
 
 
+@pytest.mark.parametrize("gamma", [0.1, 2.0**-7])  # a move of 2 gamma |ô| >= 0.015 |ô|: fp64's roundings stay < 1e-14
+def test_the_out_bound_is_attained_by_a_high_numerator_over_a_low_row_sum(gamma):
+    """§5(f) with gamma_pv the only error source: a kernel may sum P.V gamma_pv high (|ΔN| <= gamma_pv Σ P |v|) and
+    the row sum l gamma_pv low, so with values of one sign o = ô (1 + gamma_pv) / (1 - gamma_pv), a move of
+    2 gamma_pv / (1 - gamma_pv) |ô|: the out bound must equal it. A leading 1 + gamma_pv fell short by gamma_pv^2 (1 %
+    at gamma_pv 0.1); without the row sum's gamma_pv |ô| (a review's mutant) the bound is half the move. The lse
+    bound covers the low row sum's |ln(1 - gamma_pv)|."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 1, 1, 8, generator=g, dtype=torch.float64)  # [B, N, H, D]
+    K = torch.rand(1, 5, 8, generator=g, dtype=torch.float64) + 0.5  # [B, S, D] positive: Σ p |v| = |ô|
+    st = bounds._softmax(q, K, torch.ones(1, 1, 5, dtype=torch.bool), 0.3)
+    V = K[..., :4]  # [B, S, L]
+    o = torch.einsum("bnhs,bsc->bnhc", st.p, V)  # [B, N, H, L]
+    numerator, l = (st.p * st.l[..., None]) @ V[:, None], st.l  # [B, N, H, L], [B, N, H] the kernel's, unnormalised
+    moved = numerator * (1 + gamma) / (l * (1 - gamma))[..., None]  # [B, N, H, L]
+    out_bound, lse_bound = bounds._rounding_bound(st, st.s.abs().amax(-1), V, o, u_out=0.0, u_p=0.0, eta_p=0.0,
+                                                  gamma_qk=0.0, gamma_pv=gamma, exp_rel=0.0, u_arith=0.0)
+    ratio = (moved - o).abs() / out_bound  # [B, N, H, L]
+    torch.testing.assert_close(ratio, torch.ones_like(ratio), rtol=1e-12, atol=0)  # fp64 roundings of both sides
+    assert float(lse_bound) >= -math.log(1 - gamma)
+
+
 def test_p_rounding_charges_the_coarser_of_p_fmt_and_the_pv_operand_and_uniform_p_three_exp_errors():
     """`_p_rounding`'s u_P composes P's own rounding with the P.V operand's where that one is coarser: fp32 P fed
     to a bf16 MMA is rounded to bf16, u_P = (1 + 2^-24)(1 + 2^-8) - 1; bf16 P fed to a bf16 MMA is rounded once,

@@ -291,15 +291,17 @@ def _rounding_bound(
     running max (|s_j - m| <= 2 max A). The weights the kernel uses differ from p̂ by at most a factor e^ω, so
     with l̃ >= e^-ω l̂ and the kernel's unnormalised P >= its block-local value (online softmax only rounds
     larger values, §5(f)):
-        |o^ker_c - ô_c| <= (1 + u_out)(1 + gamma_pv) [ u_out |ô_c| + e^ω c_pv Σ_j p̂_j |v̂_jc|
+        |o^ker_c - ô_c| <= (1 + u_out) / (1 - gamma_pv) [ u_out |ô_c| + e^ω c_pv Σ_j p̂_j |v̂_jc|
                              + e^ω (1 + c_pv) (Σ_j min(eta_p / l̂, p̂_j) |v̂_jc| + eta_v) + gamma_pv |ô_c|
                              + min{tanh(ω/4) R̂_c, (e^ω - 1) min(Σ_j p̂_j |v̂_jc|, dev_c)} ]
         c_pv = (1 + u_p)(1 + gamma_pv) - 1
     (numerics.md §5(f) with the η_P term tightened by min(·, p̂_j), gamma_pv |ô| for the fp32 row sum l, and the
     score term by §5(c)'s second form about the mean (``_hull_term``; dev_c: ``_deviation``); the leading factors
-    absorb the second-order products.)
+    absorb the second-order products: the division by the row sum, l̃ >= (1 - gamma_pv) l̂, costs 1 / (1 - gamma_pv),
+    attained with the numerator gamma_pv high and l gamma_pv low (1 + gamma_pv fell short by gamma_pv^2); no finite
+    bound for gamma_pv >= 1.)
     LSE: lse = m̃ + ln l̃; the score errors move it by at most max_j |Δs_j| <= ω / 2 (§5(a)), the row sum by
-    ln(1 + gamma_pv) <= gamma_pv / (1 - gamma_pv), and evaluating log2, adding m and converting base 2 -> e in fp32
+    |ln(1 ± gamma_pv)| <= gamma_pv / (1 - gamma_pv), and evaluating log2, adding m and converting base 2 -> e in fp32
     costs <= 16 u_arith (|m̂| + ln l̂):
         |lse^ker - lse^| <= ω / 2 + gamma_pv / (1 - gamma_pv) + 16 u_arith (|m̂| + ln l̂)
     l_rounded: the kernel sums the rounded P_j into l (no declared kernel of ours or the peers' does). Each P_j is
@@ -344,9 +346,9 @@ def _rounding_bound(
     if r_l is not None:  # a row sum of the rounded P: o = o_u l̃ / L_P, |l̃ / L_P - 1| <= r / (1 - r)
         r = r_l[..., None]  # [B, N, H, 1]
         inner = torch.where(r < 1, (inner + r * o_mag) / (1 - r).clamp(min=1e-300), math.inf)
-    out = _col((1 + u_out) * (1 + gamma_pv)) * inner  # [B, N, H, L]
     g = torch.as_tensor(gamma_pv, dtype=F64, device=hull_omega.device)  # [] or [B, 1, 1]
-    ln_l = torch.where(g < 1, g / (1 - g), math.inf)  # >= ln(1 + g); g >= 1 (a long request's per-token charge): no
+    out = torch.where(_col(g) < 1, (1 + u_out) * inner / (1 - _col(g)), math.inf)  # [B, N, H, L] o = numerator / l̃
+    ln_l = torch.where(g < 1, g / (1 - g), math.inf)  # >= |ln(1 ± g)|; g >= 1 (a long request's per-token charge): no
     # finite bound on l's log, so none on lse (g / (1 - g) was negative, and compare() refused it)
     lse = hull_omega / 2 + ln_l + 16 * u_arith * (st.m.abs() + torch.log(st.l))  # [B, N, H]
     if r_l is not None:
