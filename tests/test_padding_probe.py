@@ -187,3 +187,21 @@ def test_a_failed_padding_check_names_which_read_moved_the_kernel(seq_lens, page
     result = run_case(case, from_callable(mutants.max_before_mask))
     failed = {c.name: c.detail for c in result.checks if not c.ok}
     assert "padding" in failed and f"the kernel reads {read}" in failed["padding"], result.describe()
+
+
+@pytest.mark.parametrize("seq_lens", [(32, 37), (37, 32)])
+def test_the_added_pages_hold_each_requests_token_in_turn(seq_lens):
+    """Pages 0 and last hold the requests' hostile tokens in turn, not the first request's alone: where they all fit
+    in one page (12 here: the 37-token request's 11 unused slots, one token for the full page's first row), each
+    request's first (row, head) scores one of them, on each added page, lse + MARGIN up to the token's bf16 rounding
+    (2^-8 |σ q_d k_d| per channel, as in test_bf16_tokens_reach_the_margin_up_to_their_rounding), whichever request
+    comes first in the batch."""
+    batch = _case("bf16", seq_lens=seq_lens, q_lens=(1, 1)).materialize()[0]
+    lse = mla_decode_ref(batch)[1]  # [T, H]
+    probe = padding_probe(batch, lse)
+    q = batch.sm_scale * batch.dequantized_q()[:, 0]  # [T, D] each request's one row, head 0
+    for page in (0, batch.num_pages + 1):
+        k = probe.batch.kv_cache[page].double()  # [ps, D]
+        rounding = 2**-8 * (q.abs() @ k.abs().T)  # [T, ps] 2 x bf16's unit roundoff 2^-9 on each k_d
+        reached = (q @ k.T - lse[:, :1]) >= MARGIN - rounding  # [T, ps]
+        assert reached.any(dim=1).all(), (page, reached.any(dim=1))

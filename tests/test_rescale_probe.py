@@ -91,3 +91,17 @@ def test_the_staircase_sees_a_rescale_where_the_risers_piece_is_one_tile(combo):
     assert {c.name for c in bad.checks if not c.ok} == {"rescale.out"}, bad.describe()
     right = run_case(case, from_callable(mutants.correct), "cpu")
     assert right.ok, right.describe()
+
+
+def test_a_first_row_of_two_tokens_is_probed_and_the_riser_scores_16_t():
+    """A request whose first row sees s0 = 2 tokens is probed (the riser at token 1, one token before it), and q
+    carries the scores of the module docstring: 16 x_h on the first rope channel, so that the riser (k_pe[0] = 1)
+    scores 16 t_h and token j below it 16 t_h k_j / K."""
+    batch = Case(seq_lens=(2, 40), q_lens=(1, 1), heads=4).materialize()[0]
+    probe = rescale_probe(batch)
+    assert probe.risers.tolist() == [1, 39]
+    L = batch.kv_lora_rank
+    q = probe.batch.q.double()  # [T, H, D]
+    assert not q[..., :L].any() and not q[..., L + 1 :].any()
+    scores = batch.sm_scale * q[..., L]  # [T, H] each row's score of k_pe[0] = 1
+    assert torch.equal(scores, 16 * probe.t.expand_as(scores))  # exact: scaling by 16 is exact in fp64

@@ -308,3 +308,13 @@ def test_a_row_sum_of_scaled_p_carries_its_common_factor_into_the_partials_lse()
     result = run_case(smoke_cases("bf16")[0], kernel)
     assert result.ok, result.describe()
     assert {c.name for c in result.checks} >= {"partials.out", "partials.lse"}
+
+
+def test_a_batch_whose_longest_request_has_two_tokens_is_probed():
+    """Two tokens are enough (the second's P is e^-t, no value of bf16): a batch whose longest request has two tokens
+    is probed, and bf16 P under an fp32 declaration fails it there."""
+    batch = _batch("bf16", seq_lens=(0, 2), q_lens=(1, 1), heads=4)
+    assert not isinstance(rounding_probe(batch), str)
+    [out, lse] = check_rounding(batch, _declaring("bf16", None), workers=1)
+    assert not out.ok and lse.ok, out.detail
+    assert all(r.ok for r in check_rounding(batch, _declaring(None, None), workers=1))
