@@ -189,19 +189,22 @@ def test_a_failed_padding_check_names_which_read_moved_the_kernel(seq_lens, page
     assert "padding" in failed and f"the kernel reads {read}" in failed["padding"], result.describe()
 
 
-@pytest.mark.parametrize("seq_lens", [(32, 37), (37, 32)])
-def test_the_added_pages_hold_each_requests_token_in_turn(seq_lens):
-    """Pages 0 and last hold the requests' hostile tokens in turn, not the first request's alone: where they all fit
-    in one page (12 here: the 37-token request's 11 unused slots, one token for the full page's first row), each
-    request's first (row, head) scores one of them, on each added page, lse + MARGIN up to the token's bf16 rounding
-    (2^-8 |σ q_d k_d| per channel, as in test_bf16_tokens_reach_the_margin_up_to_their_rounding), whichever request
-    comes first in the batch."""
-    batch = _case("bf16", seq_lens=seq_lens, q_lens=(1, 1)).materialize()[0]
+@pytest.mark.parametrize("seq_lens, q_lens", [((0, 37, 64, 130, 3), (1, 2, 1, 3, 4)), ((32, 37), (1, 1)),
+                                               ((37, 32), (1, 1))])
+def test_the_added_pages_probe_every_row_of_every_request(seq_lens, q_lens):
+    """Pages 0 and last: the k requests share the slots in turn, ceil(16 / k) each, their rows dealt over their
+    share as on a last page. With 4 heads and at most 4 rows a request here, every (row, head) that sees a token
+    has a group token of its own there, scoring lse + MARGIN up to its bf16 rounding (2^-8 |σ q_d k_d| per channel,
+    as in test_bf16_tokens_reach_the_margin_up_to_their_rounding): the full last page's request (64 tokens) and the
+    later of two requests too. Before, the edge pages took the requests' last-page tokens in turn, a full page's
+    request one token for its first (row, head): that request's other heads reached 4-13 nats above their lse."""
+    batch = _case("bf16", seq_lens=seq_lens, q_lens=q_lens).materialize()[0]
     lse = mla_decode_ref(batch)[1]  # [T, H]
     probe = padding_probe(batch, lse)
-    q = batch.sm_scale * batch.dequantized_q()[:, 0]  # [T, D] each request's one row, head 0
+    scores = batch.sm_scale * batch.dequantized_q()  # [T, H, D]
+    seen = torch.isfinite(lse)  # [T, H]
     for page in (0, batch.num_pages + 1):
         k = probe.batch.kv_cache[page].double()  # [ps, D]
-        rounding = 2**-8 * (q.abs() @ k.abs().T)  # [T, ps] 2 x bf16's unit roundoff 2^-9 on each k_d
-        reached = (q @ k.T - lse[:, :1]) >= MARGIN - rounding  # [T, ps]
-        assert reached.any(dim=1).all(), (page, reached.any(dim=1))
+        rounding = 2**-8 * (scores.abs() @ k.abs().T)  # [T, H, ps] 2 x bf16's unit roundoff 2^-9 on each k_d
+        reached = (scores @ k.T - lse[..., None] >= MARGIN - rounding).any(dim=-1)  # [T, H]
+        assert reached[seen].all(), (page, (~reached & seen).nonzero().tolist())

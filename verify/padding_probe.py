@@ -25,13 +25,14 @@ whose margin is below 0 is not probed; `PaddingProbe.unprobed` counts them).
 A kernel whose tile spans several pages (pages smaller than its tile) may also load the block-table entries past a
 request's last page, masked to page 0 (``other=0``) or clamped to the last page: the probe therefore moves every
 page up by one (the block table's used entries + 1, its unused ones as built) and adds a page in front (page 0)
-and one at the end, whose slots hold the requests' hostile tokens in turn.
+and one at the end, whose slots the k requests share in turn: slot i holds request i mod k's token i // k, each
+request's tokens dealt from its rows as above for its ceil(page_size / k) slots (every request gets a slot where
+the page has k or more; a request with a full last page too).
 
 Nothing else changes: the lengths, q, the scales and every token, so a kernel must give the bits of its run on the
 NaN-padded batch (a kernel that declares run-to-run variation: the tier-1 bound). Pages no request names keep their
-NaN: reading one is an addressing bug, which NaN already shows. A request whose last page is full has no unused
-slot; it gives the edge pages a token for its first row. Only a batch without a request that has both tokens and
-query rows is not probed.
+NaN: reading one is an addressing bug, which NaN already shows. Only a batch without a request that has both tokens
+and query rows is not probed.
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ def padding_probe(batch: DecodeBatch, lse: torch.Tensor, last_pages: bool = True
     used = used_slots(batch).cpu()  # [P, ps] slots holding some request's token
     cache = batch.kv_cache.new_empty((P + 2,) + tuple(batch.kv_cache.shape[1:]))  # [P + 2, ps, D]
     cache[1 : P + 1] = batch.kv_cache  # the case's pages, moved up by one
-    probed, edge = [], []  # (scores, lse, last page in the probe, free slots [ps] bool) of each; edge pages' tokens
+    probed, rows = [], []  # (scores, lse, last page in the probe, free slots [ps] bool) of each; (scores, lse) of all
     for b, s in enumerate(batch.seq_lens.tolist()):
         if s == 0 or qo[b] == qo[b + 1]:  # no tokens or no query row
             continue
@@ -147,17 +148,15 @@ def padding_probe(batch: DecodeBatch, lse: torch.Tensor, last_pages: bool = True
         free = ~used[last]  # [ps] the last page's slots no request uses
         scores = batch.sm_scale * q[qo[b] : qo[b + 1]].reshape(-1, D)  # [n_b H, D]
         lse_b = lse[qo[b] : qo[b + 1]].reshape(-1)  # [n_b H]
-        if not bool(free.any()):  # a full last page: a token for its first row, for the edge pages only
-            edge.append(hostile_tokens(scores[:1], lse_b[:1], 1, batch))
-            continue
-        tokens = hostile_tokens(scores, lse_b, int(free.sum()), batch)  # [free, D]
-        edge.append(tokens)
-        if last_pages:
-            cache[last + 1, free.to(dev)] = tokens.to(dev)
+        rows.append((scores, lse_b))
+        if last_pages and bool(free.any()):
+            cache[last + 1, free.to(dev)] = hostile_tokens(scores, lse_b, int(free.sum()), batch).to(dev)  # [free, D]
             probed.append((scores, lse_b, last + 1, free))
-    if not edge:
+    if not rows:
         return "no request with tokens and query rows"
-    edge = torch.cat(edge)[torch.arange(ps) % sum(len(t) for t in edge)]  # [ps] the requests' tokens in turn
+    share = -(-ps // len(rows))  # each request's edge slots, ceil
+    edge = torch.stack([hostile_tokens(scores, lse_b, share, batch) for scores, lse_b in rows], dim=1)  # [share, k, D]
+    edge = edge.reshape(-1, D)[:ps]  # [ps, D] slot i: request i mod k's token i // k
     cache[0], cache[P + 1] = edge.to(dev), edge.to(dev)
     moved = torch.where(batch.used_entries, batch.block_table + 1, batch.block_table)  # [B, W] unused as built
     probe = batch.replace(kv_cache=cache, block_table=moved)
