@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mla_fast.numerics import HOPPER_PV_PER_TOKEN, KERNEL_NUMERICS, PV_PER_TILE, KernelNumerics
+from mla_fast.numerics import DEFAULT_MMA, HOPPER_PV_PER_TOKEN, PV_PER_TILE, KernelNumerics, triton_numerics
 from mla_ref.decode import DecodeBatch, is_fp8
 
 AUTO_ORDER = ("triton", "flashmla", "flashinfer", "aiter", "emulated")  # "auto": our kernel first, ref never
@@ -150,9 +150,14 @@ def _ref_numerics(batch: DecodeBatch) -> KernelNumerics:
     return KernelNumerics(None, 1.0, torch.float64, torch.float64, 0.0, 0.0, out_dtype=torch.float64)
 
 
+def _channels(batch: DecodeBatch) -> int:
+    """L + R: the terms of each score's dot product (its accumulation error grows with them)."""
+    return batch.kv_lora_rank + batch.rope_dim
+
+
 def _emulated_numerics(batch: DecodeBatch) -> KernelNumerics:
     # torch fp32 matmuls (round-to-nearest, pairwise or blocked): charged like a chopped fp32 sum, fp32 P
-    return KernelNumerics(None, 1.0, torch.float32, torch.float32, (576 + 1) * _F32, 4 * _F32,
+    return KernelNumerics(None, 1.0, torch.float32, torch.float32, (_channels(batch) + 1) * _F32, 4 * _F32,
                           gamma_pv_per_token=2 * _F32)  # a chopped fp32 add and rescale per token
 
 
@@ -173,7 +178,7 @@ def _triton_numerics(batch: DecodeBatch) -> KernelNumerics:
     from mla_fast import triton_decode as td
 
     combo = _combo(batch)
-    return td.kernel_numerics(td.batch_config(batch, td._max_q_len(batch)), combo)
+    return td.kernel_numerics(td.batch_config(batch, td._max_q_len(batch)), combo, _channels(batch))
 
 
 def _forced_config(batch: DecodeBatch, kernel: str, q_len: int | None = None):
@@ -193,7 +198,9 @@ def _forced_numerics(kernel: str) -> Callable[[DecodeBatch], KernelNumerics]:
         from mla_fast.triton_decode import kernel_numerics
 
         combo, config = _forced_config(batch, kernel)
-        return kernel_numerics(config, combo) if config is not None else KERNEL_NUMERICS[combo]
+        if config is None:
+            return triton_numerics(DEFAULT_MMA[combo], channels=_channels(batch))
+        return kernel_numerics(config, combo, _channels(batch))
 
     return numerics
 
@@ -318,7 +325,7 @@ def _invariant_numerics(batch: DecodeBatch) -> KernelNumerics:
     from mla_fast import triton_decode as td
 
     combo = _combo(batch)  # before the config, which needs a combination
-    return td.kernel_numerics(td.invariant_config(batch, INVARIANT_MAX_Q_LEN), combo)
+    return td.kernel_numerics(td.invariant_config(batch, INVARIANT_MAX_Q_LEN), combo, _channels(batch))
 
 
 def _step_invariant(batch: DecodeBatch, max_q_len: int):

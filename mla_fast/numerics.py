@@ -88,7 +88,7 @@ from mla_ref.fp8 import WIDE_DTYPES, p_format_max
 BLOCK_N = 64  # KV tokens per tile in the launcher's configs (mla_fast.triton_decode.default_config)
 HOPPER_PV_PER_TOKEN = 2**-24  # MMA accumulation into the running output, per token (point 5 above)
 PV_PER_TILE = 2**-23 + 2**-21  # per KV tile: the accumulator's fp32 rescale (chopped) and alpha's ex2, twice (point 5)
-_QK_TERMS = 512 + 64 + 1  # L + R additions + the scale multiply, DeepSeek-V3 shapes (smaller L, R: fewer terms)
+DEEPSEEK_CHANNELS = 512 + 64  # L + R of DeepSeek-V3, the channels a score sums by default
 
 
 @dataclass(frozen=True)
@@ -179,8 +179,9 @@ class KernelNumerics:
                 f"{partials}{scores}")
 
 
-def triton_numerics(mma: str, block_n: int = BLOCK_N) -> KernelNumerics:
-    """KernelNumerics of `_mla_decode_kernel` with MMA operands in `mma` ("bf16" or "fp16") and tiles of block_n."""
+def triton_numerics(mma: str, block_n: int = BLOCK_N, channels: int = DEEPSEEK_CHANNELS) -> KernelNumerics:
+    """KernelNumerics of `_mla_decode_kernel` with MMA operands in `mma` ("bf16" or "fp16"), tiles of block_n and
+    scores over `channels` = L + R (a score's error grows with its terms: the batch's, not DeepSeek's, bound it)."""
     operand = {"bf16": torch.bfloat16, "fp16": torch.float16}
     if mma not in operand:
         raise ValueError(f"mma must be 'bf16' or 'fp16', got {mma!r}")
@@ -189,7 +190,7 @@ def triton_numerics(mma: str, block_n: int = BLOCK_N) -> KernelNumerics:
         p_scale=1.0,
         qk_operand=operand[mma],
         pv_operand=operand[mma],
-        gamma_qk=_QK_TERMS * 2**-23,  # chopped fp32 accumulation over L + R terms, + scale multiply
+        gamma_qk=(channels + 1) * 2**-23,  # chopped fp32 accumulation over L + R terms, + scale multiply
         gamma_pv=4 * 2**-23,  # epilogue: 1/l, kv_scale, the split merge's weight and division
         gamma_pv_per_token=HOPPER_PV_PER_TOKEN + PV_PER_TILE / block_n,  # MMA into C, then per tile
         out_dtype=torch.bfloat16,
@@ -197,7 +198,7 @@ def triton_numerics(mma: str, block_n: int = BLOCK_N) -> KernelNumerics:
 
 
 DEFAULT_MMA = {"bf16": "bf16", "fp8kv": "fp16", "fp8": "fp16"}  # fp8kv: fp16 MMAs 1.4x faster than bf16 (H200)
-KERNEL_NUMERICS = {combo: triton_numerics(mma) for combo, mma in DEFAULT_MMA.items()}
+KERNEL_NUMERICS = {combo: triton_numerics(mma) for combo, mma in DEFAULT_MMA.items()}  # at DeepSeek's L + R
 
 FP8_ACC_FRACTION_BITS = 13  # Hopper fp8 MMA: terms truncated to 2^(e_max - 13) (module docstring; numerics.md §4.2)
 FP8_QK_GROUP = 64  # channels per fp8 score accumulator in the Gluon fp8 kernel (two k32 instructions, from 0)

@@ -89,7 +89,13 @@ import triton
 import triton.language as tl
 
 from mla_fast import dsmem, planner
-from mla_fast.numerics import DEFAULT_MMA, KernelNumerics, gluon_fp8_qk_numerics, triton_numerics
+from mla_fast.numerics import (
+    DEEPSEEK_CHANNELS,
+    DEFAULT_MMA,
+    KernelNumerics,
+    gluon_fp8_qk_numerics,
+    triton_numerics,
+)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once at import, like triton itself
 UPCAST_BF16 = INTERPRET  # Triton 3.6's interpreter computes bf16 tl.dot wrongly: feed it fp32 (exact for bf16)
@@ -1195,17 +1201,21 @@ def gluon_unsupported(batch, config: KernelConfig, max_rows: int) -> str | None:
     return None
 
 
-def kernel_numerics(config: KernelConfig, combo: str) -> KernelNumerics:
+def kernel_numerics(config: KernelConfig, combo: str, channels: int = DEEPSEEK_CHANNELS) -> KernelNumerics:
     """The declared rounding points (mla_fast/numerics.py) of the kernel that `config` launches on a batch of dtype
-    combination `combo` (`dtype_combo`): the Gluon fp8 kernel's fp8 score MMAs with qk_fp8, else
-    `triton_numerics(config.mma, config.block_n)` (the Triton kernel; the Gluon kernels round as it does)."""
+    combination `combo` (`dtype_combo`) whose scores sum `channels` = L + R: the Gluon fp8 kernel's fp8 score MMAs
+    with qk_fp8 (DeepSeek's 576 channels only), else `triton_numerics(config.mma, config.block_n, channels)` (the
+    Triton kernel; the Gluon kernels round as it does)."""
     if combo not in DEFAULT_MMA:
         raise ValueError(f"combo must be one of {tuple(DEFAULT_MMA)}, got {combo!r}")
     if config.qk_fp8:
         if combo != "fp8":
             raise ValueError(f"KernelConfig.qk_fp8 needs e4m3fn q (combo 'fp8'), got combo {combo!r}")
+        if channels != DEEPSEEK_CHANNELS:
+            raise ValueError(f"KernelConfig.qk_fp8: the Gluon fp8 kernel takes L + R = {DEEPSEEK_CHANNELS}, got "
+                             f"{channels}")
         return gluon_fp8_qk_numerics(config.block_n)
-    return triton_numerics(config.mma, config.block_n)
+    return triton_numerics(config.mma, config.block_n, channels)
 
 
 def pair_merge_applies(plan, config: KernelConfig, device: torch.device, kv_lora_rank: int) -> bool:
@@ -1751,7 +1761,8 @@ class TritonMLADecode:
     def numerics(self) -> KernelNumerics:
         """The rounding points of the kernel this step launches (its config, fixed at construction, whatever later
         lengths would make `batch_config` choose): what verify's step check bounds it with."""
-        return kernel_numerics(self.config, dtype_combo(self.batch.q.dtype, self.batch.kv_cache.dtype))
+        return kernel_numerics(self.config, dtype_combo(self.batch.q.dtype, self.batch.kv_cache.dtype),
+                               self.batch.kv_lora_rank + self.batch.rope_dim)
 
     def run(self):
         """Launch decode + reduce on the static buffers -> (out, lse) (the same tensors every call). RuntimeError
