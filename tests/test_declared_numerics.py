@@ -23,6 +23,7 @@ from mla_fast.numerics import (
     gluon_fp8_qk_numerics,
     triton_numerics,
 )
+from verify.kernels import DEFAULT_NUMERICS, from_callable
 
 U32_CHOPPED = 2**-23  # one chopped fp32 addition (numerics.py point 2)
 EX2_APPROX = 2**-22  # the hardware ex2 approximation (numerics.py point 3, numerics.md §5(f))
@@ -157,6 +158,8 @@ def test_the_score_charge_counts_the_batchs_channels(L_, R_):
     batch = TritonCase((3,), (1,), heads=16, page_size=16, combo="bf16", L=L_, R=R_).batch()
     for name in ("triton", "triton_invariant", "emulated"):
         assert backends.BACKENDS[name].numerics(batch).gamma_qk == (L_ + R_ + 1) * U32_CHOPPED, name
+    plug_in = from_callable(lambda batch: None, "plug_in_without_numerics").numerics(batch)  # DEFAULT_NUMERICS' rest
+    assert plug_in == dataclasses.replace(DEFAULT_NUMERICS, gamma_qk=(L_ + R_ + 1) * U32_CHOPPED)
     small = torch.tensor(2**-23 * (1 - 2**-10), dtype=torch.float32)
     acc = torch.tensor(1.0)
     for _ in range(L_ + R_ - 1):

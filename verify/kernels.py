@@ -9,9 +9,9 @@ Plug-in contract::
         naming what it takes (the ``layout`` check then passes as ``layout.refused``, and the report warns)
     my_decode.numerics = mla_fast.numerics.KernelNumerics(...)   # optional: how it rounds (numerics.md §5(f))
 
-Without ``numerics`` a plug-in is assumed to round like ``DEFAULT_NUMERICS``: fp32 scores and P, fp32 accumulation
-(the P.V part charged per token of the request, as Hopper MMAs into a running output), bf16 output. ``numerics``
-may also be a callable ``(batch) -> KernelNumerics``.
+Without ``numerics`` a plug-in is assumed to round like ``DEFAULT_NUMERICS`` (``default_numerics``: its score charge
+at the batch's L + R): fp32 scores and P, fp32 accumulation (the P.V part charged per token of the request, as Hopper
+MMAs into a running output), bf16 output. ``numerics`` may also be a callable ``(batch) -> KernelNumerics``.
 For an input it has no kernel for (a dtype pair, a shape), a plug-in raises ``mla_fast.backends.Unsupported(reason)``
 (a ValueError): the case is then reported as unsupported under that reason, neither passed nor failed. Any other
 exception fails the case; a CUDA/HIP error stops the campaign (verify.checks).
@@ -53,7 +53,7 @@ import shlex
 import sys
 import types
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -68,11 +68,16 @@ DEFAULT_NUMERICS = KernelNumerics(
     p_scale=1.0,
     qk_operand=torch.float32,
     pv_operand=torch.float32,
-    gamma_qk=(512 + 64 + 1) * _F32,  # L + R products and the scale multiply (DeepSeek's; wider: declare your own)
+    gamma_qk=(512 + 64 + 1) * _F32,  # L + R products and the scale multiply, at DeepSeek's L + R (default_numerics)
     gamma_pv=4 * _F32,  # epilogue
     gamma_pv_per_token=HOPPER_PV_PER_TOKEN + PV_PER_TILE / 64,  # MMA into the running output, then per 64-token tile
     out_dtype=torch.bfloat16,
 )
+
+
+def default_numerics(batch: DecodeBatch) -> KernelNumerics:
+    """DEFAULT_NUMERICS with the score charge of the batch's L + R: (L + R + 1) chopped fp32 steps."""
+    return replace(DEFAULT_NUMERICS, gamma_qk=(batch.kv_lora_rank + batch.rope_dim + 1) * _F32)
 
 
 BATCH_INVARIANT = "declared batch-invariant: the batch check asks for each request's bits in a regrouped batch"
@@ -190,7 +195,7 @@ def from_callable(fn, name: str | None = None) -> Kernel:
                                  f".{near[0]}? (it reads {', '.join('.' + a for a in PLUG_IN_ATTRIBUTES)})")
     declared = getattr(fn, "numerics", None)
     if declared is None:
-        numerics, reason = (lambda batch: DEFAULT_NUMERICS), "plug-in, default numerics (fp32 P, bf16 out)"
+        numerics, reason = default_numerics, "plug-in, default numerics (fp32 P, bf16 out)"
     elif isinstance(declared, KernelNumerics):
         numerics, reason = (lambda batch: declared), "plug-in, declared numerics"
     elif callable(declared):
