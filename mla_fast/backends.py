@@ -150,14 +150,9 @@ def _ref_numerics(batch: DecodeBatch) -> KernelNumerics:
     return KernelNumerics(None, 1.0, torch.float64, torch.float64, 0.0, 0.0, out_dtype=torch.float64)
 
 
-def _channels(batch: DecodeBatch) -> int:
-    """L + R: the terms of each score's dot product (its accumulation error grows with them)."""
-    return batch.kv_lora_rank + batch.rope_dim
-
-
 def _emulated_numerics(batch: DecodeBatch) -> KernelNumerics:
     # torch fp32 matmuls (round-to-nearest, pairwise or blocked): charged like a chopped fp32 sum, fp32 P
-    return KernelNumerics(None, 1.0, torch.float32, torch.float32, (_channels(batch) + 1) * _F32, 4 * _F32,
+    return KernelNumerics(None, 1.0, torch.float32, torch.float32, (batch.head_dim + 1) * _F32, 4 * _F32,
                           gamma_pv_per_token=2 * _F32)  # a chopped fp32 add and rescale per token
 
 
@@ -178,7 +173,7 @@ def _triton_numerics(batch: DecodeBatch) -> KernelNumerics:
     from mla_fast import triton_decode as td
 
     combo = _combo(batch)
-    return td.kernel_numerics(td.batch_config(batch, td._max_q_len(batch)), combo, _channels(batch))
+    return td.kernel_numerics(td.batch_config(batch, td._max_q_len(batch)), combo, batch.head_dim)
 
 
 def _forced_config(batch: DecodeBatch, kernel: str, q_len: int | None = None):
@@ -199,8 +194,8 @@ def _forced_numerics(kernel: str) -> Callable[[DecodeBatch], KernelNumerics]:
 
         combo, config = _forced_config(batch, kernel)
         if config is None:
-            return triton_numerics(DEFAULT_MMA[combo], channels=_channels(batch))
-        return kernel_numerics(config, combo, _channels(batch))
+            return triton_numerics(DEFAULT_MMA[combo], channels=batch.head_dim)
+        return kernel_numerics(config, combo, batch.head_dim)
 
     return numerics
 
@@ -325,7 +320,7 @@ def _invariant_numerics(batch: DecodeBatch) -> KernelNumerics:
     from mla_fast import triton_decode as td
 
     combo = _combo(batch)  # before the config, which needs a combination
-    return td.kernel_numerics(td.invariant_config(batch, INVARIANT_MAX_Q_LEN), combo, _channels(batch))
+    return td.kernel_numerics(td.invariant_config(batch, INVARIANT_MAX_Q_LEN), combo, batch.head_dim)
 
 
 def _step_invariant(batch: DecodeBatch, max_q_len: int):

@@ -1762,7 +1762,7 @@ class TritonMLADecode:
         """The rounding points of the kernel this step launches (its config, fixed at construction, whatever later
         lengths would make `batch_config` choose): what verify's step check bounds it with."""
         return kernel_numerics(self.config, dtype_combo(self.batch.q.dtype, self.batch.kv_cache.dtype),
-                               self.batch.kv_lora_rank + self.batch.rope_dim)
+                               self.batch.head_dim)
 
     def run(self):
         """Launch decode + reduce on the static buffers -> (out, lse) (the same tensors every call). RuntimeError

@@ -77,7 +77,7 @@ DEFAULT_NUMERICS = KernelNumerics(
 
 def default_numerics(batch: DecodeBatch) -> KernelNumerics:
     """DEFAULT_NUMERICS with the score charge of the batch's L + R: (L + R + 1) chopped fp32 steps."""
-    return replace(DEFAULT_NUMERICS, gamma_qk=(batch.kv_lora_rank + batch.rope_dim + 1) * _F32)
+    return replace(DEFAULT_NUMERICS, gamma_qk=(batch.head_dim + 1) * _F32)
 
 
 BATCH_INVARIANT = "declared batch-invariant: the batch check asks for each request's bits in a regrouped batch"
