@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mla_fast.numerics import DEFAULT_MMA, HOPPER_PV_PER_TOKEN, PV_PER_TILE, KernelNumerics, triton_numerics
+from mla_fast.numerics import HOPPER_PV_PER_TOKEN, PV_PER_TILE, KernelNumerics
 from mla_ref.decode import DecodeBatch, is_fp8
 
 AUTO_ORDER = ("triton", "flashmla", "flashinfer", "aiter", "emulated")  # "auto": our kernel first, ref never
@@ -176,26 +176,15 @@ def _triton_numerics(batch: DecodeBatch) -> KernelNumerics:
     return td.kernel_numerics(td.batch_config(batch, td._max_q_len(batch)), combo, batch.head_dim)
 
 
-def _forced_config(batch: DecodeBatch, kernel: str, q_len: int | None = None):
-    """(dtype combination, `forced_config` of the pinned Gluon kernel for the batch at q_len, default its largest,
-    or None)."""
-    from mla_fast import triton_decode as td
-
-    combo = _combo(batch)
-    return combo, td.forced_config(combo, batch.num_heads, q_len or td._max_q_len(batch), kernel)
-
-
 def _forced_numerics(kernel: str) -> Callable[[DecodeBatch], KernelNumerics]:
-    """The numerics of `_run_forced(kernel)`'s config (the Triton kernel's where it has none: that runner then raises
-    Unsupported)."""
+    """The numerics of `_run_forced(kernel)`'s config (`_pinned`): Unsupported where that runner refuses the batch,
+    as the run would (a plug-in's numerics may refuse, verify.checks.run_case), so that no declaration is asked of a
+    kernel that does not take the batch (the Gluon fp8 kernel's fp8 score MMAs at L + R other than 576 raised)."""
 
     def numerics(batch: DecodeBatch) -> KernelNumerics:
-        from mla_fast.triton_decode import kernel_numerics
+        from mla_fast.triton_decode import _max_q_len, kernel_numerics
 
-        combo, config = _forced_config(batch, kernel)
-        if config is None:
-            return triton_numerics(DEFAULT_MMA[combo], channels=batch.head_dim)
-        return kernel_numerics(config, combo, batch.head_dim)
+        return kernel_numerics(_pinned(batch, kernel, _max_q_len(batch)), _combo(batch), batch.head_dim)
 
     return numerics
 
@@ -263,9 +252,7 @@ def _pinned(batch: DecodeBatch, kernel: str, q_len: int):
     such rows or cannot run the batch (reasons without the case's values)."""
     from mla_fast import triton_decode as td
 
-    if reason := td.dtypes_unsupported(batch):
-        raise Unsupported(reason)
-    _, config = _forced_config(batch, kernel, q_len)
+    config = td.forced_config(_combo(batch), batch.num_heads, q_len, kernel)  # _combo: Unsupported dtypes
     if config is None:
         raise Unsupported(f"default_config has no {kernel} geometry for these dtypes, heads and q_len")
     reason = td.gluon_unsupported(batch, config, q_len * config.head_group)  # launch's check, as Unsupported

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from mla_fast import backends
 from mla_fast.flashinfer_backend import flashinfer_inputs, split_q_scale
 from mla_fast.flashmla_backend import flashmla_inputs, padded_rows
+from mla_fast.numerics import KERNEL_NUMERICS
 from mla_ref import fp8
 from mla_ref.decode import make_decode_batch, mla_decode_ref
 from verify.cases import Case
@@ -170,17 +171,26 @@ def test_declared_numerics_per_backend_and_dtype():
     assert get["aiter"](bf16).p_fmt == "bf16" and get["aiter"](fnuz).p_fmt == "e4m3fnuz"
 
 
-def test_declared_numerics_of_our_kernels():
+def test_declared_numerics_of_our_kernels(monkeypatch):
+    """The seesaw rounds as the Triton kernel; the pinned Gluon fp8 kernel multiplies fp8 q's scores in fp8 MMAs;
+    all keep fp32 partials. The Gluon kernels' device check is opened so that CPU batches they take get their
+    declarations (on batches they do not take, their numerics refuse as their runners do: test_declared_numerics)."""
     pytest.importorskip("triton", reason="our kernels' dispatch needs triton (pip install triton==3.6.0)")
-    bf16, fp8_batch = _batch("bf16"), _batch("fp8")
+    from mla_fast import gluon_decode
+
     get = {name: b.numerics for name, b in backends.BACKENDS.items()}
-    assert get["triton"](fp8_batch).qk_operand == torch.float16  # pages of 16: the Triton kernel, fp16 MMAs
-    # the seesaw rounds as the Triton kernel; the pinned Gluon fp8 kernel multiplies fp8 q's scores in fp8 MMAs
-    assert get["seesaw"](bf16) == get["triton"](bf16) and get["seesaw"](fp8_batch) == get["triton"](fp8_batch)
+    fp8_batch = _batch("fp8")
+    triton_fp8 = get["triton"](fp8_batch)  # on this CPU: the Triton kernel, fp16 MMAs
+    assert triton_fp8.qk_operand == torch.float16
+    monkeypatch.setattr(gluon_decode, "device_reason", lambda batch, kernel: None)
     assert get["gluon_fp8"](fp8_batch).qk_operand == torch.float8_e4m3fn
-    assert get["gluon_fp8"](fp8_batch).gamma_qk > get["triton"](fp8_batch).gamma_qk
-    ours = ("triton", "gluon_fp8")
-    assert all(get[name](b).partial_dtype == torch.float32 for name in ours for b in (bf16, fp8_batch))
+    assert get["gluon_fp8"](fp8_batch).gamma_qk > triton_fp8.gamma_qk
+    wide = {combo: _batch(combo, heads=128, page_size=64) for combo in ("bf16", "fp8kv")}  # the seesaw's rows
+    for combo, batch in wide.items():
+        assert get["seesaw"](batch) == KERNEL_NUMERICS[combo], combo  # the Triton kernel's declaration
+    taken = [("triton", b) for b in (fp8_batch, *wide.values())] + [("gluon_fp8", fp8_batch)]
+    taken += [("seesaw", b) for b in wide.values()]
+    assert all(get[name](b).partial_dtype == torch.float32 for name, b in taken)
 
 
 def test_only_the_invariant_backend_declares_batch_invariance_and_it_fixes_its_q_len():

@@ -167,3 +167,29 @@ def test_the_score_charge_counts_the_batchs_channels(L_, R_):
     exact = 1.0 + (L_ + R_ - 1) * float(small)  # fp64: exact here
     ratio = (exact - float(acc)) / (backends.BACKENDS["triton"].numerics(batch).gamma_qk * exact)
     assert 0.99 <= ratio <= 1.0, ratio  # (L + R - 1) of (L + R + 1) steps, small's 1 - 2^-10 and the sum's 1 + 2^-13
+
+
+@pytest.mark.parametrize("kernel, combo, heads", [("gluon_fp8", "fp8", 16), ("gluon_fp8", "fp8kv", 16),
+                                                  ("seesaw", "bf16", 128)])
+def test_a_pinned_gluon_backends_numerics_refuse_the_batches_its_runner_refuses(monkeypatch, kernel, combo, heads):
+    """The "gluon_fp8" and "seesaw" backends declare the numerics of the config their runner launches (`_pinned`)
+    and refuse, with the runner's Unsupported, a batch that kernel does not take: the Gluon fp8 kernel's fp8 score
+    MMAs took any L + R and raised ValueError at 288 (an H100's step test; run_case lets a ValueError out of
+    numerics). The device check is opened here so that the CPU batches reach the width check."""
+    from triton_cases import TritonCase
+
+    from mla_fast import gluon_decode
+    from mla_fast import triton_decode as td
+
+    monkeypatch.setattr(gluon_decode, "device_reason", lambda batch, kernel: None)
+    numerics = backends.BACKENDS[kernel].numerics
+    wide = TritonCase((70, 3), (1, 1), heads=heads, page_size=64, combo=combo, L=512, R=64).batch()
+    config = td.forced_config(combo, heads, 1, kernel)
+    assert numerics(wide) == td.kernel_numerics(config, combo), kernel
+    assert config.qk_fp8 == (combo == "fp8") and (numerics(wide) == gluon_fp8_qk_numerics()) == config.qk_fp8
+    narrow = TritonCase((70, 3), (1, 1), heads=heads, page_size=64, combo=combo, L=256, R=32).batch()
+    with pytest.raises(backends.Unsupported, match="kv_lora_rank 512 and rope_dim 64") as refused:
+        numerics(narrow)
+    with pytest.raises(backends.Unsupported) as ran:
+        backends.BACKENDS[kernel].run(narrow)
+    assert str(refused.value) == str(ran.value)
