@@ -10,7 +10,16 @@ import torch
 from hypothesis import given
 
 from mla_ref.fp8 import FORMATS
-from verify.cases import COHERENT_KV, DISTRIBUTIONS, HEAD_OFFSETS, NEAR_MAX, OUTLIER_GAIN, Case, static_scale
+from verify.cases import (
+    COHERENT_KV,
+    DISTRIBUTIONS,
+    HEAD_OFFSETS,
+    NEAR_MAX,
+    OUTLIER_GAIN,
+    SCORE_STD,
+    Case,
+    static_scale,
+)
 from verify.strategies import WORK_BUDGET, cases, smoke_cases
 
 
@@ -298,3 +307,141 @@ def test_kv_unit_takes_a_cache_scale_of_1_and_qs_dynamic_one():
     (a, _), (b, _) = kv_unit.materialize(), dynamic.materialize()
     assert a.kv_scale == 1.0 and b.kv_scale != 1.0 and a.q_scale == b.q_scale != 1.0
     assert "kv_unit" in kv_unit.describe() and Case.from_json(kv_unit.to_json()) == kv_unit
+
+
+# the source-mutation review of the cases and strategies (sixty-fourth session): each test fails on the edit it
+# names (C.., S..)
+
+
+@pytest.mark.parametrize("dims", [(512, 64), (256, 32)])
+def test_q_std_gives_the_distributions_score_std_over_the_whole_head_dim(dims):
+    """C05: q is drawn with std SCORE_STD / (σ sqrt(L + R)), the whole q·k head dim (scores of unit-variance cache
+    rows then have the distribution's std); sqrt(L) instead is 6 % off. Measured on the n = T·H·D iid q entries of the
+    exact (bf16) batch: a sample std's relative standard error is 1 / sqrt(2 (n - 1)); allowed 5 of them plus one
+    bf16 unit roundoff (2^-8 relative per entry, from the bf16 cast)."""
+    L_, R_ = dims
+    for dist in ("gauss1", "gauss4"):
+        case = Case(seq_lens=(8,), q_lens=(4,), heads=16, kv_lora_rank=L_, rope_dim=R_, dist=dist, seed=7)
+        _, exact = case.materialize()
+        q = exact.q.double().flatten()
+        want = SCORE_STD.get(dist, 1.0) / (case.sm_scale * math.sqrt(L_ + R_))
+        tol = 5 / math.sqrt(2 * (q.numel() - 1)) + 2.0**-8
+        assert abs(float(q.std()) / want - 1) < tol
+
+
+def test_outlier_scores_keep_the_typical_std():
+    """C07: outlier multiplies two latent cache channels by OUTLIER_GAIN and divides q there by it, so the scores
+    keep std 1 (the module docstring's table); without the division the two channels add a std of about
+    OUTLIER_GAIN sqrt(2 / D) ~ 177. Tolerance: 5 relative standard errors of a std counted over the T·H independent
+    query vectors only (1 / sqrt(2 T H)), a conservative count."""
+    case = Case(seq_lens=(300,), q_lens=(4,), heads=16, dist="outlier", seed=5)
+    batch, _ = case.materialize()
+    q = batch.dequantized_q(torch.float64)  # [T, H, D]
+    s = batch.sm_scale * torch.einsum("thd,sd->ths", q, batch.request_kv(0, torch.float64))
+    n_q = q.shape[0] * q.shape[1]
+    assert abs(float(s.std()) - 1) < 5 / math.sqrt(2 * n_q)
+
+
+@pytest.mark.parametrize("dist", ["sink", "recent", "shifted"])
+def test_one_token_distributions_build_batches_with_empty_requests(dist):
+    """C09: sink / recent / shifted lift one token of each request; an empty request has none, and the batch must
+    still build (the strategy draws empty requests beside every distribution)."""
+    batch, _ = Case(seq_lens=(0, 40, 0), q_lens=(1, 2, 3), heads=4, dist=dist, seed=1).materialize()
+    assert batch.seq_lens.tolist() == [0, 40, 0]
+
+
+def test_shifted_rows_that_miss_the_newest_token_flush_a_max_started_at_0():
+    """C10: shifted puts every token at about -120 but the newest (+120): a row that cannot see the newest token
+    (an earlier MTP row) has all its scores below ln(fp32's smallest normal) = -87.3, where exp(s - 0) of a running
+    max started at 0 flushes to zero (the max_init_zero mutant's failure); the last row's newest token lies past
+    fp32 exp's overflow (+87.3)."""
+    floor = math.log(torch.finfo(torch.float32).tiny)  # -87.34
+    batch, _ = Case(seq_lens=(300,), q_lens=(2,), heads=8, dist="shifted", seed=2).materialize()
+    q = batch.dequantized_q(torch.float64)
+    s = batch.sm_scale * torch.einsum("thd,sd->ths", q, batch.request_kv(0, torch.float64))  # [2, H, 300]
+    assert float(s[0, :, :-1].max()) < floor  # row 0 sees tokens 0..298 only
+    assert float(s[1, :, -1].min()) > -floor  # the newest token, which only row 1 sees, past fp32 exp's overflow
+
+
+def test_near_max_places_values_of_both_signs():
+    """C11: near_max sets entries to ±scale·v (its docstring): the saturated entries come in both signs, so a
+    kernel that saturates only one side fails."""
+    case = Case(seq_lens=(600,), kv_dtype="fp8", dist="near_max", scale_mode="static", seed=2)
+    _, exact = case.materialize()
+    x = exact.request_kv(0) / static_scale(case, "kv")
+    beyond = x.abs() > FORMATS[case.fp8_format].max
+    assert bool((x[beyond] > 0).any()) and bool((x[beyond] < 0).any())
+
+
+def _drawn(dtype="fp8", n=400, seed=0, **kw):
+    from verify.cli import _draw
+
+    return _draw(cases(dtype, **kw), n, seed=seed)
+
+
+def test_strategy_draws_the_edges_on_pages_past_one_token():
+    """S01 / S02 / S03 / S04 / S06 / S12 / S22: the strategy's docstring edges on pages of 16, 32 and 64 tokens
+    (on pages of 1 or 3, page - 1 and page + 1 are small lengths the uniform draw hits anyway, which hides a dropped
+    edge): empty requests, page - 1 and page + 1 on each; pages of 3 (no power of two); ordinary MTP rows of 2-4;
+    132 workers; the unit fp8 scale outside the coherent distribution (which always draws it)."""
+    found = set()
+    for c in _drawn():
+        P = c.page_size
+        found |= {"empty"} if P > 1 and 0 in c.seq_lens else set()
+        found |= {f"{P}-1"} if P - 1 in c.seq_lens else set()
+        found |= {f"{P}+1"} if P + 1 in c.seq_lens else set()
+        found |= {"pages:3"} if P == 3 else set()
+        found |= {"mtp:2-4"} if any(2 <= n <= 4 for n in c.q_lens) else set()
+        found |= {"workers:132"} if c.num_workers == 132 else set()
+        found |= {"unit:not_coherent"} if c.scale_mode == "unit" and c.dist != "coherent" else set()
+    wanted = {"empty", "pages:3", "mtp:2-4", "workers:132", "unit:not_coherent"}
+    wanted |= {f"{P}{d}" for P in (16, 32, 64) for d in ("-1", "+1")}
+    assert wanted <= found, sorted(wanted - found)
+
+
+def test_strategy_puts_the_long_request_and_the_long_mtp_rows_anywhere():
+    """S17 / S18: the long request and the request of 5-16 MTP rows are drawn at any index, not only first (a kernel
+    that handles only request 0 specially passes otherwise)."""
+    long_at, mtp_at = set(), set()
+    for c in _drawn():
+        if max(c.seq_lens) > 512:
+            long_at.add(c.seq_lens.index(max(c.seq_lens)) > 0)
+        if max(c.q_lens) > 4:
+            mtp_at.add(c.q_lens.index(max(c.q_lens)) > 0)
+    assert True in long_at and True in mtp_at
+
+
+def test_strategy_draws_distinct_seeds_and_full_batches():
+    """S13 / S19: the seed is drawn (a constant seed repeats the same tensors for a shape; Hypothesis favours small
+    integers, so only more than one distinct seed is asked), and batches reach max_batch requests (8 by default)."""
+    drawn = _drawn("bf16", 200)
+    assert len({c.seed for c in drawn}) >= 2
+    assert max(len(c.seq_lens) for c in drawn) == 8
+
+
+def test_strategy_and_smoke_prefix_keep_the_given_heads_pages_and_length_limit():
+    """S09 / S10 / S15 / S16: heads and page_size fix every drawn and every smoke case; max_seq_len clips the smoke
+    prefix's lengths."""
+    for c in _drawn("bf16", 50, heads=2, page_size=16):
+        assert (c.heads, c.page_size) == (2, 16)
+    smoke = smoke_cases("bf16", heads=2, page_size=16, max_seq_len=100)
+    assert {(c.heads, c.page_size) for c in smoke} == {(2, 16)} and max(max(c.seq_lens) for c in smoke) <= 100
+
+
+def test_smoke_prefix_has_requests_with_tokens_past_index_255():
+    """S20: the smoke prefix's big batch reads tokens of requests past index 255 (an 8-bit request index wraps)."""
+    for dtype in ("bf16", "fp8"):
+        assert any(any(s > 0 for s in c.seq_lens[256:]) for c in smoke_cases(dtype))
+
+
+def test_a_campaign_format_other_than_e4m3_is_refused_by_name():
+    """A campaign's fp8_format is one of FP8_FORMATS, as `mla-verify --fp8-format`: the smoke prefix and the draws
+    place values past e4m3's max (near_max), which an e5m2 Case refuses, so e5m2 raised a Case error from inside
+    Hypothesis (found by a review); e5m2 caches stay in the smoke prefix as its other formats."""
+    from verify.testing import mla_property_test
+
+    for make in (lambda: smoke_cases("fp8", fp8_format="e5m2"), lambda: _drawn(n=1, fp8_format="e5m2"),
+                 lambda: mla_property_test(lambda batch: None, "fp8", fp8_format="e5m2")):
+        with pytest.raises(ValueError, match=r"fp8_format: expected one of \('e4m3fn', 'e4m3fnuz'\)"):
+            make()
+    assert any(c.fp8_format == "e5m2" for c in smoke_cases("fp8"))

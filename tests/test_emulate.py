@@ -267,3 +267,17 @@ def test_a_nan_partial_does_not_leak_into_another_requests_merge():
     assert torch.diff(plan.reduce_indptr).tolist() == [4, 2]  # both split, request 1 in fewer pieces
     out, lse = run_plan_reference(batch, plan)
     assert bool(torch.isnan(lse[0]).all()) and bool(torch.isfinite(out[1]).all() and torch.isfinite(lse[1]).all())
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_a_nan_first_token_of_the_longest_item_stays_in_its_rows(workers):
+    """Items of a chunk are padded to its longest one by re-reading that item's first token with the padding zeroed
+    (`run_plan_reference`); a NaN there stays in the rows that read it, as in the oracle, and does not reach the
+    shorter items of other requests through 0 x NaN in P V. (A source-mutation review's unzeroed padding passed
+    this file and failed only the 40 s emulated property test.)"""
+    batch = with_nan_token(build_batch((256, 40, 7), (1, 2, 1), 16, 16, seed=3), 0, 0)
+    plan = plan_decode(batch.seq_lens, batch.q_lens, 16, workers, block_n=16, fixed_overhead=0)
+    out, lse = run_plan_reference(batch, plan)
+    ref_out, ref_lse = mla_decode_ref(batch)
+    assert nan_masks_match(out, lse, ref_out, ref_lse)
+    assert bool(torch.isnan(lse[0]).all()) and bool(torch.isfinite(out[1:]).all())

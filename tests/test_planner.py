@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from planner_cases import PlanCase
 
 from mla_fast.planner import (
     BATCH,
+    DEFAULT_OVERHEAD_TOKENS,
     FINAL,
     HEAD_END,
     HEAD_START,
@@ -552,3 +554,119 @@ def test_lengths_beyond_int32_raise_instead_of_wrapping():
         plan_decode(torch.tensor([2**31 + 100]), torch.tensor([1]), 16, num_workers=4)
     with pytest.raises(ValueError, match="< 2\\*\\*31"):
         plan_decode(torch.tensor([5, 5]), torch.tensor([2**30, 2**30]), 16, num_workers=4)
+
+
+# the source-mutation review of the planner (sixty-fourth session): each test fails on the edit it names (P..)
+
+
+def items_per_tile(plan) -> torch.Tensor:
+    """[T] items of each (request, head group) tile, counted from the work items themselves."""
+    items = plan.work_items.long()
+    G = plan.num_heads // plan.head_group
+    tile = items[:, BATCH] * G + items[:, HEAD_START] // plan.head_group
+    return torch.bincount(tile, minlength=plan.seq_lens.numel() * G)
+
+
+def test_stats_counts_an_unsplit_tile_as_one_piece():
+    """P02: stats()' pieces_per_tile mean counts an unsplit tile as one piece (reduce_indptr holds 0 for it); the
+    worked example's line plan has tiles of 3, 2 and 1 pieces."""
+    line = _line(torch.tensor([1000, 100, 0]), torch.ones(3, dtype=torch.long), 16, 4, 64, 5, None, 16)
+    plan = _build(line, _cut(line, _line_cuts(line, None), split=True))
+    pieces = items_per_tile(plan).double()
+    s = plan.stats()
+    assert s["pieces_per_tile"]["mean"] == float(pieces.mean())
+    assert s["pieces_per_tile"]["max"] == int(pieces.max())
+
+
+def test_to_aiter_refuses_exactly_2_to_the_31_pages():
+    """P03: kv_indices positions run up to the batch's page count; 2^31 pages (two requests of 2^30 one-token pages)
+    put a position at 2^31, which int32 wraps, so to_aiter must refuse it as it refuses 3 x 2^30."""
+    plan = plan_decode(torch.tensor([2**30, 2**30]), torch.tensor([1, 1]), 16, 4)
+    with pytest.raises(ValueError, match=r"2147483648 pages of 1 tokens do not fit aiter's int32"):
+        plan.to_aiter(page_size=1)
+    assert int(plan.to_aiter(page_size=2)["work_info_set"][:, 4:6].min()) >= 0  # 2^30 pages fit
+
+
+def test_a_length_of_2_to_the_31_is_refused_by_the_length_check():
+    """P35: seq_lens must be < 2^31; a length of exactly 2^31 is refused by the argument check (naming the limit),
+    not only later by the int32 conversion of the plan."""
+    with pytest.raises(ValueError, match=r"< 2\*\*31"):
+        plan_decode(torch.tensor([2**31]), torch.tensor([1]), 16, num_workers=4)
+
+
+@pytest.mark.parametrize("block_n", [16, 64, 128, 96])
+def test_default_overhead_is_the_ceiling_of_320_tokens(block_n):
+    """P36: fixed_overhead defaults to ceil(DEFAULT_OVERHEAD_TOKENS / block_n) blocks (plan_decode's docstring):
+    128- and 96-token blocks get 3, not the floor 2."""
+    plan = plan_decode(torch.tensor([1000]), torch.tensor([1]), 16, 4, block_n=block_n)
+    assert plan.fixed_overhead == math.ceil(DEFAULT_OVERHEAD_TOKENS / block_n)
+
+
+def test_an_empty_plan_is_not_paired():
+    """P34: paired_splits promises every tile in exactly two pieces; a plan of no tiles has none (a 2-CTA cluster
+    launch must not be chosen for it)."""
+    none = torch.tensor([], dtype=torch.int32)
+    assert not plan_decode(none, none, 16, 4).paired_splits
+
+
+def test_an_even_plan_that_only_ties_the_line_plan_is_not_returned():
+    """P10: of candidates with equal keys (busiest worker, partial rows) plan_decode returns the first of line,
+    unsplit, even (its docstring). One tile of 3 blocks on 2 workers: the line cuts at block 2, the even plan at
+    floor(3 / 2) = 1, both cost 2 with 2 partial rows. min_tail = 4 (the 64-token tail keeps every cut) makes
+    plan_decode build the even candidate and compare its key, where the tie must go to the line."""
+    seqs, workers = [192], 2
+    line = _line(torch.tensor(seqs), torch.ones(1, dtype=torch.long), 16, workers, 64, 0, None, 16, 4)
+    line_cut = _cut(line, _line_cuts(line, None), split=True)
+    even_cut = _cut(line, _even_cuts(line, None)[0], split=True)
+    assert line_cut.key == even_cut.key and not torch.equal(torch.from_numpy(line_cut.blk_start),
+                                                            torch.from_numpy(even_cut.blk_start))  # a real tie
+    plan = plan_decode(torch.tensor(seqs), torch.ones(1, dtype=torch.long), 16, workers, block_n=64,
+                       fixed_overhead=0, min_tail=4)
+    want = _build(line, line_cut)
+    assert torch.equal(plan.work_items, want.work_items) and torch.equal(plan.worker_indptr, want.worker_indptr)
+
+
+@pytest.mark.parametrize("blocks, max_splits, workers", [(9, 2, 8), (100, 3, 64), (17, 5, 132)])
+def test_the_line_candidate_keeps_the_split_cap_bound(blocks, max_splits, workers):
+    """P12: the line plan's stride is max(ceil(C / W), ceil((b_max - 1) / (m - 1))), so its busiest worker costs at
+    most that plus OVH (module docstring), also when the returned plan is another candidate."""
+    ovh = 0
+    line = _line(torch.tensor([blocks * 64]), torch.tensor([1]), 16, workers, 64, ovh, max_splits, 16)
+    plan = _build(line, _cut(line, _line_cuts(line, max_splits), split=True))
+    C = blocks + ovh
+    Q = max(ceil_div(C, workers), ceil_div(blocks - 1, max_splits - 1))
+    assert int(plan.worker_costs().max()) <= Q + ovh
+    assert int(items_per_tile(plan).max()) <= max_splits
+
+
+@pytest.mark.parametrize("blocks, workers", [(11, 3), (29, 4), (100, 7), (5, 3)])
+def test_the_even_candidate_cuts_near_equal_pieces(blocks, workers):
+    """P21: the even plan cuts tile t into k_t pieces at block floor(j * blocks_t / k_t): piece lengths differ by at
+    most one block, and the busiest costs ceil(blocks_t / k_t) + OVH, the closed form _even_cuts returns."""
+    line = _line(torch.tensor([blocks * 64]), torch.tensor([1]), 16, workers, 64, 0, None, 16)
+    cuts, cost, rows = _even_cuts(line, None)
+    plan = _build(line, _cut(line, cuts, split=True))
+    n = ((plan.work_items[:, KV_END] - plan.work_items[:, KV_START]).long() // 64)  # [N] blocks per piece
+    assert int(n.max() - n.min()) <= 1 and int(n.sum()) == blocks
+    assert int(plan.worker_costs().max()) == cost == ceil_div(blocks, plan.num_items)
+
+
+@pytest.mark.parametrize("seq_len, workers", [(8 * 16 + 1, 5), (3 * 16 + 4, 4), (20 * 16 + 2, 7)])
+def test_min_tail_moves_only_a_split_in_the_last_block(seq_len, workers):
+    """P25 / P26: min_tail moves a split one block earlier only where it would leave the tile's last block alone with
+    fewer than min_tail tokens; every other split point is the min_tail = 1 plan's. (Lengths: a tail of 1 with the
+    last cut in the last block; a tail of exactly min_tail, which moves nothing; a tail of 2.)"""
+    block_n, min_tail = 16, 4
+    args = (torch.tensor([seq_len]), torch.tensor([1]), 16, workers)
+    free = plan_decode(*args, block_n=block_n, fixed_overhead=0)
+    held = plan_decode(*args, block_n=block_n, fixed_overhead=0, min_tail=min_tail)
+    last_block = (ceil_div(seq_len, block_n) - 1) * block_n  # first token of the tile's last block
+    tail = seq_len - last_block
+    free_starts = set(free.work_items[:, KV_START].tolist())
+    held_starts = set(held.work_items[:, KV_START].tolist())
+    if tail >= min_tail:
+        assert held_starts == free_starts
+    else:
+        assert held_starts - {last_block - block_n} == free_starts - {last_block}
+    tokens = held.work_items[:, KV_END] - held.work_items[:, KV_START]
+    assert int(tokens.min()) >= min_tail

@@ -28,6 +28,7 @@ from mla_ref.config import yarn_get_mscale
 from verify.cases import (
     CASE_FP8_FORMATS,
     DISTRIBUTIONS,
+    FP8_FORMATS,
     MINICPM3_SM_SCALE,
     NO_YARN_SM_SCALE,
     SM_SCALE,
@@ -59,6 +60,15 @@ def _seq_len(page: int, short_max: int) -> st.SearchStrategy[int]:
     return st.one_of(st.sampled_from(edges), st.integers(2, short_max), st.integers(2, short_max))
 
 
+def _campaign_format(where: str, fp8_format: str) -> None:
+    """A campaign's fp8 format is one of FP8_FORMATS (`mla-verify --fp8-format`): its draws and smoke prefix place
+    values past e4m3's max (near_max), which an e5m2 Case refuses; e5m2 caches come as the smoke prefix's other
+    formats."""
+    if fp8_format not in FP8_FORMATS:
+        raise ValueError(f"{where}.fp8_format: expected one of {FP8_FORMATS} (e5m2 caches are in the smoke prefix's "
+                         f"other formats), got {fp8_format!r}")
+
+
 @st.composite
 def cases(
     draw,
@@ -80,6 +90,7 @@ def cases(
     """
     if dtype not in ("bf16", "fp8"):
         raise ValueError(f"cases.dtype: expected 'bf16' or 'fp8', got {dtype!r}")
+    _campaign_format("cases", fp8_format)
     if max_seq_len < 1:
         raise ValueError(f"cases.max_seq_len: expected an int >= 1, got {max_seq_len!r}")
     if max_batch < 1:
@@ -166,6 +177,7 @@ def smoke_cases(
     Lengths are clipped to max_seq_len; heads / page_size / kv_lora_rank / rope_dim override the hand-picked values
     when given (the latent and rope are DeepSeek-V3's 512 and 64 but in MiniCPM3's case).
     """
+    _campaign_format("smoke_cases", fp8_format)
     fp8 = dtype == "fp8"
     base = dict(kv_lora_rank=512, rope_dim=64, kv_dtype=dtype, fp8_format=fp8_format)
     picked = [
