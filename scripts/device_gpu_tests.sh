@@ -5,14 +5,16 @@
 # carry it and execnet as wheels in .whl (`pip download pytest-xdist execnet --no-deps -d .whl`).
 # Usage: scripts/device_gpu_tests.sh [SECONDS] [WORKERS] [PYTEST ARGS...] (default 540 s, 8 workers, tests/).
 # Writes $OUT/pytest.txt (a line per test as it ends: `-o addopts=""` drops the project's -q, which would leave -v
-# printing dots; then the failures and the slowest 40) and $OUT/log.txt. The sixty-fourth session's 8 workers on
-# an H100 failed 6 tests that pass when run alone (4 large Gluon fp8 grid rows, the partials check, mla-bench's
-# JSON), with no traceback before the time limit: the whole run is slower than one call and its workers contend.
+# printing dots; then the failures and the slowest 40), $OUT/failures.txt (each failure's traceback as it happens,
+# tests/conftest.py's MLA_TEST_FAILURES: a run killed at the limit prints no failures section) and $OUT/log.txt.
+# The sixty-fourth session's 8 workers on an H100 failed 6 tests that passed when re-run in smaller calls (the 4
+# Gluon fp8 grid rows at (128, 8192, 16) and (32, 16384, 16), the partials check, mla-bench's JSON), tracebacks lost
+# at the limit: run the GPU tests in pieces (a file or -k) with fewer workers.
 source "$(dirname "$0")/device_env.sh" "${OUT:-/tmp/mla_gpu_tests_out}"
 seconds=${1:-540}; workers=${2:-8}; shift $(( $# < 2 ? $# : 2 )); targets=("${@:-tests/}")
 python3 -c "import xdist" 2>/dev/null || { echo "pytest-xdist not installed: carry its wheel in .whl" | tee -a "$log"; exit 2; }
 step "pytest -m gpu ${targets[*]}, $workers workers, $seconds s"
-timeout "$seconds" python3 -m pytest -o addopts="" --strict-markers -m gpu -p no:cacheprovider -n "$workers" -v \
+MLA_TEST_FAILURES="$OUT/failures.txt" timeout "$seconds" python3 -m pytest -o addopts="" --strict-markers -m gpu -p no:cacheprovider -n "$workers" -v \
   --tb=short -rfEs --durations=40 "${targets[@]}" > "$OUT/pytest.txt" 2>&1
 echo "exit $?" | tee -a "$log"
 grep -cE " PASSED " "$OUT/pytest.txt" | sed 's/^/passed lines: /' | tee -a "$log"

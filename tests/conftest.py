@@ -8,7 +8,12 @@ Profiles (`verify.testing.PROFILES`; select with HYPOTHESIS_PROFILE or --hypothe
 
 Without triton (the README's install line and .ci/run install triton==3.6.0) the modules that import it are not
 collected, and the end of the report says which.
+
+MLA_TEST_FAILURES=PATH appends each failure's traceback to PATH as it happens (`pytest_runtest_logreport`), so that
+a run killed at a time limit (a device call's) keeps them: pytest prints its failures section only at the end.
 """
+
+import os
 
 import pytest
 import torch
@@ -33,6 +38,13 @@ def pytest_terminal_summary(terminalreporter):
     if not HAS_TRITON:
         terminalreporter.write_line(f"triton is not installed: {len(NEEDS_TRITON)} test modules not collected "
                                     f"({', '.join(NEEDS_TRITON)}); pip install triton==3.6.0 to run them")
+
+
+def pytest_runtest_logreport(report):
+    path = os.environ.get("MLA_TEST_FAILURES")
+    if path and report.failed:  # under pytest-xdist this runs in the controller, for every worker's report
+        with open(path, "a") as f:
+            f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -64,3 +64,23 @@ def test_an_unknown_flag_is_caught():
     command = verify_commands('timeout 9 python3 -m verify --backend triton --time-limt 5 \\\n  --json x 2>&1 | tail')
     assert command == ["--backend triton --time-limt 5 --json x"]
     assert flags(command[0]) - VERIFY_FLAGS == {"--time-limt"}
+
+
+def test_failures_reach_mla_test_failures_as_they_happen(tmp_path):
+    """tests/conftest.py appends each failure's traceback to $MLA_TEST_FAILURES while the run goes on (the device
+    scripts' runs may be killed at a time limit, before pytest's failures section): a real pytest run of one passing
+    and one failing test writes the failing one's node id and assertion, and nothing of the passing one."""
+    import os
+    import sys
+
+    (tmp_path / "test_two.py").write_text("def test_passes():\n    assert 1\n\n\n"
+                                          "def test_fails():\n    assert 2 + 2 == 5, 'arithmetic'\n")
+    log = tmp_path / "failures.txt"
+    tests = Path(__file__).resolve().parent
+    env = dict(os.environ, MLA_TEST_FAILURES=str(log), PYTHONPATH=os.pathsep.join([str(tests), str(tests.parent)]))
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider", "-q",
+                          "--rootdir", str(tmp_path), "-c", os.devnull, str(tmp_path / "test_two.py")],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, run.stdout + run.stderr
+    text = log.read_text()
+    assert "test_two.py::test_fails (call)" in text and "arithmetic" in text and "test_passes" not in text, text
