@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mla_fast.numerics import HOPPER_PV_PER_TOKEN, PV_PER_TILE, KernelNumerics
+from mla_fast.numerics import DEEPSEEK_CHANNELS, FP32_CHOPPED, HOPPER_PV_PER_TOKEN, PV_PER_TILE, KernelNumerics
 from mla_ref.decode import DecodeBatch, is_fp8
 
 AUTO_ORDER = ("triton", "flashmla", "flashinfer", "aiter", "emulated")  # "auto": our kernel first, ref never
@@ -112,7 +112,6 @@ class Backend:
 
 
 # ---- declared numerics -------------------------------------------------------------------------------------------
-_F32 = 2**-23  # one chopped fp32 addition per accumulated term (as mla_fast.numerics charges its own kernel)
 _FP8_MMA = 1.0e-2  # Hopper fp8 MMA chain, max |err| / Σ|ab| at K = 576, same sign, no fp32 promotion (numerics.md §4.2)
 _FP8_PV_PER_TOKEN = 7.6e-2 / 4096  # the same at K = 4096 (7.6e-2), per term: an fp8 P.V chain over the tokens
 
@@ -125,8 +124,8 @@ def _hopper_16bit(dtype: torch.dtype) -> KernelNumerics:
         p_scale=1.0,
         qk_operand=dtype,
         pv_operand=dtype,
-        gamma_qk=(512 + 64 + 1) * _F32,  # L + R terms + the scale multiply
-        gamma_pv=4 * _F32,  # epilogue
+        gamma_qk=(DEEPSEEK_CHANNELS + 1) * FP32_CHOPPED,  # L + R terms + the scale multiply
+        gamma_pv=4 * FP32_CHOPPED,  # epilogue
         gamma_pv_per_token=HOPPER_PV_PER_TOKEN + PV_PER_TILE / 64,  # MMA into C, then per 64-token tile
         out_dtype=dtype,
     )
@@ -140,7 +139,7 @@ def _fp8_mma(p_fmt: str, operand: torch.dtype) -> KernelNumerics:
         qk_operand=operand,
         pv_operand=operand,
         gamma_qk=_FP8_MMA,
-        gamma_pv=4 * _F32,
+        gamma_pv=4 * FP32_CHOPPED,
         gamma_pv_per_token=_FP8_PV_PER_TOKEN + PV_PER_TILE / 64,
         out_dtype=torch.bfloat16,
     )
@@ -151,9 +150,10 @@ def _ref_numerics(batch: DecodeBatch) -> KernelNumerics:
 
 
 def _emulated_numerics(batch: DecodeBatch) -> KernelNumerics:
-    # torch fp32 matmuls (round-to-nearest, pairwise or blocked): charged like a chopped fp32 sum, fp32 P
-    return KernelNumerics(None, 1.0, torch.float32, torch.float32, (batch.head_dim + 1) * _F32, 4 * _F32,
-                          gamma_pv_per_token=2 * _F32)  # a chopped fp32 add and rescale per token
+    # torch fp32 matmuls (round-to-nearest, pairwise or blocked): charged like a chopped fp32 sum, fp32 P; per token
+    # a chopped fp32 add and rescale
+    return KernelNumerics(None, 1.0, torch.float32, torch.float32, (batch.head_dim + 1) * FP32_CHOPPED,
+                          4 * FP32_CHOPPED, gamma_pv_per_token=2 * FP32_CHOPPED)
 
 
 def _combo(batch: DecodeBatch) -> str:

@@ -87,7 +87,8 @@ from mla_ref.fp8 import WIDE_DTYPES, p_format_max
 
 BLOCK_N = 64  # KV tokens per tile in the launcher's configs (mla_fast.triton_decode.default_config)
 HOPPER_PV_PER_TOKEN = 2**-24  # MMA accumulation into the running output, per token (point 5 above)
-PV_PER_TILE = 2**-23 + 2**-21  # per KV tile: the accumulator's fp32 rescale (chopped) and alpha's ex2, twice (point 5)
+FP32_CHOPPED = 2**-23  # one chopped fp32 addition per accumulated term (point 2), in units of the sum
+PV_PER_TILE = FP32_CHOPPED + 2**-21  # per KV tile: the accumulator's fp32 rescale and alpha's ex2, twice (point 5)
 DEEPSEEK_CHANNELS = 512 + 64  # L + R of DeepSeek-V3, the channels a score sums by default
 
 
@@ -190,8 +191,8 @@ def triton_numerics(mma: str, block_n: int = BLOCK_N, channels: int = DEEPSEEK_C
         p_scale=1.0,
         qk_operand=operand[mma],
         pv_operand=operand[mma],
-        gamma_qk=(channels + 1) * 2**-23,  # chopped fp32 accumulation over L + R terms, + scale multiply
-        gamma_pv=4 * 2**-23,  # epilogue: 1/l, kv_scale, the split merge's weight and division
+        gamma_qk=(channels + 1) * FP32_CHOPPED,  # chopped fp32 accumulation over L + R terms, + scale multiply
+        gamma_pv=4 * FP32_CHOPPED,  # epilogue: 1/l, kv_scale, the split merge's weight and division
         gamma_pv_per_token=HOPPER_PV_PER_TOKEN + PV_PER_TILE / block_n,  # MMA into C, then per tile
         out_dtype=torch.bfloat16,
     )
@@ -211,4 +212,4 @@ def gluon_fp8_qk_numerics(block_n: int = BLOCK_N) -> KernelNumerics:
     groups = (512 + 64) // FP8_QK_GROUP  # accumulators per score (L + R = 576 channels)
     per_group = (FP8_QK_GROUP + 1) * 2.0**-FP8_ACC_FRACTION_BITS  # its products and the first instruction's sum
     return replace(triton_numerics("fp16", block_n), qk_operand=torch.float8_e4m3fn,
-                   gamma_qk=per_group + (groups + 1) * 2**-23)  # + the fp32 adds of the groups and the scale
+                   gamma_qk=per_group + (groups + 1) * FP32_CHOPPED)  # + the fp32 adds of the groups and the scale

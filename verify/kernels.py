@@ -58,18 +58,17 @@ from dataclasses import dataclass, replace
 import torch
 
 from mla_fast.backends import blocks_of_64
-from mla_fast.numerics import HOPPER_PV_PER_TOKEN, PV_PER_TILE, KernelNumerics
+from mla_fast.numerics import DEEPSEEK_CHANNELS, FP32_CHOPPED, HOPPER_PV_PER_TOKEN, PV_PER_TILE, KernelNumerics
 from mla_ref.config import is_int
 from mla_ref.decode import DecodeBatch
 
-_F32 = 2**-23  # one chopped fp32 addition per accumulated term (as mla_fast.numerics charges its own kernel)
 DEFAULT_NUMERICS = KernelNumerics(
     p_fmt=None,  # fp32 P
     p_scale=1.0,
     qk_operand=torch.float32,
     pv_operand=torch.float32,
-    gamma_qk=(512 + 64 + 1) * _F32,  # L + R products and the scale multiply, at DeepSeek's L + R (default_numerics)
-    gamma_pv=4 * _F32,  # epilogue
+    gamma_qk=(DEEPSEEK_CHANNELS + 1) * FP32_CHOPPED,  # L + R products and the scale multiply, DeepSeek's L + R
+    gamma_pv=4 * FP32_CHOPPED,  # epilogue
     gamma_pv_per_token=HOPPER_PV_PER_TOKEN + PV_PER_TILE / 64,  # MMA into the running output, then per 64-token tile
     out_dtype=torch.bfloat16,
 )
@@ -77,7 +76,7 @@ DEFAULT_NUMERICS = KernelNumerics(
 
 def default_numerics(batch: DecodeBatch) -> KernelNumerics:
     """DEFAULT_NUMERICS with the score charge of the batch's L + R: (L + R + 1) chopped fp32 steps."""
-    return replace(DEFAULT_NUMERICS, gamma_qk=(batch.head_dim + 1) * _F32)
+    return replace(DEFAULT_NUMERICS, gamma_qk=(batch.head_dim + 1) * FP32_CHOPPED)
 
 
 BATCH_INVARIANT = "declared batch-invariant: the batch check asks for each request's bits in a regrouped batch"
