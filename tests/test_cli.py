@@ -16,7 +16,7 @@ import torch
 from mla_fast.backends import BACKENDS, Unsupported
 from verify import cli, kernels
 from verify.cases import Case
-from verify.checks import is_device_fault
+from verify.checks import CaseResult, CheckResult, is_device_fault
 from verify.kernels import DEFAULT_NUMERICS
 from verify.mutants import correct
 from verify.next_step import grown_length
@@ -1257,3 +1257,166 @@ def test_jobs_1_leaves_a_report_naming_the_case_a_crash_ended(tmp_path):
                                                              f"{n}"), stopped
     case = Case.from_json(shlex.split(stopped["repro"])[2])
     assert case == smoke_cases("bf16")[first] and stopped["case"] == case.describe()
+
+
+# the source-mutation review of verify/cli.py (sixty-fourth session): each test fails on the edit it names (L..)
+
+
+def _case(seed: int) -> Case:
+    """A one-request case for results made up without a kernel."""
+    return Case(seq_lens=(3,), q_lens=(1,), heads=1, seed=seed)
+
+
+def test_summary_worst_repro_of_a_failed_check_is_its_largest_err_over_bound():
+    """Mutant L04 (the worst case of a failed check taken as its first failed case): the summary's worst_repro and
+    worst_detail name the failed case with the largest err/bound, not the first (values made up, no kernel)."""
+    results = [CaseResult(_case(seed), [CheckResult("tier1.out", False, ratio, ratio, f"case {seed}")])
+               for seed, ratio in ((1, 2.0), (2, 7.0), (3, 3.0))]
+    summary = cli._summary(results, "--impl m:f")["tier1.out"]
+    assert summary["failed"] == 3 and summary["max_err_over_bound"] == 7.0
+    assert summary["worst_repro"] == _case(2).repro("--impl m:f") and summary["worst_detail"] == "case 2"
+
+
+def test_report_entries_of_unsupported_cases_are_not_ok():
+    """Mutant L08 (a result entry's ok taken as "not failed"): an unsupported case is neither passed nor failed, and
+    its entry in the report's results says ok false (CaseResult.ok), beside status "unsupported"."""
+    results = [CaseResult(_case(1), [CheckResult("tier1.out", True, 0.5, 0.5)]),
+               CaseResult(_case(2), unsupported="no kernel for this"),
+               CaseResult(_case(3), [CheckResult("tier1.out", False, 2.0, 2.0)])]
+    report = {}
+    cli._complete(report, results, cli._summary(results, ""), 1.0, "", True, 0, {})
+    assert [(r["ok"], r["status"]) for r in report["results"]] == [(True, "passed"), (False, "unsupported"),
+                                                                  (False, "failed")]
+    assert report["failed"] == 1 and report["unsupported"] == {"no kernel for this": 1}
+    json.dumps(report, allow_nan=False)  # the report stays standard JSON
+
+
+@pytest.mark.parametrize("name", ["batch.refused", "batch.shrunk.refused", "batch.mtp.refused", "batch.shared.refused"])
+def test_every_refused_regrouping_is_warned_about(name):
+    """Mutant L12 (batch.shared.refused left out of the warned names): a kernel that refuses any of the batch
+    check's regrouped batches, the shared-prefix one included, is warned about by that name."""
+    summary = {name: {"cases": 3, "failed": 0, "max_err_over_bound": None, "worst_detail": "refused: X"}}
+    (warning,) = cli._warnings(summary)
+    assert warning.startswith(f"{name}: the kernel refused the batch check's regrouped batches in 3 cases")
+
+
+def test_no_nondeterminism_warning_once_some_second_run_varied():
+    """Mutant L15 (the repeat warning without its "repeat.out" guard): a kernel declared nondeterministic whose
+    second runs gave the first run's bits in LOOSE_CASES or more cases but varied in another (repeat.out in the
+    summary) shows the declared variation, and is not warned about; with no varied case it is."""
+    same = {"repeat": {"cases": cli.LOOSE_CASES + 5, "failed": 0}}
+    varied = {**same, "repeat.out": {"cases": 1, "failed": 0, "max_err_over_bound": 0.3}}
+    assert cli._warnings(varied, deterministic=False) == []
+    assert [w.split(":")[0] for w in cli._warnings(same, deterministic=False)] == ["repeat"]
+
+
+def test_a_loose_bound_is_warned_about_from_exactly_loose_cases():
+    """Mutant L16 (``largest`` asking for more than LOOSE_CASES cases): the vacuous-bound warning needs at least
+    LOOSE_CASES cases (``_warnings``' docstring), so exactly that many warn, one fewer does not."""
+    def summary(cases):
+        return {"tier1.out": {"cases": cases, "max_err_over_bound": cli.LOOSE_RATIO / 2},
+                "tier1.lse": {"cases": cases, "max_err_over_bound": 0.5}}
+
+    assert [w.split(":")[0] for w in cli._warnings(summary(cli.LOOSE_CASES))] == ["tier1.out"]
+    assert cli._warnings(summary(cli.LOOSE_CASES - 1)) == []
+
+
+def test_the_first_unsupported_case_of_a_reason_is_shown_as_it_happens(capsys):
+    """Mutant L17 (on_result printing failed cases only): the first case of each unsupported reason is printed
+    when it ends (its describe() line and repro), once per reason, not only counted in the summary."""
+    code, _, err = run(capsys, "--impl", "tests.test_cli:never", "--cases", "2", "--max-seq-len", "64", "--jobs", "1")
+    assert code == cli.EXIT_NOTHING_RAN, err
+    assert err.count("UNSUPPORTED by the kernel: no kernel at all") == 1, err
+    assert "  repro: mla-verify --case " in err
+
+
+def test_a_time_limit_that_passes_during_the_last_case_stops_nothing(capsys, tmp_path):
+    """Mutant L19 (the time-limit stop without its ``len(results) < n``): a limit that passes during the campaign's
+    last case leaves no case unrun, so the report says nothing stopped it."""
+    path = tmp_path / "r.json"
+    code, _, err = run(capsys, "--impl", "tests.test_cli:never", "--cases", "1", "--max-seq-len", "64", "--jobs", "1",
+                        "--time-limit", "1e-9", "--json", str(path))
+    report = json.loads(path.read_text())
+    assert code == cli.EXIT_NOTHING_RAN and report["cases"] == 1 and report["not_run"] == 0, err
+    assert report["stopped"] is None and "STOPPED" not in err and "stopped early" not in err
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
+def test_a_time_limit_must_be_finite(capsys, value):
+    """Mutant L20 (``_positive_seconds`` without its inf test): --time-limit takes finite seconds > 0 only."""
+    code, out, err = run(capsys, "--backend", "ref", "--cases", "2", "--time-limit", value)
+    assert code == cli.EXIT_USAGE and "--time-limit" in err and out == "", err
+
+
+_CASE_FLAG_VALUES = {"--dtype": ("fp8",), "--fp8-format": ("e4m3fnuz",), "--heads": ("2",), "--page-size": ("16",),
+                     "--kv-lora-rank": ("256",), "--rope-dim": ("32",), "--max-seq-len": ("64",),
+                     "--max-batch": ("2",), "--seed": ("3",), "--cases": ("2",), "--profile": ("dev",),
+                     "--long": ("on",), "--time-limit": ("5",), "--exitfirst": ()}
+
+
+@pytest.mark.parametrize("flag", sorted(_CASE_FLAG_VALUES))
+def test_every_case_shaping_flag_is_refused_with_case(capsys, flag):
+    """Mutant L22 (--rope-dim left out of CASE_FIXES): a --case replay takes its widths, dtypes and seed from the
+    case's JSON, so each flag that shapes or draws cases is a usage error beside it (exit 2, naming the flag), not
+    silently ignored; every value here parses, so only the --case rule can refuse it."""
+    extra = ("--dtype", "fp8") if flag == "--fp8-format" else ()  # --fp8-format alone is refused for bf16
+    code, out, err = run(capsys, "--case", '{"seq_lens": [70]}', *extra, flag, *_CASE_FLAG_VALUES[flag])
+    assert code == cli.EXIT_USAGE and "--case replays the case" in err and flag in err and out == "", err
+
+
+def test_a_failures_checks_are_its_failed_checks_only():
+    """Mutant L23 (a failure's "checks" listing every check): the report's failure entry lists the checks that
+    failed, each once, and none that held."""
+    r = CaseResult(_case(1), [CheckResult("tier1.out", False, 3.0, 1.0, "worse"), CheckResult("tier1.lse", True, 0.2),
+                              CheckResult("empty", True), CheckResult("inputs", False, detail="q (2 bytes)")])
+    failure = cli._failure(r, "--impl m:f")
+    assert [c["name"] for c in failure["checks"]] == ["tier1.out", "inputs"]
+    assert all(c["ok"] is False for c in failure["checks"]) and failure["repro"] == _case(1).repro("--impl m:f")
+
+
+def test_example_lines_take_each_checks_largest_finite_ratio():
+    """Mutant L25 (`_example_lines` without its finite filter): a check whose err/bound was inf in some case (a NaN
+    where the oracle is finite) names its largest finite case as its worst, as Hypothesis'
+    target does (verify.testing); a check with no finite ratio gives no line."""
+    results = [CaseResult(_case(1), [CheckResult("tier1.out", True, 0.5), CheckResult("empty.x", False, float("inf"))]),
+               CaseResult(_case(2), [CheckResult("tier1.out", False, float("inf"))]),
+               CaseResult(_case(3), [CheckResult("tier1.out", True, 0.75)])]
+    (line,) = cli._example_lines(results)
+    assert line == f"@example(case={_case(3)!r})  # max err/bound: tier1.out 0.75"
+
+
+@pytest.mark.parametrize("profile, drawn", [("ci", False), ("dev", True), ("search", True)])
+def test_only_the_ci_profile_fixes_the_seed(capsys, tmp_path, monkeypatch, profile, drawn):
+    """Mutant L27 (the search profile given seed 0 like ci): without --seed, dev and search draw a fresh seed from
+    os.urandom (here made to give 0x01020304), ci takes 0; the report records it."""
+    monkeypatch.setattr(cli.os, "urandom", lambda n: bytes([4, 3, 2, 1])[:n])
+    path = tmp_path / "r.json"
+    code, _, err = run(capsys, "--impl", "tests.test_cli:never", "--profile", profile, "--cases", "1",
+                        "--max-seq-len", "64", "--jobs", "1", "--json", str(path))
+    assert code == cli.EXIT_NOTHING_RAN, err
+    assert json.loads(path.read_text())["seed"] == (0x01020304 if drawn else 0)
+
+
+@pytest.mark.parametrize("flag, limit", [("--max-seq-len", cli.MAX_SEQ_LEN), ("--heads", cli.MAX_CASE_HEADS),
+                                         ("--page-size", cli.MAX_PAGE_SIZE), ("--kv-lora-rank", cli.MAX_WIDTH),
+                                         ("--rope-dim", cli.MAX_WIDTH)])
+def test_each_size_flag_takes_its_limit_and_refuses_one_more(flag, limit):
+    """Mutant L29 (`_at_most` refusing its own limit): the limits are inclusive ("at most", --help), so the limit
+    parses and limit + 1 is a usage error (exit 2)."""
+    parser = cli.build_parser()
+    dest = flag.lstrip("-").replace("-", "_")
+    assert getattr(parser.parse_args([flag, str(limit)]), dest) == limit
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args([flag, str(limit + 1)])
+    assert e.value.code == cli.EXIT_USAGE
+
+
+def test_exitfirst_at_the_last_case_stops_nothing(capsys, tmp_path):
+    """Mutant L28 (-x recording a stop after the last case too): a failure in the campaign's last case leaves no
+    case unrun, so the report's stopped is None (exit 1 for the failure)."""
+    path = tmp_path / "r.json"
+    code, _, err = run(capsys, "--impl", "tests.test_cli:raises", "--cases", "1", "--max-seq-len", "64", "--jobs", "1",
+                        "-x", "--json", str(path))
+    report = json.loads(path.read_text())
+    assert code == cli.EXIT_FAILED and report["failed"] == 1 and report["not_run"] == 0, err
+    assert report["stopped"] is None and "stopped early" not in err

@@ -149,12 +149,6 @@ class CaseResult:
     def failed(self) -> list[CheckResult]:
         return [c for c in self.checks if not c.ok]
 
-    def worst(self) -> float:
-        """Largest finite err/bound over the bounded checks (for Hypothesis ``target``); 0 when there is none."""
-        ratios = [c.err_over_bound for c in self.checks if c.err_over_bound is not None]
-        finite = [r for r in ratios if r == r and r != float("inf")]
-        return max(finite, default=0.0)
-
     def describe(self) -> str:
         if self.unsupported is not None:
             return f"case {self.case.describe()}: UNSUPPORTED by the kernel: {self.unsupported}"
