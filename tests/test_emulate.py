@@ -281,3 +281,15 @@ def test_a_nan_first_token_of_the_longest_item_stays_in_its_rows(workers):
     ref_out, ref_lse = mla_decode_ref(batch)
     assert nan_masks_match(out, lse, ref_out, ref_lse)
     assert bool(torch.isnan(lse[0]).all()) and bool(torch.isfinite(out[1:]).all())
+
+
+def test_a_split_row_whose_lse_overflows_fp32_exp_is_merged_after_the_max_shift():
+    """The reduce merges pieces by exp(lse_s - M) with M the row's largest piece lse: scores of about 200 give every
+    (row, head) an lse past ln(fp32 max) = 88.7, so a merge of exp(lse_s) overflows to inf and its lse and weights
+    turn inf / NaN (a review's edit that only the 40 s emulated property test failed)."""
+    batch = build_batch((300, 70), (1, 2), 16, 16, seed=7, scale=20.0)  # score std about 0.135 x 20 x 24 = 65
+    ref_lse = mla_decode_ref(batch)[1]  # [T, H]
+    assert float(ref_lse.min()) > math.log(torch.finfo(torch.float32).max)
+    plan = plan_decode(batch.seq_lens, batch.q_lens, 16, 8, block_n=16, fixed_overhead=0)
+    assert int(torch.diff(plan.reduce_indptr).min()) > 1  # every row merges pieces
+    check_against_oracle(batch, plan)
