@@ -7,6 +7,16 @@ import torch
 from verify.cases import Case
 
 
+def _judge(batch, kernel) -> tuple:
+    """(fp64 oracle, tier-1 bound, declared out dtype) of ``kernel`` on ``batch``: the judge run_case hands the
+    checks that compare a later run with the oracle (rerun, far, step)."""
+    from mla_ref.decode import mla_decode_ref
+    from verify.checks import _tier1_bound
+
+    ref, numerics = mla_decode_ref(batch), kernel.numerics(batch)
+    return ref, _tier1_bound(batch, kernel, numerics, ref), numerics.out_dtype
+
+
 class _SecondCall:
     """mutants.correct, with ``change(out, lse)`` applied on the second call only (run_case's repeat check)."""
 
@@ -205,8 +215,7 @@ def test_the_rerun_steps_of_an_fp8_q_run_with_a_doubled_q_scale():
     kernel is called on the roomy copy with the case's q_scale, then on the next step and the step after with
     twice it (a serving loop's dynamic q scale changes every step). Recorded by a kernel that notes each call's
     q_scale and otherwise is mutants.correct."""
-    from mla_ref.decode import mla_decode_ref
-    from verify.checks import _tier1_bound, check_rerun
+    from verify.checks import check_rerun
     from verify.kernels import from_callable
     from verify.mutants import correct
 
@@ -219,10 +228,7 @@ def test_the_rerun_steps_of_an_fp8_q_run_with_a_doubled_q_scale():
     batch = Case(seq_lens=(70, 5), q_lens=(2, 1), heads=8, kv_dtype="fp8", q_dtype="fp8",
                  scale_mode="static").materialize("cpu")[0]
     kernel = from_callable(recording)
-    ref = mla_decode_ref(batch)
-    numerics = kernel.numerics(batch)
-    first = correct(batch)
-    results = check_rerun(batch, kernel, 4, first, ref, _tier1_bound(batch, kernel, numerics, ref), numerics.out_dtype)
+    results = check_rerun(batch, kernel, 4, correct(batch), *_judge(batch, kernel))
     named = {r.name: r for r in results}
     assert all(r.ok for r in results) and "q_scale doubled" in named["rerun.out"].detail, results
     q_scale = float(batch.q_scale)
@@ -286,7 +292,6 @@ def test_the_far_checks_count_of_pages_past_the_threshold_counts_used_pages_only
     ``beyond`` and FAR_ELEMENTS to match (as test_far_pages does), so the count is the only thing changed."""
     import re
 
-    from mla_ref.decode import mla_decode_ref
     from verify import checks
     from verify.checks import far_pages
     from verify.kernels import from_callable
@@ -298,10 +303,7 @@ def test_the_far_checks_count_of_pages_past_the_threshold_counts_used_pages_only
     batch = Case(seq_lens=(700, 5, 0), q_lens=(1, 2, 1), heads=2, page_size=256, seed=1).materialize("cpu")[0]
     assert checks.FAR_PAGE_IDS * batch.kv_cache[0].numel() > checks.FAR_PAGE_ID_ELEMENTS  # page_ids 0 here
     kernel = from_callable(correct)
-    ref = mla_decode_ref(batch)
-    numerics = kernel.numerics(batch)
-    bound = checks._tier1_bound(batch, kernel, numerics, ref)
-    (r,) = checks.check_far(batch, kernel, 4, correct(batch), ref, bound, numerics.out_dtype)
+    (r,) = checks.check_far(batch, kernel, 4, correct(batch), *_judge(batch, kernel))
     past, used = map(int, re.match(r"(\d+) of (\d+) used pages past element 2\^31", r.detail).groups())
     n_used = int(batch.used_entries.sum())  # 3 + 1 pages
     assert r.ok and used == n_used and past == n_used - 2, r.detail  # far_pages' below=2 pages stay in front
@@ -336,8 +338,7 @@ def test_a_step_that_relies_on_its_last_outputs_fails_on_poisoned_outputs():
     stayed empty as its buffers held them passes while they hold its last run's 0 / -inf; the step check poisons
     the returned buffers after each judged run, so a row empty at two runs in a row reads NaN and the later run
     fails. Two empty requests of one row each: after the next step's rotation a row stays empty."""
-    from mla_ref.decode import mla_decode_ref
-    from verify.checks import _tier1_bound, check_step
+    from verify.checks import check_step
     from verify.kernels import from_callable
     from verify.mutants import correct
 
@@ -347,10 +348,7 @@ def test_a_step_that_relies_on_its_last_outputs_fails_on_poisoned_outputs():
     decode.step = _ClearsOnlyNewlyEmptyRowsStep
     batch = Case(seq_lens=(0, 0, 40, 70, 9), q_lens=(1, 1, 1, 2, 1), heads=2, seed=4).materialize("cpu")[0]
     kernel = from_callable(decode)
-    ref = mla_decode_ref(batch)
-    numerics = kernel.numerics(batch)
-    bound = _tier1_bound(batch, kernel, numerics, ref)
-    results = {r.name: r for r in check_step(batch, kernel, correct(batch), ref, bound, numerics.out_dtype)}
+    results = {r.name: r for r in check_step(batch, kernel, correct(batch), *_judge(batch, kernel))}
     assert results["step.out"].ok and {"step.replan.out", "step.decode.out"} <= set(results), results
     failed = [r for r in results.values() if not r.ok]
     assert failed and all(r.name.startswith(("step.replan", "step.decode")) for r in failed), results
