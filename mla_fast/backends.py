@@ -44,7 +44,14 @@ from dataclasses import dataclass
 
 import torch
 
-from mla_fast.numerics import DEEPSEEK_CHANNELS, FP32_CHOPPED, HOPPER_PV_PER_TOKEN, PV_PER_TILE, KernelNumerics
+from mla_fast.numerics import (
+    FP32_CHOPPED,
+    FP32_EPILOGUE,
+    HOPPER_PV_PER_TOKEN,
+    PV_PER_TILE,
+    KernelNumerics,
+    fp32_score_gamma,
+)
 from mla_ref.decode import DecodeBatch, is_fp8
 
 AUTO_ORDER = ("triton", "flashmla", "flashinfer", "aiter", "emulated")  # "auto": our kernel first, ref never
@@ -124,8 +131,8 @@ def _hopper_16bit(dtype: torch.dtype) -> KernelNumerics:
         p_scale=1.0,
         qk_operand=dtype,
         pv_operand=dtype,
-        gamma_qk=(DEEPSEEK_CHANNELS + 1) * FP32_CHOPPED,  # L + R terms + the scale multiply
-        gamma_pv=4 * FP32_CHOPPED,  # epilogue
+        gamma_qk=fp32_score_gamma(),  # DeepSeek's L + R: the peers refuse other widths
+        gamma_pv=FP32_EPILOGUE,
         gamma_pv_per_token=HOPPER_PV_PER_TOKEN + PV_PER_TILE / 64,  # MMA into C, then per 64-token tile
         out_dtype=dtype,
     )
@@ -139,7 +146,7 @@ def _fp8_mma(p_fmt: str, operand: torch.dtype) -> KernelNumerics:
         qk_operand=operand,
         pv_operand=operand,
         gamma_qk=_FP8_MMA,
-        gamma_pv=4 * FP32_CHOPPED,
+        gamma_pv=FP32_EPILOGUE,
         gamma_pv_per_token=_FP8_PV_PER_TOKEN + PV_PER_TILE / 64,
         out_dtype=torch.bfloat16,
     )
@@ -152,8 +159,8 @@ def _ref_numerics(batch: DecodeBatch) -> KernelNumerics:
 def _emulated_numerics(batch: DecodeBatch) -> KernelNumerics:
     # torch fp32 matmuls (round-to-nearest, pairwise or blocked): charged like a chopped fp32 sum, fp32 P; per token
     # a chopped fp32 add and rescale
-    return KernelNumerics(None, 1.0, torch.float32, torch.float32, (batch.head_dim + 1) * FP32_CHOPPED,
-                          4 * FP32_CHOPPED, gamma_pv_per_token=2 * FP32_CHOPPED)
+    return KernelNumerics(None, 1.0, torch.float32, torch.float32, fp32_score_gamma(batch.head_dim),
+                          FP32_EPILOGUE, gamma_pv_per_token=2 * FP32_CHOPPED)
 
 
 def _combo(batch: DecodeBatch) -> str:

@@ -90,6 +90,13 @@ HOPPER_PV_PER_TOKEN = 2**-24  # MMA accumulation into the running output, per to
 FP32_CHOPPED = 2**-23  # one chopped fp32 addition per accumulated term (point 2), in units of the sum
 PV_PER_TILE = FP32_CHOPPED + 2**-21  # per KV tile: the accumulator's fp32 rescale and alpha's ex2, twice (point 5)
 DEEPSEEK_CHANNELS = 512 + 64  # L + R of DeepSeek-V3, the channels a score sums by default
+FP32_EPILOGUE = 4 * FP32_CHOPPED  # the epilogue's fp32 steps: 1/l, kv_scale, the split merge's weight and division
+
+
+def fp32_score_gamma(channels: int = DEEPSEEK_CHANNELS) -> float:
+    """gamma_qk of a score summed in chopped fp32 over `channels` = L + R products, then scaled: L + R + 1 steps of
+    FP32_CHOPPED each (point 2), relative to the sum of |products|."""
+    return (channels + 1) * FP32_CHOPPED
 
 
 @dataclass(frozen=True)
@@ -191,8 +198,8 @@ def triton_numerics(mma: str, block_n: int = BLOCK_N, channels: int = DEEPSEEK_C
         p_scale=1.0,
         qk_operand=operand[mma],
         pv_operand=operand[mma],
-        gamma_qk=(channels + 1) * FP32_CHOPPED,  # chopped fp32 accumulation over L + R terms, + scale multiply
-        gamma_pv=4 * FP32_CHOPPED,  # epilogue: 1/l, kv_scale, the split merge's weight and division
+        gamma_qk=fp32_score_gamma(channels),
+        gamma_pv=FP32_EPILOGUE,
         gamma_pv_per_token=HOPPER_PV_PER_TOKEN + PV_PER_TILE / block_n,  # MMA into C, then per tile
         out_dtype=torch.bfloat16,
     )

@@ -58,7 +58,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from mla_fast.backends import blocks_of_64
-from mla_fast.numerics import DEEPSEEK_CHANNELS, FP32_CHOPPED, HOPPER_PV_PER_TOKEN, PV_PER_TILE, KernelNumerics
+from mla_fast.numerics import FP32_EPILOGUE, HOPPER_PV_PER_TOKEN, PV_PER_TILE, KernelNumerics, fp32_score_gamma
 from mla_ref.config import is_int
 from mla_ref.decode import DecodeBatch
 
@@ -67,8 +67,8 @@ DEFAULT_NUMERICS = KernelNumerics(
     p_scale=1.0,
     qk_operand=torch.float32,
     pv_operand=torch.float32,
-    gamma_qk=(DEEPSEEK_CHANNELS + 1) * FP32_CHOPPED,  # L + R products and the scale multiply, DeepSeek's L + R
-    gamma_pv=4 * FP32_CHOPPED,  # epilogue
+    gamma_qk=fp32_score_gamma(),  # DeepSeek's L + R; default_numerics(batch) counts the batch's
+    gamma_pv=FP32_EPILOGUE,
     gamma_pv_per_token=HOPPER_PV_PER_TOKEN + PV_PER_TILE / 64,  # MMA into the running output, then per 64-token tile
     out_dtype=torch.bfloat16,
 )
@@ -76,7 +76,7 @@ DEFAULT_NUMERICS = KernelNumerics(
 
 def default_numerics(batch: DecodeBatch) -> KernelNumerics:
     """DEFAULT_NUMERICS with the score charge of the batch's L + R: (L + R + 1) chopped fp32 steps."""
-    return replace(DEFAULT_NUMERICS, gamma_qk=(batch.head_dim + 1) * FP32_CHOPPED)
+    return replace(DEFAULT_NUMERICS, gamma_qk=fp32_score_gamma(batch.head_dim))
 
 
 BATCH_INVARIANT = "declared batch-invariant: the batch check asks for each request's bits in a regrouped batch"
