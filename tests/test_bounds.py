@@ -7,6 +7,7 @@ std(σ <q, k>) = σ a² sqrt(D), so a² = std / (σ sqrt(D)).
 
 import dataclasses
 import math
+import types
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from verify.bounds import (
     _spread,
     kernel_bound,
     merge_bound,
+    oracle_bound,
     prob_bound,
     quantization_bounds,
     rms_estimate,
@@ -33,6 +35,7 @@ from verify.metrics import compare
 
 SIGMA = 0.1352338  # DeepSeek-V3 softmax scale (YaRN mscale² included)
 U32 = 2.0**-24
+U64 = 2.0**-53  # fp64 unit roundoff
 F64 = torch.float64
 SCORE_STD = {"gauss1": 1.0, "gauss4": 4.0, "outlier": 1.0, "sink": 1.0, "coherent": 2.0}
 
@@ -1030,6 +1033,75 @@ def test_the_out_bound_is_attained_by_a_high_numerator_over_a_low_row_sum(gamma)
     ratio = (moved - o).abs() / out_bound  # [B, N, H, L]
     torch.testing.assert_close(ratio, torch.ones_like(ratio), rtol=1e-12, atol=0)  # fp64 roundings of both sides
     assert float(lse_bound) >= -math.log(1 - gamma)
+
+
+@pytest.mark.parametrize("delta", [0.1, 2.0**-8])  # a move of 2 delta |ô| >= 0.0078 |ô|: fp64's roundings stay < 1e-13
+def test_the_out_bound_of_a_row_sum_of_rounded_p_is_attained_by_a_high_numerator_over_a_low_sum(delta):
+    """§5(f)'s l_rounded with u_P = delta the only error source: the numerator's P may round delta high (the P.V
+    charge, delta Σ p |v| = delta |ô| for values of one sign) while the rounded row sum L_P is delta low (|θ| <= r =
+    u_P), so o = ô (1 + delta) / (1 - delta), a move of 2 delta / (1 - delta) |ô|: the out bound (B + r |ô|) / (1 - r)
+    must equal it. Without the r |ô| term (a review's mutant) it is half the move. The lse bound covers ln(1 - r)."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 1, 1, 8, generator=g, dtype=torch.float64)  # [B, N, H, D]
+    K = torch.rand(1, 5, 8, generator=g, dtype=torch.float64) + 0.5  # [B, S, D] positive: Σ p |v| = |ô|
+    st = bounds._softmax(q, K, torch.ones(1, 1, 5, dtype=torch.bool), 0.3)
+    V = K[..., :4]  # [B, S, L]
+    o = torch.einsum("bnhs,bsc->bnhc", st.p, V)  # [B, N, H, L]
+    numerator, l = (st.p * st.l[..., None]) @ V[:, None], st.l  # [B, N, H, L], [B, N, H] the kernel's, unnormalised
+    moved = numerator * (1 + delta) / (l * (1 - delta))[..., None]  # [B, N, H, L]
+    out_bound, lse_bound = bounds._rounding_bound(st, st.s.abs().amax(-1), V, o, u_out=0.0, u_p=delta, eta_p=0.0,
+                                                  gamma_qk=0.0, gamma_pv=0.0, exp_rel=0.0, u_arith=0.0,
+                                                  l_rounded=True)
+    ratio = (moved - o).abs() / out_bound  # [B, N, H, L]
+    torch.testing.assert_close(ratio, torch.ones_like(ratio), rtol=1e-12, atol=0)  # fp64 roundings of both sides
+    assert float(lse_bound) >= -math.log(1 - delta)
+
+
+def test_the_score_error_bound_is_attained_by_element_errors_of_one_sign():
+    """§5(a): δ_j = σ Σ_i (e^q_i |k_ji| + |q_i| e^k_ji + e^q_i e^k_ji) is the move of s_j when every q and k element
+    moves by its full error bound away from 0: (q + e^q)(k + e^k) - q k has exactly those three terms. Without the
+    second-order e^q e^k (a review's mutant) the bound is 11 % short at errors of a quarter of each element."""
+    g = torch.Generator().manual_seed(6)
+    q = torch.rand(1, 1, 2, 8, generator=g, dtype=torch.float64) + 0.5  # [B, N, H, D] positive
+    K = torch.rand(1, 3, 8, generator=g, dtype=torch.float64) + 0.5  # [B, S, D] positive
+    e_q, e_k = q / 4, K / 4  # element error bounds, attained: q̂ = q + e^q, k̂ = k + e^k
+    sigma = 0.3
+    moved = sigma * (torch.einsum("bnhd,bsd->bnhs", q + e_q, K + e_k) - torch.einsum("bnhd,bsd->bnhs", q, K))
+    r = types.SimpleNamespace(q=q, e_q=e_q, K=K, e_k=e_k)  # the _QuantGrid fields the bound reads
+    torch.testing.assert_close(bounds._score_error_bound(r, sigma), moved, rtol=1e-13, atol=0)  # fp64 roundings
+
+
+@pytest.mark.parametrize("omega", [0.8, 2.0**-6])
+def test_the_value_error_term_is_attained_by_weights_moving_onto_the_larger_error(omega):
+    """§5(c) term 2: with value errors e_j and scores moved with spread ω, Σ_j p'_j e_j reaches Σ_j p_j e_j +
+    tanh(ω/4) (max e - min e) on two tokens whose score gap -ω/2 becomes +ω/2 (p'_1 - p_1 = σ(ω/2) - σ(-ω/2) =
+    tanh(ω/4)), the larger error on token 1. `_value_term` must equal that move; without its tanh term (a review's
+    mutant) it is short by the weight moved."""
+    s = torch.tensor([-omega / 4, omega / 4], dtype=torch.float64)  # [S] exact scores, gap -ω/2
+    s_moved = torch.tensor([omega / 4, -omega / 4], dtype=torch.float64)  # [S] each moved by ω/2: spread ω
+    assert float((s_moved - s).max() - (s_moved - s).min()) == omega
+    p, p_moved = torch.softmax(s, 0), torch.softmax(s_moved, 0)  # [S]
+    e_v = torch.tensor([[[0.3, 1.0, 2.0], [0.1, 0.0, 0.5]]], dtype=torch.float64)  # [B, S, L] token 1's larger
+    term = bounds._value_term(p[None, None, None], e_v, torch.tensor([[[omega]]], dtype=torch.float64),
+                              torch.tensor([[2]]))  # [B, N, H, L]
+    moved = torch.einsum("s,sc->c", p_moved, e_v[0])  # [L] Σ_j p'_j e_j
+    torch.testing.assert_close(term[0, 0, 0], moved, rtol=1e-13, atol=0)  # fp64 roundings of both sides
+
+
+def test_the_oracle_charges_a_score_its_d_products_on_requests_shorter_than_d():
+    """An fp64 D-term dot product in any summation order errs by up to γ_D = D u64 / (1 - D u64) of σ Σ_i |q_i k_i|
+    (Higham, Theorem 3.1), whatever the request's length: a 1-token row's lse is its score, so the oracle's lse bound
+    must reach γ_D A. Charging max(s, D) + 2 terms does; s + 2 (a review's mutant: 3 terms at s = 1) falls 20x
+    short."""
+    g = torch.Generator().manual_seed(7)
+    L, D = 512, 576
+    q = torch.rand(1, 2, D, generator=g, dtype=torch.float64) * 4  # [T, H, D] scores of order 100: A >> exp's 2^-52
+    kv = torch.rand(1, D, generator=g, dtype=torch.float64)  # [1 token, D]
+    batch = make_decode_batch(q, [kv], q_lens=[1], sm_scale=SIGMA, kv_lora_rank=L, page_size=16, generator=g)
+    A = SIGMA * torch.einsum("thd,sd->th", batch.dequantized_q(torch.float64).abs(),
+                             batch.request_kv(0, torch.float64).abs())  # [T, H] σ Σ_i |q_i k_i|
+    gamma_d = D * U64 / (1 - D * U64)
+    assert (oracle_bound(batch).lse >= gamma_d * A).all()
 
 
 def test_p_rounding_charges_the_coarser_of_p_fmt_and_the_pv_operand_and_uniform_p_three_exp_errors():

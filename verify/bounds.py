@@ -161,6 +161,16 @@ def _hull_term(omega: torch.Tensor, R: torch.Tensor, pv: torch.Tensor, dev: torc
                          (torch.expm1(omega) * weight)[..., None] * spread)
 
 
+def _value_term(p: torch.Tensor, e_v: torch.Tensor, omega: torch.Tensor, n_vis: torch.Tensor) -> torch.Tensor:
+    """§5(c) term 2: |Σ_j p'_j (v̂_jc - v_jc)| <= Σ_j p_j e^v_jc + tanh(ω/4)(max_j e^v_jc - min_j e^v_jc) for value
+    errors |v̂_jc - v_jc| <= e^v_jc and weights p' whose scores moved with spread <= ω: Σ_j (p'_j - p_j) = 0, so
+    Σ_j (p'_j - p_j) e_j moves by at most TV(p, p') (max e - min e), and TV(p, p') <= tanh(ω/4) (§5(b)).
+
+    p [B, N, H, S] (0 where not visible), e_v [B, S, L], omega [B, N, H], n_vis [B, N] -> [B, N, H, L]."""
+    e_v_spread = _spread(e_v, n_vis)[:, :, None, :]  # [B, N, 1, L] over each row's visible tokens
+    return torch.einsum("bnhs,bsc->bnhc", p, e_v) + torch.tanh(omega / 4)[..., None] * e_v_spread  # [B, N, H, L]
+
+
 def _deviation(st: _Softmax, V: torch.Tensor) -> torch.Tensor:
     """[B, N, H, L] upper bound on sqrt(Σ_j p_j (v_jc - m_c)²) with m_c = Σ_j p_j v_jc, p = st.p [B, N, H, S] (rows
     summing to 1, or 0 for a row that sees nothing) and V [B, S, L] fp64: the weighted standard deviation of each
@@ -745,8 +755,7 @@ def _quant_bucket(bucket: Bucket, batch_exact: DecodeBatch, ref_exact, saturated
     delta_max = _masked_max(_score_error_bound(r, sigma), r.mask)  # [B, N, H] max_j δ_j
     w_det = 2 * delta_max  # [B, N, H]
     term1 = _hull_term(w_det, R, pv, dev)  # [B, N, H, L]
-    e_v_spread = _spread(e_v, r.st.n_vis)[:, :, None, :]  # [B, N, 1, L]
-    term2 = torch.einsum("bnhs,bsc->bnhc", r.st.p, e_v) + torch.tanh(w_det / 4)[..., None] * e_v_spread  # [B, N, H, L]
+    term2 = _value_term(r.st.p, e_v, w_det, r.st.n_vis)  # [B, N, H, L]
 
     # B_post: (d) from the actual score changes
     ds = torch.where(r.mask[:, :, None, :], r.st_hat.s - r.st.s, 0.0)  # [B, N, H, S] Δs_j (0 where not visible)
