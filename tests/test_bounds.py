@@ -542,6 +542,31 @@ def test_merge_bound_holds_for_fp32_merge(num_splits):
         merge_bound(batch, 0)
 
 
+def test_the_merge_bound_covers_its_weights_stated_errors_all_moving_one_way():
+    """§5(g)'s derivation, step by step: each partial LSE may be 16 u Λ high and the merged L 16 u Λ low (log and base
+    conversion), L_S - L rounds 2 u Λ high and exp adds ε_exp = 4u, so every weight may be exp(34 u Λ)(1 + 4u) times
+    its exact value, and out (values of one sign) moves by that factor - 1. The out bound must cover that move; with
+    its weight error summed as 17 u Λ (a review's mutant) it covers about half."""
+    g = torch.Generator().manual_seed(8)
+    L, D, n = 512, 576, 40
+    q = torch.rand(1, 1, D, generator=g, dtype=torch.float64)  # [T, H, D] positive: scores near 20, Λ near 24
+    kv = torch.rand(n, D, generator=g, dtype=torch.float64)  # [n, D] positive values: Σ p |v| = |out|
+    batch = make_decode_batch(q, [kv], q_lens=[1], sm_scale=SIGMA, kv_lora_rank=L, page_size=16, generator=g)
+    q64, K = batch.dequantized_q(F64)[0, 0], batch.request_kv(0, F64)  # [D], [n, D]
+    s = SIGMA * K @ q64  # [n] scores
+    lam = s.abs().max() + math.log(n)  # Λ >= |L_S|, |L|
+    u = U32  # fp32 merge
+    halves = [slice(0, n // 2), slice(n // 2, n)]
+    lse_s = torch.stack([torch.logsumexp(s[h], 0) for h in halves])  # [2] exact partial LSEs
+    o_s = torch.stack([torch.softmax(s[h], 0) @ K[h, :L] for h in halves])  # [2, L] exact partial outputs
+    lse = torch.logsumexp(s, 0)  # [] exact merged LSE
+    out = torch.exp(lse_s - lse) @ o_s  # [L]
+    weights = torch.exp(lse_s + 16 * u * lam - (lse - 16 * u * lam) + 2 * u * lam) * (1 + 4 * u)  # [2] all high
+    moved = weights @ o_s  # [L]
+    bound = merge_bound(batch, 2).out[0, 0]  # [L]
+    assert bool(((moved - out).abs() <= bound).all()), float(((moved - out).abs() / bound).max())
+
+
 def test_split_emulation_within_kernel_plus_merge_bound():
     batch = _bf16_batch("gauss1", seq=(0, 700, 90, 1), q_lens=(1, 2, 1, 3))
     plan = plan_decode(batch.seq_lens, batch.q_lens, batch.num_heads, num_workers=8, block_n=64)
