@@ -1113,6 +1113,27 @@ def test_the_value_error_term_is_attained_by_weights_moving_onto_the_larger_erro
     torch.testing.assert_close(term[0, 0, 0], moved, rtol=1e-13, atol=0)  # fp64 roundings of both sides
 
 
+def test_the_kernels_own_score_charge_covers_its_folded_scale_and_multiply():
+    """§5(f)'s ω_own: a kernel folds q_scale · kv_scale · sm_scale · log2 e into one fp32 scale (3 products) and
+    multiplies the score by it, so a score may move by (1 ± u)^4 - 1 of |s| <= A before the running max's
+    subtraction (u |s - m| <= 2 u A, 0 here: both scores sit at the max). Two scores at A ∓ 2 u A moved 4 u A apart
+    each way swap their gap -4 u A for +4 u A: p_1 moves by σ(4 u A) - σ(-4 u A) = tanh(2 u A), out by that times
+    v_1 - v_2. The out bound with u_arith the only error source must cover it; at 3 u_arith A (a review's mutant,
+    tanh(1.5 u A)) it does not."""
+    u, A = U32, 50.0  # fp32 arithmetic; scores of 50
+    s = torch.tensor([A * (1 - 2 * u), A * (1 + 2 * u)], dtype=torch.float64)  # [S] gap -4 u A
+    moved_s = s * torch.tensor([(1 + u) ** 4, (1 - u) ** 4], dtype=torch.float64)  # [S] scale steps, opposite ways
+    q, K = torch.ones(1, 1, 1, 1, dtype=torch.float64), s[None, :, None]  # [B, N, H, D], [B, S, D]: D = 1
+    st = bounds._softmax(q, K, torch.ones(1, 1, 2, dtype=torch.bool), 1.0)  # σ = 1: the scores themselves
+    V = torch.tensor([[[1.0], [0.0]]], dtype=torch.float64)  # [B, S, L] v_1 - v_2 = 1
+    o = torch.einsum("bnhs,bsc->bnhc", st.p, V)  # [B, N, H, L]
+    moved_o = torch.softmax(moved_s, 0) @ V[0]  # [L]
+    out_bound, _ = bounds._rounding_bound(st, st.s.abs().amax(-1), V, o, u_out=0.0, u_p=0.0, eta_p=0.0,
+                                          gamma_qk=0.0, gamma_pv=0.0, exp_rel=0.0, u_arith=u)
+    assert float((moved_o - o[0, 0, 0]).abs()) == pytest.approx(math.tanh(2 * u * A), rel=1e-6)  # the construction
+    assert float((moved_o - o[0, 0, 0]).abs()) <= float(out_bound)
+
+
 def test_the_oracle_charges_a_score_its_d_products_on_requests_shorter_than_d():
     """An fp64 D-term dot product in any summation order errs by up to γ_D = D u64 / (1 - D u64) of σ Σ_i |q_i k_i|
     (Higham, Theorem 3.1), whatever the request's length: a 1-token row's lse is its score, so the oracle's lse bound
