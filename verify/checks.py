@@ -1255,7 +1255,8 @@ def run_case(case: Case, kernel: Kernel, device: str = "cpu", far: bool | None =
     failures (they are failed checks; `Unsupported` makes an unsupported case; a device fault fails the case and sets
     ``device_fault``); raises only if the verifier itself breaks. The oracle runs before the kernel, on the inputs as
     built, and the ``inputs`` check fails a kernel that wrote into them (split runs included). ``far``: run the far
-    check (None: on CUDA devices, where filling its 2-4 GB cache takes milliseconds; on a CPU it takes seconds)."""
+    check (None: on CUDA devices, where filling its 2-5 GB cache (9.7 GB on pages of 128) takes milliseconds; on a
+    CPU it takes seconds)."""
     t0 = time.perf_counter()
     result = CaseResult(case)
     batch, batch_exact = case.materialize(device)

@@ -151,9 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Verify an MLA decode kernel (bf16 or fp8) against the fp64 oracle within derived error bounds.\n"
         "Checks per case: tier 1 (kernel vs fp64 on the same dequantized inputs), tier 2 (fp8 quantization\n"
         "error within B_det and B_post), split invariance (our planned backends, plug-ins with .run_workers),\n"
-        "empty rows (out 0, lse -inf), finiteness, NaN propagation (a run with one NaN token), the contract\n"
-        "(shapes, dtypes), a second run on the same batch (the same bits, unless the kernel declares otherwise),\n"
-        "inputs left unwritten, the rounding and partials probes (how P and split outputs are\n"
+        "empty rows (out 0, lse -inf), finiteness, NaN propagation (two runs, each with one NaN token: the\n"
+        "newest token's rope channel, the first token's latent channel), the contract (shapes, dtypes), a second\n"
+        "run on the same batch (the same bits, unless the kernel declares otherwise), inputs left unwritten, the\n"
+        "rounding, rescale and partials probes (how P, the running output's rescale factor and split outputs are\n"
         "rounded), the layout check (q, cache and block table as strided views into NaN-padded buffers), the\n"
         "padding probe (finite tokens past each request's length that its rows would prefer, where the case has\n"
         "NaN: the same bits), the rerun check (the kernel called again on its tensors rewritten in place as the\n"
@@ -224,8 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "each worker process holds one such cache: fewer --jobs where memory is short")
     p.add_argument("--long", choices=("auto", "on", "off"), default="auto",
                    help="the long cases after the smoke prefix: one request of 2^16 + 65 tokens cut into more than "
-                        "64 pieces, with MTP (verify.strategies.long_cases; --max-seq-len does not bound them); auto = "
-                        "on CUDA devices (default), about 20 s a case on a CPU")
+                        "64 pieces, with MTP, and a big split batch of 264 requests (verify.strategies.long_cases; "
+                        "--max-seq-len does not bound them); auto = on CUDA devices (default); on a 2-core CPU about "
+                        "20 s per long request, 5 minutes for the big batch")
     return p
 
 

@@ -172,7 +172,7 @@ def smoke_cases(
     fp8 q's dynamic one, the inputs the campaign does not draw (fp16 for bf16, the other fp8 formats for fp8),
     MiniCPM3's shape
     (40 heads, a latent of 256 and a rope of 32, with MTP rows on lengths of whole tiles), and a batch of 260
-    requests (65 of them non-empty).
+    requests (64 of them non-empty: every fourth from request 4).
 
     Lengths are clipped to max_seq_len; heads / page_size / kv_lora_rank / rope_dim override the hand-picked values
     when given (the latent and rope are DeepSeek-V3's 512 and 64 but in MiniCPM3's case).
@@ -264,10 +264,11 @@ def smoke_cases(
         # path for full tiles that skips the causal mask shows), an empty request, a split one
         dict(seq_lens=(300, 0, 128, 64), q_lens=(2, 1, 3, 2), heads=40, kv_lora_rank=256, rope_dim=32, page_size=16,
              num_workers=8, dist="gauss1", sm_scale=MINICPM3_SM_SCALE, q_dtype="fp8" if fp8 else "bf16", seed=19),
-        # a batch of 260 requests (drawn: up to --max-batch, 8), as a CUDA graph padded past 256 holds them: 65 of
-        # them non-empty, every fourth, so that requests past index 127 and 255 read tokens (a request index of 8
-        # bits, signed or not, wraps), MTP rows of 3 in every ninth of those and of 4 in the last among single rows
-        # (a large-batch path that takes the batch's largest q_len for every request)
+        # a batch of 260 requests (drawn: up to --max-batch, 8), as a CUDA graph padded past 256 holds them: 64 of
+        # them non-empty, every fourth from request 4 (37 (j / 4) mod 101 is 0 at j = 0), so that requests past index
+        # 127 and 255 read tokens (a request index of 8 bits, signed or not, wraps), MTP rows of 3 in every ninth of
+        # those and of 4 in the last among single rows (a large-batch path that takes the batch's largest q_len for
+        # every request)
         dict(seq_lens=tuple(37 * (j // 4) % 101 if j % 4 == 0 else 0 for j in range(BIG_BATCH)),
              q_lens=tuple(1 if j % 4 else 4 if j == 4 * 64 else 3 if j // 4 % 9 == 4 else 1 for j in range(BIG_BATCH)),
              heads=2, page_size=16, num_workers=16, dist="gauss1", seed=17),
@@ -307,11 +308,11 @@ def long_cases(
     pieces (a workspace or merge sized for 64 splits per row overflows), with MTP rows and a dominant newest token
     that only its last row sees (`recent`), beside requests of 3 and 1 tokens (no empty one: FlashMLA's fp8 kernel
     refuses those, and the smoke prefix has them); fp8 with bf16 and with fp8 q. Then a big split batch: 264
-    requests, 66 of them of 700-1199 tokens and one of 3 x 4096, all of them split over 132 workers (found by a
-    review: no batch the checks built had more than about 16 split tiles, or a split request past index 10, or a
+    requests, 65 of them of 700-1199 tokens and request 256 of 3 x 4096, all of them split over 132 workers (found
+    by a review: no batch the checks built had more than about 16 split tiles, or a split request past index 10, or a
     request between 4097 and 65600 tokens).
-    Drawn cases stay within --max-seq-len (4096 by default), which the long cases ignore: each costs about 20 s on a
-    2-core CPU, milliseconds on a GPU."""
+    Drawn cases stay within --max-seq-len (4096 by default), which the long cases ignore: on a 2-core CPU each long
+    request costs about 20 s and the big split batch about 5 minutes; milliseconds on a GPU."""
     q_dtypes = ("bf16", "fp8") if dtype == "fp8" else ("bf16",)
     shape = dict(page_size=page_size or 64, kv_lora_rank=kv_lora_rank or 512, rope_dim=rope_dim or 64, kv_dtype=dtype,
                  fp8_format=fp8_format, num_workers=132)
