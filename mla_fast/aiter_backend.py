@@ -34,6 +34,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -84,11 +85,11 @@ def aiter_version() -> tuple[int, ...] | None:
     except Exception:
         return None
     parts = []
-    for token in text.split("+")[0].split("."):
-        digits = "".join(ch for ch in token if ch.isdigit())
-        if not digits or not token[0].isdigit():
+    for token in text.split("+")[0].split("."):  # the release parts, before a local tag
+        digits = re.match(r"\d+", token)  # "9rc1", a pre-release: the release it leads to
+        if digits is None:  # "dev5", "post1": no release part
             break
-        parts.append(int(digits))
+        parts.append(int(digits.group()))
     return tuple(parts) or None
 
 
