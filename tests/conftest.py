@@ -14,6 +14,7 @@ a run killed at a time limit (a device call's) keeps them: pytest prints its fai
 """
 
 import os
+import sys
 
 import pytest
 import torch
@@ -57,3 +58,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "rocm" in item.keywords and not has_rocm:
             item.add_marker(skip_rocm)
+
+
+@pytest.fixture(params=["0.1.7", "head"])
+def fake(request, monkeypatch):
+    """A fake `aiter` (tests/fake_aiter.py) with the signatures of v0.1.7 or of HEAD, as `import aiter` gives it."""
+    from fake_aiter import make_fake_aiter
+
+    module = make_fake_aiter(request.param)
+    monkeypatch.setitem(sys.modules, "aiter", module)
+    monkeypatch.setitem(sys.modules, "aiter.mla", module.mla)
+    return module

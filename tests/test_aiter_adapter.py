@@ -23,14 +23,6 @@ from mla_fast import aiter_backend as ab
 from mla_ref.decode import make_decode_batch
 
 
-@pytest.fixture(params=["0.1.7", "head"])
-def fake(request, monkeypatch):
-    module = make_fake_aiter(request.param)
-    monkeypatch.setitem(sys.modules, "aiter", module)
-    monkeypatch.setitem(sys.modules, "aiter.mla", module.mla)
-    return module
-
-
 @pytest.fixture
 def head_fake(monkeypatch):
     module = make_fake_aiter("head")

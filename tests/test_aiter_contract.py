@@ -25,14 +25,6 @@ BF16_U = 2**-8  # unit roundoff of bf16
 FP32_U = 2**-24  # unit roundoff of fp32
 
 
-@pytest.fixture(params=["0.1.7", "head"])
-def fake(request, monkeypatch):
-    module = make_fake_aiter(request.param)
-    monkeypatch.setitem(sys.modules, "aiter", module)
-    monkeypatch.setitem(sys.modules, "aiter.mla", module.mla)
-    return module
-
-
 def _batch(seed, seq_lens, heads=16, page_size=16, q_len=1, dtype="bf16"):
     g = torch.Generator().manual_seed(seed)
     T = len(seq_lens) * q_len

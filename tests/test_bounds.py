@@ -1038,6 +1038,19 @@ def test_the_lse_score_term_is_attained_by_a_uniform_shift(delta):
     assert float(lse_bound) / move == pytest.approx(1, rel=1e-12)  # equal up to fp64 rounding of both sides
 
 
+def _one_signed_row(seed):
+    """One row of 5 tokens whose values are all positive (Σ_j p_j |v_j| = |ô|): (softmax stats, V [B, S, L], ô
+    [B, N, H, L], the kernel's unnormalised numerator Σ_j p̃_j v_j [B, N, H, L] and row sum l [B, N, H])."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 1, 1, 8, generator=g, dtype=torch.float64)  # [B, N, H, D]
+    K = torch.rand(1, 5, 8, generator=g, dtype=torch.float64) + 0.5  # [B, S, D] positive: Σ p |v| = |ô|
+    st = bounds._softmax(q, K, torch.ones(1, 1, 5, dtype=torch.bool), 0.3)
+    V = K[..., :4]  # [B, S, L]
+    o = torch.einsum("bnhs,bsc->bnhc", st.p, V)  # [B, N, H, L]
+    numerator, l = (st.p * st.l[..., None]) @ V[:, None], st.l  # [B, N, H, L], [B, N, H] the kernel's, unnormalised
+    return st, V, o, numerator, l
+
+
 @pytest.mark.parametrize("gamma", [0.1, 2.0**-7])  # a move of 2 gamma |ô| >= 0.015 |ô|: fp64's roundings stay < 1e-14
 def test_the_out_bound_is_attained_by_a_high_numerator_over_a_low_row_sum(gamma):
     """§5(f) with gamma_pv the only error source: a kernel may sum P.V gamma_pv high (|ΔN| <= gamma_pv Σ P |v|) and
@@ -1045,13 +1058,7 @@ def test_the_out_bound_is_attained_by_a_high_numerator_over_a_low_row_sum(gamma)
     2 gamma_pv / (1 - gamma_pv) |ô|: the out bound must equal it. A leading 1 + gamma_pv fell short by gamma_pv^2 (1 %
     at gamma_pv 0.1); without the row sum's gamma_pv |ô| (a review's mutant) the bound is half the move. The lse
     bound covers the low row sum's |ln(1 - gamma_pv)|."""
-    g = torch.Generator().manual_seed(4)
-    q = torch.randn(1, 1, 1, 8, generator=g, dtype=torch.float64)  # [B, N, H, D]
-    K = torch.rand(1, 5, 8, generator=g, dtype=torch.float64) + 0.5  # [B, S, D] positive: Σ p |v| = |ô|
-    st = bounds._softmax(q, K, torch.ones(1, 1, 5, dtype=torch.bool), 0.3)
-    V = K[..., :4]  # [B, S, L]
-    o = torch.einsum("bnhs,bsc->bnhc", st.p, V)  # [B, N, H, L]
-    numerator, l = (st.p * st.l[..., None]) @ V[:, None], st.l  # [B, N, H, L], [B, N, H] the kernel's, unnormalised
+    st, V, o, numerator, l = _one_signed_row(4)
     moved = numerator * (1 + gamma) / (l * (1 - gamma))[..., None]  # [B, N, H, L]
     out_bound, lse_bound = bounds._rounding_bound(st, st.s.abs().amax(-1), V, o, u_out=0.0, u_p=0.0, eta_p=0.0,
                                                   gamma_qk=0.0, gamma_pv=gamma, exp_rel=0.0, u_arith=0.0)
@@ -1066,13 +1073,7 @@ def test_the_out_bound_of_a_row_sum_of_rounded_p_is_attained_by_a_high_numerator
     charge, delta Σ p |v| = delta |ô| for values of one sign) while the rounded row sum L_P is delta low (|θ| <= r =
     u_P), so o = ô (1 + delta) / (1 - delta), a move of 2 delta / (1 - delta) |ô|: the out bound (B + r |ô|) / (1 - r)
     must equal it. Without the r |ô| term (a review's mutant) it is half the move. The lse bound covers ln(1 - r)."""
-    g = torch.Generator().manual_seed(5)
-    q = torch.randn(1, 1, 1, 8, generator=g, dtype=torch.float64)  # [B, N, H, D]
-    K = torch.rand(1, 5, 8, generator=g, dtype=torch.float64) + 0.5  # [B, S, D] positive: Σ p |v| = |ô|
-    st = bounds._softmax(q, K, torch.ones(1, 1, 5, dtype=torch.bool), 0.3)
-    V = K[..., :4]  # [B, S, L]
-    o = torch.einsum("bnhs,bsc->bnhc", st.p, V)  # [B, N, H, L]
-    numerator, l = (st.p * st.l[..., None]) @ V[:, None], st.l  # [B, N, H, L], [B, N, H] the kernel's, unnormalised
+    st, V, o, numerator, l = _one_signed_row(5)
     moved = numerator * (1 + delta) / (l * (1 - delta))[..., None]  # [B, N, H, L]
     out_bound, lse_bound = bounds._rounding_bound(st, st.s.abs().amax(-1), V, o, u_out=0.0, u_p=delta, eta_p=0.0,
                                                   gamma_qk=0.0, gamma_pv=0.0, exp_rel=0.0, u_arith=0.0,

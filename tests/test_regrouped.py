@@ -13,17 +13,12 @@ rounding (FP64_ROWS, as tests/test_batch_invariance.py).
 """
 
 import torch
+from test_batch_invariance import CASE, FP64_ROWS, _check
 
 from mla_ref.decode import INVALID_PAGE, mla_decode_ref
 from verify import mutants
 from verify.cases import Case
-from verify.checks import _moved, check_batch
-from verify.kernels import from_callable
 from verify.regrouped import regrouped_batches, shared_batch
-
-CASE = Case(seq_lens=(300, 129, 0, 127), q_lens=(1, 2, 1, 1), heads=4, page_size=16, seed=3)
-FP64_ROWS = 2**-40  # relative: the oracle sums a request's tokens in another order when its length bucket changes
-# (fp64, about 1e-16 relative), 2^12 fp64 ulps, far below any bound a check takes
 
 
 def test_the_added_request_of_the_grown_and_mtp_batches_is_the_last_and_is_what_added_batch_gives():
@@ -45,14 +40,6 @@ def test_the_added_request_of_the_grown_and_mtp_batches_is_the_last_and_is_what_
             assert added.seq_lens.tolist() == r.batch.seq_lens[B:].tolist()
             assert torch.equal(added.q, r.batch.q[r.rows.shape[0]:])
         assert grew == (2 if q_lens == (1, 1, 1, 1) else 1)  # grown (and mtp with one q_len)
-
-
-def _check(fn, case: Case = CASE):
-    batch, _ = case.materialize()
-    ref = mla_decode_ref(batch)  # [T, H, L], [T, H] fp64
-    kernel = from_callable(fn)
-    first = _moved(*fn(batch), ref[0].device)
-    return {r.name: r for r in check_batch(batch, kernel, case.num_workers, first, ref)}
 
 
 def last_request_off_in_bigger_batches(batch):
