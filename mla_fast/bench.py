@@ -680,12 +680,13 @@ def main(argv=None) -> None:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.page_size < 1:
         parser.error(f"--page-size must be >= 1, got {args.page_size}")
-    peers = [] if args.no_peers else (args.peers or ",".join(PEERS)).split(",")
-    if set(peers) - set(PEERS):
-        parser.error(f"--peers must be a comma list of {list(PEERS)}, got {args.peers!r}")
+    peers = [] if args.no_peers else (",".join(PEERS) if args.peers is None else args.peers).split(",")
+    if set(peers) - set(PEERS) or len(set(peers)) < len(peers):  # "" (no peer named) or one named twice
+        parser.error(f"--peers must be a comma list of distinct names of {list(PEERS)} (or --no-peers), "
+                     f"got {args.peers!r}")
     dtypes = args.dtypes.split(",")
-    if not dtypes or set(dtypes) - set(COMBOS):
-        parser.error(f"--dtypes must be a comma list of {list(COMBOS)}, got {args.dtypes!r}")
+    if set(dtypes) - set(COMBOS) or len(set(dtypes)) < len(dtypes):  # a combo named twice would be timed twice
+        parser.error(f"--dtypes must be a comma list of distinct names of {list(COMBOS)}, got {args.dtypes!r}")
     if not args.shapes or any(len(shape) != 3 or min(shape) < 1 for shape in args.shapes):
         parser.error(f"--shapes must be b,s,h triples of ints >= 1 separated by ';', got {args.shapes}")
     if args.precompile < 0:
