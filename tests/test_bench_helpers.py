@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_vllm_peer import NEW, OLD, _fake_vllm
 
 from mla_fast import bench, gpu_clocks, vllm_peer
 from mla_ref.decode import make_decode_batch
@@ -20,35 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # ---- vllm_peer -----------------------------------------------------------------------------------------------------
 
-CALLS = '''
-CALLS = []
-
-
-def decode_attention_fwd({params}):
-    CALLS.append(dict(locals()))
-'''
-BASE = "q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_logits, num_kv_splits, sm_scale, page_size=1, " \
-       "logit_cap=0.0"  # vLLM 0.15
-NEW = BASE + ", k_scale=None, v_scale=None, is_mla=False"  # vLLM 0.33
+BASE = OLD  # vLLM 0.15; NEW: vLLM 0.33
 SCALED = BASE + ", k_scale=None, v_scale=None"  # a vLLM whose function takes the cache scales but not is_mla
-
-
-def _fake_vllm(tmp_path, monkeypatch, params):
-    """A copied-file vLLM whose decode_attention_fwd records its arguments (as tests/test_vllm_peer.py's)."""
-    path = tmp_path / "triton_decode_attention.py"
-    path.write_text(CALLS.format(params=params))
-    monkeypatch.setattr(vllm_peer, "MODULE", "no_such_package.triton_decode_attention")
-    monkeypatch.setenv(vllm_peer.ENV_SRC, str(path))
-    monkeypatch.delenv(vllm_peer.ENV_SPLITS, raising=False)
-    calls = []
-
-    def load(p, real=vllm_peer._load_file):
-        module = real(p)
-        module.CALLS = calls
-        return module
-
-    monkeypatch.setattr(vllm_peer, "_load_file", load)
-    return calls
 
 
 def _batch(seq_lens=(5, 9), q_dtype=torch.bfloat16, cache="bf16", page_size=4):
