@@ -1494,8 +1494,9 @@ def decode(batch, *, plan=None, out=None, lse=None, config: KernelConfig | None 
     plan: a `WorkPlan` from `make_plan` (computed here when None: one host sync). out / lse: optional preallocated
     outputs (`check_outputs`: out bf16 [T, H, L], or fp32 for the Triton kernel only, the Gluon kernels writing
     bf16; lse fp32 [T, H]; last dim contiguous), returned as given; by default out is bf16. config: launch choices (default
-    `batch_config`: `default_config` for the batch's dtypes, heads, size and q_len on its device; on an H200 bf16
-    batches with more than 16 packed rows per program take the Gluon kernel).
+    `batch_config`: `default_config` for the batch's dtypes, heads, size and q_len on its device; on CUDA sm_90
+    (H100, H200) bf16 batches with more than 16 packed rows per program take the Gluon seesaw kernel, and e4m3fn
+    caches the Gluon kernels where default_config's rule says).
     reduce_pieces: split pieces merged per step of the reduce (None: `plan_reduce_pieces`; a `TritonMLADecode`'s
     reduce_pieces gives its bits).
     max_q_len: the q_len the launch's rows per program are sized for (max_q_len x config.head_group), at least the

@@ -1,5 +1,5 @@
 """vLLM's Triton MLA decode (`decode_attention_fwd`) as a timed peer for mla-bench: a benchmark peer only, not a
-verifier backend (it gives NaN for a request of length 0 and takes one q_len for all requests).
+verifier backend (it gives NaN for a request of length 0 and takes q_len 1 only).
 
 Where the code comes from (it is Apache-2.0 third-party code that this project does not ship, peers.md licensing):
 1. an installed vLLM, `vllm.v1.attention.ops.triton_decode_attention`;

@@ -992,8 +992,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"{len(longs)} long cases (they follow the {len(smoke)}-case smoke prefix; --cases "
                       f"{len(smoke) + len(longs)} runs them)", markup=False, highlight=False)
     elif not long and not replay:
-        console.print("mla-verify: the long cases are off (a request of 2^16 + 65 tokens in more than 64 pieces, on "
-                      "CUDA devices by default; --long on runs them here)", markup=False, highlight=False)
+        console.print("mla-verify: the long cases are off (a request of 2^16 + 65 tokens in more than 64 pieces and "
+                      "a big split batch, on CUDA devices by default; --long on runs them here)", markup=False,
+                      highlight=False)
     smoke = (smoke + longs)[:n]
     results: list[CaseResult] = []
     stopped: dict = {}  # why the campaign ended early (a device fault, --time-limit), for the report
