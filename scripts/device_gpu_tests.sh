@@ -14,7 +14,9 @@ source "$(dirname "$0")/device_env.sh" "${OUT:-/tmp/mla_gpu_tests_out}"
 seconds=${1:-540}; workers=${2:-8}; shift $(( $# < 2 ? $# : 2 )); targets=("${@:-tests/}")
 python3 -c "import xdist" 2>/dev/null || { echo "pytest-xdist not installed: carry its wheel in .whl" | tee -a "$log"; exit 2; }
 step "pytest -m gpu ${targets[*]}, $workers workers, $seconds s"
-MLA_TEST_FAILURES="$OUT/failures.txt" timeout "$seconds" python3 -m pytest -o addopts="" --strict-markers -m gpu -p no:cacheprovider -n "$workers" -v \
+# the triage profile: ci's examples unshrunk, since shrinking a GPU failure (each try a case with its compiles) outlasts
+# the call; a failure comes back as first drawn, its repro line in the traceback
+HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-triage} MLA_TEST_FAILURES="$OUT/failures.txt" timeout "$seconds" python3 -m pytest -o addopts="" --strict-markers -m gpu -p no:cacheprovider -n "$workers" -v \
   --tb=short -rfEs --durations=40 "${targets[@]}" > "$OUT/pytest.txt" 2>&1
 echo "exit $?" | tee -a "$log"
 grep -cE " PASSED " "$OUT/pytest.txt" | sed 's/^/passed lines: /' | tee -a "$log"

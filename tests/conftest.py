@@ -5,6 +5,8 @@ Profiles (`verify.testing.PROFILES`; select with HYPOTHESIS_PROFILE or --hypothe
   with or without CI set).
 - ``dev``    random, more examples, database on: for local exploration.
 - ``search`` many examples, target() phase, no shrinking: hunts worst err/bound cases (see verify.strategies).
+- ``triage`` ci's examples without shrinking: a failure is reported as first drawn, inside a device call's limit
+  (scripts/device_gpu_tests.sh uses it).
 
 Without triton (the README's install line and .ci/run install triton==3.6.0) the modules that import it are not
 collected, and the end of the report says which.

@@ -89,8 +89,13 @@ def test_property_tests_have_no_deadline_and_the_profiles_register(monkeypatch):
         assert register_profiles() == "search"
         assert Phase.target in settings.default.phases and Phase.shrink not in settings.default.phases
         assert mla_property_test(emulated, dtype="fp8")._hypothesis_internal_use_settings.max_examples == 5_000
+        monkeypatch.setenv("HYPOTHESIS_PROFILE", "triage")  # ci's examples, unshrunk
+        assert register_profiles() == "triage" and settings.default.derandomize
+        assert Phase.shrink not in settings.default.phases and Phase.generate in settings.default.phases
+        assert settings.default.max_examples == settings.get_profile("ci").max_examples
         monkeypatch.delenv("HYPOTHESIS_PROFILE")
         assert register_profiles() == "ci" and settings.default.derandomize
+        assert Phase.shrink in settings.default.phases
     finally:
         monkeypatch.undo()  # the run's own $HYPOTHESIS_PROFILE (e.g. search) back for the tests after this one
         register_profiles()

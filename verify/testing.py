@@ -38,14 +38,18 @@ PROFILES = {  # Hypothesis profiles for kernel property tests (this project's te
                                                               Phase.target],
                    suppress_health_check=list(HealthCheck)),  # many examples, target(), no shrinking
 }
+# ci's examples without the shrink phase: the first failing case is reported as drawn. For a time-limited run (a GPU
+# device call), where shrinking a failure, each try a full case with its compiles, would outlast the limit.
+PROFILES["triage"] = dict(PROFILES["ci"], phases=[Phase.explicit, Phase.reuse, Phase.generate])
 
 
 def register_profiles(default: str = "ci") -> str:
-    """Register the ci / dev / search profiles (`PROFILES`) with Hypothesis and load $HYPOTHESIS_PROFILE, else
+    """Register the ci / dev / search / triage profiles (`PROFILES`) with Hypothesis and load $HYPOTHESIS_PROFILE, else
     ``default``; returns the loaded name. Call it from your conftest.py (Hypothesis reads no environment variable
-    itself)."""
+    itself). Each profile derives from Hypothesis' own defaults, not from the profile loaded now: a second call
+    after loading search would otherwise give ci search's phases (no shrinking, a target phase)."""
     for name, kwargs in PROFILES.items():
-        settings.register_profile(name, **kwargs)
+        settings.register_profile(name, parent=settings.get_profile("default"), **kwargs)
     name = os.environ.get("HYPOTHESIS_PROFILE", default)
     settings.load_profile(name)
     return name
