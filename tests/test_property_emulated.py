@@ -77,7 +77,9 @@ def test_far_and_max_batch_reach_the_property_test():
 def test_property_tests_have_no_deadline_and_the_profiles_register(monkeypatch):
     """Outside this project no conftest sets a profile: Hypothesis' 200 ms default deadline failed every case (the
     checks run the fp64 oracle; found by a review), and HYPOTHESIS_PROFILE=search did nothing. mla_property_test sets
-    no deadline itself; register_profiles() registers ci / dev / search and loads $HYPOTHESIS_PROFILE."""
+    no deadline itself; register_profiles() registers ci / dev / search / triage and loads $HYPOTHESIS_PROFILE. A
+    second call after loading search gave ci search's phases (no shrinking) until each profile took Hypothesis'
+    defaults as its parent (sixty-sixth session)."""
     from hypothesis import Phase, settings
 
     from verify.testing import register_profiles
