@@ -150,6 +150,15 @@ def _sm_scale() -> st.SearchStrategy[float]:
     return st.one_of(st.just(SM_SCALE), st.just(SM_SCALE), st.just(SM_SCALE), config)
 
 
+def drawn_inputs(case: Case, dtype: str, fp8_format: str = "e4m3fn") -> bool:
+    """Whether `cases(dtype, fp8_format=...)` draws ``case``'s input dtypes (bf16: bf16 q and cache; fp8: a cache
+    of fp8_format, q bf16 or fp8). The smoke prefix's other inputs (fp16 q and cache for bf16, the other fp8 formats
+    for fp8) are the cases outside it: a kernel may refuse those (`Unsupported`) in a property test too."""
+    if dtype == "bf16":
+        return (case.q_dtype, case.kv_dtype) == ("bf16", "bf16")
+    return case.kv_dtype == "fp8" and case.fp8_format == fp8_format and case.q_dtype in ("bf16", "fp8")
+
+
 BIG_BATCH = 260  # requests of the smoke prefix's largest batch: indices past 2^8 (one CUDA-graph padding step past 256)
 
 
