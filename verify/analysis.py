@@ -330,7 +330,9 @@ def log_fit(seq_lens, values, confidence: float = 0.95) -> dict:
     """
     x, y = np.log(np.asarray(seq_lens, dtype=float)), np.asarray(values, dtype=float)
     fit = stats.linregress(x, y)
-    half = stats.t.ppf((1 + confidence) / 2, x.size - 2) * fit.stderr
+    # constant values fit exactly (zero residuals: stderr 0), but scipy's r is 0/0 there and its stderr NaN
+    stderr = 0.0 if np.ptp(y) == 0 else fit.stderr
+    half = stats.t.ppf((1 + confidence) / 2, x.size - 2) * stderr
     lo, hi = fit.slope - half, fit.slope + half
     return {"slope": fit.slope, "intercept": fit.intercept, "ci": (lo, hi), "confidence": confidence,
             "r2": fit.rvalue**2, "n": int(x.size), "contains_zero": bool(lo <= 0.0 <= hi)}
