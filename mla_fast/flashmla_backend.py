@@ -19,6 +19,8 @@ Conventions handled here:
 Inputs FlashMLA has no kernel for raise `mla_fast.backends.Unsupported`:
 - a latent other than 512 or a rope other than 64 (MiniCPM3's 256 and 32, say);
 - bf16 q with an fp8 cache (the dense fp8 kernel is fp8 x fp8);
+- fp8 q or an fp8 cache of another format than e4m3fn on the dense fp8 kernel (e5m2 bytes would be read as e4m3fn;
+  e4m3fnuz is converted per call and has no step);
 - a request with seq_len 0 on the dense fp8 kernel: for seqlen_k = 0 its `compute_attn_1rowblock_splitkv_mla`
   starts at n_block = ceil(0 / 64) - 1 = -1 and loads the page `block_table[b][-1]`, outside request b's row (before
   the tensor for b = 0: an illegal memory access; sgl-project/FlashMLA csrc/extension/sm90/dense_fp8/
@@ -40,6 +42,7 @@ PAGE_SIZE = 64  # the only page_block_size of FlashMLA's dense decode
 BF16_Q_FP8_CACHE = "flashmla: bf16 q with an fp8 cache (FlashMLA's dense fp8 kernel is fp8 x fp8)"
 FP8_EMPTY_REQUEST = "flashmla fp8: a request with seq_len 0 (the dense fp8 kernel reads block_table[b][-1])"
 DENSE_DTYPES = "flashmla.q/kv_cache: FlashMLA's dense kernel takes both bf16 or both fp16"
+FP8_FORMATS = "flashmla fp8: the dense fp8 kernel takes e4m3fn q and an e4m3fn cache (e4m3fnuz is converted per call)"
 DEEPSEEK_DIMS = "flashmla: kv_lora_rank 512 and rope_dim 64 only (its kernels are built for heads of 576 / 512)"
 
 
@@ -126,6 +129,8 @@ def flashmla_inputs(batch: DecodeBatch) -> dict:
         raise Unsupported("flashmla.kv_cache: FlashMLA's fp8 cache is e4m3fn (or e4m3fnuz, converted)")
     if fp8_kv and not is_fp8(q.dtype):
         raise Unsupported(BF16_Q_FP8_CACHE)
+    if fp8_kv and q.dtype != torch.float8_e4m3fn:  # an e5m2 q would be read as e4m3fn bytes
+        raise Unsupported(FP8_FORMATS)
     if fp8_kv and batch.batch_size and int(batch.seq_lens.min()) == 0:
         raise Unsupported(FP8_EMPTY_REQUEST)
     if is_fp8(q.dtype) and not fp8_kv:
@@ -201,6 +206,8 @@ class FlashMLAStep:
         self.fp8 = is_fp8(kv)
         if self.fp8 and not is_fp8(q):
             raise Unsupported(BF16_Q_FP8_CACHE)
+        if self.fp8 and (q, kv) != (torch.float8_e4m3fn, torch.float8_e4m3fn):  # e5m2 bytes read as e4m3fn
+            raise Unsupported(FP8_FORMATS)
         if not self.fp8 and (kv not in (torch.bfloat16, torch.float16) or q != kv):
             raise Unsupported(DENSE_DTYPES)
         B, H, D, dev = batch.batch_size, batch.num_heads, batch.head_dim, batch.device
