@@ -62,6 +62,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_rocm)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op torch thread for a module of many tiny ops (decode steps, small fp64 sums): on a 2-core runner a
+    second thread only adds contention. Use with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(params=["0.1.7", "head"])
 def fake(request, monkeypatch):
     """A fake `aiter` (tests/fake_aiter.py) with the signatures of v0.1.7 or of HEAD, as `import aiter` gives it."""

@@ -16,13 +16,7 @@ TINY = A.Size(heads=1, seq_lens=(64, 128), seeds=1, dist_seq_len=64, split_seq_l
               rms_seq_len=64)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Small fp64 ops: a second intra-op thread only adds contention on a 2-core runner."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: tiny ops, one thread
 
 
 def test_size_from_env(monkeypatch):

@@ -29,13 +29,7 @@ BUG_KL_FACTOR = 10.0
 BUG_DISAGREE_FACTOR = 3.0
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Decode steps are ~100 tiny ops each: on a 2-core runner a second intra-op thread only adds contention."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: tiny ops, one thread
 
 
 @pytest.fixture(scope="module")

@@ -22,13 +22,7 @@ HEADROOM = 2.0  # module docstring: calibration amax maps to fmt.max / 2
 SIGMA = (0.1 * math.log(40.0) + 1.0) ** 2 / math.sqrt(192)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny ops: a second intra-op thread only adds contention on a 2-core runner."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: tiny ops, one thread
 
 
 @pytest.fixture(scope="module")
