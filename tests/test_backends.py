@@ -428,16 +428,24 @@ def test_flashinfer_declines_requests_shorter_than_their_query_rows_above_32_hea
 
 
 class _FakeMLAWrapper:
-    """Stands in for flashinfer.mla.BatchMLAPagedAttentionWrapper: records plan() and run() calls."""
+    """Stands in for flashinfer.mla.BatchMLAPagedAttentionWrapper: records its construction (every instance in
+    `made`, its backend, graph mode and buffers), plan() calls (`plans`, the last one `plan_args`) and run() calls
+    (`runs`, the last one's tensors and keywords)."""
+
+    made = []
 
     def __init__(self, workspace, use_cuda_graph=False, backend="auto", **buffers):
-        self.use_cuda_graph, self.buffers, self.plans, self.runs = use_cuda_graph, buffers, [], 0
+        self.backend, self.use_cuda_graph, self.buffers, self.plans, self.runs = backend, use_cuda_graph, buffers, [], 0
+        self.plan_args = self.run_tensors = self.run_kw = None
+        _FakeMLAWrapper.made.append(self)
 
     def plan(self, *args):
         self.plans.append(args)
+        self.plan_args = args
 
     def run(self, q_nope, q_pe, ckv, kpe, out=None, lse=None, **kw):
         self.runs += 1
+        self.run_tensors, self.run_kw = (q_nope, q_pe, ckv, kpe), kw
         return out, lse
 
 
@@ -478,22 +486,31 @@ def test_flashinfers_graph_step_sizes_its_buffers_once_and_refuses_what_it_canno
 
 
 class _FakeFlashMLA:
-    """Stands in for flash_mla: a scheduler whose metadata is the lengths, and a decode whose out is q's first L
-    channels and whose lse is +inf (FlashMLA's lonely-q value) on every row."""
+    """Stands in for flash_mla: a scheduler whose metadata is the lengths (its call recorded as `metadata_call`), and
+    a decode (its metadata and keywords recorded as `seen`, its block table and keywords as `block_table` and `kw`)
+    whose out is q's first L channels and whose lse is +inf (FlashMLA's lonely-q value) on every row, or with
+    positional_lse a value naming its position, lse[b, h, s] = 1000 b + 10 h + s."""
 
     class Meta:
         tile_scheduler_metadata = num_splits = None
+
+    def __init__(self, positional_lse=False):
+        self.positional_lse = positional_lse
 
     def get_mla_metadata(self):
         return self.Meta(), None
 
     def get_mla_decoding_metadata(self, seqlens, tokens_per_head, h_k, is_fp8_kvcache=False, use_legacy=False):
+        self.metadata_call = (seqlens.clone(), tokens_per_head, h_k, is_fp8_kvcache, use_legacy)
         return seqlens.clone().view(-1, 1), torch.cat([seqlens.new_zeros(1), seqlens.cumsum(0).int()])
 
     def flash_mla_with_kvcache(self, q, k_cache, block_table, seqlens, head_dim_v, meta, num_splits, **kw):
-        self.seen = (meta.tile_scheduler_metadata, kw)
+        self.seen, self.block_table, self.kw = (meta.tile_scheduler_metadata, kw), block_table.clone(), kw
         B, s_q, H, _ = q.shape
-        return q[..., :head_dim_v].clone(), torch.full((B, H, s_q), math.inf)
+        if not self.positional_lse:
+            return q[..., :head_dim_v].clone(), torch.full((B, H, s_q), math.inf)
+        b, h, s = torch.meshgrid(torch.arange(B), torch.arange(H), torch.arange(s_q), indexing="ij")
+        return q[..., :head_dim_v].clone(), (1000 * b + 10 * h + s).float()
 
 
 def test_flashmla_decode_gathers_the_real_rows_in_order_and_empty_rows_as_neg_inf(monkeypatch):

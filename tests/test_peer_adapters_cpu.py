@@ -2,8 +2,8 @@
 dimension refusals (both sizes), `split_q_scale`'s power-of-two split and its fp16 fallback, e4m3fnuz caches and q
 re-expressed as e4m3fn with half the scale, fp8 q folded into the softmax scale, the CSR page layout, the causal
 flag, the fp8 block-table clamp, FlashMLA's lse gather from [B, H, s_q], and the arguments each adapter hands its
-peer (through recording fakes of `flashinfer` and `flash_mla` injected with monkeypatch, as tests/test_backends.py's
-fakes are). The peers are not needed.
+peer (through tests/test_backends.py's recording fakes of `flashinfer` and `flash_mla`, injected with monkeypatch).
+The peers are not needed.
 
 Every comparison is exact: the conversions move values by powers of two, slice, copy or reorder them, so any
 difference is a wrong conversion, not rounding.
@@ -15,6 +15,7 @@ import types
 
 import pytest
 import torch
+from test_backends import _FakeFlashMLA, _FakeMLAWrapper
 
 from mla_fast import flashinfer_backend as fi
 from mla_fast import flashmla_backend as fm
@@ -140,30 +141,12 @@ def test_flashinfer_inputs_are_the_batch_split_at_the_latent_with_its_pages_in_c
     assert fi.flashinfer_inputs(mtp)["causal"] is True
 
 
-class _RecordingWrapper:
-    """Stands in for flashinfer.mla.BatchMLAPagedAttentionWrapper: records its construction, plan() and run()."""
-
-    made = []
-
-    def __init__(self, workspace, use_cuda_graph=False, backend="auto", **buffers):
-        self.backend, self.use_cuda_graph, self.buffers = backend, use_cuda_graph, buffers
-        self.plan_args, self.run_kw = None, None
-        _RecordingWrapper.made.append(self)
-
-    def plan(self, *args):
-        self.plan_args = args
-
-    def run(self, q_nope, q_pe, ckv, kpe, out=None, lse=None, **kw):
-        self.run_tensors, self.run_kw = (q_nope, q_pe, ckv, kpe), kw
-        return out, lse
-
-
 @pytest.fixture
 def fake_flashinfer(monkeypatch):
-    _RecordingWrapper.made = []
-    module = types.SimpleNamespace(mla=types.SimpleNamespace(BatchMLAPagedAttentionWrapper=_RecordingWrapper))
+    monkeypatch.setattr(_FakeMLAWrapper, "made", [])
+    module = types.SimpleNamespace(mla=types.SimpleNamespace(BatchMLAPagedAttentionWrapper=_FakeMLAWrapper))
     monkeypatch.setitem(sys.modules, "flashinfer", module)
-    return _RecordingWrapper.made
+    return _FakeMLAWrapper.made
 
 
 def test_flashinfer_decode_plans_and_runs_with_the_batch_geometry_scales_and_natural_lse(fake_flashinfer):
@@ -232,30 +215,9 @@ def test_repage_keeps_every_token_in_pages_of_64_and_an_empty_batch_one_page():
     assert empty.kv_cache.shape[0] == 1 and bool(empty.kv_cache.float().isnan().all())
 
 
-class _RecordingFlashMLA:
-    """Stands in for flash_mla: records the decoding-metadata call and the decode's arguments; its decode returns
-    out = q's first L channels and an lse whose value names its position, lse[b, h, s] = 1000 b + 10 h + s."""
-
-    class Meta:
-        tile_scheduler_metadata = num_splits = None
-
-    def get_mla_metadata(self):
-        return self.Meta(), None
-
-    def get_mla_decoding_metadata(self, seqlens, tokens_per_head, h_k, is_fp8_kvcache=False, use_legacy=False):
-        self.metadata_call = (seqlens.clone(), tokens_per_head, h_k, is_fp8_kvcache, use_legacy)
-        return seqlens.clone().view(-1, 1), torch.cat([seqlens.new_zeros(1), seqlens.cumsum(0).int()])
-
-    def flash_mla_with_kvcache(self, q, k_cache, block_table, seqlens, head_dim_v, meta, num_splits, **kw):
-        self.block_table, self.kw = block_table.clone(), kw
-        B, s_q, H, _ = q.shape
-        b, h, s = torch.meshgrid(torch.arange(B), torch.arange(H), torch.arange(s_q), indexing="ij")
-        return q[..., :head_dim_v].clone(), (1000 * b + 10 * h + s).float()
-
-
 @pytest.fixture
 def fake_flashmla(monkeypatch):
-    module = _RecordingFlashMLA()
+    module = _FakeFlashMLA(positional_lse=True)
     monkeypatch.setitem(sys.modules, "flash_mla", module)
     return module
 
