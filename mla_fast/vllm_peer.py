@@ -99,7 +99,7 @@ def _split_count(max_seq_len: int, sm_count: int, mla: bool) -> int:
         return num_kv_splits(max_seq_len, sm_count)
     if not override:
         return LEGACY_SPLITS
-    if not override.isdigit() or int(override) < 1:
+    if not (override.isascii() and override.isdigit()) or int(override) < 1:  # str.isdigit takes '²' and '٣'
         raise ValueError(f"${ENV_SPLITS} must be 'rule' or a positive integer, got {override!r}")
     return int(override)
 

@@ -65,6 +65,9 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.
         top = torch.finfo(dtype).max
         a = torch.where(torch.isfinite(a), a.clamp(-top, top), a)  # saturate finite values
         b = torch.where(torch.isfinite(b), b.clamp(-top, top), b)
+        if dtype != torch.float8_e5m2:  # no inf in the format: ±inf is NaN (torch 2.13's CPU e4m3fn cast gives ±448)
+            a = torch.where(torch.isinf(a), math.nan, a)
+            b = torch.where(torch.isinf(b), math.nan, b)
     a_t, b_t = _to_grid(a, dtype), _to_grid(b, dtype)  # round once to the target grid
     oa, ob = _ordered(a_t), _ordered(b_t)  # [...] int64
     # |oa - ob| overflows int64 only for fp64 of opposite signs beyond ±2: saturate at NAN_ULP - 1
@@ -78,12 +81,15 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.
 def _to_grid(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """fp64 x rounded once to nearest-even in ``dtype``. torch's fp64 -> bf16 / fp16 / fp8 casts go through fp32 and
     round twice (1 + 2^-8 + 2^-40 -> 1 + 2^-8 in fp32, a bf16 tie -> 1.0 instead of 1 + 2^-7), so values in range are
-    first snapped to the grid in fp64 (`mla_ref.fp8.round_p`, one rounding), which makes the cast exact; values
-    beyond ±max and NaN take the cast (to ±inf, or NaN in fp8 formats without inf)."""
+    first snapped to the grid in fp64 (`mla_ref.fp8.round_p`, one rounding), which makes the cast exact. In range
+    means below the overflow threshold max + ulp(max) / 2, where round-to-nearest-even gives ±max (from there on it
+    gives ±inf); values at or beyond it and NaN take the cast (to ±inf, or NaN in fp8 formats without inf)."""
     if dtype in (torch.float64, torch.float32):  # fp64 -> fp32 is one rounding
         return x.to(dtype)
     fmt = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, dtype)  # else an fp8 dtype
-    in_range = x.abs() <= torch.finfo(dtype).max  # [...] False for NaN and inf
+    info = torch.finfo(dtype)
+    overflow = info.max + 2.0 ** math.floor(math.log2(info.max)) * info.eps / 2  # max + half its ulp, exact in fp64
+    in_range = x.abs() < overflow  # [...] False for NaN and inf
     return torch.where(in_range, round_p(x, fmt), x).to(dtype)
 
 
