@@ -72,6 +72,16 @@ def test_values_just_below_the_overflow_threshold_round_to_max(dtype, np_type):
     assert got.tolist() == [0, 1]  # max against max; max against inf, 1 ulp beyond
 
 
+def test_an_fp64_distance_of_int64_max_is_not_the_nan_mark():
+    """inf and minus the largest subnormal are 0x7FF0000000000000 + 0x000FFFFFFFFFFFFF = 2^63 - 1 steps apart
+    (numpy's bit views): exactly NAN_ULP, the one-NaN mark, so it saturates at NAN_ULP - 1 as longer distances do
+    (the review's M09: with > instead of >= it read as one NaN)."""
+    a, b = np.array([np.inf]), -np.array([2.0**-1022 - 2.0**-1074])
+    assert int(a.view(np.int64)[0]) + int((-b).view(np.int64)[0]) == NAN_ULP == 2**63 - 1
+    assert ulp_distance(torch.from_numpy(a), torch.from_numpy(b), F64).tolist() == [NAN_ULP - 1]
+    assert ulp_distance(torch.tensor([np.inf]), torch.tensor([-np.inf]), F64).tolist() == [NAN_ULP - 1]  # beyond
+
+
 # ---- cos_diff --------------------------------------------------------------------------------------------------------
 
 def test_cos_diff_of_exactly_orthogonal_tensors_is_one():

@@ -54,7 +54,8 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.
 
     Args:
         dtype: bf16, fp16, fp32, fp64 or an fp8 dtype (numpy's ``nulp_diff`` has no bf16 / fp8). fp64 distances
-            beyond int64 (opposite signs, both beyond ±2) saturate at NAN_ULP - 1.
+            of int64 max or more (opposite signs, near ±2 and beyond) saturate at NAN_ULP - 1, so that NAN_ULP
+            only ever means one NaN.
     Returns:
         int64 tensor of the broadcast shape.
     """
@@ -71,7 +72,7 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.
     a_t, b_t = _to_grid(a, dtype), _to_grid(b, dtype)  # round once to the target grid
     oa, ob = _ordered(a_t), _ordered(b_t)  # [...] int64
     # |oa - ob| overflows int64 only for fp64 of opposite signs beyond ±2: saturate at NAN_ULP - 1
-    overflow = (oa.sign() * ob.sign() < 0) & (oa.abs() > NAN_ULP - ob.abs())
+    overflow = (oa.sign() * ob.sign() < 0) & (oa.abs() >= NAN_ULP - ob.abs())  # NAN_ULP itself: the NaN mark
     dist = torch.where(overflow, NAN_ULP - 1, (oa - ob).abs())  # [...]
     nan_a, nan_b = torch.isnan(a_t), torch.isnan(b_t)
     dist = torch.where(nan_a & nan_b, 0, dist)
