@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mla_ref.fp8 import round_p
+from mla_ref.fp8 import fp8_format, round_p
 
 NAN_ULP = torch.iinfo(torch.int64).max  # ulp_distance where exactly one side is NaN
 
@@ -66,7 +66,7 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.
         top = torch.finfo(dtype).max
         a = torch.where(torch.isfinite(a), a.clamp(-top, top), a)  # saturate finite values
         b = torch.where(torch.isfinite(b), b.clamp(-top, top), b)
-        if dtype != torch.float8_e5m2:  # no inf in the format: ±inf is NaN (torch 2.13's CPU e4m3fn cast gives ±448)
+        if not fp8_format(dtype).has_inf:  # ±inf is NaN there (torch 2.13's CPU e4m3fn cast gives ±448)
             a = torch.where(torch.isinf(a), math.nan, a)
             b = torch.where(torch.isinf(b), math.nan, b)
     a_t, b_t = _to_grid(a, dtype), _to_grid(b, dtype)  # round once to the target grid
