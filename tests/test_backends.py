@@ -27,22 +27,25 @@ from verify.cases import Case
 NAMES = {"ref", "emulated", "triton", "triton_invariant", "seesaw", "gluon_fp8", "aiter", "flashinfer", "flashmla"}
 
 
-def _batch(dtype="bf16", seed=0, seq_lens=(0, 70, 130), q_lens=(1, 1, 1), kv_dtype=None, heads=16, page_size=16):
-    """bf16, or fp8 q and KV (kv_dtype="bf16": fp8 q with a bf16 cache; dtype="fp8kv": bf16 q with an fp8 cache)."""
+def _batch(dtype="bf16", seed=0, seq_lens=(0, 70, 130), q_lens=(1, 1, 1), kv_dtype=None, heads=16, page_size=16,
+           fp8_format="e4m3fn"):
+    """bf16, fp16, or fp8 q and KV of fp8_format (kv_dtype="bf16": fp8 q with a bf16 cache; dtype="fp8kv": bf16 q
+    with an fp8 cache)."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(sum(q_lens), heads, 576, generator=g)
     kv = torch.randn(sum(seq_lens), 576, generator=g)
+    wide = torch.float16 if dtype == "fp16" else torch.bfloat16
     scales = {}
     if dtype in ("fp8", "fp8kv") and kv_dtype != "bf16":
-        kv, ks = fp8.quantize(kv)
+        kv, ks = fp8.quantize(kv, fp8_format)
         scales["kv_scale"] = float(ks)
     else:
-        kv = kv.bfloat16()
+        kv = kv.to(wide)
     if dtype == "fp8":
-        q, qs = fp8.quantize(q)
+        q, qs = fp8.quantize(q, fp8_format)
         scales["q_scale"] = float(qs)
     else:
-        q = q.bfloat16()
+        q = q.to(wide)
     kvs = list(torch.split(kv, list(seq_lens)))
     return make_decode_batch(q, kvs, sm_scale=0.1352338, kv_lora_rank=512, page_size=page_size, generator=g,
                              q_lens=list(q_lens), **scales)
@@ -436,12 +439,15 @@ class _FakeMLAWrapper:
 
     def __init__(self, workspace, use_cuda_graph=False, backend="auto", **buffers):
         self.backend, self.use_cuda_graph, self.buffers, self.plans, self.runs = backend, use_cuda_graph, buffers, [], 0
-        self.plan_args = self.run_tensors = self.run_kw = None
+        self.run_tensors = self.run_kw = None
         _FakeMLAWrapper.made.append(self)
+
+    @property
+    def plan_args(self):
+        return self.plans[-1] if self.plans else None
 
     def plan(self, *args):
         self.plans.append(args)
-        self.plan_args = args
 
     def run(self, q_nope, q_pe, ckv, kpe, out=None, lse=None, **kw):
         self.runs += 1
@@ -487,8 +493,8 @@ def test_flashinfers_graph_step_sizes_its_buffers_once_and_refuses_what_it_canno
 
 class _FakeFlashMLA:
     """Stands in for flash_mla: a scheduler whose metadata is the lengths (its call recorded as `metadata_call`), and
-    a decode (its metadata and keywords recorded as `seen`, its block table and keywords as `block_table` and `kw`)
-    whose out is q's first L channels and whose lse is +inf (FlashMLA's lonely-q value) on every row, or with
+    a decode (its tile-scheduler metadata, block table and keywords recorded as `meta`, `block_table` and `kw`) whose
+    out is q's first L channels and whose lse is +inf (FlashMLA's lonely-q value) on every row, or with
     positional_lse a value naming its position, lse[b, h, s] = 1000 b + 10 h + s."""
 
     class Meta:
@@ -505,7 +511,7 @@ class _FakeFlashMLA:
         return seqlens.clone().view(-1, 1), torch.cat([seqlens.new_zeros(1), seqlens.cumsum(0).int()])
 
     def flash_mla_with_kvcache(self, q, k_cache, block_table, seqlens, head_dim_v, meta, num_splits, **kw):
-        self.seen, self.block_table, self.kw = (meta.tile_scheduler_metadata, kw), block_table.clone(), kw
+        self.meta, self.block_table, self.kw = meta.tile_scheduler_metadata, block_table.clone(), kw
         B, s_q, H, _ = q.shape
         if not self.positional_lse:
             return q[..., :head_dim_v].clone(), torch.full((B, H, s_q), math.inf)
@@ -549,7 +555,7 @@ def test_flashmlas_graph_step_replans_into_its_own_metadata_and_keeps_the_row_la
     step.plan(batch)
     first_meta = step.meta.tile_scheduler_metadata
     out, lse = step.run()
-    assert torch.equal(out, batch.q[..., :512]) and fake.seen[1]["causal"] and fake.seen[1]["use_legacy"]
+    assert torch.equal(out, batch.q[..., :512]) and fake.kw["causal"] and fake.kw["use_legacy"]
     assert torch.equal(torch.isneginf(lse), (batch.visible_tokens() == 0)[:, None].expand_as(lse))
     next_layout(batch, first_spare)
     step.plan(batch)
@@ -557,7 +563,7 @@ def test_flashmlas_graph_step_replans_into_its_own_metadata_and_keeps_the_row_la
     assert step.meta.tile_scheduler_metadata is first_meta and first_meta.view(-1).tolist() == [205, 35, 0]
     next_values(batch, torch.zeros(batch.kv_cache.shape[:2], dtype=torch.bool))  # q negated after the plan
     out, lse = step.run()
-    assert torch.equal(out, batch.q[..., :512]) and fake.seen[0] is first_meta
+    assert torch.equal(out, batch.q[..., :512]) and fake.meta is first_meta
     assert torch.equal(torch.isneginf(lse), (batch.visible_tokens() == 0)[:, None].expand_as(lse))
     bf16, _ = Case(seq_lens=(70,), q_lens=(1,), heads=4, page_size=64).materialize()
     fp8_q = bf16.replace(q=bf16.q.float().to(torch.float8_e4m3fn), q_scale=1.0)

@@ -9,26 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_backends import _batch
 
 from mla_fast import backends
 from mla_fast.numerics import FP32_CHOPPED, KERNEL_NUMERICS
-from mla_ref import fp8
-from mla_ref.decode import make_decode_batch
-
-
-def _batch(q_dtype=torch.bfloat16, kv="bf16", seq_lens=(3, 70), q_lens=(1, 1), heads=16, seed=0):
-    """q in q_dtype; kv "bf16", "fp16" or "fp8" (e4m3fn, per-tensor scale), tensors from a local generator."""
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(sum(q_lens), heads, 576, generator=g).to(q_dtype)
-    kv_t = torch.randn(sum(seq_lens), 576, generator=g)
-    scales = {}
-    if kv == "fp8":
-        kv_t, ks = fp8.quantize(kv_t)
-        scales["kv_scale"] = float(ks)
-    else:
-        kv_t = kv_t.to(torch.float16 if kv == "fp16" else torch.bfloat16)
-    return make_decode_batch(q, list(torch.split(kv_t, list(seq_lens))), sm_scale=0.1352338, kv_lora_rank=512,
-                             page_size=16, generator=g, q_lens=list(q_lens), **scales)
 
 
 def _probe(ok):
@@ -82,12 +66,12 @@ def test_peer_16bit_numerics_charge_like_our_kernel_and_round_p_to_the_operand_d
     # "charged as mla_fast.numerics charges its own kernel": the same per-token PV term as our bf16 kernel
     assert bf16.gamma_pv_per_token == KERNEL_NUMERICS["bf16"].gamma_pv_per_token
     assert bf16.p_fmt == "bf16"
-    fp16 = backends.BACKENDS["flashmla"].numerics(_batch(torch.float16, "fp16"))
+    fp16 = backends.BACKENDS["flashmla"].numerics(_batch("fp16"))
     assert fp16.p_fmt == "fp16" and fp16.pv_operand == torch.float16  # P rounded to the operand dtype
 
 
 def test_flashinfer_declares_scale_then_round_for_an_fp8_cache_under_bf16_q():
-    assert backends.BACKENDS["flashinfer"].numerics(_batch(kv="fp8")).scale_then_round is True
+    assert backends.BACKENDS["flashinfer"].numerics(_batch("fp8kv")).scale_then_round is True
     assert backends.BACKENDS["flashinfer"].numerics(_batch()).scale_then_round is False
 
 
@@ -101,14 +85,14 @@ def test_emulated_declares_two_fp32_roundings_per_token_and_returns_bf16():
 @pytest.mark.parametrize("name", ["triton", "triton_invariant"])
 def test_our_kernels_refuse_fp16_as_unsupported_not_a_plain_value_error(name):
     with pytest.raises(ValueError) as e:
-        backends.BACKENDS[name].numerics(_batch(torch.float16, "fp16"))
+        backends.BACKENDS[name].numerics(_batch("fp16"))
     assert e.type is backends.Unsupported
 
 
 def test_triton_invariant_takes_q_len_4_and_refuses_5():
-    backends._invariant_unsupported(_batch(q_lens=(4, 1)), 4)  # the geometry's own limit: no raise
+    backends._invariant_unsupported(_batch(seq_lens=(3, 70), q_lens=(4, 1)), 4)  # the geometry's own limit: no raise
     with pytest.raises(backends.Unsupported, match="q_len <= 4"):
-        backends._invariant_unsupported(_batch(q_lens=(5, 1)), 5)
+        backends._invariant_unsupported(_batch(seq_lens=(3, 70), q_lens=(5, 1)), 5)
 
 
 def test_the_measured_nan_deviations_are_declared():
@@ -122,10 +106,7 @@ def test_the_measured_nan_deviations_are_declared():
 def test_flashmla_declares_e4m3fn_operands_for_an_e4m3fnuz_cache_it_converts():
     # FlashMLA's fp8 cache is e4m3fn: e4m3fnuz q and cache are converted (flashmla_backend), so the MMAs it declares
     # take e4m3fn operands whatever the batch's fp8 format
-    g = torch.Generator().manual_seed(1)
-    q, qs = fp8.quantize(torch.randn(2, 16, 576, generator=g), "e4m3fnuz")
-    kv, ks = fp8.quantize(torch.randn(73, 576, generator=g), "e4m3fnuz")
-    b = make_decode_batch(q, list(torch.split(kv, [3, 70])), sm_scale=0.1352338, kv_lora_rank=512, page_size=16,
-                          generator=g, q_lens=[1, 1], q_scale=float(qs), kv_scale=float(ks))
+    b = _batch("fp8", fp8_format="e4m3fnuz")
+    assert b.q.dtype == b.kv_cache.dtype == torch.float8_e4m3fnuz
     n = backends.BACKENDS["flashmla"].numerics(b)
     assert n.qk_operand == torch.float8_e4m3fn and n.pv_operand == torch.float8_e4m3fn and n.p_fmt == "e4m3fn"
