@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_vllm_peer import NEW, OLD, _fake_vllm
+from test_vllm_peer import NEW, OLD, _fake_vllm, _vllm_from
 
 from mla_fast import bench, gpu_clocks, vllm_peer
 from mla_ref.decode import make_decode_batch
@@ -81,8 +81,7 @@ def test_an_fp8_cache_goes_to_a_vllm_that_takes_k_scale_without_is_mla(tmp_path,
 def test_an_empty_src_variable_reads_as_unset(monkeypatch):
     """MLA_BENCH_VLLM_SRC="" is no file named: the peer is "not installed", not a ValueError (as an empty
     MLA_BENCH_VLLM_SPLITS is unset)."""
-    monkeypatch.setattr(vllm_peer, "MODULE", "no_such_package.triton_decode_attention")
-    monkeypatch.setenv(vllm_peer.ENV_SRC, "")
+    _vllm_from(monkeypatch, "")
     reason = vllm_peer.load_decode_attention_fwd()
     assert isinstance(reason, str) and reason.startswith("not installed")
 

@@ -6,6 +6,7 @@ import inspect
 
 import pytest
 import torch
+from triton_cases import same_bits
 
 from verify import mutants
 from verify.cases import Case
@@ -16,12 +17,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def _batch(**kw):
     return Case(**{"heads": 2, "num_workers": 4, **kw}).materialize("cpu")[0]
-
-
-def _same(a, b) -> bool:
-    """Bit-equal outputs (out bf16, lse fp32), compared as integers: NaN equal to a NaN of the same bits."""
-    return all(torch.equal(x.view(torch.int16 if x.dtype == torch.bfloat16 else torch.int32),
-                           y.view(torch.int16 if y.dtype == torch.bfloat16 else torch.int32)) for x, y in zip(a, b))
 
 
 def test_the_registry_lists_every_mutant_and_its_groups_lie_in_it():
@@ -51,8 +46,8 @@ def test_each_scale_mutant_drops_its_own_scale_only():
     assert float(bf16_q.kv_scale) != 1 and float(fp8_q.kv_scale) == 1 and float(fp8_q.q_scale) != 1
     for batch, q_wrong in ((bf16_q, False), (fp8_q, True)):
         right = mutants.correct(batch)
-        assert _same(mutants.q_scale_ignored(batch), right) != q_wrong
-        assert _same(mutants.kv_scale_ignored(batch), right) == q_wrong
+        assert same_bits(mutants.q_scale_ignored(batch), right) != q_wrong
+        assert same_bits(mutants.kv_scale_ignored(batch), right) == q_wrong
 
 
 def test_full_tile_fast_path_drops_the_mask_on_every_whole_number_of_tiles():
@@ -71,7 +66,7 @@ def test_head0_max_takes_head_0s_max_for_every_head():
     batch = _batch(seq_lens=(100,), q_lens=(1,), heads=8, dist="heads", seed=20)
     (bad, bad_lse), (right, right_lse) = mutants.head0_max(batch), mutants.correct(batch)
     assert torch.equal(bad[:, 0], right[:, 0]) and torch.equal(bad_lse[:, 0], right_lse[:, 0])
-    assert not _same((bad, bad_lse), (right, right_lse))
+    assert not same_bits((bad, bad_lse), (right, right_lse))
 
 
 @pytest.mark.parametrize(("kv", "fmt", "q"), [("fp16", "e4m3fn", "fp16"), ("fp8", "e4m3fnuz", "fp8"),
@@ -80,7 +75,7 @@ def test_dtype_unchecked_misreads_each_format_it_was_not_built_for(kv, fmt, q):
     """fp16, e4m3fnuz and e5m2 inputs are each read as another format's bits (the smoke prefix's other-input cases;
     the property test passes them to it together, so one of them alone kept its failure)."""
     batch = _batch(seq_lens=(65,), q_lens=(1,), kv_dtype=kv, fp8_format=fmt, q_dtype=q, seed=22)
-    assert not _same(mutants.dtype_unchecked(batch), mutants.correct(batch))
+    assert not same_bits(mutants.dtype_unchecked(batch), mutants.correct(batch))
 
 
 def test_reduce_pad_weight0_reads_the_first_requests_first_split_partial():
@@ -114,12 +109,12 @@ def test_eager_fast_path_keeps_the_lengths_it_planned_not_the_last_ones():
     batch.kv_cache[page, 36:38] = batch.kv_cache[page, 0:2]
     mutants._FAST_PLANS.clear()
     try:
-        assert _same(mutants.eager_fast_path(batch), mutants.correct(batch))  # planned at 100 tokens
+        assert same_bits(mutants.eager_fast_path(batch), mutants.correct(batch))  # planned at 100 tokens
         before = mutants.correct(batch)
         batch.seq_lens.add_(1)  # one decode step, in place (the same addresses)
-        assert _same(mutants.eager_fast_path(batch), before) and not _same(before, mutants.correct(batch))
+        assert same_bits(mutants.eager_fast_path(batch), before) and not same_bits(before, mutants.correct(batch))
         batch.seq_lens.add_(1)  # grown by 2 > q_len from the planned 100: replanned
-        assert _same(mutants.eager_fast_path(batch), mutants.correct(batch))
+        assert same_bits(mutants.eager_fast_path(batch), mutants.correct(batch))
     finally:
         mutants._FAST_PLANS.clear()
 

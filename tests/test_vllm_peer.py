@@ -22,29 +22,40 @@ def decode_attention_fwd():
 '''
 
 
+def _vllm_from(monkeypatch, src=None):
+    """As if vLLM were absent (its module renamed away), with $MLA_BENCH_VLLM_SRC set to ``src`` (None: unset)."""
+    monkeypatch.setattr(vllm_peer, "MODULE", "no_such_package.triton_decode_attention")
+    if src is None:
+        monkeypatch.delenv(vllm_peer.ENV_SRC, raising=False)
+    else:
+        monkeypatch.setenv(vllm_peer.ENV_SRC, str(src))
+
+
+def _vllm_modules() -> list[str]:
+    """The vllm modules imported now (the loader's two stubs must not outlive it)."""
+    return [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]
+
+
 def test_loader_gives_a_copied_file_the_two_vllm_names_and_leaves_no_vllm_module(tmp_path, monkeypatch):
     import triton
     import triton.language as tl
 
     path = tmp_path / "triton_decode_attention.py"
     path.write_text(FAKE)
-    monkeypatch.setattr(vllm_peer, "MODULE", "no_such_package.triton_decode_attention")  # as if vLLM were absent
-    monkeypatch.setenv(vllm_peer.ENV_SRC, str(path))
+    _vllm_from(monkeypatch, path)
     fwd = vllm_peer.load_decode_attention_fwd()
     assert fwd() == (torch.version.hip is not None, tl, triton)
-    assert not [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]
+    assert not _vllm_modules()
 
 
 def test_loader_without_vllm_or_a_file_says_not_installed(monkeypatch):
-    monkeypatch.setattr(vllm_peer, "MODULE", "no_such_package.triton_decode_attention")
-    monkeypatch.delenv(vllm_peer.ENV_SRC, raising=False)
+    _vllm_from(monkeypatch)
     reason = vllm_peer.load_decode_attention_fwd()
     assert isinstance(reason, str) and reason.startswith("not installed") and vllm_peer.ENV_SRC in reason
 
 
 def test_loader_names_the_variable_when_its_file_is_missing(tmp_path, monkeypatch):
-    monkeypatch.setattr(vllm_peer, "MODULE", "no_such_package.triton_decode_attention")
-    monkeypatch.setenv(vllm_peer.ENV_SRC, str(tmp_path / "missing.py"))
+    _vllm_from(monkeypatch, tmp_path / "missing.py")
     with pytest.raises(ValueError, match=r"MLA_BENCH_VLLM_SRC must name .*missing\.py"):
         vllm_peer.load_decode_attention_fwd()
 
@@ -89,8 +100,7 @@ OLD = "q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len, attn_logits, num_
 def _fake_vllm(tmp_path, monkeypatch, params):
     path = tmp_path / "triton_decode_attention.py"
     path.write_text(CALLS.format(params=params))
-    monkeypatch.setattr(vllm_peer, "MODULE", "no_such_package.triton_decode_attention")
-    monkeypatch.setenv(vllm_peer.ENV_SRC, str(path))
+    _vllm_from(monkeypatch, path)
     monkeypatch.delenv(vllm_peer.ENV_SPLITS, raising=False)
     calls = []
     monkeypatch.setattr(vllm_peer, "_load_file", lambda p, load=vllm_peer._load_file: _recording(load(p), calls))

@@ -2,18 +2,12 @@
 a single edit of mla_fast/vllm_peer.py that tests/test_vllm_peer.py and test_bench_helpers.py let through (the
 review's mutant ids in the comments). vLLM itself is a fake file, as in test_vllm_peer.py."""
 
-import sys
-
 import pytest
 import torch
-from test_vllm_peer import NEW, _batch, _fake_vllm
+from test_vllm_peer import NEW, _batch, _fake_vllm, _vllm_from, _vllm_modules
 
 from mla_fast import vllm_peer
 from mla_ref.decode import make_decode_batch
-
-
-def _no_vllm_modules() -> list[str]:
-    return [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]
 
 
 def test_a_copied_file_that_fails_to_import_raises_and_leaves_no_vllm_module(tmp_path, monkeypatch):
@@ -21,27 +15,24 @@ def test_a_copied_file_that_fails_to_import_raises_and_leaves_no_vllm_module(tmp
     with it (V10: restoring sys.modules only after a successful import left them for the next import)."""
     path = tmp_path / "triton_decode_attention.py"
     path.write_text("from vllm.triton_utils import tl\nraise RuntimeError('broken copy')\n")
-    monkeypatch.setattr(vllm_peer, "MODULE", "no_such_package.triton_decode_attention")
-    monkeypatch.setenv(vllm_peer.ENV_SRC, str(path))
-    assert not _no_vllm_modules()
+    _vllm_from(monkeypatch, path)
+    assert not _vllm_modules()
     with pytest.raises(RuntimeError, match="broken copy"):
         vllm_peer.load_decode_attention_fwd()
-    assert not _no_vllm_modules()
+    assert not _vllm_modules()
 
 
 def test_a_directory_is_not_vllms_file(tmp_path, monkeypatch):
     """$MLA_BENCH_VLLM_SRC naming a folder (an unzipped wheel's root, say) is refused with the variable's name, as a
     missing file is (V13: os.path.exists let it reach the importer)."""
-    monkeypatch.setattr(vllm_peer, "MODULE", "no_such_package.triton_decode_attention")
-    monkeypatch.setenv(vllm_peer.ENV_SRC, str(tmp_path))
+    _vllm_from(monkeypatch, tmp_path)
     with pytest.raises(ValueError, match=r"MLA_BENCH_VLLM_SRC must name vLLM's triton_decode_attention\.py"):
         vllm_peer.load_decode_attention_fwd()
 
 
 def test_vllm_fn_says_why_when_vllm_is_absent(monkeypatch):
     """No vLLM and no file: vllm_fn returns the loader's reason (V34: it went on to read the signature of a string)."""
-    monkeypatch.setattr(vllm_peer, "MODULE", "no_such_package.triton_decode_attention")
-    monkeypatch.delenv(vllm_peer.ENV_SRC, raising=False)
+    _vllm_from(monkeypatch)
     reason = vllm_peer.vllm_fn(_batch("bf16"))
     assert isinstance(reason, str) and reason.startswith("not installed")
 
