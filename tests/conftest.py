@@ -27,8 +27,9 @@ register_profiles()  # verify.testing.PROFILES, chosen by $HYPOTHESIS_PROFILE (d
 
 # test modules that import triton at collection (directly or through mla_fast.bench / mla_fast.triton_decode)
 NEEDS_TRITON = ["test_bench_helpers.py", "test_bench_rounds.py", "test_dsmem.py", "test_fp8_qk_numerics.py",
-                "test_gpu_clocks.py", "test_launch_rules.py", "test_launcher_glue.py", "test_offline_compile.py",
-                "test_read_floor.py", "test_triton_gpu.py", "test_vllm_peer.py", "test_vllm_peer_edges.py"]
+                "test_gpu_clocks.py", "test_kernel_mutants.py", "test_launch_rules.py", "test_launcher_glue.py",
+                "test_offline_compile.py", "test_read_floor.py", "test_triton_gpu.py", "test_vllm_peer.py",
+                "test_vllm_peer_edges.py"]
 try:
     import triton  # noqa: F401
     HAS_TRITON = True

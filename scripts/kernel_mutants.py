@@ -1,0 +1,260 @@
+"""Source mutants of the Gluon kernels: single edits of mla_fast/gluon_decode.py and gluon_fp8.py, screened on this
+CPU by their sm_90a PTX and run on a GPU against the tests that judge the kernels. The interpreter runs neither
+kernel, so this is how a slipped kernel bug is looked for there (the Triton kernel's review ran under
+TRITON_INTERPRET=1: docs/verification_log.md, sixty-first session).
+
+    python scripts/kernel_mutants.py screen scripts/gluon_mutants.json --json /tmp/screen.json   # CPU, no GPU
+    python scripts/kernel_mutants.py run scripts/gluon_mutants.json --json $OUT/run.json --jobs 8  # one GPU
+
+A mutant file is a JSON list of {"id", "file", "old", "new", "why", "may_hang"} and optionally "selection" (the
+tests that judge it, where SELECTIONS[file] leaves them out): `old` occurs exactly once in `file`, and the mutant is
+that file with `old` replaced by `new`.
+
+`screen` compiles each mutant, in a copy of the repository, for the geometries of SCREEN_GEOMETRIES (seesaw and
+Gluon fp8, bf16 and fp8, MTP and pages of 16; scripts/offline_compile.py's stand-in driver) and compares each
+PTX, without its debug records, with the unmutated source's: "compile_error", "same_ptx" (an edit in kernel code,
+a @gluon.jit or @constexpr_function function, that changes none of these kernels: equivalent there) or "changed".
+An edit in launch code is "launch" whatever its PTX (it changes arguments and constexprs: only a GPU run judges it).
+
+`run` runs the tests on the unmutated copy (they must pass: a mutant is judged against a green baseline) and each
+mutant in a copy of its own, `jobs` at a time on the one GPU, stopping at its first failing test (`-x`): "caught" (a
+test failed; its id is kept), "slipped" (every test passed, at least one ran), "timeout" (killed at `timeout`
+seconds: a hang, say, of an mbarrier waited on with the wrong phase) or "error" (pytest's exit status 2-5, or every
+test skipped: nothing was judged). Mutants marked may_hang run last. The JSON is rewritten after each mutant, so a
+run cut off at a device call's limit keeps what finished.
+"""
+
+import argparse
+import ast
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNEL_FILES = ("mla_fast/gluon_decode.py", "mla_fast/gluon_fp8.py")
+COPIED = ("mla_fast", "mla_ref", "verify", "scripts", "tests", "pyproject.toml")  # what a mutant's copy holds
+# offline_compile.py arguments: every kernel and path a mutant can reach (gluon_fp8 imports gluon_decode's helpers,
+# so gluon_decode's mutants compile all of these, gluon_fp8's the Gluon fp8 kernel's: `geometries`)
+SCREEN_GEOMETRIES = (
+    "seesaw --combo bf16 --heads 128 --q-len 1 --page-size 64",
+    "seesaw --combo bf16 --heads 16 --q-len 4 --page-size 64",  # MTP rows
+    "seesaw --combo bf16 --heads 32 --q-len 2 --page-size 16",  # the grouped layout
+    "seesaw --combo fp8kv --heads 128 --q-len 1 --page-size 16",  # the fp8 loader partition
+    "seesaw --combo fp8 --heads 16 --q-len 4 --page-size 64",
+    "gluon_fp8 --combo fp8kv --heads 16 --q-len 2 --page-size 64",
+    "gluon_fp8 --combo fp8 --heads 16 --q-len 1 --page-size 16",  # fp8 score MMAs, small pages
+    "gluon_fp8 --combo fp8kv --heads 32 --q-len 1 --page-size 128",
+)
+# the GPU tests that judge each file's mutants (tests/test_triton_gpu.py; the 2^31-element caches left out: 4-5 GB
+# each, and their bits are those of the compact cache the other tests judge)
+SELECTIONS = {
+    "mla_fast/gluon_decode.py": "(gluon or pinned) and not pages_past",
+    "mla_fast/gluon_fp8.py": "(gluon_fp8 or pinned) and not pages_past",
+}
+
+
+@dataclass(frozen=True)
+class Mutant:
+    id: str
+    file: str
+    old: str
+    new: str
+    why: str
+    may_hang: bool = False
+    selection: str | None = None  # pytest -k of tests/test_triton_gpu.py in place of SELECTIONS[file]
+
+
+def load(path: str | Path) -> list[Mutant]:
+    """The mutants of a JSON file, each checked: a kernel file, an edit that changes something, unique ids."""
+    mutants = [Mutant(**m) for m in json.loads(Path(path).read_text())]
+    ids = [m.id for m in mutants]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{path}: mutant ids must be unique, repeated: {sorted({i for i in ids if ids.count(i) > 1})}")
+    for m in mutants:
+        if m.file not in KERNEL_FILES:
+            raise ValueError(f"mutant {m.id}: file must be one of {KERNEL_FILES}, got {m.file!r}")
+        if m.old == m.new:
+            raise ValueError(f"mutant {m.id}: new must differ from old")
+    return mutants
+
+
+def mutated_source(m: Mutant, root: Path = ROOT) -> str:
+    """`m.file` under root with the edit made; ValueError unless `old` occurs exactly once there."""
+    src = (root / m.file).read_text()
+    if src.count(m.old) != 1:
+        raise ValueError(f"mutant {m.id}: old must occur exactly once in {m.file}, found {src.count(m.old)} times")
+    return src.replace(m.old, m.new)
+
+
+def jit_function(m: Mutant, root: Path = ROOT) -> str | None:
+    """The name of the kernel-code function the edit lies in (@gluon.jit, or @constexpr_function, which the
+    compiler runs while it traces), or None for an edit outside the kernels (launch code)."""
+    src = (root / m.file).read_text()
+    start = src.index(m.old)
+    first, last = src.count("\n", 0, start) + 1, src.count("\n", 0, start + len(m.old)) + 1
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.FunctionDef) and node.lineno <= first and last <= node.end_lineno:
+            if any(ast.unparse(d).split(".")[-1] in ("jit", "constexpr_function") for d in node.decorator_list):
+                return node.name
+    return None
+
+
+def copy_repo(dest: Path, mutant: Mutant | None = None, root: Path = ROOT) -> Path:
+    """The repository's code and tests under dest, with the mutant's edit made if given."""
+    for name in COPIED:
+        if (root / name).is_dir():
+            shutil.copytree(root / name, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(root / name, dest / name)
+    if mutant is not None:
+        (dest / mutant.file).write_text(mutated_source(mutant, root))
+    return dest
+
+
+def _with_path(repo: Path) -> dict:
+    """The environment with repo first on PYTHONPATH (the rest kept: a device's carried wheels) and no interpreter."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
+    env.pop("TRITON_INTERPRET", None)
+    return env
+
+
+def _compile_ptx(repo: Path, geometry: str, work: Path) -> str | None:
+    """The PTX (no debug records) of one geometry compiled from repo's sources in a Triton cache of its own under
+    work, or None if it does not compile."""
+    ptx = work / f"{SCREEN_GEOMETRIES.index(geometry)}.ptx"
+    env = {**_with_path(repo), "TRITON_CACHE_DIR": str(work / "triton")}
+    proc = subprocess.run([sys.executable, str(repo / "scripts" / "offline_compile.py"), *geometry.split(),
+                           "--ptx", str(ptx)], capture_output=True, text=True, env=env, timeout=900, cwd=repo)
+    return ptx.read_text() if proc.returncode == 0 else None
+
+
+def geometries(file: str) -> tuple[str, ...]:
+    """The SCREEN_GEOMETRIES an edit of `file` can change."""
+    return tuple(g for g in SCREEN_GEOMETRIES if file == "mla_fast/gluon_decode.py" or g.startswith("gluon_fp8 "))
+
+
+def screen_one(m: Mutant, baseline: dict[str, str]) -> dict:
+    function = jit_function(m)
+    with tempfile.TemporaryDirectory() as tmp:
+        repo = copy_repo(Path(tmp) / "repo", m)
+        ptxs = {g: _compile_ptx(repo, g, Path(tmp)) for g in geometries(m.file)}
+    failed = [g for g, p in ptxs.items() if p is None]
+    changed = [g for g, p in ptxs.items() if p is not None and p != baseline[g]]
+    outcome = ("compile_error" if failed else "launch" if function is None else "changed" if changed
+               else "same_ptx")
+    return {"id": m.id, "file": m.file, "function": function, "outcome": outcome, "compile_failed": failed,
+            "ptx_changed": changed}
+
+
+def screen(mutants: list[Mutant], jobs: int, json_path: str | None) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        repo = copy_repo(Path(tmp) / "repo")
+        baseline = {g: _compile_ptx(repo, g, Path(tmp)) for g in SCREEN_GEOMETRIES}
+    missing = [g for g, p in baseline.items() if p is None]
+    if missing:
+        raise RuntimeError(f"the unmutated kernels do not compile for {missing}")
+    results = []
+    with ThreadPoolExecutor(jobs) as pool:
+        for r in pool.map(lambda m: screen_one(m, baseline), mutants):
+            results.append(r)
+            print(f"{r['id']:5} {r['outcome']:13} {r['function'] or '(launch code)'}: {len(r['ptx_changed'])} of "
+                  f"{len(geometries(r['file']))} kernels changed", flush=True)
+            _write(json_path, {"geometries": SCREEN_GEOMETRIES, "mutants": results})
+    return results
+
+
+def _pytest(repo: Path, selection: str, timeout: int, extra: list[str]) -> dict:
+    env = {**_with_path(repo), "HYPOTHESIS_PROFILE": "triage"}
+    cmd = [sys.executable, "-m", "pytest", "-o", "addopts=", "--strict-markers", "-p", "no:cacheprovider", "-m",
+           "gpu", "-x", "-q", "--tb=line", "-rf", "-k", selection, "tests/test_triton_gpu.py", *extra]
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=repo)
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return {"outcome": "timeout", "first_failure": None, "seconds": round(time.monotonic() - start, 1),
+                "tail": out[-1500:]}
+    failed = [line.split(" ", 1)[1].split(" - ")[0] for line in proc.stdout.splitlines()
+              if line.startswith("FAILED ")]
+    counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped)", proc.stdout)}
+    # exit status 0 with nothing passed (every test skipped: no GPU, or not sm_90) judges nothing
+    outcome = ("caught" if proc.returncode == 1 else "slipped" if proc.returncode == 0 and counts.get("passed")
+               else "error")
+    return {"outcome": outcome, "returncode": proc.returncode, "first_failure": failed[0] if failed else None,
+            "counts": counts, "seconds": round(time.monotonic() - start, 1),
+            "tail": (proc.stdout + proc.stderr)[-1500:]}
+
+
+def run(mutants: list[Mutant], jobs: int, timeout: int, json_path: str | None, extra: list[str]) -> dict:
+    """The baseline (the unmutated copy on the widest selection, which holds the other) and each mutant, in one pool
+    of `jobs`; the report says whether the baseline passed, without which no mutant's outcome means anything."""
+    report = {"baseline": None, "mutants": []}
+    widest = SELECTIONS["mla_fast/gluon_decode.py"]
+    with tempfile.TemporaryDirectory() as tmp:
+
+        def one(m: Mutant | None) -> dict:
+            repo = copy_repo(Path(tmp) / (m.id if m else "baseline"), m)
+            r = {"id": m.id, "file": m.file, "function": jit_function(m)} if m else {"selection": widest}
+            selection = (m.selection or SELECTIONS[m.file]) if m else widest
+            r.update(_pytest(repo, selection, timeout * (1 if m else 2), extra))
+            shutil.rmtree(repo, ignore_errors=True)
+            return r
+
+        ordered = [None] + sorted(mutants, key=lambda m: m.may_hang)  # the baseline first, possible hangs last
+        with ThreadPoolExecutor(jobs) as pool:
+            for m, r in zip(ordered, pool.map(one, ordered)):
+                if m is None:
+                    report["baseline"] = r
+                    print(f"baseline: {'passed' if r['outcome'] == 'slipped' else 'FAILED: ' + r['tail']} in "
+                          f"{r['seconds']} s", flush=True)
+                else:
+                    report["mutants"].append(r)
+                    print(f"{r['id']:5} {r['outcome']:8} {r['seconds']:6.1f} s  {r['first_failure'] or ''}",
+                          flush=True)
+                _write(json_path, report)
+    if report["baseline"]["outcome"] != "slipped":
+        raise SystemExit(f"the unmutated kernels' tests did not pass ({report['baseline']['outcome']}, "
+                         f"{report['baseline']['counts']}): no mutant's outcome counts")
+    return report
+
+
+def _write(path: str | None, data) -> None:
+    if path:
+        Path(path).write_text(json.dumps(data, indent=1))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=["screen", "run"])
+    parser.add_argument("mutants", help="the mutant JSON file")
+    parser.add_argument("--ids", help="comma-separated mutant ids (default: all)")
+    parser.add_argument("--json", help="write the results here (rewritten after each mutant)")
+    parser.add_argument("--jobs", type=int, default=2, help="mutants at a time (default 2)")
+    parser.add_argument("--timeout", type=int, default=300, help="run: seconds per mutant's tests (default 300)")
+    parser.add_argument("pytest_args", nargs="*", help="run: more pytest arguments, after --")
+    args = parser.parse_args(argv)
+    mutants = load(args.mutants)
+    if args.ids:
+        wanted = args.ids.split(",")
+        unknown = sorted(set(wanted) - {m.id for m in mutants})
+        if unknown:
+            raise SystemExit(f"--ids: no mutants {unknown} in {args.mutants}")
+        mutants = [m for m in mutants if m.id in wanted]
+    for m in mutants:
+        mutated_source(m)  # each applies to today's source, before anything is compiled or run
+    if args.command == "screen":
+        screen(mutants, args.jobs, args.json)
+    else:
+        run(mutants, args.jobs, args.timeout, args.json, args.pytest_args)
+
+
+if __name__ == "__main__":
+    main()

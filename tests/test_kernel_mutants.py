@@ -1,0 +1,128 @@
+"""scripts/kernel_mutants.py, the Gluon kernels' source mutants, on the CPU: the committed mutant list still applies
+to today's kernels, edits are placed in kernel code or launch code, bad lists are refused by field, the screen tells
+an equivalent edit from a compile error by PTX, and a run's pytest outcomes are read as caught, slipped, timeout or
+error (on a stand-in test file: the real selection needs a GPU)."""
+
+import ast
+import importlib.util
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import triton
+
+ROOT = Path(__file__).resolve().parents[1]
+MUTANTS = ROOT / "scripts" / "gluon_mutants.json"
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("kernel_mutants", ROOT / "scripts" / "kernel_mutants.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+km = _module()
+
+
+def test_every_committed_mutant_applies_once_to_todays_kernels_and_parses():
+    """A kernel change that moves a mutant's text makes the list stale: re-place that mutant (its `why` says what it
+    plants) instead of dropping it."""
+    mutants = km.load(MUTANTS)
+    assert {m.file for m in mutants} == set(km.KERNEL_FILES)
+    for m in mutants:
+        ast.parse(km.mutated_source(m))  # raises ValueError unless `old` occurs once
+        assert m.why.strip(), m.id
+
+
+def test_edits_are_placed_in_kernel_code_or_launch_code():
+    def at(old, file="mla_fast/gluon_decode.py"):
+        return km.jit_function(km.Mutant("X", file, old, old + " ", "", False))
+
+    assert at("def _alpha(m_old, m_new):") == "_alpha"  # @gluon.jit
+    assert at("def _halves(grouped, kv_fp8):") == "_halves"  # @constexpr_function: run while tracing
+    assert at("def supported(batch) -> bool:") is None  # launch code
+    assert at("def _k_split(lead0, lead1):", "mla_fast/gluon_fp8.py") == "_k_split"
+    # the seesaw's file holds helpers of both kernels; the fp8 file, the Gluon fp8 kernel's code alone
+    assert km.geometries("mla_fast/gluon_decode.py") == km.SCREEN_GEOMETRIES
+    fp8 = km.geometries("mla_fast/gluon_fp8.py")
+    assert fp8 and all(g.split()[0] == "gluon_fp8" for g in fp8)
+    assert {g.split()[0] for g in km.SCREEN_GEOMETRIES} == {"seesaw", "gluon_fp8"}
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"file": "mla_fast/triton_decode.py"}, "file must be one of"),
+    ({"new": "ROWS = 64"}, "new must differ from old"),
+])
+def test_load_refuses_a_foreign_file_and_a_null_edit_by_field(tmp_path, entry, message):
+    mutant = {"id": "X1", "file": "mla_fast/gluon_decode.py", "old": "ROWS = 64", "new": "ROWS = 32", "why": "w",
+              "may_hang": False, **entry}
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps([mutant]))
+    with pytest.raises(ValueError, match=message):
+        km.load(path)
+    path.write_text(json.dumps([{**mutant, **{"file": "mla_fast/gluon_decode.py", "new": "ROWS = 32"}}] * 2))
+    with pytest.raises(ValueError, match="ids must be unique, repeated: \\['X1'\\]"):
+        km.load(path)
+
+
+def test_an_edit_must_occur_exactly_once():
+    with pytest.raises(ValueError, match="found 0 times"):
+        km.mutated_source(km.Mutant("X", "mla_fast/gluon_decode.py", "no such text", "x", "w"))
+    with pytest.raises(ValueError, match=r"found ([2-9]|\d\d+) times"):
+        km.mutated_source(km.Mutant("X", "mla_fast/gluon_decode.py", "gl.constexpr", "x", "w"))
+
+
+def test_a_mutants_copy_holds_the_edit_and_leaves_the_repository_alone(tmp_path):
+    m = km.Mutant("X", "mla_fast/gluon_decode.py", "ROWS = 64  #", "ROWS = 32  #", "w")
+    before = (ROOT / m.file).read_text()
+    repo = km.copy_repo(tmp_path / "repo", m)
+    assert "ROWS = 32  #" in (repo / m.file).read_text() and (ROOT / m.file).read_text() == before
+    assert (repo / "tests" / "test_triton_gpu.py").exists() and (repo / "scripts" / "offline_compile.py").exists()
+    # the copy's modules are the ones imported under its environment, ahead of an editable install
+    code = "import mla_fast.gluon_decode as g; print(g.ROWS)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=km._with_path(repo),
+                          cwd=tmp_path)
+    assert proc.stdout.strip() == "32", proc.stderr[-2000:]
+
+
+@pytest.mark.skipif(not PTXAS.exists(), reason="this triton wheel ships no ptxas")
+def test_the_screen_tells_an_equivalent_edit_from_a_changed_kernel_and_a_compile_error(monkeypatch):
+    """One geometry (the Gluon fp8 kernel, 3 s a compile) and the work-item reader it shares with the seesaw: a
+    comment edit keeps its PTX, a causal limit one token short changes it, a name that does not exist does not
+    compile."""
+    monkeypatch.setattr(km, "SCREEN_GEOMETRIES", ("gluon_fp8 --combo fp8kv --heads 16 --q-len 2 --page-size 64",))
+    line = "    item = WORK_ITEMS + it * 8"
+    limit = "(qo_start - req_qo_start) + 1"
+    mutants = [km.Mutant("SAME", "mla_fast/gluon_decode.py", line, line + "  # a comment", "w"),
+               km.Mutant("CHANGED", "mla_fast/gluon_decode.py", limit, limit[:-4], "w"),
+               km.Mutant("BROKEN", "mla_fast/gluon_decode.py", line, line + " + no_such_name", "w")]
+    got = {r["id"]: r for r in km.screen(mutants, 1, None)}
+    assert [got[i]["outcome"] for i in ("SAME", "CHANGED", "BROKEN")] == ["same_ptx", "changed", "compile_error"]
+    assert got["CHANGED"]["ptx_changed"] == list(km.SCREEN_GEOMETRIES) and got["SAME"]["function"] == "_item"
+
+
+def _stand_in(tmp_path, body: str) -> Path:
+    """A repository whose tests/test_triton_gpu.py is `body` (marker gpu declared; no conftest skips it here)."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "pyproject.toml").write_text('[tool.pytest.ini_options]\nmarkers = ["gpu: a GPU test"]\n')
+    (tmp_path / "tests" / "test_triton_gpu.py").write_text(
+        "import os, time\nimport pytest\npytestmark = pytest.mark.gpu\n" + textwrap.dedent(body))
+    return tmp_path
+
+
+@pytest.mark.parametrize("body, outcome, first, seconds", [
+    ("def test_gluon_a(): pass\ndef test_gluon_b(): assert 1 == 2\ndef test_gluon_c(): pass\n", "caught",
+     "tests/test_triton_gpu.py::test_gluon_b", 60),
+    ("def test_gluon_a(): pass\ndef test_other(): assert False\n", "slipped", None, 60),  # outside the selection
+    ("def test_gluon_a(): pytest.skip('no GPU')\n", "error", None, 60),  # nothing judged
+    ("def test_gluon_a(): time.sleep(60)\n", "timeout", None, 5),
+    ("import no_such_module\ndef test_gluon_a(): pass\n", "error", None, 60),
+], ids=["caught", "slipped", "all_skipped", "timeout", "collection_error"])
+def test_a_runs_pytest_outcome_is_read_from_its_exit_status_and_summary(tmp_path, body, outcome, first, seconds):
+    r = km._pytest(_stand_in(tmp_path, body), "gluon", seconds, [])
+    assert (r["outcome"], r["first_failure"]) == (outcome, first), r["tail"]
