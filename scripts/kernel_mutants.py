@@ -26,6 +26,7 @@ run cut off at a device call's limit keeps what finished.
 
 import argparse
 import ast
+import importlib.util
 import json
 import os
 import re
@@ -48,17 +49,21 @@ SCREEN_GEOMETRIES = (
     "seesaw --combo bf16 --heads 16 --q-len 4 --page-size 64",  # MTP rows
     "seesaw --combo bf16 --heads 32 --q-len 2 --page-size 16",  # the grouped layout
     "seesaw --combo fp8kv --heads 128 --q-len 1 --page-size 16",  # the fp8 loader partition
+    "seesaw --combo fp8kv --heads 128 --q-len 1 --page-size 16 --fp8-in-place",  # tiles expanded in place instead
     "seesaw --combo fp8 --heads 16 --q-len 4 --page-size 64",
     "gluon_fp8 --combo fp8kv --heads 16 --q-len 2 --page-size 64",
     "gluon_fp8 --combo fp8 --heads 16 --q-len 1 --page-size 16",  # fp8 score MMAs, small pages
     "gluon_fp8 --combo fp8kv --heads 32 --q-len 1 --page-size 128",
 )
-# the GPU tests that judge each file's mutants (tests/test_triton_gpu.py; the 2^31-element caches left out: 4-5 GB
-# each, and their bits are those of the compact cache the other tests judge)
+# the GPU tests that judge each file's mutants (tests/test_triton_gpu.py), without the 2^31-element caches (4-5 GB
+# each: their bits are those of the compact cache the other tests judge), the bench-grid shapes (up to 128 x 8192
+# tokens at 128 heads, each another compile) and the strided inputs (the Triton kernel's; Gluon refuses them)
+_LEFT_OUT = "not pages_past and not bench_grid and not strided"
 SELECTIONS = {
-    "mla_fast/gluon_decode.py": "(gluon or pinned) and not pages_past",
-    "mla_fast/gluon_fp8.py": "(gluon_fp8 or pinned) and not pages_past",
+    "mla_fast/gluon_decode.py": f"(gluon or pinned) and {_LEFT_OUT}",
+    "mla_fast/gluon_fp8.py": f"(gluon_fp8 or pinned) and {_LEFT_OUT}",
 }
+BASELINE_WORKERS = 4  # pytest-xdist workers of the unmutated run (it runs every test; the mutants stop at a failure)
 
 
 @dataclass(frozen=True)
@@ -98,8 +103,10 @@ def jit_function(m: Mutant, root: Path = ROOT) -> str | None:
     """The name of the kernel-code function the edit lies in (@gluon.jit, or @constexpr_function, which the
     compiler runs while it traces), or None for an edit outside the kernels (launch code)."""
     src = (root / m.file).read_text()
-    start = src.index(m.old)
-    first, last = src.count("\n", 0, start) + 1, src.count("\n", 0, start + len(m.old)) + 1
+    text = m.old.strip("\n")  # the lines the edit spans, not the line after a closing newline
+    start = src.index(m.old) + m.old.index(text)
+    first = src.count("\n", 0, start) + 1
+    last = first + text.count("\n")
     for node in ast.walk(ast.parse(src)):
         if isinstance(node, ast.FunctionDef) and node.lineno <= first and last <= node.end_lineno:
             if any(ast.unparse(d).split(".")[-1] in ("jit", "constexpr_function") for d in node.decorator_list):
@@ -171,17 +178,19 @@ def screen(mutants: list[Mutant], jobs: int, json_path: str | None) -> list[dict
     return results
 
 
-def _pytest(repo: Path, selection: str, timeout: int, extra: list[str]) -> dict:
+def _pytest(repo: Path, selection: str, timeout: int, extra: list[str], workers: int = 0) -> dict:
     env = {**_with_path(repo), "HYPOTHESIS_PROFILE": "triage"}
     cmd = [sys.executable, "-m", "pytest", "-o", "addopts=", "--strict-markers", "-p", "no:cacheprovider", "-m",
            "gpu", "-x", "-q", "--tb=line", "-rf", "-k", selection, "tests/test_triton_gpu.py", *extra]
+    cmd += ["-n", str(workers)] if workers else []
     start = time.monotonic()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=repo)
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        return {"outcome": "timeout", "first_failure": None, "seconds": round(time.monotonic() - start, 1),
-                "tail": out[-1500:]}
+        progress = "".join(line.split("[")[0].strip() for line in out.splitlines() if re.match(r"[.sFE]+\s*\[", line))
+        return {"outcome": "timeout", "first_failure": None, "counts": {"passed": progress.count(".")},
+                "seconds": round(time.monotonic() - start, 1), "tail": out[-1500:]}
     failed = [line.split(" ", 1)[1].split(" - ")[0] for line in proc.stdout.splitlines()
               if line.startswith("FAILED ")]
     counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped)", proc.stdout)}
@@ -198,13 +207,14 @@ def run(mutants: list[Mutant], jobs: int, timeout: int, json_path: str | None, e
     of `jobs`; the report says whether the baseline passed, without which no mutant's outcome means anything."""
     report = {"baseline": None, "mutants": []}
     widest = SELECTIONS["mla_fast/gluon_decode.py"]
+    workers = BASELINE_WORKERS if importlib.util.find_spec("xdist") else 0
     with tempfile.TemporaryDirectory() as tmp:
 
         def one(m: Mutant | None) -> dict:
             repo = copy_repo(Path(tmp) / (m.id if m else "baseline"), m)
             r = {"id": m.id, "file": m.file, "function": jit_function(m)} if m else {"selection": widest}
             selection = (m.selection or SELECTIONS[m.file]) if m else widest
-            r.update(_pytest(repo, selection, timeout * (1 if m else 2), extra))
+            r.update(_pytest(repo, selection, timeout * (1 if m else 2), extra, 0 if m else workers))
             shutil.rmtree(repo, ignore_errors=True)
             return r
 
