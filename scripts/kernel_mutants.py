@@ -6,9 +6,9 @@ TRITON_INTERPRET=1: docs/verification_log.md, sixty-first session).
     python scripts/kernel_mutants.py screen scripts/gluon_mutants.json --json /tmp/screen.json   # CPU, no GPU
     python scripts/kernel_mutants.py run scripts/gluon_mutants.json --json $OUT/run.json --jobs 8  # one GPU
 
-A mutant file is a JSON list of {"id", "file", "old", "new", "why", "may_hang"} and optionally "selection" (the
-tests that judge it, where SELECTIONS[file] leaves them out): `old` occurs exactly once in `file`, and the mutant is
-that file with `old` replaced by `new`.
+A mutant file is a JSON list of {"id", "file", "old", "new", "why", "may_hang"} and optionally "selection" (a
+pytest -k expression on tests/test_triton_gpu.py, for tests that judge it where GATES[file] leaves them out): `old`
+occurs exactly once in `file`, and the mutant is that file with `old` replaced by `new`.
 
 `screen` compiles each mutant, in a copy of the repository, for the geometries of SCREEN_GEOMETRIES (seesaw and
 Gluon fp8, bf16 and fp8, MTP and pages of 16; scripts/offline_compile.py's stand-in driver) and compares each
@@ -35,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,15 +55,49 @@ SCREEN_GEOMETRIES = (
     "gluon_fp8 --combo fp8 --heads 16 --q-len 1 --page-size 16",  # fp8 score MMAs, small pages
     "gluon_fp8 --combo fp8kv --heads 32 --q-len 1 --page-size 128",
 )
-# the GPU tests that judge each file's mutants (tests/test_triton_gpu.py), without the 2^31-element caches (4-5 GB
-# each: their bits are those of the compact cache the other tests judge), the bench-grid shapes (up to 128 x 8192
-# tokens at 128 heads, each another compile) and the strided inputs (the Triton kernel's; Gluon refuses them)
-_LEFT_OUT = "not pages_past and not bench_grid and not strided"
-SELECTIONS = {
-    "mla_fast/gluon_decode.py": f"(gluon or pinned) and {_LEFT_OUT}",
-    "mla_fast/gluon_fp8.py": f"(gluon_fp8 or pinned) and {_LEFT_OUT}",
+# The GPU tests that judge each file's mutants: a gate of tests/test_triton_gpu.py's Gluon tests, each case another
+# compile of the mutated kernels (about 5 s each on a CPU core), so that a pool of mutants fits one device call (the
+# first try, on the 121 Gluon tests but the 2^31-element caches, ran no mutant to its end in 560 s on an H100). Each
+# gate takes one case of every geometry the kernels specialise on: bf16, fp8 KV and fp8 q; heads 16-128 with head
+# splits; q_len 1-4; pages of 16, 32, 64 and 128 (the grouped layouts, the fp8 loader and the in-place expansion);
+# one request over all SMs and many items per worker; NaN inputs, determinism and graph replay. Cheap and broad
+# cases first: a mutant stops at its first failing test.
+_GPU = "tests/test_triton_gpu.py::"
+_SHARED = [  # the pinned backends: both Gluon kernels (gluon_fp8 imports the seesaw file's helpers)
+    "test_pinned_gluon_backends_run_their_kernel_within_kernel_bound[seesaw-bf16_h128]",
+    "test_pinned_gluon_backends_run_their_kernel_within_kernel_bound[seesaw-fp8kv_h64]",
+    "test_pinned_gluon_backends_run_their_kernel_within_kernel_bound[gluon_fp8-fp8_h32]",
+]
+_SEESAW = [
+    "test_gluon_seesaw_within_kernel_bound[bf16_h128_p128_q1_s41]",
+    "test_gluon_seesaw_within_kernel_bound[bf16_h16_p64_q4_s45]",
+    "test_gluon_seesaw_within_kernel_bound[fp8_h128_p128_q1_s141]",
+    "test_gluon_seesaw_within_kernel_bound[fp8kv_h128_p32_q1_s71]",
+    "test_gluon_seesaw_within_kernel_bound[bf16_h32_p16_q2_s75]",
+    "test_gluon_seesaw_within_kernel_bound[bf16_h128_p64_q1_s43]",
+    "test_gluon_seesaw_small_pages_give_the_bits_of_pages_of_64[bf16_p16_s70]",
+    "test_gluon_seesaw_fp8_loader_gives_the_bits_of_the_in_place_expansion[fp8_h128_p128_q1]",
+    "test_gluon_seesaw_deterministic_and_graph_replay_equals_eager[fp8kv_q2]",
+]
+_FP8 = [
+    "test_gluon_fp8_within_kernel_bound[fp8kv_h16_p64_s50]",
+    "test_gluon_fp8_within_kernel_bound[fp8_h16_p128_s59]",
+    "test_gluon_fp8_within_kernel_bound[fp8kv_h32_p64_s54]",
+    "test_gluon_fp8_within_kernel_bound[fp8_h16_p16_s66]",
+    "test_gluon_fp8_within_kernel_bound[fp8kv_h16_p16_s68]",
+    "test_gluon_fp8_within_kernel_bound[fp8kv_h16_p16_s67]",
+    "test_gluon_fp8_small_pages_give_the_bits_of_pages_of_64[fp8_p32_s64]",
+    "test_gluon_fp8_grouped_layout_gives_the_bits_of_per_page_boxes[fp8kv_p16_q1]",
+    "test_gluon_fp8_with_fp16_scores_for_fp8_q_within_kernel_bound[h32_q4_s61]",
+    "test_a_nan_input_gives_nan_out_and_lse_split_or_not[gluon_fp8-fp8kv-16-64-q2]",
+    "test_gluon_fp8_deterministic_and_graph_replay_equals_eager[8-lens_list2]",
+]
+GATES = {
+    "mla_fast/gluon_decode.py": [_GPU + t for t in _SHARED + _SEESAW + _FP8[:2] + _FP8[4:5]],
+    "mla_fast/gluon_fp8.py": [_GPU + t for t in _SHARED[2:] + _FP8],
 }
-BASELINE_WORKERS = 4  # pytest-xdist workers of the unmutated run (it runs every test; the mutants stop at a failure)
+BASELINE = list(dict.fromkeys(GATES["mla_fast/gluon_decode.py"] + GATES["mla_fast/gluon_fp8.py"]))  # both gates
+BASELINE_WORKERS = 2  # pytest-xdist workers of the unmutated run (every test of both gates, in one pool slot)
 
 
 @dataclass(frozen=True)
@@ -74,7 +108,7 @@ class Mutant:
     new: str
     why: str
     may_hang: bool = False
-    selection: str | None = None  # pytest -k of tests/test_triton_gpu.py in place of SELECTIONS[file]
+    selection: str | None = None  # pytest -k of tests/test_triton_gpu.py in place of GATES[file]
 
 
 def load(path: str | Path) -> list[Mutant]:
@@ -109,7 +143,8 @@ def jit_function(m: Mutant, root: Path = ROOT) -> str | None:
     last = first + text.count("\n")
     for node in ast.walk(ast.parse(src)):
         if isinstance(node, ast.FunctionDef) and node.lineno <= first and last <= node.end_lineno:
-            if any(ast.unparse(d).split(".")[-1] in ("jit", "constexpr_function") for d in node.decorator_list):
+            names = [ast.unparse(d.func if isinstance(d, ast.Call) else d).split(".")[-1] for d in node.decorator_list]
+            if {"jit", "constexpr_function"} & set(names):  # @gluon.jit, @gluon.jit(...), @constexpr_function
                 return node.name
     return None
 
@@ -178,17 +213,20 @@ def screen(mutants: list[Mutant], jobs: int, json_path: str | None) -> list[dict
     return results
 
 
-def _pytest(repo: Path, selection: str, timeout: int, extra: list[str], workers: int = 0) -> dict:
+def _pytest(repo: Path, targets: list[str], timeout: int, extra: list[str], workers: int = 0) -> dict:
+    """pytest -m gpu on `targets` (node ids, or -k and a file) in repo, stopped at its first failure."""
     env = {**_with_path(repo), "HYPOTHESIS_PROFILE": "triage"}
     cmd = [sys.executable, "-m", "pytest", "-o", "addopts=", "--strict-markers", "-p", "no:cacheprovider", "-m",
-           "gpu", "-x", "-q", "--tb=line", "-rf", "-k", selection, "tests/test_triton_gpu.py", *extra]
+           "gpu", "-x", "-q", "--tb=line", "-rf", *targets, *extra]
     cmd += ["-n", str(workers)] if workers else []
     start = time.monotonic()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=repo)
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        progress = "".join(line.split("[")[0].strip() for line in out.splitlines() if re.match(r"[.sFE]+\s*\[", line))
+        # -q's progress lines: a character per test ended ("." passed), then " [ nn%]" once the line is full
+        progress = "".join(line.split("[")[0].strip() for line in out.splitlines() if re.fullmatch(
+            r"[.sFE]+(\s*\[\s*\d+%\])?", line.strip()))
         return {"outcome": "timeout", "first_failure": None, "counts": {"passed": progress.count(".")},
                 "seconds": round(time.monotonic() - start, 1), "tail": out[-1500:]}
     failed = [line.split(" ", 1)[1].split(" - ")[0] for line in proc.stdout.splitlines()
@@ -202,25 +240,30 @@ def _pytest(repo: Path, selection: str, timeout: int, extra: list[str], workers:
             "tail": (proc.stdout + proc.stderr)[-1500:]}
 
 
+def _targets(m: Mutant) -> list[str]:
+    return ["-k", m.selection, "tests/test_triton_gpu.py"] if m.selection else GATES[m.file]
+
+
 def run(mutants: list[Mutant], jobs: int, timeout: int, json_path: str | None, extra: list[str]) -> dict:
-    """The baseline (the unmutated copy on the widest selection, which holds the other) and each mutant, in one pool
-    of `jobs`; the report says whether the baseline passed, without which no mutant's outcome means anything."""
+    """The baseline (the unmutated copy on both gates) and each mutant, in one pool of `jobs`, each reported as it
+    ends; the report says whether the baseline passed, without which no mutant's outcome means anything."""
     report = {"baseline": None, "mutants": []}
-    widest = SELECTIONS["mla_fast/gluon_decode.py"]
     workers = BASELINE_WORKERS if importlib.util.find_spec("xdist") else 0
     with tempfile.TemporaryDirectory() as tmp:
 
         def one(m: Mutant | None) -> dict:
             repo = copy_repo(Path(tmp) / (m.id if m else "baseline"), m)
-            r = {"id": m.id, "file": m.file, "function": jit_function(m)} if m else {"selection": widest}
-            selection = (m.selection or SELECTIONS[m.file]) if m else widest
-            r.update(_pytest(repo, selection, timeout * (1 if m else 2), extra, 0 if m else workers))
+            r = {"id": m.id, "file": m.file, "function": jit_function(m)} if m else {"tests": len(BASELINE)}
+            r.update(_pytest(repo, _targets(m) if m else BASELINE, timeout * (1 if m else 2), extra,
+                             0 if m else workers))
             shutil.rmtree(repo, ignore_errors=True)
             return r
 
         ordered = [None] + sorted(mutants, key=lambda m: m.may_hang)  # the baseline first, possible hangs last
         with ThreadPoolExecutor(jobs) as pool:
-            for m, r in zip(ordered, pool.map(one, ordered)):
+            futures = {pool.submit(one, m): m for m in ordered}
+            for future in as_completed(futures):
+                m, r = futures[future], future.result()
                 if m is None:
                     report["baseline"] = r
                     print(f"baseline: {'passed' if r['outcome'] == 'slipped' else 'FAILED: ' + r['tail']} in "

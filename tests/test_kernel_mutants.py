@@ -48,6 +48,8 @@ def test_edits_are_placed_in_kernel_code_or_launch_code():
     assert at("def _halves(grouped, kv_fp8):") == "_halves"  # @constexpr_function: run while tracing
     assert at("def supported(batch) -> bool:") is None  # launch code
     assert at("def _k_split(lead0, lead1):", "mla_fast/gluon_fp8.py") == "_k_split"
+    kernel_line = "            l_t = l_t * alpha[None, :] + p\n"  # in a @gluon.jit(do_not_specialize=...) kernel
+    assert at(kernel_line, "mla_fast/gluon_fp8.py") == "_mla_decode_fp8_kernel"
     # the seesaw's file holds helpers of both kernels; the fp8 file, the Gluon fp8 kernel's code alone
     assert km.geometries("mla_fast/gluon_decode.py") == km.SCREEN_GEOMETRIES
     fp8 = km.geometries("mla_fast/gluon_fp8.py")
@@ -107,6 +109,23 @@ def test_the_screen_tells_an_equivalent_edit_from_a_changed_kernel_and_a_compile
     assert got["CHANGED"]["ptx_changed"] == list(km.SCREEN_GEOMETRIES) and got["SAME"]["function"] == "_item"
 
 
+def test_every_gate_names_collected_gpu_tests_of_its_kernels():
+    """A renamed test or case would leave a gate judging less than it says (pytest errors on an unknown node id, so
+    the device run's baseline would stop there); each gate starts with the pinned backends and holds its kernel's
+    bound tests, and the baseline runs both."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "--collect-only", "-q", "-m", "gpu",
+                           "-p", "no:cacheprovider", "tests/test_triton_gpu.py"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=600)
+    collected = {line.strip() for line in proc.stdout.splitlines() if "::" in line}
+    assert len(collected) > 100, proc.stdout[-2000:]
+    for file, gate in km.GATES.items():
+        assert set(gate) <= collected, sorted(set(gate) - collected)
+        assert len(set(gate)) == len(gate) and gate[0].split("::")[1].startswith("test_pinned_gluon_backends")
+        kernel = "gluon_seesaw" if file.endswith("gluon_decode.py") else "gluon_fp8"
+        assert any(f"test_{kernel}_within_kernel_bound[" in t for t in gate), file
+    assert set(km.BASELINE) == set(km.GATES["mla_fast/gluon_decode.py"]) | set(km.GATES["mla_fast/gluon_fp8.py"])
+
+
 def _stand_in(tmp_path, body: str) -> Path:
     """A repository whose tests/test_triton_gpu.py is `body` (marker gpu declared; no conftest skips it here)."""
     (tmp_path / "tests").mkdir()
@@ -125,7 +144,7 @@ def _stand_in(tmp_path, body: str) -> Path:
     ("import no_such_module\ndef test_gluon_a(): pass\n", "error", None, 60),
 ], ids=["caught", "slipped", "all_skipped", "timeout", "collection_error"])
 def test_a_runs_pytest_outcome_is_read_from_its_exit_status_and_summary(tmp_path, body, outcome, first, seconds):
-    r = km._pytest(_stand_in(tmp_path, body), "gluon", seconds, [])
+    r = km._pytest(_stand_in(tmp_path, body), ["-k", "gluon", "tests/test_triton_gpu.py"], seconds, [])
     assert (r["outcome"], r["first_failure"]) == (outcome, first), r["tail"]
     if outcome in ("slipped", "timeout"):  # a timeout keeps the tests passed before it (hang or slow: its tail)
         assert r["counts"]["passed"] == 1, r
