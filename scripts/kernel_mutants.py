@@ -240,22 +240,30 @@ def _pytest(repo: Path, targets: list[str], timeout: int, extra: list[str], work
             "tail": (proc.stdout + proc.stderr)[-1500:]}
 
 
-def _targets(m: Mutant) -> list[str]:
-    return ["-k", m.selection, "tests/test_triton_gpu.py"] if m.selection else GATES[m.file]
+def _targets(m: Mutant | None, k: str | None) -> list[str]:
+    """What judges m (None: the baseline): `k` for all if given, else the mutant's selection or its file's gate."""
+    if k or (m and m.selection):
+        return ["-k", k or m.selection, "tests/test_triton_gpu.py"]
+    return GATES[m.file] if m else BASELINE
 
 
-def run(mutants: list[Mutant], jobs: int, timeout: int, json_path: str | None, extra: list[str]) -> dict:
-    """The baseline (the unmutated copy on both gates) and each mutant, in one pool of `jobs`, each reported as it
-    ends; the report says whether the baseline passed, without which no mutant's outcome means anything."""
-    report = {"baseline": None, "mutants": []}
-    workers = BASELINE_WORKERS if importlib.util.find_spec("xdist") else 0
+def run(mutants: list[Mutant], jobs: int, timeout: int, json_path: str | None, extra: list[str], k: str | None = None,
+        workers: int = 0) -> dict:
+    """The baseline (the unmutated copy on both gates, or on `k`) and each mutant (on its gate, or `k`), in one pool
+    of `jobs`, each reported as it ends; the report says whether the baseline passed, without which no mutant's
+    outcome means anything. workers: pytest-xdist workers of each mutant's run (the baseline's: at least
+    BASELINE_WORKERS)."""
+    report = {"baseline": None, "mutants": [], "k": k}
+    has_xdist = importlib.util.find_spec("xdist") is not None
+    if workers and not has_xdist:
+        raise SystemExit("--workers needs pytest-xdist")
     with tempfile.TemporaryDirectory() as tmp:
 
         def one(m: Mutant | None) -> dict:
             repo = copy_repo(Path(tmp) / (m.id if m else "baseline"), m)
-            r = {"id": m.id, "file": m.file, "function": jit_function(m)} if m else {"tests": len(BASELINE)}
-            r.update(_pytest(repo, _targets(m) if m else BASELINE, timeout * (1 if m else 2), extra,
-                             0 if m else workers))
+            r = {"id": m.id, "file": m.file, "function": jit_function(m)} if m else {}
+            n = workers if m else max(workers, BASELINE_WORKERS if has_xdist else 0)
+            r.update(_pytest(repo, _targets(m, k), timeout * (1 if m else 2), extra, n))
             shutil.rmtree(repo, ignore_errors=True)
             return r
 
@@ -292,6 +300,9 @@ def main(argv=None) -> None:
     parser.add_argument("--json", help="write the results here (rewritten after each mutant)")
     parser.add_argument("--jobs", type=int, default=2, help="mutants at a time (default 2)")
     parser.add_argument("--timeout", type=int, default=300, help="run: seconds per mutant's tests (default 300)")
+    parser.add_argument("--k", help="run: judge the baseline and every mutant by this pytest -k expression on "
+                                     "tests/test_triton_gpu.py instead of the gates")
+    parser.add_argument("--workers", type=int, default=0, help="run: pytest-xdist workers per mutant (default 0)")
     parser.add_argument("pytest_args", nargs="*", help="run: more pytest arguments, after --")
     args = parser.parse_args(argv)
     mutants = load(args.mutants)
@@ -306,7 +317,7 @@ def main(argv=None) -> None:
     if args.command == "screen":
         screen(mutants, args.jobs, args.json)
     else:
-        run(mutants, args.jobs, args.timeout, args.json, args.pytest_args)
+        run(mutants, args.jobs, args.timeout, args.json, args.pytest_args, args.k, args.workers)
 
 
 if __name__ == "__main__":

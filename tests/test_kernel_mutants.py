@@ -126,6 +126,30 @@ def test_every_gate_names_collected_gpu_tests_of_its_kernels():
     assert set(km.BASELINE) == set(km.GATES["mla_fast/gluon_decode.py"]) | set(km.GATES["mla_fast/gluon_fp8.py"])
 
 
+def _odd_then_longer(case) -> int:
+    """Workers of the seesaw's plan for `case` (132 workers, an H100's or H200's SMs) that run an item of an odd tile
+    count and then one of two tiles or more."""
+    from mla_fast import planner
+    from mla_fast import triton_decode as td
+
+    config = td.default_config("bf16", case.heads, max(case.q_lens), 32, seesaw=True)
+    plan = td.make_plan(case.batch("cpu"), config, 132)
+    items, bounds = plan.work_items.long(), plan.worker_indptr.long().tolist()
+    tiles = (items[:, planner.KV_END] - items[:, planner.KV_START] + config.block_n - 1) // config.block_n  # [N]
+    return sum(any(tiles[i] % 2 == 1 and tiles[i + 1] >= 2 for i in range(lo, hi - 1))
+               for lo, hi in zip(bounds, bounds[1:]))
+
+
+def test_one_seesaw_case_runs_an_odd_tile_item_before_a_longer_one_on_most_workers():
+    """The seesaw's two tile slots count their uses apart (barrier phases): they part after an item of an odd tile
+    count. Mutant S28 (slot 1 waits with slot 0's phase) passed every seesaw case but the one added for it, whose
+    plan gives most workers that sequence (the sixty-eighth session's cases gave none)."""
+    from test_triton_gpu import GLUON_CASES
+
+    counts = [_odd_then_longer(case) for case in GLUON_CASES]
+    assert counts[-1] > 100 and len(GLUON_CASES[-1].q_lens) == 600, counts
+
+
 def _stand_in(tmp_path, body: str) -> Path:
     """A repository whose tests/test_triton_gpu.py is `body` (marker gpu declared; no conftest skips it here)."""
     (tmp_path / "tests").mkdir()

@@ -712,6 +712,11 @@ GLUON_CASES = [  # bf16, pages of 64 or 128: zero-length requests, odd tile coun
     # 32 rows (half the tile): 32 heads at q_len 1, 16 heads at q_len 2
     TritonCase((5, 1500, 0, 4097), (1,) * 4, heads=32, page_size=64, L=512, R=64, seed=47),
     TritonCase((700, 3, 20000, 0), (2, 2, 1, 2), heads=16, page_size=128, L=512, R=64, seed=48),
+    # 600 requests of 1-3 tiles: most workers run several items, one of an odd tile count before a longer one, where
+    # the two tile slots' use counts (their barrier phases) part; no case above gives a worker such a pair
+    # (tests/test_kernel_mutants.py; the sixty-eighth session's mutant S28 passed all of them)
+    TritonCase(tuple(64 * (1 + i % 3) - (i * 7) % 13 for i in range(600)), (1,) * 600, heads=128, page_size=64, L=512,
+               R=64, seed=49),
 ]
 
 
