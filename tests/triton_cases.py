@@ -35,9 +35,9 @@ class TritonCase:
         kvs = [torch.randn(s, D, generator=g) for s in self.seq_lens]  # B x [s_b, D]
         kw = {}
         if self.combo in ("fp8kv", "fp8"):
-            whole = torch.cat(kvs) if sum(self.seq_lens) else torch.ones(1, D)  # [Σs, D] one per-tensor scale
-            _, kv_scale = quantize(whole, "e4m3fn")
-            kvs = [quantize(kv, "e4m3fn", scale=kv_scale)[0] for kv in kvs]  # B x [s_b, D] e4m3fn
+            whole = torch.cat(kvs)  # [Σs, D]: one per-tensor scale and one quantize (one per request: 100 s at 1000)
+            whole8, kv_scale = quantize(whole if len(whole) else torch.ones(1, D), "e4m3fn")  # [Σs or 1, D] e4m3fn
+            kvs = list(torch.split(whole8[:len(whole)], list(self.seq_lens)))  # B x [s_b, D] e4m3fn
             kw["kv_scale"] = float(kv_scale)
         else:
             kvs = [kv.to(torch.bfloat16) for kv in kvs]
