@@ -19,7 +19,7 @@ An edit in launch code is "launch" whatever its PTX (it changes arguments and co
 `run` runs the tests on the unmutated copy (they must pass: a mutant is judged against a green baseline) and each
 mutant in a copy of its own, `jobs` at a time on the one GPU, stopping at its first failing test (`-x`): "caught" (a
 test failed; its id is kept), "slipped" (every test passed, at least one ran), "timeout" (killed at `timeout`
-seconds: a hang, say, of an mbarrier waited on with the wrong phase) or "error" (pytest's exit status 2-5, or every
+seconds, the test in flight named: a hang, say, of an mbarrier waited on with the wrong phase) or "error" (pytest's exit status 2-5, or every
 test skipped: nothing was judged). Mutants marked may_hang run last. The JSON is rewritten after each mutant, so a
 run cut off at a device call's limit keeps what finished.
 """
@@ -219,18 +219,19 @@ def _pytest(repo: Path, targets: list[str], timeout: int, extra: list[str], work
     """pytest -m gpu on `targets` (node ids, or -k and a file) in repo, stopped at its first failure."""
     env = {**_with_path(repo), "HYPOTHESIS_PROFILE": "triage"}
     cmd = [sys.executable, "-m", "pytest", "-o", "addopts=", "--strict-markers", "-p", "no:cacheprovider", "-m",
-           "gpu", "-x", "-q", "--tb=line", "-rf", *targets, *extra]
+           "gpu", "-x", "-v", "--tb=line", "-rf", *targets, *extra]
     cmd += ["-n", str(workers)] if workers else []
     start = time.monotonic()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=repo)
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        # -q's progress lines: a character per test ended ("." passed), then " [ nn%]" once the line is full
-        progress = "".join(line.split("[")[0].strip() for line in out.splitlines() if re.fullmatch(
-            r"[.sFE]+(\s*\[\s*\d+%\])?", line.strip()))
-        return {"outcome": "timeout", "first_failure": None, "counts": {"passed": progress.count(".")},
-                "seconds": round(time.monotonic() - start, 1), "tail": out[-1500:]}
+        # -v writes a test's id as it starts and its verdict as it ends (xdist: a line per test as it ends), so the
+        # last id without a verdict is the test in flight (a hang's, say; not known under xdist)
+        ids = re.findall(r"^(tests/\S+::\S+) *$", out, flags=re.M)
+        return {"outcome": "timeout", "first_failure": None, "counts": {"passed": len(re.findall(r"\bPASSED\b", out))},
+                "in_flight": ids[-1] if ids and not workers else None, "seconds": round(time.monotonic() - start, 1),
+                "tail": out[-1500:]}
     failed = [line.split(" ", 1)[1].split(" - ")[0] for line in proc.stdout.splitlines()
               if line.startswith("FAILED ")]
     counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped)", proc.stdout)}
