@@ -19,9 +19,9 @@ An edit in launch code is "launch" whatever its PTX (it changes arguments and co
 `run` runs the tests on the unmutated copy (they must pass: a mutant is judged against a green baseline) and each
 mutant in a copy of its own, `jobs` at a time on the one GPU, stopping at its first failing test (`-x`): "caught" (a
 test failed; its id is kept), "slipped" (every test passed, at least one ran), "timeout" (killed at `timeout`
-seconds, the test in flight named: a hang, say, of an mbarrier waited on with the wrong phase) or "error" (pytest's exit status 2-5, or every
-test skipped: nothing was judged). Mutants marked may_hang run last. The JSON is rewritten after each mutant, so a
-run cut off at a device call's limit keeps what finished.
+seconds, the test in flight named: a hang, say, of an mbarrier waited on with the wrong phase) or "error" (pytest's
+exit status 2-5, or every test skipped: nothing was judged). Mutants marked may_hang run last. The JSON is rewritten
+after each mutant, so a run cut off at a device call's limit keeps what finished.
 """
 
 import argparse
