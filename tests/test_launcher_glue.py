@@ -167,6 +167,14 @@ def test_check_batch_refuses_a_small_rope_and_a_cache_of_another_width():
         td.check_batch(batch.replace(kv_cache=batch.kv_cache[..., :512].contiguous()))
 
 
+def test_check_batch_refuses_a_cache_on_another_device_than_q():
+    """The device check, on the meta device (no second GPU here; check_batch reads no values): a launcher called
+    without DecodeBatch.validate (which checks devices first) still refuses it by name."""
+    batch = _batch(2, (70, 5), (1, 1))
+    with pytest.raises(ValueError, match="q and kv_cache must be on one device, got cpu and meta"):
+        td.check_batch(batch.replace(kv_cache=batch.kv_cache.to("meta")))
+
+
 def test_scales_and_workspaces_have_their_documented_sizes():
     """_scale_tensor: a per-tensor fp32 [1], 1.0 for None, a one-element tensor reshaped, more elements refused.
     alloc_workspace: the plan's partial rows, one stand-in row where it has none or the pair merge writes none."""
