@@ -47,6 +47,24 @@ def test_a_declaration_misspelt_a_little_further_is_refused_too(attr, meant):
         from_callable(decode)
 
 
+def test_a_callable_objects_misspelt_declaration_is_refused_and_its_own_declarations_are_read():
+    """A plug-in that is a callable object carries its declarations on the instance: a misspelt one there is refused
+    as on a function (it was read only on functions until the sixty-eighth session), and a right one is taken."""
+
+    class Decode:
+        def __call__(self, batch):
+            return mutants.correct(batch)
+
+    decode = Decode()
+    decode.batch_invarient = True
+    with pytest.raises(ValueError, match=r"\.batch_invarient is not an attribute the verifier reads; did you mean "
+                                         r"\.batch_invariant\?"):
+        from_callable(decode)
+    decode = Decode()
+    decode.deterministic = False
+    assert from_callable(decode).deterministic is False
+
+
 @pytest.mark.parametrize("attr, value", [("deterministic", 1), ("deterministic", 0), ("batch_invariant", 1),
                                          ("batch_invariant", 0)])
 def test_a_flag_declared_as_an_int_is_refused(attr, value):

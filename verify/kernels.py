@@ -30,8 +30,9 @@ A request's rows may change bits when its batch changes (the ``batch`` check reg
 plan cuts a request where the whole batch puts the cuts) within the tier-1 bound; a plug-in for batch-invariant
 serving declares ``my_decode.batch_invariant = True``, and the check then asks for the bits (so it must also be
 deterministic: ValueError otherwise).
-On a plug-in function, an attribute whose name is close to one of these (``batch_invarient``, ``numeric``) is
-refused with a ValueError that names the one meant, since a misspelt declaration would leave the default in force.
+On a plug-in function (or a callable object, on the instance), an attribute whose name is close to one of these
+(``batch_invarient``, ``numeric``) is refused with a ValueError that names the one meant, since a misspelt
+declaration would leave the default in force.
 A plug-in with a CUDA-graph-capturable step says so with ``my_decode.step = factory``, ``factory(batch, max_q_len)
 -> step`` (built once for that batch's shapes, up to max_q_len query rows per request) with ``step.plan(batch)``
 (eager: reads the batch's current lengths, may sync) and ``step.run() -> out | (out, lse)`` (launches only, on the
@@ -51,7 +52,6 @@ import os
 import pkgutil
 import shlex
 import sys
-import types
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -187,11 +187,12 @@ def from_callable(fn, name: str | None = None) -> Kernel:
     name = name or f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', type(fn).__name__)}"
     if not callable(fn):
         raise ValueError(f"--impl {name}: expected a callable, got {type(fn).__name__}")
-    if isinstance(fn, types.FunctionType):  # a misspelt declaration would be ignored: the defaults taken silently
-        for attr in vars(fn):
-            if attr not in PLUG_IN_ATTRIBUTES and (near := difflib.get_close_matches(attr, PLUG_IN_ATTRIBUTES, 1, 0.8)):
-                raise ValueError(f"--impl {name}: .{attr} is not an attribute the verifier reads; did you mean "
-                                 f".{near[0]}? (it reads {', '.join('.' + a for a in PLUG_IN_ATTRIBUTES)})")
+    # a misspelt declaration would be ignored, the defaults taken silently: a function's attributes, or a callable
+    # object's own (set on the instance; its class's attributes and methods are not read here)
+    for attr in getattr(fn, "__dict__", {}):
+        if attr not in PLUG_IN_ATTRIBUTES and (near := difflib.get_close_matches(attr, PLUG_IN_ATTRIBUTES, 1, 0.8)):
+            raise ValueError(f"--impl {name}: .{attr} is not an attribute the verifier reads; did you mean "
+                             f".{near[0]}? (it reads {', '.join('.' + a for a in PLUG_IN_ATTRIBUTES)})")
     declared = getattr(fn, "numerics", None)
     if declared is None:
         numerics, reason = default_numerics, "plug-in, default numerics (fp32 P, bf16 out)"
