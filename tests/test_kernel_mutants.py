@@ -4,7 +4,6 @@ an equivalent edit from a compile error by PTX, and a run's pytest outcomes are 
 error (on a stand-in test file: the real selection needs a GPU)."""
 
 import ast
-import importlib.util
 import json
 import subprocess
 import sys
@@ -13,20 +12,14 @@ from pathlib import Path
 
 import pytest
 import triton
+from benchmark_scripts import script_module
 
 ROOT = Path(__file__).resolve().parents[1]
 MUTANTS = ROOT / "scripts" / "gluon_mutants.json"
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
 
-def _module():
-    spec = importlib.util.spec_from_file_location("kernel_mutants", ROOT / "scripts" / "kernel_mutants.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-km = _module()
+km = script_module("kernel_mutants")
 
 
 def test_every_committed_mutant_applies_once_to_todays_kernels_and_parses():

@@ -2,10 +2,8 @@
 of 16, thirty-eighth session): a load's write barrier, a conversion's wait and reuse flag, a try-wait and the branch
 that waits for it."""
 
-import importlib.util
-from pathlib import Path
+from benchmark_scripts import script_module
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "sass_barriers.py"
 PAD = " " * 87
 
 LINE = "        /*{a}*/                   {text} ;      /* 0x{lo} */\n" + PAD + "/* 0x{hi} */\n"
@@ -18,15 +16,8 @@ LISTING = "".join(LINE.format(a=a, text=text, lo=lo, hi=hi) for a, text, lo, hi 
 ])
 
 
-def _module():
-    spec = importlib.util.spec_from_file_location("sass_barriers", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_control_bits_of_real_instructions():
-    sb = _module()
+    sb = script_module("sass_barriers")
     ld, f2fp, trywait, bra, f2fp_5 = sb.controls(LISTING)
     assert (ld["address"], ld["wr"], ld["rd"], ld["wait"]) == (0x79C0, 5, 0, [])  # the load sets barrier 5
     assert (f2fp["wr"], f2fp["wait"], f2fp["reuse"]) == (None, [2], "b")  # R52 is operand b, flagged .reuse
@@ -37,7 +28,7 @@ def test_control_bits_of_real_instructions():
 
 
 def test_write_barriers_by_opcode_and_range():
-    sb = _module()
+    sb = script_module("sass_barriers")
     assert sb.write_barriers(LISTING, "LDG") == {5: 1}
     assert sb.write_barriers(LISTING, "SYNCS") == {0: 1}
     assert sb.write_barriers(LISTING, "F2FP") == {None: 2}

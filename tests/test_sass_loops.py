@@ -1,17 +1,7 @@
 """scripts/sass_loops.py on a hand-written SASS listing: the innermost predicated backward branch with enough wgmmas
 is the loop; an enclosing loop and a wait's retry stub (an unconditional branch back) are not."""
 
-import importlib.util
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "sass_loops.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("sass_loops", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from benchmark_scripts import script_module
 
 
 def _sass(lines: dict) -> str:
@@ -36,7 +26,7 @@ LISTING = _sass({
 
 
 def test_the_innermost_mma_loop_and_its_counts():
-    sl = _module()
+    sl = script_module("sass_loops")
     assert sl.mma_loops(LISTING) == [{"instructions": 12, "HGMMA": 8, "QGMMA": 0, "BAR": 1, "SYNCS": 1, "STL": 0,
                                       "LDL": 0}]
     # with a lower threshold the stub's unconditional branch back (0x60..0x220: 4 HGMMA) is still no loop
@@ -46,7 +36,7 @@ def test_the_innermost_mma_loop_and_its_counts():
 
 def test_spill_traffic_inside_the_loop_is_counted():
     """A register spilled and reloaded inside the loop (STL / LDL) shows in its counts; outside it does not."""
-    sl = _module()
+    sl = script_module("sass_loops")
     inside = LISTING.replace("BAR.SYNC.DEFER_BLOCKING 0x2, 0x80", "STL [R1+0x8], R2")
     assert sl.mma_loops(inside)[0] | {"BAR": 1, "STL": 0} == sl.mma_loops(LISTING)[0]
     assert (sl.mma_loops(inside)[0]["STL"], sl.mma_loops(inside)[0]["LDL"]) == (1, 0)
