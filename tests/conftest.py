@@ -11,6 +11,8 @@ Profiles (`verify.testing.PROFILES`; select with HYPOTHESIS_PROFILE or --hypothe
 Without triton (the README's install line and .ci/run install triton==3.6.0) the modules that import it are not
 collected, and the end of the report says which.
 
+A GPU test that hangs ends the test process after $MLA_GPU_TEST_TIMEOUT seconds (`verify.gpu_watchdog`).
+
 MLA_TEST_FAILURES=PATH appends each failure's traceback to PATH as it happens (`pytest_runtest_logreport`), so that
 a run killed at a time limit (a device call's) keeps them: pytest prints its failures section only at the end.
 """
@@ -24,6 +26,7 @@ import torch
 from verify.testing import register_profiles
 
 register_profiles()  # verify.testing.PROFILES, chosen by $HYPOTHESIS_PROFILE (default ci)
+pytest_plugins = ["verify.gpu_watchdog"]  # a GPU test past $MLA_GPU_TEST_TIMEOUT s (default 300) ends the run
 
 # test modules that import triton at collection (directly or through mla_fast.bench / mla_fast.triton_decode)
 NEEDS_TRITON = ["test_bench_helpers.py", "test_bench_rounds.py", "test_dsmem.py", "test_fp8_qk_numerics.py",

@@ -143,6 +143,40 @@ def test_one_seesaw_case_runs_an_odd_tile_item_before_a_longer_one_on_most_worke
     assert counts[-1] > 100 and len(GLUON_CASES[-1].q_lens) == 600, counts
 
 
+def _slots_then_another(case) -> int:
+    """Workers of the Gluon fp8 kernel's plan for `case` (132 SMs, its workers_per_sm programs each) that run an item
+    of num_stages tiles or more and then another item. The plan from the case's lengths alone: building an fp8
+    batch quantizes its whole cache (26 s on this CPU at 1000 requests)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from mla_fast import planner
+    from mla_fast import triton_decode as td
+
+    config = td.forced_config(case.combo, case.heads, max(case.q_lens), "gluon_fp8")
+    lengths = SimpleNamespace(q=torch.empty(0), num_heads=case.heads)  # what make_plan reads besides the lengths
+    plan = td.make_plan(lengths, config, 132 * config.workers_per_sm, seq_lens=torch.tensor(case.seq_lens),
+                        q_lens=torch.tensor(case.q_lens))
+    items, bounds = plan.work_items.long(), plan.worker_indptr.long().tolist()
+    tiles = (items[:, planner.KV_END] - items[:, planner.KV_START] + config.block_n - 1) // config.block_n  # [N]
+    return sum(any(tiles[i] >= config.num_stages and tiles[i + 1] >= 1 for i in range(lo, hi - 1))
+               for lo, hi in zip(bounds, bounds[1:]))
+
+
+def test_a_cheap_gluon_fp8_case_runs_an_item_of_every_tile_slot_then_another_on_most_workers():
+    """Mutant F17 (a tile issued past an item's end, into a slot the next item then uses with the wrong barrier
+    phase) needs a program to run an item of num_stages tiles or more and then another. Of the Gluon fp8 cases
+    only the two of 1000 requests, s57 and s68, did that (109 s on an H100 for s68); s81, of 700 requests and a
+    fifth of their tokens, does it on most workers."""
+    from test_triton_gpu import GLUON_FP8_CASES
+
+    by_seed = {case.seed: case for case in GLUON_FP8_CASES}
+    counts = {seed: _slots_then_another(case) for seed, case in by_seed.items()}
+    assert {seed for seed, n in counts.items() if n} == {57, 68, 81}, counts
+    assert counts[81] > 200 and sum(by_seed[81].seq_lens) < sum(by_seed[68].seq_lens) / 4, counts
+
+
 def _stand_in(tmp_path, body: str) -> Path:
     """A repository whose tests/test_triton_gpu.py is `body` (marker gpu declared; no conftest skips it here)."""
     (tmp_path / "tests").mkdir()
@@ -152,18 +186,24 @@ def _stand_in(tmp_path, body: str) -> Path:
     return tmp_path
 
 
-@pytest.mark.parametrize("body, outcome, first, seconds", [
+@pytest.mark.parametrize("body, outcome, first, seconds, test_timeout", [
     ("def test_gluon_a(): pass\ndef test_gluon_b(): assert 1 == 2\ndef test_gluon_c(): pass\n", "caught",
-     "tests/test_triton_gpu.py::test_gluon_b", 60),
-    ("def test_gluon_a(): pass\ndef test_other(): assert False\n", "slipped", None, 60),  # outside the selection
-    ("def test_gluon_a(): pytest.skip('no GPU')\n", "error", None, 60),  # nothing judged
-    ("def test_gluon_a(): pass\ndef test_gluon_b(): time.sleep(60)\n", "timeout", None, 5),
-    ("import no_such_module\ndef test_gluon_a(): pass\n", "error", None, 60),
-], ids=["caught", "slipped", "all_skipped", "timeout", "collection_error"])
-def test_a_runs_pytest_outcome_is_read_from_its_exit_status_and_summary(tmp_path, body, outcome, first, seconds):
-    r = km._pytest(_stand_in(tmp_path, body), ["-k", "gluon", "tests/test_triton_gpu.py"], seconds, [])
+     "tests/test_triton_gpu.py::test_gluon_b", 60, None),
+    ("def test_gluon_a(): pass\ndef test_other(): assert False\n", "slipped", None, 60, None),  # outside the selection
+    ("def test_gluon_a(): pytest.skip('no GPU')\n", "error", None, 60, None),  # nothing judged
+    ("def test_gluon_a(): pass\ndef test_gluon_b(): time.sleep(60)\n", "timeout", None, 5, None),  # watchdog: 300 s
+    ("def test_gluon_a(): pass\ndef test_gluon_b(): time.sleep(60)\n", "hang", None, 60, 1.5),  # ended at 1.5 s
+    ("import no_such_module\ndef test_gluon_a(): pass\n", "error", None, 60, None),
+], ids=["caught", "slipped", "all_skipped", "timeout", "hang", "collection_error"])
+def test_a_runs_pytest_outcome_is_read_from_its_exit_status_and_summary(tmp_path, monkeypatch, body, outcome, first,
+                                                                         seconds, test_timeout):
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # verify.gpu_watchdog, which the runner loads, for the stand-in
+    r = km._pytest(_stand_in(tmp_path, body), ["-k", "gluon", "tests/test_triton_gpu.py"], seconds, [],
+                   test_timeout=test_timeout)
     assert (r["outcome"], r["first_failure"]) == (outcome, first), r["tail"]
-    if outcome in ("slipped", "timeout"):  # a timeout keeps the tests passed before it and the one in flight
+    if outcome in ("slipped", "timeout", "hang"):  # a timeout or hang keeps the tests passed before it
         assert r["counts"]["passed"] == 1, r
-    if outcome == "timeout":
+    if outcome in ("timeout", "hang"):  # and names the one in flight
         assert r["in_flight"] == "tests/test_triton_gpu.py::test_gluon_b", r
+    if outcome == "hang":
+        assert r["seconds"] < 30, r
