@@ -30,7 +30,7 @@ BODY = """
 """
 
 
-def _pytest(tmp_path, timeout: str | None, body: str = BODY):
+def _pytest(tmp_path, timeout: str | None, body: str = BODY, args: tuple[str, ...] = ()):
     (tmp_path / "test_stand_in.py").write_text(textwrap.dedent(body))
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: a GPU test\n")
     env = {k: v for k, v in os.environ.items() if k != gpu_watchdog.ENV}
@@ -39,7 +39,7 @@ def _pytest(tmp_path, timeout: str | None, body: str = BODY):
         env[gpu_watchdog.ENV] = timeout
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "verify.gpu_watchdog", "-p",
-                           "no:cacheprovider", "--strict-markers", "test_stand_in.py"], cwd=tmp_path, env=env,
+                           "no:cacheprovider", "--strict-markers", *args, "test_stand_in.py"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
     return proc, time.monotonic() - start
 
@@ -53,6 +53,15 @@ def test_a_gpu_test_past_the_limit_ends_the_run_with_its_traceback_and_other_tes
     assert "Timeout (0:00:01.500000)!" in proc.stderr and "in test_b_hanging_gpu_test" in proc.stderr, proc.stderr
     assert "test_c_after" not in proc.stdout
     assert seconds < 30, seconds  # far short of the test's 60 s sleep
+
+
+def test_under_xdist_the_hanging_test_fails_as_its_crashed_worker_and_the_run_goes_on(tmp_path):
+    pytest.importorskip("xdist")  # not a test dependency; the device's torch venv has it
+    proc, seconds = _pytest(tmp_path, "1.5", args=("-n", "2"))
+    assert proc.returncode == 1 and "1 failed, 2 passed" in proc.stdout, (proc.stdout, proc.stderr)
+    assert "worker 'gw" in proc.stdout and "crashed while running 'test_stand_in.py::test_b_hanging_gpu_test'" in \
+        proc.stdout, proc.stdout
+    assert "Timeout (0:00:01.500000)!" in proc.stderr and seconds < 30, (proc.stderr, seconds)
 
 
 def test_zero_turns_the_watchdog_off(tmp_path):
