@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from triton_cases import TritonCase, same_bits
+from triton_cases import INTERPRETER_TILES, TritonCase, same_bits
 
 from verify.checks import far_pages
 
@@ -31,7 +31,6 @@ CASES = {  # pages of 16 (each 16-token tile in one page: the page's base offset
     "fp8kv_p16_mtp2_w3": TritonCase((40, 0, 70), (2, 1, 1), page_size=16, combo="fp8kv", num_workers=3, seed=60),
     "fp8_p3_w3": TritonCase((50, 9), (1, 2), page_size=3, combo="fp8", num_workers=3, seed=61),
 }
-PLAN_BLOCK_N, BLOCK_N = 16, 16  # as tests/test_triton_decode.py: small tiles, so the requests split
 
 
 def _worker(name: str) -> dict:
@@ -42,8 +41,7 @@ def _worker(name: str) -> dict:
     case = CASES[name]
     batch = case.batch()
     far = far_pages(batch)
-    config = replace(td.default_config(case.combo, case.heads, max(case.q_lens)), block_n=BLOCK_N,
-                     plan_block_n=PLAN_BLOCK_N, fixed_overhead=1)
+    config = replace(td.default_config(case.combo, case.heads, max(case.q_lens)), **INTERPRETER_TILES)
     plan = td.make_plan(batch, config, case.num_workers)
     near_run = td.decode(batch, plan=plan, config=config)
     far_run = td.decode(far, plan=plan, config=config)

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from benchmark_scripts import benchmark_module
-from triton_cases import TritonCase, nan_masks_match, same_bits, with_nan_token
+from triton_cases import INTERPRETER_TILES, TritonCase, nan_masks_match, same_bits, with_nan_token
 
 HERE = Path(__file__).resolve().parent
 NEEDS_TRITON = "needs triton (pip install triton==3.6.0, as .ci/run does)"
@@ -119,7 +119,7 @@ SPLIT_CASES = {  # the plan must cut at least one (request, head group)
     "fp8kv_h64_rows64_p16_w3", "fp8_h32_mtp2_rows64_p3_w3", "bf16_p4_chunks_w3", "fp8kv_p8_chunk4_mtp2_w3",
     "bf16_p4_select1_w3", "fp8_p8_chunk4_select2_mtp2_w3",
 }
-PLAN_BLOCK_N, BLOCK_N = 16, 16  # tokens per planner block / kernel tile in the interpreter; item overhead 1 block
+BLOCK_N, PLAN_BLOCK_N = INTERPRETER_TILES["block_n"], INTERPRETER_TILES["plan_block_n"]  # tokens per tile / block
 
 
 def _decode_with_each(name: str, field: str, values: tuple) -> tuple:
@@ -130,8 +130,8 @@ def _decode_with_each(name: str, field: str, values: tuple) -> tuple:
 
     case = CASES[name]
     batch = case.batch()
-    config = replace(td.default_config(case.combo, case.heads, max(case.q_lens)), block_n=BLOCK_N,
-                     plan_block_n=PLAN_BLOCK_N, fixed_overhead=1, **CONFIG_OVERRIDES.get(name, {}))
+    config = replace(td.default_config(case.combo, case.heads, max(case.q_lens)), **INTERPRETER_TILES,
+                     **CONFIG_OVERRIDES.get(name, {}))
     plan = td.make_plan(batch, config, case.num_workers)
     runs, launched = [], []
     for value in values:
@@ -159,8 +159,7 @@ def _worker() -> dict:
         batch = case.batch()
         batch_size = len(case.seq_lens) if "smallbatch" in name else None  # else the large-batch choice
         config = td.default_config(case.combo, case.heads, max(case.q_lens), batch_size)  # GPU choice, smaller tiles
-        config = replace(config, block_n=BLOCK_N, plan_block_n=PLAN_BLOCK_N, fixed_overhead=1,
-                         **CONFIG_OVERRIDES.get(name, {}))
+        config = replace(config, **INTERPRETER_TILES, **CONFIG_OVERRIDES.get(name, {}))
         plan = td.make_plan(batch, config, case.num_workers)
         launches = len(td._mla_decode_kernel.launches)
         out, lse = td.decode(batch, plan=plan, config=config, reduce_pieces=REDUCE_PIECES.get(name))
@@ -190,8 +189,7 @@ def _worker() -> dict:
     # and the flag reaches the kernel: forced on a plan whose one worker runs two items, the second is skipped
     case = CASES["bf16_p16_w1"]
     batch = case.batch()
-    config = replace(td.default_config(case.combo, case.heads, 1), block_n=BLOCK_N, plan_block_n=PLAN_BLOCK_N,
-                     fixed_overhead=1)
+    config = replace(td.default_config(case.combo, case.heads, 1), **INTERPRETER_TILES)
     plan = td.make_plan(batch, config, 1)
     T, H, L = batch.num_tokens, batch.num_heads, batch.kv_lora_rank
     forced, _ = td.decode(batch, plan=replace(plan, one_item_per_worker=True), config=config,
@@ -210,8 +208,7 @@ def _worker() -> dict:
     # from the decode kernel (1 worker) and from the reduce kernel (3 workers: splits)
     case = CASES["fp8kv_p16_w3"]
     batch = case.batch()
-    config = replace(td.default_config(case.combo, case.heads, 1), block_n=BLOCK_N, plan_block_n=PLAN_BLOCK_N,
-                     fixed_overhead=1)
+    config = replace(td.default_config(case.combo, case.heads, 1), **INTERPRETER_TILES)
     T, H, L = batch.num_tokens, batch.num_heads, batch.kv_lora_rank
     runs = {}
     for workers in (1, 3):
@@ -318,8 +315,8 @@ def _layout_bitwise(td) -> dict:
     for name in LAYOUT_CASES:
         case = CASES[name]
         batch = case.batch()
-        config = replace(td.default_config(case.combo, case.heads, max(case.q_lens)), block_n=BLOCK_N,
-                         plan_block_n=PLAN_BLOCK_N, fixed_overhead=1, **CONFIG_OVERRIDES.get(name, {}))
+        config = replace(td.default_config(case.combo, case.heads, max(case.q_lens)), **INTERPRETER_TILES,
+                         **CONFIG_OVERRIDES.get(name, {}))
         plan = td.make_plan(batch, config, case.num_workers)
         dense = td.decode(batch, plan=plan, config=config)
         strided = td.decode(strided_batch(batch).batch, plan=plan, config=config)
@@ -345,8 +342,7 @@ def _rounding_check(td) -> dict:
     seen = {}
     for combo in ("bf16", "fp8kv", "fp8"):
         case = TritonCase((40, 0, 70), (1, 1, 2), page_size=16, combo=combo, seed=50)
-        config = replace(td.default_config(combo, case.heads, 2), block_n=BLOCK_N, plan_block_n=PLAN_BLOCK_N,
-                         fixed_overhead=1)
+        config = replace(td.default_config(combo, case.heads, 2), **INTERPRETER_TILES)
         declared = triton_numerics(config.mma, config.block_n)
 
         def run(batch, config=config):
@@ -395,8 +391,7 @@ def _nan_input_masks(td) -> dict:
     for combo in ("bf16", "fp8kv", "fp8"):
         batch = nan_input_batch(combo)
         ref_out, ref_lse = mla_decode_ref(batch)
-        config = td.KernelConfig(head_group=4, head_split=1, block_n=BLOCK_N, plan_block_n=PLAN_BLOCK_N,
-                                 mma=td.DEFAULT_MMA[combo], fixed_overhead=1)
+        config = td.KernelConfig(head_group=4, head_split=1, mma=td.DEFAULT_MMA[combo], **INTERPRETER_TILES)
         for workers in (1, 4):
             plan = td.make_plan(batch, config, workers)
             out, lse = td.decode(batch, plan=plan, config=config)
@@ -1408,7 +1403,7 @@ def _invariant_worker() -> dict:
         step = td.invariant_step(batch, 2, split_tokens=INVARIANT_SPLIT, num_workers=case.num_workers)
         step.plan()
         r["step"] = same_bits(step.run(), (out, lse))
-        fine = replace(td.batch_config(batch, 2), block_n=BLOCK_N, plan_block_n=PLAN_BLOCK_N, fixed_overhead=1)
+        fine = replace(td.batch_config(batch, 2), **INTERPRETER_TILES)
         default, moved = (td.decode(b, config=fine, num_workers=case.num_workers) for b in (batch, regrouped.batch))
         r["default_regrouped"] = same_bits(tuple(map(regrouped.case_rows, moved)),
                                            (default[0][regrouped.rows], default[1][regrouped.rows]))

@@ -18,20 +18,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from triton_cases import TritonCase, check, nan_masks_match
+from triton_cases import INTERPRETER_TILES, TritonCase, check, nan_masks_match
 
 from mla_ref.decode import make_decode_batch, mla_decode_ref
 
 HERE = Path(__file__).resolve().parent
 
-BLOCK_N = 16
 
 
 def _config(combo, heads, q_len, **kw):
     from mla_fast import triton_decode as td
 
-    return replace(td.default_config(combo, heads, q_len), block_n=BLOCK_N, plan_block_n=BLOCK_N, fixed_overhead=1,
-                   **kw)
+    return replace(td.default_config(combo, heads, q_len), **INTERPRETER_TILES, **kw)
 
 
 def check_negative_e4m3fn_nan_code_gives_nan_out_and_lse():
@@ -49,7 +47,7 @@ def check_negative_e4m3fn_nan_code_gives_nan_out_and_lse():
     batch = batch.replace(kv_cache=kv)
     ref_out, ref_lse = mla_decode_ref(batch)
     assert torch.isnan(ref_lse[:2]).all() and not torch.isnan(ref_lse[2:]).any()  # the oracle reads 0xFF as NaN
-    config = td.KernelConfig(head_group=4, block_n=BLOCK_N, plan_block_n=BLOCK_N, mma="fp16", fixed_overhead=1)
+    config = td.KernelConfig(head_group=4, mma="fp16", **INTERPRETER_TILES)
     for workers in (1, 3):
         plan = td.make_plan(batch, config, workers)
         out, lse = td.decode(batch, plan=plan, config=config)
@@ -100,7 +98,7 @@ def check_items_starting_mid_tile_gather_their_pages():
     case = TritonCase((100, 40), (1, 1), page_size=32, seed=60)
     batch = case.batch()
     config = replace(_config("bf16", 16, 1), block_n=32)
-    assert not td.tiles_in_pages(config, 32, BLOCK_N)
+    assert not td.tiles_in_pages(config, 32, INTERPRETER_TILES["plan_block_n"])
     starts = set()
     for workers in (3, 5):
         plan = td.make_plan(batch, config, workers)

@@ -11,6 +11,10 @@ import torch
 from mla_ref.decode import make_decode_batch, mla_decode_ref
 from mla_ref.fp8 import quantize
 
+# The interpreter tests' kernel geometry (tests/test_triton_decode.py and the modules beside it), KernelConfig fields:
+# 16-token kernel tiles and planner blocks and an item overhead of one block, so that short requests split
+INTERPRETER_TILES = dict(block_n=16, plan_block_n=16, fixed_overhead=1)
+
 
 @dataclass(frozen=True)
 class TritonCase:
