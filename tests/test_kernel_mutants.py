@@ -207,3 +207,35 @@ def test_a_runs_pytest_outcome_is_read_from_its_exit_status_and_summary(tmp_path
         assert r["in_flight"] == "tests/test_triton_gpu.py::test_gluon_b", r
     if outcome == "hang":
         assert r["seconds"] < 30, r
+
+
+def _fake_runs(monkeypatch, baseline: dict):
+    """run() with the copies and pytest runs stubbed: the baseline returns `baseline`, each mutant is caught."""
+    monkeypatch.setattr(km, "copy_repo", lambda dest, m=None: dest)  # (run removes it afterwards)
+    monkeypatch.setattr(km, "jit_function", lambda m: None)
+    calls = []
+
+    def fake_pytest(repo, targets, timeout, extra, workers=0, test_timeout=None):
+        calls.append((targets, timeout, test_timeout))
+        return dict(baseline) if targets == km.BASELINE else {"outcome": "caught", "first_failure": "t", "counts": {},
+                                                              "seconds": 1.0}
+
+    monkeypatch.setattr(km, "_pytest", fake_pytest)
+    return calls
+
+
+def test_a_run_calls_the_baseline_passed_and_passes_the_watchdog_limit_on(monkeypatch, tmp_path):
+    calls = _fake_runs(monkeypatch, {"outcome": "slipped", "counts": {"passed": 3}, "seconds": 2.0})
+    mutants = km.load(MUTANTS)[:2]
+    report = km.run(mutants, 2, 60, str(tmp_path / "r.json"), [], test_timeout=42.0)
+    assert report["baseline"]["outcome"] == "passed"
+    assert [r["outcome"] for r in report["mutants"]] == ["caught", "caught"]
+    assert sorted(c[1:] for c in calls) == [(60, 42.0), (60, 42.0), (120, 42.0)]  # the baseline: twice the time
+    assert json.loads((tmp_path / "r.json").read_text())["baseline"]["outcome"] == "passed"
+
+
+@pytest.mark.parametrize("outcome", ["caught", "hang", "timeout", "error"])
+def test_a_run_whose_baseline_did_not_pass_counts_no_mutant(monkeypatch, tmp_path, outcome):
+    _fake_runs(monkeypatch, {"outcome": outcome, "counts": {"failed": 1}, "seconds": 2.0, "tail": "x"})
+    with pytest.raises(SystemExit, match=f"did not pass \\({outcome}"):
+        km.run(km.load(MUTANTS)[:1], 1, 60, None, [])
