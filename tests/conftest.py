@@ -26,7 +26,7 @@ import torch
 from verify.testing import register_profiles
 
 register_profiles()  # verify.testing.PROFILES, chosen by $HYPOTHESIS_PROFILE (default ci)
-pytest_plugins = ["verify.gpu_watchdog"]  # a GPU test past $MLA_GPU_TEST_TIMEOUT s (default 300) ends the run
+pytest_plugins = ["verify.gpu_watchdog"]  # a GPU test past $MLA_GPU_TEST_TIMEOUT s (default 600) ends the run
 
 # test modules that import triton at collection (directly or through mla_fast.bench / mla_fast.triton_decode)
 NEEDS_TRITON = ["test_bench_helpers.py", "test_bench_rounds.py", "test_dsmem.py", "test_fp8_qk_numerics.py",
