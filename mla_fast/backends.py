@@ -173,6 +173,17 @@ def _combo(batch: DecodeBatch) -> str:
     return td.dtype_combo(batch.q.dtype, batch.kv_cache.dtype)
 
 
+def _q_len(batch: DecodeBatch, max_q_len: int | None = None) -> int:
+    """max_q_len, else the batch's largest q_len (one host sync); Unsupported past the rows our kernels pack
+    (`q_len_unsupported`: more than 64)."""
+    from mla_fast import triton_decode as td
+
+    q_len = td._max_q_len(batch) if max_q_len is None else max_q_len
+    if reason := td.q_len_unsupported(q_len):
+        raise Unsupported(reason.split(", got")[0])
+    return q_len
+
+
 def _triton_numerics(batch: DecodeBatch) -> KernelNumerics:
     """The rounding points of the kernel `decode` dispatches the batch to (`batch_config` on its device; one host
     sync for its q_len): on an H100/H200 the Gluon fp8 kernel's fp8 score MMAs for e4m3fn q where it takes the batch,
@@ -180,7 +191,7 @@ def _triton_numerics(batch: DecodeBatch) -> KernelNumerics:
     from mla_fast import triton_decode as td
 
     combo = _combo(batch)
-    return td.kernel_numerics(td.batch_config(batch, td._max_q_len(batch)), combo, batch.head_dim)
+    return td.kernel_numerics(td.batch_config(batch, _q_len(batch)), combo, batch.head_dim)
 
 
 def _forced_numerics(kernel: str) -> Callable[[DecodeBatch], KernelNumerics]:
@@ -189,9 +200,9 @@ def _forced_numerics(kernel: str) -> Callable[[DecodeBatch], KernelNumerics]:
     kernel that does not take the batch (the Gluon fp8 kernel's fp8 score MMAs at L + R other than 576 raised)."""
 
     def numerics(batch: DecodeBatch) -> KernelNumerics:
-        from mla_fast.triton_decode import _max_q_len, kernel_numerics
+        from mla_fast.triton_decode import kernel_numerics
 
-        return kernel_numerics(_pinned(batch, kernel, _max_q_len(batch)), _combo(batch), batch.head_dim)
+        return kernel_numerics(_pinned(batch, kernel, _q_len(batch)), _combo(batch), batch.head_dim)
 
     return numerics
 
@@ -242,6 +253,7 @@ def _run_triton(batch: DecodeBatch, num_workers: int | None = None):
 
     if reason := dtypes_unsupported(batch):  # a format this platform's Triton cannot compile: no case to check
         raise Unsupported(reason)
+    _q_len(batch)
     return decode(batch, num_workers=num_workers)
 
 
@@ -251,7 +263,7 @@ def _step_triton(batch: DecodeBatch, max_q_len: int):
 
     if reason := dtypes_unsupported(batch):
         raise Unsupported(reason)
-    return TritonMLADecode(batch, max_q_len=max_q_len)
+    return TritonMLADecode(batch, max_q_len=_q_len(batch, max_q_len))
 
 
 def _pinned(batch: DecodeBatch, kernel: str, q_len: int):
@@ -274,7 +286,7 @@ def _run_forced(kernel: str) -> Callable[[DecodeBatch], tuple[torch.Tensor, torc
     def run(batch: DecodeBatch, num_workers: int | None = None):
         from mla_fast import triton_decode as td
 
-        return td.decode(batch, config=_pinned(batch, kernel, td._max_q_len(batch)), num_workers=num_workers)
+        return td.decode(batch, config=_pinned(batch, kernel, _q_len(batch)), num_workers=num_workers)
 
     return run
 
@@ -285,7 +297,7 @@ def _step_forced(kernel: str):
     def step(batch: DecodeBatch, max_q_len: int):
         from mla_fast.triton_decode import TritonMLADecode
 
-        return TritonMLADecode(batch, max_q_len=max_q_len, config=_pinned(batch, kernel, max_q_len))
+        return TritonMLADecode(batch, max_q_len=max_q_len, config=_pinned(batch, kernel, _q_len(batch, max_q_len)))
 
     return step
 

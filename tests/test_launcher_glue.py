@@ -5,6 +5,7 @@ combinations and batch checks, the workspace sizes, and what TritonMLADecode's p
 static buffers. Nothing here launches a kernel: launches are intercepted (monkeypatch) or not reached.
 """
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -339,3 +340,25 @@ def test_graph_step_numerics_count_the_batch_channels():
     step = td.TritonMLADecode(batch, config=config, num_workers=4)
     assert step.numerics == td.triton_numerics(config.mma, config.block_n, 288)
     assert step.numerics != td.triton_numerics(config.mma, config.block_n, 576)
+
+
+def test_more_query_rows_than_a_program_packs_are_refused_by_name():
+    """A program packs q_len x heads <= 64 rows with one head at least: q_len 65 is a named ValueError in decode,
+    the graph step and default_config (it was `max() arg is an empty sequence` from the head-group search), and
+    Unsupported, before any launch, in the backends that run our kernels (run, numerics and step)."""
+    from mla_fast.backends import BACKENDS, Unsupported
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(66, 2, 96, generator=g).to(torch.bfloat16)  # [T, H, L + R]
+    kv = [torch.randn(s, 96, generator=g).to(torch.bfloat16) for s in (70, 3)]  # 2 x [s_b, L + R]
+    batch = make_decode_batch(q, kv, sm_scale=0.1, kv_lora_rank=64, page_size=16, generator=g, q_lens=[65, 1])
+    message = "q_len must be <= 64 (a program packs q_len x heads rows, at most 64), got 65"
+    for call in (lambda: td.decode(batch), lambda: td.TritonMLADecode(batch, max_q_len=65),
+                 lambda: td.default_config("bf16", 2, 65)):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            call()
+    assert td.q_len_unsupported(64) is None and td.default_config("bf16", 1, 64).head_group == 1
+    for backend in (BACKENDS[name] for name in ("triton", "seesaw", "gluon_fp8")):
+        for call, args in ((backend.run, (batch,)), (backend.numerics, (batch,)), (backend.step, (batch, 65))):
+            with pytest.raises(Unsupported, match=r"^q_len must be <= 64 \(a program packs"):
+                call(*args)
