@@ -31,6 +31,10 @@ ONE_CASE = {
     "slot_8bit": ("bf16", lambda c: c.page_size == 528),
     "mtp_row_3bit": ("bf16", lambda c: max(c.q_lens) == 12),
     "unit_kv_fastpath": ("fp8", lambda c: c.scale_mode == "kv_unit"),
+    # the sixty-ninth session's review: an index one bit wider than the case that showed its narrower twin
+    "active_index_8bit": ("bf16", lambda c: len(c.seq_lens) == 300),
+    "packed_rows_10bit": ("bf16", lambda c: c.heads == 128 and max(c.q_lens) == 9),
+    "mtp_row_5bit": ("bf16", lambda c: max(c.q_lens) == 40),
 }
 
 
@@ -79,21 +83,25 @@ def test_minicpm3_smoke_case_catches_a_fixed_rope_width_and_a_full_tile_fast_pat
     assert run_case(minicpm3, from_callable(mutants.correct), "cpu").ok
 
 
-def test_request_index_mutant_fails_the_big_batch_smoke_case_alone():
+def test_request_index_mutant_fails_the_two_smoke_cases_past_256_requests_alone():
     """Found by a review: a request index kept in 8 bits passed every check while the largest batch built had 65
-    requests. The smoke prefix's batch of 260 (65 non-empty, every fourth, request 256 among them) fails it, on
-    tier1; every other smoke case passes it, and the correct kernel passes the big batch."""
+    requests. The smoke prefix's batch of 260 (64 non-empty, every fourth, request 256 among them) fails it, on
+    tier1, and so does its batch of 300 non-empty requests (sixty-ninth session); every other smoke case passes it,
+    and the correct kernel passes both."""
     from verify import mutants
     from verify.checks import run_case
     from verify.kernels import from_callable
     from verify.strategies import BIG_BATCH
 
     *others, big = smoke_cases("bf16")
-    assert len(big.seq_lens) == BIG_BATCH > 256 and big.seq_lens[256] > 0
-    result = run_case(big, from_callable(mutants.request_index_8bit), "cpu")
-    assert "tier1.out" in {c.name for c in result.checks if not c.ok}, result.describe()
-    assert all(run_case(case, from_callable(mutants.request_index_8bit), "cpu").ok for case in others)
-    assert run_case(big, from_callable(mutants.correct), "cpu").ok
+    (many,) = [case for case in others if len(case.seq_lens) > 256]
+    assert len(big.seq_lens) == BIG_BATCH > 256 and big.seq_lens[256] > 0 and many.seq_lens[256] > 0
+    for case in (big, many):
+        result = run_case(case, from_callable(mutants.request_index_8bit), "cpu")
+        assert "tier1.out" in {c.name for c in result.checks if not c.ok}, result.describe()
+        assert run_case(case, from_callable(mutants.correct), "cpu").ok
+    assert all(run_case(case, from_callable(mutants.request_index_8bit), "cpu").ok for case in others
+               if case is not many)
 
 
 @pytest.mark.parametrize("name", FAR_ONLY)
@@ -303,3 +311,17 @@ def test_a_failed_tier1_check_names_its_worst_row_in_the_batchs_terms():
     assert "elements over the bound: 0 /" in failed["tier1.out"] and "worst row" not in failed["tier1.out"]
     assert failed["tier1.out"].endswith(
         "first NaN/inf mismatch on row 0: request 0, its query row 0 of 2, which sees 0 of its 0 tokens")
+
+
+def test_a_fast_path_for_consecutive_pages_fails_the_layout_check_and_nothing_else_on_the_first_case():
+    """Every batch a campaign builds has its pages in a random order, so a kernel whose fast path for a request on
+    consecutive pages reads past its last token was caught only by the rerun check, whose grown requests happen to
+    take consecutive pages (a review's bug, sixty-ninth session). The layout check lays each request's pages out in
+    order (`pages_in_use_order`): on the first smoke case it fails there; every other check but rerun passes."""
+    from verify import mutants
+    from verify.checks import run_case
+    from verify.kernels import from_callable
+
+    result = run_case(smoke_cases("bf16")[0], from_callable(mutants.consecutive_pages_flat), "cpu")
+    failed = {c.name.split(".")[0] for c in result.checks if not c.ok}
+    assert "layout" in failed and failed <= {"layout", "rerun"}, result.describe()

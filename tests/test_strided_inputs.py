@@ -156,3 +156,42 @@ def test_numerics_that_refuse_the_strided_batch_the_kernel_ran_fail_the_check():
     failed = {c.name: c.detail for c in result.checks if not c.ok}
     assert set(failed) == {"layout"}, result.describe()
     assert "numerics for the strided batch raised Unsupported: numerics: a strided cache" in failed["layout"]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_pages_in_use_order_makes_each_requests_pages_consecutive_and_keeps_every_token(dtype):
+    """`pages_in_use_order` on every smoke case: request by request, each request's pages are the next ones in
+    ascending order (no smoke case shares a page), the pages no request uses come last, every token keeps its bits
+    at its logical position, unused block-table entries are kept, and the oracle gives the same bits."""
+    from verify.strided_inputs import pages_in_use_order
+
+    for case in smoke_cases(dtype):
+        batch, _ = case.materialize("cpu")
+        laid = pages_in_use_order(batch)
+        used = batch.used_entries
+        assert torch.equal(laid.block_table[used], torch.arange(int(used.sum()), dtype=laid.block_table.dtype))
+        assert torch.equal(laid.block_table[~used], batch.block_table[~used]), case.describe()
+        in_use = set(batch.block_table[used].tolist())
+        unused = [p for p in range(batch.kv_cache.shape[0]) if p not in in_use]  # in their order, after the others
+        assert torch.equal(_bits(laid.kv_cache[len(in_use):]), _bits(batch.kv_cache[unused]))
+        for b in range(batch.batch_size):
+            pages, slots = batch.token_slots(b)
+            new_pages, new_slots = laid.token_slots(b)
+            assert torch.equal(slots, new_slots)
+            assert torch.equal(_bits(laid.kv_cache[new_pages, new_slots]), _bits(batch.kv_cache[pages, slots]))
+        ref, ref_laid = mla_decode_ref(batch), mla_decode_ref(laid)
+        for a, b in zip(ref, ref_laid):
+            assert torch.equal(_bits(a), _bits(b)), case.describe()
+
+
+def test_pages_in_use_order_keeps_a_shared_page_shared():
+    """Two requests on one physical page (a shared prefix) still share it, numbered at its first use."""
+    from verify.strided_inputs import pages_in_use_order
+
+    batch, _ = smoke_cases("bf16")[0].materialize("cpu")
+    table = batch.block_table.clone()
+    b0, b1 = (int(b) for b in torch.nonzero(batch.pages_per_request >= 1)[:2, 0])
+    table[b1, 0] = table[b0, 0]  # request b1's first page is request b0's first
+    shared = batch.replace(block_table=table)
+    laid = pages_in_use_order(shared)
+    assert int(laid.block_table[b1, 0]) == int(laid.block_table[b0, 0]) == int(batch.pages_per_request[:b0].sum())

@@ -27,9 +27,10 @@
 |                | values whose mean over each row is a tiny offset while each     | common factor) + merge_bound   |
 |                | split's mean is not: split outputs stored more coarsely than    | (declared partial dtype) of    |
 |                | declared fail (numerics.md §5(i))                               | the probe                      |
-| layout         | the kernel again with q, cache and block table as views into    | the first run's bits, else     |
-|                | NaN-padded buffers (`strided_batch`): shapes taken for strides  | kernel_bound + merge_bound     |
-|                | read NaN; ``layout.refused``: a ValueError naming what it takes | (refused: passes, warned)      |
+| layout         | the kernel again with each request's pages consecutive          | the first run's bits, else     |
+|                | (`pages_in_use_order`), q, cache and block table as views into  | kernel_bound + merge_bound     |
+|                | NaN-padded buffers (`strided_batch`): shapes taken for strides  | (refused: passes, warned)      |
+|                | read NaN; ``layout.refused``: a ValueError naming what it takes |                                |
 | repeat         | the kernel again on the same batch and worker count: a kernel   | the first run's bits (declared |
 |                | that declares itself deterministic (the default) gives the same | deterministic), else           |
 |                | bits; one that declares run-to-run variation stays in the bound | kernel_bound + merge_bound     |
@@ -81,7 +82,7 @@ from verify.partials_probe import partials_probe
 from verify.regrouped import regrouped_batches, shared_batch
 from verify.rescale_probe import rescale_probe
 from verify.rounding_probe import rounding_probe
-from verify.strided_inputs import strided_batch
+from verify.strided_inputs import pages_in_use_order, strided_batch
 
 ALT_WORKERS = 132  # second worker count when a case uses one worker (an H200's SMs: a split per block)
 FAR_ELEMENTS = 2**31  # cache elements past which int32 element offsets wrap (far check)
@@ -943,16 +944,18 @@ def _first_difference(out: torch.Tensor, lse: torch.Tensor | None, first: tuple)
 
 
 def check_layout(batch: DecodeBatch, kernel: Kernel, workers: int, first: tuple, ref) -> list[CheckResult]:
-    """The kernel run again on `strided_batch(batch)` (the case's worker count when it takes one): the same values
-    with q, the cache and the block table as views into NaN-padded buffers, their strides all but the channels'
-    changed (verify/strided_inputs.py). Passes with the bits of the first run ``first``, else within the tier-1
-    bound of the numerics it declares for the strided batch (a backend may take another kernel for strided inputs);
-    a kernel that addresses its inputs by their shapes reads NaN or other requests' tokens. A kernel may
-    refuse strides it does not take with a ValueError (`Unsupported` too): check ``layout.refused`` then passes and
-    says why (mla-verify warns), for a kernel that honours some strides and refuses others is within the contract.
+    """The kernel run again on `strided_batch(pages_in_use_order(batch))` (the case's worker count when it takes
+    one): the same values with each request's pages consecutive and in order, and q, the cache and the block table
+    as views into NaN-padded buffers, their strides all but the channels' changed (verify/strided_inputs.py).
+    Passes with the bits of the first run ``first``, else within the tier-1 bound of the numerics it declares for
+    the strided batch (a backend may take another kernel for strided inputs or consecutive pages); a kernel that
+    addresses its inputs by their shapes reads NaN or other requests' tokens, and one whose fast path for
+    consecutive pages reads past a request's last token reads NaN. A kernel may refuse strides it does not take
+    with a ValueError (`Unsupported` too): check ``layout.refused`` then passes and says why (mla-verify warns), for
+    a kernel that honours some strides and refuses others is within the contract.
     Writing into the buffers (their padding included) fails."""
-    strided = strided_batch(batch)
-    where = strided.describe()
+    strided = strided_batch(pages_in_use_order(batch))
+    where = "pages in use order; " + strided.describe()
     before = {name: _bytes(buf).clone() for name, buf in strided.buffers.items()}
     raw, exc = _run(kernel, strided.batch, workers)
     if isinstance(exc, ValueError):

@@ -104,6 +104,12 @@ turns one knob, the way such bugs happen in real kernels:
 | reduce_pad_weight0    | a reduce over the batch's most splits per request whose      | nan.first (a request of fewer |
 |                       | padding slots read the first request's first partial with    | splits than another)          |
 |                       | weight 0 (0 NaN = NaN)                                       |                               |
+| active_index_8bit     | the k-th non-empty request reads non-empty request k mod     | tier1 (300 non-empty          |
+|                       | 256's pages and length (a work list's 8-bit slot)            | requests)                     |
+| packed_rows_10bit     | the packed (row, head) index r H + h kept in 10 bits         | tier1 (128 heads, 9 MTP rows) |
+| mtp_row_5bit          | an MTP row's index kept in 5 bits in the causal mask         | tier1 (40 MTP rows)           |
+| consecutive_pages_flat| a request on >= 4 consecutive ascending pages read flat, its | layout (a request of 4 pages  |
+|                       | last page unmasked                                           | or more, the last partial)    |
 """
 
 from __future__ import annotations
@@ -153,6 +159,7 @@ def _decode(
     rows_tiles: bool = False,
     big_batch_rows: int | None = None,
     request_bits: int | None = None,
+    active_bits: int | None = None,
     page_id_bits: int | None = None,
     rope_width: int | None = None,
     full_tiles_unmasked: bool = False,
@@ -164,6 +171,7 @@ def _decode(
     page_magic_bits: int | None = None,
     unit_kv_drops_q_scale: bool = False,
     pad_weight0: bool = False,
+    consecutive_flat: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV online-softmax MLA decode -> (out [T, H, L] bf16, lse [T, H] fp32). Defaults = no bug.
 
@@ -179,6 +187,8 @@ def _decode(
     its tile's rows x tokens fixed and sizes it once for the batch does. With ``big_batch_rows`` = R, a batch of
     more than R requests masks every request's rows as if it had the batch's largest q_len. With ``request_bits``
     a request's block-table row is read at its index modulo 2^bits (a request index that wraps); with
+    ``active_bits`` the k-th non-empty request reads the pages and length of non-empty request k mod 2^bits (a
+    work list of the non-empty requests whose entries keep a request's slot in that many bits); with
     ``page_id_bits`` each page id modulo 2^bits (a page id that wraps). With ``rope_width`` = W the scores take the
     latent's L channels plus the last W (a rope width fixed at W while L is read from the batch). With
     ``full_tiles_unmasked`` a request whose length is a whole number of BLOCK-token tiles has every row see every
@@ -192,7 +202,8 @@ def _decode(
     slot j mod P. With ``unit_kv_drops_q_scale`` a kv scale of exactly 1 takes the path without scales, q's
     dropped too. With ``pad_weight0`` every request's merge runs over the batch's most splits, its missing ones
     padding slots that read the first request's first split partial (its row r, or its last) with weight 0, so
-    0 NaN = NaN there.
+    0 NaN = NaN there. With ``consecutive_flat`` = N a request on N pages or more whose page ids ascend one by one
+    is read as a flat run of whole pages, its last page unmasked (``full_last_page`` for that request only).
     """
     L, H, ps = batch.kv_lora_rank, batch.num_heads, batch.page_size
     sigma = batch.sm_scale if sm_scale is None else sm_scale
@@ -217,9 +228,13 @@ def _decode(
         longest_blocks = -(-(-(-s_max // ps) * ps) // BLOCK)  # blocks of its whole pages
         batch_piece = -(-longest_blocks // min(MAX_SPLITS, max(longest_blocks, 1))) * BLOCK or BLOCK
     splits, first_o = [], None  # pad_weight0: each request's split count; the first request's first partial
+    active = [b for b, s in enumerate(seq_lens) if s > 0]  # active_bits: the work list of non-empty requests
+    rank = {b: k for k, b in enumerate(active)}
     for b, (s, n) in enumerate(zip(seq_lens, q_lens)):
+        read = b if active_bits is None or s == 0 else active[rank[b] % 2**active_bits]  # the request it reads
+        s = seq_lens[read]
         n_pages = -(-s // ps)
-        row = b % 2**request_bits if request_bits is not None else b  # the block-table row it reads
+        row = read % 2**request_bits if request_bits is not None else read  # the block-table row it reads
         pages = (batch.block_table[row, :n_pages].long() + page_shift) % batch.num_pages  # [n_pages]
         if page_id_bits is not None:
             pages = pages % 2**page_id_bits  # [n_pages]
@@ -228,6 +243,8 @@ def _decode(
             first = (pages.to(torch.int32) * (ps * batch.head_dim)).long() % batch.kv_cache.numel()  # [n_pages]
             pages = first // (ps * batch.head_dim)  # [n_pages]
         K = batch.kv_cache[pages].reshape(n_pages * ps, batch.head_dim)  # [n_pages * ps, D] whole pages
+        whole = full_last_page or (consecutive_flat is not None and n_pages >= consecutive_flat
+                                   and bool((pages.diff() == 1).all()))  # the last page read to its end
         tail = None  # max_before_mask: the slots the last tile loads past the request's tokens
         if max_before_mask:  # whole pages up to the tile's end; entries past the request's pages read as page 0
             tile_pages = -(-(-(-s // BLOCK) * BLOCK) // ps)  # pages the last 64-token tile spans
@@ -242,7 +259,7 @@ def _decode(
             if slot_bits is not None:
                 slot = slot % 2**slot_bits  # [n_pages P]
             K = K[(page * ps + slot) % (n_pages * ps)]  # [n_pages P, D] (past the last page: wrapped to the first)
-        K = (K if full_last_page else K[:s]).float() * kv_scale  # [s, D]
+        K = (K if whole else K[:s]).float() * kv_scale  # [s, D]
         if position_bits is not None:  # token j read at position j mod 2^bits: a counter that wraps
             K = K[torch.arange(K.shape[0], device=dev) % 2**position_bits]  # [s, D]
         r = torch.arange(n, device=dev)  # [n] MTP row index
@@ -252,7 +269,7 @@ def _decode(
         visible = s - rows_as + r + 1 + torch.where(r < n - 1, causal_slack, 0)  # [n] tokens each row sees
         if full_tiles_unmasked and s % BLOCK == 0:
             visible = torch.full_like(visible, s)  # [n] every row every token
-        visible = (visible + (K.shape[0] - s)).clamp(min=0) if full_last_page else visible.clamp(0, s)  # [n]
+        visible = (visible + (K.shape[0] - s)).clamp(min=0) if whole else visible.clamp(0, s)  # [n]
         rows = q[qo[b] : qo[b + 1]]  # [n, H, D]
         if packed_row_bits is not None:  # packed (row, head) index r H + h read modulo 2^bits: a counter that wraps
             packed = torch.arange(n * H, device=dev) % 2**packed_row_bits  # [n H]
@@ -654,6 +671,36 @@ def request_index_8bit(batch):
     return _decode(batch, request_bits=8)
 
 
+def active_index_8bit(batch):
+    """A work list of the non-empty requests (a persistent kernel's, which skips a CUDA graph's padding requests of
+    length 0) keeps each entry's request slot in 8 bits: the 257th non-empty request reads the first one's pages and
+    length. Right while a batch has at most 256 non-empty requests; the smoke prefix's 300 non-empty requests show
+    it (a review's bug, sixty-ninth session: the most non-empty requests of any case were 64)."""
+    return _decode(batch, active_bits=8)
+
+
+def packed_rows_10bit(batch):
+    """`packed_rows_wrap` with 10 bits: right up to 1024 (row, head) pairs per request, so on the 128-head case of
+    4 MTP rows (512); the smoke prefix's 128 heads with 9 MTP rows (1152) show it (a review's bug, sixty-ninth
+    session)."""
+    return _decode(batch, packed_row_bits=10)
+
+
+def mtp_row_5bit(batch):
+    """`mtp_row_3bit` with 5 bits: right up to 32 MTP rows; the smoke prefix's request of 40 rows shows it (a
+    review's bug, sixty-ninth session: drawn q_lens stop at 16, the smoke prefix's were 12)."""
+    return _decode(batch, row_bits=5)
+
+
+def consecutive_pages_flat(batch):
+    """A request on 4 pages or more whose page ids ascend one by one (what an allocator mostly gives a request)
+    takes a flat fast path that reads its pages whole, the last one unmasked: NaN from its unused slots. Right on
+    every batch a campaign builds (pages in a random order); the layout check, which lays each request's pages out
+    consecutively (`pages_in_use_order`), shows it (a review's bug, sixty-ninth session: it was caught only by the
+    rerun check, whose grown requests happen to take consecutive pages)."""
+    return _decode(batch, consecutive_flat=4)
+
+
 def max_init_zero(batch):
     """The running max starts at 0 instead of -inf: right while a row has a score above about -87; where every
     score it sees is lower (the shifted smoke case's earlier MTP rows, at -120) exp flushes to 0 and the row comes
@@ -900,7 +947,7 @@ MUTANTS = (
     "big_batch_mtp_mask", "request_index_8bit", "page_ids_16bit", "rope_width_64", "full_tile_fast_path",
     "shared_page_reuse", "prefix_by_first_page", "prefix_first_pair", "head0_max", "dtype_unchecked",
     "alpha_bf16", "head_tiles_floor", "slot_8bit", "mtp_row_3bit", "page_div_magic16", "unit_kv_fastpath",
-    "reduce_pad_weight0",
+    "reduce_pad_weight0", "active_index_8bit", "packed_rows_10bit", "mtp_row_5bit", "consecutive_pages_flat",
 )  # fmt: skip
 FP8_ONLY = ("kv_scale_ignored", "q_scale_ignored", "unit_kv_fastpath")  # need fp8 inputs (a scale != 1; the last
 # a kv scale of 1 beside fp8 q's own)

@@ -273,6 +273,19 @@ def smoke_cases(
         # path for full tiles that skips the causal mask shows), an empty request, a split one
         dict(seq_lens=(300, 0, 128, 64), q_lens=(2, 1, 3, 2), heads=40, kv_lora_rank=256, rope_dim=32, page_size=16,
              num_workers=8, dist="gauss1", sm_scale=MINICPM3_SM_SCALE, q_dtype="fp8" if fp8 else "bf16", seed=19),
+        # counts past the other cases' largest (a review's bugs, sixty-ninth session: an index one bit wider than
+        # each of those passed every case): 128 heads with 9 MTP rows, 1152 (row, head) pairs in one request (the
+        # 128-head case above has 512: an index of 10 bits wraps here only) ...
+        dict(seq_lens=(130, 40), q_lens=(5, 9), heads=128, page_size=16, num_workers=8, dist="gauss1",
+             q_dtype="fp8" if fp8 else "bf16", seed=29),
+        # ... MTP rows past 16 and 32 (a long speculative draft; drawn q_lens stop at 16, the case above at 12: a
+        # row index of 4 or 5 bits wraps), one request's rows outnumbering its tokens ...
+        dict(seq_lens=(60, 7, 200), q_lens=(40, 1, 20), heads=4, page_size=16, num_workers=8, dist="gauss1", seed=30),
+        # ... and 300 requests, every one of them non-empty (the batch of 260 below has 64): a work list of the
+        # non-empty requests whose entries keep a request's slot in 8 bits wraps; 557 query rows, past 2^9
+        dict(seq_lens=tuple(1 + 13 * j % 40 for j in range(300)),
+             q_lens=tuple(1 if j % 7 == 0 else 2 for j in range(300)), heads=2, page_size=16, num_workers=16,
+             dist="gauss1", seed=31),
         # a batch of 260 requests (drawn: up to --max-batch, 8), as a CUDA graph padded past 256 holds them: 64 of
         # them non-empty, every fourth from request 4 (37 (j / 4) mod 101 is 0 at j = 0), so that requests past index
         # 127 and 255 read tokens (a request index of 8 bits, signed or not, wraps), MTP rows of 3 in every ninth of

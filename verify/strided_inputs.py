@@ -18,6 +18,10 @@ Each view starts one row or page into its buffer (a kernel that drops the storag
 every byte outside the views, and unused cache slots as before, hold NaN (fp8: the format's NaN code), so a kernel
 that reads through a wrong stride or offset reads NaN or another request's tokens. The oracle is the same (the same
 values); TMA and vector loads keep their alignment (D + 64 channels: 1280 bytes of bf16, 640 of fp8).
+
+Every batch a campaign builds has its pages in a random order (`make_decode_batch`), while an allocator mostly gives
+a request consecutive pages: `pages_in_use_order` renumbers them so that each request's pages are consecutive and in
+order, which the layout check applies first (a kernel's fast path for consecutive pages runs there).
 """
 
 from __future__ import annotations
@@ -49,6 +53,23 @@ class StridedBatch:
         b = self.batch
         return (f"q, kv_cache and block_table as views into NaN-padded buffers (strides q {tuple(b.q.stride())}, "
                 f"kv_cache {tuple(b.kv_cache.stride())}, block_table {tuple(b.block_table.stride())})")
+
+
+def pages_in_use_order(batch: DecodeBatch) -> DecodeBatch:
+    """``batch`` with its cache pages renumbered in the order the requests first use them (request by request, page
+    by page: the block table's used entries row-major), the pages no request uses after them in their order: each
+    request's pages are consecutive and ascending unless it shares a page with an earlier request. Every token keeps
+    its value, its logical page and slot, so the oracle's answer is the same; unused block-table entries are kept."""
+    P = batch.kv_cache.shape[0]
+    used = batch.block_table[batch.used_entries].long()  # [U] row-major
+    first = torch.full((P,), used.numel(), dtype=torch.long, device=used.device)  # [P] first use (U: none)
+    first.scatter_reduce_(0, used, torch.arange(used.numel(), device=used.device), reduce="amin")
+    order = torch.sort(first, stable=True).indices  # [P] new page i holds old page order[i]
+    new_id = torch.empty_like(order)
+    new_id[order] = torch.arange(P, device=order.device)  # [P] old page -> new page
+    table = batch.block_table.long().clamp(0, P - 1)  # [B, W] (unused entries may hold anything)
+    table = torch.where(batch.used_entries, new_id[table].to(batch.block_table.dtype), batch.block_table)  # [B, W]
+    return batch.replace(kv_cache=batch.kv_cache[order], block_table=table)
 
 
 def _nan_filled(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
