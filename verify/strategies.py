@@ -180,8 +180,9 @@ def smoke_cases(
     offset, 96 heads, pages of 528 under 700 tokens, 12 MTP rows, for fp8 a cache scale of 1 beside
     fp8 q's dynamic one, the inputs the campaign does not draw (fp16 for bf16, the other fp8 formats for fp8),
     MiniCPM3's shape
-    (40 heads, a latent of 256 and a rope of 32, with MTP rows on lengths of whole tiles), and a batch of 260
-    requests (64 of them non-empty: every fourth from request 4).
+    (40 heads, a latent of 256 and a rope of 32, with MTP rows on lengths of whole tiles), 128 heads with 9 MTP
+    rows, MTP rows of 20 and 40, 300 non-empty requests, and a batch of 260 requests (64 of them non-empty: every
+    fourth from request 4).
 
     Lengths are clipped to max_seq_len; heads / page_size / kv_lora_rank / rope_dim override the hand-picked values
     when given (the latent and rope are DeepSeek-V3's 512 and 64 but in MiniCPM3's case).
