@@ -847,15 +847,6 @@ class KernelConfig:
 
 MAX_ROWS = 64  # packed (query row x head) rows per work item: one M tile
 MAX_ROWS_SMALL_FP8 = 32  # fp8 caches, batch <= SMALL_BATCH: 32-row mma.sync tiles (as fast as 64 rows at b = 1)
-
-
-def q_len_unsupported(max_q_len: int) -> str | None:
-    """Why the kernels cannot take query rows up to q_len max_q_len, or None: a program packs q_len x head_group
-    (query row, head) rows, at most MAX_ROWS, with one head at least."""
-    if max_q_len > MAX_ROWS:
-        return (f"q_len must be <= {MAX_ROWS} (a program packs q_len x heads rows, at most {MAX_ROWS}), "
-                f"got {max_q_len}")
-    return None
 REDUCE_TILE = 2048  # fp32 partial values per reduce step and program (32 per thread of REDUCE_WARPS)
 REDUCE_WARPS = 2  # per reduce program; same bits as 4, graph replays on one H200 (eighth session, bf16, h = 16):
 # 17.4 vs 18.1 us at (1, 8192), 57.0 vs 57.1 at (32, 4096), within 0.2 us elsewhere (1 warp: the same as 2)
@@ -1195,6 +1186,15 @@ def effective_split_l(config: KernelConfig, kv_lora_rank: int) -> int:
 def _max_q_len(batch) -> int:
     """The batch's largest q_len, at least 1 (one host sync)."""
     return max(int(batch.q_lens.max()) if batch.q_lens.numel() else 1, 1)
+
+
+def q_len_unsupported(max_q_len: int) -> str | None:
+    """Why the kernels cannot take query rows up to q_len max_q_len, or None: a program packs q_len x head_group
+    (query row, head) rows, at most MAX_ROWS, with one head at least."""
+    if max_q_len > MAX_ROWS:
+        return (f"q_len must be <= {MAX_ROWS} (a program packs q_len x heads rows, at most {MAX_ROWS}), "
+                f"got {max_q_len}")
+    return None
 
 
 def gluon_unsupported(batch, config: KernelConfig, max_rows: int) -> str | None:
