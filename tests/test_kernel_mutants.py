@@ -119,18 +119,32 @@ def test_every_gate_names_collected_gpu_tests_of_its_kernels():
     assert set(km.BASELINE) == set(km.GATES["mla_fast/gluon_decode.py"]) | set(km.GATES["mla_fast/gluon_fp8.py"])
 
 
-def _odd_then_longer(case) -> int:
-    """Workers of the seesaw's plan for `case` (132 workers, an H100's or H200's SMs) that run an item of an odd tile
-    count and then one of two tiles or more."""
+def _workers_with(case, config, workers: int, pair) -> int:
+    """Workers of `config`'s plan for `case` on `workers` workers that run an item of a tiles and next one of b tiles
+    with pair(a, b) true. The plan from the case's lengths alone: building an fp8 batch quantizes its whole cache
+    (26 s on this CPU at 1000 requests)."""
+    from types import SimpleNamespace
+
+    import torch
+
     from mla_fast import planner
     from mla_fast import triton_decode as td
 
-    config = td.default_config("bf16", case.heads, max(case.q_lens), 32, seesaw=True)
-    plan = td.make_plan(case.batch("cpu"), config, 132)
+    lengths = SimpleNamespace(q=torch.empty(0), num_heads=case.heads)  # what make_plan reads besides the lengths
+    plan = td.make_plan(lengths, config, workers, seq_lens=torch.tensor(case.seq_lens),
+                        q_lens=torch.tensor(case.q_lens))
     items, bounds = plan.work_items.long(), plan.worker_indptr.long().tolist()
-    tiles = (items[:, planner.KV_END] - items[:, planner.KV_START] + config.block_n - 1) // config.block_n  # [N]
-    return sum(any(tiles[i] % 2 == 1 and tiles[i + 1] >= 2 for i in range(lo, hi - 1))
-               for lo, hi in zip(bounds, bounds[1:]))
+    tiles = ((items[:, planner.KV_END] - items[:, planner.KV_START] + config.block_n - 1) // config.block_n).tolist()
+    return sum(any(pair(tiles[i], tiles[i + 1]) for i in range(lo, hi - 1)) for lo, hi in zip(bounds, bounds[1:]))
+
+
+def _odd_then_longer(case) -> int:
+    """Workers of the seesaw's plan for `case` (132 workers, an H100's or H200's SMs) that run an item of an odd tile
+    count and then one of two tiles or more."""
+    from mla_fast import triton_decode as td
+
+    config = td.default_config("bf16", case.heads, max(case.q_lens), 32, seesaw=True)
+    return _workers_with(case, config, 132, lambda a, b: a % 2 == 1 and b >= 2)
 
 
 def test_one_seesaw_case_runs_an_odd_tile_item_before_a_longer_one_on_most_workers():
@@ -145,23 +159,11 @@ def test_one_seesaw_case_runs_an_odd_tile_item_before_a_longer_one_on_most_worke
 
 def _slots_then_another(case) -> int:
     """Workers of the Gluon fp8 kernel's plan for `case` (132 SMs, its workers_per_sm programs each) that run an item
-    of num_stages tiles or more and then another item. The plan from the case's lengths alone: building an fp8
-    batch quantizes its whole cache (26 s on this CPU at 1000 requests)."""
-    from types import SimpleNamespace
-
-    import torch
-
-    from mla_fast import planner
+    of num_stages tiles or more and then another item."""
     from mla_fast import triton_decode as td
 
     config = td.forced_config(case.combo, case.heads, max(case.q_lens), "gluon_fp8")
-    lengths = SimpleNamespace(q=torch.empty(0), num_heads=case.heads)  # what make_plan reads besides the lengths
-    plan = td.make_plan(lengths, config, 132 * config.workers_per_sm, seq_lens=torch.tensor(case.seq_lens),
-                        q_lens=torch.tensor(case.q_lens))
-    items, bounds = plan.work_items.long(), plan.worker_indptr.long().tolist()
-    tiles = (items[:, planner.KV_END] - items[:, planner.KV_START] + config.block_n - 1) // config.block_n  # [N]
-    return sum(any(tiles[i] >= config.num_stages and tiles[i + 1] >= 1 for i in range(lo, hi - 1))
-               for lo, hi in zip(bounds, bounds[1:]))
+    return _workers_with(case, config, 132 * config.workers_per_sm, lambda a, b: a >= config.num_stages and b >= 1)
 
 
 def test_a_cheap_gluon_fp8_case_runs_an_item_of_every_tile_slot_then_another_on_most_workers():
