@@ -44,6 +44,7 @@ from mla_fast.planner import (
     check_plan,
 )
 from mla_ref.decode import DecodeBatch, is_fp8
+from mla_ref.fp8 import widen
 
 CHUNK_TOKENS = 8192  # padded KV tokens (or reduce rows x splits) per batched step
 
@@ -108,7 +109,7 @@ def _gather_kv(batch: DecodeBatch, req: torch.Tensor, kv_start: torch.Tensor, kv
     req = torch.where(valid, req[:, None], req[longest])  # [n, Tm]
     page = batch.block_table.long()[req, pos // batch.page_size].flatten()  # [n * Tm] pages of valid tokens only
     slot = (pos % batch.page_size).flatten()  # [n * Tm] their slots
-    kv = batch.kv_cache[page, slot].to(dtype)  # [n * Tm, L+R] gather (any strides), convert
+    kv = widen(batch.kv_cache[page, slot], dtype)  # [n * Tm, L+R] gather (any strides), convert
     if is_fp8(batch.kv_cache.dtype):
         kv = kv * batch.kv_scale
     kv.index_fill_(0, torch.nonzero(~valid.flatten()).flatten(), 0.0)  # padding: zeros

@@ -33,6 +33,7 @@ from dataclasses import KW_ONLY, dataclass
 import torch
 
 from mla_ref.config import is_int
+from mla_ref.fp8 import widen
 
 FP8_DTYPES = tuple(
     getattr(torch, name)
@@ -247,12 +248,12 @@ class DecodeBatch:
     # ---- what the oracle sees ------------------------------------------------------------------------------
     def dequantized(self, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
         """(q [T, H, L+R], kv_cache [P, page_size, L+R]) in ``dtype``, fp8 inputs multiplied by their scales."""
-        kv = self.kv_cache.to(dtype) * (self.kv_scale if is_fp8(self.kv_cache.dtype) else 1.0)  # [P, ps, L+R]
+        kv = widen(self.kv_cache, dtype) * (self.kv_scale if is_fp8(self.kv_cache.dtype) else 1.0)  # [P, ps, L+R]
         return self.dequantized_q(dtype), kv
 
     def dequantized_q(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
         """[T, H, L+R] queries in ``dtype``, fp8 multiplied by ``q_scale``."""
-        return self.q.to(dtype) * (self.q_scale if is_fp8(self.q.dtype) else 1.0)
+        return widen(self.q, dtype) * (self.q_scale if is_fp8(self.q.dtype) else 1.0)
 
     def token_slots(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(pages [s_b], slots [s_b]) int64 addresses of request b's tokens in kv_cache, valid tokens only."""
@@ -341,7 +342,7 @@ class DecodeBatch:
         pages = self.block_table.long().gather(1, (j // self.page_size)[None, :].expand(self.batch_size, -1))
         pages = torch.where(valid, pages, 0)  # [B, S] unused block-table entries may hold garbage
         rows = self.kv_cache[pages, torch.where(valid, j % self.page_size, 0)]  # [B, S, L+R] gather first
-        rows = rows.to(dtype).masked_fill_(~valid[..., None], 0.0)  # [B, S, L+R] NaN of unused slots dropped
+        rows = widen(rows, dtype).masked_fill_(~valid[..., None], 0.0)  # [B, S, L+R] NaN of unused slots dropped
         return rows.mul_(self.kv_scale) if scaled and is_fp8(self.kv_cache.dtype) else rows
 
     def visible_tokens(self) -> torch.Tensor:

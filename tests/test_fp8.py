@@ -14,7 +14,17 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mla_ref.fp8 import FORMATS, GRANULARITIES, TILE, FP8Format, dequantize, fp8_format, quantize, round_p
+from mla_ref.fp8 import (
+    FORMATS,
+    GRANULARITIES,
+    TILE,
+    FP8Format,
+    dequantize,
+    fp8_format,
+    quantize,
+    round_p,
+    widen,
+)
 
 ML_DTYPES = {
     "e4m3fn": ml_dtypes.float8_e4m3fn,
@@ -124,6 +134,24 @@ def test_dequantize_all_bit_patterns_match_ml_dtypes(name):
     finite = ~np.isnan(expected)
     np.testing.assert_array_equal(got[finite], expected[finite])
     np.testing.assert_array_equal(np.signbit(got[finite]), np.signbit(expected[finite]))  # -0 included
+
+
+_SAME_WIDTH_INT = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16}
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", list(_SAME_WIDTH_INT))
+def test_widen_gives_the_bits_of_torchs_conversion(name, dtype):
+    x = torch.arange(256, dtype=torch.uint8).view(FORMATS[name].torch_dtype).reshape(16, 16).t()  # every byte, strided
+    got, expected = widen(x, dtype), x.to(dtype)  # [16, 16]
+    assert got.dtype == dtype and got.shape == x.shape
+    assert torch.equal(got.view(_SAME_WIDTH_INT[dtype]), expected.view(_SAME_WIDTH_INT[dtype]))  # NaN and -0 bits too
+    assert widen(x[:0], dtype).shape == (0, 16)
+
+
+def test_widen_converts_other_dtypes_as_to_does():
+    x = torch.tensor([[1.0, -2.5e-8], [math.inf, math.nan]], dtype=torch.bfloat16)
+    assert torch.equal(widen(x).view(torch.int64), x.to(torch.float64).view(torch.int64))
 
 
 # ---------------------------------------------------------------- round-to-nearest-even with saturation
