@@ -172,6 +172,9 @@ def _decode(
     unit_kv_drops_q_scale: bool = False,
     pad_weight0: bool = False,
     consecutive_flat: int | None = None,
+    big_batch_heads: tuple[int, int] | None = None,
+    big_batch_q_scale: int | None = None,
+    split_empty_nan: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV online-softmax MLA decode -> (out [T, H, L] bf16, lse [T, H] fp32). Defaults = no bug.
 
@@ -203,10 +206,16 @@ def _decode(
     dropped too. With ``pad_weight0`` every request's merge runs over the batch's most splits, its missing ones
     padding slots that read the first request's first split partial (its row r, or its last) with weight 0, so
     0 NaN = NaN there. With ``consecutive_flat`` = N a request on N pages or more whose page ids ascend one by one
-    is read as a flat run of whole pages, its last page unmasked (``full_last_page`` for that request only).
+    is read as a flat run of whole pages, its last page unmasked (``full_last_page`` for that request only). With
+    ``big_batch_heads`` = (R, N) a batch of more than R requests has its first N heads computed only (the others out
+    0, lse -inf); with ``big_batch_q_scale`` = R fp8 q's scale is dropped in a batch of more than R requests (a
+    large-batch path of its own). With ``split_empty_nan`` the rows of a split request that see no token get out NaN
+    (a merge that divides by its weights' sum, 0 / 0 there).
     """
     L, H, ps = batch.kv_lora_rank, batch.num_heads, batch.page_size
     sigma = batch.sm_scale if sm_scale is None else sm_scale
+    if big_batch_q_scale is not None and batch.batch_size > big_batch_q_scale:
+        use_q_scale = False  # the large-batch path forgets it
     if unit_kv_drops_q_scale and is_fp8(batch.kv_cache.dtype) and float(batch.kv_scale) == 1.0:
         use_q_scale = False  # the "no scales" path, picked by the cache's scale alone
     q = batch.q.float() * (batch.q_scale if is_fp8(batch.q.dtype) and use_q_scale else 1.0)  # [T, H, D]
@@ -289,6 +298,8 @@ def _decode(
             o_s = o_s.to(partial_dtype).float()
         order = torch.arange(len(parts), device=dev).roll(-merge_shift)  # [S] the order the merge sums them in
         out[qo[b] : qo[b + 1]], lse[qo[b] : qo[b + 1]] = _merge(o_s[order], lse_s[order], merge, empty_nan)
+        if split_empty_nan and len(parts) > 1:  # 0 / 0 on the rows that see no token (lse -inf)
+            out[qo[b] : qo[b + 1]][torch.isinf(lse[qo[b] : qo[b + 1]])] = math.nan  # [n, H, L] where lse is -inf
         splits.append(len(parts))
         first_o = o_s[0] if first_o is None and s and n else first_o  # [n0, H, L]
     if pad_weight0 and first_o is not None:  # each padding slot: 0 x the first partial's row r (or its last)
@@ -300,6 +311,8 @@ def _decode(
     if head_tile is not None:  # the heads past the last whole tile: never computed
         computed = max(1, H // head_tile) * head_tile
         out[:, computed:], lse[:, computed:] = 0.0, -math.inf
+    if big_batch_heads is not None and batch.batch_size > big_batch_heads[0]:  # one tile of N heads computed
+        out[:, big_batch_heads[1] :], lse[:, big_batch_heads[1] :] = 0.0, -math.inf
     out = (out * gain).to(torch.bfloat16)
     return out, lse * math.log2(math.e) if lse_base2 else lse
 
@@ -692,6 +705,28 @@ def mtp_row_5bit(batch):
     return _decode(batch, row_bits=5)
 
 
+def big_batch_heads16(batch):
+    """In batches of more than 64 requests (a large-batch path) only one tile of 16 heads is computed: the heads past
+    16 come out 0 with lse -inf. Right at 16 heads or fewer and in smaller batches; the smoke prefix's 66 split
+    requests at 20 heads show it (a review's bug, seventieth session: both larger batches had 2 heads)."""
+    return _decode(batch, big_batch_heads=(64, 16))
+
+
+def big_batch_q_scale(batch):
+    """In batches of more than 64 requests (a large-batch path) fp8 q's scale is dropped. Right on bf16 q and in
+    smaller batches; the smoke prefix's 66 split requests with fp8 q show it in fp8 campaigns (a review's bug,
+    seventieth session: both larger batches had bf16 q)."""
+    return _decode(batch, big_batch_q_scale=64)
+
+
+def split_empty_nan(batch):
+    """A reduce that divides the merged output by its weights' sum: the rows of a split request that see no token
+    (more MTP rows than tokens, in a request longer than one 64-token tile) get 0 / 0 = NaN, where an unsplit
+    request's get 0. Our kernels take 64 rows at most, too few for such a row; the smoke prefix's 72 rows over 70
+    tokens show it (a review's bug, seventieth session: no case had a split request with such rows)."""
+    return _decode(batch, split_empty_nan=True)
+
+
 def consecutive_pages_flat(batch):
     """A request on 4 pages or more whose page ids ascend one by one (what an allocator mostly gives a request)
     takes a flat fast path that reads its pages whole, the last one unmasked: NaN from its unused slots. Right on
@@ -948,9 +983,10 @@ MUTANTS = (
     "shared_page_reuse", "prefix_by_first_page", "prefix_first_pair", "head0_max", "dtype_unchecked",
     "alpha_bf16", "head_tiles_floor", "slot_8bit", "mtp_row_3bit", "page_div_magic16", "unit_kv_fastpath",
     "reduce_pad_weight0", "active_index_8bit", "packed_rows_10bit", "mtp_row_5bit", "consecutive_pages_flat",
+    "big_batch_heads16", "big_batch_q_scale", "split_empty_nan",
 )  # fmt: skip
-FP8_ONLY = ("kv_scale_ignored", "q_scale_ignored", "unit_kv_fastpath")  # need fp8 inputs (a scale != 1; the last
-# a kv scale of 1 beside fp8 q's own)
+# need fp8 inputs (a scale != 1; unit_kv_fastpath a kv scale of 1 beside fp8 q's own, big_batch_q_scale fp8 q)
+FP8_ONLY = ("kv_scale_ignored", "q_scale_ignored", "unit_kv_fastpath", "big_batch_q_scale")
 FAR_ONLY = ("int32_offsets", "page_ids_16bit")  # need the far check, on by default on CUDA devices only (--far on)
 LONG_ONLY = ("uint16_positions",)  # need the long cases, on by default on CUDA devices only (mla-verify --long on)
 CUDA_ONLY = ("realloc_workspace",)  # needs a CUDA graph: its replay keeps the address plan() freed

@@ -181,7 +181,8 @@ def smoke_cases(
     fp8 q's dynamic one, the inputs the campaign does not draw (fp16 for bf16, the other fp8 formats for fp8),
     MiniCPM3's shape
     (40 heads, a latent of 256 and a rope of 32, with MTP rows on lengths of whole tiles), 128 heads with 9 MTP
-    rows, MTP rows of 20 and 40, 300 non-empty requests, and a batch of 260 requests (64 of them non-empty: every
+    rows, MTP rows of 20 and 40, 300 non-empty requests, 66 split requests on 132 workers (20 heads, pages of 64, fp8
+    q), 72 MTP rows over 70 tokens, and a batch of 260 requests (64 of them non-empty: every
     fourth from request 4).
 
     Lengths are clipped to max_seq_len; heads / page_size / kv_lora_rank / rope_dim override the hand-picked values
@@ -287,6 +288,17 @@ def smoke_cases(
         dict(seq_lens=tuple(1 + 13 * j % 40 for j in range(300)),
              q_lens=tuple(1 if j % 7 == 0 else 2 for j in range(300)), heads=2, page_size=16, num_workers=16,
              dist="gauss1", seed=31),
+        # a big batch as served (a review's bugs, seventieth session: the two big batches have 2 heads, pages of 16,
+        # bf16 q and few split requests, and no case gave work to more than 120 of 132 workers): 66 requests of
+        # 65-128 tokens, two 64-token tiles each (132 tiles on 132 workers, every request split), 20 heads, pages of
+        # 64, fp8 q, MTP rows of 2: a large-batch path that computes one tile of 16 heads, takes pages of 16 or drops
+        # fp8 q's scale, or metadata sized for 16 split requests or 128 workers shows ...
+        dict(seq_lens=tuple(65 + 37 * j % 64 for j in range(66)),
+             q_lens=tuple(2 if j % 5 == 0 else 1 for j in range(66)), heads=20, page_size=64, num_workers=132,
+             dist="gauss1", q_dtype="fp8" if fp8 else "bf16", seed=32),
+        # ... and rows that see no token in a split request (72 rows over 70 tokens; our kernels refuse q_len past 64):
+        # a reduce that divides by the merge weights' sum gives 0 / 0 there
+        dict(seq_lens=(70, 5), q_lens=(72, 1), heads=4, num_workers=8, dist="gauss1", seed=33),
         # a batch of 260 requests (drawn: up to --max-batch, 8), as a CUDA graph padded past 256 holds them: 64 of
         # them non-empty, every fourth from request 4 (37 (j / 4) mod 101 is 0 at j = 0), so that requests past index
         # 127 and 255 read tokens (a request index of 8 bits, signed or not, wraps), MTP rows of 3 in every ninth of
