@@ -110,6 +110,10 @@ turns one knob, the way such bugs happen in real kernels:
 | mtp_row_5bit          | an MTP row's index kept in 5 bits in the causal mask         | tier1 (40 MTP rows)           |
 | consecutive_pages_flat| a request on >= 4 consecutive ascending pages read flat, its | layout (a request of 4 pages  |
 |                       | last page unmasked                                           | or more, the last partial)    |
+| big_batch_heads16     | past 64 requests, H // 16 tiles of 16 heads computed         | tier1 (66 requests, 20 heads) |
+| big_batch_q_scale     | past 64 requests, fp8 q used without its scale               | tier1 (fp8: the same case)    |
+| split_empty_nan       | a split request's rows that see no token: 0 / 0 = NaN        | tier1 / empty (72 MTP rows    |
+|                       |                                                              | over 70 tokens)               |
 """
 
 from __future__ import annotations
@@ -172,8 +176,6 @@ def _decode(
     unit_kv_drops_q_scale: bool = False,
     pad_weight0: bool = False,
     consecutive_flat: int | None = None,
-    big_batch_heads: tuple[int, int] | None = None,
-    big_batch_q_scale: int | None = None,
     split_empty_nan: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV online-softmax MLA decode -> (out [T, H, L] bf16, lse [T, H] fp32). Defaults = no bug.
@@ -207,15 +209,11 @@ def _decode(
     padding slots that read the first request's first split partial (its row r, or its last) with weight 0, so
     0 NaN = NaN there. With ``consecutive_flat`` = N a request on N pages or more whose page ids ascend one by one
     is read as a flat run of whole pages, its last page unmasked (``full_last_page`` for that request only). With
-    ``big_batch_heads`` = (R, N) a batch of more than R requests has its first N heads computed only (the others out
-    0, lse -inf); with ``big_batch_q_scale`` = R fp8 q's scale is dropped in a batch of more than R requests (a
-    large-batch path of its own). With ``split_empty_nan`` the rows of a split request that see no token get out NaN
-    (a merge that divides by its weights' sum, 0 / 0 there).
+    ``split_empty_nan`` the rows of a split request that see no token get out NaN (a merge that divides by its
+    weights' sum, 0 / 0 there).
     """
     L, H, ps = batch.kv_lora_rank, batch.num_heads, batch.page_size
     sigma = batch.sm_scale if sm_scale is None else sm_scale
-    if big_batch_q_scale is not None and batch.batch_size > big_batch_q_scale:
-        use_q_scale = False  # the large-batch path forgets it
     if unit_kv_drops_q_scale and is_fp8(batch.kv_cache.dtype) and float(batch.kv_scale) == 1.0:
         use_q_scale = False  # the "no scales" path, picked by the cache's scale alone
     q = batch.q.float() * (batch.q_scale if is_fp8(batch.q.dtype) and use_q_scale else 1.0)  # [T, H, D]
@@ -311,8 +309,6 @@ def _decode(
     if head_tile is not None:  # the heads past the last whole tile: never computed
         computed = max(1, H // head_tile) * head_tile
         out[:, computed:], lse[:, computed:] = 0.0, -math.inf
-    if big_batch_heads is not None and batch.batch_size > big_batch_heads[0]:  # one tile of N heads computed
-        out[:, big_batch_heads[1] :], lse[:, big_batch_heads[1] :] = 0.0, -math.inf
     out = (out * gain).to(torch.bfloat16)
     return out, lse * math.log2(math.e) if lse_base2 else lse
 
@@ -705,18 +701,22 @@ def mtp_row_5bit(batch):
     return _decode(batch, row_bits=5)
 
 
+BIG_BATCH_PATH = 64  # requests past which the two large-batch mutants take their own path
+
+
 def big_batch_heads16(batch):
-    """In batches of more than 64 requests (a large-batch path) only one tile of 16 heads is computed: the heads past
-    16 come out 0 with lse -inf. Right at 16 heads or fewer and in smaller batches; the smoke prefix's 66 split
-    requests at 20 heads show it (a review's bug, seventieth session: both larger batches had 2 heads)."""
-    return _decode(batch, big_batch_heads=(64, 16))
+    """In batches of more than 64 requests (a large-batch path) the heads are computed in H // 16 tiles of 16
+    (`head_tiles_floor`'s bug with tiles of 16): at 20 heads, heads 16-19 come out 0 with lse -inf. Right at
+    multiples of 16 heads, at fewer than 16 and in smaller batches; the smoke prefix's 66 split requests at 20 heads
+    show it (a review's bug, seventieth session: both larger batches had 2 heads)."""
+    return _decode(batch, head_tile=16 if batch.batch_size > BIG_BATCH_PATH else None)
 
 
 def big_batch_q_scale(batch):
-    """In batches of more than 64 requests (a large-batch path) fp8 q's scale is dropped. Right on bf16 q and in
-    smaller batches; the smoke prefix's 66 split requests with fp8 q show it in fp8 campaigns (a review's bug,
-    seventieth session: both larger batches had bf16 q)."""
-    return _decode(batch, big_batch_q_scale=64)
+    """In batches of more than 64 requests (a large-batch path) fp8 q's scale is dropped (`q_scale_ignored` there
+    only). Right on bf16 q and in smaller batches; the smoke prefix's 66 split requests with fp8 q show it in fp8
+    campaigns (a review's bug, seventieth session: both larger batches had bf16 q)."""
+    return _decode(batch, use_q_scale=batch.batch_size <= BIG_BATCH_PATH)
 
 
 def split_empty_nan(batch):
