@@ -419,20 +419,6 @@ class DecodeBatch:
             "sm_scale": self.sm_scale,
         }
 
-    def to_vllm(self) -> dict:
-        """vLLM MLA backend layout: kv_cache [num_blocks, block_size, D], block_table, seq_lens, query_start_loc."""
-        return {
-            "q": self.q,  # [T, H, D]
-            "kv_cache": self.kv_cache,  # [num_blocks, block_size, D]
-            "block_table": self.block_table,  # [B, max_blocks]
-            "seq_lens": self.seq_lens,  # [B]
-            "query_start_loc": self.qo_indptr,  # [B+1]
-            "max_query_len": int(self.q_lens.max()) if self.batch_size else 0,
-            "scale": self.sm_scale,
-            "q_scale": self.q_scale,
-            "k_scale": self.kv_scale,
-        }
-
 
 @dataclass(frozen=True)
 class RequestGrid:
