@@ -214,6 +214,23 @@ def test_only_the_invariant_backend_declares_batch_invariance_and_it_fixes_its_q
             call()
 
 
+def test_the_gpu_property_tests_leave_out_only_the_smoke_case_our_kernel_refuses():
+    """tests/test_triton_gpu.py's property tests take the smoke prefix as examples less the cases our Triton backend
+    refuses by name (triton_cases.smoke_prefix_our_kernels_take): the 72-row case alone, in order, and the backend
+    does refuse it (its q_len check precedes any launch, so on a CPU too)."""
+    pytest.importorskip("triton", reason="our kernels' dispatch needs triton (pip install triton==3.6.0)")
+    from triton_cases import smoke_prefix_our_kernels_take
+
+    from verify.strategies import smoke_cases
+
+    for dtype in ("bf16", "fp8"):
+        full, kept = smoke_cases(dtype), smoke_prefix_our_kernels_take(dtype)
+        left_out = [c for c in full if c not in kept]
+        assert [c for c in full if c in kept] == kept and [c.q_lens for c in left_out] == [(72, 1)], dtype
+        with pytest.raises(backends.Unsupported, match="q_len must be <= 64"):
+            backends.BACKENDS["triton"](left_out[0].materialize("cpu")[0])
+
+
 @pytest.mark.parametrize("name,dtype,heads,page_size,reason", [
     ("seesaw", "bf16", 16, 64, "no seesaw geometry"),  # 16 rows: the Triton kernel's
     ("seesaw", "fp8kv", 32, 64, "no seesaw geometry"),  # fp8 caches: above 32 rows only
