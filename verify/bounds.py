@@ -26,7 +26,7 @@ import torch
 
 from mla_fast.numerics import KernelNumerics
 from mla_ref.decode import Bucket, DecodeBatch, RequestGrid, by_bucket, is_fp8
-from mla_ref.fp8 import WIDE_DTYPES, fp8_format, round_p, round_to
+from mla_ref.fp8 import WIDE_DTYPES, fp8_format, round_p, round_to, widen
 
 F64 = torch.float64
 U32 = 2.0**-24  # fp32 unit roundoff
@@ -234,7 +234,7 @@ def _operand_error(fed: torch.Tensor, operand: torch.dtype, via_fp32: bool = Fal
     finite: [] bool, False if a value overflows ``operand`` (the kernel would compute with ±inf: no bound exists;
     ``_require_finite`` raises). No host sync.
     """
-    inexact = (fed.to(operand).to(F64) != fed).flatten(1 if per_request else 0).any(dim=-1).to(F64)  # [B] or []
+    inexact = (widen(fed.to(operand), F64) != fed).flatten(1 if per_request else 0).any(dim=-1).to(F64)  # [B] or []
     u, eta = _unit_roundoff(operand), _half_min_subnormal(operand)
     if via_fp32:
         u, eta = (1 + u) * (1 + U32) - 1, eta + _half_min_subnormal(None)
