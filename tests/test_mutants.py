@@ -32,13 +32,15 @@ ONE_CASE = {
     "mtp_row_3bit": ("bf16", lambda c: max(c.q_lens) == 12),
     "unit_kv_fastpath": ("fp8", lambda c: c.scale_mode == "kv_unit"),
     # the sixty-ninth session's review: an index one bit wider than the case that showed its narrower twin
-    "active_index_8bit": ("bf16", lambda c: len(c.seq_lens) == 300),
+    "active_index_8bit": ("bf16", lambda c: len(c.seq_lens) == 520),
     "packed_rows_10bit": ("bf16", lambda c: c.heads == 128 and max(c.q_lens) == 9),
     "mtp_row_5bit": ("bf16", lambda c: max(c.q_lens) == 40),
     # the seventieth session's review: a large-batch path at serving's heads and q dtype; an empty row, split
     "big_batch_heads16": ("bf16", lambda c: c.heads == 20),
     "big_batch_q_scale": ("fp8", lambda c: c.heads == 20),
     "split_empty_nan": ("bf16", lambda c: max(c.q_lens) == 72),
+    # the seventy-first session's review: a request index of 9 bits
+    "request_index_9bit": ("bf16", lambda c: len(c.seq_lens) == 520),
 }
 ONE_CASE_FAILS = {"split_empty_nan": {"tier1.out", "empty"}}  # NaN out where lse is right (-inf); others: tier1's two
 

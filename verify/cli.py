@@ -225,9 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "each worker process holds one such cache: fewer --jobs where memory is short")
     p.add_argument("--long", choices=("auto", "on", "off"), default="auto",
                    help="the long cases after the smoke prefix: one request of 2^16 + 65 tokens cut into more than "
-                        "64 pieces, with MTP, and a big split batch of 264 requests (verify.strategies.long_cases; "
-                        "--max-seq-len does not bound them); auto = on CUDA devices (default); on a 2-core CPU about "
-                        "20 s per long request, 5 minutes for the big batch")
+                        "64 pieces, with MTP, a big split batch of 264 requests, and the long request again on "
+                        "pages of 1 (verify.strategies.long_cases; --max-seq-len does not bound them); auto = on "
+                        "CUDA devices (default); on a 2-core CPU about 20 s per long request (85 s on pages of 1), "
+                        "5 minutes for the big batch")
     return p
 
 
@@ -992,9 +993,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"{len(longs)} long cases (they follow the {len(smoke)}-case smoke prefix; --cases "
                       f"{len(smoke) + len(longs)} runs them)", markup=False, highlight=False)
     elif not long and not replay:
-        console.print("mla-verify: the long cases are off (a request of 2^16 + 65 tokens in more than 64 pieces and "
-                      "a big split batch, on CUDA devices by default; --long on runs them here)", markup=False,
-                      highlight=False)
+        console.print("mla-verify: the long cases are off (a request of 2^16 + 65 tokens in more than 64 pieces, "
+                      "a big split batch and that request on pages of 1, on CUDA devices by default; --long on runs "
+                      "them here)", markup=False, highlight=False)
     smoke = (smoke + longs)[:n]
     results: list[CaseResult] = []
     stopped: dict = {}  # why the campaign ended early (a device fault, --time-limit), for the report

@@ -104,8 +104,10 @@ turns one knob, the way such bugs happen in real kernels:
 | reduce_pad_weight0    | a reduce over the batch's most splits per request whose      | nan.first (a request of fewer |
 |                       | padding slots read the first request's first partial with    | splits than another)          |
 |                       | weight 0 (0 NaN = NaN)                                       |                               |
-| active_index_8bit     | the k-th non-empty request reads non-empty request k mod     | tier1 (300 non-empty          |
+| active_index_8bit     | the k-th non-empty request reads non-empty request k mod     | tier1 (520 non-empty          |
 |                       | 256's pages and length (a work list's 8-bit slot)            | requests)                     |
+| request_index_9bit    | request_index_8bit with 9 bits: past a CUDA graph's 512      | tier1 (520 non-empty          |
+|                       |                                                              | requests)                     |
 | packed_rows_10bit     | the packed (row, head) index r H + h kept in 10 bits         | tier1 (128 heads, 9 MTP rows) |
 | mtp_row_5bit          | an MTP row's index kept in 5 bits in the causal mask         | tier1 (40 MTP rows)           |
 | consecutive_pages_flat| a request on >= 4 consecutive ascending pages read flat, its | layout (a request of 4 pages  |
@@ -680,10 +682,17 @@ def request_index_8bit(batch):
     return _decode(batch, request_bits=8)
 
 
+def request_index_9bit(batch):
+    """`request_index_8bit` with 9 bits: request 512 reads request 0's pages. Right in every batch of at most 512
+    requests (a CUDA graph's largest); the smoke prefix's 520 non-empty requests show it (a review's bug,
+    seventy-first session: the largest batch built had 302 requests)."""
+    return _decode(batch, request_bits=9)
+
+
 def active_index_8bit(batch):
     """A work list of the non-empty requests (a persistent kernel's, which skips a CUDA graph's padding requests of
     length 0) keeps each entry's request slot in 8 bits: the 257th non-empty request reads the first one's pages and
-    length. Right while a batch has at most 256 non-empty requests; the smoke prefix's 300 non-empty requests show
+    length. Right while a batch has at most 256 non-empty requests; the smoke prefix's 520 non-empty requests show
     it (a review's bug, sixty-ninth session: the most non-empty requests of any case were 64)."""
     return _decode(batch, active_bits=8)
 
@@ -983,7 +992,7 @@ MUTANTS = (
     "shared_page_reuse", "prefix_by_first_page", "prefix_first_pair", "head0_max", "dtype_unchecked",
     "alpha_bf16", "head_tiles_floor", "slot_8bit", "mtp_row_3bit", "page_div_magic16", "unit_kv_fastpath",
     "reduce_pad_weight0", "active_index_8bit", "packed_rows_10bit", "mtp_row_5bit", "consecutive_pages_flat",
-    "big_batch_heads16", "big_batch_q_scale", "split_empty_nan",
+    "big_batch_heads16", "big_batch_q_scale", "split_empty_nan", "request_index_9bit",
 )  # fmt: skip
 # need fp8 inputs (a scale != 1; unit_kv_fastpath a kv scale of 1 beside fp8 q's own, big_batch_q_scale fp8 q)
 FP8_ONLY = ("kv_scale_ignored", "q_scale_ignored", "unit_kv_fastpath", "big_batch_q_scale")

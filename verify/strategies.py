@@ -181,7 +181,7 @@ def smoke_cases(
     fp8 q's dynamic one, the inputs the campaign does not draw (fp16 for bf16, the other fp8 formats for fp8),
     MiniCPM3's shape
     (40 heads, a latent of 256 and a rope of 32, with MTP rows on lengths of whole tiles), 128 heads with 9 MTP
-    rows, MTP rows of 20 and 40, 300 non-empty requests, 66 split requests on 132 workers (20 heads, pages of 64, fp8
+    rows, MTP rows of 20 and 40, 520 non-empty requests, 66 split requests on 132 workers (20 heads, pages of 64, fp8
     q), 72 MTP rows over 70 tokens, and a batch of 260 requests (64 of them non-empty: every
     fourth from request 4).
 
@@ -246,8 +246,11 @@ def smoke_cases(
         dict(seq_lens=(600, 1, 129), q_lens=(2, 1, 3), heads=8, page_size=16, num_workers=8, dist="heads",
              q_dtype="fp8" if fp8 else "bf16", seed=20),
         # shapes a review's kernels broke on while every case passed them (fifty-ninth session): 96 heads, above
-        # 64 and no multiple of it (a kernel launching H // 64 tiles of 64 heads drops heads 64-95)
-        dict(seq_lens=(70, 5, 0), q_lens=(1, 2, 1), heads=96, page_size=16, num_workers=8, dist="gauss1", seed=25),
+        # 64 and no multiple of it (a kernel launching H // 64 tiles of 64 heads drops heads 64-95), over 132
+        # workers (seventy-first session: no case of 64 heads or more had rows cut in more than 3 pieces, so a
+        # reduce for 64+ heads that merges at most 8 pieces a row passed; 600 tokens here are cut in 10)
+        dict(seq_lens=(600, 5, 0), q_lens=(1, 2, 1), heads=96, page_size=16, num_workers=132, dist="gauss1",
+             seed=25),
         # pages of 528: past 256 slots (an in-page slot of 8 bits wraps) and no power of two, under a request of
         # more than a page (a page index from a 16-bit magic multiply, (j ceil(2^16 / P)) >> 16, first misses
         # j // P at j = 527; on the drawn pages of 3 only past 32767)
@@ -283,10 +286,11 @@ def smoke_cases(
         # ... MTP rows past 16 and 32 (a long speculative draft; drawn q_lens stop at 16, the case above at 12: a
         # row index of 4 or 5 bits wraps), one request's rows outnumbering its tokens ...
         dict(seq_lens=(60, 7, 200), q_lens=(40, 1, 20), heads=4, page_size=16, num_workers=8, dist="gauss1", seed=30),
-        # ... and 300 requests, every one of them non-empty (the batch of 260 below has 64): a work list of the
-        # non-empty requests whose entries keep a request's slot in 8 bits wraps; 557 query rows, past 2^9
-        dict(seq_lens=tuple(1 + 13 * j % 40 for j in range(300)),
-             q_lens=tuple(1 if j % 7 == 0 else 2 for j in range(300)), heads=2, page_size=16, num_workers=16,
+        # ... and 520 requests, every one of them non-empty (the batch of 260 below has 64), past a CUDA graph's
+        # largest batch of 512: a work list of the non-empty requests whose entries keep a request's slot in 8
+        # bits, or a request index of 9 bits (seventy-first session; 300 requests before), wraps; 965 query rows
+        dict(seq_lens=tuple(1 + 13 * j % 40 for j in range(520)),
+             q_lens=tuple(1 if j % 7 == 0 else 2 for j in range(520)), heads=2, page_size=16, num_workers=16,
              dist="gauss1", seed=31),
         # a big batch as served (a review's bugs, seventieth session: the two big batches have 2 heads, pages of 16,
         # bf16 q and few split requests, and no case gave work to more than 120 of 132 workers): 66 requests of
@@ -345,7 +349,8 @@ def long_cases(
     refuses those, and the smoke prefix has them); fp8 with bf16 and with fp8 q. Then a big split batch: 264
     requests, 65 of them of 700-1199 tokens and request 256 of 3 x 4096, all of them split over 132 workers (found
     by a review: no batch the checks built had more than about 16 split tiles, or a split request past index 10, or a
-    request between 4097 and 65600 tokens).
+    request between 4097 and 65600 tokens). Last, a request of LONG_SEQ_LEN tokens on pages of 1: more than 2^16
+    pages in one request.
     Drawn cases stay within --max-seq-len (4096 by default), which the long cases ignore: on a 2-core CPU each long
     request costs about 20 s and the big split batch about 5 minutes; milliseconds on a GPU."""
     q_dtypes = ("bf16", "fp8") if dtype == "fp8" else ("bf16",)
@@ -361,4 +366,9 @@ def long_cases(
     q_lens = [2 if j in (24, 96, 200) else 1 for j in range(BIG_SPLIT_BATCH)]
     seq_lens[256], q_lens[256] = 3 * 4096, 3
     big = Case(seq_lens=tuple(seq_lens), q_lens=tuple(q_lens), heads=heads or 4, dist="gauss1", seed=21, **shape)
-    return longest + [big]
+    # the longest request again on pages of 1 (aiter's paged layout in vLLM on ROCm): 2^16 + 65 pages, so that a
+    # block-table column kept in 12 or 16 bits wraps (a review's bug, seventy-first session: no case had more
+    # than 4096 pages in a request; smoke lengths stop at --max-seq-len)
+    pages_of_1 = Case(seq_lens=(LONG_SEQ_LEN, 17), q_lens=(1, 2), heads=heads or 2, dist="gauss1", seed=27,
+                      **{**shape, "page_size": page_size or 1})
+    return longest + [big, pages_of_1]
