@@ -1062,8 +1062,8 @@ def test_the_long_cases_follow_the_smoke_prefix_when_on(capsys, tmp_path):
                        "--jobs", "1", "--json", str(path))  # --cases cuts them off: the report says so
     report = json.loads(path.read_text())
     assert code == 0 and report["long"] is False and report["unsupported"] == {}
-    # the 2^16 + 65 tokens, the big batch, the 2^16 + 65 pages of 1
-    assert f"--cases {n - 1} leaves out 3 of the 3 long cases" in err, err
+    # the 2^16 + 65 tokens, the big batch, the 2^16 + 65 pages of 1, the 128-head MTP batch
+    assert f"--cases {n - 1} leaves out 4 of the 4 long cases" in err, err
 
 
 def nonzero_everywhere(batch):

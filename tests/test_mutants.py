@@ -43,16 +43,20 @@ ONE_CASE = {
     "request_index_9bit": ("bf16", lambda c: len(c.seq_lens) == 520),
 }
 ONE_CASE_FAILS = {"split_empty_nan": {"tier1.out", "empty"}}  # NaN out where lse is right (-inf); others: tier1's two
+# shown by the long cases' last, the 128-head MTP batch, whose checks take about 8 minutes on a CPU: its tier-1 check
+# alone (test_out_index_mutant_fails_the_128_head_mtp_batch_on_tier1)
+LONG_TIER1 = ("out_index_16bit",)
 
 
-@pytest.mark.parametrize("name", [m for m in MUTANTS if m not in CUDA_ONLY and m not in ONE_CASE])
+@pytest.mark.parametrize("name", [m for m in MUTANTS if m not in CUDA_ONLY and m not in ONE_CASE
+                                  and m not in LONG_TIER1])
 def test_mutant_is_caught(name):
     dtype = "fp8" if name in FP8_ONLY else "bf16"
     extra = ("--far", "on") if name in FAR_ONLY else ("--long", "on") if name in LONG_ONLY else ()
     assert _campaign(name, dtype, "-x", *extra) == 1
 
 
-@pytest.mark.parametrize("name", LONG_ONLY)
+@pytest.mark.parametrize("name", [m for m in LONG_ONLY if m not in LONG_TIER1])
 def test_long_mutant_fails_the_long_case_alone(name):
     """A 16-bit token position wraps past 65536 tokens: right on the whole smoke prefix (the long cases are off by
     default on a CPU), wrong on the long case's request of 2^16 + 65 tokens, whose newest token dominates its last
@@ -66,6 +70,36 @@ def test_long_mutant_fails_the_long_case_alone(name):
     result = run_case(case, from_callable(getattr(mutants, name)), "cpu")
     assert "tier1.out" in {c.name for c in result.checks if not c.ok}, result.describe()
     assert run_case(case, from_callable(mutants.correct), "cpu").ok
+
+
+def test_out_index_mutant_fails_the_128_head_mtp_batch_on_tier1():
+    """An output index t H + h kept in 16 bits gives the bits of the correct kernel on the fixed case of most (row,
+    head) pairs (1930, under 2^16), and fails tier1 on the long cases' 128-head MTP batch (528 x 128 = 67584 pairs),
+    whose pairs past 2^16 overwrite the first ones and are left unwritten; the correct kernel passes it there. The
+    batch's latent is narrowed to 64 channels here (the pairs do not depend on it): its full checks with DeepSeek's
+    512 take about 8 minutes on a CPU, this check 8 s."""
+    import torch
+
+    from mla_ref.decode import mla_decode_ref
+    from verify import mutants
+    from verify.checks import _tier1_bound, check_tier1
+    from verify.kernels import from_callable
+
+    most = max(smoke_cases("bf16"), key=lambda c: sum(c.q_lens) * c.heads)
+    assert sum(most.q_lens) * most.heads < 2**16
+    batch, _ = most.materialize("cpu")
+    for got, want in zip(mutants.out_index_16bit(batch), mutants.correct(batch), strict=True):
+        assert torch.equal(got, want)
+
+    case = long_cases("bf16", kv_lora_rank=64)[-1]
+    assert case.heads == 128 and sum(case.q_lens) * case.heads > 2**16
+    batch, _ = case.materialize("cpu")
+    ref = mla_decode_ref(batch)  # ([T, H, L], [T, H]) fp64
+    kernel = from_callable(mutants.out_index_16bit)
+    bound = _tier1_bound(batch, kernel, kernel.numerics(batch), ref)
+    failed = {r.name for r in check_tier1(*mutants.out_index_16bit(batch), ref, bound, torch.bfloat16) if not r.ok}
+    assert failed == {"tier1.out", "tier1.lse"}
+    assert all(r.ok for r in check_tier1(*mutants.correct(batch), ref, bound, torch.bfloat16))
 
 
 @pytest.mark.parametrize("name", ["rope_width_64", "full_tile_fast_path"])

@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
         "batch-invariant, else the tier-1 bound), and on\n"
         "CUDA devices the far check (the pages moved past element 2^31 and page id 2^16 of a larger cache, where\n"
         "int32 offsets and 16-bit page ids wrap) and the long cases (a request of 2^16 + 65 tokens in more than\n"
-        "64 pieces); for kernels with a\n"
+        "64 pieces, a big split batch, that request on pages of 1, 128 heads x 528 MTP rows); for kernels with a\n"
         "graph-capturable step, the step check (planned, run, captured in a CUDA graph on CUDA, given the next\n"
         "decode step in place, planned again and replayed; on CUDA that replay must leave the allocator's free\n"
         "memory unwritten; then one plain decode step, each request grown by its q_len, the same way).\n"
@@ -225,10 +225,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "each worker process holds one such cache: fewer --jobs where memory is short")
     p.add_argument("--long", choices=("auto", "on", "off"), default="auto",
                    help="the long cases after the smoke prefix: one request of 2^16 + 65 tokens cut into more than "
-                        "64 pieces, with MTP, a big split batch of 264 requests, and the long request again on "
-                        "pages of 1 (verify.strategies.long_cases; --max-seq-len does not bound them); auto = on "
+                        "64 pieces, with MTP, a big split batch of 264 requests, the long request again on "
+                        "pages of 1, and 132 requests of 4 MTP rows with 128 heads (past 2^16 (row, head) pairs; "
+                        "verify.strategies.long_cases; --max-seq-len does not bound them); auto = on "
                         "CUDA devices (default); on a 2-core CPU about 20 s per long request (85 s on pages of 1), "
-                        "5 minutes for the big batch")
+                        "5 minutes for the big batch, 8 for the 128-head batch")
     return p
 
 
@@ -994,8 +995,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{len(smoke) + len(longs)} runs them)", markup=False, highlight=False)
     elif not long and not replay:
         console.print("mla-verify: the long cases are off (a request of 2^16 + 65 tokens in more than 64 pieces, "
-                      "a big split batch and that request on pages of 1, on CUDA devices by default; --long on runs "
-                      "them here)", markup=False, highlight=False)
+                      "a big split batch, that request on pages of 1 and 128 heads x 528 MTP rows, on CUDA devices "
+                      "by default; --long on runs them here)", markup=False, highlight=False)
     smoke = (smoke + longs)[:n]
     results: list[CaseResult] = []
     stopped: dict = {}  # why the campaign ended early (a device fault, --time-limit), for the report

@@ -1,7 +1,8 @@
 """Planted-bug decode kernels: each one must make the default `mla-verify` campaign fail (exit 1); the two scale
 mutants (``kv_scale_ignored``, ``q_scale_ignored``) need fp8 cases, ``--dtype fp8``, ``int32_offsets`` and
-``page_ids_16bit`` the far check (on by default on CUDA devices; ``--far on`` on a CPU), ``uint16_positions`` the
-long cases (the same; ``--long on``) and ``realloc_workspace`` a CUDA device (its bug needs a CUDA graph).
+``page_ids_16bit`` the far check (on by default on CUDA devices; ``--far on`` on a CPU), ``uint16_positions`` and
+``out_index_16bit`` the long cases (the same; ``--long on``) and ``realloc_workspace`` a CUDA device (its bug needs
+a CUDA graph).
 
 Use them as plug-ins, ``mla-verify --impl verify.mutants:NAME``; ``correct`` is the same kernel without a bug and
 must pass. All share one small split-KV, online-softmax decode (`_decode`) in fp32 with bf16 output; each mutant
@@ -116,6 +117,8 @@ turns one knob, the way such bugs happen in real kernels:
 | big_batch_q_scale     | past 64 requests, fp8 q used without its scale               | tier1 (fp8: the same case)    |
 | split_empty_nan       | a split request's rows that see no token: 0 / 0 = NaN        | tier1 / empty (72 MTP rows    |
 |                       |                                                              | over 70 tokens)               |
+| out_index_16bit       | the output's (row, head) index t H + h kept in 16 bits       | tier1 (long: 528 MTP rows of  |
+|                       |                                                              | 128 heads)                    |
 """
 
 from __future__ import annotations
@@ -179,6 +182,7 @@ def _decode(
     pad_weight0: bool = False,
     consecutive_flat: int | None = None,
     split_empty_nan: bool = False,
+    out_index_bits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV online-softmax MLA decode -> (out [T, H, L] bf16, lse [T, H] fp32). Defaults = no bug.
 
@@ -212,7 +216,9 @@ def _decode(
     0 NaN = NaN there. With ``consecutive_flat`` = N a request on N pages or more whose page ids ascend one by one
     is read as a flat run of whole pages, its last page unmasked (``full_last_page`` for that request only). With
     ``split_empty_nan`` the rows of a split request that see no token get out NaN (a merge that divides by its
-    weights' sum, 0 / 0 there).
+    weights' sum, 0 / 0 there). With ``out_index_bits`` the (row, head) pair t H + h is written to out and lse at
+    that index modulo 2^bits, pairs in order (a later pair overwrites an earlier one), the slots from 2^bits on
+    left at out 0, lse -inf.
     """
     L, H, ps = batch.kv_lora_rank, batch.num_heads, batch.page_size
     sigma = batch.sm_scale if sm_scale is None else sm_scale
@@ -311,6 +317,13 @@ def _decode(
     if head_tile is not None:  # the heads past the last whole tile: never computed
         computed = max(1, H // head_tile) * head_tile
         out[:, computed:], lse[:, computed:] = 0.0, -math.inf
+    if out_index_bits is not None:  # slot i holds the last pair written there: i + k 2^bits, the largest below T H
+        pairs, wrap = out.shape[0] * H, 2**out_index_bits
+        i = torch.arange(pairs, device=dev)  # [T H] slots
+        last = i + (pairs - 1 - i) // wrap * wrap  # [T H] the last pair written to slot i (i itself past 2^bits)
+        unwritten = (i >= wrap).reshape(-1, H)  # [T, H]
+        out = out.reshape(pairs, L)[last].reshape(-1, H, L).masked_fill(unwritten[..., None], 0.0)  # [T, H, L]
+        lse = lse.reshape(pairs)[last].reshape(-1, H).masked_fill(unwritten, -math.inf)  # [T, H]
     out = (out * gain).to(torch.bfloat16)
     return out, lse * math.log2(math.e) if lse_base2 else lse
 
@@ -710,6 +723,14 @@ def mtp_row_5bit(batch):
     return _decode(batch, row_bits=5)
 
 
+def out_index_16bit(batch):
+    """The output's (row, head) index t H + h kept in 16 bits: past 65536 pairs a pair overwrites the one 2^16
+    before it, and the slots from 2^16 on stay unwritten. Right on every batch of at most 512 rows of 128 heads;
+    the long cases' 128-head MTP batch (528 rows) shows it (a review's bug, seventy-first session: no case had more
+    than 1930 pairs)."""
+    return _decode(batch, out_index_bits=16)
+
+
 BIG_BATCH_PATH = 64  # requests past which the two large-batch mutants take their own path
 
 
@@ -992,10 +1013,11 @@ MUTANTS = (
     "shared_page_reuse", "prefix_by_first_page", "prefix_first_pair", "head0_max", "dtype_unchecked",
     "alpha_bf16", "head_tiles_floor", "slot_8bit", "mtp_row_3bit", "page_div_magic16", "unit_kv_fastpath",
     "reduce_pad_weight0", "active_index_8bit", "packed_rows_10bit", "mtp_row_5bit", "consecutive_pages_flat",
-    "big_batch_heads16", "big_batch_q_scale", "split_empty_nan", "request_index_9bit",
+    "big_batch_heads16", "big_batch_q_scale", "split_empty_nan", "request_index_9bit", "out_index_16bit",
 )  # fmt: skip
 # need fp8 inputs (a scale != 1; unit_kv_fastpath a kv scale of 1 beside fp8 q's own, big_batch_q_scale fp8 q)
 FP8_ONLY = ("kv_scale_ignored", "q_scale_ignored", "unit_kv_fastpath", "big_batch_q_scale")
 FAR_ONLY = ("int32_offsets", "page_ids_16bit")  # need the far check, on by default on CUDA devices only (--far on)
-LONG_ONLY = ("uint16_positions",)  # need the long cases, on by default on CUDA devices only (mla-verify --long on)
+# need the long cases, on by default on CUDA devices only (mla-verify --long on)
+LONG_ONLY = ("uint16_positions", "out_index_16bit")
 CUDA_ONLY = ("realloc_workspace",)  # needs a CUDA graph: its replay keeps the address plan() freed

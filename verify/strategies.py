@@ -330,6 +330,7 @@ def smoke_cases(
 
 LONG_SEQ_LEN = 2**16 + 65  # past 2^16 positions, one token into a page of 64: 1026 blocks of 64
 BIG_SPLIT_BATCH = 264  # requests of the long cases' big split batch: split ones past index 255
+SERVED_MTP_BATCH = 132  # requests of the long cases' 128-head MTP batch: 528 rows x 128 heads, past 2^16 pairs
 
 
 def long_cases(
@@ -349,10 +350,11 @@ def long_cases(
     refuses those, and the smoke prefix has them); fp8 with bf16 and with fp8 q. Then a big split batch: 264
     requests, 65 of them of 700-1199 tokens and request 256 of 3 x 4096, all of them split over 132 workers (found
     by a review: no batch the checks built had more than about 16 split tiles, or a split request past index 10, or a
-    request between 4097 and 65600 tokens). Last, a request of LONG_SEQ_LEN tokens on pages of 1: more than 2^16
-    pages in one request.
+    request between 4097 and 65600 tokens). Then a request of LONG_SEQ_LEN tokens on pages of 1: more than 2^16
+    pages in one request. Last, 132 requests of 4 MTP rows with 128 heads: more than 2^16 (row, head) pairs.
     Drawn cases stay within --max-seq-len (4096 by default), which the long cases ignore: on a 2-core CPU each long
-    request costs about 20 s and the big split batch about 5 minutes; milliseconds on a GPU."""
+    request costs about 20 s (85 s on pages of 1), the big split batch about 5 minutes and the 128-head batch about
+    8; milliseconds to seconds on a GPU."""
     q_dtypes = ("bf16", "fp8") if dtype == "fp8" else ("bf16",)
     shape = dict(page_size=page_size or 64, kv_lora_rank=kv_lora_rank or 512, rope_dim=rope_dim or 64, kv_dtype=dtype,
                  fp8_format=fp8_format, num_workers=132)
@@ -371,4 +373,10 @@ def long_cases(
     # than 4096 pages in a request; smoke lengths stop at --max-seq-len)
     pages_of_1 = Case(seq_lens=(LONG_SEQ_LEN, 17), q_lens=(1, 2), heads=heads or 2, dist="gauss1", seed=27,
                       **{**shape, "page_size": page_size or 1})
-    return longest + [big, pages_of_1]
+    # DeepSeek-V3 as served with MTP: 132 requests of 4 query rows (a draft of 3 tokens) and 128 heads, 528 x 128 =
+    # 67584 (row, head) pairs in the output, past 2^16 (a review's bug, seventy-first session: an output index
+    # t H + h kept in 16 bits passed every case: the fixed ones had at most 1930 pairs, 965 rows x 2 heads, and
+    # drawn ones have at most 7 x 4 + 16 rows of 128 heads, 5632); about 8 minutes on a 2-core CPU, so a long case
+    served = Case(seq_lens=tuple(4 + 53 * j % 400 for j in range(SERVED_MTP_BATCH)), q_lens=(4,) * SERVED_MTP_BATCH,
+                  heads=heads or 128, dist="gauss1", seed=32, **shape)
+    return longest + [big, pages_of_1, served]
