@@ -43,9 +43,15 @@ ONE_CASE = {
     "request_index_9bit": ("bf16", lambda c: len(c.seq_lens) == 520),
 }
 ONE_CASE_FAILS = {"split_empty_nan": {"tier1.out", "empty"}}  # NaN out where lse is right (-inf); others: tier1's two
-# shown by the long cases' last, the 128-head MTP batch, whose checks take about 8 minutes on a CPU: its tier-1 check
-# alone (test_out_index_mutant_fails_the_128_head_mtp_batch_on_tier1)
-LONG_TIER1 = ("out_index_16bit",)
+# shown by a long case whose full checks take minutes on a CPU: its tier-1 check alone (test_long_tier1_mutant_...):
+# name -> (the count that wraps, as a function of a case, and where; the long case; the case's overrides)
+LONG_TIER1 = {
+    # (row, head) pairs; the 128-head MTP batch, its latent narrowed to 64 channels (about 8 minutes -> 8 s)
+    "out_index_16bit": (lambda c: sum(c.q_lens) * c.heads, 2**16, lambda c: c.heads == 128, dict(kv_lora_rank=64)),
+    # pages in a request; the request of 2^16 + 65 tokens on pages of 1 (85 s)
+    "block_column_12bit": (lambda c: max(-(-s // c.page_size) for s in c.seq_lens), 2**12,
+                           lambda c: c.page_size == 1, {}),
+}
 
 
 @pytest.mark.parametrize("name", [m for m in MUTANTS if m not in CUDA_ONLY and m not in ONE_CASE
@@ -72,12 +78,12 @@ def test_long_mutant_fails_the_long_case_alone(name):
     assert run_case(case, from_callable(mutants.correct), "cpu").ok
 
 
-def test_out_index_mutant_fails_the_128_head_mtp_batch_on_tier1():
-    """An output index t H + h kept in 16 bits gives the bits of the correct kernel on the fixed case of most (row,
-    head) pairs (1930, under 2^16), and fails tier1 on the long cases' 128-head MTP batch (528 x 128 = 67584 pairs),
-    whose pairs past 2^16 overwrite the first ones and are left unwritten; the correct kernel passes it there. The
-    batch's latent is narrowed to 64 channels here (the pairs do not depend on it): its full checks with DeepSeek's
-    512 take about 8 minutes on a CPU, this check 8 s."""
+@pytest.mark.parametrize("name", LONG_TIER1)
+def test_long_tier1_mutant_gives_the_correct_bits_on_the_smoke_prefix_and_fails_its_long_case(name):
+    """An index that wraps past a count no smoke case reaches: the mutant gives the correct kernel's bits on the smoke
+    case of the largest count (under the wrap), and fails tier1 on its long case; the correct kernel passes there.
+    Only the tier-1 check runs on the long case, whose full checks take minutes on a CPU (a narrower latent where
+    the count does not depend on it)."""
     import torch
 
     from mla_ref.decode import mla_decode_ref
@@ -85,20 +91,22 @@ def test_out_index_mutant_fails_the_128_head_mtp_batch_on_tier1():
     from verify.checks import _tier1_bound, check_tier1
     from verify.kernels import from_callable
 
-    most = max(smoke_cases("bf16"), key=lambda c: sum(c.q_lens) * c.heads)
-    assert sum(most.q_lens) * most.heads < 2**16
+    count, wrap, is_long, overrides = LONG_TIER1[name]
+    mutant = getattr(mutants, name)
+    most = max(smoke_cases("bf16"), key=count)
+    assert count(most) <= wrap
     batch, _ = most.materialize("cpu")
-    for got, want in zip(mutants.out_index_16bit(batch), mutants.correct(batch), strict=True):
+    for got, want in zip(mutant(batch), mutants.correct(batch), strict=True):
         assert torch.equal(got, want)
 
-    case = long_cases("bf16", kv_lora_rank=64)[-1]
-    assert case.heads == 128 and sum(case.q_lens) * case.heads > 2**16
+    (case,) = [c for c in long_cases("bf16", **overrides) if is_long(c)]
+    assert count(case) > wrap
     batch, _ = case.materialize("cpu")
     ref = mla_decode_ref(batch)  # ([T, H, L], [T, H]) fp64
-    kernel = from_callable(mutants.out_index_16bit)
+    kernel = from_callable(mutant)
     bound = _tier1_bound(batch, kernel, kernel.numerics(batch), ref)
-    failed = {r.name for r in check_tier1(*mutants.out_index_16bit(batch), ref, bound, torch.bfloat16) if not r.ok}
-    assert failed == {"tier1.out", "tier1.lse"}
+    failed = {r.name for r in check_tier1(*mutant(batch), ref, bound, torch.bfloat16) if not r.ok}
+    assert "tier1.out" in failed
     assert all(r.ok for r in check_tier1(*mutants.correct(batch), ref, bound, torch.bfloat16))
 
 

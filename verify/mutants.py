@@ -1,8 +1,8 @@
 """Planted-bug decode kernels: each one must make the default `mla-verify` campaign fail (exit 1); the two scale
 mutants (``kv_scale_ignored``, ``q_scale_ignored``) need fp8 cases, ``--dtype fp8``, ``int32_offsets`` and
-``page_ids_16bit`` the far check (on by default on CUDA devices; ``--far on`` on a CPU), ``uint16_positions`` and
-``out_index_16bit`` the long cases (the same; ``--long on``) and ``realloc_workspace`` a CUDA device (its bug needs
-a CUDA graph).
+``page_ids_16bit`` the far check (on by default on CUDA devices; ``--far on`` on a CPU), ``uint16_positions``,
+``out_index_16bit`` and ``block_column_12bit`` the long cases (the same; ``--long on``) and ``realloc_workspace`` a
+CUDA device (its bug needs a CUDA graph).
 
 Use them as plug-ins, ``mla-verify --impl verify.mutants:NAME``; ``correct`` is the same kernel without a bug and
 must pass. All share one small split-KV, online-softmax decode (`_decode`) in fp32 with bf16 output; each mutant
@@ -119,6 +119,7 @@ turns one knob, the way such bugs happen in real kernels:
 |                       |                                                              | over 70 tokens)               |
 | out_index_16bit       | the output's (row, head) index t H + h kept in 16 bits       | tier1 (long: 528 MTP rows of  |
 |                       |                                                              | 128 heads)                    |
+| block_column_12bit    | a request's block-table column kept in 12 bits               | tier1 (long: 65601 pages of 1)|
 """
 
 from __future__ import annotations
@@ -183,6 +184,7 @@ def _decode(
     consecutive_flat: int | None = None,
     split_empty_nan: bool = False,
     out_index_bits: int | None = None,
+    column_bits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV online-softmax MLA decode -> (out [T, H, L] bf16, lse [T, H] fp32). Defaults = no bug.
 
@@ -218,7 +220,8 @@ def _decode(
     ``split_empty_nan`` the rows of a split request that see no token get out NaN (a merge that divides by its
     weights' sum, 0 / 0 there). With ``out_index_bits`` the (row, head) pair t H + h is written to out and lse at
     that index modulo 2^bits, pairs in order (a later pair overwrites an earlier one), the slots from 2^bits on
-    left at out 0, lse -inf.
+    left at out 0, lse -inf. With ``column_bits`` a request's j-th page is read from its block-table column j modulo
+    2^bits (a column index that wraps).
     """
     L, H, ps = batch.kv_lora_rank, batch.num_heads, batch.page_size
     sigma = batch.sm_scale if sm_scale is None else sm_scale
@@ -250,7 +253,10 @@ def _decode(
         s = seq_lens[read]
         n_pages = -(-s // ps)
         row = read % 2**request_bits if request_bits is not None else read  # the block-table row it reads
-        pages = (batch.block_table[row, :n_pages].long() + page_shift) % batch.num_pages  # [n_pages]
+        cols = torch.arange(n_pages, device=dev)  # [n_pages] the block-table columns it reads
+        if column_bits is not None:
+            cols = cols % 2**column_bits  # [n_pages]
+        pages = (batch.block_table[row, cols].long() + page_shift) % batch.num_pages  # [n_pages]
         if page_id_bits is not None:
             pages = pages % 2**page_id_bits  # [n_pages]
         if int32_offsets:  # the page's first element as int32 arithmetic leaves it: wrapped past 2^31, and read
@@ -687,6 +693,13 @@ def page_ids_16bit(batch):
     return _decode(batch, page_id_bits=16)
 
 
+def block_column_12bit(batch):
+    """A request's block-table column kept in 12 bits: its page 4096 + j is read from column j. Right on every
+    request of at most 4096 pages (a quarter of a million tokens on pages of 64); the long cases' request of 2^16 + 65
+    tokens on pages of 1 shows it (a review's bug, seventy-first session: no request had more than 4096 pages)."""
+    return _decode(batch, column_bits=12)
+
+
 def request_index_8bit(batch):
     """A request's block-table row read at its index modulo 256, as a kernel that keeps the request index of its
     work items in 8 bits does: request 256 reads request 0's pages. Right in every batch of at most 256 requests;
@@ -1014,10 +1027,11 @@ MUTANTS = (
     "alpha_bf16", "head_tiles_floor", "slot_8bit", "mtp_row_3bit", "page_div_magic16", "unit_kv_fastpath",
     "reduce_pad_weight0", "active_index_8bit", "packed_rows_10bit", "mtp_row_5bit", "consecutive_pages_flat",
     "big_batch_heads16", "big_batch_q_scale", "split_empty_nan", "request_index_9bit", "out_index_16bit",
+    "block_column_12bit",
 )  # fmt: skip
 # need fp8 inputs (a scale != 1; unit_kv_fastpath a kv scale of 1 beside fp8 q's own, big_batch_q_scale fp8 q)
 FP8_ONLY = ("kv_scale_ignored", "q_scale_ignored", "unit_kv_fastpath", "big_batch_q_scale")
 FAR_ONLY = ("int32_offsets", "page_ids_16bit")  # need the far check, on by default on CUDA devices only (--far on)
 # need the long cases, on by default on CUDA devices only (mla-verify --long on)
-LONG_ONLY = ("uint16_positions", "out_index_16bit")
+LONG_ONLY = ("uint16_positions", "out_index_16bit", "block_column_12bit")
 CUDA_ONLY = ("realloc_workspace",)  # needs a CUDA graph: its replay keeps the address plan() freed
