@@ -14,7 +14,7 @@ from verify import mutants
 from verify.cases import Case
 from verify.checks import run_case
 from verify.kernels import from_callable
-from verify.padding_probe import MARGIN, bounded_token, padding_probe
+from verify.padding_probe import LP_ROWS, MARGIN, bounded_token, hostile_tokens, padding_probe
 
 COMBOS = {"bf16": dict(), "fp8kv": dict(kv_dtype="fp8"), "fp8": dict(kv_dtype="fp8", q_dtype="fp8"),
           "fp8kv_fnuz": dict(kv_dtype="fp8", fp8_format="e4m3fnuz")}
@@ -125,6 +125,22 @@ def test_fp8_tokens_stay_in_the_format_and_deal_the_rows_into_groups(combo):
     size = batch.sm_scale * batch.dequantized_q().reshape(-1, 576).abs() @ k.abs().T  # [256, f] σ Σ|q||k|
     fp64_dots = 2 * 576 * 2**-53 * float(size.max())  # two fp64 evaluations of one 576-term dot product
     assert probe.margin == pytest.approx(float((scores.amax(dim=1) - lse.reshape(-1)).min()), abs=fp64_dots)
+
+
+def test_an_fp8_group_of_more_rows_solves_its_program_over_its_first_lp_rows():
+    """fp8: a group of more than LP_ROWS (row, head)s (one free slot, 2 x 128 of them) takes the token of the linear
+    program over its first LP_ROWS rows, bit for bit (one over all 256 rows gives another token; over the 512 rows of
+    each of the long cases' 132 MTP requests such programs took 178 s)."""
+    batch = _case("fp8kv", seq_lens=(63,), q_lens=(2,), heads=128).materialize()[0]
+    lse = mla_decode_ref(batch)[1].reshape(-1)  # [256]
+    scores = batch.sm_scale * batch.dequantized_q().reshape(-1, 576)  # [256, D]
+    assert scores.shape[0] > LP_ROWS
+    bound = fp8_format(batch.kv_cache.dtype).max * batch.kv_scale
+    token = hostile_tokens(scores, lse, 1, batch)  # [1, D] codes
+    first = bounded_token(scores[:LP_ROWS], lse[:LP_ROWS], bound)  # [D] fp64
+    assert torch.equal(token[0].view(torch.uint8), hostile_tokens(scores[:LP_ROWS], lse[:LP_ROWS], 1, batch)[0]
+                       .view(torch.uint8))
+    assert not torch.equal(first, bounded_token(scores, lse, bound))  # the rows past LP_ROWS would move it
 
 
 def test_full_last_pages_are_probed_through_the_added_pages_and_no_tokens_skips_it():

@@ -16,7 +16,8 @@ smallest subnormal (e^-103.3). A request's m (row, head)s are dealt round-robin 
 - fp8 caches, whose range binds (|k| <= the format's max x kv_scale): for one row, k = sign(σ q_r) times the
   smaller of that bound and (lse_r + MARGIN) / |σ q_r|_1 (the most any token in range can score, capped at the
   target); for several, the k in range that maximizes the group's smallest σ q_r · k - lse_r up to MARGIN (a linear
-  program, `scipy.optimize.linprog`, whose optimum may overshoot it); then rounded to the format.
+  program, `scipy.optimize.linprog`, whose optimum may overshoot it) over the group's first LP_ROWS rows (the others
+  take that token as it falls); then rounded to the format.
 
 lse_r is the oracle's (a row that sees no token takes 0). `PaddingProbe.margin` is the smallest best hostile score
 minus lse over the probed rows, as written: fp8's range, and groups of more rows than channels, reach less (a row
@@ -48,6 +49,9 @@ from mla_ref.fp8 import fp8_format, quantize
 from verify.next_step import used_slots
 
 MARGIN = 200.0  # nats above each row's lse: e^-200 is far below fp32's smallest subnormal, e^-103.3
+# rows of a group that fp8's linear program takes: the edge pages' group of a request's 4 x 128 (row, head)s took
+# 1.3 s a program on one CPU thread, 178 s for the long cases' 132 such requests (seventy-second session)
+LP_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -121,7 +125,7 @@ def hostile_tokens(scores: torch.Tensor, lse: torch.Tensor, free: int, batch: De
     G = min(free, scores.shape[0])  # groups of rows: one token each
     if is_fp8(batch.kv_cache.dtype):
         bound = fp8_format(batch.kv_cache.dtype).max * batch.kv_scale  # the largest value the cache holds
-        tokens = [bounded_token(scores[g::G], lse[g::G], bound) for g in range(G)]
+        tokens = [bounded_token(scores[g::G][:LP_ROWS], lse[g::G][:LP_ROWS], bound) for g in range(G)]
     else:
         tokens = [min_norm_token(scores[g::G], lse[g::G]) for g in range(G)]
     return _codes(torch.stack(tokens), batch)[torch.arange(free) % G]  # [free, D]
