@@ -194,6 +194,22 @@ def test_compare_statistics_cover_positions_finite_on_both_sides():
     assert rep.err_over_bound_max == float((actual - expected)[:4].abs().max())
 
 
+def test_the_lower_median_by_selection_and_by_sort_is_torch_median():
+    """compare()'s err/bound median: torch.kthvalue on a CPU, a sort off it (no host sync); both give torch.median of
+    the kept values (its lower median) for odd and even counts, ties, inf, and 0 when nothing is kept."""
+    from verify.metrics import _lower_median, _lower_median_by_sort
+
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 2, 7, 10, 1000):
+        x = torch.rand(n, generator=g, dtype=torch.float64).round(decimals=1)  # [n] with ties
+        x[0] = math.inf
+        for keep in (torch.rand(n, generator=g) > 0.3, torch.ones(n, dtype=torch.bool)):
+            want = torch.median(x[keep]) if keep.any() else torch.tensor(0.0, dtype=torch.float64)
+            assert _lower_median(x, keep) == want == _lower_median_by_sort(x, keep)
+    nothing = torch.zeros(3, dtype=torch.bool)
+    assert _lower_median(torch.ones(3), nothing) == 0.0 == _lower_median_by_sort(torch.ones(3), nothing)
+
+
 def test_to_json_round_trips_without_nan():
     expected = torch.tensor([0.0, 1.0, -math.inf], dtype=torch.float64)
     actual = torch.tensor([1e-3, 1.0, -math.inf])

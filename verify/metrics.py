@@ -249,9 +249,18 @@ def _nonfinite_detail(counts: list[int], values: list[float], shape: tuple) -> t
 def _lower_median(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """torch.median (the lower median) of x[keep] for x [N] >= 0 (inf allowed, no NaN), 0 when nothing is kept.
 
-    No boolean indexing (no host sync): the dropped positions become +inf, which sort after every kept value, so
-    the kept values' k-th smallest is the k-th smallest overall for k < n_keep.
+    The dropped positions become +inf, which order after every kept value, so the kept values' k-th smallest is the
+    k-th smallest overall for k < n_keep. On a CPU, where reading n_keep syncs nothing, torch.kthvalue selects it
+    (4-5x faster than a sort on 8.6 M values, one thread); elsewhere `_lower_median_by_sort`, without a host sync.
     """
+    if x.device.type != "cpu":
+        return _lower_median_by_sort(x, keep)
+    n = int(keep.sum())
+    return torch.where(keep, x, math.inf).kthvalue((n - 1) // 2 + 1).values if n else x.new_zeros(())
+
+
+def _lower_median_by_sort(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """`_lower_median` by a sort and a gather: no boolean indexing, no host sync."""
     n_keep = keep.sum()  # []
     ordered = torch.where(keep, x, math.inf).sort().values  # [N]
     mid = ((n_keep - 1).clamp(min=0) // 2).reshape(1)  # [1] the lower median's rank
