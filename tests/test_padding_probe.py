@@ -128,19 +128,40 @@ def test_fp8_tokens_stay_in_the_format_and_deal_the_rows_into_groups(combo):
 
 
 def test_an_fp8_group_of_more_rows_solves_its_program_over_its_first_lp_rows():
-    """fp8: a group of more than LP_ROWS (row, head)s (one free slot, 2 x 128 of them) takes the token of the linear
-    program over its first LP_ROWS rows, bit for bit (one over all 256 rows gives another token; over the 512 rows of
-    each of the long cases' 132 MTP requests such programs took 178 s)."""
-    batch = _case("fp8kv", seq_lens=(63,), q_lens=(2,), heads=128).materialize()[0]
-    lse = mla_decode_ref(batch)[1].reshape(-1)  # [256]
-    scores = batch.sm_scale * batch.dequantized_q().reshape(-1, 576)  # [256, D]
+    """fp8: a group of more than LP_ROWS (row, head)s (one free slot, 3 x 128 of them) takes the token of the linear
+    program over its first LP_ROWS rows, bit for bit (one over all 384 rows gives another token; over the 512 rows
+    of each of the long cases' 132 MTP requests such programs took 178 s)."""
+    batch = _case("fp8kv", seq_lens=(63,), q_lens=(3,), heads=128).materialize()[0]
+    lse = mla_decode_ref(batch)[1].reshape(-1)  # [384]
+    scores = batch.sm_scale * batch.dequantized_q().reshape(-1, 576)  # [384, D]
     assert scores.shape[0] > LP_ROWS
     bound = fp8_format(batch.kv_cache.dtype).max * batch.kv_scale
     token = hostile_tokens(scores, lse, 1, batch)  # [1, D] codes
-    first = bounded_token(scores[:LP_ROWS], lse[:LP_ROWS], bound)  # [D] fp64
-    assert torch.equal(token[0].view(torch.uint8), hostile_tokens(scores[:LP_ROWS], lse[:LP_ROWS], 1, batch)[0]
-                       .view(torch.uint8))
-    assert not torch.equal(first, bounded_token(scores, lse, bound))  # the rows past LP_ROWS would move it
+    first = hostile_tokens(scores[:LP_ROWS], lse[:LP_ROWS], 1, batch)  # [1, D] codes
+    assert torch.equal(token.view(torch.uint8), first.view(torch.uint8))
+    assert not torch.equal(bounded_token(scores[:LP_ROWS], lse[:LP_ROWS], bound), bounded_token(scores, lse, bound))
+
+
+def test_no_fp8_smoke_case_has_a_group_past_lp_rows(monkeypatch):
+    """The cap changes no program of the smoke prefix: every group of every fp8 smoke case, on its requests' last
+    pages and on the added edge pages, has at most LP_ROWS rows (the largest, 144, is the 128-head case of 9 MTP
+    rows; a cap of 64 cut it, and 121 of its 1792 rows lost their hostile token: found by a review)."""
+    from verify import padding_probe as probe_module
+    from verify.strategies import smoke_cases
+
+    sizes = []
+
+    def record(scores, lse, bound):  # the group's rows, without solving its program
+        sizes.append(scores.shape[0])
+        return torch.zeros(scores.shape[1], dtype=torch.float64)
+
+    monkeypatch.setattr(probe_module, "LP_ROWS", 10**9)
+    monkeypatch.setattr(probe_module, "bounded_token", record)
+    for case in smoke_cases("fp8"):
+        batch = case.materialize()[0]
+        if batch.kv_cache.dtype.itemsize == 1:  # an fp8 cache
+            padding_probe(batch, torch.zeros(batch.num_tokens, batch.num_heads, dtype=torch.float64))
+    assert 64 < max(sizes) <= LP_ROWS, max(sizes)
 
 
 def test_full_last_pages_are_probed_through_the_added_pages_and_no_tokens_skips_it():

@@ -49,9 +49,10 @@ from mla_ref.fp8 import fp8_format, quantize
 from verify.next_step import used_slots
 
 MARGIN = 200.0  # nats above each row's lse: e^-200 is far below fp32's smallest subnormal, e^-103.3
-# rows of a group that fp8's linear program takes: the edge pages' group of a request's 4 x 128 (row, head)s took
-# 1.3 s a program on one CPU thread, 178 s for the long cases' 132 such requests (seventy-second session)
-LP_ROWS = 64
+# rows of a group that fp8's linear program takes, above the smoke prefix's largest group (144: 9 MTP rows x 128
+# heads over 8 free slots): the edge pages' group of a request's 4 x 128 (row, head)s took 1.3 s a program on one
+# CPU thread, 178 s for the long cases' 132 such requests (seventy-second session); 256 rows take about 0.3 s
+LP_ROWS = 256
 
 
 @dataclass(frozen=True)
