@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from mla_ref.decode import mla_decode_ref
+from mla_ref.decode import is_fp8, mla_decode_ref
 from mla_ref.fp8 import fp8_format
 from verify import mutants
 from verify.cases import Case
@@ -159,7 +159,7 @@ def test_no_fp8_smoke_case_has_a_group_past_lp_rows(monkeypatch):
     monkeypatch.setattr(probe_module, "bounded_token", record)
     for case in smoke_cases("fp8"):
         batch = case.materialize()[0]
-        if batch.kv_cache.dtype.itemsize == 1:  # an fp8 cache
+        if is_fp8(batch.kv_cache.dtype):
             padding_probe(batch, torch.zeros(batch.num_tokens, batch.num_heads, dtype=torch.float64))
     assert 64 < max(sizes) <= LP_ROWS, max(sizes)
 
