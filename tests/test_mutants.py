@@ -46,7 +46,7 @@ ONE_CASE_FAILS = {"split_empty_nan": {"tier1.out", "empty"}}  # NaN out where ls
 # shown by a long case whose full checks take minutes on a CPU: its tier-1 check alone (test_long_tier1_mutant_...):
 # name -> (the count that wraps, as a function of a case, and where; the long case; the case's overrides)
 LONG_TIER1 = {
-    # (row, head) pairs; the 128-head MTP batch, its latent narrowed to 64 channels (about 8 minutes -> 8 s)
+    # (row, head) pairs; the 128-head MTP batch, its latent narrowed to 64 channels (9 minutes -> 8 s)
     "out_index_16bit": (lambda c: sum(c.q_lens) * c.heads, 2**16, lambda c: c.heads == 128, dict(kv_lora_rank=64)),
     # pages in a request; the request of 2^16 + 65 tokens on pages of 1 (85 s)
     "block_column_12bit": (lambda c: max(-(-s // c.page_size) for s in c.seq_lens), 2**12,

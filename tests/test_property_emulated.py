@@ -109,7 +109,7 @@ def test_long_reaches_the_property_test():
     """long=True runs the long cases after the smoke prefix, where the default (a CPU: off) does not: the 16-bit
     position mutant fails there, on the first long case (the request of 2^16 + 65 tokens beside ones of 3 and 1),
     and passes without them. The explicit examples stop at the first failure (report_multiple_bugs off: else each
-    long case runs, the 128-head MTP batch alone for about 8 minutes, and Hypothesis reports the simplest failing
+    long case runs, the 128-head MTP batch alone for 9 minutes, and Hypothesis reports the simplest failing
     one)."""
     import pytest
     from hypothesis import Phase

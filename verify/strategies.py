@@ -353,10 +353,10 @@ def long_cases(
     request between 4097 and 65600 tokens). Then a request of LONG_SEQ_LEN tokens on pages of 1: more than 2^16
     pages in one request. Last, 132 requests of 4 MTP rows with 128 heads: more than 2^16 (row, head) pairs.
     Drawn cases stay within --max-seq-len (4096 by default), which the long cases ignore: on a 2-core CPU each long
-    request costs about 20 s (85 s on pages of 1), the big split batch about 5 minutes and the 128-head batch about
-    8; milliseconds to seconds on a GPU. heads / page_size / kv_lora_rank / rope_dim override the hand-picked values
-    as in `smoke_cases`: a page size overrides the pages of 1 too, and heads the 128 heads (fewer than 125 leave
-    the batch under 2^16 pairs)."""
+    request costs about 20 s (85 s on pages of 1), the big split batch about 5 minutes and the 128-head batch 9 (12
+    with fp8); milliseconds to seconds on a GPU. heads / page_size / kv_lora_rank / rope_dim override the hand-picked
+    values as in `smoke_cases`: a page size overrides the pages of 1 too, and heads the 128 heads (fewer than 125
+    leave the batch under 2^16 pairs)."""
     q_dtypes = ("bf16", "fp8") if dtype == "fp8" else ("bf16",)
     shape = dict(page_size=page_size or 64, kv_lora_rank=kv_lora_rank or 512, rope_dim=rope_dim or 64, kv_dtype=dtype,
                  fp8_format=fp8_format, num_workers=132)
@@ -378,7 +378,7 @@ def long_cases(
     # DeepSeek-V3 as served with MTP: 132 requests of 4 query rows (a draft of 3 tokens) and 128 heads, 528 x 128 =
     # 67584 (row, head) pairs in the output, past 2^16 (a review's bug, seventy-first session: an output index
     # t H + h kept in 16 bits passed every case: the fixed ones had at most 1930 pairs, 965 rows x 2 heads, and
-    # drawn ones have at most 7 x 4 + 16 rows of 128 heads, 5632); about 8 minutes on a 2-core CPU, so a long case
+    # drawn ones have at most 7 x 4 + 16 rows of 128 heads, 5632); 9 minutes on a 2-core CPU, so a long case
     served = Case(seq_lens=tuple(4 + 53 * j % 400 for j in range(SERVED_MTP_BATCH)), q_lens=(4,) * SERVED_MTP_BATCH,
                   heads=heads or 128, dist="gauss1", seed=32, **shape)
     return longest + [big, pages_of_1, served]
