@@ -354,9 +354,9 @@ def long_cases(
     pages in one request. Last, 132 requests of 4 MTP rows with 128 heads: more than 2^16 (row, head) pairs.
     Drawn cases stay within --max-seq-len (4096 by default), which the long cases ignore: on a 2-core CPU each long
     request costs about 20 s (85 s on pages of 1), the big split batch about 5 minutes and the 128-head batch 9 (12
-    with fp8); milliseconds to seconds on a GPU. heads / page_size / kv_lora_rank / rope_dim override the hand-picked
-    values as in `smoke_cases`: a page size overrides the pages of 1 too, and heads the 128 heads (fewer than 125
-    leave the batch under 2^16 pairs)."""
+    with fp8, on a CPU about half as fast as the one that timed the others); milliseconds to seconds on a GPU.
+    heads / page_size / kv_lora_rank / rope_dim override the hand-picked values as in `smoke_cases`: a page size
+    overrides the pages of 1 too, and heads the 128 heads (fewer than 125 leave the batch under 2^16 pairs)."""
     q_dtypes = ("bf16", "fp8") if dtype == "fp8" else ("bf16",)
     shape = dict(page_size=page_size or 64, kv_lora_rank=kv_lora_rank or 512, rope_dim=rope_dim or 64, kv_dtype=dtype,
                  fp8_format=fp8_format, num_workers=132)

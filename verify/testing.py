@@ -80,8 +80,8 @@ def mla_property_test(
     (pages past element 2^31 of a 2-5 GB cache, 9.7 GB on pages of 128; None: on CUDA devices, as `mla-verify --far
     auto`). long: run the long cases after the smoke prefix (`verify.strategies.long_cases`: a request of 2^16 + 65
     tokens in more than 64 pieces, about 20 s each on a 2-core CPU, a big split batch, about 5 minutes there, that
-    request on pages of 1, 85 s, and 132 requests of 4 MTP rows with 128 heads, 9 minutes (12 with fp8); None: on CUDA
-    devices, as `mla-verify --long auto`). smoke: run the fixed smoke prefix first. examples: more
+    request on pages of 1, 85 s, and 132 requests of 4 MTP rows with 128 heads, 9 minutes (12 with fp8; a slower
+    CPU); None: on CUDA devices, as `mla-verify --long auto`). smoke: run the fixed smoke prefix first. examples: more
     `Case`s to run first as explicit examples (pinned regressions, e.g. the ``@example`` lines of ``mla-verify
     --profile search``). hypothesis_settings: more Hypothesis settings for this
     test, e.g. ``dict(phases=[Phase.explicit])`` to run the examples only (the test already carries one settings
