@@ -33,6 +33,10 @@ FP8_WORST = [
          seed=3888, **fp8),  # tier1.out 0.964
     Case(seq_lens=(199, 33, 89, 263, 82), q_lens=(1, 1, 3, 2, 3), heads=5, page_size=16, scale_mode="unit",
          dist="gauss4", num_workers=1, seed=11424, **fp8),  # split.out 0.903
+    # --profile search --dtype fp8 --cases 3000 --jobs 2 --time-limit 420 (2026-12-07, seed 442310893, pages of 128
+    # drawn): 403 cases, 0 failed
+    Case(seq_lens=(310, 0, 127, 0, 6, 1, 2), q_lens=(1, 4, 1, 1, 3, 2, 3), heads=40, page_size=128,
+         scale_mode="static", dist="near_max", num_workers=8, seed=288024, **fp8),  # tier1.out 0.970
 ]
 BF16_WORST = [
     Case(seq_lens=(1, 0, 2, 3), q_lens=(4, 4, 1, 2), heads=8, page_size=1, num_workers=132,
@@ -45,6 +49,10 @@ BF16_WORST = [
          num_workers=1, seed=583),  # tier1.out 0.958
     Case(seq_lens=(506, 265), q_lens=(4, 1), heads=8, page_size=1, dist="sink", num_workers=4,
          seed=134217730),  # split.out 0.918
+    # --profile search --dtype bf16 --cases 3000 --jobs 2 --time-limit 420 (2026-12-07, seed 3786917213): 491 cases,
+    # 0 failed
+    Case(seq_lens=(432, 16, 16, 2), q_lens=(1, 1, 1, 1), heads=64, page_size=1, dist="heads", num_workers=2,
+         seed=3272489),  # tier1.out 0.962
 ]
 
 # mla-verify --backend seesaw --dtype fp8 --heads 128 --page-size 64 --profile search --seed 7 --cases 400 (one H200,
