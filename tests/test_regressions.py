@@ -1,5 +1,6 @@
 """Regressions: the worst cases `mla-verify --profile search` found on the emulated backend (1000 cases per dtype,
-seed 1, 2026-11-29; 600 per dtype under the score term about the mean, 2026-12-02) and on the fp8 seesaw kernel
+seed 1, 2026-11-29; 600 per dtype under the score term about the mean, 2026-12-02; about 400 per format on
+2026-12-07, e4m3fnuz included) and on the fp8 seesaw kernel
 (one H200, below; skipped where it cannot run), pinned as explicit examples (style.md §A9: prefer @example to
 the example database).
 
@@ -53,6 +54,14 @@ BF16_WORST = [
     # 0 failed
     Case(seq_lens=(432, 16, 16, 2), q_lens=(1, 1, 1, 1), heads=64, page_size=1, dist="heads", num_workers=2,
          seed=3272489),  # tier1.out 0.962
+]
+
+# --profile search --dtype fp8 --fp8-format e4m3fnuz --cases 3000 --jobs 2 --time-limit 400 (2026-12-07, seed
+# 4004042767): 467 cases, 0 failed
+FNUZ_WORST = [
+    Case(seq_lens=(179, 2, 2, 1, 254, 227, 2, 0), q_lens=(1, 2, 2, 1, 1, 1, 2, 1), heads=40, page_size=1,
+         fp8_format="e4m3fnuz", scale_mode="unit", dist="outlier", num_workers=32, seed=171,
+         sm_scale=0.12654018899263644, **fp8),  # tier1.out 0.972
 ]
 
 # mla-verify --backend seesaw --dtype fp8 --heads 128 --page-size 64 --profile search --seed 7 --cases 400 (one H200,
@@ -113,6 +122,8 @@ seesaw_runs, seesaw_why = seesaw.probe()
 
 test_search_regressions_fp8 = mla_property_test(emulated, "fp8", smoke=False, examples=FP8_WORST, **explicit_only)
 test_search_regressions_bf16 = mla_property_test(emulated, "bf16", smoke=False, examples=BF16_WORST, **explicit_only)
+test_search_regressions_fp8_fnuz = mla_property_test(emulated, "fp8", fp8_format="e4m3fnuz", smoke=False,
+                                                     examples=FNUZ_WORST, **explicit_only)
 test_search_regressions_seesaw_fp8 = pytest.mark.skipif(not seesaw_runs, reason=str(seesaw_why))(
     mla_property_test(seesaw, "fp8", heads=128, page_size=64, smoke=False, examples=SEESAW_FP8_WORST, **explicit_only))
 
