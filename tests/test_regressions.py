@@ -1,8 +1,7 @@
 """Regressions: the worst cases `mla-verify --profile search` found on the emulated backend (1000 cases per dtype,
 seed 1, 2026-11-29; 600 per dtype under the score term about the mean, 2026-12-02; about 400 per format on
-2026-12-07, e4m3fnuz included) and on the fp8 seesaw kernel
-(one H200, below; skipped where it cannot run), pinned as explicit examples (style.md §A9: prefer @example to
-the example database).
+2026-12-07, e4m3fnuz included) and on the fp8 seesaw kernel (one H200, below; skipped where it cannot run), pinned
+as explicit examples (style.md §A9: prefer @example to the example database).
 
 Only the explicit phase runs. Each comment gives the check and the err/bound measured when the case was found.
 Cases whose worst check sat at err/bound = 1 by construction (B_post of a row that sees one token: the bound is
