@@ -132,14 +132,16 @@ test_search_regressions_triton_bf16 = on_gpu(mla_property_test(triton, "bf16", s
                                                                 **explicit_only))
 
 
-def test_regressions_run_and_can_fail():
+@pytest.mark.parametrize("dtype, fp8_format, examples", [("bf16", "e4m3fn", BF16_WORST[1:]),
+                                                       ("fp8", "e4m3fnuz", FNUZ_WORST)], ids=["bf16", "fp8_fnuz"])
+def test_regressions_run_and_can_fail(dtype, fp8_format, examples):
     """The pinned examples really run: the same cases fail for a planted bug."""
     from verify.mutants import out_gain
 
-    bad = mla_property_test(out_gain, "bf16", smoke=False, examples=BF16_WORST[1:], **explicit_only)
+    bad = mla_property_test(out_gain, dtype, fp8_format=fp8_format, smoke=False, examples=examples, **explicit_only)
     try:
         bad()
     except AssertionError as e:
         assert "tier1.out" in str(e) and "repro: mla-verify --case" in str(e)
     else:
-        raise AssertionError("out_gain passed the pinned bf16 regressions")
+        raise AssertionError(f"out_gain passed the pinned {dtype} {fp8_format} regressions")
