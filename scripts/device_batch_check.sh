@@ -3,8 +3,8 @@
 # request, the mtp one without the largest q_len's requests or beside a request of one row more) on one H200: the GPU
 # invariance test, then campaigns on every backend that runs there, through one MPS daemon, each writing
 # $OUT/b_<name>.json, and a table of how many cases kept their bits and how many stayed within the bound (with the
-# largest err / bound) for batch, batch.shrunk and batch.mtp, in $OUT/log.txt. Fifty-fourth session: the README's "The
-# batch check on every backend".
+# largest err / bound) for batch, batch.shrunk and batch.mtp, in $OUT/log.txt. Fifty-fourth session:
+# docs/verification_log.md's "The batch check on every backend".
 # Two device tool calls (each within the 600 s a call may take; carry .whl, the peers' wheels):
 #   bash scripts/device_batch_check.sh [SECONDS] ours      the GPU invariance test, our two backends
 #   bash scripts/device_batch_check.sh [SECONDS] peers     FlashInfer and FlashMLA

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The smoke prefix's 260-request batch and the far check past page id 2^16 (fifty-sixth session) on one H200: the
-# GPU far tests, then the smoke prefix (with the long cases, every check, far on) on every backend that runs there
-# and the two mutants they are for, through one MPS daemon, each writing $OUT/g_<name>.json; a table of cases,
-# failures, the big batch's and the far check's results in $OUT/log.txt. The README's "The 260-request smoke case
-# and the far check past page id 2^16".
+# The smoke prefix's 260-request batch and the far check past page id 2^16 (fifty-sixth session) on one H200: the GPU
+# far tests, then the smoke prefix (with the long cases, every check, far on) on every backend that runs there and the
+# two mutants they are for, through one MPS daemon, each writing $OUT/g_<name>.json; a table of cases, failures, the big
+# batch's and the far check's results in $OUT/log.txt. docs/verification_log.md's "The 260-request smoke case and the
+# far check past page id 2^16".
 # One device tool call (carry .whl, the peers' wheels): bash scripts/device_big_far.sh
 source "$(dirname "$0")/device_env.sh" /tmp/mla_big_out
 step "GPU far tests"

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The fifty-seventh session's checks on one H200: the rerun check's plain decode step (`rerun.decode`: the eager
-# kernel called once more after the same requests grew by their q_len), the batch check's shared batch
-# (`batch.shared`: the case between two siblings of its longest request on its very pages, other q), the
-# MiniCPM3-shaped smoke case (latent 256, rope 32, 40 heads) and a pool worker the kernel kills, named by its case on
-# CUDA (spawned workers). Campaigns through one MPS daemon, each writing $OUT/r_<name>.json, and a table of
-# rerun.decode (cases, median and largest err / bound), batch.shared (bits kept / within the bound) and of the
-# MiniCPM3 case's result in $OUT/log.txt. The README's "rerun.decode, batch.shared and the MiniCPM3 case".
+# The fifty-seventh session's checks on one H200: the rerun check's plain decode step (`rerun.decode`: the eager kernel
+# called once more after the same requests grew by their q_len), the batch check's shared batch (`batch.shared`: the
+# case between two siblings of its longest request on its very pages, other q), the MiniCPM3-shaped smoke case (latent
+# 256, rope 32, 40 heads) and a pool worker the kernel kills, named by its case on CUDA (spawned workers). Campaigns
+# through one MPS daemon, each writing $OUT/r_<name>.json, and a table of rerun.decode (cases, median and largest err /
+# bound), batch.shared (bits kept / within the bound) and of the MiniCPM3 case's result in $OUT/log.txt.
+# docs/verification_log.md's "rerun.decode, batch.shared and the MiniCPM3 case".
 # Two device tool calls (each within the 600 s a call may take; carry .whl, the peers' wheels):
 #   bash scripts/device_rerun_decode.sh [SECONDS] ours    the crash naming, our Triton backends, the new mutants
 #   bash scripts/device_rerun_decode.sh [SECONDS] peers   FlashInfer and FlashMLA, and their GPU step tests

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The fifty-eighth session's checks on one H200: the batch check's partial-prefix sibling and judged added requests
 # (`batch.shared.added`, `batch.added`, `batch.mtp.added`), the `heads` distribution and its smoke case, the smoke
-# prefix's dtype cases (fp16 q and cache; the other e4m3 format and an e5m2 cache), and the long cases' big split
-# batch (264 requests split over 132 workers, one of 3 x 4096 tokens). Campaigns through one MPS daemon, each
-# writing $OUT/r_<name>.json, and a table in $OUT/log.txt: failing checks, the added rows' largest err / bound, and
-# the status of the heads, dtype and big-batch cases, and of the fifty-ninth session's smoke cases (96 heads, pages
-# of 528, 12 MTP rows, fp8's kv_unit scales; seeds 24-28), and the sixtieth's nan.first check. The README's "Review
-# fixes on the H200".
+# prefix's dtype cases (fp16 q and cache; the other e4m3 format and an e5m2 cache), and the long cases' big split batch
+# (264 requests split over 132 workers, one of 3 x 4096 tokens). Campaigns through one MPS daemon, each writing
+# $OUT/r_<name>.json, and a table in $OUT/log.txt: failing checks, the added rows' largest err / bound, and the status
+# of the heads, dtype and big-batch cases, and of the fifty-ninth session's smoke cases (96 heads, pages of 528, 12 MTP
+# rows, fp8's kv_unit scales; seeds 24-28), and the sixtieth's nan.first check. docs/verification_log.md, "Sixtieth
+# session, the review fixes on the H200".
 # Two device tool calls (each within the 600 s a call may take; carry .whl, the peers' wheels):
 #   bash scripts/device_review_fixes.sh [SECONDS] ours    our Triton backends, and the new mutants
 #   bash scripts/device_review_fixes.sh [SECONDS] peers   FlashInfer and FlashMLA, and their GPU step tests

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The step check's decode step (verify.next_step.decode_layout: the same requests one plain decode step later, new
-# tokens of weight about 1/2, `step.decode`) on one H200: the GPU step tests, then campaigns on every backend that
-# runs there, through one MPS daemon, each writing $OUT/s_<name>.json, and a table of step, step.graph, step.replan
-# and step.decode (cases, largest err / bound, refused) in $OUT/log.txt. Fifty-sixth session: the README's "The step
-# check's decode step on the H200".
+# tokens of weight about 1/2, `step.decode`) on one H200: the GPU step tests, then campaigns on every backend that runs
+# there, through one MPS daemon, each writing $OUT/s_<name>.json, and a table of step, step.graph, step.replan and
+# step.decode (cases, largest err / bound, refused) in $OUT/log.txt. Fifty-sixth session: docs/verification_log.md's
+# "The step check's decode step on the H200".
 # Two device tool calls (each within the 600 s a call may take; carry .whl, the peers' wheels):
 #   bash scripts/device_step_check.sh [SECONDS] ours      the GPU step tests, our Triton backend, the step mutants
 #   bash scripts/device_step_check.sh [SECONDS] peers     the peers' GPU step tests, FlashInfer and FlashMLA
