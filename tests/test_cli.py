@@ -4,10 +4,12 @@ repro line, the JSON report (schema, allow_nan=False, atomic), broken plug-ins a
 
 import dataclasses
 import json
+import multiprocessing
 import re
 import shlex
 import socket
 import sys
+import time
 import types
 
 import pytest
@@ -723,6 +725,30 @@ def test_time_limit_stops_starting_cases_and_reports_the_rest(capsys, tmp_path, 
     code, _, err = run(capsys, "--backend", "ref", "--cases", "2", "--time-limit", "0")
     assert code == cli.EXIT_USAGE and "--time-limit" in err and "got 0" in err
 
+
+def _first_fast_rest_slow(case):
+    """A pool worker's stand-in for `cli._run_one`: the campaign's first case returns at once, every other one takes a
+    minute (as a long case or a kernel under Triton's interpreter may)."""
+    if case != 0:
+        time.sleep(60)
+    return case
+
+
+def test_an_early_stop_kills_the_workers_cases_in_flight(monkeypatch):
+    """A campaign stopped early (--time-limit, -x, a device fault: `on_result` says stop) leaves no pool worker running
+    a case whose result it drops. Before, the workers ran their cases in flight, and those the executor had queued for
+    them, to the end: an interpreted Triton campaign with --time-limit 420 wrote its report at 599 s and its processes
+    lived on for twelve more minutes, until killed. Here a worker would sleep for a minute; it must be gone within
+    20 s."""
+    monkeypatch.setattr(cli, "_run_one", _first_fast_rest_slow)  # forked workers inherit it
+    before = set(multiprocessing.active_children())
+    seen = []
+    cli._run_all([0, 1, 2, 3], 2, lambda result: seen.append(result) or False)
+    assert seen == [0]
+    deadline = time.monotonic() + 20
+    while set(multiprocessing.active_children()) - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not set(multiprocessing.active_children()) - before
 
 def test_search_stopped_in_its_target_phase_reports_the_cases_that_ran(capsys, tmp_path):
     """A search stopped late (here by --exitfirst at a failure in the 150th case, in Hypothesis's target phase; a time

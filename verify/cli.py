@@ -200,7 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", choices=tuple(DEFAULT_CASES), default="ci", help="case generation profile (below)")
     p.add_argument("--device", help="torch device for the cases (default cuda if available, else cpu)")
     p.add_argument("--time-limit", type=_positive_seconds, metavar="S",
-                   help="start no case after S seconds of the campaign (wall clock); the cases not run are reported "
+                   help="start no case after S seconds of the campaign (wall clock, checked as each result comes in; "
+                        "worker processes still running a case then are stopped); the cases not run are reported "
                         "(not_run, stopped), the exit code is that of the cases that ran")
     p.add_argument("--jobs", type=_positive_int, metavar="N",
                    help="worker processes (default: the usable cores on a CPU, min(14, cores) spawned processes "
@@ -493,15 +494,24 @@ def _run_all(cases: list[Case], jobs: int, on_result, kernel_spec: tuple[str, st
             # an executor, not a Pool: a Pool replaces a worker the kernel crashed and waits for its result forever
             executor = ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init,
                                            initargs=init + (inflight,))
+            stopped_early = False
             try:
                 for result in executor.map(_run_one, cases):
                     if not on_result(result):
+                        stopped_early = True
                         return
                 return
             except BrokenProcessPool:
                 suspects = sorted(_cases_in_flight(inflight), key=cases.index)
             finally:
-                executor.shutdown(wait=False, cancel_futures=True)  # cases in flight finish, queued ones do not
+                # after an early stop (--time-limit, -x, a device fault) the workers' cases in flight are killed: their
+                # results would be thrown away, and each worker would otherwise run its case and the one queued for
+                # it to the end (minutes for a long case or an interpreted kernel) before this process could exit,
+                # its report written (the executor's own table of its workers: shutdown drops it)
+                workers = list((executor._processes or {}).values()) if stopped_early else []
+                executor.shutdown(wait=False, cancel_futures=True)  # queued cases are dropped
+                for worker in workers:
+                    worker.terminate()
         raise _crash_named(suspects, ctx, init)
     for case in cases:
         if not on_result(_run_one(case)):
