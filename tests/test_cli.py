@@ -750,6 +750,7 @@ def test_an_early_stop_kills_the_workers_cases_in_flight(monkeypatch):
         time.sleep(0.1)
     assert not set(multiprocessing.active_children()) - before
 
+
 def test_search_stopped_in_its_target_phase_reports_the_cases_that_ran(capsys, tmp_path):
     """A search stopped late (here by --exitfirst at a failure in the 150th case, in Hypothesis's target phase; a time
     limit stops the same way) ends with the report of the cases that ran, not with Hypothesis's ExceptionGroup of
