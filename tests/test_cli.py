@@ -2,6 +2,7 @@
 repro line, the JSON report (schema, allow_nan=False, atomic), broken plug-ins as failed cases, unsupported cases
 (counted per reason; exit 5 when all are), a CUDA fault stopping the campaign, the model subcommand."""
 
+import contextlib
 import dataclasses
 import json
 import multiprocessing
@@ -734,21 +735,57 @@ def _first_fast_rest_slow(case):
     return case
 
 
-def test_an_early_stop_kills_the_workers_cases_in_flight(monkeypatch):
-    """A campaign stopped early (--time-limit, -x, a device fault: `on_result` says stop) leaves no pool worker running
-    a case whose result it drops. Before, the workers ran their cases in flight, and those the executor had queued for
-    them, to the end: an interpreted Triton campaign with --time-limit 420 wrote its report at 599 s and its processes
-    lived on for twelve more minutes, until killed. Here a worker would sleep for a minute; it must be gone within
-    20 s."""
+def _stop(result) -> bool:
+    return False
+
+
+def _raise(result) -> bool:
+    raise RuntimeError("the report broke")
+
+
+def _no_new_children(before: set, seconds: float = 20) -> bool:
+    """Every child process started since `before` is gone within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while set(multiprocessing.active_children()) - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not set(multiprocessing.active_children()) - before
+
+
+@pytest.mark.parametrize("on_result", [_stop, _raise])
+def test_an_early_stop_kills_the_workers_cases_in_flight(monkeypatch, on_result):
+    """A campaign stopped early (--time-limit, -x, a device fault: `on_result` says stop; or an exception out of it, as
+    Ctrl-C's) leaves no pool worker running a case whose result it drops. Before, the workers ran their cases in
+    flight, and those the executor had queued for them, to the end: an interpreted Triton campaign with --time-limit
+    420 wrote its report at 599 s and its processes lived on for twelve more minutes, until killed (the seventy-fifth
+    session mended the stop, the seventy-sixth the exception). Here a worker would sleep for a minute; it must be gone
+    within 20 s."""
     monkeypatch.setattr(cli, "_run_one", _first_fast_rest_slow)  # forked workers inherit it
     before = set(multiprocessing.active_children())
     seen = []
-    cli._run_all([0, 1, 2, 3], 2, lambda result: seen.append(result) or False)
+    with contextlib.suppress(RuntimeError):
+        cli._run_all([0, 1, 2, 3], 2, lambda result: seen.append(result) or on_result(result))
     assert seen == [0]
-    deadline = time.monotonic() + 20
-    while set(multiprocessing.active_children()) - before and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not set(multiprocessing.active_children()) - before
+    assert _no_new_children(before)
+
+
+def _report_then_sleep(strategy, n, seed, on_result):
+    """A search worker's stand-in for `cli._search`: one result at once, then a minute on its next case."""
+    on_result(seed)
+    time.sleep(60)
+
+
+def test_a_stopped_search_kills_its_workers_cases_in_flight(monkeypatch):
+    """--profile search --jobs 2, stopped at its first result: the other search and the one that reported are killed
+    in their cases in flight, and the campaign ends at once. Until the seventy-sixth session each worker was asked to
+    stop after its case in flight and joined for up to 60 s before being killed: a minute's wait here."""
+    monkeypatch.setattr(cli, "_search", _report_then_sleep)  # forked workers inherit it
+    before = set(multiprocessing.active_children())
+    seen = []
+    start = time.monotonic()
+    cli._search_parallel("bf16", {}, 4, 0, 2, lambda result: seen.append(result) or False, None)
+    assert len(seen) == 1 and seen[0] in (0, 1)  # the seed of the search that reported first
+    assert time.monotonic() - start < 20
+    assert _no_new_children(before)
 
 
 def test_search_stopped_in_its_target_phase_reports_the_cases_that_ran(capsys, tmp_path):

@@ -363,17 +363,17 @@ class _Stop(Exception):
     """Raised inside the search to end it early (--exitfirst, --time-limit, a device fault)."""
 
 
-def _search_worker(index: int, n: int, seed: int, dtype: str, shape: dict, init: tuple, messages, stop) -> None:
+def _search_worker(index: int, n: int, seed: int, dtype: str, shape: dict, init: tuple, messages) -> None:
     """Search number `index` of `--profile search --jobs N`, in a process of its own: n cases from Hypothesis seed
     `seed`, each result put on `messages` as ("result", index, CaseResult); then ("done", index, None), or ("error",
-    index, traceback) if the search itself raised. Stops after the case in flight once `stop` is set."""
+    index, traceback) if the search itself raised. The parent kills it when it stops the campaign."""
     try:
         _worker_init(*init)
         from verify.strategies import cases as case_strategy
 
         def on_result(r: CaseResult) -> bool:
             messages.put(("result", index, r))
-            return not stop.is_set()
+            return True
 
         _search(case_strategy(dtype, **shape), n, seed, on_result)
     except BaseException:  # reported to the parent, which raises it: a search that dies must not look finished
@@ -387,17 +387,17 @@ def _search_parallel(dtype: str, shape: dict, n: int, seed: int, jobs: int, on_r
     """--profile search --jobs N: N independent searches in worker processes (started as `_start_method` says, as in
     `_run_all`), search i with Hypothesis seed `seed + i` and its share of the n cases; each steers its own target
     phase. Results reach on_result as they arrive (their order varies from run to run; each case's own seed makes
-    it replayable). on_result -> False stops them all: each ends after its case in flight, whose result is dropped.
-    A worker whose search raises, or that dies without reporting, raises WorkerDied here."""
+    it replayable). on_result -> False stops them all: the workers still searching are killed, their cases in flight
+    dropped. A worker whose search raises, or that dies without reporting, raises WorkerDied here."""
     import queue
 
     method = _start_method(_DEVICE)
     ctx = multiprocessing.get_context(method)
     inflight = tempfile.mkdtemp(prefix="mla-verify-inflight-")
     init = (_THREADS, kernel_spec if method == "spawn" else None, _DEVICE, _FAR, inflight)
-    messages, stop = ctx.Queue(), ctx.Event()
+    messages = ctx.Queue()
     shares = [n // jobs + (i < n % jobs) for i in range(jobs)]
-    workers = {i: ctx.Process(target=_search_worker, args=(i, share, seed + i, dtype, shape, init, messages, stop),
+    workers = {i: ctx.Process(target=_search_worker, args=(i, share, seed + i, dtype, shape, init, messages),
                               daemon=True) for i, share in enumerate(shares) if share > 0}
     for w in workers.values():
         w.start()
@@ -420,15 +420,20 @@ def _search_parallel(dtype: str, shape: dict, n: int, seed: int, jobs: int, on_r
                 raise WorkerDied(f"search worker {index} (seed {seed + index}) failed:\n{payload}")
             if kind == "done":
                 running.discard(index)
-            elif not stop.is_set() and not on_result(payload):
-                stop.set()
-    finally:
-        stop.set()
+            elif not on_result(payload):
+                return
+    finally:  # a stop, a WorkerDied or any exception: the searches still running are killed in their case in flight
+        _terminate([workers[i] for i in running])
         for w in workers.values():
-            w.join(timeout=60)
-            if w.is_alive():
-                w.terminate()
+            w.join(timeout=60)  # the others reported their end and are exiting
         shutil.rmtree(inflight, ignore_errors=True)
+
+
+def _terminate(processes: list) -> None:
+    """Kill worker processes whose cases' results will not be read (SIGTERM; one already gone is left alone), rather
+    than let each run its case in flight to the end before this process can report and exit."""
+    for p in processes:
+        p.terminate()
 
 
 def mps_running() -> bool:
@@ -494,24 +499,24 @@ def _run_all(cases: list[Case], jobs: int, on_result, kernel_spec: tuple[str, st
             # an executor, not a Pool: a Pool replaces a worker the kernel crashed and waits for its result forever
             executor = ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init,
                                            initargs=init + (inflight,))
-            stopped_early = False
+            every_result_in = False
             try:
                 for result in executor.map(_run_one, cases):
                     if not on_result(result):
-                        stopped_early = True
                         return
+                every_result_in = True
                 return
             except BrokenProcessPool:
                 suspects = sorted(_cases_in_flight(inflight), key=cases.index)
             finally:
-                # after an early stop (--time-limit, -x, a device fault) the workers' cases in flight are killed: their
-                # results would be thrown away, and each worker would otherwise run its case and the one queued for
-                # it to the end (minutes for a long case or an interpreted kernel) before this process could exit,
-                # its report written (the executor's own table of its workers: shutdown drops it)
-                workers = list((executor._processes or {}).values()) if stopped_early else []
+                # unless every result came in (an early stop: --time-limit, -x, a device fault; or an exception, e.g.
+                # Ctrl-C or one out of on_result) the workers' cases in flight are killed: their results would be
+                # thrown away, and each worker would otherwise run its case and the one queued for it to the end
+                # (minutes for a long case or an interpreted kernel) before this process could exit, its report
+                # written (the executor's own table of its workers: shutdown drops it)
+                workers = [] if every_result_in else list((executor._processes or {}).values())
                 executor.shutdown(wait=False, cancel_futures=True)  # queued cases are dropped
-                for worker in workers:
-                    worker.terminate()
+                _terminate(workers)
         raise _crash_named(suspects, ctx, init)
     for case in cases:
         if not on_result(_run_one(case)):
