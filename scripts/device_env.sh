@@ -21,7 +21,10 @@ mps_start() { python3 -c "import sys; from verify.cli import mps_running; sys.ex
 mps_stop() { echo quit | nvidia-cuda-mps-control 2>/dev/null; }
 # `pool_campaign NAME SECONDS [mla-verify args...]`: one mla-verify campaign through the pool (14 jobs, under the MPS
 # daemon mps_start started) with a time limit of SECONDS, its JSON at $OUT/NAME.json and its output at /tmp/NAME.txt;
-# its exit status, arguments and summary lines go to the log. Killed 120 s past the limit (compiles, a slow last case).
+# its exit status, arguments and summary lines go to the log. The limit counts the pool's start (spawned workers'
+# imports and compiles: up to ~100 s on a fresh machine) and, since the seventy-sixth session, stops the workers in
+# their cases in flight (before, it was checked only as results came in); a limit shorter than the start leaves no
+# case run (exit 5). Killed 120 s past the limit (a backstop).
 pool_campaign() {
   local name=$1 seconds=$2; shift 2
   timeout $((seconds + 120)) python3 -m verify --jobs 14 --time-limit "$seconds" --json "$OUT/$name.json" "$@" \

@@ -19,9 +19,9 @@ if [ "$group" = ours ]; then
   pool_campaign r_triton_bf16 "$seconds" --backend triton --dtype bf16 --cases 300
   pool_campaign r_triton_fp8 "$seconds" --backend triton --dtype fp8 --cases 300
   pool_campaign r_invariant_bf16 "$seconds" --backend triton_invariant --dtype bf16 --cases 300
-  pool_campaign r_prefix_first_pair 30 --impl verify.mutants:prefix_first_pair --dtype bf16 --cases 60
-  pool_campaign r_head0_max 30 --impl verify.mutants:head0_max --dtype bf16 --cases 60
-  pool_campaign r_dtype_unchecked 30 --impl verify.mutants:dtype_unchecked --dtype fp8 --cases 60
+  pool_campaign r_prefix_first_pair 60 --impl verify.mutants:prefix_first_pair --dtype bf16 --cases 60
+  pool_campaign r_head0_max 60 --impl verify.mutants:head0_max --dtype bf16 --cases 60
+  pool_campaign r_dtype_unchecked 60 --impl verify.mutants:dtype_unchecked --dtype fp8 --cases 60
 else
   peer_campaigns "$seconds"
 fi

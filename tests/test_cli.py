@@ -565,9 +565,11 @@ def test_search_jobs_are_the_searches_of_their_seeds(capsys, tmp_path, monkeypat
 
 
 def test_search_jobs_stop_at_the_time_limit(capsys, tmp_path, monkeypatch):
-    """A time limit inside parallel searches (no smoke prefix here) stops both after the first result."""
+    """A time limit inside parallel searches (no smoke prefix here) stops both after the first result (the check
+    while waiting put off, as above)."""
     import verify.strategies
 
+    monkeypatch.setattr(cli, "_POLL_S", 60.0)
     monkeypatch.setattr(verify.strategies, "smoke_cases", lambda *a, **k: [])
     path = tmp_path / "r.json"
     code, _, err = run(capsys, "--backend", "ref", "--profile", "search", "--cases", "50", "--max-seq-len", "64",
@@ -710,11 +712,14 @@ def test_plot_without_matplotlib_is_a_usage_error(capsys, monkeypatch, tmp_path)
 
 
 @pytest.mark.parametrize("profile, jobs", [("ci", "1"), ("ci", "2"), ("search", "1")])
-def test_time_limit_stops_starting_cases_and_reports_the_rest(capsys, tmp_path, profile, jobs):
+def test_time_limit_stops_starting_cases_and_reports_the_rest(capsys, tmp_path, monkeypatch, profile, jobs):
     """--time-limit: a campaign past its limit starts no further case; the report counts the cases not run and says
     why, and the exit code is that of the cases that ran (here all held). A limit shorter than any case stops after
-    the first, in one process, in a pool of workers (the rest of the pool's work dropped) and with the search profile
-    (in its smoke prefix, which runs first; a stop inside the search itself: the target-phase test below)."""
+    the first, in one process, in a pool of workers (the rest of the pool's work dropped; the pool's check while it
+    waits is put off here, so that the first result comes in first: that check has a test of its own below) and with
+    the search profile (in its smoke prefix, which runs first; a stop inside the search itself: the target-phase test
+    below)."""
+    monkeypatch.setattr(cli, "_POLL_S", 60.0)
     path = tmp_path / "r.json"
     code, _, err = run(capsys, "--backend", "ref", "--profile", profile, "--cases", "4", "--max-seq-len", "64",
                        "--seed", "1", "--jobs", jobs, "--time-limit", "1e-9", "--json", str(path))
@@ -725,6 +730,30 @@ def test_time_limit_stops_starting_cases_and_reports_the_rest(capsys, tmp_path, 
     assert "STOPPED by the time limit" in err and "3 cases not run" in err
     code, _, err = run(capsys, "--backend", "ref", "--cases", "2", "--time-limit", "0")
     assert code == cli.EXIT_USAGE and "--time-limit" in err and "got 0" in err
+
+
+def sleeps_on_page_16(batch):
+    """A kernel whose every call on pages of 16 takes a minute (as a long case, or an interpreted kernel, may; a case
+    calls it several times), right otherwise."""
+    if batch.page_size == 16:
+        time.sleep(60)
+    return correct(batch)
+
+
+def test_time_limit_stops_a_pool_waiting_on_a_slow_case(capsys, tmp_path):
+    """--jobs 2 --time-limit 2: a campaign whose workers are stuck in minute-long cases stops within a second or so of
+    its limit, not when those cases end; their cases are reported as not run (until the seventy-sixth session the
+    limit was checked only as results came in, so a campaign overran it by a case in flight: an interpreted Triton
+    campaign with --time-limit 420 reported at 599 s). No result at all by then is exit 5, no case ran."""
+    path = tmp_path / "r.json"
+    start = time.monotonic()
+    code, _, err = run(capsys, "--impl", "tests.test_cli:sleeps_on_page_16", "--cases", "20", "--max-seq-len", "64",
+                       "--jobs", "2", "--time-limit", "2", "--json", str(path))
+    assert time.monotonic() - start < 20, err
+    report = json.loads(path.read_text())
+    assert report["stopped"]["reason"].startswith("time limit: --time-limit 2 s passed"), err
+    assert report["failed"] == 0 and 0 < report["not_run"] and report["cases"] + report["not_run"] == 20
+    assert code == (cli.EXIT_OK if report["cases"] else cli.EXIT_NOTHING_RAN), err
 
 
 def _first_fast_rest_slow(case):
@@ -751,20 +780,23 @@ def _no_new_children(before: set, seconds: float = 20) -> bool:
     return not set(multiprocessing.active_children()) - before
 
 
-@pytest.mark.parametrize("on_result", [_stop, _raise])
-def test_an_early_stop_kills_the_workers_cases_in_flight(monkeypatch, on_result):
-    """A campaign stopped early (--time-limit, -x, a device fault: `on_result` says stop; or an exception out of it, as
-    Ctrl-C's) leaves no pool worker running a case whose result it drops. Before, the workers ran their cases in
-    flight, and those the executor had queued for them, to the end: an interpreted Triton campaign with --time-limit
-    420 wrote its report at 599 s and its processes lived on for twelve more minutes, until killed (the seventy-fifth
-    session mended the stop, the seventy-sixth the exception). Here a worker would sleep for a minute; it must be gone
+@pytest.mark.parametrize("on_result, on_wait", [(_stop, None), (_raise, None), (lambda result: True, lambda: False)],
+                         ids=["stop", "raise", "stop-while-waiting"])
+def test_an_early_stop_kills_the_workers_cases_in_flight(monkeypatch, on_result, on_wait):
+    """A campaign stopped early (--time-limit, -x, a device fault: `on_result` says stop, or `on_wait` while the next
+    result is late; or an exception out of on_result, as Ctrl-C's) leaves no pool worker running a case whose result
+    it drops. Before, the workers ran their cases in flight, and those the executor had queued for them, to the end:
+    an interpreted Triton campaign with --time-limit 420 wrote its report at 599 s and its processes lived on for
+    twelve more minutes, until killed (the seventy-fifth session mended the stop, the seventy-sixth the exception and
+    the stop while waiting). Here a worker would sleep for a minute; the call must return, and the worker be gone,
     within 20 s."""
     monkeypatch.setattr(cli, "_run_one", _first_fast_rest_slow)  # forked workers inherit it
     before = set(multiprocessing.active_children())
     seen = []
+    start = time.monotonic()
     with contextlib.suppress(RuntimeError):
-        cli._run_all([0, 1, 2, 3], 2, lambda result: seen.append(result) or on_result(result))
-    assert seen == [0]
+        cli._run_all([0, 1, 2, 3], 2, lambda result: seen.append(result) or on_result(result), on_wait=on_wait)
+    assert seen == [0] and time.monotonic() - start < 20
     assert _no_new_children(before)
 
 
@@ -774,16 +806,20 @@ def _report_then_sleep(strategy, n, seed, on_result):
     time.sleep(60)
 
 
-def test_a_stopped_search_kills_its_workers_cases_in_flight(monkeypatch):
-    """--profile search --jobs 2, stopped at its first result: the other search and the one that reported are killed
-    in their cases in flight, and the campaign ends at once. Until the seventy-sixth session each worker was asked to
-    stop after its case in flight and joined for up to 60 s before being killed: a minute's wait here."""
+@pytest.mark.parametrize("stop_while_waiting", [False, True])
+def test_a_stopped_search_kills_its_workers_cases_in_flight(monkeypatch, stop_while_waiting):
+    """--profile search --jobs 2, stopped at its first result (or once no result has come for a poll, as at a time
+    limit): the searches are killed in their cases in flight, and the campaign ends at once. Until the seventy-sixth
+    session each worker was asked to stop after its case in flight and joined for up to 60 s before being killed (a
+    minute's wait here), and a time limit was checked only as results came in."""
     monkeypatch.setattr(cli, "_search", _report_then_sleep)  # forked workers inherit it
     before = set(multiprocessing.active_children())
     seen = []
     start = time.monotonic()
-    cli._search_parallel("bf16", {}, 4, 0, 2, lambda result: seen.append(result) or False, None)
-    assert len(seen) == 1 and seen[0] in (0, 1)  # the seed of the search that reported first
+    cli._search_parallel("bf16", {}, 4, 0, 2, lambda result: seen.append(result) or stop_while_waiting, None,
+                         on_wait=lambda: not stop_while_waiting)
+    assert 1 <= len(seen) <= 2 and set(seen) <= {0, 1}  # the seeds of the searches: one result each at most
+    assert stop_while_waiting or len(seen) == 1
     assert time.monotonic() - start < 20
     assert _no_new_children(before)
 

@@ -32,6 +32,7 @@ import traceback
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 from importlib import metadata
 
@@ -91,7 +92,8 @@ outcomes:
 
 exit codes:
   0 every check held (unsupported cases aside)   1 a check failed or a device fault stopped the campaign
-  2 bad usage or input   5 no case ran (backend or device unavailable, or every case unsupported)
+  2 bad usage or input   5 no case ran (backend or device unavailable, every case unsupported, or the
+                          time limit passed before the first result)
 
 examples:
   mla-verify --dtype fp8
@@ -200,9 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", choices=tuple(DEFAULT_CASES), default="ci", help="case generation profile (below)")
     p.add_argument("--device", help="torch device for the cases (default cuda if available, else cpu)")
     p.add_argument("--time-limit", type=_positive_seconds, metavar="S",
-                   help="start no case after S seconds of the campaign (wall clock, checked as each result comes in; "
-                        "worker processes still running a case then are stopped); the cases not run are reported "
-                        "(not_run, stopped), the exit code is that of the cases that ran")
+                   help="stop the campaign once S seconds (wall clock) have passed: worker processes (--jobs N > 1) "
+                        "are stopped in their cases in flight within a second of the limit; cases run in this "
+                        "process (--jobs 1, search's smoke prefix) are checked as each ends; the cases not run are "
+                        "reported (not_run, stopped), the exit code is that of the cases that ran")
     p.add_argument("--jobs", type=_positive_int, metavar="N",
                    help="worker processes (default: the usable cores on a CPU, min(14, cores) spawned processes "
                         "sharing one GPU; --case runs in one process; --profile search runs one search unless N > 1, "
@@ -241,6 +244,7 @@ GPU_JOBS = 14  # default processes feeding one GPU (each holds a CUDA context, ~
 _KERNEL = None  # the kernel of this process (inherited by forked workers)
 _DEVICE = "cpu"
 _FAR: bool | None = None  # run_case's far: None = on CUDA devices
+_POLL_S = 1.0  # seconds between on_wait calls while a pool's next result is awaited (`_run_all`, `_search_parallel`)
 _THREADS = 1  # torch CPU threads per case, in this process and each worker (main: --threads or `_default_threads`)
 _INFLIGHT_DIR: str | None = None  # a worker process: where it writes the case it runs (<pid>.json), see _run_one
 _BEFORE_CASE: Callable[[Case], None] | None = None  # this process, --json PATH: rewrites the report naming the case
@@ -383,12 +387,13 @@ def _search_worker(index: int, n: int, seed: int, dtype: str, shape: dict, init:
 
 
 def _search_parallel(dtype: str, shape: dict, n: int, seed: int, jobs: int, on_result,
-                     kernel_spec: tuple[str, str] | None) -> None:
+                     kernel_spec: tuple[str, str] | None, on_wait: Callable[[], bool] | None = None) -> None:
     """--profile search --jobs N: N independent searches in worker processes (started as `_start_method` says, as in
     `_run_all`), search i with Hypothesis seed `seed + i` and its share of the n cases; each steers its own target
     phase. Results reach on_result as they arrive (their order varies from run to run; each case's own seed makes
     it replayable). on_result -> False stops them all: the workers still searching are killed, their cases in flight
-    dropped. A worker whose search raises, or that dies without reporting, raises WorkerDied here."""
+    dropped; so does on_wait() -> False, called every `_POLL_S` seconds while no message comes. A worker whose
+    search raises, or that dies without reporting, raises WorkerDied here."""
     import queue
 
     method = _start_method(_DEVICE)
@@ -405,8 +410,10 @@ def _search_parallel(dtype: str, shape: dict, n: int, seed: int, jobs: int, on_r
     try:
         while running:
             try:
-                kind, index, payload = messages.get(timeout=1.0)
+                kind, index, payload = messages.get(timeout=_POLL_S)
             except queue.Empty:
+                if on_wait is not None and not on_wait():
+                    return
                 dead = [i for i in running if workers[i].exitcode is not None and messages.empty()]
                 if dead:
                     w = workers[dead[0]]
@@ -478,8 +485,10 @@ def _start_method(device: str) -> str:
     return "fork" if device == "cpu" and "fork" in multiprocessing.get_all_start_methods() else "spawn"
 
 
-def _run_all(cases: list[Case], jobs: int, on_result, kernel_spec: tuple[str, str] | None = None) -> None:
-    """Run cases in order; on_result(result) -> False stops.
+def _run_all(cases: list[Case], jobs: int, on_result, kernel_spec: tuple[str, str] | None = None,
+             on_wait: Callable[[], bool] | None = None) -> None:
+    """Run cases in order; on_result(result) -> False stops. With worker processes, on_wait() is called every
+    `_POLL_S` seconds while the next result is awaited; False stops too (the cases in flight are killed).
 
     jobs > 1: a pool of worker processes, results still in case order; a worker that dies raises WorkerDied. On a
     CPU the workers are forked (they inherit the kernel; spawned where the platform cannot fork). On a GPU they are
@@ -501,7 +510,14 @@ def _run_all(cases: list[Case], jobs: int, on_result, kernel_spec: tuple[str, st
                                            initargs=init + (inflight,))
             every_result_in = False
             try:
-                for result in executor.map(_run_one, cases):
+                for future in [executor.submit(_run_one, case) for case in cases]:
+                    while True:
+                        try:
+                            result = future.result(timeout=_POLL_S)
+                            break
+                        except FutureTimeout:
+                            if on_wait is not None and not on_wait():
+                                return
                     if not on_result(result):
                         return
                 every_result_in = True
@@ -1038,6 +1054,20 @@ def main(argv: list[str] | None = None) -> int:
     with progress:
         task = progress.add_task("cases", total=n, failed=0)
 
+        def past_time_limit() -> bool:
+            """--time-limit has passed with cases left: the stop is recorded (`stopped`) and printed."""
+            if args.time_limit is None or len(results) >= n or time.perf_counter() - t0 <= args.time_limit:
+                return False
+            stopped.update(reason=f"time limit: --time-limit {args.time_limit:g} s passed after {len(results)} "
+                                  f"of {n} cases")
+            progress.console.print(f"mla-verify: STOPPED by the time limit ({args.time_limit:g} s) after "
+                                   f"{len(results)} of {n} cases; the other {n - len(results)} cases are not run",
+                                   markup=False, highlight=False)
+            return True
+
+        def keep_waiting() -> bool:  # a pool's next result is late: stop at the time limit, not when it comes
+            return not past_time_limit()
+
         def on_result(r: CaseResult) -> bool:
             results.append(r)
             failed = sum(x.status == "failed" for x in results)
@@ -1054,12 +1084,7 @@ def main(argv: list[str] | None = None) -> int:
                                        f"other {n - len(results)} cases are not run.\n  {r.failed[0].detail}\n"
                                        f"  repro: {r.case.repro(flags)}", markup=False, highlight=False)
                 return False
-            if args.time_limit is not None and len(results) < n and time.perf_counter() - t0 > args.time_limit:
-                stopped.update(reason=f"time limit: --time-limit {args.time_limit:g} s passed after {len(results)} "
-                                      f"of {n} cases")
-                progress.console.print(f"mla-verify: STOPPED by the time limit ({args.time_limit:g} s) after case "
-                                       f"{len(results)} of {n}; the other {n - len(results)} cases are not run",
-                                       markup=False, highlight=False)
+            if past_time_limit():
                 return False
             if r.status == "failed" and args.exitfirst:
                 if len(results) < n:
@@ -1078,11 +1103,13 @@ def main(argv: list[str] | None = None) -> int:
                     _run_all(smoke, 1, on_result)  # a handful of cases: a pool's start-up would cost more
                     if not stopped:
                         if jobs > 1:
-                            _search_parallel(args.dtype, shape, n - len(smoke), seed, jobs, on_result, kernel_spec)
+                            _search_parallel(args.dtype, shape, n - len(smoke), seed, jobs, on_result, kernel_spec,
+                                             keep_waiting)
                         else:
                             _search(strategy, n - len(smoke), seed, on_result)
                 else:
-                    _run_all(smoke + _draw(strategy, n - len(smoke), seed), jobs, on_result, kernel_spec)
+                    _run_all(smoke + _draw(strategy, n - len(smoke), seed), jobs, on_result, kernel_spec,
+                             keep_waiting)
         except KeyboardInterrupt:
             console.print("mla-verify: interrupted; reporting the cases that ran")
         except WorkerDied as e:
