@@ -807,10 +807,10 @@ def _report_then_sleep(strategy, n, seed, on_result):
 
 @pytest.mark.parametrize("stop_while_waiting", [False, True])
 def test_a_stopped_search_kills_its_workers_cases_in_flight(monkeypatch, stop_while_waiting):
-    """--profile search --jobs 2, stopped at its first result (or once no result has come for a poll, as at a time
-    limit): the searches are killed in their cases in flight, and the campaign ends at once. Until the seventy-sixth
-    session each worker was asked to stop after its case in flight and joined for up to 60 s before being killed (a
-    minute's wait here), and a time limit was checked only as results came in."""
+    """--profile search --jobs 2, stopped at its first result (or, after it, at a poll that finds no new one, as at a
+    time limit): the searches are killed in their cases in flight, and the campaign ends at once. Until the
+    seventy-sixth session each worker was asked to stop after its case in flight and joined for up to 60 s before
+    being killed (a minute's wait here), and a time limit was checked only as results came in."""
     monkeypatch.setattr(cli, "_search", _report_then_sleep)  # forked workers inherit it
     before = set(multiprocessing.active_children())
     seen = []
