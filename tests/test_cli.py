@@ -823,6 +823,16 @@ def test_a_stopped_search_kills_its_workers_cases_in_flight(monkeypatch, stop_wh
     assert _no_new_children(before)
 
 
+def test_a_search_worker_that_dies_is_reported_even_when_the_limit_passes_at_that_poll(monkeypatch):
+    """A search worker found dead at a poll where on_wait also says stop (a time limit passing then) raises
+    WorkerDied: the crash is not taken for a time limit. Its first version checked on_wait first and returned. The
+    poll is stretched to 5 s so that the worker, which exits at once, is surely gone by the first one."""
+    monkeypatch.setattr(cli, "_search", _search_dies)  # forked workers inherit it
+    monkeypatch.setattr(cli, "_POLL_S", 5.0)
+    with pytest.raises(cli.WorkerDied, match="exited with code 3 without reporting"):
+        cli._search_parallel("bf16", {}, 2, 0, 1, lambda result: True, None, on_wait=lambda: False)
+
+
 def test_search_stopped_in_its_target_phase_reports_the_cases_that_ran(capsys, tmp_path):
     """A search stopped late (here by --exitfirst at a failure in the 150th case, in Hypothesis's target phase; a time
     limit stops the same way) ends with the report of the cases that ran, not with Hypothesis's ExceptionGroup of

@@ -412,16 +412,16 @@ def _search_parallel(dtype: str, shape: dict, n: int, seed: int, jobs: int, on_r
             try:
                 kind, index, payload = messages.get(timeout=_POLL_S)
             except queue.Empty:
-                if on_wait is not None and not on_wait():
-                    return
                 dead = [i for i in running if workers[i].exitcode is not None and messages.empty()]
-                if dead:
+                if dead:  # before on_wait: a time limit passing at the same poll must not hide a crash
                     w = workers[dead[0]]
                     case = _case_in_flight(inflight, f"{w.pid}.json")
                     raise WorkerDied(f"search worker {dead[0]} (seed {seed + dead[0]}) exited with code "
                                      f"{w.exitcode} without reporting its end" + (
                                          f", while running case {case.describe()}" if case else ""),
                                      (case,) if case else ()) from None
+                if on_wait is not None and not on_wait():
+                    return
                 continue
             if kind == "error":
                 raise WorkerDied(f"search worker {index} (seed {seed + index}) failed:\n{payload}")
