@@ -8,8 +8,10 @@ import json
 import multiprocessing
 import re
 import shlex
+import signal
 import socket
 import sys
+import threading
 import time
 import types
 
@@ -566,10 +568,12 @@ def test_search_jobs_are_the_searches_of_their_seeds(capsys, tmp_path, monkeypat
 
 def test_search_jobs_stop_at_the_time_limit(capsys, tmp_path, monkeypatch):
     """A time limit inside parallel searches (no smoke prefix here) stops both after the first result (the check
-    while waiting put off, as above)."""
+    while waiting put off, as above; and the timer of the smoke prefix, run in this process, which would stop the
+    campaign before the searches start)."""
     import verify.strategies
 
     monkeypatch.setattr(cli, "_POLL_S", 60.0)
+    no_timer(monkeypatch)
     monkeypatch.setattr(verify.strategies, "smoke_cases", lambda *a, **k: [])
     path = tmp_path / "r.json"
     code, _, err = run(capsys, "--backend", "ref", "--profile", "search", "--cases", "50", "--max-seq-len", "64",
@@ -718,8 +722,9 @@ def test_time_limit_stops_starting_cases_and_reports_the_rest(capsys, tmp_path, 
     the first, in one process, in a pool of workers (the rest of the pool's work dropped; the pool's check while it
     waits is put off here, so that the first result comes in first: that check has a test of its own below) and with
     the search profile (in its smoke prefix, which runs first; a stop inside the search itself: the target-phase test
-    below)."""
+    below). The cases in this process run here without the timer that cuts them short at the limit (`no_timer`)."""
     monkeypatch.setattr(cli, "_POLL_S", 60.0)
+    no_timer(monkeypatch)
     path = tmp_path / "r.json"
     code, _, err = run(capsys, "--backend", "ref", "--profile", profile, "--cases", "4", "--max-seq-len", "64",
                        "--seed", "1", "--jobs", jobs, "--time-limit", "1e-9", "--json", str(path))
@@ -754,6 +759,75 @@ def test_time_limit_stops_a_pool_waiting_on_a_slow_case(capsys, tmp_path):
     assert report["stopped"]["reason"].startswith("time limit: --time-limit 2 s passed"), err
     assert report["failed"] == 0 and 0 < report["not_run"] and report["cases"] + report["not_run"] == 20
     assert code == (cli.EXIT_OK if report["cases"] else cli.EXIT_NOTHING_RAN), err
+
+
+def no_timer(monkeypatch) -> None:
+    """--time-limit without `cli._deadline`'s timer (as where there is no SIGALRM, on Windows): cases run in this
+    process are then checked as each ends, so that a limit shorter than any case stops after the first."""
+    monkeypatch.delattr(signal, "setitimer")
+
+
+def _passes_then_sleeps(fast: int):
+    """A stand-in for `cli._run_one` in this process: the first `fast` cases pass at once, every later one takes a
+    minute (as a long case, or a kernel under Triton's interpreter, may)."""
+    calls = []
+
+    def run_one(case):
+        calls.append(case)
+        if len(calls) > fast:
+            time.sleep(60)
+        return CaseResult(case, [CheckResult("stand-in", True)])
+
+    return run_one
+
+
+@pytest.mark.parametrize("profile", ["ci", "search"])
+def test_time_limit_cuts_a_case_in_this_process_short(capsys, tmp_path, monkeypatch, profile):
+    """--jobs 1 --time-limit 2: the case in flight in this process is cut short at the limit (`cli._deadline`), not
+    run to its end, and reported as not run; in the ci profile after its first case, in the search profile after the
+    smoke prefix, in the search itself. The timer is disarmed and SIGALRM's handler given back afterwards. Until the
+    seventy-seventh session such a case ran to its end (a minute here)."""
+    smoke = len(smoke_cases("bf16", max_seq_len=64))
+    fast = 1 if profile == "ci" else smoke
+    monkeypatch.setattr(cli, "_run_one", _passes_then_sleeps(fast))
+    handler = signal.getsignal(signal.SIGALRM)
+    path = tmp_path / "r.json"
+    start = time.monotonic()
+    code, _, err = run(capsys, "--backend", "ref", "--profile", profile, "--cases", str(smoke + 5), "--max-seq-len",
+                       "64", "--jobs", "1", "--time-limit", "2", "--json", str(path))
+    assert time.monotonic() - start < 20, err
+    report = json.loads(path.read_text())
+    assert code == cli.EXIT_OK and report["cases"] == fast and report["not_run"] == smoke + 5 - fast, err
+    assert report["stopped"]["reason"] == f"time limit: --time-limit 2 s passed after {fast} of {smoke + 5} cases"
+    assert "STOPPED by the time limit" in err
+    assert signal.getsignal(signal.SIGALRM) is handler and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+def test_deadline_raises_once_its_seconds_pass_and_only_then():
+    """`cli._deadline`: TimeLimitReached cuts a sleep short at its seconds; a block that ends first is left alone, and
+    so is one that runs off the main thread (no timer there) or without seconds; the handler is given back each time."""
+    handler = signal.getsignal(signal.SIGALRM)
+    start = time.monotonic()
+    with pytest.raises(cli.TimeLimitReached):
+        with cli._deadline(0.2):
+            time.sleep(10)
+    assert time.monotonic() - start < 5
+    with cli._deadline(5):
+        time.sleep(0.01)
+    with cli._deadline(None):
+        time.sleep(0.3)
+    ended = []
+
+    def off_main():
+        with cli._deadline(0.01):
+            time.sleep(0.3)
+        ended.append(True)
+
+    thread = threading.Thread(target=off_main)
+    thread.start()
+    thread.join()
+    assert ended == [True]
+    assert signal.getsignal(signal.SIGALRM) is handler and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
 
 
 def _first_fast_rest_slow(case):
@@ -1440,9 +1514,11 @@ def test_the_first_unsupported_case_of_a_reason_is_shown_as_it_happens(capsys):
     assert "  repro: mla-verify --case " in err
 
 
-def test_a_time_limit_that_passes_during_the_last_case_stops_nothing(capsys, tmp_path):
+def test_a_time_limit_that_passes_during_the_last_case_stops_nothing(capsys, tmp_path, monkeypatch):
     """Mutant L19 (the time-limit stop without its ``len(results) < n``): a limit that passes during the campaign's
-    last case leaves no case unrun, so the report says nothing stopped it."""
+    last case leaves no case unrun, so the report says nothing stopped it (without the timer, which would cut that
+    case short)."""
+    no_timer(monkeypatch)
     path = tmp_path / "r.json"
     code, _, err = run(capsys, "--impl", "tests.test_cli:never", "--cases", "1", "--max-seq-len", "64", "--jobs", "1",
                         "--time-limit", "1e-9", "--json", str(path))

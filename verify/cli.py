@@ -23,10 +23,12 @@ import multiprocessing
 import os
 import platform
 import shutil
+import signal
 import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections import Counter
@@ -203,9 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="torch device for the cases (default cuda if available, else cpu)")
     p.add_argument("--time-limit", type=_positive_seconds, metavar="S",
                    help="stop the campaign once S seconds (wall clock) have passed: worker processes (--jobs N > 1) "
-                        "are stopped in their cases in flight within a second of the limit; cases run in this "
-                        "process (--jobs 1, search's smoke prefix) are checked as each ends; the cases not run are "
-                        "reported (not_run, stopped), the exit code is that of the cases that ran")
+                        "are stopped in their cases in flight within a second of the limit; a case run in this "
+                        "process (--jobs 1, search's smoke prefix) is cut short at the limit by a SIGALRM timer, once "
+                        "a C call in flight (a long kernel, a CUDA sync) returns; the cases not run, a case cut short "
+                        "among them, are reported (not_run, stopped), the exit code is that of the cases that ran")
     p.add_argument("--jobs", type=_positive_int, metavar="N",
                    help="worker processes (default: the usable cores on a CPU, min(14, cores) spawned processes "
                         "sharing one GPU; --case runs in one process; --profile search runs one search unless N > 1, "
@@ -434,6 +437,37 @@ def _search_parallel(dtype: str, shape: dict, n: int, seed: int, jobs: int, on_r
         for w in workers.values():
             w.join(timeout=60)  # the others reported their end and are exiting
         shutil.rmtree(inflight, ignore_errors=True)
+
+
+class TimeLimitReached(BaseException):
+    """--time-limit passed while a case ran in this process (`_deadline`). A BaseException, as KeyboardInterrupt is,
+    so that neither `_run_one` nor Hypothesis takes it for the case's own error: it ends the campaign, and the case it
+    cut short is reported as not run."""
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float | None):
+    """Raise TimeLimitReached in this thread once `seconds` (wall clock; <= 0: at once) have passed inside the block:
+    a SIGALRM timer, so that a case run in this process (--jobs 1, a search's smoke prefix) is cut short at the limit
+    instead of run to its end. Python runs the handler between bytecodes, so a C call in flight (one long kernel, a
+    CUDA synchronize) ends first. No timer where seconds is None, off the main thread or without SIGALRM (Windows):
+    then the limit is checked as each case ends. The previous handler is restored on the way out."""
+    if seconds is None or not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def fire(signum, frame):
+        raise TimeLimitReached
+
+    previous = signal.signal(signal.SIGALRM, fire)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, max(seconds, 1e-6))  # 0 would disarm it
+        yield
+    finally:
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0)  # a timer firing here raises, and the handler is still restored
+        finally:
+            signal.signal(signal.SIGALRM, previous)
 
 
 def _terminate(processes: list) -> None:
@@ -1054,9 +1088,9 @@ def main(argv: list[str] | None = None) -> int:
     with progress:
         task = progress.add_task("cases", total=n, failed=0)
 
-        def past_time_limit() -> bool:
-            """--time-limit has passed with cases left: the stop is recorded (`stopped`) and printed."""
-            if args.time_limit is None or len(results) >= n or time.perf_counter() - t0 <= args.time_limit:
+        def stop_at_time_limit() -> bool:
+            """Record (`stopped`) and print the time limit's stop; False, nothing recorded, when no case is left."""
+            if len(results) >= n:
                 return False
             stopped.update(reason=f"time limit: --time-limit {args.time_limit:g} s passed after {len(results)} "
                                   f"of {n} cases")
@@ -1064,6 +1098,14 @@ def main(argv: list[str] | None = None) -> int:
                                    f"{len(results)} of {n} cases; the other {n - len(results)} cases are not run",
                                    markup=False, highlight=False)
             return True
+
+        def past_time_limit() -> bool:
+            """--time-limit has passed with cases left: the stop is recorded and printed (`stop_at_time_limit`)."""
+            return args.time_limit is not None and time.perf_counter() - t0 > args.time_limit and stop_at_time_limit()
+
+        def in_this_process() -> contextlib.AbstractContextManager:
+            """Around cases run in this process: the time limit cuts the case in flight short (`_deadline`)."""
+            return _deadline(None if args.time_limit is None else t0 + args.time_limit - time.perf_counter())
 
         def keep_waiting() -> bool:  # a pool's next result is late: stop at the time limit, not when it comes
             return not past_time_limit()
@@ -1100,16 +1142,23 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 strategy = case_strategy(args.dtype, **shape)
                 if args.profile == "search":
-                    _run_all(smoke, 1, on_result)  # a handful of cases: a pool's start-up would cost more
+                    with in_this_process():
+                        _run_all(smoke, 1, on_result)  # a handful of cases: a pool's start-up would cost more
                     if not stopped:
                         if jobs > 1:
                             _search_parallel(args.dtype, shape, n - len(smoke), seed, jobs, on_result, kernel_spec,
                                              keep_waiting)
                         else:
-                            _search(strategy, n - len(smoke), seed, on_result)
+                            with in_this_process():
+                                _search(strategy, n - len(smoke), seed, on_result)
                 else:
-                    _run_all(smoke + _draw(strategy, n - len(smoke), seed), jobs, on_result, kernel_spec,
-                             keep_waiting)
+                    cases = smoke + _draw(strategy, n - len(smoke), seed)
+                    # a pool (`_run_all`: jobs > 1 and more than one case) stops at the limit through keep_waiting
+                    with in_this_process() if jobs == 1 or len(cases) == 1 else contextlib.nullcontext():
+                        _run_all(cases, jobs, on_result, kernel_spec, keep_waiting)
+        except TimeLimitReached:  # a case run in this process was cut short at the limit
+            if not stopped:  # else the timer fired as the campaign ended for a stop already recorded
+                stop_at_time_limit()
         except KeyboardInterrupt:
             console.print("mla-verify: interrupted; reporting the cases that ran")
         except WorkerDied as e:
