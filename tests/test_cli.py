@@ -30,6 +30,15 @@ from verify.strategies import smoke_cases
 SMALL = Case(seq_lens=(0, 70), q_lens=(2, 1), heads=2, seed=3)
 
 
+@pytest.fixture(autouse=True)
+def cpu_campaigns(monkeypatch):
+    """Every campaign here runs on the CPU, on a GPU machine too (where the default device would be cuda): these tests
+    are about the CLI's behaviour on a CPU (forked workers that inherit a patched function, thread counts, backends
+    that cannot run there). On an H100 two of them failed without it, their workers spawned for the GPU and so
+    without the patch (seventy-seventh session). The GPU's campaigns are the device scripts' (scripts/device_*.sh)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
 def raises(batch):
     raise RuntimeError("kernel exploded")
 
