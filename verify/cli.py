@@ -520,9 +520,11 @@ def _start_method(device: str) -> str:
 
 
 def _run_all(cases: list[Case], jobs: int, on_result, kernel_spec: tuple[str, str] | None = None,
-             on_wait: Callable[[], bool] | None = None) -> None:
+             on_wait: Callable[[], bool] | None = None,
+             in_process: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
     """Run cases in order; on_result(result) -> False stops. With worker processes, on_wait() is called every
-    `_POLL_S` seconds while the next result is awaited; False stops too (the cases in flight are killed).
+    `_POLL_S` seconds while the next result is awaited; False stops too (the cases in flight are killed). Cases run
+    in this process run inside ``in_process()`` (main: the time limit's timer, `_deadline`).
 
     jobs > 1: a pool of worker processes, results still in case order; a worker that dies raises WorkerDied. On a
     CPU the workers are forked (they inherit the kernel; spawned where the platform cannot fork). On a GPU they are
@@ -568,9 +570,10 @@ def _run_all(cases: list[Case], jobs: int, on_result, kernel_spec: tuple[str, st
                 executor.shutdown(wait=False, cancel_futures=True)  # queued cases are dropped
                 _terminate(workers)
         raise _crash_named(suspects, ctx, init)
-    for case in cases:
-        if not on_result(_run_one(case)):
-            return
+    with in_process():
+        for case in cases:
+            if not on_result(_run_one(case)):
+                return
 
 
 def _case_in_flight(folder: str, name: str) -> Case | None:
@@ -1142,8 +1145,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 strategy = case_strategy(args.dtype, **shape)
                 if args.profile == "search":
-                    with in_this_process():
-                        _run_all(smoke, 1, on_result)  # a handful of cases: a pool's start-up would cost more
+                    # a handful of cases: a pool's start-up would cost more
+                    _run_all(smoke, 1, on_result, in_process=in_this_process)
                     if not stopped:
                         if jobs > 1:
                             _search_parallel(args.dtype, shape, n - len(smoke), seed, jobs, on_result, kernel_spec,
@@ -1152,10 +1155,8 @@ def main(argv: list[str] | None = None) -> int:
                             with in_this_process():
                                 _search(strategy, n - len(smoke), seed, on_result)
                 else:
-                    cases = smoke + _draw(strategy, n - len(smoke), seed)
-                    # a pool (`_run_all`: jobs > 1 and more than one case) stops at the limit through keep_waiting
-                    with in_this_process() if jobs == 1 or len(cases) == 1 else contextlib.nullcontext():
-                        _run_all(cases, jobs, on_result, kernel_spec, keep_waiting)
+                    _run_all(smoke + _draw(strategy, n - len(smoke), seed), jobs, on_result, kernel_spec,
+                             keep_waiting, in_this_process)
         except TimeLimitReached:  # a case run in this process was cut short at the limit
             if not stopped:  # else the timer fired as the campaign ended for a stop already recorded
                 stop_at_time_limit()
