@@ -17,7 +17,7 @@ import torch
 from mla_fast.backends import Unsupported
 from mla_ref.decode import mla_decode_ref
 from verify import mutants
-from verify.checks import run_case
+from verify.checks import _tier1_bound, check_step, run_case
 from verify.kernels import from_callable
 from verify.next_step import decode_layout, decode_values, next_layout, next_lengths, next_values, with_room
 from verify.strategies import smoke_cases
@@ -34,6 +34,20 @@ def with_step(step):
 
 def _failed(result) -> dict:
     return {c.name: c.detail for c in result.checks if not c.ok}
+
+
+def _step_failed(case, plug_in) -> dict:
+    """{name: detail} of the step checks (`check_step`, judged as run_case judges them) that ``plug_in`` fails on
+    ``case``. For plug-ins whose decode is mutants.correct's (`mutants._decode`): their other checks are the correct
+    kernel's, which the smoke prefix passes (tests/test_mutants.py::test_correct_kernel_passes), so over the whole
+    prefix only the step checks run (run_case's others took two thirds of the time); the first test below drives
+    the step check through run_case."""
+    batch, _ = case.materialize("cpu")
+    kernel = from_callable(plug_in)
+    ref, numerics = mla_decode_ref(batch), kernel.numerics(batch)  # ([T, H, L], [T, H]) fp64
+    bound = _tier1_bound(batch, kernel, numerics, ref)
+    results = check_step(batch, kernel, plug_in(batch), ref, bound, numerics.out_dtype)
+    return {r.name: r.detail for r in results if not r.ok}
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
@@ -55,8 +69,8 @@ def test_the_correct_step_passes_and_a_step_that_plans_once_fails_the_replan_and
 def test_a_plan_that_keeps_its_pieces_for_one_decode_step_fails_the_decode_step_alone(dtype):
     """Found by a review: a plan() fast path for the same requests a few tokens longer (its pieces kept) passed the
     step check, whose one next step rotated the requests. The decode step grows each by its q_len, with new tokens
-    of weight about 1/2 in their rows: every smoke case fails it, and nothing else (the shifted case too)."""
-    failed = [_failed(run_case(case, from_callable(mutants.fast_path_plan), "cpu")) for case in smoke_cases(dtype)]
+    of weight about 1/2 in their rows: every smoke case fails it, and no other step check (the shifted case too)."""
+    failed = [_step_failed(case, mutants.fast_path_plan) for case in smoke_cases(dtype)]
     assert all(set(f) == {"step.decode.out", "step.decode.lse"} for f in failed), failed
 
 
@@ -171,7 +185,7 @@ def test_a_step_sized_at_capture_or_reading_q_when_it_plans_fails_the_replan(plu
     smoke case: there the tokens a capped grid misses score -120 against a newest token's +120, a weight of e^-240,
     nothing in fp32: a capped grid gives the right answer.)"""
     cases = [c for c in smoke_cases("bf16") + smoke_cases("fp8") if c.dist != "shifted"]
-    failed = [_failed(run_case(case, from_callable(plug_in), "cpu")) for case in cases]
+    failed = [_step_failed(case, plug_in) for case in cases]
     later = {"step.replan.out", "step.replan.lse", "step.decode.out", "step.decode.lse"}
     assert all(set(f) <= later for f in failed), failed
     assert sum("step.replan.out" in f for f in failed) == len(cases), failed
@@ -196,7 +210,7 @@ def test_a_plan_that_writes_into_the_steps_inputs_fails_by_name():
     """plan()'s writes are checked as run()'s are: at the first plan (`step`) and at the replan (`step.replan`),
     where a plan that rewrites the lengths would otherwise move the oracle's inputs with it."""
     for case in smoke_cases("bf16"):
-        failed = _failed(run_case(case, from_callable(with_step(ClampsLengthsWhenPlanning)), "cpu"))
+        failed = _step_failed(case, with_step(ClampsLengthsWhenPlanning))
         assert set(failed) == {"step.replan"}, (case, failed)
         assert "plan() wrote into its inputs: seq_lens" in failed["step.replan"], failed
     failed = _failed(run_case(smoke_cases("bf16")[0], from_callable(with_step(ZeroesASparePageWhenPlanning)), "cpu"))
