@@ -40,7 +40,7 @@ def _step_failed(case, plug_in) -> dict:
     """{name: detail} of the step checks (`check_step`, judged as run_case judges them) that ``plug_in`` fails on
     ``case``. For plug-ins whose decode is mutants.correct's (`mutants._decode`): their other checks are the correct
     kernel's, which the smoke prefix passes (tests/test_mutants.py::test_correct_kernel_passes), so over the whole
-    prefix only the step checks run (run_case's others took two thirds of the time); the first test below drives
+    prefix only the step checks run (run_case's others took three quarters of the time); the first test below drives
     the step check through run_case."""
     batch, _ = case.materialize("cpu")
     kernel = from_callable(plug_in)
