@@ -13,11 +13,12 @@ would replay it.
 
 import pytest
 import torch
+from test_checks import _judge
 
 from mla_fast.backends import Unsupported
 from mla_ref.decode import mla_decode_ref
 from verify import mutants
-from verify.checks import _tier1_bound, check_step, run_case
+from verify.checks import check_step, run_case
 from verify.kernels import from_callable
 from verify.next_step import decode_layout, decode_values, next_layout, next_lengths, next_values, with_room
 from verify.strategies import smoke_cases
@@ -44,9 +45,7 @@ def _step_failed(case, plug_in) -> dict:
     the step check through run_case."""
     batch, _ = case.materialize("cpu")
     kernel = from_callable(plug_in)
-    ref, numerics = mla_decode_ref(batch), kernel.numerics(batch)  # ([T, H, L], [T, H]) fp64
-    bound = _tier1_bound(batch, kernel, numerics, ref)
-    results = check_step(batch, kernel, plug_in(batch), ref, bound, numerics.out_dtype)
+    results = check_step(batch, kernel, plug_in(batch), *_judge(batch, kernel))
     return {r.name: r.detail for r in results if not r.ok}
 
 
